@@ -1,0 +1,256 @@
+"""One MQTT connection for a daemon, done the way the design asks of paho-mqtt 2.
+
+- ``CallbackAPIVersion.VERSION2`` callbacks; MQTT 5 first, MQTT 3.1.1 when the broker refuses it
+  (the embedded fallback broker speaks only 3.1.1, so nothing here depends on MQTT 5 properties).
+- Subscriptions are (re)made in ``on_connect``, so a reconnect resubscribes.
+- The network thread never runs application code: incoming messages go to a bounded queue drained by a
+  dispatcher thread that calls the handler and logs (never propagates) its exceptions.
+- The first connection is retried until a deadline, then fails with one clear sentence.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from fedfit.logs import get_logger
+
+MessageHandler = Callable[[str, bytes], None]
+
+
+class BrokerUnavailable(ConnectionError):
+    """The broker could not be reached or refused us; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the broker listens and how to log in."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    keepalive: int = 30
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Will:
+    """A Last Will: published by the broker when the connection drops without a clean disconnect."""
+
+    topic: str
+    payload: bytes
+    retain: bool = True
+
+
+_UNSUPPORTED_PROTOCOL = "Unsupported protocol version"
+
+
+class MqttLink:
+    """A resilient client: connect, subscribe, dispatch off the network thread, publish."""
+
+    def __init__(
+        self,
+        *,
+        client_id: str,
+        broker: BrokerAddress,
+        subscriptions: Sequence[str],
+        handler: MessageHandler,
+        will: Will | None = None,
+        on_ready: Callable[[], None] | None = None,
+        queue_limit: int = 10_000,
+    ) -> None:
+        self.client_id = client_id
+        self.broker = broker
+        self.subscriptions = list(subscriptions)
+        self._handler = handler
+        self._will = will
+        self._on_ready = on_ready
+        self._inbox: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=queue_limit)
+        self._client: mqtt.Client | None = None
+        self._connack = threading.Event()
+        self._connack_reason: str = ""
+        self._subscribe_mid: int | None = None
+        self.ready = threading.Event()
+        self.protocol_name = ""
+        self._dispatcher: threading.Thread | None = None
+        self._stopping = False
+        self._log = get_logger("mqtt", client_id=client_id)
+        self.dropped_messages = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect (MQTT 5, else 3.1.1), subscribe and wait until the subscriptions are acknowledged."""
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"{self.client_id}-dispatch",
+                                            daemon=True)
+        self._dispatcher.start()
+        deadline = time.monotonic() + timeout
+        delay = 0.2
+        last_error = "no attempt made"
+        while True:
+            for protocol in (mqtt.MQTTv5, mqtt.MQTTv311):
+                outcome = self._attempt(protocol, deadline)
+                if outcome == "ok":
+                    remaining = max(0.5, deadline - time.monotonic())
+                    if not self.ready.wait(remaining):
+                        self._abandon_client()
+                        raise BrokerUnavailable(
+                            f"the MQTT broker at {self.broker} accepted the connection but did not acknowledge "
+                            f"the subscriptions within {timeout:.0f} s; check the broker's ACLs for "
+                            f"client '{self.client_id}'")
+                    return
+                last_error = outcome
+                if outcome != _UNSUPPORTED_PROTOCOL:
+                    break  # a protocol downgrade would not help
+            if "Not authorized" in last_error or "Bad user name or password" in last_error:
+                raise BrokerUnavailable(f"the MQTT broker at {self.broker} refused client '{self.client_id}': "
+                                        f"{last_error}; check the username and password")
+            if time.monotonic() + delay > deadline:
+                raise BrokerUnavailable(f"cannot reach the MQTT broker at {self.broker} ({last_error}); check "
+                                        f"that it is running and that host and port are right")
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def stop(self, final: tuple[str, bytes, bool] | None = None, timeout: float = 5.0) -> None:
+        """Publish ``final`` (topic, payload, retain) if given, disconnect cleanly and stop the threads."""
+        self._stopping = True
+        client = self._client
+        if client is not None:
+            if final is not None and client.is_connected():
+                info = client.publish(final[0], final[1], qos=1, retain=final[2])
+                try:
+                    info.wait_for_publish(timeout)
+                except (RuntimeError, ValueError):
+                    pass
+            client.disconnect()
+            client.loop_stop()
+        self._inbox.put(None) if not self._inbox.full() else None
+        if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(timeout)
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> bool:
+        """Queue a message for sending; False when paho refused it outright (e.g. not connected)."""
+        client = self._client
+        if client is None:
+            return False
+        info = client.publish(topic, payload, qos=qos, retain=retain)
+        return info.rc == mqtt.MQTT_ERR_SUCCESS
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None and self._client.is_connected()
+
+    # ---------------------------------------------------------------- internals
+    def _attempt(self, protocol: int, deadline: float) -> str:
+        """One connection try; returns "ok" or the reason it failed."""
+        self._abandon_client()
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=protocol,
+                             **({} if protocol == mqtt.MQTTv5 else {"clean_session": True}))
+        if self.broker.username is not None:
+            client.username_pw_set(self.broker.username, self.broker.password)
+        if self._will is not None:
+            client.will_set(self._will.topic, self._will.payload, qos=1, retain=self._will.retain)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_message = self._on_message
+        client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self._connack.clear()
+        self._connack_reason = ""
+        self._client = client
+        try:
+            client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive)
+        except (OSError, ValueError) as exc:
+            self._client = None
+            return str(exc) or type(exc).__name__
+        client.loop_start()
+        wait = max(0.5, min(10.0, deadline - time.monotonic()))
+        if not self._connack.wait(wait):
+            self._abandon_client()
+            return "no answer to CONNECT"
+        if self._connack_reason != "ok":
+            reason = self._connack_reason
+            self._abandon_client()
+            return reason
+        self.protocol_name = "MQTT 5" if protocol == mqtt.MQTTv5 else "MQTT 3.1.1"
+        return "ok"
+
+    def _abandon_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.on_disconnect = None
+            client.on_connect = None
+            try:
+                client.disconnect()
+            finally:
+                client.loop_stop()
+
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
+                    properties: Any) -> None:
+        if reason_code.is_failure:
+            self._connack_reason = str(reason_code)
+            self._connack.set()
+            if self.ready.is_set():  # a reconnect that failed: paho will retry
+                self._log.warning("mqtt_reconnect_refused", reason=str(reason_code))
+            return
+        self._connack_reason = "ok"
+        result, mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
+        self._subscribe_mid = mid if result == mqtt.MQTT_ERR_SUCCESS else None
+        self._connack.set()
+        if self.ready.is_set():
+            self._log.info("mqtt_reconnected", broker=str(self.broker))
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any,
+                      properties: Any) -> None:
+        if mid != self._subscribe_mid:
+            return
+        failed = [str(code) for code in reason_codes if code.is_failure]
+        if failed:
+            self._log.error("mqtt_subscription_refused", reasons=failed, topics=self.subscriptions)
+            return
+        first = not self.ready.is_set()
+        self.ready.set()
+        if self._on_ready is not None:
+            try:
+                self._on_ready()
+            except Exception:  # noqa: BLE001 - never let a callback kill the network thread
+                self._log.exception("on_ready_failed")
+        if first:
+            self._log.info("mqtt_ready", broker=str(self.broker), protocol=self.protocol_name)
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
+                       properties: Any) -> None:
+        if not self._connack.is_set():
+            self._connack_reason = (_UNSUPPORTED_PROTOCOL if client.protocol == mqtt.MQTTv5
+                                    else f"connection closed before CONNACK ({reason_code})")
+            self._connack.set()
+        elif not self._stopping:
+            self._log.warning("mqtt_disconnected", reason=str(reason_code))
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        try:
+            self._inbox.put_nowait((message.topic, bytes(message.payload)))
+        except queue.Full:
+            self.dropped_messages += 1
+            self._log.warning("inbox_full_message_dropped", topic=message.topic)
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            topic, payload = item
+            try:
+                self._handler(topic, payload)
+            except Exception:  # noqa: BLE001 - a bad message must never stop the daemon
+                self._log.exception("message_handler_failed", topic=topic, size=len(payload))
