@@ -53,6 +53,10 @@ class Will:
 
 
 _UNSUPPORTED_PROTOCOL = "Unsupported protocol version"
+_NO_CONNACK = "no answer to CONNECT"
+_CONNACK_WAIT_S = 3.0
+# Protocol each broker address last accepted, so that a fleet in one process probes MQTT 5 only once.
+_accepted_protocol: dict[str, int] = {}
 
 
 class MqttLink:
@@ -97,9 +101,11 @@ class MqttLink:
         delay = 0.2
         last_error = "no attempt made"
         while True:
-            for protocol in (mqtt.MQTTv5, mqtt.MQTTv311):
+            known = _accepted_protocol.get(str(self.broker))
+            for protocol in (known,) if known is not None else (mqtt.MQTTv5, mqtt.MQTTv311):
                 outcome = self._attempt(protocol, deadline)
                 if outcome == "ok":
+                    _accepted_protocol[str(self.broker)] = protocol
                     remaining = max(0.5, deadline - time.monotonic())
                     if not self.ready.wait(remaining):
                         self._abandon_client()
@@ -109,7 +115,7 @@ class MqttLink:
                             f"client '{self.client_id}'")
                     return
                 last_error = outcome
-                if outcome != _UNSUPPORTED_PROTOCOL:
+                if outcome not in (_UNSUPPORTED_PROTOCOL, _NO_CONNACK):
                     break  # a protocol downgrade would not help
             if "Not authorized" in last_error or "Bad user name or password" in last_error:
                 raise BrokerUnavailable(f"the MQTT broker at {self.broker} refused client '{self.client_id}': "
@@ -174,10 +180,10 @@ class MqttLink:
             self._client = None
             return str(exc) or type(exc).__name__
         client.loop_start()
-        wait = max(0.5, min(10.0, deadline - time.monotonic()))
+        wait = max(0.5, min(_CONNACK_WAIT_S, deadline - time.monotonic()))
         if not self._connack.wait(wait):
             self._abandon_client()
-            return "no answer to CONNECT"
+            return _NO_CONNACK
         if self._connack_reason != "ok":
             reason = self._connack_reason
             self._abandon_client()

@@ -1,0 +1,220 @@
+"""Benchmark datasets: Fashion-MNIST (from IDX files on disk) and scikit-learn's bundled digits.
+
+Loaded datasets are cached per process (the simulator builds many agents from one dataset) and their arrays
+are read-only: callers that need to change them must copy first.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedfit.data.errors import DatasetError
+from fedfit.data.idx import read_idx
+
+__all__ = [
+    "DATASET_NAMES",
+    "Dataset",
+    "FASHION_MNIST_ENV",
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "FASHION_MNIST_SYSTEM_DIR",
+    "fashion_mnist_search_dirs",
+    "find_fashion_mnist",
+    "load_dataset",
+    "subsample",
+]
+
+DATASET_NAMES: tuple[str, ...] = ("fashion-mnist", "digits")
+FASHION_MNIST_MEAN = 0.2860
+FASHION_MNIST_STD = 0.3530
+FASHION_MNIST_ENV = "FEDFIT_FASHION_MNIST"
+FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+_FASHION_FILES: tuple[str, ...] = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+
+
+@dataclass
+class Dataset:
+    """A train/test image-classification dataset.
+
+    ``x_*`` are float32 ``N x C x H x W`` arrays, already normalised; ``y_*`` are int64 labels in
+    ``0 .. num_classes - 1``. Arrays returned by :func:`load_dataset` are read-only.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    in_channels: int
+    image_size: tuple[int, int]
+
+
+def fashion_mnist_search_dirs(root: str | Path | None = None) -> list[Path]:
+    """Folders searched for the Fashion-MNIST IDX files, in order of preference."""
+    dirs: list[Path] = []
+    if root is not None:
+        base = Path(root).expanduser()
+        dirs += [base, base / "FashionMNIST" / "raw"]
+    env = os.environ.get(FASHION_MNIST_ENV)
+    if env:
+        dirs.append(Path(env).expanduser())
+    dirs.append(FASHION_MNIST_SYSTEM_DIR)
+    return dirs
+
+
+def _find_files(folder: Path) -> list[Path] | None:
+    found: list[Path] = []
+    for stem in _FASHION_FILES:
+        for candidate in (folder / stem, folder / f"{stem}.gz"):
+            if candidate.is_file():
+                found.append(candidate)
+                break
+        else:
+            return None
+    return found
+
+
+def find_fashion_mnist(root: str | Path | None = None) -> Path | None:
+    """Return the first searched folder holding all four Fashion-MNIST files, or None."""
+    for folder in fashion_mnist_search_dirs(root):
+        if _find_files(folder) is not None:
+            return folder
+    return None
+
+
+def _readonly(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
+def _load_fashion_mnist(root: str | Path | None) -> Dataset:
+    folder = find_fashion_mnist(root)
+    if folder is None:
+        searched = ", ".join(str(d) for d in fashion_mnist_search_dirs(root))
+        raise DatasetError(
+            f"Fashion-MNIST files ({', '.join(_FASHION_FILES)}, optionally .gz) were not found in any of: "
+            f"{searched}; install the Debian package 'dataset-fashion-mnist', set ${FASHION_MNIST_ENV} to "
+            "the folder holding them, or use '--dataset digits'."
+        )
+    files = _find_files(folder)
+    assert files is not None
+    x_train, y_train, x_test, y_test = (read_idx(f) for f in files)
+    for split, x, y, xf, yf in (("train", x_train, y_train, files[0], files[1]),
+                                ("test", x_test, y_test, files[2], files[3])):
+        if x.dtype != np.uint8 or x.ndim != 3 or x.shape[1:] != (28, 28):
+            raise DatasetError(
+                f"Fashion-MNIST {split} images in {str(xf)!r} have shape {x.shape} and dtype {x.dtype} "
+                "(expected N x 28 x 28 uint8); reinstall the dataset."
+            )
+        if y.ndim != 1 or y.shape[0] != x.shape[0]:
+            raise DatasetError(
+                f"Fashion-MNIST {split} labels in {str(yf)!r} have shape {y.shape} but there are "
+                f"{x.shape[0]} images; reinstall the dataset."
+            )
+        if y.size and int(y.max()) > 9:
+            raise DatasetError(
+                f"Fashion-MNIST {split} labels in {str(yf)!r} go up to {int(y.max())} (expected 0..9); "
+                "reinstall the dataset."
+            )
+
+    def prep(x: np.ndarray) -> np.ndarray:
+        out = x.astype(np.float32)[:, None, :, :]
+        out /= 255.0
+        out -= np.float32(FASHION_MNIST_MEAN)
+        out /= np.float32(FASHION_MNIST_STD)
+        return out
+
+    return Dataset(
+        name="fashion-mnist",
+        x_train=prep(x_train),
+        y_train=y_train.astype(np.int64),
+        x_test=prep(x_test),
+        y_test=y_test.astype(np.int64),
+        num_classes=10,
+        in_channels=1,
+        image_size=(28, 28),
+    )
+
+
+def _load_digits() -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images = np.asarray(bunch.images, dtype=np.float32) / np.float32(16.0)
+    labels = np.asarray(bunch.target, dtype=np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, labels, test_size=0.2, random_state=0, stratify=labels
+    )
+    mean = np.float32(x_train.mean())
+    std = np.float32(x_train.std())
+    x_train = ((x_train - mean) / std).astype(np.float32)[:, None, :, :]
+    x_test = ((x_test - mean) / std).astype(np.float32)[:, None, :, :]
+    return Dataset(
+        name="digits",
+        x_train=np.ascontiguousarray(x_train),
+        y_train=np.ascontiguousarray(y_train, dtype=np.int64),
+        x_test=np.ascontiguousarray(x_test),
+        y_test=np.ascontiguousarray(y_test, dtype=np.int64),
+        num_classes=10,
+        in_channels=1,
+        image_size=(8, 8),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(name: str, root: str | None, env: str | None) -> Dataset:
+    # ``env`` is part of the key so a changed $FEDFIT_FASHION_MNIST is honoured.
+    ds = _load_fashion_mnist(root) if name == "fashion-mnist" else _load_digits()
+    _readonly(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    return ds
+
+
+def load_dataset(name: str, root: str | Path | None = None) -> Dataset:
+    """Load a dataset by name: ``"fashion-mnist"``, ``"digits"`` or ``"auto"``.
+
+    ``"auto"`` picks Fashion-MNIST when its files are found and digits otherwise. ``root`` is an extra folder
+    searched first for Fashion-MNIST (also as ``root/FashionMNIST/raw``). Results are cached per process and
+    their arrays are read-only.
+
+    Raises
+    ------
+    DatasetError
+        For an unknown name, or Fashion-MNIST files that are missing or malformed.
+    """
+    key = name.strip().lower()
+    if key == "auto":
+        key = "fashion-mnist" if find_fashion_mnist(root) is not None else "digits"
+    if key not in DATASET_NAMES:
+        valid = ", ".join(repr(n) for n in (*DATASET_NAMES, "auto"))
+        raise DatasetError(f"Unknown dataset {name!r}; choose one of {valid}.")
+    root_key = str(Path(root).expanduser()) if root is not None and key == "fashion-mnist" else None
+    env_key = os.environ.get(FASHION_MNIST_ENV) if key == "fashion-mnist" else None
+    return _load_cached(key, root_key, env_key)
+
+
+def subsample(x: np.ndarray, y: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return a seeded random subset of ``count`` samples (all of them, unchanged, if ``count >= len(x)``).
+
+    The subset keeps the original sample order.
+    """
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} samples but y has {len(y)}; they must be the same length.")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}.")
+    if count >= len(x):
+        return x, y
+    rng = np.random.default_rng(seed)
+    idx = np.sort(rng.choice(len(x), size=count, replace=False))
+    return x[idx], y[idx]

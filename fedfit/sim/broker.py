@@ -1,0 +1,198 @@
+"""A real MQTT broker on a free loopback port for local runs and tests.
+
+Mosquitto when it is installed; otherwise amqtt, a pure-Python broker (MQTT 3.1.1 only) run in a
+background thread, so that `fedfit sim` works with nothing but pip packages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+BrokerKind = Literal["mosquitto", "amqtt", "external"]
+
+_MOSQUITTO_CANDIDATES = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+
+
+class BrokerStartError(RuntimeError):
+    """No broker could be started; the message says what to install or pass instead."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Whether something accepts TCP connections on host:port within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def find_mosquitto() -> str | None:
+    """Path of the mosquitto binary, or None."""
+    for candidate in _MOSQUITTO_CANDIDATES:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def mosquitto_version(binary: str) -> str:
+    """Version string printed by ``mosquitto -h`` (e.g. "2.0.11")."""
+    result = subprocess.run([binary, "-h"], capture_output=True, text=True, timeout=10, check=False)
+    for word_line in (result.stdout + result.stderr).splitlines():
+        if word_line.startswith("mosquitto version"):
+            return word_line.split()[-1]
+    return "unknown"
+
+
+@dataclass
+class Broker:
+    """A running broker; ``stop()`` ends it (a no-op for an external one)."""
+
+    kind: BrokerKind
+    version: str
+    host: str
+    port: int
+    _stop: Any = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def external_broker(address: str) -> Broker:
+    """A broker given as HOST:PORT; raises ValueError for a malformed address."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"--broker must be HOST:PORT (e.g. 127.0.0.1:1883), got {address!r}")
+    return Broker(kind="external", version="unknown", host=host, port=int(port_text))
+
+
+def start_mosquitto(binary: str | None = None, attempts: int = 3) -> Broker:
+    """Start mosquitto on a free loopback port with a throw-away configuration."""
+    binary = binary or find_mosquitto()
+    if binary is None:
+        raise BrokerStartError("mosquitto is not installed (apt-get install mosquitto)")
+    version = mosquitto_version(binary)
+    workdir = Path(tempfile.mkdtemp(prefix="fedfit-mosquitto-"))
+    last_output = ""
+    for _ in range(attempts):
+        port = free_port()
+        conf = workdir / "mosquitto.conf"
+        conf.write_text(
+            f"listener {port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "persistence false\n"
+            "max_queued_messages 100000\n"
+            "max_inflight_messages 100\n"
+        )
+        log_path = workdir / "mosquitto.log"
+        log_file = log_path.open("wb")
+        process = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
+        if wait_for_port("127.0.0.1", port, 10.0):
+
+            def stop(process: subprocess.Popen[bytes] = process, log_file: Any = log_file) -> None:
+                process.terminate()
+                try:
+                    process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
+                log_file.close()
+                shutil.rmtree(workdir, ignore_errors=True)
+
+            return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, _stop=stop)
+        process.kill()
+        process.wait(5)
+        log_file.close()
+        last_output = log_path.read_text(errors="replace")[-500:]
+    shutil.rmtree(workdir, ignore_errors=True)
+    raise BrokerStartError(f"mosquitto did not start listening after {attempts} tries: {last_output.strip()}")
+
+
+def start_amqtt(attempts: int = 3) -> Broker:
+    """Start the embedded pure-Python broker (amqtt, MQTT 3.1.1) in a background thread."""
+    try:
+        from amqtt.broker import Broker as AmqttBroker
+    except ImportError as exc:
+        raise BrokerStartError("neither mosquitto nor amqtt is available: apt-get install mosquitto, or "
+                               "pip install 'fedfit[embedded-broker]'") from exc
+    version = metadata.version("amqtt")
+    for name in ("amqtt", "transitions"):  # it logs every refused MQTT 5 probe as an error
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for _ in range(attempts):
+        port = free_port()
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}},
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+        }
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+        broker_box: dict[str, Any] = {}
+
+        def serve(loop: asyncio.AbstractEventLoop = loop, config: dict[str, Any] = config,
+                  started: threading.Event = started, box: dict[str, Any] = broker_box) -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                box["broker"] = AmqttBroker(config, loop=loop)
+                loop.run_until_complete(box["broker"].start())
+            except Exception as exc:  # noqa: BLE001 - reported to the starting thread
+                box["error"] = exc
+                started.set()
+                return
+            started.set()
+            loop.run_forever()
+
+        thread = threading.Thread(target=serve, name="amqtt-broker", daemon=True)
+        thread.start()
+        started.wait(15)
+        if "error" not in broker_box and wait_for_port("127.0.0.1", port, 10.0):
+
+            def stop(loop: asyncio.AbstractEventLoop = loop, box: dict[str, Any] = broker_box,
+                     thread: threading.Thread = thread) -> None:
+                future = asyncio.run_coroutine_threadsafe(box["broker"].shutdown(), loop)
+                with contextlib.suppress(Exception):
+                    future.result(10)
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(10)
+
+            return Broker(kind="amqtt", version=version, host="127.0.0.1", port=port, _stop=stop)
+        if loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
+    raise BrokerStartError(f"the embedded amqtt broker did not start after {attempts} tries")
+
+
+def start_broker(prefer: Literal["auto", "mosquitto", "amqtt"] = "auto") -> Broker:
+    """Start a loopback broker: mosquitto when installed (or asked for), else the embedded amqtt."""
+    if prefer == "amqtt":
+        return start_amqtt()
+    binary = find_mosquitto()
+    if binary is not None or prefer == "mosquitto":
+        return start_mosquitto(binary)
+    return start_amqtt()
