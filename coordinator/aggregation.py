@@ -1,0 +1,100 @@
+"""Masked (index-aware) aggregation of sub-model updates into the global model.
+
+Each global element becomes the weighted mean of the updates whose sub-model contains it; an element
+no update touched keeps its old value (HeteroFL Eq. 1-3, ScaleFL Eq. 2, FlexFL, AdaptiveFL Alg. 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+IndexMap = Mapping[str, Sequence[torch.Tensor]]
+
+
+def grid(indices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Broadcastable index tensors selecting the cartesian product of per-dimension ``indices``."""
+    ndim = len(indices)
+    return tuple(idx.reshape([-1 if d == dim else 1 for d in range(ndim)]) for dim, idx in enumerate(indices))
+
+
+class MaskedAggregator:
+    """Accumulates sub-model states by their index maps; ``result()`` gives the new global state.
+
+    ``add(local_state, index_map, weight)`` adds every tensor of ``local_state`` at the positions its
+    index map names (one index tensor per dimension into the global tensor). Uniform weights give
+    HeteroFL's unweighted mean; sample counts give the sample-weighted mean.
+    """
+
+    def __init__(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        self._global = {key: value.detach().clone() for key, value in global_state.items()}
+        self._sums: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+        self.updates = 0
+
+    def add(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float = 1.0) -> None:
+        """Add one client's tensors; raises ValueError if a key or shape does not match the global model."""
+        if not weight > 0:
+            raise ValueError(f"aggregation weight must be positive, got {weight}")
+        for key, local in local_state.items():
+            if key not in self._global:
+                raise ValueError(f"update has tensor {key!r} that the global model lacks")
+            if key not in index_map:
+                raise ValueError(f"no index map for tensor {key!r}")
+            target = self._global[key]
+            if not target.is_floating_point():
+                continue  # counters such as BN's num_batches_tracked are not averaged
+            indices = index_map[key]
+            expected = tuple(len(idx) for idx in indices)
+            if tuple(local.shape) != expected:
+                raise ValueError(f"tensor {key!r} has shape {tuple(local.shape)}, its index map says {expected}")
+            if key not in self._sums:
+                self._sums[key] = torch.zeros_like(target, dtype=torch.float64)
+                self._weights[key] = torch.zeros_like(target, dtype=torch.float64)
+            where = grid(indices)
+            self._sums[key][where] += weight * local.detach().to(torch.float64)
+            self._weights[key][where] += weight
+        self.updates += 1
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The aggregated global state: weighted means where covered, old values elsewhere."""
+        merged: dict[str, torch.Tensor] = {}
+        for key, old in self._global.items():
+            if key not in self._sums:
+                merged[key] = old.clone()
+                continue
+            weights = self._weights[key]
+            mean = self._sums[key] / weights.clamp_min(1e-12)
+            merged[key] = torch.where(weights > 0, mean, old.to(torch.float64)).to(old.dtype)
+        return merged
+
+    def covered(self, key: str) -> torch.Tensor:
+        """Boolean mask of the elements of ``key`` that at least one update touched."""
+        if key not in self._weights:
+            return torch.zeros_like(self._global[key], dtype=torch.bool)
+        return self._weights[key] > 0
+
+
+def restrict_rows(
+    local_state: Mapping[str, torch.Tensor],
+    index_map: IndexMap,
+    keys: Iterable[str],
+    rows: Sequence[int],
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]:
+    """Keep only ``rows`` (dimension 0) of the tensors named by ``keys``.
+
+    Used for masked cross-entropy: the classifier rows of classes a client never saw are not
+    aggregated from that client.
+    """
+    state = dict(local_state)
+    new_map = {key: tuple(idx) for key, idx in index_map.items()}
+    row_index = torch.as_tensor(list(rows), dtype=torch.long)
+    for key in keys:
+        if key not in state:
+            continue
+        local_rows = index_map[key][0]
+        positions = torch.isin(local_rows, row_index).nonzero().flatten()
+        state[key] = state[key][positions]
+        new_map[key] = (local_rows[positions], *index_map[key][1:])
+    return state, new_map
