@@ -1,0 +1,65 @@
+"""Server-side static-BN statistics and accuracy of the global model and each level's sub-model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from models import ModelFamily, Scaler, SubmodelSpec
+
+
+@torch.no_grad()
+def recompute_bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int = 500) -> None:
+    """HeteroFL's sBN: reset every BN layer and accumulate a cumulative average over ``x``.
+
+    BN runs in train mode (momentum None averages all batches) while the Scalers stay in eval mode, so the
+    statistics describe exactly the activations the model sees at evaluation.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.reset_running_stats()
+            module.momentum = None
+    model.train()
+    for module in model.modules():
+        if isinstance(module, Scaler):
+            module.eval()
+    for start in range(0, len(x), batch_size):
+        model(x[start:start + batch_size])
+    model.eval()
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> float:
+    """Top-1 accuracy of ``model`` in eval mode."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(x), batch_size):
+        logits = model(x[start:start + batch_size])
+        correct += int((logits.argmax(dim=1) == y[start:start + batch_size]).sum())
+    return correct / max(1, len(x))
+
+
+class Evaluator:
+    """Builds a sub-model from a global state, recomputes its BN statistics and measures test accuracy."""
+
+    def __init__(self, family: ModelFamily, bn_x: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor):
+        self.family = family
+        self.bn_x = bn_x
+        self.test_x = test_x
+        self.test_y = test_y
+
+    def prepare(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> nn.Module:
+        """The sub-model ``spec`` of ``state`` with fresh static-BN statistics, in eval mode."""
+        model = self.family.build(spec)
+        model.load_state_dict(self.family.extract(state, spec), strict=True)
+        recompute_bn_statistics(model, self.bn_x)
+        return model
+
+    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> tuple[float, dict[str, torch.Tensor]]:
+        """Accuracy of the sub-model and its BN statistics (to store back into the global state)."""
+        model = self.prepare(state, spec)
+        bn_state = {key: value for key, value in model.state_dict().items() if "running_" in key
+                    or key.endswith("num_batches_tracked")}
+        return accuracy(model, self.test_x, self.test_y), bn_state

@@ -1,0 +1,71 @@
+"""Fleet registry: what the coordinator knows of each agent, fed by retained status messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from protocol import AgentStatus, Capabilities
+
+
+@dataclass
+class AgentRecord:
+    """The latest status of one agent."""
+
+    agent_id: str
+    state: str
+    capabilities: Capabilities | None
+    last_seen: float
+
+    @property
+    def online(self) -> bool:
+        return self.state in ("online", "busy") and self.capabilities is not None
+
+    def budget(self) -> int | None:
+        """Memory the agent said it can give training: its budget, capped by what is available."""
+        if self.capabilities is None:
+            return None
+        candidates = [self.capabilities.memory_available]
+        if self.capabilities.budget_bytes is not None:
+            candidates.append(self.capabilities.budget_bytes)
+        return min(candidates)
+
+
+class FleetRegistry:
+    """Thread-safe map of agent id to its latest status; waiters wake on every change."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, AgentRecord] = {}
+        self._changed = threading.Condition()
+
+    def on_status(self, status: AgentStatus, now: float | None = None) -> None:
+        """Record a status message (the Last Will arrives as state 'offline')."""
+        with self._changed:
+            self._agents[status.agent_id] = AgentRecord(
+                agent_id=status.agent_id,
+                state=status.state,
+                capabilities=status.capabilities,
+                last_seen=time.time() if now is None else now,
+            )
+            self._changed.notify_all()
+
+    def get(self, agent_id: str) -> AgentRecord | None:
+        with self._changed:
+            return self._agents.get(agent_id)
+
+    def online(self) -> list[AgentRecord]:
+        """Agents that are connected and have reported their capabilities, sorted by id."""
+        with self._changed:
+            return sorted((a for a in self._agents.values() if a.online), key=lambda a: a.agent_id)
+
+    def wait_for(self, count: int, timeout: float) -> list[AgentRecord]:
+        """Block until ``count`` agents are online or ``timeout`` passes; returns those online."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                online = sorted((a for a in self._agents.values() if a.online), key=lambda a: a.agent_id)
+                remaining = deadline - time.monotonic()
+                if len(online) >= count or remaining <= 0:
+                    return online
+                self._changed.wait(remaining)
