@@ -1,0 +1,58 @@
+"""Collects one round's updates: dedupes by task id and wakes the round when all are in."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from coordinator.strategies import Assignment
+from protocol import Update
+
+
+@dataclass(frozen=True)
+class DispatchedTask:
+    """What the coordinator sent: the assignment and when its answer is due."""
+
+    task_id: str
+    round: int
+    assignment: Assignment
+    deadline: float
+
+
+class RoundCollector:
+    """Thread-safe inbox of one round's updates."""
+
+    def __init__(self, round_number: int, tasks: dict[str, DispatchedTask]) -> None:
+        self.round = round_number
+        self.tasks = tasks
+        self.updates: dict[str, Update] = {}
+        self.update_bytes: dict[str, int] = {}
+        self._closed = False
+        self._done = threading.Condition()
+
+    def offer(self, update: Update, size: int) -> str:
+        """Take an update: returns "accepted", "duplicate", "late" or "unknown"."""
+        with self._done:
+            task = self.tasks.get(update.task_id)
+            if task is None or update.round != self.round or task.assignment.agent_id != update.agent_id:
+                return "unknown"
+            if update.task_id in self.updates:
+                return "duplicate"
+            if self._closed:
+                return "late"
+            self.updates[update.task_id] = update
+            self.update_bytes[update.task_id] = size
+            self._done.notify_all()
+            return "accepted"
+
+    def wait(self, deadline: float) -> bool:
+        """Block until every task has an update or the wall-clock ``deadline`` passes; then close."""
+        with self._done:
+            while len(self.updates) < len(self.tasks):
+                remaining = deadline - time.time()
+                if remaining <= 0:
+                    break
+                self._done.wait(min(remaining, 1.0))
+            self._closed = True
+            return len(self.updates) == len(self.tasks)

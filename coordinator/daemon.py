@@ -1,0 +1,349 @@
+"""The coordinator daemon: select agents, dispatch sub-models, collect, aggregate, evaluate, checkpoint.
+
+Network messages arrive on the MQTT link's dispatcher thread and only touch the registry and the current
+round's collector; the round loop runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from coordinator.aggregation import MaskedAggregator, restrict_rows
+from coordinator.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.collector import DispatchedTask, RoundCollector
+from coordinator.config import CoordinatorConfig
+from coordinator.evaluation import Evaluator
+from coordinator.levels import make_levels
+from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
+from coordinator.registry import AgentRecord, FleetRegistry
+from coordinator.strategies import Assignment, make_strategy
+from fedfit.data import Dataset, load_dataset, subsample
+from fedfit.logs import get_logger
+from fedfit.mqtt_link import BrokerAddress, MqttLink, Will
+from models import ModelFamily, SubmodelSpec, get_family
+from protocol import (
+    Ack,
+    AgentStatus,
+    CoordinatorStatus,
+    ModelRef,
+    ProtocolError,
+    Reassembler,
+    Recipe,
+    Task,
+    Topics,
+    Update,
+    decode,
+    encode,
+    parse_agent_topic,
+    split_payload,
+)
+
+AGGREGATED = ("ok", "adapted")
+
+
+class NoAgentsError(RuntimeError):
+    """No agent came online in time."""
+
+
+class Coordinator:
+    """Runs the federation described by a :class:`CoordinatorConfig`."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        dataset: Dataset | None = None,
+        on_round: Callable[[RoundResult], None] | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.topics = Topics(config.federation)
+        self.log = get_logger("coordinator", federation=config.federation)
+        self.dataset = dataset if dataset is not None else load_dataset(config.data.dataset, config.data.root)
+        self.family: ModelFamily = get_family(config.model.family, self.dataset.num_classes,
+                                              self.dataset.in_channels, **config.model.options)
+        self.model_ref = ModelRef(config.model.family, self.dataset.num_classes, self.dataset.in_channels,
+                                  dict(config.model.options))
+        self.levels = make_levels(config.levels)
+        self.strategy = make_strategy(config.algorithm, self.levels, self._training_cost,
+                                      config.level_assignment, config.level_proportions)
+        self.registry = FleetRegistry()
+        self.reassembler = Reassembler()
+        self.on_round = on_round
+        self.rng = random.Random(config.seed)
+        self.state_dir = Path(config.state_dir)
+        self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
+        self.metrics = MetricsWriter(self.state_dir / "metrics.jsonl")
+        self.states = self._initial_states()
+        self.completed_rounds = 0
+        if config.resume and self.checkpoint_path.exists():
+            self._resume()
+        self._evaluator = self._make_evaluator()
+        self._collector: RoundCollector | None = None
+        self._collector_lock = threading.Lock()
+        self._cost_cache: dict[SubmodelSpec, int] = {}
+        self.rejected_messages = 0
+        self.link = MqttLink(
+            client_id=f"fedfit-coordinator-{config.federation}",
+            broker=BrokerAddress(config.broker.host, config.broker.port, config.broker.username,
+                                 config.broker.password, config.broker.keepalive),
+            subscriptions=[self.topics.all_agent_status(), self.topics.all_agent_updates()],
+            handler=self._on_message,
+            will=Will(self.topics.coordinator_status(), encode(self._status("offline"))),
+            on_ready=self._announce,
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        torch.manual_seed(self.config.seed)
+        initial = self.family.build().state_dict()
+        return {group: {k: v.clone() for k, v in initial.items()} for group in self.strategy.groups()}
+
+    def _resume(self) -> None:
+        states, meta = load_checkpoint(self.checkpoint_path)
+        if meta.get("algorithm") != self.config.algorithm or meta.get("family") != self.config.model.family:
+            raise ValueError(f"checkpoint {self.checkpoint_path} is for {meta.get('algorithm')}/"
+                             f"{meta.get('family')}, not {self.config.algorithm}/{self.config.model.family}; "
+                             f"use another state_dir or set resume: false")
+        for group, state in states.items():
+            if group in self.states and set(state) == set(self.states[group]):
+                self.states[group] = state
+            else:
+                raise ValueError(f"checkpoint {self.checkpoint_path} does not match this model (group {group})")
+        self.completed_rounds = int(meta.get("round", 0))
+        self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
+
+    def _make_evaluator(self) -> Evaluator:
+        data = self.dataset
+        bn_x, _ = subsample(data.x_train, data.y_train, self.config.data.bn_samples, self.config.seed)
+        test_x, test_y = data.x_test, data.y_test
+        if self.config.data.eval_samples is not None:
+            test_x, test_y = subsample(test_x, test_y, self.config.data.eval_samples, self.config.seed)
+        return Evaluator(self.family, torch.tensor(np.asarray(bn_x)), torch.tensor(np.asarray(test_x)),
+                         torch.tensor(np.asarray(test_y), dtype=torch.long))
+
+    def _training_cost(self, spec: SubmodelSpec) -> int:
+        """Training memory of a sub-model at the recipe's batch size, for level planning."""
+        if spec not in self._cost_cache:
+            self._cost_cache[spec] = self.family.training_memory_bytes(
+                spec, batch_size=self.config.recipe.batch_size, input_size=self.dataset.image_size)
+        return self._cost_cache[spec]
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect to the broker; the retained coordinator status goes out once subscribed."""
+        self.link.start(timeout)
+
+    def stop(self) -> None:
+        """Publish the retained 'offline' status and disconnect."""
+        self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline")), True))
+
+    def _status(self, state: str) -> CoordinatorStatus:
+        return CoordinatorStatus(self.config.federation, state, self.completed_rounds, time.time())
+
+    def _announce(self) -> None:
+        self.link.publish(self.topics.coordinator_status(), encode(self._status("online")), retain=True)
+
+    # ---------------------------------------------------------------- messages
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        try:
+            _, agent_id, kind = parse_agent_topic(topic)
+            if kind == "status":
+                self._on_status(agent_id, payload)
+            elif kind == "update":
+                self._on_update_chunk(agent_id, payload)
+        except ProtocolError as exc:
+            self.rejected_messages += 1
+            self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_status(self, agent_id: str, payload: bytes) -> None:
+        if not payload:
+            return  # a cleared retained status
+        status = decode(payload, expected=AgentStatus)
+        assert isinstance(status, AgentStatus)
+        if status.agent_id != agent_id:
+            raise ProtocolError(f"status for agent {status.agent_id!r} published on the topic of {agent_id!r}")
+        self.registry.on_status(status)
+
+    def _on_update_chunk(self, agent_id: str, payload: bytes) -> None:
+        complete = self.reassembler.feed(payload, source=agent_id)
+        if complete is None:
+            return
+        update = decode(complete, expected=Update)
+        assert isinstance(update, Update)
+        if update.agent_id != agent_id:
+            raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
+        self.link.publish(self.topics.agent_ack(agent_id), encode(Ack(update.task_id, update.round, agent_id)))
+        with self._collector_lock:
+            collector = self._collector
+        verdict = collector.offer(update, len(complete)) if collector is not None else "unknown"
+        self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
+                      status=update.status, verdict=verdict, bytes=len(complete))
+
+    # ------------------------------------------------------------------ rounds
+    def run(self, rounds: int | None = None) -> list[RoundResult]:
+        """Run ``rounds`` rounds (default: up to the configured total) and return their results."""
+        last = self.config.rounds if rounds is None else self.completed_rounds + rounds
+        results = []
+        while self.completed_rounds < last:
+            results.append(self.run_round(self.completed_rounds + 1))
+        return results
+
+    def run_round(self, round_number: int) -> RoundResult:
+        """One round: select, plan, dispatch, collect, aggregate, evaluate, checkpoint, report."""
+        started = time.monotonic()
+        online = self.registry.wait_for(self.config.min_agents, self.config.wait_for_agents_s)
+        if not online:
+            raise NoAgentsError(f"no agent of federation '{self.config.federation}' came online within "
+                                f"{self.config.wait_for_agents_s:.0f} s; start agents or check the broker address")
+        if len(online) < self.config.min_agents:
+            self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
+        selected = self._select(online)
+        assignments, skipped = self.strategy.plan(selected, self.rng)
+        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
+        deadline = time.time() + self.config.round_timeout_s
+        tasks = {self._task_id(round_number, a.agent_id): a for a in assignments}
+        collector = RoundCollector(round_number, {
+            task_id: DispatchedTask(task_id, round_number, assignment, deadline)
+            for task_id, assignment in tasks.items()})
+        with self._collector_lock:
+            self._collector = collector
+        bytes_down = sum(self._dispatch(round_number, task_id, a, deadline) for task_id, a in tasks.items())
+        self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(skipped),
+                      bytes_down=bytes_down)
+        collector.wait(deadline)
+        with self._collector_lock:
+            self._collector = None
+        participants = self._aggregate(collector, records)
+        for task_id, assignment in tasks.items():
+            if task_id not in collector.updates:
+                records[assignment.agent_id] = TaskRecord(assignment.agent_id, assignment.level, "missing",
+                                                          assignment.spec.describe(), reason="no update by deadline")
+        accuracies = self._evaluate()
+        self.completed_rounds = round_number
+        self._checkpoint()
+        result = RoundResult(
+            round=round_number,
+            global_accuracy=accuracies["global"],
+            level_accuracy={name: acc for name, acc in accuracies.items() if name != "global"},
+            participants=participants,
+            selected=len(selected),
+            bytes_down=bytes_down,
+            bytes_up=sum(collector.update_bytes.values()),
+            seconds=round(time.monotonic() - started, 3),
+            tasks=[records[agent] for agent in sorted(records)],
+        )
+        self.metrics.write(result)
+        self.log.info("round_done", round=round_number, global_accuracy=result.global_accuracy,
+                      participants=participants, seconds=result.seconds)
+        if self.on_round is not None:
+            self.on_round(result)
+        return result
+
+    def _select(self, online: list[AgentRecord]) -> list[AgentRecord]:
+        count = max(1, round(self.config.fraction * len(online)))
+        return sorted(self.rng.sample(online, count), key=lambda a: a.agent_id)
+
+    def _task_id(self, round_number: int, agent_id: str) -> str:
+        return f"r{round_number}-{agent_id}-{uuid.uuid4().hex[:8]}"
+
+    def _dispatch(self, round_number: int, task_id: str, assignment: Assignment, deadline: float) -> int:
+        """Publish one task in chunks; returns the bytes sent."""
+        spec = assignment.spec
+        keys = self.family.trainable_keys(spec)
+        weights = self.family.extract(self.states[assignment.group], spec, keys=keys)
+        recipe_cfg = self.config.recipe
+        seed_material = f"{self.config.seed}:{round_number}:{assignment.agent_id}".encode()
+        recipe = Recipe(recipe_cfg.epochs, recipe_cfg.batch_size, recipe_cfg.lr, recipe_cfg.momentum,
+                        recipe_cfg.weight_decay, recipe_cfg.clip_norm, recipe_cfg.masked_ce,
+                        int.from_bytes(hashlib.sha256(seed_material).digest()[:4], "little"))
+        task = Task(task_id, round_number, assignment.agent_id, deadline, self.model_ref, spec.to_dict(), recipe,
+                    {key: value.detach().cpu().numpy() for key, value in weights.items()})
+        payload = encode(task)
+        topic = self.topics.agent_task(assignment.agent_id)
+        chunks = split_payload(payload, task_id)
+        for chunk in chunks:
+            self.link.publish(topic, chunk)
+        return sum(len(chunk) for chunk in chunks)
+
+    # ------------------------------------------------------------- aggregation
+    def _aggregate(self, collector: RoundCollector, records: dict[str, TaskRecord]) -> int:
+        aggregators: dict[str, MaskedAggregator] = {}
+        participants = 0
+        for task_id, update in sorted(collector.updates.items()):
+            assignment = collector.tasks[task_id].assignment
+            record = TaskRecord(update.agent_id, assignment.level, update.status, assignment.spec.describe(),
+                                reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics))
+            records[update.agent_id] = record
+            if update.status not in AGGREGATED:
+                continue
+            try:
+                spec, state, index_map = self._unpack_update(update, assignment)
+            except ValueError as exc:
+                record.status, record.reason = "rejected", str(exc)
+                self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=str(exc))
+                continue
+            record.spec_trained = spec.describe()
+            weight = float(max(1, update.num_samples)) if self.config.weighting == "samples" else 1.0
+            group = assignment.group
+            if group not in aggregators:
+                aggregators[group] = MaskedAggregator(self.states[group])
+            aggregators[group].add(state, index_map, weight)
+            participants += 1
+        for group, aggregator in aggregators.items():
+            self.states[group] = aggregator.result()
+        return participants
+
+    def _unpack_update(self, update: Update, assignment: Assignment) -> tuple[
+            SubmodelSpec, dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]:
+        """Validate an update against the model and return (spec trained, tensors, index map)."""
+        spec = SubmodelSpec.from_dict(update.spec_trained) if update.spec_trained is not None else assignment.spec
+        if spec.width > assignment.spec.width:
+            raise ValueError(f"agent trained {spec.describe()}, larger than the {assignment.spec.describe()} sent")
+        expected = set(self.family.trainable_keys(spec))
+        if set(update.weights) != expected:
+            missing, extra = sorted(expected - set(update.weights)), sorted(set(update.weights) - expected)
+            raise ValueError(f"update tensors do not match {spec.describe()} (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]})")
+        full_map = self.family.index_map(spec)
+        index_map = {key: full_map[key] for key in expected}
+        state = {}
+        for key in expected:
+            tensor = torch.from_numpy(np.ascontiguousarray(update.weights[key], dtype=np.float32))
+            shape = tuple(len(idx) for idx in index_map[key])
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            state[key] = tensor
+        if self.config.recipe.masked_ce:
+            labels = [label for label in update.labels if label < self.dataset.num_classes]
+            state, index_map = restrict_rows(state, index_map, self.family.classifier_keys(), labels)
+        return spec, state, index_map
+
+    # -------------------------------------------------------------- evaluation
+    def _evaluate(self) -> dict[str, float]:
+        """Accuracy of each evaluation target; BN statistics of full-width targets go into the state."""
+        results: dict[str, float] = {}
+        done: dict[tuple[str, SubmodelSpec], float] = {}
+        for name, target in self.strategy.eval_targets().items():
+            key = (target.group, target.spec)
+            if key not in done:
+                acc, bn_state = self._evaluator.evaluate(self.states[target.group], target.spec)
+                done[key] = acc
+                if target.spec.is_full:
+                    self.states[target.group].update(bn_state)
+            results[name] = done[key]
+        return results
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.checkpoint_path, self.states, {
+            "round": self.completed_rounds, "algorithm": self.config.algorithm,
+            "family": self.config.model.family, "federation": self.config.federation})

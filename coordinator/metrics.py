@@ -1,0 +1,53 @@
+"""Per-round results and the metrics file (one JSON object per line)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TaskRecord:
+    """What happened to one task of a round."""
+
+    agent: str
+    level: str
+    status: str
+    spec_sent: str
+    spec_trained: str | None = None
+    reason: str | None = None
+    num_samples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RoundResult:
+    """One round as reported: accuracy, participation, traffic and time."""
+
+    round: int
+    global_accuracy: float
+    level_accuracy: dict[str, float]
+    participants: int
+    selected: int
+    bytes_down: int
+    bytes_up: int
+    seconds: float
+    tasks: list[TaskRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class MetricsWriter:
+    """Appends each round's result to ``metrics.jsonl`` in the state directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, result: RoundResult) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(result.to_dict(), sort_keys=True) + "\n")
+            handle.flush()

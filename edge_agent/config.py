@@ -1,0 +1,55 @@
+"""Edge agent configuration (YAML, validated by :func:`fedfit.config.from_mapping`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coordinator.config import BrokerConfig
+
+
+@dataclass
+class AgentDataConfig:
+    """Where the agent's private data comes from.
+
+    Either ``path`` (an .npz file with ``x`` and ``y``, or a folder with one sub-folder per integer label) or a
+    shard of a known dataset (``dataset`` + ``partition`` + ``num_shards`` + ``shard``), as in simulations.
+    """
+
+    path: str | None = None
+    normalize: list[float] | None = None
+    dataset: str | None = None
+    root: str | None = None
+    partition: str = "iid"
+    num_shards: int = 1
+    shard: int = 0
+    seed: int = 0
+
+
+@dataclass
+class AgentConfig:
+    """Everything one edge agent needs."""
+
+    agent_id: str
+    federation: str = "default"
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    data: AgentDataConfig = field(default_factory=AgentDataConfig)
+    device_kind: str = "auto"
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    budget_bytes: int | None = None
+    status_interval_s: float = 30.0
+    ack_timeout_s: float = 10.0
+    update_attempts: int = 30
+    torch_threads: int | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def validate(self) -> None:
+        """Cross-field checks; raises ValueError with one clear sentence."""
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive when set")
+        if self.data.path is None and self.data.dataset is None:
+            raise ValueError("data needs either 'path' (a file or folder on the device) or 'dataset'")
+        if not 0 <= self.data.shard < self.data.num_shards:
+            raise ValueError(f"data.shard must be in [0, num_shards), got {self.data.shard} of {self.data.num_shards}")
+        if self.ack_timeout_s <= 0 or self.update_attempts < 1 or self.status_interval_s <= 0:
+            raise ValueError("ack_timeout_s and status_interval_s must be positive, update_attempts at least 1")

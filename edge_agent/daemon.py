@@ -1,0 +1,185 @@
+"""The edge agent daemon: retained status with a Last Will, tasks in, updates out, never crash.
+
+Threads: paho's network thread (only queues messages), the link's dispatcher (decodes, dedupes, hands tasks
+to the training executor), the training executor (shared by a simulated fleet, or the agent's own), the
+uplink sender, and a status timer that also feeds the systemd watchdog.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+from edge_agent.config import AgentConfig
+from edge_agent.memory import available_memory, detect_device_kind, total_memory
+from edge_agent.runner import LocalData, TaskRunner
+from edge_agent.uplink import Uplink
+from fedfit import systemd_notify
+from fedfit.logs import get_logger
+from fedfit.mqtt_link import BrokerAddress, MqttLink, Will
+from protocol import (
+    Ack,
+    AgentStatus,
+    Capabilities,
+    ProtocolError,
+    Reassembler,
+    Task,
+    Topics,
+    decode,
+    encode,
+    parse_agent_topic,
+)
+
+_SEEN_TASKS = 1024
+
+
+class EdgeAgent:
+    """One device of the federation."""
+
+    def __init__(self, config: AgentConfig, data: LocalData, *, executor: Executor | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.agent_id = config.agent_id
+        self.topics = Topics(config.federation)
+        self.data = data
+        self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
+        self.runner = TaskRunner(self.agent_id, data, config.budget_bytes, self._torch_device())
+        self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
+        self._own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")
+        self.reassembler = Reassembler(max_transfers=8)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.rejected_messages = 0
+        self.tasks_done = 0
+        self.link = MqttLink(
+            client_id=f"fedfit-agent-{self.agent_id}",
+            broker=BrokerAddress(config.broker.host, config.broker.port, config.broker.username,
+                                 config.broker.password, config.broker.keepalive),
+            subscriptions=[self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id)],
+            handler=self._on_message,
+            will=Will(self.topics.agent_status(self.agent_id), encode(self._offline_status())),
+            on_ready=self.publish_status,
+        )
+        self.uplink = Uplink(self.agent_id, self.topics.agent_update(self.agent_id),
+                             lambda topic, payload: self.link.publish(topic, payload),
+                             config.ack_timeout_s, config.update_attempts)
+        self._timer = threading.Thread(target=self._status_loop, name=f"{self.agent_id}-status", daemon=True)
+
+    def _torch_device(self) -> str:
+        if self.config.device == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.config.device
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect and subscribe; tell systemd we are ready only then."""
+        self.uplink.start()
+        self.link.start(timeout)
+        self._timer.start()
+        systemd_notify.notify("READY=1")
+
+    def stop(self) -> None:
+        """Say 'offline' (retained) and disconnect; queued training is abandoned."""
+        self._stop.set()
+        self.uplink.stop()
+        if self._own_executor:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        self.link.stop(final=(self.topics.agent_status(self.agent_id), encode(self._offline_status()), True))
+        self._timer.join(2.0) if self._timer.is_alive() else None
+
+    def run_forever(self) -> None:
+        """Block until :meth:`stop` is called (from a signal handler, say)."""
+        self._stop.wait()
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> AgentStatus:
+        """The current status with fresh memory figures."""
+        with self._lock:
+            state = "busy" if self._busy else "online"
+        capabilities = Capabilities(
+            device_kind=self.device_kind,
+            memory_total=total_memory(),
+            memory_available=available_memory(self.config.budget_bytes),
+            budget_bytes=self.config.budget_bytes,
+            num_samples=len(self.data.y),
+            labels=list(self.data.labels),
+        )
+        return AgentStatus(self.agent_id, state, capabilities, time.time())
+
+    def _offline_status(self) -> AgentStatus:
+        return AgentStatus(self.agent_id, "offline", None, time.time())
+
+    def publish_status(self) -> None:
+        """Publish the retained status (called on every (re)connect, on a timer and around tasks)."""
+        self.link.publish(self.topics.agent_status(self.agent_id), encode(self.status()), retain=True)
+
+    def _status_loop(self) -> None:
+        interval = self.config.status_interval_s
+        watchdog = systemd_notify.watchdog_interval()
+        tick = min(interval, watchdog) if watchdog else interval
+        last_status = time.monotonic()
+        while not self._stop.wait(tick):
+            if watchdog and self.link.connected:
+                systemd_notify.notify("WATCHDOG=1")
+            if time.monotonic() - last_status >= interval:
+                self.publish_status()
+                last_status = time.monotonic()
+
+    # ---------------------------------------------------------------- messages
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        try:
+            _, agent_id, kind = parse_agent_topic(topic)
+            if agent_id != self.agent_id:
+                raise ProtocolError(f"message for agent {agent_id!r} reached {self.agent_id!r}")
+            if kind == "task":
+                self._on_task_chunk(payload)
+            elif kind == "ack":
+                ack = decode(payload, expected=Ack)
+                assert isinstance(ack, Ack)
+                if not self.uplink.on_ack(ack.task_id):
+                    self.log.debug("ack_ignored", task=ack.task_id)
+        except ProtocolError as exc:
+            self.rejected_messages += 1
+            self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_task_chunk(self, payload: bytes) -> None:
+        complete = self.reassembler.feed(payload, source="coordinator")
+        if complete is None:
+            return
+        task = decode(complete, expected=Task)
+        assert isinstance(task, Task)
+        if task.agent_id != self.agent_id:
+            raise ProtocolError(f"task addressed to {task.agent_id!r} arrived at {self.agent_id!r}")
+        with self._lock:
+            if task.task_id in self._seen:
+                self.log.info("duplicate_task_ignored", task=task.task_id)
+                return
+            self._seen[task.task_id] = None
+            while len(self._seen) > _SEEN_TASKS:
+                self._seen.popitem(last=False)
+            self._busy += 1
+        self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
+        self.publish_status()
+        self.executor.submit(self._serve, task)
+
+    def _serve(self, task: Task) -> None:
+        try:
+            update = self.runner.run(task)
+            self.log.info("task_done", task=task.task_id, status=update.status, reason=update.reason,
+                          **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
+            self.uplink.send(update)
+            self.tasks_done += 1
+        except Exception:  # noqa: BLE001 - the daemon outlives any task
+            self.log.exception("task_crashed", task=task.task_id)
+        finally:
+            with self._lock:
+                self._busy -= 1
+            if not self._stop.is_set():
+                self.publish_status()
