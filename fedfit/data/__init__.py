@@ -1,0 +1,21 @@
+"""Datasets, federated partitions and device-local data for FedFit."""
+
+from fedfit.data.datasets import DATASET_NAMES, Dataset, load_dataset, subsample
+from fedfit.data.errors import DatasetError
+from fedfit.data.idx import read_idx
+from fedfit.data.local import load_local_data
+from fedfit.data.partition import PartitionSpec, label_set, parse_partition, partition_indices
+
+__all__ = [
+    "DATASET_NAMES",
+    "Dataset",
+    "DatasetError",
+    "PartitionSpec",
+    "label_set",
+    "load_dataset",
+    "load_local_data",
+    "parse_partition",
+    "partition_indices",
+    "read_idx",
+    "subsample",
+]

@@ -18,11 +18,11 @@ from fedfit.data.idx import read_idx
 
 __all__ = [
     "DATASET_NAMES",
-    "Dataset",
     "FASHION_MNIST_ENV",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
     "FASHION_MNIST_SYSTEM_DIR",
+    "Dataset",
     "fashion_mnist_search_dirs",
     "find_fashion_mnist",
     "load_dataset",

@@ -8,6 +8,7 @@ Files ending in ``.gz`` are decompressed transparently.
 from __future__ import annotations
 
 import gzip
+import math
 import zlib
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from fedfit.data.errors import DatasetError
 
-__all__ = ["read_idx", "IDX_DTYPES"]
+__all__ = ["IDX_DTYPES", "read_idx"]
 
 #: IDX type code -> numpy dtype (big-endian where it matters).
 IDX_DTYPES: dict[int, np.dtype] = {
@@ -85,7 +86,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         )
     dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     dtype = IDX_DTYPES[code]
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(dims) * dtype.itemsize
     actual = len(raw) - header
     if actual != expected:
         raise DatasetError(

@@ -138,8 +138,8 @@ def _shards(
     """Balanced non-IID (HeteroFL): each client holds ``per_client`` distinct classes.
 
     Classes are laid out in a seeded random order; client ``c`` takes positions ``(c * N + j) mod K`` for
-    ``j < N``, so every class is held by ``floor`` or ``ceil`` of ``num_clients * N / K`` clients. Each class's
-    shuffled samples are then split equally among the clients holding it.
+    ``j < N``, so every class is held by ``floor`` or ``ceil`` of ``num_clients * N / K`` clients. Each
+    class's shuffled samples are then split equally among the clients holding it.
     """
     classes = np.unique(labels)
     k = len(classes)
@@ -164,7 +164,7 @@ def _shards(
                 f"Class {int(cls)} has {len(idx)} samples but shards:{per_client} gives it to {len(owners)} "
                 "clients; use fewer clients or fewer labels per client."
             )
-        for owner, piece in zip(owners, np.array_split(idx, len(owners))):
+        for owner, piece in zip(owners, np.array_split(idx, len(owners)), strict=True):
             buckets[owner].append(piece)
     return _finish([np.concatenate(b) for b in buckets])
 

@@ -1,0 +1,33 @@
+"""Builds the agent's :class:`LocalData` from its configuration: a file or folder on the device, or a
+shard of a known dataset (simulations and demos)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from edge_agent.config import AgentDataConfig
+from edge_agent.runner import LocalData
+from fedfit.data import load_dataset, load_local_data, parse_partition, partition_indices
+
+
+def to_local_data(x: np.ndarray, y: np.ndarray) -> LocalData:
+    """Copy numpy arrays into torch tensors owned by the agent."""
+    return LocalData(torch.tensor(np.asarray(x, dtype=np.float32)), torch.tensor(np.asarray(y), dtype=torch.long))
+
+
+def load_agent_data(config: AgentDataConfig) -> LocalData:
+    """The agent's private data; raises DatasetError / ValueError with a clear sentence."""
+    if config.path is not None:
+        normalize = None
+        if config.normalize is not None:
+            if len(config.normalize) != 2 or config.normalize[1] <= 0:
+                raise ValueError("data.normalize must be [mean, std] with std > 0")
+            normalize = (float(config.normalize[0]), float(config.normalize[1]))
+        x, y = load_local_data(config.path, normalize=normalize)
+        return to_local_data(x, y)
+    assert config.dataset is not None
+    dataset = load_dataset(config.dataset, config.root)
+    shards = partition_indices(dataset.y_train, config.num_shards, parse_partition(config.partition), config.seed)
+    indices = shards[config.shard]
+    return to_local_data(dataset.x_train[indices], dataset.y_train[indices])

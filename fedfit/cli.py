@@ -1,0 +1,156 @@
+"""The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, and ``sim`` for broker-based local runs."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from coordinator.checkpoint import CheckpointError
+from coordinator.config import CoordinatorConfig
+from fedfit.config import ConfigError, from_mapping, load_yaml
+from fedfit.data import DATASET_NAMES, DatasetError
+from fedfit.logs import configure_logging
+from fedfit.mqtt_link import BrokerUnavailable
+from fedfit.sim.broker import BrokerStartError
+
+ALGORITHMS = ("heterofl", "fedavg", "decoupled")
+MODELS = ("cnn", "preresnet18")
+# Errors a user can cause: reported as one sentence, without a traceback.
+USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, ValueError,
+               FileNotFoundError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedfit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    coord = sub.add_parser("coordinator", help="run the coordinator daemon")
+    coord.add_argument("--config", required=True, help="YAML file with the coordinator configuration")
+    coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+    agent = sub.add_parser("agent", help="run an edge agent daemon")
+    agent.add_argument("--config", required=True, help="YAML file with the agent configuration")
+    agent.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+
+    sim = sub.add_parser("sim", help="run a whole federation on this machine over a real MQTT broker")
+    sim.add_argument("--algorithm", choices=ALGORITHMS, default="heterofl")
+    sim.add_argument("--agents", type=int, default=8, help="number of simulated edge agents")
+    sim.add_argument("--rounds", type=int, default=5)
+    sim.add_argument("--dataset", choices=DATASET_NAMES, default="fashion-mnist")
+    sim.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N (labels per agent)")
+    sim.add_argument("--model", choices=MODELS, default="cnn")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--federation", default="sim", help="federation name (one MQTT topic level)")
+    sim.add_argument("--broker", default=None, metavar="HOST:PORT",
+                     help="use this broker instead of starting one on a free loopback port")
+    sim.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
+    sim.add_argument("--config", default=None, metavar="FILE",
+                     help="coordinator YAML whose settings (recipe, levels, model options, ...) the run starts from")
+    sim.add_argument("--workers", type=int, default=1, help="training threads shared by the simulated fleet")
+    sim.add_argument("--state-dir", default=None, help="where checkpoints and metrics go (default runs/sim-NAME)")
+    sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
+                                                     "and errors to stderr)")
+    return parser
+
+
+def _load(cls: type[Any], path: str) -> Any:
+    config = from_mapping(cls, load_yaml(path), where="")
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    return config
+
+
+def _stop_on_signals(stop: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        threading.Thread(target=stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.daemon import Coordinator
+    from fedfit import systemd_notify
+
+    configure_logging(args.log_level)
+    config = _load(CoordinatorConfig, args.config)
+    coordinator = Coordinator(config)
+    coordinator.start()
+    systemd_notify.notify("READY=1")
+    try:
+        coordinator.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        coordinator.stop()
+    return 0
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from edge_agent.config import AgentConfig
+    from edge_agent.daemon import EdgeAgent
+    from edge_agent.data_source import load_agent_data
+
+    config = _load(AgentConfig, args.config)
+    configure_logging(args.log_level or config.log_level)
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+    agent = EdgeAgent(config, load_agent_data(config.data))
+    agent.start()
+    _stop_on_signals(agent.stop)
+    agent.run_forever()
+    return 0
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from fedfit.sim.harness import SimOptions, run_simulation
+    from fedfit.sim.report import format_table, write_report
+
+    if args.log_file:
+        Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(args.log_file, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+        configure_logging("info", log_stream)
+    else:
+        configure_logging("warning", sys.stderr)
+    base = _load(CoordinatorConfig, args.config) if args.config else CoordinatorConfig()
+    options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
+                         partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
+                         broker=args.broker, workers=args.workers, base=base, state_dir=args.state_dir)
+    outcome = run_simulation(options)
+    print(f"{args.algorithm} | {args.agents} agents | {args.dataset} {args.partition} | {args.model} | broker "
+          f"{outcome.report['broker']['kind']} {outcome.report['broker']['version']}")
+    print(format_table(outcome.rounds))
+    if args.report:
+        write_report(outcome.report, args.report)
+        print(f"report written to {args.report}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fedfit`` console command."""
+    args = _parser().parse_args(argv)
+    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim}
+    try:
+        return runners[args.command](args)
+    except USER_ERRORS as exc:
+        print(f"fedfit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fedfit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Broker-based local testing: a real broker, the coordinator and a fleet of agents on one machine.
+
+Every agent is its own MQTT client with its own data shard and memory budget; they share one process and a
+small training pool. Nothing is short-circuited: tasks and updates cross the broker as on real devices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import IO, Any
+
+import torch
+
+from coordinator.config import BrokerConfig, CoordinatorConfig
+from coordinator.daemon import Coordinator
+from coordinator.levels import make_levels
+from coordinator.metrics import RoundResult
+from edge_agent.config import AgentConfig, AgentDataConfig
+from edge_agent.daemon import EdgeAgent
+from edge_agent.data_source import to_local_data
+from fedfit.data import Dataset, load_dataset, parse_partition, partition_indices
+from fedfit.sim.broker import Broker, external_broker, start_broker
+from fedfit.sim.report import build_report
+from models import get_family
+
+# How far above a level's estimated training memory a simulated device's budget sits.
+BUDGET_HEADROOM = 1.1
+
+
+@dataclass
+class SimOptions:
+    """What to simulate; the defaults of everything not given come from ``base`` (a coordinator config)."""
+
+    algorithm: str = "heterofl"
+    agents: int = 8
+    rounds: int = 5
+    dataset: str = "fashion-mnist"
+    partition: str = "iid"
+    model: str = "cnn"
+    seed: int = 0
+    federation: str = "sim"
+    broker: str | None = None
+    workers: int = 1
+    base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    state_dir: str | None = None
+
+
+@dataclass
+class SimOutcome:
+    """Results of a simulation and the report built from them."""
+
+    rounds: list[RoundResult]
+    report: dict[str, Any]
+    rejected_messages: int
+
+
+def agent_id(index: int) -> str:
+    """Simulated agents are named sim-000, sim-001, ..."""
+    return f"sim-{index:03d}"
+
+
+def level_budgets(config: CoordinatorConfig, dataset: Dataset, count: int) -> list[int | None]:
+    """Memory budgets cycling through the levels: device i can just afford level i mod L.
+
+    FedAvg is the unrealistic upper reference that ignores memory, so its devices get no budget.
+    """
+    if config.algorithm == "fedavg":
+        return [None] * count
+    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
+    levels = make_levels(config.levels)
+    costs = [family.training_memory_bytes(level.spec, batch_size=config.recipe.batch_size,
+                                          input_size=dataset.image_size) for level in levels]
+    return [int(costs[i % len(costs)] * BUDGET_HEADROOM) for i in range(count)]
+
+
+def coordinator_config(options: SimOptions, broker: Broker) -> CoordinatorConfig:
+    """The coordinator configuration for this simulation."""
+    base = options.base
+    partition = parse_partition(options.partition)
+    recipe = replace(base.recipe, masked_ce=base.recipe.masked_ce or partition.kind != "iid")
+    return replace(
+        base,
+        federation=options.federation,
+        broker=replace(base.broker, host=broker.host, port=broker.port),
+        algorithm=options.algorithm,  # type: ignore[arg-type]
+        model=replace(base.model, family=options.model),  # type: ignore[arg-type]
+        data=replace(base.data, dataset=options.dataset),
+        recipe=recipe,
+        rounds=options.rounds,
+        min_agents=options.agents,
+        seed=options.seed,
+        state_dir=options.state_dir or os.path.join("runs", f"sim-{options.federation}"),
+    )
+
+
+def print_progress(stream: IO[str], total: int) -> Any:
+    """A callback printing one line per finished round."""
+
+    def on_round(result: RoundResult) -> None:
+        levels = " ".join(f"{name}={acc:.3f}" for name, acc in sorted(result.level_accuracy.items()))
+        stream.write(f"round {result.round}/{total}: global {result.global_accuracy:.4f} [{levels}] "
+                     f"agents {result.participants}/{result.selected} {result.seconds:.1f}s\n")
+        stream.flush()
+
+    return on_round
+
+
+def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -> SimOutcome:
+    """Start broker, coordinator and fleet; run the rounds; stop everything; return the results."""
+    if options.agents < 1 or options.rounds < 1 or options.workers < 1:
+        raise ValueError("--agents, --rounds and --workers must be at least 1")
+    dataset = load_dataset(options.dataset, options.base.data.root)
+    shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.workers))
+    broker = external_broker(options.broker) if options.broker else start_broker()
+    agents: list[EdgeAgent] = []
+    pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="sim-train")
+    coordinator: Coordinator | None = None
+    try:
+        config = coordinator_config(options, broker)
+        budgets = level_budgets(config, dataset, options.agents)
+        coordinator = Coordinator(config, dataset=dataset,
+                                  on_round=print_progress(progress, options.rounds) if progress else None)
+        coordinator.start()
+        broker_config = BrokerConfig(host=broker.host, port=broker.port)
+        for index, indices in enumerate(shards):
+            data_config = AgentDataConfig(dataset=options.dataset, partition=options.partition,
+                                          num_shards=options.agents, shard=index, seed=options.seed)
+            agents.append(EdgeAgent(
+                AgentConfig(agent_id=agent_id(index), federation=options.federation, broker=broker_config,
+                            device_kind="simulated", budget_bytes=budgets[index], data=data_config),
+                to_local_data(dataset.x_train[indices], dataset.y_train[indices]),
+                executor=pool,
+            ))
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="sim-connect") as connector:
+            for started in [connector.submit(agent.start) for agent in agents]:
+                started.result()  # re-raises a connection failure
+        rounds = coordinator.run()
+        rejected = coordinator.rejected_messages + sum(agent.rejected_messages for agent in agents)
+        settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
+                    "partition": options.partition, "model": options.model, "seed": options.seed,
+                    "federation": options.federation, "level_assignment": config.level_assignment,
+                    "levels": list(config.levels), "budgets": budgets}
+        report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings)
+        return SimOutcome(rounds, report, rejected)
+    finally:
+        for agent in agents:
+            agent.stop()
+        if coordinator is not None:
+            coordinator.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+        broker.stop()
+
