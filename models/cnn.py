@@ -1,0 +1,77 @@
+"""HeteroFL's convolutional model (its MNIST / CIFAR "Conv" model)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from torch import nn
+
+from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl, positive_int_tuple
+from models.layers import Scaler, static_bn
+
+__all__ = ["ConvFamily"]
+
+
+class ConvFamily(ModelFamily):
+    """Conv blocks ``Conv2d(3x3, pad 1) -> Scaler -> sBN -> ReLU``, ``MaxPool2d(2)`` after all but the last,
+    then ``AdaptiveAvgPool2d(1) -> Flatten -> Linear``.
+
+    Options
+    -------
+    hidden:
+        Output channels of conv1..convN (default ``(64, 128, 256, 512)``, HeteroFL's MNIST model).
+
+    Layer names (``layer_widths`` keys) are ``"conv1".."convN"``. Block ``i-1`` is conv block ``i``.
+    ``state_dict`` keys: ``conv{i}.weight``, ``conv{i}.bias``, ``bn{i}.weight``, ``bn{i}.bias`` (plus
+    ``bn{i}.running_mean``, ``bn{i}.running_var``, ``bn{i}.num_batches_tracked`` when BN statistics are
+    tracked), ``classifier.weight``, ``classifier.bias``. Works on 28x28 and on inputs as small as
+    ``2 ** (N - 1)`` pixels a side (8x8 for the default four blocks). The Scaler after ``conv{i}`` uses that
+    layer's own rate.
+    """
+
+    name: ClassVar[str] = "cnn"
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (64, 128, 256, 512)}
+
+    def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"hidden": positive_int_tuple("hidden", options["hidden"])}
+
+    @property
+    def hidden(self) -> tuple[int, ...]:
+        return tuple(self.options["hidden"])
+
+    def _channel_groups(self) -> Mapping[str, int]:
+        return {f"conv{i}": h for i, h in enumerate(self.hidden, start=1)}
+
+    def _declare_layers(self) -> Sequence[LayerDecl]:
+        decls: list[LayerDecl] = []
+        previous: str | None = None
+        for i in range(1, len(self.hidden) + 1):
+            group = f"conv{i}"
+            decls.append(conv_decl(group, previous, group, (3, 3), bias=True, block=i - 1))
+            decls.append(bn_decl(f"bn{i}", group, block=i - 1))
+            previous = group
+        decls.append(linear_decl("classifier", previous, None))
+        return decls
+
+    def _build_module(
+        self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool
+    ) -> nn.Module:
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        cin = self.in_channels
+        n = len(self.hidden)
+        for i in range(1, n + 1):
+            group = f"conv{i}"
+            cout = channels[group]
+            layers[f"conv{i}"] = nn.Conv2d(cin, cout, kernel_size=3, stride=1, padding=1, bias=True)
+            layers[f"scaler{i}"] = Scaler(rates[group])
+            layers[f"bn{i}"] = static_bn(cout, track_bn_stats)
+            layers[f"relu{i}"] = nn.ReLU()
+            if i < n:
+                layers[f"pool{i}"] = nn.MaxPool2d(2)
+            cin = cout
+        layers["avgpool"] = nn.AdaptiveAvgPool2d(1)
+        layers["flatten"] = nn.Flatten()
+        layers["classifier"] = nn.Linear(cin, self.num_classes)
+        return nn.Sequential(layers)

@@ -1,0 +1,187 @@
+"""HeteroFL's pre-activation ResNet-18 (its CIFAR-10 model)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl, positive_int_tuple
+from models.layers import Scaler, static_bn
+
+__all__ = ["PreResNet18Family"]
+
+_BLOCKS_PER_STAGE = 2
+
+
+class PreActBlock(nn.Module):
+    """``Scaler -> sBN -> ReLU -> conv3x3 -> Scaler -> sBN -> ReLU -> conv3x3`` plus the shortcut.
+
+    The shortcut is a 1x1 conv applied to the pre-activated input when ``with_shortcut`` (stride != 1 or the
+    channel count changes in the global model), otherwise the raw input.
+    """
+
+    def __init__(
+        self,
+        in_ch: int,
+        mid_ch: int,
+        out_ch: int,
+        *,
+        stride: int,
+        rate_in: float,
+        rate_mid: float,
+        track_bn_stats: bool,
+        with_shortcut: bool,
+    ) -> None:
+        super().__init__()
+        self.scaler1 = Scaler(rate_in)
+        self.bn1 = static_bn(in_ch, track_bn_stats)
+        self.relu1 = nn.ReLU()
+        self.conv1 = nn.Conv2d(in_ch, mid_ch, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.scaler2 = Scaler(rate_mid)
+        self.bn2 = static_bn(mid_ch, track_bn_stats)
+        self.relu2 = nn.ReLU()
+        self.conv2 = nn.Conv2d(mid_ch, out_ch, kernel_size=3, stride=1, padding=1, bias=False)
+        self.shortcut: nn.Conv2d | None = (
+            nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False) if with_shortcut else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu1(self.bn1(self.scaler1(x)))
+        shortcut = self.shortcut(out) if self.shortcut is not None else x
+        out = self.conv1(out)
+        out = self.conv2(self.relu2(self.bn2(self.scaler2(out))))
+        return out + shortcut
+
+
+class PreResNet(nn.Module):
+    """Stem conv, stages of :class:`PreActBlock`, then ``Scaler -> sBN -> ReLU -> avg pool -> Linear``."""
+
+    def __init__(
+        self, stem: nn.Conv2d, stages: list[nn.Sequential], final_rate: float, channels: int,
+        num_classes: int, track_bn_stats: bool,
+    ) -> None:
+        super().__init__()
+        self.conv1 = stem
+        for s, stage in enumerate(stages, start=1):
+            self.add_module(f"layer{s}", stage)
+        self.num_stages = len(stages)
+        self.scaler = Scaler(final_rate)
+        self.bn = static_bn(channels, track_bn_stats)
+        self.relu = nn.ReLU()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.classifier = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv1(x)
+        for s in range(1, self.num_stages + 1):
+            out = getattr(self, f"layer{s}")(out)
+        out = self.relu(self.bn(self.scaler(out)))
+        return self.classifier(self.flatten(self.avgpool(out)))
+
+
+class PreResNet18Family(ModelFamily):
+    """HeteroFL's PreResNet18: stem conv3x3 -> 4 stages x 2 pre-activation blocks -> sBN -> ReLU -> pool -> fc.
+
+    Options
+    -------
+    hidden:
+        Channels of each stage (default ``(64, 128, 256, 512)``); stage 1 has stride 1, the others stride 2.
+        Any number of stages is accepted (tests use tiny ones).
+    blocks:
+        Residual blocks per stage (default ``None``: two per stage, the paper's PreResNet18, 11.17 M parameters
+        for 10 classes). HeteroFL's public code builds its "resnet18" with ``(1, 1, 1, 2)``, which gives the
+        9.6 M parameters of the paper's CIFAR-10 table; pass ``blocks=(1, 1, 1, 2)`` to reproduce that.
+
+    Layer names (``layer_widths`` keys): ``"layer{s}"`` is the residual stream of stage ``s`` (its width is
+    shared by every conv writing to it: the stem for stage 1, each block's ``conv2`` and shortcut), and
+    ``"layer{s}.{b}.conv1"`` is the inner width of block ``b`` of stage ``s``. Residual shortcuts therefore take
+    the block's input indices and the block's output indices. Body blocks are the residual blocks, numbered
+    0.. in order; the stem and the head belong to no block.
+
+    ``state_dict`` keys: ``conv1.weight`` (stem), ``layer{s}.{b}.bn1.*``, ``layer{s}.{b}.conv1.weight``,
+    ``layer{s}.{b}.bn2.*``, ``layer{s}.{b}.conv2.weight``, ``layer{s}.{b}.shortcut.weight`` (where present),
+    ``bn.*``, ``classifier.weight``, ``classifier.bias``. Convs have no bias (as in HeteroFL's code).
+    """
+
+    name: ClassVar[str] = "preresnet18"
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (64, 128, 256, 512), "blocks": None}
+
+    def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        hidden = positive_int_tuple("hidden", options["hidden"])
+        if options["blocks"] is None:
+            blocks = (_BLOCKS_PER_STAGE,) * len(hidden)
+        else:
+            blocks = positive_int_tuple("blocks", options["blocks"])
+            if len(blocks) != len(hidden):
+                raise ValueError(
+                    f"blocks {blocks!r} must give one block count per stage of hidden {hidden!r}."
+                )
+        return {"hidden": hidden, "blocks": blocks}
+
+    @property
+    def hidden(self) -> tuple[int, ...]:
+        return tuple(self.options["hidden"])
+
+    @property
+    def stage_blocks(self) -> tuple[int, ...]:
+        """Residual blocks per stage."""
+        return tuple(self.options["blocks"])
+
+    def _blocks(self) -> list[tuple[int, int, str, str, str, int, bool]]:
+        """(stage, block, in group, inner group, out group, stride, has shortcut) for every residual block."""
+        out: list[tuple[int, int, str, str, str, int, bool]] = []
+        prev_group, prev_ch = "layer1", self.hidden[0]  # the stem writes to stage 1's stream
+        for s, ch in enumerate(self.hidden, start=1):
+            for b in range(self.stage_blocks[s - 1]):
+                stride = 2 if (s > 1 and b == 0) else 1
+                group = f"layer{s}"
+                shortcut = stride != 1 or prev_ch != ch
+                out.append((s, b, prev_group, f"layer{s}.{b}.conv1", group, stride, shortcut))
+                prev_group, prev_ch = group, ch
+        return out
+
+    def _channel_groups(self) -> Mapping[str, int]:
+        groups = {f"layer{s}": ch for s, ch in enumerate(self.hidden, start=1)}
+        for s, b, _, inner, _, _, _ in self._blocks():
+            groups[inner] = self.hidden[s - 1]
+        return groups
+
+    def _declare_layers(self) -> Sequence[LayerDecl]:
+        decls = [conv_decl("conv1", None, "layer1", (3, 3), bias=False)]
+        for index, (s, b, gin, inner, gout, _, shortcut) in enumerate(self._blocks()):
+            p = f"layer{s}.{b}"
+            decls.append(bn_decl(f"{p}.bn1", gin, block=index))
+            decls.append(conv_decl(f"{p}.conv1", gin, inner, (3, 3), bias=False, block=index))
+            decls.append(bn_decl(f"{p}.bn2", inner, block=index))
+            decls.append(conv_decl(f"{p}.conv2", inner, gout, (3, 3), bias=False, block=index))
+            if shortcut:
+                decls.append(conv_decl(f"{p}.shortcut", gin, gout, (1, 1), bias=False, block=index))
+        last = f"layer{len(self.hidden)}"
+        decls.append(bn_decl("bn", last))
+        decls.append(linear_decl("classifier", last, None))
+        return decls
+
+    def _build_module(
+        self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool
+    ) -> nn.Module:
+        stem = nn.Conv2d(self.in_channels, channels["layer1"], kernel_size=3, stride=1, padding=1, bias=False)
+        stages: list[nn.Sequential] = [nn.Sequential() for _ in self.hidden]
+        for s, _, gin, inner, gout, stride, shortcut in self._blocks():
+            stages[s - 1].append(
+                PreActBlock(
+                    channels[gin],
+                    channels[inner],
+                    channels[gout],
+                    stride=stride,
+                    rate_in=rates[gin],
+                    rate_mid=rates[inner],
+                    track_bn_stats=track_bn_stats,
+                    with_shortcut=shortcut,
+                )
+            )
+        last = f"layer{len(self.hidden)}"
+        return PreResNet(stem, stages, rates[last], channels[last], self.num_classes, track_bn_stats)

@@ -1,0 +1,33 @@
+"""Look model families up by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.cnn import ConvFamily
+from models.family import ModelFamily
+from models.preresnet import PreResNet18Family
+
+__all__ = ["FAMILY_NAMES", "get_family"]
+
+_FAMILIES: dict[str, type[ModelFamily]] = {
+    ConvFamily.name: ConvFamily,
+    PreResNet18Family.name: PreResNet18Family,
+}
+
+#: Names accepted by :func:`get_family`.
+FAMILY_NAMES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def get_family(name: str, num_classes: int, in_channels: int, **options: Any) -> ModelFamily:
+    """Create the model family ``name`` for ``num_classes`` classes and ``in_channels`` input channels.
+
+    Raises
+    ------
+    ValueError
+        For an unknown family name or option (the message lists the valid ones) or an invalid value.
+    """
+    family = _FAMILIES.get(name) if isinstance(name, str) else None
+    if family is None:
+        raise ValueError(f"unknown model family {name!r}; valid families: {', '.join(FAMILY_NAMES)}.")
+    return family(num_classes, in_channels, **options)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up everything `make demo` and `make test` need on a fresh Debian-like machine:
+# system packages (mosquitto, dataset-fashion-mnist) when apt-get is available, and the .venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+
+want=()
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || want+=(mosquitto)
+[ -d /usr/share/datasets/fashion-mnist ] || want+=(dataset-fashion-mnist)
+if [ ${#want[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+    echo "setup: installing ${want[*]} with apt-get"
+    if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${want[@]}"; }; then
+      echo "setup: apt-get could not install ${want[*]}; continuing (the embedded broker and the digits" \
+           "dataset stand in)" >&2
+    fi
+  else
+    echo "setup: no apt-get here; install mosquitto and dataset-fashion-mnist yourself for the full demo" >&2
+  fi
+fi
+# The init script may start a system-wide mosquitto on port 1883; FedFit starts its own on a free port.
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# shellcheck disable=SC2086
+.venv/bin/python -m pip install -q $TORCH_SPEC
+.venv/bin/python -m pip install -q -e '.[dev,embedded-broker]'
+echo "setup: .venv ready"

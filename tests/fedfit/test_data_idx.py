@@ -1,0 +1,82 @@
+"""Tests for fedfit.data.idx.read_idx."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedfit.data import DatasetError, read_idx
+
+
+def idx_bytes(array: np.ndarray, code: int, dtype: str) -> bytes:
+    header = bytes([0, 0, code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(dtype).tobytes()
+
+
+def test_reads_uint8_images(tmp_path: Path) -> None:
+    data = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / "images-idx3-ubyte"
+    path.write_bytes(idx_bytes(data, 0x08, "u1"))
+    out = read_idx(path)
+    assert out.dtype == np.uint8
+    assert out.shape == (2, 3, 4)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_reads_gzip_and_str_path(tmp_path: Path) -> None:
+    data = np.array([3, 1, 4, 1, 5], dtype=np.uint8)
+    path = tmp_path / "labels-idx1-ubyte.gz"
+    path.write_bytes(gzip.compress(idx_bytes(data, 0x08, "u1")))
+    np.testing.assert_array_equal(read_idx(str(path)), data)
+
+
+@pytest.mark.parametrize(
+    ("code", "wire", "native"),
+    [(0x09, "i1", np.int8), (0x0B, ">i2", np.int16), (0x0C, ">i4", np.int32), (0x0D, ">f4", np.float32),
+     (0x0E, ">f8", np.float64)],
+)
+def test_reads_big_endian_types(tmp_path: Path, code: int, wire: str, native: type) -> None:
+    data: np.ndarray = np.array([[-2, 7], [100, -5]]).astype(native)
+    path = tmp_path / "x.idx"
+    path.write_bytes(idx_bytes(data, code, wire))
+    out = read_idx(path)
+    assert out.dtype == np.dtype(native)
+    assert out.dtype.isnative
+    np.testing.assert_array_equal(out, data)
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        (b"\x00\x00", "too short"),
+        (b"\x01\x00\x08\x01\x00\x00\x00\x01\x05", "magic"),
+        (b"\x00\x00\x07\x01\x00\x00\x00\x01\x05", "data type code 0x07"),
+        (b"\x00\x00\x08\x00", "0 dimensions"),
+        (b"\x00\x00\x08\x02\x00\x00\x00\x01", "truncated inside its header"),
+        (b"\x00\x00\x08\x01\x00\x00\x00\x03\x01\x02", "holds 2 data bytes"),
+        (b"\x00\x00\x08\x01\x00\x00\x00\x01\x01\x02", "holds 2 data bytes"),
+        (b"\x00\x00\x0b\x01\x00\x00\x00\x02\x00\x01\x00", "needs 4"),
+    ],
+)
+def test_rejects_malformed(tmp_path: Path, payload: bytes, fragment: str) -> None:
+    path = tmp_path / "bad-idx"
+    path.write_bytes(payload)
+    with pytest.raises(DatasetError, match="bad-idx") as info:
+        read_idx(path)
+    assert fragment in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="does not exist"):
+        read_idx(tmp_path / "nope-idx3-ubyte")
+
+
+def test_corrupt_gzip(tmp_path: Path) -> None:
+    path = tmp_path / "broken.gz"
+    path.write_bytes(b"not gzip at all")
+    with pytest.raises(DatasetError, match="could not be read"):
+        read_idx(path)

@@ -1,0 +1,171 @@
+"""Tests for models.spec.SubmodelSpec."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from models.spec import SubmodelSpec
+
+
+def test_defaults_are_the_full_model() -> None:
+    spec = SubmodelSpec()
+    assert spec == SubmodelSpec.full()
+    assert spec.is_full
+    assert spec.width == 1.0 and spec.layer_widths == () and spec.depth is None
+    assert spec.exits == () and spec.trainable_blocks is None
+    assert spec.to_dict() == {}
+
+
+def test_uniform() -> None:
+    spec = SubmodelSpec.uniform(0.25)
+    assert spec.width == 0.25
+    assert not spec.is_full
+    assert spec.rate_for("conv3") == 0.25
+
+
+def test_layer_widths_are_normalised_sorted_and_hashable() -> None:
+    a = SubmodelSpec(width=0.5, layer_widths=(("conv3", 0.25), ("conv1", 1)))
+    b = SubmodelSpec(width=0.5, layer_widths={"conv1": 1.0, "conv3": 0.25})  # type: ignore[arg-type]
+    assert a.layer_widths == (("conv1", 1.0), ("conv3", 0.25))
+    assert a == b and hash(a) == hash(b)
+    assert isinstance(a.layer_widths[0][1], float)
+    assert a.rate_for("conv3") == 0.25 and a.rate_for("conv1") == 1.0 and a.rate_for("conv2") == 0.5
+    assert len({a, b, SubmodelSpec.uniform(0.5)}) == 2
+
+
+def test_is_full_counts_rate_one_overrides_as_full() -> None:
+    assert SubmodelSpec(layer_widths=(("conv1", 1.0),)).is_full
+    assert not SubmodelSpec(layer_widths=(("conv1", 0.5),)).is_full
+    assert not SubmodelSpec(depth=2).is_full
+    assert not SubmodelSpec(exits=(0,)).is_full
+    assert not SubmodelSpec(trainable_blocks=(0, 1)).is_full
+
+
+def test_indices_are_sorted() -> None:
+    spec = SubmodelSpec(depth=4, exits=(3, 1), trainable_blocks=(2, 0))
+    assert spec.exits == (1, 3)
+    assert spec.trainable_blocks == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"width": 0.0}, "width"),
+        ({"width": 1.5}, "width"),
+        ({"width": -0.5}, "width"),
+        ({"width": math.nan}, "width"),
+        ({"width": True}, "width"),
+        ({"width": "0.5"}, "width"),
+        ({"layer_widths": (("conv1", 0.0),)}, "conv1"),
+        ({"layer_widths": (("conv1", 2),)}, "conv1"),
+        ({"layer_widths": (("conv1", 0.5), ("conv1", 0.25))}, "more than once"),
+        ({"layer_widths": (("", 0.5),)}, "non-empty"),
+        ({"layer_widths": ((1, 0.5),)}, "layer names"),
+        ({"layer_widths": (("conv1",),)}, "pairs"),
+        ({"layer_widths": "conv1"}, "pairs"),
+        ({"depth": 0}, "depth"),
+        ({"depth": True}, "depth"),
+        ({"depth": 2.0}, "depth"),
+        ({"exits": (-1,)}, "exits"),
+        ({"exits": (1, 1)}, "repeat"),
+        ({"exits": (True,)}, "exits"),
+        ({"depth": 2, "exits": (2,)}, "inside the 2 kept blocks"),
+        ({"trainable_blocks": (0, 0)}, "repeat"),
+        ({"trainable_blocks": (-2,)}, "trainable_blocks"),
+        ({"depth": 3, "trainable_blocks": (3,)}, "inside the 3 kept blocks"),
+    ],
+)
+def test_validation(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SubmodelSpec(**kwargs)  # type: ignore[arg-type]
+
+
+SPECS = [
+    SubmodelSpec(),
+    SubmodelSpec.uniform(0.0625),
+    SubmodelSpec(width=0.25, layer_widths=(("conv2", 0.5),), depth=3),
+    SubmodelSpec(depth=5, exits=(1, 4), trainable_blocks=(2,)),
+    SubmodelSpec(trainable_blocks=()),
+]
+
+
+def _primitive(value: object) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _primitive(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_primitive(v) for v in value)
+    return isinstance(value, (int, float, str, bool)) or value is None
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_dict_round_trip_uses_primitives(spec: SubmodelSpec) -> None:
+    d = spec.to_dict()
+    assert _primitive(d)
+    assert SubmodelSpec.from_dict(d) == spec
+
+
+def test_round_trip_through_msgpack() -> None:
+    msgpack = pytest.importorskip("msgpack")
+    spec = SPECS[2]
+    assert SubmodelSpec.from_dict(msgpack.unpackb(msgpack.packb(spec.to_dict()))) == spec
+
+
+def test_to_dict_omits_defaults() -> None:
+    assert SubmodelSpec.uniform(0.5).to_dict() == {"width": 0.5}
+    assert SubmodelSpec(layer_widths=(("conv1", 0.5),), exits=(0,)).to_dict() == {
+        "layer_widths": {"conv1": 0.5},
+        "exits": [0],
+    }
+
+
+@pytest.mark.parametrize(
+    ("d", "message"),
+    [
+        ({"widht": 0.5}, "'widht'"),
+        ({"width": "0.5"}, "'width'"),
+        ({"width": True}, "'width'"),
+        ({"width": 2.0}, "width"),
+        ({"layer_widths": [["conv1", 0.5]]}, "'layer_widths'"),
+        ({"layer_widths": {"conv1": "half"}}, "'layer_widths'"),
+        ({"depth": "3"}, "'depth'"),
+        ({"exits": 3}, "'exits'"),
+        ({"exits": [1, True]}, "'exits'"),
+        ({"trainable_blocks": "0"}, "'trainable_blocks'"),
+        ({1: 0.5}, "unknown sub-model spec key 1"),
+    ],
+)
+def test_from_dict_is_strict(d: dict[object, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SubmodelSpec.from_dict(d)
+
+
+@pytest.mark.parametrize("d", [None, [("width", 0.5)], "width=0.5", 3])
+def test_from_dict_rejects_non_mappings(d: object) -> None:
+    with pytest.raises(ValueError, match="mapping"):
+        SubmodelSpec.from_dict(d)
+
+
+def test_from_dict_accepts_integer_rates_and_explicit_none() -> None:
+    spec = SubmodelSpec.from_dict({"width": 1, "depth": None, "trainable_blocks": None})
+    assert spec == SubmodelSpec.full()
+
+
+def test_describe() -> None:
+    assert SubmodelSpec().describe() == "width=1"
+    assert SubmodelSpec.uniform(0.5).describe() == "width=0.5"
+    assert SubmodelSpec.uniform(1 / 16).describe() == "width=0.0625"
+    assert SubmodelSpec(width=0.25, layer_widths=(("conv2", 0.5),), depth=3).describe() == (
+        "width=0.25 conv2=0.5 depth=3"
+    )
+    assert SubmodelSpec(depth=4, exits=(1, 3), trainable_blocks=(0,)).describe() == (
+        "width=1 depth=4 exits=1,3 trainable=0"
+    )
+    assert str(SubmodelSpec.uniform(0.5)) == "width=0.5"
+
+
+def test_frozen() -> None:
+    spec = SubmodelSpec()
+    with pytest.raises(AttributeError):
+        spec.width = 0.5  # type: ignore[misc]
