@@ -66,12 +66,12 @@ def train_plain(
             loss = (masked_cross_entropy(logits, targets, mask) if recipe.masked_ce
                     else nn.functional.cross_entropy(logits, targets))
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"training diverged (loss {float(loss)}) at step {steps}")
+                raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {steps}")
             loss.backward()
             if recipe.clip_norm is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
             optimizer.step()
-            total_loss += float(loss) * len(batch)
+            total_loss += loss.item() * len(batch)
             seen += len(batch)
             steps += 1
     mean_loss = total_loss / seen if seen else math.nan

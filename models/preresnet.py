@@ -60,8 +60,13 @@ class PreResNet(nn.Module):
     """Stem conv, stages of :class:`PreActBlock`, then ``Scaler -> sBN -> ReLU -> avg pool -> Linear``."""
 
     def __init__(
-        self, stem: nn.Conv2d, stages: list[nn.Sequential], final_rate: float, channels: int,
-        num_classes: int, track_bn_stats: bool,
+        self,
+        stem: nn.Conv2d,
+        stages: list[nn.Sequential],
+        final_rate: float,
+        channels: int,
+        num_classes: int,
+        track_bn_stats: bool,
     ) -> None:
         super().__init__()
         self.conv1 = stem

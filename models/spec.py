@@ -12,6 +12,9 @@ The fields cover the five methods FedFit implements:
 - FeDepth: ``trainable_blocks`` (blocks updated by this task; the others are frozen).
 
 Block indices are 0-based positions in the family's body (block 0 is the one nearest the input).
+
+Every invalid value raises ``ValueError`` (also for wrong types): a spec usually arrives as decoded wire data,
+and the protocol turns exactly one exception class into a clear error message.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _FIELDS = ("width", "layer_widths", "depth", "exits", "trainable_blocks")
 
 def _check_rate(what: str, rate: object) -> float:
     if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise ValueError(f"{what} must be a number in (0, 1], got {rate!r}.")
+        raise ValueError(f"{what} must be a number in (0, 1], got {rate!r}.")  # noqa: TRY004
     value = float(rate)
     if not math.isfinite(value) or not 0.0 < value <= 1.0:
         raise ValueError(f"{what} must be a number in (0, 1], got {rate!r}.")
@@ -37,7 +40,7 @@ def _check_rate(what: str, rate: object) -> float:
 
 def _check_index_tuple(what: str, values: object) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise ValueError(f"{what} must be a sequence of block indices, got {values!r}.")
+        raise ValueError(f"{what} must be a sequence of block indices, got {values!r}.")  # noqa: TRY004
     out: list[int] = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -84,7 +87,7 @@ class SubmodelSpec:
         if isinstance(raw, Mapping):
             pairs = list(raw.items())
         elif isinstance(raw, (str, bytes)) or not isinstance(raw, Iterable):
-            raise ValueError(f"layer_widths must be pairs of (layer name, rate), got {raw!r}.")
+            raise ValueError(f"layer_widths must be pairs of (layer name, rate), got {raw!r}.")  # noqa: TRY004
         else:
             pairs = list(raw)
         normalised: dict[str, float] = {}
@@ -99,9 +102,9 @@ class SubmodelSpec:
             normalised[name] = _check_rate(f"layer_widths[{name!r}]", rate)
         object.__setattr__(self, "layer_widths", tuple(sorted(normalised.items())))
 
-        if self.depth is not None:
-            if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
-                raise ValueError(f"depth must be a positive integer or None, got {self.depth!r}.")
+        depth = self.depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"depth must be a positive integer or None, got {depth!r}.")
 
         exits = _check_index_tuple("exits", self.exits)
         object.__setattr__(self, "exits", exits)
@@ -195,13 +198,11 @@ class SubmodelSpec:
             message names the offending key.
         """
         if not isinstance(d, Mapping):
-            raise ValueError(f"a sub-model spec must be a mapping, got {type(d).__name__}.")
+            raise ValueError(f"a sub-model spec must be a mapping, got {type(d).__name__}.")  # noqa: TRY004
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if key not in _FIELDS:
-                raise ValueError(
-                    f"unknown sub-model spec key {key!r}; valid keys are {', '.join(_FIELDS)}."
-                )
+                raise ValueError(f"unknown sub-model spec key {key!r}; valid keys are {', '.join(_FIELDS)}.")
             if key == "width":
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ValueError(f"sub-model spec key 'width' must be a number, got {value!r}.")
@@ -211,8 +212,12 @@ class SubmodelSpec:
                         f"sub-model spec key 'layer_widths' must map layer names to rates, got {value!r}."
                     )
                 for name, rate in value.items():
-                    if not isinstance(name, str) or isinstance(rate, bool) or not isinstance(rate, (int, float)):
-                        raise ValueError(
+                    if (
+                        not isinstance(name, str)
+                        or isinstance(rate, bool)
+                        or not isinstance(rate, (int, float))
+                    ):
+                        raise ValueError(  # noqa: TRY004
                             "sub-model spec key 'layer_widths' must map layer names (str) to rates "
                             f"(numbers), got {name!r}: {rate!r}."
                         )

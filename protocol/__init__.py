@@ -1,0 +1,54 @@
+"""FedFit wire contract: MQTT topics, message types, the msgpack codec and its validation.
+
+Every payload is a msgpack map ``{"v": PROTOCOL_VERSION, "type": kind, **fields}`` with kind one of
+``status``, ``coordinator_status``, ``task``, ``update``, ``ack``. Tensors are maps
+``{"dtype", "shape", "data"}`` holding raw little-endian C-order bytes of a whitelisted dtype; nothing is ever
+pickled. Large payloads travel as ``chunk`` maps of at most CHUNK_SIZE data bytes, put back together by a
+`Reassembler`. `decode` enforces `Limits` and turns every malformed input into a `ProtocolError`.
+Topics live under ``fedfit/v1/<federation>/`` (see `Topics`).
+"""
+
+from protocol.chunking import CHUNK_SIZE, Reassembler, split_payload
+from protocol.codec import decode, encode
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    AgentStatus,
+    Capabilities,
+    CoordinatorStatus,
+    Message,
+    ModelRef,
+    Recipe,
+    Task,
+    Update,
+)
+from protocol.tensors import decode_tensor, encode_tensor
+from protocol.topics import Topics, parse_agent_topic, validate_name
+
+__all__ = [
+    "CHUNK_SIZE",
+    "DEFAULT_LIMITS",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "AgentStatus",
+    "Capabilities",
+    "CoordinatorStatus",
+    "Limits",
+    "Message",
+    "ModelRef",
+    "ProtocolError",
+    "Reassembler",
+    "Recipe",
+    "Task",
+    "Topics",
+    "Update",
+    "decode",
+    "decode_tensor",
+    "encode",
+    "encode_tensor",
+    "parse_agent_topic",
+    "split_payload",
+    "validate_name",
+]

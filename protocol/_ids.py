@@ -40,6 +40,13 @@ def validate_task_id(task_id: object, what: str = "task id") -> str:
     """Check a task or transfer id: 1..128 chars of ``[A-Za-z0-9_.:-]``. Returns the id."""
     if not isinstance(task_id, str) or not _ID_RE.fullmatch(task_id):
         raise ProtocolError(
-            f"{what} must be 1 to 128 characters of letters, digits, '_', '.', ':' or '-', got {shown(task_id)}"
+            f"{what} must be 1 to 128 characters of letters, digits, '_', '.', ':' or '-', "
+            f"got {shown(task_id)}"
         )
     return task_id
+
+
+def reason_of(exc: BaseException) -> str:
+    """``"TypeName: message"`` (or just the type name when the message is empty) for wrapped errors."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__

@@ -61,7 +61,9 @@ def check_text(
     if not isinstance(value, str):
         raise ProtocolError(f"{label} must be a string, got {shown(value)}")
     if len(value) > limits.max_str_len:
-        raise ProtocolError(f"{label} is {len(value)} characters long, more than the limit of {limits.max_str_len}")
+        raise ProtocolError(
+            f"{label} is {len(value)} characters long, more than the limit of {limits.max_str_len}"
+        )
     if not value and not allow_empty:
         raise ProtocolError(f"{label} must not be empty")
     if choices is not None:
@@ -118,7 +120,9 @@ class FieldReader:
     Missing and unknown fields are reported at construction; each getter checks one field's type and range.
     """
 
-    def __init__(self, obj: object, where: str, limits: Limits, cls: type, header: Iterable[str] = ()) -> None:
+    def __init__(
+        self, obj: object, where: str, limits: Limits, cls: type, header: Iterable[str] = ()
+    ) -> None:
         if not isinstance(obj, dict):
             raise ProtocolError(f"{where} must be a map, got {shown(obj)}")
         expected = [f.name for f in fields(cls)] + list(header)
@@ -225,7 +229,9 @@ class FieldReader:
         if not isinstance(value, dict):
             raise ProtocolError(f"{label} must be a map of tensors, got {shown(value)}")
         if len(value) > self.limits.max_tensors:
-            raise ProtocolError(f"{label} has {len(value)} tensors, more than the limit of {self.limits.max_tensors}")
+            raise ProtocolError(
+                f"{label} has {len(value)} tensors, more than the limit of {self.limits.max_tensors}"
+            )
         result: dict[str, np.ndarray] = {}
         for key, item in value.items():
             tensor_name = _check_key(key, label, self.limits)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -109,4 +109,5 @@ class Ack:
     agent_id: str
 
 
-Message = Union[AgentStatus, CoordinatorStatus, Task, Update, Ack]
+Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack
+"""Any top-level message (the nested Capabilities, ModelRef and Recipe are not)."""

@@ -79,12 +79,16 @@ def decode_tensor(obj: object, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
     if keys != TENSOR_KEYS:
         missing = sorted(TENSOR_KEYS - keys)
         unknown = sorted(repr(key) for key in keys - TENSOR_KEYS)
-        raise ProtocolError(f"tensor map must have exactly data, dtype, shape (missing: {missing}; unknown: {unknown})")
+        raise ProtocolError(
+            f"tensor map must have exactly data, dtype, shape (missing: {missing}; unknown: {unknown})"
+        )
     dtype = _allowed_dtype(obj["dtype"])
     shape = _check_shape(obj["shape"], limits)
     count = math.prod(shape)
     if count > limits.max_tensor_elements:
-        raise ProtocolError(f"tensor has {count} elements, more than the limit of {limits.max_tensor_elements}")
+        raise ProtocolError(
+            f"tensor has {count} elements, more than the limit of {limits.max_tensor_elements}"
+        )
     data = obj["data"]
     if not isinstance(data, (bytes, bytearray)):
         raise ProtocolError(f"tensor data must be bytes, got {shown(data)}")

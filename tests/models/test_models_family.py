@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -85,7 +87,7 @@ def test_full_index_map_is_identity(case: Case) -> None:
 def test_smaller_specs_are_nested(case: Case) -> None:
     family, _ = case
     maps = [family.index_map(SubmodelSpec.uniform(r)) for r in RATES]
-    for larger, smaller in zip(maps, maps[1:]):
+    for larger, smaller in itertools.pairwise(maps):
         assert larger.keys() == smaller.keys()
         for key in smaller:
             for big, small in zip(larger[key], smaller[key]):
@@ -165,7 +167,7 @@ def test_param_count_shrinks_roughly_with_rate_squared(name: str) -> None:
 def test_flops_decrease_with_rate(case: Case) -> None:
     family, size = case
     flops = [family.flops(SubmodelSpec.uniform(r), size) for r in RATES]
-    assert all(a > b > 0 for a, b in zip(flops, flops[1:]))
+    assert all(a > b > 0 for a, b in itertools.pairwise(flops))
     assert family.flops(None, size) == flops[0]
     # Roughly quadratic in the width rate for the body.
     assert flops[1] / flops[0] < 0.35
@@ -191,14 +193,21 @@ def test_training_memory_is_linear_in_batch(case: Case) -> None:
 
 def test_training_memory_shrinks_with_rate(case: Case) -> None:
     family, size = case
-    mems = [family.training_memory_bytes(SubmodelSpec.uniform(r), batch_size=10, input_size=size) for r in RATES]
-    assert all(a > b for a, b in zip(mems, mems[1:]))
+    mems = [
+        family.training_memory_bytes(SubmodelSpec.uniform(r), batch_size=10, input_size=size) for r in RATES
+    ]
+    assert all(a > b for a, b in itertools.pairwise(mems))
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"batch_size": 0}, {"batch_size": 2.5}, {"batch_size": 4, "optimizer_slots": -1}, {"batch_size": 4,
-     "input_size": (28,)}, {"batch_size": 4, "input_size": (0, 28)}],
+    [
+        {"batch_size": 0},
+        {"batch_size": 2.5},
+        {"batch_size": 4, "optimizer_slots": -1},
+        {"batch_size": 4, "input_size": (28,)},
+        {"batch_size": 4, "input_size": (0, 28)},
+    ],
 )
 def test_training_memory_rejects_bad_arguments(case: Case, kwargs: dict[str, object]) -> None:
     family, _ = case

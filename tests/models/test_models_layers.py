@@ -49,5 +49,6 @@ def test_static_bn_with_tracking_uses_cumulative_average() -> None:
         bn(a)
         bn(b)
     expected = (a.mean(dim=(0, 2, 3)) + b.mean(dim=(0, 2, 3))) / 2
+    assert bn.running_mean is not None and bn.num_batches_tracked is not None
     assert torch.allclose(bn.running_mean, expected, atol=1e-5)
     assert int(bn.num_batches_tracked) == 2

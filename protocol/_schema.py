@@ -1,0 +1,155 @@
+"""One reader per message type: a decoded msgpack map in, a validated dataclass out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from protocol._ids import shown
+from protocol._reader import FieldReader
+from protocol.errors import ProtocolError
+from protocol.limits import Limits
+from protocol.messages import (
+    AGENT_STATES,
+    COORDINATOR_STATES,
+    PROTOCOL_VERSION,
+    UPDATE_STATUSES,
+    Ack,
+    AgentStatus,
+    Capabilities,
+    CoordinatorStatus,
+    Message,
+    ModelRef,
+    Recipe,
+    Task,
+    Update,
+)
+
+HEADER = ("v", "type")
+KIND_OF: dict[type, str] = {
+    AgentStatus: "status",
+    CoordinatorStatus: "coordinator_status",
+    Task: "task",
+    Update: "update",
+    Ack: "ack",
+}
+
+
+def read_capabilities(obj: object, where: str, limits: Limits) -> Capabilities:
+    r = FieldReader(obj, where, limits, Capabilities)
+    return Capabilities(
+        device_kind=r.text("device_kind"),
+        memory_total=r.integer("memory_total", minimum=0),
+        memory_available=r.integer("memory_available", minimum=0),
+        budget_bytes=r.opt_integer("budget_bytes", minimum=0),
+        num_samples=r.integer("num_samples", minimum=0),
+        labels=r.labels("labels"),
+    )
+
+
+def read_model_ref(obj: object, where: str, limits: Limits) -> ModelRef:
+    r = FieldReader(obj, where, limits, ModelRef)
+    return ModelRef(
+        family=r.text("family"),
+        num_classes=r.integer("num_classes", minimum=1),
+        in_channels=r.integer("in_channels", minimum=1),
+        options=r.options("options"),
+    )
+
+
+def read_recipe(obj: object, where: str, limits: Limits) -> Recipe:
+    r = FieldReader(obj, where, limits, Recipe)
+    return Recipe(
+        epochs=r.integer("epochs", minimum=1),
+        batch_size=r.integer("batch_size", minimum=1),
+        lr=r.number("lr", above=0.0),
+        momentum=r.number("momentum", minimum=0.0, below=1.0),
+        weight_decay=r.number("weight_decay", minimum=0.0),
+        clip_norm=r.opt_number("clip_norm", above=0.0),
+        masked_ce=r.boolean("masked_ce"),
+        seed=r.integer("seed"),
+    )
+
+
+def read_agent_status(obj: object, limits: Limits) -> AgentStatus:
+    r = FieldReader(obj, "status", limits, AgentStatus, HEADER)
+    return AgentStatus(
+        agent_id=r.name("agent_id"),
+        state=r.text("state", AGENT_STATES),
+        capabilities=r.opt_nested("capabilities", read_capabilities),
+        sent_at=r.number("sent_at"),
+    )
+
+
+def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
+    r = FieldReader(obj, "coordinator_status", limits, CoordinatorStatus, HEADER)
+    return CoordinatorStatus(
+        federation=r.name("federation"),
+        state=r.text("state", COORDINATOR_STATES),
+        round=r.integer("round", minimum=0),
+        sent_at=r.number("sent_at"),
+    )
+
+
+def read_task(obj: object, limits: Limits) -> Task:
+    r = FieldReader(obj, "task", limits, Task, HEADER)
+    return Task(
+        task_id=r.task_id("task_id"),
+        round=r.integer("round", minimum=0),
+        agent_id=r.name("agent_id"),
+        deadline=r.number("deadline"),
+        model=r.nested("model", read_model_ref),
+        spec=r.tree("spec"),
+        recipe=r.nested("recipe", read_recipe),
+        weights=r.weights("weights"),
+    )
+
+
+def read_update(obj: object, limits: Limits) -> Update:
+    r = FieldReader(obj, "update", limits, Update, HEADER)
+    return Update(
+        task_id=r.task_id("task_id"),
+        round=r.integer("round", minimum=0),
+        agent_id=r.name("agent_id"),
+        status=r.text("status", UPDATE_STATUSES),
+        spec_trained=r.opt_tree("spec_trained"),
+        num_samples=r.integer("num_samples", minimum=0),
+        labels=r.labels("labels"),
+        weights=r.weights("weights"),
+        metrics=r.float_map("metrics"),
+        reason=r.opt_text("reason"),
+    )
+
+
+def read_ack(obj: object, limits: Limits) -> Ack:
+    r = FieldReader(obj, "ack", limits, Ack, HEADER)
+    return Ack(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0), agent_id=r.name("agent_id"))
+
+
+READERS: dict[str, Callable[[object, Limits], Message]] = {
+    "status": read_agent_status,
+    "coordinator_status": read_coordinator_status,
+    "task": read_task,
+    "update": read_update,
+    "ack": read_ack,
+}
+
+
+def read_message(obj: object, limits: Limits) -> Message:
+    """Check the envelope (``v``, ``type``) of a decoded map and read the message it holds."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message must be a msgpack map, got {shown(obj)}")
+    if "v" not in obj:
+        raise ProtocolError("message has no protocol version field 'v'")
+    version = obj["v"]
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"message speaks protocol version {shown(version)}, this side speaks version {PROTOCOL_VERSION}: "
+            "upgrade the older side"
+        )
+    kind = obj.get("type")
+    if kind == "chunk":
+        raise ProtocolError("payload is one chunk of a larger message: feed it to protocol.Reassembler first")
+    reader = READERS.get(kind) if isinstance(kind, str) else None
+    if reader is None:
+        raise ProtocolError(f"unknown message type {shown(kind)} (known: {', '.join(READERS)})")
+    return reader(obj, limits)

@@ -1,0 +1,108 @@
+"""Tests for models.preresnet.PreResNet18Family (HeteroFL's PreResNet18)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import SubmodelSpec, get_family
+from models.layers import Scaler
+from models.preresnet import PreActBlock, PreResNet18Family
+
+
+def tiny(**options: object) -> PreResNet18Family:
+    family = get_family("preresnet18", num_classes=10, in_channels=3, hidden=(8, 16, 16, 32), **options)
+    assert isinstance(family, PreResNet18Family)
+    return family
+
+
+def test_structure_and_shortcuts() -> None:
+    family = tiny()
+    keys = family.trainable_keys()
+    shortcuts = sorted(k for k in keys if "shortcut" in k)
+    # Stage 1 keeps its width at stride 1 (identity); later first blocks stride 2 (even 16 -> 16).
+    assert shortcuts == ["layer2.0.shortcut.weight", "layer3.0.shortcut.weight", "layer4.0.shortcut.weight"]
+    assert keys[0] == "conv1.weight" and keys[-2:] == ("classifier.weight", "classifier.bias")
+    assert "conv1.bias" not in keys
+    blocks = [d.block for d in family.layers() if d.block is not None]
+    assert sorted(set(blocks)) == list(range(8))
+    assert family.layer_names()[:4] == ("layer1", "layer2", "layer3", "layer4")
+    assert len(family.layer_names()) == 4 + 8
+
+
+def test_default_is_resnet18_sized() -> None:
+    family = get_family("preresnet18", 10, 3)
+    model = family.build(track_bn_stats=False)
+    assert family.param_count() == sum(p.numel() for p in model.parameters()) == 11_172_170
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_reference_code_blocks_reproduce_paper_table() -> None:
+    """HeteroFL's code builds "resnet18" with (1, 1, 1, 2) blocks: the paper's 9.6 M / 2.4 M / 604 K / 152 K / 38 K."""
+    family = get_family("preresnet18", 10, 3, blocks=(1, 1, 1, 2))
+    counts = [family.param_count(SubmodelSpec.uniform(r)) for r in (1, 0.5, 0.25, 0.125, 0.0625)]
+    assert counts == [9_622_090, 2_408_746, 603_802, 151_762, 38_350]
+
+
+def test_residual_shortcut_indices() -> None:
+    family = tiny()
+    spec = SubmodelSpec(width=0.5, layer_widths=(("layer1", 0.25), ("layer2.0.conv1", 1.0)))
+    imap = family.index_map(spec)
+    kept = family.kept_channels(spec)
+    assert kept["layer1"] == 2 and kept["layer2"] == 8 and kept["layer2.0.conv1"] == 16
+    # The shortcut reads the block input (stage 1 stream) and writes the block output (stage 2 stream).
+    sc = imap["layer2.0.shortcut.weight"]
+    assert torch.equal(sc[1], imap["layer1.1.conv2.weight"][0])
+    assert torch.equal(sc[0], imap["layer2.0.conv2.weight"][0])
+    assert torch.equal(imap["layer2.0.bn1.weight"][0], sc[1])
+    # The inner width is its own group.
+    assert [len(i) for i in imap["layer2.0.conv1.weight"]] == [16, 2, 3, 3]
+    assert [len(i) for i in imap["layer2.0.conv2.weight"]] == [8, 16, 3, 3]
+    # The stem writes to the stage 1 stream.
+    assert [len(i) for i in imap["conv1.weight"]] == [2, 3, 3, 3]
+    model = family.build(spec, track_bn_stats=False)
+    model.load_state_dict(family.extract(family.build().state_dict(), spec, family.trainable_keys(spec)))
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+
+
+def test_identity_shortcut_and_preactivation_wiring() -> None:
+    torch.manual_seed(0)
+    block = PreActBlock(
+        4, 4, 4, stride=1, rate_in=1.0, rate_mid=1.0, track_bn_stats=False, with_shortcut=False
+    )
+    torch.nn.init.zeros_(block.conv2.weight)
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(block(x), x)  # residual path zeroed: the raw input passes through
+    proj = PreActBlock(4, 4, 8, stride=2, rate_in=1.0, rate_mid=1.0, track_bn_stats=False, with_shortcut=True)
+    torch.nn.init.zeros_(proj.conv2.weight)
+    assert proj.shortcut is not None
+    expected = proj.shortcut(torch.relu(proj.bn1(x)))  # the shortcut sees the pre-activated input
+    assert torch.allclose(proj(x), expected)
+
+
+def test_scaler_rates_follow_groups() -> None:
+    family = tiny()
+    spec = SubmodelSpec(width=0.25, layer_widths=(("layer1.0.conv1", 0.5),))
+    model = family.build(spec)
+    modules = dict(model.named_modules())
+    assert isinstance(modules["layer1.0.scaler1"], Scaler) and modules["layer1.0.scaler1"].rate == 0.25
+    assert isinstance(modules["layer1.0.scaler2"], Scaler) and modules["layer1.0.scaler2"].rate == 0.5
+    assert isinstance(modules["layer1.1.scaler2"], Scaler) and modules["layer1.1.scaler2"].rate == 0.25
+    assert isinstance(modules["scaler"], Scaler) and modules["scaler"].rate == 0.25
+    x = torch.randn(3, 3, 8, 8)
+    model.eval()
+    assert model(x).shape == (3, 10)
+
+
+def test_flops_hand_checked_for_one_stage() -> None:
+    family = get_family("preresnet18", 2, 1, hidden=(2,), blocks=(1,))
+    # 4x4 input: stem 2x16x(1x9), block conv1 2x16x(2x9), conv2 2x16x(2x9), fc 2x2.
+    assert family.flops(input_size=(4, 4)) == 2 * 16 * 9 + 2 * (2 * 16 * 18) + 4 == 1444
+
+
+def test_options_validation() -> None:
+    with pytest.raises(ValueError, match="one block count per stage"):
+        tiny(blocks=(2, 2))
+    with pytest.raises(ValueError, match="blocks"):
+        tiny(blocks=(2, 0, 2, 2))
+    assert tiny().options["blocks"] == (2, 2, 2, 2)

@@ -1,0 +1,107 @@
+"""Sample messages and a comparison helper shared by the protocol tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+from protocol import (
+    Ack,
+    AgentStatus,
+    Capabilities,
+    CoordinatorStatus,
+    Message,
+    ModelRef,
+    Recipe,
+    Task,
+    Update,
+)
+
+
+def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "conv.weight": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "fc.bias": rng.standard_normal(5).astype(np.float16),
+        "bn.num_batches_tracked": np.array(12, dtype=np.int64),
+        "mask": rng.random((2, 3)) > 0.5,
+        "empty": np.zeros((0, 7), dtype=np.float64),
+    }
+
+
+def make_messages() -> dict[str, Message]:
+    """One valid message of every kind (two statuses: with and without capabilities)."""
+    rng = np.random.default_rng(7)
+    capabilities = Capabilities(
+        device_kind="raspberry-pi-5",
+        memory_total=8 * 2**30,
+        memory_available=3 * 2**30,
+        budget_bytes=2**30,
+        num_samples=1200,
+        labels=[0, 1, 4, 9],
+    )
+    return {
+        "status": AgentStatus(agent_id="pi-01", state="online", capabilities=capabilities, sent_at=1700000000.5),
+        "status_offline": AgentStatus(agent_id="pi-01", state="offline", capabilities=None, sent_at=0.0),
+        "coordinator_status": CoordinatorStatus(federation="lab", state="online", round=3, sent_at=1700000001.0),
+        "task": Task(
+            task_id="r3:pi-01",
+            round=3,
+            agent_id="pi-01",
+            deadline=1700000600.0,
+            model=ModelRef(family="resnet", num_classes=10, in_channels=3, options={"depth": 18, "w": [1.0, 0.5]}),
+            spec={"width": 0.5, "blocks": [{"keep": [0, 2, 3], "exit": None}], "name": "level-2", "kd": True},
+            recipe=Recipe(
+                epochs=2,
+                batch_size=32,
+                lr=0.05,
+                momentum=0.9,
+                weight_decay=5e-4,
+                clip_norm=5.0,
+                masked_ce=True,
+                seed=42,
+            ),
+            weights=_weights(rng),
+        ),
+        "update": Update(
+            task_id="r3:pi-01",
+            round=3,
+            agent_id="pi-01",
+            status="adapted",
+            spec_trained={"width": 0.25},
+            num_samples=1200,
+            labels=[0, 1, 4, 9],
+            weights=_weights(rng),
+            metrics={"loss": 0.71, "accuracy": 0.8, "peak_bytes": 123456789.0},
+            reason="memory: trained a narrower level",
+        ),
+        "ack": Ack(task_id="r3:pi-01", round=3, agent_id="pi-01"),
+    }
+
+
+@pytest.fixture
+def messages() -> dict[str, Message]:
+    """Fresh sample messages for each test."""
+    return make_messages()
+
+
+def assert_same_message(actual: object, expected: Message) -> None:
+    """Field-by-field equality; weights compared with numpy.testing (values, dtype and shape)."""
+    assert type(actual) is type(expected)
+    for field in fields(expected):
+        got, want = getattr(actual, field.name), getattr(expected, field.name)
+        if field.name == "weights":
+            assert sorted(got) == sorted(want)
+            for name, array in want.items():
+                assert got[name].dtype == array.dtype, name
+                np.testing.assert_array_equal(got[name], array, err_msg=name)
+        else:
+            assert got == want, field.name
+
+
+@pytest.fixture
+def assert_same() -> Callable[[object, Message], None]:
+    """The `assert_same_message` helper, as a fixture so test modules need no imports from here."""
+    return assert_same_message
