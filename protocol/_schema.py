@@ -142,8 +142,9 @@ def read_message(obj: object, limits: Limits) -> Message:
         raise ProtocolError("message has no protocol version field 'v'")
     version = obj["v"]
     if type(version) is not int or version != PROTOCOL_VERSION:
+        got = str(version) if type(version) is int else shown(version)
         raise ProtocolError(
-            f"message speaks protocol version {shown(version)}, this side speaks version {PROTOCOL_VERSION}: "
+            f"message speaks protocol version {got}, this side speaks version {PROTOCOL_VERSION}: "
             "upgrade the older side"
         )
     kind = obj.get("type")

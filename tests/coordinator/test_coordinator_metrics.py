@@ -1,0 +1,47 @@
+"""MetricsWriter: one JSON object per round, appended."""
+
+from __future__ import annotations
+
+import json
+
+from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
+
+
+def result(round_number: int) -> RoundResult:
+    return RoundResult(
+        round=round_number, global_accuracy=0.5 + round_number / 100, level_accuracy={"a": 0.5, "b": 0.4},
+        participants=2, selected=3, bytes_down=1000, bytes_up=900, seconds=1.5,
+        tasks=[TaskRecord("sim-000", "a", "ok", "width=1", metrics={"loss": 0.3}),
+               TaskRecord("sim-001", "-", "skipped", "-", reason="no level fits")],
+    )
+
+
+def test_write_appends_one_json_line_per_round(tmp_path):
+    path = tmp_path / "state" / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    assert path.parent.is_dir()
+    writer.write(result(1))
+    writer.write(result(2))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2
+    rows = [json.loads(line) for line in lines]
+    assert [row["round"] for row in rows] == [1, 2]
+    assert rows[0]["global_accuracy"] == 0.51
+    assert rows[0]["level_accuracy"] == {"a": 0.5, "b": 0.4}
+    assert rows[0]["tasks"][0] == {"agent": "sim-000", "level": "a", "status": "ok", "spec_sent": "width=1",
+                                   "spec_trained": None, "reason": None, "num_samples": 0,
+                                   "metrics": {"loss": 0.3}}
+    assert rows[1]["tasks"][1]["reason"] == "no level fits"
+
+
+def test_existing_metrics_are_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(path).write(result(1))
+    MetricsWriter(path).write(result(2))  # e.g. after a coordinator restart
+    assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_to_dict_round_trips_through_json():
+    data = result(3).to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["selected"] == 3 and data["bytes_up"] == 900

@@ -1,0 +1,321 @@
+"""split_payload and Reassembler: order, duplicates, integrity, consistency, eviction and bounds."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from typing import Any
+
+import msgpack
+import pytest
+
+from protocol import CHUNK_SIZE, ProtocolError, Reassembler, split_payload
+
+
+def unpack(chunk: bytes) -> dict[str, Any]:
+    obj: dict[str, Any] = msgpack.unpackb(chunk, raw=False)
+    return obj
+
+
+def pack(obj: object) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def chunk_map(**changes: Any) -> dict[str, Any]:
+    """A valid 2-chunk header (payload b"abcdef" in chunks of 3), seq 0, with changes applied."""
+    base = unpack(split_payload(b"abcdef", "t-1", 3)[0])
+    base.update(changes)
+    return base
+
+
+def test_split_headers_and_sizes() -> None:
+    payload = bytes(range(256)) * 10  # 2560 bytes
+    chunks = split_payload(payload, "r1:pi-01", 1000)
+    maps = [unpack(chunk) for chunk in chunks]
+    digest = hashlib.sha256(payload).hexdigest()
+    assert [m["seq"] for m in maps] == [0, 1, 2]
+    assert [len(m["data"]) for m in maps] == [1000, 1000, 560]
+    for m in maps:
+        assert set(m) == {"v", "type", "transfer", "seq", "count", "total", "sha256", "data"}
+        assert (m["v"], m["type"], m["transfer"], m["count"], m["total"]) == (1, "chunk", "r1:pi-01", 3, 2560)
+        assert m["sha256"] == digest
+    assert b"".join(m["data"] for m in maps) == payload
+
+
+def test_split_edge_sizes() -> None:
+    empty = split_payload(b"", "t")
+    assert len(empty) == 1
+    header = unpack(empty[0])
+    assert (header["count"], header["total"], header["data"]) == (1, 0, b"")
+    assert header["sha256"] == hashlib.sha256(b"").hexdigest()
+    assert len(split_payload(b"x" * 3000, "t", 1000)) == 3
+    assert len(split_payload(b"x" * 3001, "t", 1000)) == 4
+    assert len(split_payload(bytearray(b"xyz"), "t", 1)) == 3
+
+
+def test_default_chunks_fit_under_the_mosquitto_packet_cap() -> None:
+    payload = random.Random(3).randbytes(2 * CHUNK_SIZE + 12345)
+    chunks = split_payload(payload, "big")
+    assert CHUNK_SIZE == 1 << 20
+    assert len(chunks) == 3
+    assert all(len(chunk) <= CHUNK_SIZE + 300 for chunk in chunks)
+    assert all(len(chunk) < 2_000_000 for chunk in chunks)
+
+
+def test_split_rejects_bad_arguments() -> None:
+    with pytest.raises(ProtocolError, match="transfer id"):
+        split_payload(b"x", "a/b")
+    with pytest.raises(ProtocolError, match="transfer id"):
+        split_payload(b"x", "")
+    with pytest.raises(ValueError, match="chunk_size"):
+        split_payload(b"x", "t", 0)
+    with pytest.raises(TypeError, match="bytes"):
+        split_payload("text", "t")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reassemble_random_order_with_duplicates(seed: int) -> None:
+    rng = random.Random(seed)
+    payload = rng.randbytes(rng.randrange(1, 5000))
+    chunks = split_payload(payload, f"t-{seed}", rng.randrange(1, 700))
+    stream = chunks + rng.sample(chunks, k=min(len(chunks), 5))  # duplicates before completion
+    rng.shuffle(stream)
+    reassembler = Reassembler()
+    results = []
+    completed_at = None
+    for index, chunk in enumerate(stream):
+        result = reassembler.feed(chunk, source="pi-01", now=float(index))
+        if result is not None:
+            results.append(result)
+            completed_at = index
+    assert results[:1] == [payload]
+    # duplicates arriving after completion open a new transfer that never completes: harmless, evicted later
+    assert len(results) == 1 or results == [payload, payload]
+    assert completed_at is not None
+    assert reassembler.pending() in (0, 1)
+
+
+def test_duplicate_chunks_do_not_complete_early_and_resend_completes_again() -> None:
+    chunks = split_payload(b"0123456789", "t", 4)
+    reassembler = Reassembler()
+    assert reassembler.feed(chunks[0]) is None
+    assert reassembler.feed(chunks[0]) is None
+    assert reassembler.feed(chunks[1]) is None
+    assert reassembler.pending() == 1
+    assert reassembler.feed(chunks[2]) == b"0123456789"
+    assert reassembler.pending() == 0
+    # a sender retrying the whole upload (e.g. the ack got lost) gets its payload through again
+    assert [reassembler.feed(c) for c in chunks] == [None, None, b"0123456789"]
+
+
+def test_sources_and_transfers_are_kept_apart() -> None:
+    a = split_payload(b"from agent a", "same-id", 5)
+    b = split_payload(b"from agent b!", "same-id", 5)
+    reassembler = Reassembler()
+    out: dict[str, bytes | None] = {}
+    for chunk_a, chunk_b in zip(a, b, strict=True):
+        out["a"] = reassembler.feed(chunk_a, source="a")
+        out["b"] = reassembler.feed(chunk_b, source="b")
+    assert out == {"a": b"from agent a", "b": b"from agent b!"}
+    assert reassembler.pending() == 0
+
+
+def test_sha_mismatch_raises_and_drops_the_transfer() -> None:
+    wrong = hashlib.sha256(b"something else").hexdigest()
+    chunks = [pack({**unpack(c), "sha256": wrong}) for c in split_payload(b"payload!", "t", 3)]
+    reassembler = Reassembler()
+    assert reassembler.feed(chunks[0]) is None
+    assert reassembler.feed(chunks[1]) is None
+    with pytest.raises(ProtocolError, match="sha256"):
+        reassembler.feed(chunks[2])
+    assert reassembler.pending() == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"count": 3}, "earlier chunks said count=2"),
+        ({"total": 7}, "total=6"),
+        ({"sha256": "0" * 64}, "sha256="),
+    ],
+)
+def test_inconsistent_headers_are_rejected(change: dict[str, Any], reason: str) -> None:
+    chunks = split_payload(b"abcdef", "t-1", 3)
+    reassembler = Reassembler()
+    assert reassembler.feed(chunks[0]) is None
+    with pytest.raises(ProtocolError, match=reason):
+        reassembler.feed(pack({**unpack(chunks[1]), **change}))
+    assert reassembler.pending() == 1  # the earlier transfer is kept and still completes
+    assert reassembler.feed(chunks[1]) == b"abcdef"
+
+
+def test_same_seq_with_different_data_is_rejected() -> None:
+    chunks = split_payload(b"abcdef", "t-1", 3)
+    reassembler = Reassembler()
+    reassembler.feed(chunks[0])
+    with pytest.raises(ProtocolError, match="different data"):
+        reassembler.feed(pack({**unpack(chunks[0]), "data": b"xyz"}))
+    assert reassembler.feed(chunks[1]) == b"abcdef"
+
+
+@pytest.mark.parametrize(
+    ("chunk", "reason"),
+    [
+        (chunk_map(seq=2), "out of range"),
+        (chunk_map(seq=-1), "seq must be >= 0"),
+        (chunk_map(count=0), "count must be >= 1"),
+        (chunk_map(count=7), "cannot have 7 chunks"),
+        (chunk_map(total=-1), "total must be >= 0"),
+        (chunk_map(data=b"abcdef"), "impossible"),  # 6 bytes cannot be one of 2 chunks of 6
+        (chunk_map(data=b""), "impossible"),
+        (chunk_map(total=0, count=1, data=b"a"), "impossible"),
+        (chunk_map(data="abc"), "data must be bytes"),
+        (chunk_map(sha256="ABC"), "sha256"),
+        (chunk_map(sha256="A" * 64), "sha256"),
+        (chunk_map(transfer="a/b"), "transfer"),
+        (chunk_map(v=2), "version"),
+        (chunk_map(seq=True), "seq must be an integer"),
+        (chunk_map(type="task"), "not a chunk"),
+        ({k: v for k, v in chunk_map().items() if k != "total"}, "missing field(s) 'total'"),
+        ({**chunk_map(), "extra": 1}, "unknown field(s)"),
+        ([1, 2, 3], "must be a map"),
+    ],
+)
+def test_malformed_chunks_are_rejected(chunk: object, reason: str) -> None:
+    reassembler = Reassembler()
+    with pytest.raises(ProtocolError) as caught:
+        reassembler.feed(pack(chunk))
+    assert reason in str(caught.value)
+    assert reassembler.pending() == 0
+
+
+@pytest.mark.parametrize("chunk", [b"", b"\xc1", b"\x88", "not bytes", None])
+def test_undecodable_chunks_are_rejected(chunk: Any) -> None:
+    with pytest.raises(ProtocolError):
+        Reassembler().feed(chunk)
+
+
+def test_chunk_sizes_that_overflow_the_total_drop_the_transfer() -> None:
+    reassembler = Reassembler()
+    first = chunk_map(transfer="t", count=3, total=10, seq=0, sha256="0" * 64, data=b"12345678")
+    assert reassembler.feed(pack(first)) is None
+    with pytest.raises(ProtocolError, match="exceed its total"):
+        reassembler.feed(pack({**first, "seq": 1, "data": b"90"}))  # leaves no byte for chunk 2
+    assert reassembler.pending() == 0
+    short = chunk_map(transfer="u", count=2, total=10, seq=0, sha256="0" * 64, data=b"1234")
+    assert reassembler.feed(pack(short)) is None
+    with pytest.raises(ProtocolError, match="do not add up"):
+        reassembler.feed(pack({**short, "seq": 1}))
+    assert reassembler.pending() == 0
+
+
+def test_oversize_total_is_rejected() -> None:
+    reassembler = Reassembler(max_total_bytes=100)
+    with pytest.raises(ProtocolError, match="over the limit of 100"):
+        reassembler.feed(split_payload(b"x" * 101, "t", 50)[0])
+    assert reassembler.feed(split_payload(b"x" * 100, "t", 100)[0]) == b"x" * 100
+    huge = pack(chunk_map(total=2**40, count=2**21, sha256="0" * 64))
+    with pytest.raises(ProtocolError, match="over the limit"):
+        Reassembler().feed(huge)
+
+
+def test_idle_transfers_are_evicted_after_ttl() -> None:
+    reassembler = Reassembler(ttl_seconds=600.0)
+    a = split_payload(b"aaaa", "a", 2)
+    b = split_payload(b"bbbb", "b", 2)
+    assert reassembler.feed(a[0], now=0.0) is None
+    assert reassembler.feed(b[0], now=500.0) is None
+    assert reassembler.pending() == 2
+    assert reassembler.feed(b[1], now=1000.0) == b"bbbb"  # b was idle 500 s: kept
+    assert reassembler.pending() == 0  # a was idle 1000 s: evicted
+    assert reassembler.feed(a[1], now=1000.0) is None  # starts over instead of completing
+    assert reassembler.pending() == 1
+
+
+def test_activity_keeps_a_slow_transfer_alive() -> None:
+    chunks = split_payload(b"slow but steady", "slow", 4)
+    reassembler = Reassembler(ttl_seconds=10.0)
+    results = [reassembler.feed(chunk, now=9.0 * i) for i, chunk in enumerate(chunks)]
+    assert results[-1] == b"slow but steady"
+
+
+def test_oldest_transfer_is_dropped_beyond_max_transfers() -> None:
+    reassembler = Reassembler(max_transfers=2)
+    transfers = [split_payload(bytes([i]) * 4, f"t{i}", 2) for i in range(3)]
+    for i, chunks in enumerate(transfers):
+        assert reassembler.feed(chunks[0], now=float(i)) is None
+    assert reassembler.pending() == 2
+    assert reassembler.feed(transfers[1][1], now=3.0) == b"\x01" * 4
+    assert reassembler.feed(transfers[2][1], now=3.0) == b"\x02" * 4
+    assert reassembler.feed(transfers[0][1], now=3.0) is None  # t0 was dropped: this starts a new one
+
+
+def test_max_buffered_bytes_drops_least_recently_active() -> None:
+    reassembler = Reassembler(max_total_bytes=100, max_buffered_bytes=150)
+    a = split_payload(b"a" * 100, "a", 50)
+    b = split_payload(b"b" * 100, "b", 50)
+    c = split_payload(b"c" * 100, "c", 50)
+    for chunks in (a, b, c):
+        assert reassembler.feed(chunks[0]) is None
+    assert reassembler.pending() == 3  # 150 bytes held
+    assert reassembler.feed(pack({**unpack(a[0]), "transfer": "d"})) is None  # 200 > 150: a dropped
+    assert reassembler.pending() == 3
+    assert reassembler.feed(a[1]) is None
+    assert reassembler.feed(c[1]) == b"c" * 100
+    with pytest.raises(ValueError, match="max_buffered_bytes"):
+        Reassembler(max_total_bytes=100, max_buffered_bytes=99)
+
+
+def test_concurrent_feeding_returns_each_payload_once() -> None:
+    payloads = {f"t{i}": random.Random(i).randbytes(3000 + i) for i in range(16)}
+    streams = {tid: split_payload(data, tid, 256) for tid, data in payloads.items()}
+    reassembler = Reassembler()
+    results: list[tuple[str, bytes]] = []
+    lock = threading.Lock()
+
+    def worker(tids: list[str]) -> None:
+        for tid in tids:
+            for chunk in streams[tid]:
+                result = reassembler.feed(chunk, source="s")
+                if result is not None:
+                    with lock:
+                        results.append((tid, result))
+
+    tids = sorted(payloads)
+    threads = [threading.Thread(target=worker, args=(tids[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == sorted(payloads.items())
+    assert reassembler.pending() == 0
+
+
+def test_mutated_chunks_only_ever_raise_protocol_error() -> None:
+    rng = random.Random(99)
+    chunks = split_payload(rng.randbytes(700), "fuzz", 200)
+    outcomes = {"none": 0, "payload": 0, "error": 0}
+    for _ in range(2000):
+        reassembler = Reassembler()
+        data = bytearray(rng.choice(chunks))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(data) + 1)
+            op = rng.randrange(3)
+            if op == 0 and at < len(data):
+                data[at] ^= 1 << rng.randrange(8)
+            elif op == 1:
+                del data[at:]
+            else:
+                data[at:at] = rng.randbytes(rng.randint(1, 4))
+        try:
+            result = reassembler.feed(bytes(data))
+        except ProtocolError:
+            outcomes["error"] += 1
+        except Exception as exc:  # pragma: no cover - this is the failure being tested for
+            pytest.fail(f"feed leaked {type(exc).__name__}: {exc!r}")
+        else:
+            outcomes["none" if result is None else "payload"] += 1
+    assert outcomes["error"] > 500
+    assert outcomes["none"] > 0

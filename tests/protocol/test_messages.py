@@ -1,0 +1,217 @@
+"""Field-level validation of every message type on decode: types, ranges, ids, missing and unknown fields."""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import fields
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from protocol import (
+    Ack,
+    AgentStatus,
+    CoordinatorStatus,
+    Message,
+    ProtocolError,
+    Task,
+    Update,
+    decode,
+    encode,
+)
+
+
+def wire_of(message: Message) -> dict[str, Any]:
+    unpacked: dict[str, Any] = msgpack.unpackb(encode(message), raw=False)
+    return unpacked
+
+
+def pack(obj: object) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def _set(wire: dict[str, Any], path: str, value: object) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        wire = wire[part]
+    wire[last] = value
+
+
+def _delete(wire: dict[str, Any], path: str) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        wire = wire[part]
+    del wire[last]
+
+
+def _tensor(dtype: str, shape: list[int], data: bytes) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data": data}
+
+
+BAD_FIELDS: list[tuple[str, str, object, str]] = [
+    # (sample, dotted field, bad value, expected text in the reason)
+    ("ack", "round", True, "ack.round must be an integer, got bool"),
+    ("ack", "round", 1.0, "ack.round must be an integer"),
+    ("ack", "round", "3", "ack.round must be an integer"),
+    ("ack", "round", -1, "ack.round must be >= 0"),
+    ("coordinator_status", "round", -5, "coordinator_status.round must be >= 0"),
+    ("task", "round", -1, "task.round must be >= 0"),
+    ("ack", "agent_id", "pi/01", "ack.agent_id"),
+    ("task", "agent_id", "+", "task.agent_id"),
+    ("update", "agent_id", "", "update.agent_id"),
+    ("status", "agent_id", 5, "status.agent_id"),
+    ("coordinator_status", "federation", "a b", "coordinator_status.federation"),
+    ("ack", "task_id", "", "ack.task_id"),
+    ("ack", "task_id", "x" * 129, "ack.task_id"),
+    ("task", "task_id", "r3/pi", "task.task_id"),
+    ("task", "deadline", "soon", "task.deadline must be a number, got str"),
+    ("task", "deadline", True, "task.deadline must be a number, got bool"),
+    ("task", "deadline", math.inf, "task.deadline must be finite"),
+    ("status", "sent_at", math.nan, "status.sent_at must be finite"),
+    ("status", "sent_at", None, "status.sent_at must be a number"),
+    ("status", "state", "sleeping", "status.state must be one of online, busy, offline"),
+    ("coordinator_status", "state", "busy", "coordinator_status.state must be one of online, offline"),
+    ("update", "status", "great", "update.status must be one of ok, adapted, declined, failed"),
+    ("status", "capabilities", "none", "status.capabilities must be a map"),
+    ("status", "capabilities.memory_total", -1, "status.capabilities.memory_total must be >= 0"),
+    ("status", "capabilities.memory_available", 2.5, "memory_available must be an integer"),
+    ("status", "capabilities.budget_bytes", -2, "budget_bytes must be >= 0"),
+    ("status", "capabilities.num_samples", False, "num_samples must be an integer, got bool"),
+    ("status", "capabilities.labels", [0, -1], "labels item must be >= 0"),
+    ("status", "capabilities.device_kind", "", "device_kind must not be empty"),
+    ("update", "labels", "0,1", "update.labels must be a list"),
+    ("update", "labels", [0, True], "update.labels item must be an integer, got bool"),
+    ("update", "num_samples", -3, "update.num_samples must be >= 0"),
+    ("update", "metrics", {"loss": "low"}, "update.metrics.loss must be a number"),
+    ("update", "metrics", {"loss": math.nan}, "update.metrics.loss must be finite"),
+    ("update", "metrics", {"loss": math.inf}, "update.metrics.loss must be finite"),
+    ("update", "metrics", {"ok": True}, "update.metrics.ok must be a number, got bool"),
+    ("update", "metrics", [0.5], "update.metrics must be a map"),
+    ("update", "reason", 5, "update.reason must be a string"),
+    ("update", "spec_trained", [1, 2], "update.spec_trained must be a map"),
+    ("task", "spec", None, "task.spec must be a map"),
+    ("task", "spec", {"blob": b"\x00"}, "task.spec.blob must be None, bool, int, float, str"),
+    ("task", "spec", {"levels": [{"w": math.nan}]}, "task.spec.levels[0].w must be finite"),
+    ("task", "model.family", 7, "task.model.family must be a string"),
+    ("task", "model.num_classes", 0, "task.model.num_classes must be >= 1"),
+    ("task", "model.in_channels", -3, "task.model.in_channels must be >= 1"),
+    ("task", "model.options", {"nested": {"a": 1}}, "task.model.options.nested must be None, bool"),
+    ("task", "model.options", {"xs": [[1]]}, "task.model.options.xs must be None, bool"),
+    ("task", "recipe.epochs", 0, "task.recipe.epochs must be >= 1"),
+    ("task", "recipe.epochs", 2.0, "task.recipe.epochs must be an integer"),
+    ("task", "recipe.batch_size", 0, "task.recipe.batch_size must be >= 1"),
+    ("task", "recipe.lr", 0.0, "task.recipe.lr must be > 0"),
+    ("task", "recipe.lr", "0.1", "task.recipe.lr must be a number, got str"),
+    ("task", "recipe.momentum", 1.0, "task.recipe.momentum must be < 1"),
+    ("task", "recipe.momentum", -0.1, "task.recipe.momentum must be >= 0"),
+    ("task", "recipe.weight_decay", -1e-4, "task.recipe.weight_decay must be >= 0"),
+    ("task", "recipe.clip_norm", 0.0, "task.recipe.clip_norm must be > 0"),
+    ("task", "recipe.masked_ce", 1, "task.recipe.masked_ce must be true or false"),
+    ("task", "recipe.seed", 4.0, "task.recipe.seed must be an integer"),
+    ("task", "weights", [], "task.weights must be a map of tensors"),
+    ("task", "weights", {"w": _tensor("float32", [2, 2], b"\x00" * 12)}, "task.weights['w']: tensor data is 12"),
+    ("task", "weights", {"w": _tensor("float32", [2**20, 2**20], b"")}, "task.weights['w']: tensor has"),
+    ("task", "weights", {"w": _tensor("float32", [2**40], b"")}, "elements, more than the limit"),
+    ("task", "weights", {"w": _tensor("complex64", [1], b"\x00" * 8)}, "tensor dtype str 'complex64' is not"),
+    ("task", "weights", {"w": _tensor("object", [1], b"\x00" * 8)}, "is not allowed"),
+    ("update", "weights", {"w": _tensor("float32", [1], np.float32(np.nan).tobytes())}, "NaN or Inf"),
+    ("update", "weights", {"w": _tensor("float64", [2], np.array([1, np.inf]).tobytes())}, "NaN or Inf"),
+    ("update", "weights", {"w": _tensor("float16", [1], np.float16(-np.inf).tobytes())}, "NaN or Inf"),
+    ("update", "weights", {"": _tensor("int8", [1], b"\x01")}, "update.weights key must not be empty"),
+]
+
+
+@pytest.mark.parametrize(("sample", "path", "value", "reason"), BAD_FIELDS)
+def test_bad_field_is_rejected_with_its_name(
+    sample: str, path: str, value: object, reason: str, messages: dict[str, Message]
+) -> None:
+    wire = wire_of(messages[sample])
+    _set(wire, path, value)
+    with pytest.raises(ProtocolError) as caught:
+        decode(pack(wire))
+    assert reason in str(caught.value)
+
+
+def _field_paths(wire: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every message field (nested dataclass maps included, but not weights/spec/options contents)."""
+    paths = []
+    for key, value in wire.items():
+        if key in ("v", "type"):
+            continue
+        paths.append(prefix + key)
+        if key in ("capabilities", "model", "recipe") and isinstance(value, dict):
+            paths.extend(_field_paths(value, f"{prefix}{key}."))
+    return paths
+
+
+@pytest.mark.parametrize("sample", ["status", "coordinator_status", "task", "update", "ack"])
+def test_every_missing_field_is_rejected_by_name(sample: str, messages: dict[str, Message]) -> None:
+    paths = _field_paths(wire_of(messages[sample]))
+    assert len(paths) >= 3
+    for path in paths:
+        wire = wire_of(messages[sample])
+        _delete(wire, path)
+        with pytest.raises(ProtocolError, match="missing field") as caught:
+            decode(pack(wire))
+        assert repr(path.split(".")[-1]) in str(caught.value), path
+
+
+@pytest.mark.parametrize(
+    ("sample", "where"), [("ack", ""), ("task", "recipe."), ("task", "model."), ("status", "capabilities.")]
+)
+def test_unknown_field_is_rejected_by_name(sample: str, where: str, messages: dict[str, Message]) -> None:
+    wire = wire_of(messages[sample])
+    _set(wire, where + "surprise_field", 1)
+    with pytest.raises(ProtocolError, match="unknown field") as caught:
+        decode(pack(wire))
+    assert "surprise_field" in str(caught.value)
+
+
+def test_optional_fields_accept_none(messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["update"])
+    wire.update(spec_trained=None, reason=None, weights={}, status="declined")
+    update = decode(pack(wire), expected=Update)
+    assert isinstance(update, Update)
+    assert (update.spec_trained, update.reason, update.weights) == (None, None, {})
+    offline = decode(encode(messages["status_offline"]), expected=AgentStatus)
+    assert isinstance(offline, AgentStatus) and offline.capabilities is None
+    wire = wire_of(messages["task"])
+    wire["recipe"]["clip_norm"] = None
+    wire["recipe"]["momentum"] = 0
+    task = decode(pack(wire), expected=Task)
+    assert isinstance(task, Task) and task.recipe.clip_norm is None and task.recipe.momentum == 0.0
+
+
+def test_float_fields_accept_ints_as_floats(messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])
+    wire["deadline"] = 1700000600
+    wire["recipe"]["lr"] = 1
+    task = decode(pack(wire), expected=Task)
+    assert isinstance(task, Task)
+    assert type(task.deadline) is float and task.deadline == 1700000600.0
+    assert type(task.recipe.lr) is float and task.recipe.lr == 1.0
+
+
+def test_update_reason_defaults_to_none() -> None:
+    update = Update("t", 0, "a", "ok", None, 0, [], {}, {})
+    assert update.reason is None
+    decoded = decode(encode(update), expected=Update)
+    assert isinstance(decoded, Update) and decoded.reason is None
+
+
+def test_message_union_lists_the_top_level_messages() -> None:
+    assert set(typing.get_args(Message)) == {AgentStatus, CoordinatorStatus, Task, Update, Ack}
+
+
+def test_field_names_are_the_contract() -> None:
+    assert [f.name for f in fields(Task)] == [
+        "task_id", "round", "agent_id", "deadline", "model", "spec", "recipe", "weights",
+    ]  # fmt: skip
+    assert [f.name for f in fields(Update)] == [
+        "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights", "metrics",
+        "reason",
+    ]  # fmt: skip
