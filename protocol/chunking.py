@@ -50,7 +50,9 @@ class _Transfer:
     received: int = 0
 
 
-def split_payload(payload: bytes, transfer_id: str, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
+def split_payload(
+    payload: bytes | bytearray | memoryview, transfer_id: str, chunk_size: int = CHUNK_SIZE
+) -> list[bytes]:
     """Split a payload into encoded chunks of at most ``chunk_size`` data bytes each (plus a small header).
 
     ``transfer_id`` (1..128 chars of ``[A-Za-z0-9_.:-]``) must be unique per payload from one sender;
@@ -168,7 +170,9 @@ class Reassembler:
         with self._lock:
             return len(self._open)
 
-    def feed(self, chunk: bytes, source: str = "", now: float | None = None) -> bytes | None:
+    def feed(
+        self, chunk: bytes | bytearray | memoryview, source: str = "", now: float | None = None
+    ) -> bytes | None:
         """Take one chunk; return the whole payload when it completes, else None.
 
         ``source`` separates senders (e.g. the agent id or topic); ``now`` defaults to ``time.monotonic()``.

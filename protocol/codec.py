@@ -118,7 +118,7 @@ def _type_names(expected: type | tuple[type, ...]) -> str:
 
 
 def decode(
-    payload: bytes,
+    payload: bytes | bytearray | memoryview,
     expected: type | tuple[type, ...] | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> Message:

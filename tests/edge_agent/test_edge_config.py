@@ -1,0 +1,52 @@
+"""AgentConfig.validate."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_agent.config import AgentConfig, AgentDataConfig
+from fedfit.config import ConfigError, from_mapping
+
+
+def valid(**kwargs) -> AgentConfig:
+    kwargs.setdefault("data", AgentDataConfig(path="/data/local.npz"))
+    return AgentConfig(agent_id="pi-01", **kwargs)
+
+
+def test_valid_configs_pass():
+    valid().validate()
+    valid(budget_bytes=1, data=AgentDataConfig(dataset="digits", num_shards=4, shard=3)).validate()
+
+
+def test_data_source_is_required():
+    with pytest.raises(ValueError, match="either 'path'"):
+        AgentConfig(agent_id="pi-01").validate()
+
+
+@pytest.mark.parametrize("budget", [0, -5])
+def test_budget_must_be_positive(budget):
+    with pytest.raises(ValueError, match="budget_bytes must be positive"):
+        valid(budget_bytes=budget).validate()
+
+
+@pytest.mark.parametrize(("shard", "num_shards"), [(2, 2), (-1, 3), (0, 0)])
+def test_shard_must_be_in_range(shard, num_shards):
+    data = AgentDataConfig(dataset="digits", shard=shard, num_shards=num_shards)
+    with pytest.raises(ValueError, match=r"data\.shard must be in \[0, num_shards\)"):
+        valid(data=data).validate()
+
+
+@pytest.mark.parametrize("kwargs", [{"ack_timeout_s": 0.0}, {"update_attempts": 0}, {"status_interval_s": -1.0}])
+def test_timing_settings_must_be_positive(kwargs):
+    with pytest.raises(ValueError, match="ack_timeout_s and status_interval_s must be positive"):
+        valid(**kwargs).validate()
+
+
+def test_from_mapping_requires_agent_id_and_names_nested_keys():
+    with pytest.raises(ConfigError, match="agent_id"):
+        from_mapping(AgentConfig, {"data": {"path": "x"}})
+    with pytest.raises(ConfigError, match=r"'data\.shards'"):
+        from_mapping(AgentConfig, {"agent_id": "a", "data": {"shards": 2}})
+    config = from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "budget_bytes": 10})
+    assert config.data.dataset == "digits" and config.budget_bytes == 10
+    config.validate()

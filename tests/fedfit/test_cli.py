@@ -1,0 +1,58 @@
+"""The fedfit command turns every user error into one sentence and exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedfit.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_unknown_config_key_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe:\n  lr: 0.1\n  learning_rate: 0.2\n")
+    code, err = run(capsys, "coordinator", "--config", str(config))
+    assert code == 2
+    assert "recipe.learning_rate" in err and "Traceback" not in err
+
+
+def test_wrong_type_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("rounds: many\n")
+    code, err = run(capsys, "coordinator", "--config", str(config))
+    assert code == 2 and "rounds" in err and "integer" in err
+
+
+def test_cross_field_error_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("fraction: 1.5\n")
+    code, err = run(capsys, "coordinator", "--config", str(config))
+    assert code == 2 and "fraction" in err
+
+
+def test_agent_needs_an_id_and_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "a.yaml"
+    config.write_text("federation: lab\n")
+    code, err = run(capsys, "agent", "--config", str(config))
+    assert code == 2 and "agent_id" in err
+    config.write_text("agent_id: pi-1\n")
+    code, err = run(capsys, "agent", "--config", str(config))
+    assert code == 2 and "data" in err
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(capsys, "agent", "--config", str(tmp_path / "absent.yaml"))
+    assert code == 2 and "absent.yaml" in err
+
+
+def test_sim_bad_partition_and_broker(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(capsys, "sim", "--dataset", "digits", "--partition", "halves")
+    assert code == 2 and "iid" in err and "shards" in err
+    code, err = run(capsys, "sim", "--dataset", "digits", "--broker", "nowhere")
+    assert code == 2 and "HOST:PORT" in err

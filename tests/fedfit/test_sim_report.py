@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coordinator.metrics import RoundResult, TaskRecord
+from fedfit.sim.report import build_report, format_table, write_report
+
+
+def sample_rounds() -> list[RoundResult]:
+    return [RoundResult(round=1, global_accuracy=0.8125, level_accuracy={"a": 0.8125, "b": 0.75}, participants=2,
+                        selected=3, bytes_down=2_000_000, bytes_up=1_500_000, seconds=4.25,
+                        tasks=[TaskRecord("sim-000", "a", "ok", "width=1"),
+                               TaskRecord("sim-001", "b", "declined", "width=0.5", reason="too big")])]
+
+
+def test_report_has_the_documented_shape(tmp_path: Path) -> None:
+    report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {"agents": 3})
+    assert report["algorithm"] == "heterofl"
+    assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11"}
+    assert report["rounds"] == [{"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
+                                 "participants": 2, "bytes_down": 2_000_000, "bytes_up": 1_500_000,
+                                 "seconds": 4.25}]
+    assert [t["status"] for t in report["tasks"]] == ["ok", "declined"]
+    path = tmp_path / "out" / "r.json"
+    write_report(report, path)
+    assert json.loads(path.read_text()) == report
+
+
+def test_table_lists_levels_and_traffic() -> None:
+    table = format_table(sample_rounds())
+    header, rule, row = table.splitlines()
+    assert header.split() == ["round", "global", "lvl", "a", "lvl", "b", "agents", "MB", "down", "MB", "up",
+                              "seconds"]
+    assert set(rule.replace(" ", "")) == {"-"}
+    assert row.split() == ["1", "0.8125", "0.8125", "0.7500", "2/3", "2.00", "1.50", "4.2"]
