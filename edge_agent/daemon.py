@@ -176,7 +176,7 @@ class EdgeAgent:
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
             self.uplink.send(update)
             self.tasks_done += 1
-        except Exception:  # noqa: BLE001 - the daemon outlives any task
+        except Exception:
             self.log.exception("task_crashed", task=task.task_id)
         finally:
             with self._lock:

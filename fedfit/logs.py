@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import IO, Any
+from typing import IO, Any, TextIO, cast
 
 import structlog
 
@@ -24,7 +24,7 @@ def configure_logging(level: str = "info", stream: IO[str] | None = None) -> Non
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream if stream is not None else sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, stream) if stream is not None else sys.stdout),
         cache_logger_on_first_use=False,
     )
 

@@ -160,8 +160,11 @@ class MqttLink:
     def _attempt(self, protocol: int, deadline: float) -> str:
         """One connection try; returns "ok" or the reason it failed."""
         self._abandon_client()
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=protocol,
-                             **({} if protocol == mqtt.MQTTv5 else {"clean_session": True}))
+        if protocol == mqtt.MQTTv5:
+            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+        else:
+            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv311,
+                                 clean_session=True)
         if self.broker.username is not None:
             client.username_pw_set(self.broker.username, self.broker.password)
         if self._will is not None:

@@ -131,7 +131,7 @@ class FieldReader:
             raise ProtocolError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
         unknown = [key for key in obj if key not in expected]
         if unknown:
-            raise ProtocolError(f"{where}: unknown field(s) {', '.join(shown(k, 40) for k in unknown[:5])}")
+            raise ProtocolError(f"{where}: unknown field(s) {', '.join(repr(k)[:40] for k in unknown[:5])}")
         self._obj: dict[str, object] = obj
         self.where = where
         self.limits = limits

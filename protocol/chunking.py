@@ -191,9 +191,8 @@ class Reassembler:
             elif (transfer.count, transfer.total, transfer.sha256) != (part.count, part.total, part.sha256):
                 raise ProtocolError(
                     f"chunk {part.seq} of transfer {part.transfer!r} says count={part.count}, "
-                    f"total={part.total}, "
-                    f"sha256={part.sha256[:12]}..., but earlier chunks said count={transfer.count}, "
-                    f"total={transfer.total}, sha256={transfer.sha256[:12]}..."
+                    f"total={part.total}, sha256={part.sha256[:12]}..., but earlier chunks said "
+                    f"count={transfer.count}, total={transfer.total}, sha256={transfer.sha256[:12]}..."
                 )
             self._open.move_to_end(key)
             transfer.last_seen = now

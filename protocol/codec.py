@@ -109,7 +109,9 @@ def _unpack(payload: object, limits: Limits) -> object:
     except msgpack.ExtraData:
         raise ProtocolError("payload has trailing bytes after the message") from None
     except Exception as exc:  # noqa: BLE001 - every unpack failure is a malformed payload
-        raise ProtocolError(f"payload is not valid msgpack, truncated or corrupted ({reason_of(exc)})") from None
+        raise ProtocolError(
+            f"payload is not valid msgpack, truncated or corrupted ({reason_of(exc)})"
+        ) from None
 
 
 def _type_names(expected: type | tuple[type, ...]) -> str:
@@ -133,5 +135,5 @@ def decode(
     except Exception as exc:  # noqa: BLE001 - the boundary: nothing but ProtocolError may escape
         raise ProtocolError(f"malformed message ({reason_of(exc)})") from None
     if expected is not None and not isinstance(message, expected):
-        raise ProtocolError(f"expected a {_type_names(expected)} message, got {KIND_OF[type(message)]!r}")
+        raise ProtocolError(f"expected {_type_names(expected)} message, got {KIND_OF[type(message)]!r}")
     return message

@@ -27,4 +27,4 @@ def make_strategy(
     return STRATEGIES[name](levels, cost, assignment, proportions)
 
 
-__all__ = ["Assignment", "EvalTarget", "Skip", "Strategy", "STRATEGIES", "make_strategy"]
+__all__ = ["STRATEGIES", "Assignment", "EvalTarget", "Skip", "Strategy", "make_strategy"]

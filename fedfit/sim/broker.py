@@ -79,12 +79,6 @@ class Broker:
             self._stop()
             self._stop = None
 
-    def __enter__(self) -> Broker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 def external_broker(address: str) -> Broker:
     """A broker given as HOST:PORT; raises ValueError for a malformed address."""

@@ -43,15 +43,21 @@ def make_messages() -> dict[str, Message]:
         labels=[0, 1, 4, 9],
     )
     return {
-        "status": AgentStatus(agent_id="pi-01", state="online", capabilities=capabilities, sent_at=1700000000.5),
+        "status": AgentStatus(
+            agent_id="pi-01", state="online", capabilities=capabilities, sent_at=1700000000.5
+        ),
         "status_offline": AgentStatus(agent_id="pi-01", state="offline", capabilities=None, sent_at=0.0),
-        "coordinator_status": CoordinatorStatus(federation="lab", state="online", round=3, sent_at=1700000001.0),
+        "coordinator_status": CoordinatorStatus(
+            federation="lab", state="online", round=3, sent_at=1700000001.0
+        ),
         "task": Task(
             task_id="r3:pi-01",
             round=3,
             agent_id="pi-01",
             deadline=1700000600.0,
-            model=ModelRef(family="resnet", num_classes=10, in_channels=3, options={"depth": 18, "w": [1.0, 0.5]}),
+            model=ModelRef(
+                family="resnet", num_classes=10, in_channels=3, options={"depth": 18, "w": [1.0, 0.5]}
+            ),
             spec={"width": 0.5, "blocks": [{"keep": [0, 2, 3], "exit": None}], "name": "level-2", "kd": True},
             recipe=Recipe(
                 epochs=2,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -124,7 +125,9 @@ def test_non_bytes_payload_is_rejected(payload: Any) -> None:
 
 
 @pytest.mark.parametrize("version", [2, 0, -1, "1", 1.0, True, None])
-def test_wrong_version_is_rejected_naming_both_versions(version: object, messages: dict[str, Message]) -> None:
+def test_wrong_version_is_rejected_naming_both_versions(
+    version: object, messages: dict[str, Message]
+) -> None:
     wire = wire_of(messages["ack"])
     wire["v"] = version
     with pytest.raises(ProtocolError, match="version") as caught:
@@ -157,7 +160,7 @@ def test_a_chunk_passed_to_decode_points_at_the_reassembler() -> None:
 
 def test_expected_type_mismatch(messages: dict[str, Message]) -> None:
     payload = encode(messages["ack"])
-    with pytest.raises(ProtocolError, match="expected a Task message, got 'ack'"):
+    with pytest.raises(ProtocolError, match="expected Task message, got 'ack'"):
         decode(payload, expected=Task)
     with pytest.raises(ProtocolError, match="Task or Update"):
         decode(payload, expected=(Task, Update))
@@ -215,9 +218,9 @@ def test_deeply_nested_payload_is_rejected(messages: dict[str, Message]) -> None
 def test_encode_converts_numpy_scalars_and_arrays(messages: dict[str, Message]) -> None:
     update = messages["update"]
     assert isinstance(update, Update)
-    update.round = np.int64(3)  # type: ignore[assignment]
+    update.round = np.int64(3)
     update.labels = np.array([0, 1, 4], dtype=np.int64)  # type: ignore[assignment]
-    update.metrics = {"loss": np.float32(0.5), "steps": 10}  # type: ignore[dict-item]
+    update.metrics = {"loss": np.float32(0.5), "steps": 10}
     decoded = decode(encode(update), expected=Update)
     assert isinstance(decoded, Update)
     assert decoded.round == 3 and type(decoded.round) is int
@@ -235,7 +238,7 @@ def test_encode_refuses_what_decode_would_reject(messages: dict[str, Message]) -
     task = messages["task"]
     assert isinstance(task, Task)
     task.recipe.lr = -0.1
-    with pytest.raises(ProtocolError, match="cannot encode task: task.recipe.lr must be > 0"):
+    with pytest.raises(ProtocolError, match=re.escape("cannot encode task: task.recipe.lr must be > 0")):
         encode(task)
 
 
@@ -259,7 +262,7 @@ def test_encode_rejects_unencodable_values(messages: dict[str, Message]) -> None
     task = messages["task"]
     assert isinstance(task, Task)
     task.spec = {"fn": object()}
-    with pytest.raises(ProtocolError, match="spec.fn"):
+    with pytest.raises(ProtocolError, match=r"spec\.fn"):
         encode(task)
     loop: dict[str, Any] = {}
     loop["self"] = loop
@@ -270,7 +273,7 @@ def test_encode_rejects_unencodable_values(messages: dict[str, Message]) -> None
 
 # ---- fuzz ----------------------------------------------------------------------------------------------
 
-_INTERESTING = [0x00, 0x7F, 0x80, 0x90, 0xA0, 0xC0, 0xC1, 0xC2, 0xC4, 0xC6, 0xCB, 0xCF, 0xD3, 0xDD, 0xDF, 0xFF]
+_INTERESTING = bytes.fromhex("007f8090a0c0c1c2c4c6cbcfd3dddfff")  # msgpack markers worth planting
 
 
 def _mutate(payload: bytes, rng: random.Random) -> bytes:

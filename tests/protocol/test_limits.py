@@ -10,7 +10,7 @@ from protocol import DEFAULT_LIMITS, Limits
 
 
 def test_defaults() -> None:
-    assert DEFAULT_LIMITS == Limits()
+    assert Limits() == DEFAULT_LIMITS
     assert DEFAULT_LIMITS.max_payload_bytes == 512 * 2**20
     assert DEFAULT_LIMITS.max_tensor_elements == 2**28
     assert (DEFAULT_LIMITS.max_tensors, DEFAULT_LIMITS.max_dims) == (4096, 8)

@@ -113,7 +113,12 @@ BAD_FIELDS: list[tuple[str, str, object, str]] = [
     ("task", "recipe.masked_ce", 1, "task.recipe.masked_ce must be true or false"),
     ("task", "recipe.seed", 4.0, "task.recipe.seed must be an integer"),
     ("task", "weights", [], "task.weights must be a map of tensors"),
-    ("task", "weights", {"w": _tensor("float32", [2, 2], b"\x00" * 12)}, "task.weights['w']: tensor data is 12"),
+    (
+        "task",
+        "weights",
+        {"w": _tensor("float32", [2, 2], b"\x00" * 12)},
+        "task.weights['w']: tensor data is 12",
+    ),
     ("task", "weights", {"w": _tensor("float32", [2**20, 2**20], b"")}, "task.weights['w']: tensor has"),
     ("task", "weights", {"w": _tensor("float32", [2**40], b"")}, "elements, more than the limit"),
     ("task", "weights", {"w": _tensor("complex64", [1], b"\x00" * 8)}, "tensor dtype str 'complex64' is not"),
@@ -212,6 +217,6 @@ def test_field_names_are_the_contract() -> None:
         "task_id", "round", "agent_id", "deadline", "model", "spec", "recipe", "weights",
     ]  # fmt: skip
     assert [f.name for f in fields(Update)] == [
-        "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights", "metrics",
-        "reason",
+        "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights",
+        "metrics", "reason",
     ]  # fmt: skip

@@ -15,7 +15,7 @@ from protocol.tensors import ALLOWED_DTYPES, check_array
 def _sample(dtype: str) -> np.ndarray:
     values = np.arange(-6, 6).reshape(3, 4)
     if dtype == "bool":
-        return values % 3 == 0
+        return np.asarray(values % 3 == 0)
     if dtype == "uint8":
         return (values + 6).astype(dtype)
     return (values * (1.5 if dtype.startswith("float") else 1)).astype(dtype)

@@ -18,7 +18,7 @@ def test_validate_name_accepts_one_topic_level(name: str) -> None:
 )
 def test_validate_name_rejects(name: object) -> None:
     with pytest.raises(ProtocolError, match="agent id"):
-        validate_name(name, "agent id")  # type: ignore[arg-type]
+        validate_name(name, "agent id")
 
 
 def test_topics_paths() -> None:
