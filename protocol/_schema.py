@@ -101,6 +101,7 @@ def read_task(obj: object, limits: Limits) -> Task:
         spec=r.tree("spec"),
         recipe=r.nested("recipe", read_recipe),
         weights=r.weights("weights"),
+        adaptation=r.opt_tree("adaptation"),
     )
 
 

@@ -82,6 +82,9 @@ class Task:
     spec: dict[str, Any]
     recipe: Recipe
     weights: dict[str, np.ndarray]
+    adaptation: dict[str, Any] | None = None
+    """How the agent may shrink the spec when it cannot afford it (e.g. ``{"kind": "width-levels",
+    "rates": [...]}``); None: train exactly ``spec`` or decline."""
 
 
 @dataclass

@@ -315,3 +315,18 @@ def test_mutation_fuzz_only_ever_raises_protocol_error(messages: dict[str, Messa
     assert accepted + rejected == 700 * len(messages)
     assert rejected > 1000  # most mutations break the payload...
     assert accepted > 10  # ...but a flipped bit in tensor data or a float still decodes
+
+
+def test_task_adaptation_hint_round_trips_and_is_validated() -> None:
+    from protocol import ModelRef, Recipe, Task
+
+    task = Task("t-1", 1, "dev-a", 10.0, ModelRef("cnn", 10, 1, {}), {"width": 0.5},
+                Recipe(1, 8, 0.1, 0.0, 0.0, None, False, 0), {"w": np.zeros(2, dtype=np.float32)},
+                adaptation={"kind": "width-levels", "rates": [1.0, 0.5, 0.25]})
+    decoded = decode(encode(task), expected=Task)
+    assert isinstance(decoded, Task)
+    assert decoded.adaptation == {"kind": "width-levels", "rates": [1.0, 0.5, 0.25]}
+    raw = msgpack.unpackb(encode(task))
+    raw["adaptation"] = "shrink please"
+    with pytest.raises(ProtocolError, match="adaptation"):
+        decode(msgpack.packb(raw))

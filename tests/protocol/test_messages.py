@@ -214,7 +214,7 @@ def test_message_union_lists_the_top_level_messages() -> None:
 
 def test_field_names_are_the_contract() -> None:
     assert [f.name for f in fields(Task)] == [
-        "task_id", "round", "agent_id", "deadline", "model", "spec", "recipe", "weights",
+        "task_id", "round", "agent_id", "deadline", "model", "spec", "recipe", "weights", "adaptation",
     ]  # fmt: skip
     assert [f.name for f in fields(Update)] == [
         "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights",
