@@ -50,6 +50,14 @@ from protocol import (
 AGGREGATED = ("ok", "adapted")
 
 
+def _describe(spec: dict[str, object]) -> str:
+    """A readable form of a spec dict from an agent, or a note that it is malformed."""
+    try:
+        return SubmodelSpec.from_dict(spec).describe()
+    except ValueError:
+        return "(malformed spec)"
+
+
 class NoAgentsError(RuntimeError):
     """No agent came online in time."""
 
@@ -77,7 +85,7 @@ class Coordinator:
         self.strategy = make_strategy(config.algorithm, self.levels, self._training_cost,
                                       config.level_assignment, config.level_proportions)
         self.registry = FleetRegistry()
-        self.reassembler = Reassembler()
+        self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
         self.on_round = on_round
         self.rng = random.Random(config.seed)
         self.state_dir = Path(config.state_dir)
@@ -267,7 +275,8 @@ class Coordinator:
                         recipe_cfg.weight_decay, recipe_cfg.clip_norm, recipe_cfg.masked_ce,
                         int.from_bytes(hashlib.sha256(seed_material).digest()[:4], "little"))
         task = Task(task_id, round_number, assignment.agent_id, deadline, self.model_ref, spec.to_dict(), recipe,
-                    {key: value.detach().cpu().numpy() for key, value in weights.items()})
+                    {key: value.detach().cpu().numpy() for key, value in weights.items()},
+                    adaptation=self.strategy.adaptation_hint())
         payload = encode(task)
         topic = self.topics.agent_task(assignment.agent_id)
         chunks = split_payload(payload, task_id)
@@ -283,6 +292,8 @@ class Coordinator:
             assignment = collector.tasks[task_id].assignment
             record = TaskRecord(update.agent_id, assignment.level, update.status, assignment.spec.describe(),
                                 reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics))
+            if update.spec_trained is not None:
+                record.spec_trained = _describe(update.spec_trained)
             records[update.agent_id] = record
             if update.status not in AGGREGATED:
                 continue

@@ -14,19 +14,26 @@ from models import ModelFamily, Scaler, SubmodelSpec
 def recompute_bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int = 500) -> None:
     """HeteroFL's sBN: reset every BN layer and accumulate a cumulative average over ``x``.
 
-    BN runs in train mode (momentum None averages all batches) while the Scalers stay in eval mode, so the
-    statistics describe exactly the activations the model sees at evaluation.
+    BN runs in train mode while the Scalers stay in eval mode, so the statistics describe exactly the
+    activations the model sees at evaluation. Each batch's momentum is its share of the samples seen so far,
+    which makes the running statistics the sample-weighted average even when the last batch is short.
     """
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            module.reset_running_stats()
-            module.momentum = None
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
     model.train()
     for module in model.modules():
         if isinstance(module, Scaler):
             module.eval()
+    seen = 0
     for start in range(0, len(x), batch_size):
-        model(x[start:start + batch_size])
+        batch = x[start:start + batch_size]
+        seen += len(batch)
+        for norm in norms:
+            norm.momentum = len(batch) / seen
+        model(batch)
+    for norm in norms:
+        norm.momentum = None
     model.eval()
 
 

@@ -21,6 +21,11 @@ class TaskRecord:
     num_samples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def memory(self, name: str) -> int | None:
+        """A memory figure the agent reported (budget_bytes, estimated_bytes, peak_bytes), if any."""
+        value = self.metrics.get(name)
+        return int(value) if value is not None else None
+
 
 @dataclass
 class RoundResult:

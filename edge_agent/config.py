@@ -28,7 +28,11 @@ class AgentDataConfig:
 
 @dataclass
 class AgentConfig:
-    """Everything one edge agent needs."""
+    """Everything one edge agent needs.
+
+    ``state_dir`` holds the calibration and the training children's scratch files (default: a temporary
+    directory; under systemd, ``$STATE_DIRECTORY``). ``torch_threads`` is what each training child uses.
+    """
 
     agent_id: str
     federation: str = "default"
@@ -41,6 +45,7 @@ class AgentConfig:
     ack_timeout_s: float = 10.0
     update_attempts: int = 30
     torch_threads: int | None = None
+    state_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def validate(self) -> None:

@@ -7,14 +7,16 @@ uplink sender, and a status timer that also feeds the systemd watchdog.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
 
 from edge_agent.config import AgentConfig
-from edge_agent.memory import available_memory, detect_device_kind, total_memory
-from edge_agent.runner import LocalData, TaskRunner
+from edge_agent.memory import detect_device_kind, total_memory
+from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.uplink import Uplink
 from fedfit import systemd_notify
 from fedfit.logs import get_logger
@@ -38,14 +40,20 @@ _SEEN_TASKS = 1024
 class EdgeAgent:
     """One device of the federation."""
 
-    def __init__(self, config: AgentConfig, data: LocalData, *, executor: Executor | None = None) -> None:
+    def __init__(self, config: AgentConfig, data: LocalData, *, executor: Executor | None = None,
+                 budget_schedule: BudgetFn | None = None) -> None:
         config.validate()
         self.config = config
         self.agent_id = config.agent_id
         self.topics = Topics(config.federation)
         self.data = data
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
-        self.runner = TaskRunner(self.agent_id, data, config.budget_bytes, self._torch_device())
+        self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
+        self._last_round = 0
+        state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
+        self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
+                                 state_dir=Path(state_dir) / self.agent_id if state_dir else None,
+                                 torch_threads=config.torch_threads or max(1, (os.cpu_count() or 1)))
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")
@@ -93,6 +101,7 @@ class EdgeAgent:
             self.executor.shutdown(wait=False, cancel_futures=True)
         self.link.stop(final=(self.topics.agent_status(self.agent_id), encode(self._offline_status()), True))
         self._timer.join(2.0) if self._timer.is_alive() else None
+        self.runner.close()
 
     def run_forever(self) -> None:
         """Block until :meth:`stop` is called (from a signal handler, say)."""
@@ -103,11 +112,12 @@ class EdgeAgent:
         """The current status with fresh memory figures."""
         with self._lock:
             state = "busy" if self._busy else "online"
+        budget = self.budget_schedule(self._last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
             memory_total=total_memory(),
-            memory_available=available_memory(self.config.budget_bytes),
-            budget_bytes=self.config.budget_bytes,
+            memory_available=self.runner.available(self._last_round),
+            budget_bytes=budget,
             num_samples=len(self.data.y),
             labels=list(self.data.labels),
         )
@@ -165,6 +175,7 @@ class EdgeAgent:
             while len(self._seen) > _SEEN_TASKS:
                 self._seen.popitem(last=False)
             self._busy += 1
+            self._last_round = max(self._last_round, task.round)
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
         self.executor.submit(self._serve, task)

@@ -1,18 +1,32 @@
-"""Turns one task into one update: validate, check memory, train, package the weights."""
+"""Turns one task into one update: validate, check memory, adapt, train in a child process, report.
+
+The decision happens BEFORE training, from the estimator corrected by this device's calibration; the real
+peak is measured in the training child and fed back into the calibration. A child that is killed or crashes
+becomes a ``failed`` update with the reason; the agent itself carries on.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from edge_agent import child
+from edge_agent.adaptation import adaptation_from_hint, choose
+from edge_agent.calibration import Calibration
 from edge_agent.memory import available_memory
-from edge_agent.training import train_plain
 from models import ModelFamily, SubmodelSpec, get_family
-from protocol import ModelRef, Task, Update
+from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
+
+# Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
+DEADLINE_GRACE_S = 30.0
 
 
 @dataclass
@@ -26,6 +40,8 @@ class LocalData:
         if self.x.ndim != 4 or len(self.x) != len(self.y) or len(self.x) == 0:
             raise ValueError(f"local data must be a non-empty N x C x H x W batch with N labels, got "
                              f"{tuple(self.x.shape)} and {tuple(self.y.shape)}")
+        if int(self.y.min()) < 0:
+            raise ValueError("local labels must be non-negative class indices")
         self.labels = sorted(int(v) for v in torch.unique(self.y))
 
     @property
@@ -46,24 +62,57 @@ class TaskRejected(Exception):
         self.reason = reason
 
 
-class TaskRunner:
-    """Serves tasks for one agent: keeps model families warm and its data in memory."""
+BudgetFn = Callable[[int], "int | None"]
 
-    def __init__(self, agent_id: str, data: LocalData, budget_bytes: int | None = None,
-                 device: str = "cpu") -> None:
+
+def _constant(budget: int | None) -> BudgetFn:
+    """A budget that does not change from round to round."""
+    return lambda _round: budget
+
+
+class TaskRunner:
+    """Serves tasks for one agent: keeps model families warm, its data on disk for the training children."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        data: LocalData,
+        budget: BudgetFn | int | None = None,
+        device: str = "cpu",
+        *,
+        state_dir: str | Path | None = None,
+        calibration: Calibration | None = None,
+        torch_threads: int = 1,
+    ) -> None:
         self.agent_id = agent_id
         self.data = data
-        self.budget_bytes = budget_bytes
+        self.budget_for: BudgetFn = budget if callable(budget) else _constant(budget)
         self.device = device
+        self.torch_threads = torch_threads
+        self._own_state_dir = state_dir is None
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(
+            prefix=f"fedfit-{agent_id}-"))
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.calibration = calibration if calibration is not None else Calibration(
+            self.state_dir / "calibration.json")
+        self.data_path = self.state_dir / "local-data.npz"
+        np.savez(self.data_path, x=data.x.numpy(), y=data.y.numpy())
         self._families: dict[tuple[str, int, int, str], ModelFamily] = {}
+        self.child_pid: int | None = None
 
+    def close(self) -> None:
+        """Remove what the runner wrote when it chose the directory itself."""
+        if self._own_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ public
     def run(self, task: Task) -> Update:
         """Run ``task``; any failure becomes an update with status declined/failed and the reason."""
         try:
-            return self._train(task)
+            return self._serve(task)
         except TaskRejected as exc:
             return self._answer(task, exc.status, reason=exc.reason)
-        except (ValueError, RuntimeError, FloatingPointError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent outlives any task
             return self._answer(task, "failed", reason=f"{type(exc).__name__}: {exc}")
 
     def family_for(self, ref: ModelRef) -> ModelFamily:
@@ -72,59 +121,111 @@ class TaskRunner:
             self._families[key] = get_family(ref.family, ref.num_classes, ref.in_channels, **ref.options)
         return self._families[key]
 
-    def estimate(self, family: ModelFamily, spec: SubmodelSpec, batch_size: int) -> int:
-        """Predicted peak training memory of ``spec`` on this device."""
-        return family.training_memory_bytes(spec, batch_size=batch_size, input_size=self.data.image_size)
+    def raw_estimate(self, family: ModelFamily, spec: SubmodelSpec, batch_size: int, momentum: float) -> int:
+        """The estimator's prediction of peak training memory for ``spec`` on this device."""
+        return family.training_memory_bytes(spec, batch_size=batch_size, input_size=self.data.image_size,
+                                            optimizer_slots=1 if momentum > 0 else 0)
 
-    def _train(self, task: Task) -> Update:
+    def available(self, round_number: int) -> int:
+        """Memory training may use now (budget for this round, cgroup, psutil; CUDA free memory on GPUs)."""
+        free = available_memory(self.budget_for(round_number))
+        if self.device == "cuda" and torch.cuda.is_available():
+            free = min(free, int(torch.cuda.mem_get_info()[0]))
+        return free
+
+    # --------------------------------------------------------------- internals
+    def _serve(self, task: Task) -> Update:
         if time.time() > task.deadline:
             raise TaskRejected("declined", "the task's deadline passed before training could start")
         family = self.family_for(task.model)
+        self._check_compatible(task)
+        try:
+            sent = SubmodelSpec.from_dict(task.spec)
+            adaptation = adaptation_from_hint(task.adaptation)
+        except ValueError as exc:
+            raise TaskRejected("failed", f"invalid task: {exc}") from exc
+        self._check_weights(family, sent, task)
+        recipe = task.recipe
+        raw: dict[SubmodelSpec, int] = {}
+
+        def corrected(spec: SubmodelSpec) -> int:
+            raw[spec] = self.raw_estimate(family, spec, recipe.batch_size, recipe.momentum)
+            return self.calibration.corrected(raw[spec])
+
+        available = self.available(task.round)
+        choice = choose(adaptation.candidates(sent), corrected, available)
+        if choice.spec is None:
+            tried = ", ".join(f"{name} {needed / 2**20:.1f} MiB" for name, needed in choice.tried)
+            raise TaskRejected("declined", f"nothing fits the {available / 2**20:.1f} MiB available "
+                                           f"(estimated: {tried})")
+        spec = choice.spec
+        memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(raw[spec]),
+                  "budget_bytes": float(available), "calibration": self.calibration.factor}
+        outcome = self._train_in_child(task, spec)
+        if outcome.update is None:
+            if outcome.killed_by == "SIGKILL":
+                self.calibration.observe_failure(raw[spec], available)
+            why = (f"training process was killed by {outcome.killed_by}" if outcome.killed_by
+                   else f"training process failed (exit code {outcome.exitcode})")
+            detail = (outcome.error or "").strip().splitlines()[:1]
+            return self._answer(task, "failed", spec_trained=spec.to_dict(), metrics=memory,
+                                reason=f"{why}: {detail[0]}" if detail else why)
+        try:
+            update = decode(outcome.update, expected=Update)
+        except ProtocolError as exc:
+            return self._answer(task, "failed", metrics=memory, reason=f"training child answered garbage: {exc}")
+        assert isinstance(update, Update)
+        peak = int(update.metrics.get("peak_bytes", 0))
+        self.calibration.observe(raw[spec], peak)
+        update.status = "ok" if spec == sent else "adapted"
+        update.metrics.update(memory)
+        if spec != sent:
+            update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {available / 2**20:.1f} MiB"
+        return update
+
+    def _check_compatible(self, task: Task) -> None:
         if task.model.in_channels != self.data.in_channels:
             raise TaskRejected("failed", f"model expects {task.model.in_channels} input channels, local data has "
                                          f"{self.data.in_channels}")
         if self.data.labels[-1] >= task.model.num_classes:
             raise TaskRejected("failed", f"local label {self.data.labels[-1]} is outside the model's "
                                          f"{task.model.num_classes} classes")
-        try:
-            spec = SubmodelSpec.from_dict(task.spec)
-        except ValueError as exc:
-            raise TaskRejected("failed", f"invalid sub-model spec: {exc}") from exc
-        estimate = self.estimate(family, spec, task.recipe.batch_size)
-        available = available_memory(self.budget_bytes)
-        if estimate > available:
-            raise TaskRejected("declined", f"training {spec.describe()} needs about {estimate} bytes, "
-                                           f"{available} are available")
-        model = family.build(spec, track_bn_stats=False)
-        self._load(model, task.weights)
-        result = train_plain(model, self.data.x, self.data.y, task.recipe, self.data.labels,
-                             task.model.num_classes, self.device)
-        weights = {key: value.detach().cpu().numpy().astype(np.float32)
-                   for key, value in model.state_dict().items()}
-        if not all(np.isfinite(w).all() for w in weights.values()):
-            raise TaskRejected("failed", "training produced non-finite weights")
-        metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
-                   "estimated_bytes": float(estimate), "available_bytes": float(available)}
-        return self._answer(task, "ok", spec_trained=spec.to_dict(), weights=weights, metrics=metrics)
+        if task.recipe.batch_size < 2:
+            raise TaskRejected("failed", "batch_size must be at least 2: static BN normalises with batch statistics")
 
     @staticmethod
-    def _load(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
-        expected = model.state_dict()
-        if set(weights) != set(expected):
-            missing = sorted(set(expected) - set(weights))[:3]
-            extra = sorted(set(weights) - set(expected))[:3]
+    def _check_weights(family: ModelFamily, spec: SubmodelSpec, task: Task) -> None:
+        shapes = {key: tuple(len(idx) for idx in index) for key, index in family.index_map(spec).items()}
+        expected = set(family.trainable_keys(spec))
+        if set(task.weights) != expected:
+            missing = sorted(expected - set(task.weights))[:3]
+            extra = sorted(set(task.weights) - expected)[:3]
             raise TaskRejected("failed", f"task weights do not fit the spec (missing {missing}, unexpected {extra})")
-        state = {}
-        for key, array in weights.items():
-            if tuple(array.shape) != tuple(expected[key].shape):
+        for key, array in task.weights.items():
+            if tuple(array.shape) != shapes[key]:
                 raise TaskRejected("failed", f"tensor {key!r} has shape {tuple(array.shape)}, the spec needs "
-                                             f"{tuple(expected[key].shape)}")
-            state[key] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        model.load_state_dict(state, strict=True)
+                                             f"{shapes[key]}")
+
+    def _train_in_child(self, task: Task, spec: SubmodelSpec) -> child.ChildOutcome:
+        workdir = self.state_dir / "tasks" / task.task_id
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        try:
+            (workdir / child.TASK_FILE).write_bytes(encode(task))
+            (workdir / child.PLAN_FILE).write_text(json.dumps({
+                "spec": spec.to_dict(), "device": self.device, "labels": self.data.labels,
+                "data_path": str(self.data_path), "torch_threads": self.torch_threads}))
+            timeout = max(30.0, task.deadline - time.time() + DEADLINE_GRACE_S)
+            return child.run_in_child(workdir, timeout, on_start=self._started)
+        finally:
+            self.child_pid = None
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _started(self, pid: int) -> None:
+        self.child_pid = pid
 
     def _answer(self, task: Task, status: str, *, spec_trained: dict | None = None,
-                weights: dict[str, np.ndarray] | None = None, metrics: dict[str, float] | None = None,
-                reason: str | None = None) -> Update:
+                metrics: dict[str, float] | None = None, reason: str | None = None) -> Update:
         return Update(task_id=task.task_id, round=task.round, agent_id=self.agent_id, status=status,
                       spec_trained=spec_trained, num_samples=len(self.data.y), labels=list(self.data.labels),
-                      weights=weights or {}, metrics=metrics or {}, reason=reason)
+                      weights={}, metrics=metrics or {}, reason=reason)

@@ -47,6 +47,8 @@ def train_plain(
     """SGD over the local data for ``recipe.epochs`` epochs, in train mode (static BN: batch statistics)."""
     if len(x) == 0:
         raise ValueError("no local training data")
+    if recipe.batch_size < 2:
+        raise ValueError("batch_size must be at least 2: static BN normalises with batch statistics")
     started = time.monotonic()
     generator = torch.Generator().manual_seed(recipe.seed)
     model.to(device).train()
@@ -58,8 +60,8 @@ def train_plain(
         order = torch.randperm(len(x), generator=generator)
         for start in range(0, len(x), recipe.batch_size):
             batch = order[start:start + recipe.batch_size]
-            if len(batch) < 2 and len(x) >= 2:
-                continue  # batch-statistics BN cannot normalise a single sample
+            if len(batch) < 2:
+                continue  # a last batch of one sample: batch-statistics BN cannot normalise it
             inputs, targets = x[batch].to(device), y[batch].to(device)
             optimizer.zero_grad(set_to_none=True)
             logits = model(inputs)

@@ -68,7 +68,7 @@ class Uplink:
     def _deliver(self, update: Update) -> None:
         payload = encode(update)
         with self._lock:
-            acked = self._acked[update.task_id]
+            acked = self._acked.setdefault(update.task_id, threading.Event())
         for attempt in range(1, self._attempts + 1):
             for chunk in split_payload(payload, f"{update.task_id}.{attempt}"):
                 self._publish(self.topic, chunk)

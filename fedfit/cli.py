@@ -18,6 +18,7 @@ from fedfit.data import DATASET_NAMES, DatasetError
 from fedfit.logs import configure_logging
 from fedfit.mqtt_link import BrokerUnavailable
 from fedfit.sim.broker import BrokerStartError
+from fedfit.sim.budgets import BUDGET_SCENARIOS
 
 ALGORITHMS = ("heterofl", "fedavg", "decoupled")
 MODELS = ("cnn", "preresnet18")
@@ -52,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
     sim.add_argument("--config", default=None, metavar="FILE",
                      help="coordinator YAML whose settings (recipe, levels, model options, ...) the run starts from")
-    sim.add_argument("--workers", type=int, default=1, help="training threads shared by the simulated fleet")
+    sim.add_argument("--budgets", choices=BUDGET_SCENARIOS, default="tiers",
+                     help="device memory budgets: uniform (all 110%% of the full model's training memory), tiers "
+                          "(weak/medium/strong 40/30/30%% with 35/60/110%%) or tiers-fluctuating (r = r_M - |u|)")
+    sim.add_argument("--budget-variance", type=float, default=10.0,
+                     help="sigma^2 of the per-round fluctuation u, in percentage points squared")
+    sim.add_argument("--workers", type=int, default=1, help="training processes run at once across the fleet")
     sim.add_argument("--state-dir", default=None, help="where checkpoints and metrics go (default runs/sim-NAME)")
     sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
                                                      "and errors to stderr)")
@@ -127,7 +133,8 @@ def _run_sim(args: argparse.Namespace) -> int:
     base = _load(CoordinatorConfig, args.config) if args.config else CoordinatorConfig()
     options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                          partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
-                         broker=args.broker, workers=args.workers, base=base, state_dir=args.state_dir)
+                         broker=args.broker, workers=args.workers, budgets=args.budgets,
+                         budget_variance=args.budget_variance, base=base, state_dir=args.state_dir)
     outcome = run_simulation(options)
     print(f"{args.algorithm} | {args.agents} agents | {args.dataset} {args.partition} | {args.model} | broker "
           f"{outcome.report['broker']['kind']} {outcome.report['broker']['version']}")

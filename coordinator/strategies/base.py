@@ -6,6 +6,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.levels import Level, affordable, pick_dynamic, pick_fixed
 from coordinator.registry import AgentRecord
@@ -70,14 +71,21 @@ class Strategy(ABC):
         targets["global"] = EvalTarget(self.group_of(self.levels[0]), SubmodelSpec.full())
         return targets
 
+    def adaptation_hint(self) -> dict[str, Any] | None:
+        """How an agent may shrink what it was sent when it cannot afford it (None: it must decline)."""
+        return None
+
     def choose_level(self, agent: AgentRecord, rng: random.Random) -> Level | None:
-        """The level this agent trains this round, or None when none fits its memory."""
-        candidates = affordable(self.levels, agent.budget(), self.cost)
-        if not candidates:
-            return None
+        """The level this agent trains this round, or None when none fits its memory.
+
+        'fix': the largest level whose estimated training memory fits the agent's reported budget.
+        'dynamic': a level sampled by proportion from all levels, as in HeteroFL's dynamic setting (devices'
+        capabilities change every round); an agent that cannot afford it adapts or declines.
+        """
         if self.assignment == "dynamic":
-            return pick_dynamic(candidates, self.proportions, rng)
-        return pick_fixed(candidates)
+            return pick_dynamic(self.levels, self.proportions, rng)
+        candidates = affordable(self.levels, agent.budget(), self.cost)
+        return pick_fixed(candidates) if candidates else None
 
     def plan(self, agents: Sequence[AgentRecord], rng: random.Random) -> tuple[list[Assignment], list[Skip]]:
         """Assign a level to every selected agent that can afford one."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from coordinator.levels import Level
 from coordinator.strategies.base import Strategy
 
@@ -16,3 +18,7 @@ class HeteroFL(Strategy):
 
     def group_of(self, level: Level) -> str:
         return "global"
+
+    def adaptation_hint(self) -> dict[str, Any]:
+        """Nested levels: an agent short of memory trains the next smaller level that fits."""
+        return {"kind": "width-levels", "rates": [level.rate for level in self.levels]}

@@ -10,24 +10,22 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from coordinator.config import BrokerConfig, CoordinatorConfig
 from coordinator.daemon import Coordinator
-from coordinator.levels import make_levels
 from coordinator.metrics import RoundResult
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
 from fedfit.data import Dataset, load_dataset, parse_partition, partition_indices
 from fedfit.sim.broker import Broker, external_broker, start_broker
+from fedfit.sim.budgets import DeviceBudget, device_budgets
 from fedfit.sim.report import build_report
 from models import get_family
-
-# How far above a level's estimated training memory a simulated device's budget sits.
-BUDGET_HEADROOM = 1.1
 
 
 @dataclass
@@ -44,6 +42,8 @@ class SimOptions:
     federation: str = "sim"
     broker: str | None = None
     workers: int = 1
+    budgets: str = "tiers"
+    budget_variance: float = 10.0
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
 
@@ -62,18 +62,10 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def level_budgets(config: CoordinatorConfig, dataset: Dataset, count: int) -> list[int | None]:
-    """Memory budgets cycling through the levels: device i can just afford level i mod L.
-
-    FedAvg is the unrealistic upper reference that ignores memory, so its devices get no budget.
-    """
-    if config.algorithm == "fedavg":
-        return [None] * count
+def full_model_training_bytes(config: CoordinatorConfig, dataset: Dataset) -> int:
+    """Estimated training memory of the full model at the recipe's batch size: the budgets' 100%."""
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
-    levels = make_levels(config.levels)
-    costs = [family.training_memory_bytes(level.spec, batch_size=config.recipe.batch_size,
-                                          input_size=dataset.image_size) for level in levels]
-    return [int(costs[i % len(costs)] * BUDGET_HEADROOM) for i in range(count)]
+    return family.training_memory_bytes(None, batch_size=config.recipe.batch_size, input_size=dataset.image_size)
 
 
 def coordinator_config(options: SimOptions, broker: Broker) -> CoordinatorConfig:
@@ -114,14 +106,20 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         raise ValueError("--agents, --rounds and --workers must be at least 1")
     dataset = load_dataset(options.dataset, options.base.data.root)
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.workers))
+    threads = max(1, (os.cpu_count() or 1) // options.workers)
+    torch.set_num_threads(threads)
     broker = external_broker(options.broker) if options.broker else start_broker()
     agents: list[EdgeAgent] = []
     pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="sim-train")
     coordinator: Coordinator | None = None
     try:
         config = coordinator_config(options, broker)
-        budgets = level_budgets(config, dataset, options.agents)
+        # FedAvg is the memory-ignoring upper reference: its devices train the full model whatever they have.
+        schedules: list[DeviceBudget | None] = [None] * options.agents
+        if options.algorithm != "fedavg":
+            full = full_model_training_bytes(config, dataset)
+            schedules = list(device_budgets(options.budgets, options.agents, full, options.seed,
+                                            options.budget_variance))
         coordinator = Coordinator(config, dataset=dataset,
                                   on_round=print_progress(progress, options.rounds) if progress else None)
         coordinator.start()
@@ -129,11 +127,14 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         for index, indices in enumerate(shards):
             data_config = AgentDataConfig(dataset=options.dataset, partition=options.partition,
                                           num_shards=options.agents, shard=index, seed=options.seed)
+            schedule = schedules[index]
             agents.append(EdgeAgent(
                 AgentConfig(agent_id=agent_id(index), federation=options.federation, broker=broker_config,
-                            device_kind="simulated", budget_bytes=budgets[index], data=data_config),
+                            device_kind=schedule.tier.name if schedule else "simulated",
+                            budget_bytes=schedule(0) if schedule else None, data=data_config,
+                            torch_threads=threads, state_dir=str(Path(config.state_dir) / "agents")),
                 to_local_data(dataset.x_train[indices], dataset.y_train[indices]),
-                executor=pool,
+                executor=pool, budget_schedule=schedule,
             ))
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="sim-connect") as connector:
             for started in [connector.submit(agent.start) for agent in agents]:
@@ -143,7 +144,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
                     "partition": options.partition, "model": options.model, "seed": options.seed,
                     "federation": options.federation, "level_assignment": config.level_assignment,
-                    "levels": list(config.levels), "budgets": budgets}
+                    "levels": list(config.levels), "budgets": options.budgets,
+                    "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
+                    "device_tiers": [s.tier.name if s else None for s in schedules]}
         report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings)
         return SimOutcome(rounds, report, rejected)
     finally:

@@ -28,8 +28,10 @@ def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: 
             for r in rounds
         ],
         "tasks": [
-            {"round": r.round, "agent": t.agent, "level": t.level, "status": t.status, "spec_sent": t.spec_sent,
-             "spec_trained": t.spec_trained, "reason": t.reason}
+            {"round": r.round, "agent": t.agent, "level": t.level, "status": t.status,
+             "budget_bytes": t.memory("budget_bytes"), "estimated_bytes": t.memory("estimated_bytes"),
+             "peak_bytes": t.memory("peak_bytes"), "spec_sent": t.spec_sent, "spec_trained": t.spec_trained,
+             "reason": t.reason}
             for r in rounds for t in r.tasks
         ],
         "settings": settings,

@@ -1,0 +1,76 @@
+"""Per-device calibration of the training-memory estimator, learnt from measured peaks and failures.
+
+The factor multiplies the raw estimate. It starts at ``initial`` (the estimator's documented tolerance, so the
+first tasks are safe) and then follows a conservative envelope of recent measured/estimated ratios. An
+out-of-memory kill proves the real need exceeded what was available, so the factor rises to at least that.
+Stored as JSON in the agent's state directory (never a pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+
+class Calibration:
+    """Thread-safe calibration factor with an optional JSON file behind it."""
+
+    def __init__(self, path: str | Path | None = None, initial: float = 1.15, margin: float = 1.05,
+                 window: int = 20) -> None:
+        self.path = Path(path) if path is not None else None
+        self.initial = initial
+        self.margin = margin
+        self.window = window
+        self.ratios: list[float] = []
+        self.floor = 0.0  # raised by failures: the factor never goes below it again
+        self._lock = threading.Lock()
+        if self.path is not None and self.path.exists():
+            self._load()
+
+    @property
+    def factor(self) -> float:
+        with self._lock:
+            learnt = max(self.ratios) * self.margin if self.ratios else self.initial
+            return max(learnt, self.floor)
+
+    def corrected(self, raw_estimate: int) -> int:
+        """The raw estimate times the current factor."""
+        return int(raw_estimate * self.factor)
+
+    def observe(self, raw_estimate: int, measured_peak: int) -> None:
+        """Learn from a completed run."""
+        if raw_estimate <= 0 or measured_peak <= 0:
+            return
+        with self._lock:
+            self.ratios = [*self.ratios, measured_peak / raw_estimate][-self.window:]
+        self._save()
+
+    def observe_failure(self, raw_estimate: int, available: int) -> None:
+        """Learn from a run killed for memory: the real need was above ``available``."""
+        if raw_estimate <= 0:
+            return
+        with self._lock:
+            self.floor = max(self.floor, available / raw_estimate * self.margin)
+        self._save()
+
+    def _load(self) -> None:
+        assert self.path is not None
+        try:
+            data = json.loads(self.path.read_text())
+            ratios = [float(r) for r in data.get("ratios", []) if 0 < float(r) < 100]
+            floor = float(data.get("floor", 0.0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return  # a damaged file only loses what was learnt
+        self.ratios, self.floor = ratios[-self.window:], max(0.0, min(floor, 100.0))
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            data = {"ratios": self.ratios, "floor": self.floor}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.path)

@@ -1,0 +1,168 @@
+"""Training in a child process, so that an out-of-memory kill or a crash takes down the child, not the agent.
+
+Children come from a multiprocessing *forkserver* that has already imported this module, and with it torch
+and the models (the agent stays warm, unlike per-message processes that re-import torch every round); the
+server itself runs no torch work, so forking it is safe. Nothing crosses the process boundary as a pickle: the parent writes
+the task (protocol msgpack) and a small JSON plan into a work directory, the child reads its data from an
+``.npz`` written once by the agent (``allow_pickle=False``), and answers with an encoded update or an error
+text.
+
+The child measures its own peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``) right
+before the model is built, so ``peak - baseline`` is what training itself took (model, gradients, optimizer
+state, activations, workspace); on CUDA the allocator's peak is used instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import os
+import resource
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent.training import train_plain
+from models import SubmodelSpec, get_family
+from protocol import Task, Update, decode, encode
+
+TASK_FILE = "task.msgpack"
+PLAN_FILE = "plan.json"
+UPDATE_FILE = "update.msgpack"
+ERROR_FILE = "error.txt"
+
+_context: Any = None
+
+
+def process_context() -> Any:
+    """The forkserver context (preloading torch and the trainer), or spawn where fork is unavailable."""
+    global _context
+    if _context is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            forkserver = multiprocessing.get_context("forkserver")
+            forkserver.set_forkserver_preload(["edge_agent.child"])
+            _context = forkserver
+        else:
+            _context = multiprocessing.get_context("spawn")
+    return _context
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (VmHWM); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The RSS high-water mark (VmHWM since the last reset, else the lifetime maximum)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass(frozen=True)
+class ChildOutcome:
+    """How a training child ended: the encoded update, or why there is none."""
+
+    update: bytes | None
+    exitcode: int | None
+    error: str | None
+
+    @property
+    def killed_by(self) -> str | None:
+        """The signal's name when the child was killed by one."""
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return None
+
+
+def run_in_child(workdir: Path, timeout: float, on_start: Any = None) -> ChildOutcome:
+    """Run :func:`child_main` on ``workdir`` in a child process and wait at most ``timeout`` seconds."""
+    process = process_context().Process(target=child_main, args=(str(workdir),), daemon=True)
+    process.start()
+    if on_start is not None:
+        on_start(process.pid)
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(10)
+        return ChildOutcome(None, process.exitcode, f"training did not finish within {timeout:.0f} s")
+    update_path, error_path = workdir / UPDATE_FILE, workdir / ERROR_FILE
+    if process.exitcode == 0 and update_path.exists():
+        return ChildOutcome(update_path.read_bytes(), 0, None)
+    error = error_path.read_text(errors="replace")[-2000:] if error_path.exists() else None
+    return ChildOutcome(None, process.exitcode, error)
+
+
+def child_main(workdir_text: str) -> None:
+    """Entry point of the training child: read task, plan and data; train; write the update or the error."""
+    workdir = Path(workdir_text)
+    try:
+        _train(workdir)
+    except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
+        (workdir / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _train(workdir: Path) -> None:
+    plan = json.loads((workdir / PLAN_FILE).read_text())
+    torch.set_num_threads(int(plan["torch_threads"]))
+    task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
+    assert isinstance(task, Task)
+    with np.load(plan["data_path"], allow_pickle=False) as archive:
+        x = torch.from_numpy(np.array(archive["x"], dtype=np.float32))
+        y = torch.from_numpy(np.array(archive["y"], dtype=np.int64))
+    family = get_family(task.model.family, task.model.num_classes, task.model.in_channels, **task.model.options)
+    spec = SubmodelSpec.from_dict(plan["spec"])
+    device = plan["device"]
+    received = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
+    weights = received if plan["spec"] == task.spec else family.extract(
+        received, spec, keys=family.trainable_keys(spec))  # nested prefix: a smaller spec is a slice of the sent one
+    del received
+    gc.collect()
+    baseline = rss_bytes()
+    reset_peak_rss()  # where the kernel refuses, VmHWM is the lifetime peak: still an upper bound
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        cuda_baseline = torch.cuda.memory_allocated()
+    model = family.build(spec, track_bn_stats=False)
+    model.load_state_dict(weights, strict=True)
+    del weights
+    result = train_plain(model, x, y, task.recipe, plan["labels"], task.model.num_classes, device)
+    if device == "cuda":
+        peak = int(torch.cuda.max_memory_allocated() - cuda_baseline)
+    else:
+        peak = max(0, peak_rss_bytes() - baseline)
+    state = {key: value.detach().cpu().numpy().astype(np.float32) for key, value in model.state_dict().items()}
+    metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
+               "peak_bytes": float(peak)}
+    update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y),
+                    [int(v) for v in plan["labels"]], state, metrics, None)
+    (workdir / UPDATE_FILE).write_bytes(encode(update))
