@@ -2,7 +2,8 @@
 
 The factor multiplies the raw estimate. It starts at ``initial`` (the estimator's documented tolerance, so the
 first tasks are safe) and then follows a conservative envelope of recent measured/estimated ratios. An
-out-of-memory kill proves the real need exceeded what was available, so the factor rises to at least that.
+out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
+(at most doubling per failure) and never falls below it again.
 Stored as JSON in the agent's state directory (never a pickle).
 """
 
@@ -48,11 +49,16 @@ class Calibration:
         self._save()
 
     def observe_failure(self, raw_estimate: int, available: int) -> None:
-        """Learn from a run killed for memory: the real need was above ``available``."""
+        """Learn from a run killed by SIGKILL, most likely for memory: the real need was above ``available``.
+
+        The factor rises to what that implies, but at most doubles per failure: a kill for another reason
+        (an operator, a watchdog) while gigabytes were free must not make every later model look unaffordable.
+        """
         if raw_estimate <= 0:
             return
+        current = self.factor
         with self._lock:
-            self.floor = max(self.floor, available / raw_estimate * self.margin)
+            self.floor = max(self.floor, min(available / raw_estimate * self.margin, current * 2.0))
         self._save()
 
     def _load(self) -> None:

@@ -1,0 +1,66 @@
+"""A training child killed with SIGKILL mid-task becomes a `failed` update; the agent stays online and serves
+its next task. End to end over mosquitto."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.daemon import Coordinator
+from edge_agent.config import AgentConfig, AgentDataConfig
+from edge_agent.daemon import EdgeAgent
+from edge_agent.data_source import to_local_data
+from fedfit.data import load_dataset
+from fedfit.sim.broker import Broker
+
+from .conftest import tiny_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def test_sigkilled_child_is_a_failed_task_and_the_agent_carries_on(mosquitto: Broker, tmp_path: Path) -> None:
+    dataset = load_dataset("digits")
+    config = tiny_config(federation="kill", rounds=2, min_agents=1, state_dir=str(tmp_path / "coordinator"))
+    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
+    coordinator = Coordinator(config, dataset=dataset)
+    agent = EdgeAgent(AgentConfig(agent_id="victim", federation="kill", broker=config.broker,
+                                  data=AgentDataConfig(dataset="digits"), torch_threads=1,
+                                  state_dir=str(tmp_path / "agent")),
+                      to_local_data(dataset.x_train, dataset.y_train))
+    killed: list[int] = []
+
+    def kill_first_child() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            pid = agent.runner.child_pid
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_first_child, daemon=True)
+    try:
+        coordinator.start()
+        agent.start()
+        killer.start()
+        first, second = coordinator.run()
+        record = coordinator.registry.get("victim")
+    finally:
+        agent.stop()
+        coordinator.stop()
+
+    assert killed, "no training child was ever seen"
+    [failed] = first.tasks
+    assert failed.status == "failed" and "SIGKILL" in (failed.reason or ""), failed
+    assert first.participants == 0
+    [served] = second.tasks
+    assert served.status in ("ok", "adapted"), served
+    assert second.participants == 1
+    assert agent.runner.calibration.floor > 0  # the failure taught the calibration something
+    assert record is not None and record.state in ("online", "busy")  # still online after the kill
