@@ -1,6 +1,8 @@
 """Per-device calibration of the training-memory estimator, learnt from measured peaks and failures.
 
-The factor multiplies the raw estimate. It starts at ``initial`` (the estimator's documented tolerance, so the
+The factor multiplies the model-dependent part of the raw estimate (everything but the runtime's fixed
+overhead, which the estimator states separately and which is measured, not predicted); a run whose
+model-dependent part is too small to measure against that overhead teaches nothing. It starts at ``initial`` (the estimator's documented tolerance, so the
 first tasks are safe) and then follows a conservative envelope of recent measured/estimated ratios. An
 out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
 (at most doubling per failure) and never falls below it again.
@@ -13,6 +15,9 @@ import json
 import os
 import threading
 from pathlib import Path
+
+# A single measurement moves the factor at most this far (noise in a small run must not freeze the device).
+MIN_RATIO, MAX_RATIO = 0.5, 3.0
 
 
 class Calibration:
@@ -36,29 +41,33 @@ class Calibration:
             learnt = max(self.ratios) * self.margin if self.ratios else self.initial
             return max(learnt, self.floor)
 
-    def corrected(self, raw_estimate: int) -> int:
-        """The raw estimate times the current factor."""
-        return int(raw_estimate * self.factor)
+    def corrected(self, raw_estimate: int, overhead: int = 0) -> int:
+        """The raw estimate with its model-dependent part (``raw_estimate - overhead``) times the factor."""
+        return overhead + int((raw_estimate - overhead) * self.factor)
 
-    def observe(self, raw_estimate: int, measured_peak: int) -> None:
-        """Learn from a completed run."""
-        if raw_estimate <= 0 or measured_peak <= 0:
+    def observe(self, raw_estimate: int, measured_peak: int, overhead: int = 0) -> None:
+        """Learn from a completed run (ignored when the model-dependent part is under 10% of the estimate)."""
+        variable = raw_estimate - overhead
+        if raw_estimate <= 0 or measured_peak <= 0 or variable < 0.1 * raw_estimate:
             return
+        ratio = min(MAX_RATIO, max(MIN_RATIO, (measured_peak - overhead) / variable))
         with self._lock:
-            self.ratios = [*self.ratios, measured_peak / raw_estimate][-self.window:]
+            self.ratios = [*self.ratios, ratio][-self.window:]
         self._save()
 
-    def observe_failure(self, raw_estimate: int, available: int) -> None:
+    def observe_failure(self, raw_estimate: int, available: int, overhead: int = 0) -> None:
         """Learn from a run killed by SIGKILL, most likely for memory: the real need was above ``available``.
 
         The factor rises to what that implies, but at most doubles per failure: a kill for another reason
         (an operator, a watchdog) while gigabytes were free must not make every later model look unaffordable.
         """
-        if raw_estimate <= 0:
+        variable = raw_estimate - overhead
+        if variable <= 0:
             return
         current = self.factor
+        implied = (available - overhead) / variable * self.margin
         with self._lock:
-            self.floor = max(self.floor, min(available / raw_estimate * self.margin, current * 2.0))
+            self.floor = max(self.floor, min(implied, current * 2.0))
         self._save()
 
     def _load(self) -> None:

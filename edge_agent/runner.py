@@ -22,7 +22,7 @@ from edge_agent import child
 from edge_agent.adaptation import adaptation_from_hint, choose
 from edge_agent.calibration import Calibration
 from edge_agent.memory import available_memory
-from models import ModelFamily, SubmodelSpec, get_family
+from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
 from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
@@ -121,10 +121,11 @@ class TaskRunner:
             self._families[key] = get_family(ref.family, ref.num_classes, ref.in_channels, **ref.options)
         return self._families[key]
 
-    def raw_estimate(self, family: ModelFamily, spec: SubmodelSpec, batch_size: int, momentum: float) -> int:
-        """The estimator's prediction of peak training memory for ``spec`` on this device."""
-        return family.training_memory_bytes(spec, batch_size=batch_size, input_size=self.data.image_size,
-                                            optimizer_slots=1 if momentum > 0 else 0)
+    def raw_estimate(self, family: ModelFamily, spec: SubmodelSpec, batch_size: int,
+                     momentum: float) -> MemoryEstimate:
+        """The estimator's prediction of peak training memory for ``spec`` on this device (with its parts)."""
+        return family.training_memory_estimate(spec, batch_size=batch_size, input_size=self.data.image_size,
+                                               optimizer_slots=1 if momentum > 0 else 0, device=self.device)
 
     def available(self, round_number: int) -> int:
         """Memory training may use now (budget for this round, cgroup, psutil; CUDA free memory on GPUs)."""
@@ -146,11 +147,11 @@ class TaskRunner:
             raise TaskRejected("failed", f"invalid task: {exc}") from exc
         self._check_weights(family, sent, task)
         recipe = task.recipe
-        raw: dict[SubmodelSpec, int] = {}
+        raw: dict[SubmodelSpec, MemoryEstimate] = {}
 
         def corrected(spec: SubmodelSpec) -> int:
             raw[spec] = self.raw_estimate(family, spec, recipe.batch_size, recipe.momentum)
-            return self.calibration.corrected(raw[spec])
+            return self.calibration.corrected(raw[spec].total, raw[spec].overhead)
 
         available = self.available(task.round)
         choice = choose(adaptation.candidates(sent), corrected, available)
@@ -159,12 +160,13 @@ class TaskRunner:
             raise TaskRejected("declined", f"nothing fits the {available / 2**20:.1f} MiB available "
                                            f"(estimated: {tried})")
         spec = choice.spec
-        memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(raw[spec]),
+        estimate = raw[spec]
+        memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
                   "budget_bytes": float(available), "calibration": self.calibration.factor}
         outcome = self._train_in_child(task, spec)
         if outcome.update is None:
             if outcome.killed_by == "SIGKILL":
-                self.calibration.observe_failure(raw[spec], available)
+                self.calibration.observe_failure(estimate.total, available, estimate.overhead)
             why = (f"training process was killed by {outcome.killed_by}" if outcome.killed_by
                    else f"training process failed (exit code {outcome.exitcode})")
             detail = (outcome.error or "").strip().splitlines()[:1]
@@ -176,7 +178,7 @@ class TaskRunner:
             return self._answer(task, "failed", metrics=memory, reason=f"training child answered garbage: {exc}")
         assert isinstance(update, Update)
         peak = int(update.metrics.get("peak_bytes", 0))
-        self.calibration.observe(raw[spec], peak)
+        self.calibration.observe(estimate.total, peak, estimate.overhead)
         update.status = "ok" if spec == sent else "adapted"
         update.metrics.update(memory)
         if spec != sent:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -262,4 +263,5 @@ class MqttLink:
             try:
                 self._handler(topic, payload)
             except Exception:  # noqa: BLE001 - a bad message must never stop the daemon
-                self._log.exception("message_handler_failed", topic=topic, size=len(payload))
+                with contextlib.suppress(Exception):  # not even when logging itself fails
+                    self._log.exception("message_handler_failed", topic=topic, size=len(payload))

@@ -1,5 +1,10 @@
 """Memory budgets of simulated devices, as fractions of the full model's training memory.
 
+A budget is the runtime's fixed overhead (the memory any torch training run takes, whatever the model) plus
+the percentage of the model-dependent part (parameters, gradients, optimizer state, activations, workspace)
+of training the full model. Without the fixed part, a 35% device could not even start the runtime, which is
+not what FlexFL's percentages of the model size describe.
+
 - ``uniform``: every device can just train the full model (110%).
 - ``tiers``: weak / medium / strong devices, 40 / 30 / 30% of the fleet, with 35 / 60 / 110% (FlexFL's setting).
 - ``tiers-fluctuating``: the same tiers, and every round each device has r = r_M - |u|, u ~ N(0, sigma^2)
@@ -50,23 +55,28 @@ class DeviceBudget:
     full_model_bytes: int
     variance: float
     seed: int
+    fixed_bytes: int = 0
 
     def __call__(self, round_number: int) -> int:
         percent = self.tier.percent
         if self.variance > 0:
             rng = random.Random(f"{self.seed}:{round_number}")
             percent -= abs(rng.gauss(0.0, math.sqrt(self.variance)))
-        return max(1, int(self.full_model_bytes * percent / 100.0))
+        return self.fixed_bytes + max(1, int(self.full_model_bytes * percent / 100.0))
 
 
 def device_budgets(scenario: str, count: int, full_model_bytes: int, seed: int,
-                   variance: float = 10.0) -> list[DeviceBudget]:
-    """Budget schedules for ``count`` devices under ``scenario``; ValueError for an unknown one."""
+                   variance: float = 10.0, fixed_bytes: int = 0) -> list[DeviceBudget]:
+    """Budget schedules for ``count`` devices under ``scenario``; ValueError for an unknown one.
+
+    ``full_model_bytes`` is the model-dependent training memory of the full model (the 100% point),
+    ``fixed_bytes`` the runtime overhead every device has on top.
+    """
     if scenario not in BUDGET_SCENARIOS:
         raise ValueError(f"--budgets must be one of {', '.join(BUDGET_SCENARIOS)}, got {scenario!r}")
     if variance < 0:
         raise ValueError(f"the budget variance must be non-negative, got {variance}")
     tiers = [UNIFORM_TIER] * count if scenario == "uniform" else assign_tiers(count, DEFAULT_TIERS, seed)
     fluctuation = variance if scenario == "tiers-fluctuating" else 0.0
-    return [DeviceBudget(tier, full_model_bytes, fluctuation, seed * 100_003 + index)
+    return [DeviceBudget(tier, full_model_bytes, fluctuation, seed * 100_003 + index, fixed_bytes)
             for index, tier in enumerate(tiers)]

@@ -62,10 +62,13 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def full_model_training_bytes(config: CoordinatorConfig, dataset: Dataset) -> int:
-    """Estimated training memory of the full model at the recipe's batch size: the budgets' 100%."""
+def full_model_training_memory(config: CoordinatorConfig, dataset: Dataset) -> tuple[int, int]:
+    """(fixed runtime overhead, model-dependent part) of the full model's training memory at the recipe's
+    batch size: the budgets' 0% and 100% points."""
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
-    return family.training_memory_bytes(None, batch_size=config.recipe.batch_size, input_size=dataset.image_size)
+    estimate = family.training_memory_estimate(None, batch_size=config.recipe.batch_size,
+                                               input_size=dataset.image_size)
+    return estimate.overhead, estimate.total - estimate.overhead
 
 
 def coordinator_config(options: SimOptions, broker: Broker) -> CoordinatorConfig:
@@ -117,9 +120,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         # FedAvg is the memory-ignoring upper reference: its devices train the full model whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
-            full = full_model_training_bytes(config, dataset)
-            schedules = list(device_budgets(options.budgets, options.agents, full, options.seed,
-                                            options.budget_variance))
+            fixed, variable = full_model_training_memory(config, dataset)
+            schedules = list(device_budgets(options.budgets, options.agents, variable, options.seed,
+                                            options.budget_variance, fixed_bytes=fixed))
         coordinator = Coordinator(config, dataset=dataset,
                                   on_round=print_progress(progress, options.rounds) if progress else None)
         coordinator.start()
