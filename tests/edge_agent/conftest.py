@@ -1,0 +1,124 @@
+"""Shared fixtures for the edge-agent tests: a tiny CNN on 8x8 inputs, tasks for it, runners in tmp_path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge_agent.runner import LocalData, TaskRunner
+from models import ModelFamily, SubmodelSpec, get_family
+from protocol import ModelRef, Recipe, Task
+
+HIDDEN = (4, 8)
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models train fastest on one thread (and do not fight the training children for cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def family() -> ModelFamily:
+    return get_family("cnn", 10, 1, hidden=HIDDEN)
+
+
+def build_local_data(n: int = 16, num_classes: int = 10, channels: int = 1) -> LocalData:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, channels, 8, 8, generator=generator)
+    y = torch.arange(n) % num_classes
+    return LocalData(x, y)
+
+
+@pytest.fixture(scope="session")
+def local_data() -> Callable[..., LocalData]:
+    """Factory: ``local_data(n=16, num_classes=10, channels=1)``; labels cycle through the classes."""
+    return build_local_data
+
+
+@pytest.fixture(scope="session")
+def make_task(family: ModelFamily) -> Callable[..., Task]:
+    """Factory for a task on the tiny CNN; the weights are the global model's slice for ``spec``."""
+
+    def make(spec: SubmodelSpec | None = None, *, task_id: str = "r1-agent-0001", round_number: int = 1,
+             deadline: float | None = None, model: ModelRef | None = None, spec_dict: dict | None = None,
+             weights: dict[str, np.ndarray] | None = None, batch_size: int = 8, epochs: int = 1,
+             momentum: float = 0.9, adaptation: dict | None = None, of: ModelFamily | None = None) -> Task:
+        spec = SubmodelSpec.uniform(0.5) if spec is None else spec
+        source = family if of is None else of
+        if weights is None:
+            torch.manual_seed(0)
+            global_state = source.build().state_dict()
+            sliced = source.extract(global_state, spec, keys=source.trainable_keys(spec))
+            weights = {key: value.numpy() for key, value in sliced.items()}
+        return Task(
+            task_id=task_id, round=round_number, agent_id="agent",
+            deadline=time.time() + 60 if deadline is None else deadline,
+            model=model or ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)}),
+            spec=spec.to_dict() if spec_dict is None else spec_dict,
+            recipe=Recipe(epochs=epochs, batch_size=batch_size, lr=0.05, momentum=momentum, weight_decay=5e-4,
+                          clip_norm=1.0, masked_ce=False, seed=3),
+            weights=weights,
+            adaptation=adaptation,
+        )
+
+    return make
+
+
+@pytest.fixture
+def make_runner(tmp_path: Path) -> Iterator[Callable[..., TaskRunner]]:
+    """Factory for TaskRunners whose state (calibration, data file, task dirs) lives under tmp_path."""
+    runners: list[TaskRunner] = []
+
+    def make(data: LocalData | None = None, budget=None, *, name: str = "agent", **kwargs) -> TaskRunner:
+        runner = TaskRunner("agent", data if data is not None else build_local_data(), budget,
+                            state_dir=tmp_path / name, **kwargs)
+        runners.append(runner)
+        return runner
+
+    yield make
+    for runner in runners:
+        runner.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time process ``pid`` has used so far (-1 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return -1.0
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped
+        return -1.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sigkill_once_busy(pid: int, cpu: float = 0.3, timeout: float = 60.0, sig: int = signal.SIGKILL) -> bool:
+    """Block until ``pid`` has used ``cpu`` seconds of CPU (it is inside its task), then SIGKILL (``sig``) it.
+
+    False, with nothing killed, when it ended or did not get that far within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        used = cpu_seconds(pid)
+        if used < 0 or time.monotonic() > deadline:
+            return False
+        if used >= cpu:
+            os.kill(pid, sig)
+            return True
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def kill_when_busy() -> Callable[[int], bool]:
+    """``kill_when_busy(pid, sig=SIGKILL)``: wait until the child has done some work, then signal it."""
+    return sigkill_once_busy

@@ -1,0 +1,277 @@
+"""Training in a child process: peak-RSS helpers, run_in_child's outcomes, and the runner surviving a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent import child
+from edge_agent.child import ChildOutcome, peak_rss_bytes, reset_peak_rss, rss_bytes, run_in_child
+from models import SubmodelSpec
+from protocol import Update, decode, encode
+
+U = SubmodelSpec.uniform
+MIB = 2**20
+LONG = 100_000  # epochs: a task that is still running whenever it gets killed
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def write_workdir(directory: Path, task, data, spec: SubmodelSpec | None = None, **plan_overrides) -> Path:
+    """A task work directory the way the runner writes it: task.msgpack, plan.json and the data .npz."""
+    directory.mkdir(parents=True)
+    data_path = directory.parent / f"{directory.name}-data.npz"
+    np.savez(data_path, x=data.x.numpy(), y=data.y.numpy())
+    (directory / child.TASK_FILE).write_bytes(encode(task))
+    plan = {"spec": (spec or U(0.5)).to_dict(), "device": "cpu", "labels": data.labels,
+            "data_path": str(data_path), "torch_threads": 1}
+    plan.update(plan_overrides)
+    (directory / child.PLAN_FILE).write_text(json.dumps(plan))
+    return directory
+
+
+@pytest.fixture
+def workdir_for(tmp_path, local_data):
+    def write(task, spec: SubmodelSpec | None = None, **plan_overrides) -> Path:
+        return write_workdir(tmp_path / "work", task, local_data(), spec, **plan_overrides)
+
+    return write
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, make_task, local_data):
+    """One real training child, shared by the tests that inspect its outcome (children cost seconds)."""
+    spec = U(0.5)
+    task = make_task(spec)
+    workdir = write_workdir(tmp_path_factory.mktemp("child") / "work", task, local_data(), spec)
+    started: list[int] = []
+    outcome = run_in_child(workdir, 120, on_start=started.append)
+    return task, spec, workdir, started, outcome
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+# ---------------------------------------------------------------------------------------------- RSS
+def test_rss_and_peak_are_sane():
+    current, peak = rss_bytes(), peak_rss_bytes()
+    assert current > MIB
+    assert peak >= current
+    assert peak < 64 * 2**30  # bytes, not kilobytes mistaken for bytes
+
+
+def test_reset_peak_rss_drops_the_high_water_mark():
+    before = rss_bytes()
+    block = np.ones(96 * MIB, dtype=np.uint8)  # touched: really resident
+    assert peak_rss_bytes() >= before + 90 * MIB
+    del block
+    high = peak_rss_bytes()
+    assert reset_peak_rss() is True
+    after = peak_rss_bytes()
+    assert after < high - 64 * MIB  # the 96 MiB block no longer counts
+    assert after >= rss_bytes() - MIB
+
+
+@pytest.mark.parametrize(("exitcode", "name"), [
+    (-signal.SIGKILL, "SIGKILL"), (-signal.SIGTERM, "SIGTERM"), (-200, "signal 200"), (1, None), (0, None),
+    (None, None),
+])
+def test_killed_by(exitcode, name):
+    assert ChildOutcome(None, exitcode, None).killed_by == name
+
+
+# ---------------------------------------------------------------------------------------------- run_in_child
+def test_run_in_child_returns_an_encoded_update(trained):
+    task, spec, workdir, started, outcome = trained
+    assert outcome.error is None, outcome.error
+    assert (outcome.exitcode, outcome.killed_by) == (0, None)
+    assert len(started) == 1 and started[0] != os.getpid()
+    assert outcome.update == (workdir / child.UPDATE_FILE).read_bytes()
+    update = decode(outcome.update, expected=Update)
+    assert isinstance(update, Update)
+    assert (update.task_id, update.round, update.agent_id, update.status) == (task.task_id, 1, "agent", "ok")
+    assert update.spec_trained == spec.to_dict()
+    assert update.num_samples == 16 and update.labels == list(range(10))
+    assert set(update.weights) == set(task.weights)
+    for key, array in update.weights.items():
+        assert array.shape == task.weights[key].shape and array.dtype == np.float32
+    assert any(not np.array_equal(update.weights[k], task.weights[k]) for k in task.weights)  # trained
+    assert set(update.metrics) == {"loss", "steps", "seconds", "peak_bytes"}
+    assert update.metrics["steps"] == 2.0
+    assert update.metrics["peak_bytes"] > 0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="source bug: the measured peak is dominated by torch's first-use "
+                          "initialisation in every fresh child (~200 MB for any model), not training")
+def test_measured_peak_is_what_training_took(trained):
+    outcome = trained[-1]
+    assert outcome.update is not None
+    update = decode(outcome.update, expected=Update)
+    # The whole model with its gradients, momentum and activations is estimated at ~30 KB; allow 64 MiB of
+    # allocator and workspace slack. Measured: ~190 MiB, the same at every width.
+    assert update.metrics["peak_bytes"] < 64 * MIB
+
+
+def test_children_fork_from_a_server_that_has_torch_loaded(make_task, workdir_for):
+    """The agent stays warm: the forkserver imported torch once, children do not import it again."""
+    workdir = workdir_for(make_task(epochs=LONG))
+    servers: list[bool] = []
+
+    def inspect(pid: int) -> None:
+        maps = Path(f"/proc/{parent_pid(pid)}/maps").read_text()
+        servers.append("libtorch" in maps)
+
+    outcome = run_in_child(workdir, 1.0, on_start=inspect)
+    assert outcome.killed_by == "SIGKILL"  # stopped by the timeout; only the server was of interest
+    assert servers == [True]
+
+
+def test_a_child_killed_with_sigkill_has_no_update(make_task, workdir_for, kill_when_busy):
+    workdir = workdir_for(make_task(epochs=LONG))
+    killed: list[bool] = []
+    started = time.monotonic()
+    outcome = run_in_child(workdir, 120, on_start=lambda pid: killed.append(kill_when_busy(pid)))
+    assert killed == [True]  # it was killed while working, not after finishing
+    assert outcome == ChildOutcome(update=None, exitcode=-signal.SIGKILL, error=None)
+    assert outcome.killed_by == "SIGKILL"
+    assert not (workdir / child.UPDATE_FILE).exists()
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("breakage", ["data file missing", "plan missing", "task garbage"])
+def test_a_broken_plan_gives_exit_code_1_and_the_error(make_task, workdir_for, tmp_path, breakage):
+    missing = tmp_path / "no-such-data.npz"
+    if breakage == "data file missing":
+        workdir = workdir_for(make_task(), data_path=str(missing))
+        expected = ["FileNotFoundError", str(missing)]
+    elif breakage == "plan missing":
+        workdir = workdir_for(make_task())
+        (workdir / child.PLAN_FILE).unlink()
+        expected = ["FileNotFoundError", child.PLAN_FILE]
+    else:
+        workdir = workdir_for(make_task())
+        (workdir / child.TASK_FILE).write_bytes(b"\x00 not msgpack")
+        expected = ["ProtocolError"]
+    outcome = run_in_child(workdir, 60)
+    assert outcome.update is None
+    assert (outcome.exitcode, outcome.killed_by) == (1, None)
+    assert outcome.error is not None
+    first_line = outcome.error.splitlines()[0]
+    for text in expected:
+        assert text in first_line, outcome.error
+    assert not (workdir / child.UPDATE_FILE).exists()
+
+
+def test_a_timeout_kills_the_child_and_says_so(make_task, workdir_for):
+    workdir = workdir_for(make_task(epochs=LONG))
+    pids: list[int] = []
+    started = time.monotonic()
+    outcome = run_in_child(workdir, 1.0, on_start=pids.append)
+    elapsed = time.monotonic() - started
+    assert outcome.update is None
+    assert outcome.killed_by == "SIGKILL"
+    assert outcome.error == "training did not finish within 1 s"
+    assert 1.0 <= elapsed < 15
+    assert not Path(f"/proc/{pids[0]}").exists()  # killed and reaped
+
+
+# ---------------------------------------------------------------------------------------------- runner
+def kill_runner_child(runner, kill_when_busy,
+                      sig: int = signal.SIGKILL) -> tuple[threading.Thread, list[bool]]:
+    """Start a thread that signals the runner's training child once it is busy."""
+    killed: list[bool] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while runner.child_pid is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = runner.child_pid
+        if pid is not None:
+            killed.append(kill_when_busy(pid, sig=sig))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher, killed
+
+
+def test_runner_survives_a_killed_child_and_serves_the_next_task(family, make_task, make_runner, tmp_path,
+                                                                 kill_when_busy):
+    runner = make_runner(budget=2**30)
+    watcher, killed = kill_runner_child(runner, kill_when_busy)
+    failed = runner.run(make_task(U(1.0), task_id="r1-agent-0001", epochs=LONG))
+    watcher.join(10)
+
+    assert killed == [True]
+    assert failed.status == "failed"
+    assert "SIGKILL" in failed.reason
+    assert failed.reason.startswith("training process was killed by SIGKILL")
+    assert failed.spec_trained == U(1.0).to_dict() and failed.weights == {}
+    assert set(failed.metrics) == {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration"}
+    assert runner.child_pid is None
+    assert not (tmp_path / "agent" / "tasks" / "r1-agent-0001").exists()
+
+    # The kill says the real need may have been above what was available: the floor rises (at most doubling).
+    raw = failed.metrics["raw_estimate_bytes"]
+    expected_floor = min(failed.metrics["budget_bytes"] / raw * 1.05, 2 * 1.15)
+    assert runner.calibration.floor == pytest.approx(expected_floor)
+    assert runner.calibration.floor > 1.15
+    stored = json.loads((tmp_path / "agent" / "calibration.json").read_text())
+    assert stored["floor"] == pytest.approx(expected_floor)
+
+    # The same runner carries on with the next task.
+    update = runner.run(make_task(U(1.0), task_id="r2-agent-0001", round_number=2))
+    assert update.status == "ok", update.reason
+    assert update.round == 2 and update.weights
+    assert update.metrics["calibration"] == pytest.approx(expected_floor)
+    assert update.metrics["estimated_bytes"] == int(raw * runner.calibration.floor)
+
+
+def test_a_child_stopped_by_sigterm_fails_the_task_without_touching_the_calibration(make_task, make_runner,
+                                                                                    kill_when_busy):
+    runner = make_runner(budget=2**30)
+    watcher, killed = kill_runner_child(runner, kill_when_busy, signal.SIGTERM)
+    update = runner.run(make_task(U(1.0), epochs=LONG))
+    watcher.join(10)
+    assert killed == [True]
+    assert update.status == "failed"
+    assert update.reason.startswith("training process was killed by SIGTERM")
+    assert runner.calibration.floor == 0.0  # only SIGKILL (the OOM killer's signal) counts as out of memory
+
+
+def test_a_crashing_child_fails_the_task_with_its_error(make_task, make_runner, tmp_path):
+    runner = make_runner(budget=2**30)
+    runner.data_path.unlink()  # the child cannot load the local data
+    update = runner.run(make_task())
+    assert update.status == "failed"
+    assert update.reason.startswith("training process failed (exit code 1): FileNotFoundError")
+    assert "local-data.npz" in update.reason
+    assert len(update.reason.splitlines()) == 1  # the first line of the error, not the traceback
+    assert update.spec_trained == U(0.5).to_dict() and update.weights == {}
+    assert (runner.calibration.floor, runner.calibration.ratios) == (0.0, [])
+    assert not (tmp_path / "agent" / "calibration.json").exists()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="source bug: the runner's own timeout kill (SIGKILL) is taken for an "
+                          "out-of-memory kill and raises the persisted calibration floor")
+def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, monkeypatch):
+    real_run_in_child = child.run_in_child
+
+    def quick_timeout(workdir, timeout, on_start=None):
+        return real_run_in_child(workdir, 1.0, on_start=on_start)  # instead of the deadline + 30 s
+
+    monkeypatch.setattr(child, "run_in_child", quick_timeout)
+    runner = make_runner(budget=2**30)
+    update = runner.run(make_task(U(1.0), epochs=LONG))
+    assert update.status == "failed"
+    assert "did not finish within 1 s" in update.reason
+    assert runner.calibration.floor == 0.0
+    assert runner.calibration.factor == pytest.approx(1.15)
