@@ -47,7 +47,7 @@ def process_context() -> Any:
     if _context is None:
         if "forkserver" in multiprocessing.get_all_start_methods():
             forkserver = multiprocessing.get_context("forkserver")
-            forkserver.set_forkserver_preload(["edge_agent.child"])
+            forkserver.set_forkserver_preload(["edge_agent.child", "edge_agent.child_warmup"])
             _context = forkserver
         else:
             _context = multiprocessing.get_context("spawn")
