@@ -12,6 +12,7 @@ Stored as JSON in the agent's state directory (never a pickle).
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from pathlib import Path
@@ -32,6 +33,7 @@ class Calibration:
         self.ratios: list[float] = []
         self.floor = 0.0  # raised by failures: the factor never goes below it again
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
         if self.path is not None and self.path.exists():
             self._load()
 
@@ -78,14 +80,17 @@ class Calibration:
             floor = float(data.get("floor", 0.0))
         except (OSError, ValueError, TypeError, AttributeError):
             return  # a damaged file only loses what was learnt
-        self.ratios, self.floor = ratios[-self.window:], max(0.0, min(floor, 100.0))
+        if not math.isfinite(floor):
+            return
+        self.ratios, self.floor = ratios[-self.window:], max(0.0, floor)
 
     def _save(self) -> None:
         if self.path is None:
             return
         with self._lock:
             data = {"ratios": self.ratios, "floor": self.floor}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)
+        with self._save_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)

@@ -1,8 +1,10 @@
 """Training in a child process, so that an out-of-memory kill or a crash takes down the child, not the agent.
 
 Children come from a multiprocessing *forkserver* that has already imported this module, and with it torch
-and the models (the agent stays warm, unlike per-message processes that re-import torch every round); the
-server itself runs no torch work, so forking it is safe. Nothing crosses the process boundary as a pickle: the parent writes
+and the models (the agent stays warm, unlike per-message processes that re-import torch every round). The
+server also runs one tiny training step (``child_warmup``) so that torch's one-time initialisation (the lazy
+import behind the first optimizer, kernel set-up) is shared by every child instead of inflating each measured
+peak; it starts no threads that would make forking unsafe (one intra-op thread). Nothing crosses the process boundary as a pickle: the parent writes
 the task (protocol msgpack) and a small JSON plan into a work directory, the child reads its data from an
 ``.npz`` written once by the agent (``allow_pickle=False``), and answers with an encoded update or an error
 text.
@@ -89,6 +91,7 @@ class ChildOutcome:
     update: bytes | None
     exitcode: int | None
     error: str | None
+    timed_out: bool = False
 
     @property
     def killed_by(self) -> str | None:
@@ -111,7 +114,8 @@ def run_in_child(workdir: Path, timeout: float, on_start: Any = None) -> ChildOu
     if process.is_alive():
         process.kill()
         process.join(10)
-        return ChildOutcome(None, process.exitcode, f"training did not finish within {timeout:.0f} s")
+        return ChildOutcome(None, process.exitcode, f"training did not finish within {timeout:.0f} s",
+                            timed_out=True)
     update_path, error_path = workdir / UPDATE_FILE, workdir / ERROR_FILE
     if process.exitcode == 0 and update_path.exists():
         return ChildOutcome(update_path.read_bytes(), 0, None)

@@ -7,6 +7,7 @@ becomes a ``failed`` update with the reason; the agent itself carries on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -63,6 +64,14 @@ class TaskRejected(Exception):
 
 
 BudgetFn = Callable[[int], "int | None"]
+
+
+def _size(count: int) -> str:
+    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count / 2**10:.1f} KiB"
 
 
 def _constant(budget: int | None) -> BudgetFn:
@@ -156,16 +165,15 @@ class TaskRunner:
         available = self.available(task.round)
         choice = choose(adaptation.candidates(sent), corrected, available)
         if choice.spec is None:
-            tried = ", ".join(f"{name} {needed / 2**20:.1f} MiB" for name, needed in choice.tried)
-            raise TaskRejected("declined", f"nothing fits the {available / 2**20:.1f} MiB available "
-                                           f"(estimated: {tried})")
+            tried = ", ".join(f"{name} {_size(needed)}" for name, needed in choice.tried)
+            raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried})")
         spec = choice.spec
         estimate = raw[spec]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
                   "budget_bytes": float(available), "calibration": self.calibration.factor}
         outcome = self._train_in_child(task, spec)
         if outcome.update is None:
-            if outcome.killed_by == "SIGKILL":
+            if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
                 self.calibration.observe_failure(estimate.total, available, estimate.overhead)
             why = (f"training process was killed by {outcome.killed_by}" if outcome.killed_by
                    else f"training process failed (exit code {outcome.exitcode})")
@@ -182,7 +190,7 @@ class TaskRunner:
         update.status = "ok" if spec == sent else "adapted"
         update.metrics.update(memory)
         if spec != sent:
-            update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {available / 2**20:.1f} MiB"
+            update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {_size(available)}"
         return update
 
     def _check_compatible(self, task: Task) -> None:
@@ -209,7 +217,8 @@ class TaskRunner:
                                              f"{shapes[key]}")
 
     def _train_in_child(self, task: Task, spec: SubmodelSpec) -> child.ChildOutcome:
-        workdir = self.state_dir / "tasks" / task.task_id
+        # Named by a digest: a task id is wire data and must never become a path ("..", say).
+        workdir = self.state_dir / "tasks" / hashlib.sha256(task.task_id.encode()).hexdigest()[:24]
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         try:

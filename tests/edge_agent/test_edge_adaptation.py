@@ -108,8 +108,8 @@ def test_choose_without_candidates():
 
 # ---------------------------------------------------------------------------------------------- runner
 def corrected_estimates(runner, family, rates) -> dict[float, int]:
-    return {rate: runner.calibration.corrected(runner.raw_estimate(family, U(rate), 8, 0.9))
-            for rate in rates}
+    estimates = {rate: runner.raw_estimate(family, U(rate), 8, 0.9) for rate in rates}
+    return {rate: runner.calibration.corrected(e.total, e.overhead) for rate, e in estimates.items()}
 
 
 def test_runner_adapts_to_the_largest_level_that_fits(family, make_task, make_runner):
@@ -133,7 +133,7 @@ def test_runner_adapts_to_the_largest_level_that_fits(family, make_task, make_ru
         assert np.isfinite(array).all()
     assert update.weights["conv1.weight"].shape[0] == 1  # 4 channels at width 0.25
     assert update.metrics["estimated_bytes"] == estimates[0.25]
-    assert update.metrics["raw_estimate_bytes"] == runner.raw_estimate(family, U(0.25), 8, 0.9)
+    assert update.metrics["raw_estimate_bytes"] == runner.raw_estimate(family, U(0.25), 8, 0.9).total
     assert update.metrics["budget_bytes"] == budget
     assert update.metrics["calibration"] == pytest.approx(1.15)
     assert update.metrics["peak_bytes"] > 0
