@@ -2,8 +2,9 @@
 
 The factor multiplies the model-dependent part of the raw estimate (everything but the runtime's fixed
 overhead, which the estimator states separately and which is measured, not predicted); a run whose
-model-dependent part is too small to measure against that overhead teaches nothing. It starts at ``initial`` (the estimator's documented tolerance, so the
-first tasks are safe) and then follows a conservative envelope of recent measured/estimated ratios. An
+model-dependent part is too small to measure against that overhead teaches nothing. The factor starts at
+``initial`` (a 10% margin: the estimator over-predicts most benchmark rows and under-predicts none by more
+than about 10%), then follows a conservative envelope of recent measured/estimated ratios. An
 out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
 (at most doubling per failure) and never falls below it again.
 Stored as JSON in the agent's state directory (never a pickle).
@@ -24,7 +25,7 @@ MIN_RATIO, MAX_RATIO = 0.5, 3.0
 class Calibration:
     """Thread-safe calibration factor with an optional JSON file behind it."""
 
-    def __init__(self, path: str | Path | None = None, initial: float = 1.15, margin: float = 1.05,
+    def __init__(self, path: str | Path | None = None, initial: float = 1.10, margin: float = 1.05,
                  window: int = 20) -> None:
         self.path = Path(path) if path is not None else None
         self.initial = initial

@@ -25,13 +25,16 @@ import abc
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from models.spec import SubmodelSpec
 from models.width import scaled_channels
+
+if TYPE_CHECKING:
+    from models.memory import MemoryEstimate
 
 __all__ = ["BYTES_PER_ELEMENT", "LayerDecl", "ModelFamily", "bn_decl", "conv_decl", "linear_decl"]
 
@@ -412,6 +415,33 @@ class ModelFamily(abc.ABC):
         spec = self.validate_spec(spec)
         return self._trace(spec, _check_input_size(input_size)).macs
 
+    def training_memory_estimate(
+        self,
+        spec: SubmodelSpec | None = None,
+        *,
+        batch_size: int,
+        input_size: tuple[int, int] = (28, 28),
+        optimizer_slots: int = 1,
+        device: str = "cpu",
+    ) -> MemoryEstimate:
+        """Estimated peak memory of training ``spec``, with its parts (see :mod:`models.memory`).
+
+        ``optimizer_slots`` is the number of state tensors per parameter (SGD with momentum 1, without 0, Adam 2);
+        ``device`` is ``"cpu"`` (process RSS above the training process's baseline) or ``"cuda"`` (the caching
+        allocator's peak; the CUDA context is not counted). Computed by shape propagation on the meta device,
+        cached per arguments.
+        """
+        from models.memory import estimate_training_memory
+
+        return estimate_training_memory(
+            self,
+            spec,
+            batch_size=batch_size,
+            input_size=input_size,
+            optimizer_slots=optimizer_slots,
+            device=device,
+        )
+
     def training_memory_bytes(
         self,
         spec: SubmodelSpec | None = None,
@@ -419,28 +449,71 @@ class ModelFamily(abc.ABC):
         batch_size: int,
         input_size: tuple[int, int] = (28, 28),
         optimizer_slots: int = 1,
+        device: str = "cpu",
     ) -> int:
-        """FIRST-ORDER estimate of peak training memory on CPU, in bytes (float32 everywhere).
+        """Estimated peak memory of training ``spec``, in bytes: ``training_memory_estimate(...).total``."""
+        return self.training_memory_estimate(
+            spec, batch_size=batch_size, input_size=input_size, optimizer_slots=optimizer_slots, device=device
+        ).total
 
-        ``params * (2 + optimizer_slots)`` (weights, gradients, optimizer state such as SGD momentum) plus
-        ``batch_size * (input elements + sum over leaf modules of their output elements)``, each element 4
-        bytes. Activation sizes come from shape propagation of one sample, scaled by the batch size.
+    def num_blocks(self, spec: SubmodelSpec | None = None) -> int:
+        """Number of body blocks depth-wise training trains one at a time (see ``models.memory.split_blocks``)."""
+        from models.memory import num_blocks
 
-        This deliberately ignores allocator overhead, autograd's exact choice of saved tensors (some outputs are
-        views or are not saved; backward also holds activation gradients), framework workspace and the
-        interpreter itself. It is meant for ranking sub-models and choosing what fits; a later refinement
-        calibrates it against measured peaks.
+        return num_blocks(self, self.validate_spec(spec))
+
+    def block_training_memory_estimate(
+        self,
+        spec: SubmodelSpec | None,
+        block: int,
+        *,
+        batch_size: int,
+        input_size: tuple[int, int] = (28, 28),
+        optimizer_slots: int = 1,
+        device: str = "cpu",
+    ) -> MemoryEstimate:
+        """Estimated peak memory of training body block ``block`` and the head of ``spec`` (FeDepth).
+
+        Blocks before ``block`` are frozen (no gradients, no optimizer state, run without autograd so only their
+        output exists), later blocks are skipped (see :class:`models.memory.BlockTrainingModel`). All parameters
+        of ``spec`` are in memory.
         """
-        spec = self.validate_spec(spec)
-        batch_size = _check_positive_int("batch_size", batch_size)
-        if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 0:
-            raise ValueError(f"optimizer_slots must be a non-negative integer, got {optimizer_slots!r}.")
-        size = _check_input_size(input_size)
-        trace = self._trace(spec, size)
-        params = self.param_count(spec)
-        input_elements = self.in_channels * size[0] * size[1]
-        elements = params * (2 + optimizer_slots) + batch_size * (input_elements + trace.activation_elements)
-        return elements * BYTES_PER_ELEMENT
+        from models.memory import estimate_training_memory
+
+        count = self.num_blocks(spec)
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < count:
+            raise ValueError(
+                f"block must be an integer in 0..{count - 1} for family {self.name!r}, got {block!r}."
+            )
+        return estimate_training_memory(
+            self,
+            spec,
+            batch_size=batch_size,
+            input_size=input_size,
+            optimizer_slots=optimizer_slots,
+            device=device,
+            block=block,
+        )
+
+    def block_training_memory_bytes(
+        self,
+        spec: SubmodelSpec | None,
+        block: int,
+        *,
+        batch_size: int,
+        input_size: tuple[int, int] = (28, 28),
+        optimizer_slots: int = 1,
+        device: str = "cpu",
+    ) -> int:
+        """Estimated peak bytes of training only body block ``block`` and the head: the estimate's ``total``."""
+        return self.block_training_memory_estimate(
+            spec,
+            block,
+            batch_size=batch_size,
+            input_size=input_size,
+            optimizer_slots=optimizer_slots,
+            device=device,
+        ).total
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -14,15 +14,15 @@ from edge_agent.calibration import Calibration
 
 def test_initial_factor():
     calibration = Calibration()
-    assert calibration.factor == 1.15
-    assert calibration.corrected(1000) == 1150
+    assert calibration.factor == 1.10
+    assert calibration.corrected(1000) == 1100
     assert (calibration.ratios, calibration.floor) == ([], 0.0)
     assert Calibration(initial=2.0).factor == 2.0
 
 
 def test_corrected_scales_only_the_model_dependent_part():
     calibration = Calibration()
-    assert calibration.corrected(1000, overhead=400) == 400 + int(600 * 1.15)
+    assert calibration.corrected(1000, overhead=400) == 400 + int(600 * 1.10)
     assert calibration.corrected(1000, overhead=1000) == 1000
     assert Calibration(initial=1.5).corrected(3) == 4  # an int, truncated
     assert isinstance(Calibration().corrected(1001), int)
@@ -64,7 +64,7 @@ def test_a_run_whose_model_part_is_too_small_to_measure_teaches_nothing(tmp_path
     path = tmp_path / "calibration.json"
     calibration = Calibration(path)
     calibration.observe(1000, 5000, overhead=950)  # 50 bytes of model against 950 of fixed overhead
-    assert calibration.ratios == [] and calibration.factor == 1.15
+    assert calibration.ratios == [] and calibration.factor == 1.10
     assert not path.exists()
 
 
@@ -80,8 +80,8 @@ def test_only_the_last_window_ratios_count():
 def test_observe_failure_raises_a_floor_the_factor_never_goes_below():
     calibration = Calibration(window=2)
     calibration.observe_failure(1000, 4000)  # the run needed more than 4000 bytes: ratio > 4 (x margin 4.2)
-    assert calibration.floor == pytest.approx(2 * 1.15)  # ... but one failure at most doubles the factor
-    assert calibration.factor == pytest.approx(2.3)
+    assert calibration.floor == pytest.approx(2 * 1.10)  # ... but one failure at most doubles the factor
+    assert calibration.factor == pytest.approx(2.2)
     calibration.observe_failure(1000, 4000)  # a second one reaches what the failure implies
     assert calibration.floor == pytest.approx(4.0 * 1.05)
     assert calibration.corrected(1000) > 4000  # the same run would now be declined at that availability
@@ -154,7 +154,7 @@ def test_a_damaged_file_is_ignored(tmp_path, content):
     path = tmp_path / "calibration.json"
     path.write_text(content)
     calibration = Calibration(path)
-    assert (calibration.ratios, calibration.floor, calibration.factor) == ([], 0.0, 1.15)
+    assert (calibration.ratios, calibration.floor, calibration.factor) == ([], 0.0, 1.10)
     calibration.observe(1000, 2000)  # and is overwritten by what is learnt next
     assert json.loads(path.read_text()) == {"ratios": [2.0], "floor": 0.0}
 
@@ -164,7 +164,7 @@ def test_observe_ignores_non_positive_inputs(tmp_path, raw, peak):
     path = tmp_path / "calibration.json"
     calibration = Calibration(path)
     calibration.observe(raw, peak)
-    assert calibration.ratios == [] and calibration.factor == 1.15
+    assert calibration.ratios == [] and calibration.factor == 1.10
     assert not path.exists()
 
 
@@ -173,7 +173,7 @@ def test_observe_failure_ignores_estimates_without_a_model_part(tmp_path, raw, o
     path = tmp_path / "calibration.json"
     calibration = Calibration(path)
     calibration.observe_failure(raw, 4000, overhead=overhead)
-    assert calibration.floor == 0.0 and calibration.factor == 1.15
+    assert calibration.floor == 0.0 and calibration.factor == 1.10
     assert not path.exists()
 
 
@@ -181,7 +181,7 @@ def test_observe_failure_ignores_estimates_without_a_model_part(tmp_path, raw, o
 def test_observe_failure_with_nothing_left_above_the_overhead_does_not_change_the_floor(available):
     calibration = Calibration()
     calibration.observe_failure(1000, available, overhead=300)
-    assert calibration.floor == 0.0 and calibration.factor == 1.15
+    assert calibration.floor == 0.0 and calibration.factor == 1.10
 
 
 def test_without_a_path_nothing_is_written(tmp_path, monkeypatch):

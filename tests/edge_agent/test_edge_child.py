@@ -227,7 +227,7 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(family, make_ta
     expected = Calibration()
     expected.observe_failure(estimate.total, int(failed.metrics["budget_bytes"]), estimate.overhead)
     expected_floor = expected.floor
-    assert expected_floor == pytest.approx(2 * 1.15)  # a GiB was available: only the doubling applies
+    assert expected_floor == pytest.approx(2 * 1.10)  # a GiB was available: only the doubling applies
     assert runner.calibration.floor == pytest.approx(expected_floor)
     stored = json.loads((tmp_path / "agent" / "calibration.json").read_text())
     assert stored["floor"] == pytest.approx(expected_floor)
@@ -278,4 +278,4 @@ def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, mo
     assert update.status == "failed"
     assert "did not finish within 1 s" in update.reason
     assert runner.calibration.floor == 0.0
-    assert runner.calibration.factor == pytest.approx(1.15)
+    assert runner.calibration.factor == pytest.approx(1.10)

@@ -62,11 +62,10 @@ def test_training_memory_hand_computed() -> None:
     family = tiny()
     params = (2 * 9 + 2) + 4 + (4 * 2 * 9 + 4) + 8 + (4 * 3 + 3)
     assert family.param_count() == params == 123
-    # Leaf outputs for one 1x4x4 sample: conv/scaler/bn/relu 4 x 32, pool 8, conv2 block 4 x 16,
-    # avgpool 4, flatten 4, classifier 3; plus the 16 input elements.
-    activations = 4 * 32 + 8 + 4 * 16 + 4 + 4 + 3
-    expected = 4 * (params * 3 + 2 * (16 + activations))
-    assert family.training_memory_bytes(batch_size=2, input_size=(4, 4)) == expected == 3292
+    estimate = family.training_memory_estimate(batch_size=2, input_size=(4, 4))
+    assert estimate.parameters == estimate.gradients == estimate.optimizer_state == 4 * params
+    assert family.training_memory_estimate(batch_size=2, input_size=(4, 4), optimizer_slots=0).optimizer_state == 0
+    assert family.training_memory_bytes(batch_size=2, input_size=(4, 4)) == estimate.total
 
 
 def test_heterofl_paper_parameter_counts() -> None:

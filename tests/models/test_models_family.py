@@ -177,18 +177,22 @@ def test_training_memory_is_linear_in_batch(case: Case) -> None:
     family, size = case
     spec = SubmodelSpec.uniform(0.5)
 
-    def mem(batch: int, slots: int = 1) -> int:
-        return family.training_memory_bytes(spec, batch_size=batch, input_size=size, optimizer_slots=slots)
+    def activations(batch: int) -> int:
+        return family.training_memory_estimate(spec, batch_size=batch, input_size=size).activations
 
-    m1, m2, m4, m64 = mem(1), mem(2), mem(4), mem(64)
-    per_sample = m2 - m1
+    a1, a2, a4, a64 = activations(1), activations(2), activations(4), activations(64)
+    per_sample = a2 - a1
     assert per_sample > 0
-    assert m4 - m2 == 2 * per_sample and m64 - m1 == 63 * per_sample
-    # The part independent of the batch is the weights, gradients and one momentum slot.
+    assert a4 - a2 == 2 * per_sample and a64 - a1 == 63 * per_sample  # what autograd saves is per sample
     params = family.param_count(spec)
-    assert m1 - per_sample == 3 * params * BYTES_PER_ELEMENT
-    assert mem(8, slots=2) - mem(8, slots=1) == params * BYTES_PER_ELEMENT
-    assert mem(8, slots=0) < mem(8)
+
+    def state(slots: int) -> int:
+        return family.training_memory_estimate(spec, batch_size=8, input_size=size, optimizer_slots=slots
+                                               ).optimizer_state
+
+    assert state(2) - state(1) == params * BYTES_PER_ELEMENT == state(1)
+    assert family.training_memory_bytes(spec, batch_size=8, input_size=size, optimizer_slots=0) < \
+        family.training_memory_bytes(spec, batch_size=8, input_size=size)
 
 
 def test_training_memory_shrinks_with_rate(case: Case) -> None:

@@ -44,6 +44,10 @@ def test_bad_sizes(num_classes: object, in_channels: object) -> None:
 def test_public_exports() -> None:
     assert set(models.__all__) == {
         "FAMILY_NAMES",
+        "BlockTrainingModel",
+        "MemoryEstimate",
+        "block_training_model",
+        "estimate_training_memory",
         "ModelFamily",
         "Scaler",
         "SubmodelSpec",
