@@ -63,7 +63,7 @@ def test_update_validation(tmp_path: Path, digits) -> None:
     coordinator = Coordinator(config(tmp_path), dataset=digits)
     half, full = SubmodelSpec.uniform(0.5), SubmodelSpec.full()
     assignment = Assignment("dev", "b", half, "global")
-    spec, state, index_map = coordinator._unpack_update(update_for(coordinator, half, labels=[0, 1]), assignment)
+    spec, state, _ = coordinator._unpack_update(update_for(coordinator, half, labels=[0, 1]), assignment)
     assert spec == half and set(state) == set(coordinator.family.trainable_keys(half))
     with pytest.raises(ValueError, match="larger"):
         coordinator._unpack_update(update_for(coordinator, full, labels=[0]), assignment)
