@@ -1,4 +1,4 @@
-"""Atomic checkpoints in safetensors (no pickle anywhere): model states per group plus metadata."""
+"""Atomic checkpoints in safetensors (nothing is pickled): model states per group plus metadata."""
 
 from __future__ import annotations
 

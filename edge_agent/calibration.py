@@ -7,7 +7,7 @@ model-dependent part is too small to measure against that overhead teaches nothi
 than about 10%), then follows a conservative envelope of recent measured/estimated ratios. An
 out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
 (at most doubling per failure) and never falls below it again.
-Stored as JSON in the agent's state directory (never a pickle).
+Stored as JSON in the agent's state directory (never pickled).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Children come from a multiprocessing *forkserver* that has already imported this
 and the models (the agent stays warm, unlike per-message processes that re-import torch every round). The
 server also runs one tiny training step (``child_warmup``) so that torch's one-time initialisation (the lazy
 import behind the first optimizer, kernel set-up) is shared by every child instead of inflating each measured
-peak; it starts no threads that would make forking unsafe (one intra-op thread). Nothing crosses the process boundary as a pickle: the parent writes
+peak; it starts no threads that would make forking unsafe (one intra-op thread). Nothing crosses the process boundary pickled: the parent writes
 the task (protocol msgpack) and a small JSON plan into a work directory, the child reads its data from an
 ``.npz`` written once by the agent (``allow_pickle=False``), and answers with an encoded update or an error
 text.

@@ -80,7 +80,7 @@ def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise
     except ValueError as exc:
         raise DatasetError(
-            f"{where} holds object arrays, which are refused since they need pickle ({exc}); "
+            f"{where} holds object arrays, which are refused since loading them means unpickling ({exc}); "
             "save plain numeric arrays."
         ) from exc
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
@@ -170,7 +170,7 @@ def load_local_data(
     """Load a device's own training data.
 
     ``path`` is either an ``.npz`` file with arrays ``x`` (``N x H x W`` or ``N x C x H x W``; uint8 0..255 or
-    float) and ``y`` (``N`` non-negative integer labels), read without pickle; or a folder with one sub-folder
+    float) and ``y`` (``N`` non-negative integer labels), read with allow_pickle=False; or a folder with one sub-folder
     per class, named by its integer label, holding PNG/JPEG images of one size (grayscale stays one channel;
     dot-files are ignored).
 
