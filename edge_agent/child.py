@@ -135,6 +135,22 @@ def child_main(workdir_text: str) -> None:
     os._exit(0)
 
 
+def shrink(received: dict[str, torch.Tensor], index_map: dict[str, tuple[torch.Tensor, ...]],
+           keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of a smaller sub-model cut out of the received (larger) one.
+
+    Sub-models are nested prefixes, so the global indices of the smaller spec are also positions in the
+    received tensors; a spec that is not nested inside the received one is refused.
+    """
+    out = {}
+    for key in keys:
+        tensor, indices = received[key], index_map[key]
+        if any(len(idx) and int(idx.max()) >= size for idx, size in zip(indices, tensor.shape)):
+            raise ValueError(f"the adapted spec is not nested inside the received one (tensor {key!r})")
+        out[key] = tensor[torch.meshgrid(*indices, indexing="ij")].clone() if indices else tensor.clone()
+    return out
+
+
 def _train(workdir: Path) -> None:
     plan = json.loads((workdir / PLAN_FILE).read_text())
     torch.set_num_threads(int(plan["torch_threads"]))
@@ -147,8 +163,8 @@ def _train(workdir: Path) -> None:
     spec = SubmodelSpec.from_dict(plan["spec"])
     device = plan["device"]
     received = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
-    weights = received if plan["spec"] == task.spec else family.extract(
-        received, spec, keys=family.trainable_keys(spec))  # nested prefix: a smaller spec is a slice of the sent one
+    weights = received if plan["spec"] == task.spec else shrink(received, family.index_map(spec),
+                                                                family.trainable_keys(spec))
     del received
     gc.collect()
     baseline = rss_bytes()

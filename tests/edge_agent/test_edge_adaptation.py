@@ -155,3 +155,16 @@ def test_runner_declines_when_even_the_smallest_level_does_not_fit(family, make_
     assert update.status == "declined"
     for name in ("width=1 ", "width=0.5 ", "width=0.25 "):
         assert name in update.reason
+
+
+def test_runner_adapts_a_sub_model_it_received_to_a_smaller_one(family, make_task, make_runner):
+    # The weights received are already a slice (width 0.5); the adapted level is cut out of that slice.
+    probe = make_runner(name="probe")
+    estimates = corrected_estimates(probe, family, (0.5, 0.25))
+    task = make_task(U(0.5), adaptation=WIDTH_LEVELS)
+    update = make_runner(budget=(estimates[0.25] + estimates[0.5]) // 2).run(task)
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == {"width": 0.25}
+    shapes = {key: tuple(len(index) for index in indices) for key, indices in family.index_map(U(0.25)).items()}
+    assert {key: array.shape for key, array in update.weights.items()} == {
+        key: shapes[key] for key in family.trainable_keys(U(0.25))}
