@@ -100,7 +100,8 @@ class EdgeAgent:
         if self._own_executor:
             self.executor.shutdown(wait=False, cancel_futures=True)
         self.link.stop(final=(self.topics.agent_status(self.agent_id), encode(self._offline_status()), True))
-        self._timer.join(2.0) if self._timer.is_alive() else None
+        if self._timer.is_alive():
+            self._timer.join(2.0)
         self.runner.close()
 
     def run_forever(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from coordinator.checkpoint import CheckpointError
 from coordinator.config import CoordinatorConfig
+from coordinator.daemon import NoAgentsError
 from fedfit.config import ConfigError, from_mapping, load_yaml
 from fedfit.data import DATASET_NAMES, DatasetError
 from fedfit.logs import configure_logging
@@ -23,8 +24,8 @@ from fedfit.sim.budgets import BUDGET_SCENARIOS
 ALGORITHMS = ("heterofl", "fedavg", "decoupled")
 MODELS = ("cnn", "preresnet18")
 # Errors a user can cause: reported as one sentence, without a traceback.
-USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, ValueError,
-               FileNotFoundError)
+USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
+               ValueError, FileNotFoundError)
 
 
 def _parser() -> argparse.ArgumentParser:

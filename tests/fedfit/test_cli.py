@@ -56,3 +56,21 @@ def test_sim_bad_partition_and_broker(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 2 and "iid" in err and "shards" in err
     code, err = run(capsys, "sim", "--dataset", "digits", "--broker", "nowhere")
     assert code == 2 and "HOST:PORT" in err
+
+
+def test_coordinator_without_agents_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedfit.sim.broker import find_mosquitto, start_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    broker = start_mosquitto()
+    try:
+        config = tmp_path / "c.yaml"
+        config.write_text(f"broker: {{host: {broker.host}, port: {broker.port}}}\nfederation: empty\n"
+                          f"data: {{dataset: digits, bn_samples: 50}}\nmodel: {{options: {{hidden: [4, 8]}}}}\n"
+                          f"wait_for_agents_s: 0.5\nrounds: 1\nstate_dir: {tmp_path / 'state'}\n")
+        code, err = run(capsys, "coordinator", "--config", str(config), "--log-level", "error")
+    finally:
+        broker.stop()
+    assert code == 2
+    assert "no agent of federation 'empty' came online" in err and "Traceback" not in err
