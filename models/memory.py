@@ -342,18 +342,6 @@ def _trace(
     device: str,
     block: int | None,
 ) -> _Trace:
-    with torch.inference_mode(False):
-        return _trace_meta(family, spec, batch_size, input_size, device, block)
-
-
-def _trace_meta(
-    family: ModelFamily,
-    spec: SubmodelSpec,
-    batch_size: int,
-    input_size: tuple[int, int],
-    device: str,
-    block: int | None,
-) -> _Trace:
     granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
     with torch.device("meta"):
         model = family.build(spec, track_bn_stats=False)
@@ -510,7 +498,8 @@ def estimate_training_memory(
         cached = _cache.get(family, {}).get(key)
     if isinstance(cached, MemoryEstimate):
         return cached
-    trace = _trace(family, spec, batch_size, size, kind, block)
+    with torch.inference_mode(False):  # autograd must record, even when called under inference mode
+        trace = _trace(family, spec, batch_size, size, kind, block)
     gradients = sum(trace.trainable)
     state = optimizer_slots * gradients
     step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)

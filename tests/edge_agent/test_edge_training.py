@@ -13,15 +13,6 @@ from models import get_family
 from protocol import Recipe
 
 
-@pytest.fixture(autouse=True)
-def single_torch_thread():
-    """Tiny models train fastest on one thread (and do not fight other processes for cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def recipe(**kwargs) -> Recipe:
     base = {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_norm": None,
             "masked_ce": False, "seed": 0}
