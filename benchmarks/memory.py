@@ -7,16 +7,18 @@ their ratio; the last line is ``worst ratio: X`` (the ratio farthest from 1).
 
 The measurement (:func:`measure_training_peak`) runs in a fresh child process per row, forked from the same warm
 forkserver the edge agent's training children come from (``edge_agent.child.process_context``: torch imported
-and initialised by one tiny training step): it creates the local data (N x C x H x W float32 and labels) and the sub-model's weights as numpy arrays
+and initialised by one tiny training step): it sets up its heap as the agent's child does (``--allocator``,
+default ``compact``, see ``edge_agent.allocator``), creates the local data (N x C x H x W float32 and labels) and the sub-model's weights as numpy arrays
 (as they arrive in a task), collects garbage and takes the baseline RSS; then it builds the model, loads the
 weights, creates ``torch.optim.SGD(lr, momentum=0.9, weight_decay=5e-4)`` and runs a few training steps on random
-batches (forward in train mode, cross-entropy, backward, ``clip_grad_norm_(1.0)``, step,
-``zero_grad(set_to_none=True)``). Measured = the RSS high-water mark (reset at the baseline through
+batches (``--steps``, default 20; forward in train mode, cross-entropy, backward, ``clip_grad_norm_(1.0)``,
+step, ``zero_grad(set_to_none=True)``). Measured = the RSS high-water mark (reset at the baseline through
 ``/proc/self/clear_refs``, as the agent's child does) minus the baseline. With CUDA available it
 also prints CUDA rows, measured as ``torch.cuda.max_memory_allocated()`` during training.
 
-Measured peaks on CPU vary between runs of one configuration by up to about 10% (glibc heap fragmentation
-depends on the address-space layout); see ``models/memory.py``.
+With ``--allocator default`` (glibc's default heap) measured peaks on CPU vary between runs of one configuration
+by up to about 10% (heap fragmentation depends on the address-space layout; see ``models/memory.py``); with
+``compact`` they repeat to within about 1 MB. The table also shows the milliseconds per training step.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def measure_training_peak(
     *,
     block: int | None = None,
     device: str = "cpu",
-    steps: int = 5,
+    steps: int = 20,
     samples: int = SAMPLES,
-) -> int:
-    """Peak training memory above the baseline, in bytes, measured in THIS process (run it in a fresh child).
+    allocator: str = "compact",
+) -> tuple[int, float]:
+    """Peak training memory above the baseline in bytes, and seconds per step, measured in THIS process (run it
+    in a fresh child, whose heap it sets up for ``allocator`` on CPU).
 
     ``spec`` is a ``SubmodelSpec`` or its ``to_dict()`` form; ``block`` trains only that body block and the head
     (``models.memory.BlockTrainingModel``). On ``device="cuda"`` the result is the peak of
@@ -60,10 +64,13 @@ def measure_training_peak(
     import numpy as np
     import torch
 
+    from edge_agent import allocator as heap
     from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
     from models import SubmodelSpec, block_training_model, get_family
 
     torch.set_num_threads(torch_threads)
+    if device != "cuda":
+        heap.configure(allocator)
     family = get_family(family_name, num_classes, in_channels, **family_options)
     if not isinstance(spec, SubmodelSpec):
         spec = SubmodelSpec.from_dict(spec)
@@ -98,6 +105,7 @@ def measure_training_peak(
     net.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.01, momentum=momentum, weight_decay=5e-4)
+    started = time.perf_counter()
     for _ in range(steps):
         idx = torch.randint(0, samples, (batch_size,), generator=generator)
         inputs, targets = x[idx].to(device), y[idx].to(device)
@@ -108,8 +116,10 @@ def measure_training_peak(
         optimizer.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated() - baseline)
-    return peak_rss_bytes() - baseline
+    seconds = (time.perf_counter() - started) / steps
+    if cuda:
+        return int(torch.cuda.max_memory_allocated() - baseline), seconds
+    return peak_rss_bytes() - baseline, seconds
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,7 @@ def rows() -> list[Row]:
     return out
 
 
-def _measure_in_child(row: Row, device: str, steps: int, threads: int) -> int:
+def _measure_in_child(row: Row, device: str, steps: int, threads: int, allocator: str) -> tuple[int, float]:
     from edge_agent.child import process_context
     from models import SubmodelSpec
 
@@ -151,14 +161,17 @@ def _measure_in_child(row: Row, device: str, steps: int, threads: int) -> int:
         0.9,
         threads,
     )
-    kwargs: dict[str, Any] = {"block": row.block, "device": device, "steps": steps}
+    kwargs: dict[str, Any] = {"block": row.block, "device": device, "steps": steps, "allocator": allocator}
     with process_context().Pool(1) as pool:  # forked from the agent's warm training forkserver
-        return int(pool.apply(measure_training_peak, args, kwargs))
+        peak, seconds = pool.apply(measure_training_peak, args, kwargs)
+    return int(peak), float(seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="training steps per measurement (default 5)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per measurement (default 20)")
+    parser.add_argument("--allocator", choices=("compact", "default"), default="compact",
+                        help="heap of the measuring child on CPU, as the agent's allocator setting (default compact)")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads in the measuring child (default 1)"
     )
@@ -166,12 +179,16 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from edge_agent import allocator as heap
     from models import SubmodelSpec, get_family
 
+    allocator = heap.resolve(args.allocator)
+    if allocator != args.allocator:
+        print(f"allocator {args.allocator!r} is not available here (no glibc mallopt); measuring {allocator!r}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     header = (
         f"{'device':6s} {'family':12s} {'spec':22s} {'batch':>5s} {'estimate MB':>12s} {'measured MB':>12s} "
-        f"{'ratio':>6s}"
+        f"{'ratio':>6s} {'ms/step':>8s}"
     )
     print(header)
     print("-" * len(header))
@@ -183,23 +200,29 @@ def main(argv: list[str] | None = None) -> None:
             spec = SubmodelSpec.uniform(row.width)
             if row.block is None:
                 estimate = family.training_memory_bytes(
-                    spec, batch_size=row.batch_size, input_size=row.image_size, device=device
+                    spec, batch_size=row.batch_size, input_size=row.image_size, device=device, allocator=allocator
                 )
             else:
                 estimate = family.block_training_memory_bytes(
-                    spec, row.block, batch_size=row.batch_size, input_size=row.image_size, device=device
+                    spec,
+                    row.block,
+                    batch_size=row.batch_size,
+                    input_size=row.image_size,
+                    device=device,
+                    allocator=allocator,
                 )
-            measured = _measure_in_child(row, device, args.steps, args.threads)
+            measured, seconds = _measure_in_child(row, device, args.steps, args.threads, allocator)
             ratio = estimate / measured
             if abs(ratio - 1) > abs(worst - 1):
                 worst = ratio
             described = spec.describe() + ("" if row.block is None else f" block={row.block}")
             print(
                 f"{device:6s} {row.family:12s} {described:22s} {row.batch_size:5d} {estimate / MB:12.1f} "
-                f"{measured / MB:12.1f} {ratio:6.3f}",
+                f"{measured / MB:12.1f} {ratio:6.3f} {seconds * 1000:8.0f}",
                 flush=True,
             )
-    print(f"({len(rows()) * len(devices)} rows in {time.monotonic() - started:.0f} s)")
+    print(f"({len(rows()) * len(devices)} rows, allocator {allocator}, {args.steps} steps each, "
+          f"{time.monotonic() - started:.0f} s)")
     print(f"worst ratio: {worst:.3f}")
 
 

@@ -9,8 +9,9 @@ the task (protocol msgpack) and a small JSON plan into a work directory, the chi
 ``.npz`` written once by the agent (``allow_pickle=False``), and answers with an encoded update or an error
 text.
 
-The child measures its own peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``) right
-before the model is built, so ``peak - baseline`` is what training itself took (model, gradients, optimizer
+The child first sets up its heap as the plan says (``edge_agent.allocator``; the estimate was made for the
+same setting). It measures its own peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``)
+right before the model is built, so ``peak - baseline`` is what training itself took (model, gradients, optimizer
 state, activations, workspace); on CUDA the allocator's peak is used instead.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_agent import allocator as heap
 from edge_agent.training import train_plain
 from models import SubmodelSpec, get_family
 from protocol import Task, Update, decode, encode
@@ -154,6 +156,8 @@ def shrink(received: dict[str, torch.Tensor], index_map: dict[str, tuple[torch.T
 def _train(workdir: Path) -> None:
     plan = json.loads((workdir / PLAN_FILE).read_text())
     torch.set_num_threads(int(plan["torch_threads"]))
+    if plan["device"] != "cuda":
+        heap.configure(plan["allocator"])
     task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
     assert isinstance(task, Task)
     with np.load(plan["data_path"], allow_pickle=False) as archive:

@@ -32,6 +32,8 @@ class AgentConfig:
 
     ``state_dir`` holds the calibration and the training children's scratch files (default: a temporary
     directory; under systemd, ``$STATE_DIRECTORY``). ``torch_threads`` is what each training child uses.
+    ``allocator`` is how a CPU training child manages its heap (``edge_agent.allocator``): ``compact`` (peaks
+    lower and predictable, steps slower) or glibc's ``default``.
     """
 
     agent_id: str
@@ -46,6 +48,7 @@ class AgentConfig:
     update_attempts: int = 30
     torch_threads: int | None = None
     state_dir: str | None = None
+    allocator: Literal["compact", "default"] = "compact"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def validate(self) -> None:

@@ -53,7 +53,8 @@ class EdgeAgent:
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
                                  state_dir=Path(state_dir) / self.agent_id if state_dir else None,
-                                 torch_threads=config.torch_threads or max(1, (os.cpu_count() or 1)))
+                                 torch_threads=config.torch_threads or max(1, (os.cpu_count() or 1)),
+                                 allocator=config.allocator)
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")

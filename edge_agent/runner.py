@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_agent import allocator as heap
 from edge_agent import child
 from edge_agent.adaptation import adaptation_from_hint, choose
 from edge_agent.calibration import Calibration
@@ -92,18 +93,23 @@ class TaskRunner:
         state_dir: str | Path | None = None,
         calibration: Calibration | None = None,
         torch_threads: int = 1,
+        allocator: str = "compact",
     ) -> None:
         self.agent_id = agent_id
         self.data = data
         self.budget_for: BudgetFn = budget if callable(budget) else _constant(budget)
         self.device = device
         self.torch_threads = torch_threads
+        # What the children really run (glibc-only "compact" falls back), so the estimates match it.
+        self.allocator = heap.resolve(allocator)
         self._own_state_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(
             prefix=f"fedfit-{agent_id}-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # One calibration per way of running: a factor learnt under one allocator is wrong for the other.
+        runtime = "cuda" if device == "cuda" else f"cpu-{self.allocator}"
         self.calibration = calibration if calibration is not None else Calibration(
-            self.state_dir / "calibration.json")
+            self.state_dir / f"calibration-{runtime}.json")
         self.data_path = self.state_dir / "local-data.npz"
         np.savez(self.data_path, x=data.x.numpy(), y=data.y.numpy())
         self._families: dict[tuple[str, int, int, str], ModelFamily] = {}
@@ -134,7 +140,8 @@ class TaskRunner:
                      momentum: float) -> MemoryEstimate:
         """The estimator's prediction of peak training memory for ``spec`` on this device (with its parts)."""
         return family.training_memory_estimate(spec, batch_size=batch_size, input_size=self.data.image_size,
-                                               optimizer_slots=1 if momentum > 0 else 0, device=self.device)
+                                               optimizer_slots=1 if momentum > 0 else 0, device=self.device,
+                                               allocator=self.allocator)
 
     def available(self, round_number: int) -> int:
         """Memory training may use now (budget for this round, cgroup, psutil; CUDA free memory on GPUs)."""
@@ -225,7 +232,8 @@ class TaskRunner:
             (workdir / child.TASK_FILE).write_bytes(encode(task))
             (workdir / child.PLAN_FILE).write_text(json.dumps({
                 "spec": spec.to_dict(), "device": self.device, "labels": self.data.labels,
-                "data_path": str(self.data_path), "torch_threads": self.torch_threads}))
+                "data_path": str(self.data_path), "torch_threads": self.torch_threads,
+                "allocator": self.allocator}))
             timeout = max(30.0, task.deadline - time.time() + DEADLINE_GRACE_S)
             return child.run_in_child(workdir, timeout, on_start=self._started)
         finally:

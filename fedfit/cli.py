@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(weak/medium/strong 40/30/30%% with 35/60/110%%) or tiers-fluctuating (r = r_M - |u|)")
     sim.add_argument("--budget-variance", type=float, default=10.0,
                      help="sigma^2 of the per-round fluctuation u, in percentage points squared")
+    sim.add_argument("--allocator", choices=("compact", "default"), default="compact",
+                     help="heap of the agents' training processes: compact (lower, predictable peaks; slower "
+                          "steps) or glibc's default; budgets are relative to the full model's need under it")
     sim.add_argument("--workers", type=int, default=1, help="training processes run at once across the fleet")
     sim.add_argument("--state-dir", default=None, help="where checkpoints and metrics go (default runs/sim-NAME)")
     sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
@@ -135,7 +138,8 @@ def _run_sim(args: argparse.Namespace) -> int:
     options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                          partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
                          broker=args.broker, workers=args.workers, budgets=args.budgets,
-                         budget_variance=args.budget_variance, base=base, state_dir=args.state_dir)
+                         budget_variance=args.budget_variance, allocator=args.allocator, base=base,
+                         state_dir=args.state_dir)
     outcome = run_simulation(options)
     print(f"{args.algorithm} | {args.agents} agents | {args.dataset} {args.partition} | {args.model} | broker "
           f"{outcome.report['broker']['kind']} {outcome.report['broker']['version']}")

@@ -423,13 +423,15 @@ class ModelFamily(abc.ABC):
         input_size: tuple[int, int] = (28, 28),
         optimizer_slots: int = 1,
         device: str = "cpu",
+        allocator: str = "compact",
     ) -> MemoryEstimate:
         """Estimated peak memory of training ``spec``, with its parts (see :mod:`models.memory`).
 
         ``optimizer_slots`` is the number of state tensors per parameter (SGD with momentum 1, without 0, Adam 2);
         ``device`` is ``"cpu"`` (process RSS above the training process's baseline) or ``"cuda"`` (the caching
         allocator's peak; the CUDA context is not counted). Computed by shape propagation on the meta device,
-        cached per arguments.
+        cached per arguments. ``allocator`` (CPU only) is how the training process's heap is managed:
+        ``"compact"`` (``edge_agent.allocator``) or glibc's ``"default"``.
         """
         from models.memory import estimate_training_memory
 
@@ -440,6 +442,7 @@ class ModelFamily(abc.ABC):
             input_size=input_size,
             optimizer_slots=optimizer_slots,
             device=device,
+            allocator=allocator,
         )
 
     def training_memory_bytes(
@@ -450,10 +453,16 @@ class ModelFamily(abc.ABC):
         input_size: tuple[int, int] = (28, 28),
         optimizer_slots: int = 1,
         device: str = "cpu",
+        allocator: str = "compact",
     ) -> int:
         """Estimated peak memory of training ``spec``, in bytes: ``training_memory_estimate(...).total``."""
         return self.training_memory_estimate(
-            spec, batch_size=batch_size, input_size=input_size, optimizer_slots=optimizer_slots, device=device
+            spec,
+            batch_size=batch_size,
+            input_size=input_size,
+            optimizer_slots=optimizer_slots,
+            device=device,
+            allocator=allocator,
         ).total
 
     def num_blocks(self, spec: SubmodelSpec | None = None) -> int:
@@ -471,6 +480,7 @@ class ModelFamily(abc.ABC):
         input_size: tuple[int, int] = (28, 28),
         optimizer_slots: int = 1,
         device: str = "cpu",
+        allocator: str = "compact",
     ) -> MemoryEstimate:
         """Estimated peak memory of training body block ``block`` and the head of ``spec`` (FeDepth).
 
@@ -493,6 +503,7 @@ class ModelFamily(abc.ABC):
             optimizer_slots=optimizer_slots,
             device=device,
             block=block,
+            allocator=allocator,
         )
 
     def block_training_memory_bytes(
@@ -504,6 +515,7 @@ class ModelFamily(abc.ABC):
         input_size: tuple[int, int] = (28, 28),
         optimizer_slots: int = 1,
         device: str = "cpu",
+        allocator: str = "compact",
     ) -> int:
         """Estimated peak bytes of training only body block ``block`` and the head: the estimate's ``total``."""
         return self.block_training_memory_estimate(
@@ -513,6 +525,7 @@ class ModelFamily(abc.ABC):
             input_size=input_size,
             optimizer_slots=optimizer_slots,
             device=device,
+            allocator=allocator,
         ).total
 
     def __repr__(self) -> str:

@@ -40,7 +40,8 @@ The parts of :class:`MemoryEstimate`
     optimizer's temporaries (weight decay makes one gradient-sized temporary per parameter; CUDA's ``foreach``
     implementation makes them for all parameters at once), that is ``max(0, tensor peak - the four parts
     above)`` (where the tensor peak comes before every gradient exists the total is conservative by at most the
-    gradients not yet computed); on CPU plus the freed memory the allocator keeps (heap retention, below).
+    gradients not yet computed); on CPU with glibc's default heap plus the freed memory it keeps (heap
+    retention, below).
 ``overhead``
     The fixed cost of the training process, the same for every model and batch: on CPU the runtime's one-off
     memory, on CUDA the cuBLAS workspace (see the device terms).
@@ -52,9 +53,17 @@ All numbers below were measured on x86-64 Linux (glibc 2.36) with torch 2.14.1 (
 the agent also learns a per-device calibration factor from its own measurements. Two threads instead of one
 changed no measured peak by more than 1 MB.
 
-CPU: ``overhead = CPU_RUNTIME_BYTES``, and ``workspace`` includes ``CPU_HEAP_RETENTION * working set``, where
-the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
-blocks' forward pass (block training).
+CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decides the rest (``allocator``):
+
+- ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 64 KiB,
+  so every batch-sized tensor is mapped when allocated and given back when freed, and the resident peak follows
+  the live tensors: nothing is added. Every benchmark row (CNN and PreResNet-18, widths 1 to 1/16, batches 10
+  to 128, block training) is within about 6% of the measured peak, and runs repeat to about 1 MB; 400 steps
+  peak as high as 20. The price is speed: the kernel faults the pages in again each step (1.3-2.2 times
+  slower steps on the benchmark rows).
+- ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
+  the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
+  blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below).
 
 - ``CPU_RUNTIME_BYTES`` (29 MB) is what a training child forked from the edge agent's warm forkserver
   (``edge_agent.child``) adds whatever the model: mostly code pages of libtorch that the forkserver touched but a
@@ -65,7 +74,7 @@ blocks' forward pass (block training).
   ``torch.optim.SGD(...)`` right after ``import torch``; the forkserver's warm-up step pays that once for all
   children. The same lazy import happens the first time a process runs meta tensors, so the estimator itself
   costs the calling process that much once.
-- ``CPU_HEAP_RETENTION`` (1.0): with glibc's default settings the memory a step frees is not returned to the
+- ``CPU_HEAP_RETENTION`` (1.0, ``"default"`` only): with glibc's default settings the memory a step frees is not returned to the
   system but stays in the heap, and the next step does not fit into it in place. The first free of a large mapped
   chunk raises glibc's mmap threshold (up to 32 MiB), after which tensors come from the heap, and oneDNN's
   temporary buffers (``malloc_stats`` shows a convolution over 26 MB NCHW tensors allocating and freeing one
@@ -75,8 +84,8 @@ blocks' forward pass (block training).
   block's tensors. This is the noisiest part: repeated runs of one configuration differ by up to 10%
   (address-space layout randomisation changes the fragmentation; with it and hash randomisation switched off
   runs repeat to 0.1 MB),
-  which bounds what any estimate can do. A training process started with ``MALLOC_MMAP_THRESHOLD_=65536`` has no
-  retention (``CPU_HEAP_RETENTION = 0`` describes it) and a peak lower by the whole working set.
+  which bounds what any estimate of this mode can do, and it grows over long runs. ``"compact"`` removes the
+  retention, with it the noise, and lowers the peak by the whole working set.
 
 CUDA (``device="cuda"``): every block the caching allocator hands out is rounded up to 512 bytes (the tracker
 rounds each storage), the optimizer uses the ``foreach`` path, and ``overhead`` is ``CUDA_BLAS_WORKSPACE_BYTES``
@@ -117,6 +126,7 @@ if TYPE_CHECKING:
     from models.family import ModelFamily
 
 __all__ = [
+    "CPU_ALLOCATORS",
     "CPU_HEAP_RETENTION",
     "CPU_RUNTIME_BYTES",
     "CUDA_BLAS_WORKSPACE_BYTES",
@@ -131,8 +141,12 @@ __all__ = [
 
 #: Memory a training child of the agent's warm forkserver needs beyond tensors (first-use code pages, arenas).
 CPU_RUNTIME_BYTES = 29_000_000
-#: Extra heap glibc keeps, as a multiple of the per-step working set (see the module docstring).
+#: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set (module docstring).
 CPU_HEAP_RETENTION = 1.0
+#: How the training process's C heap is managed (see the module docstring): ``"compact"`` returns every freed
+#: block of 64 KiB or more to the system at once (``edge_agent.allocator``), ``"default"`` is glibc's default.
+CPU_ALLOCATORS = ("compact", "default")
+_RETENTION = {"compact": 0.0, "default": CPU_HEAP_RETENTION}
 #: Granularity of the CUDA caching allocator.
 CUDA_BLOCK_BYTES = 512
 #: cuBLAS workspace allocated through the caching allocator by the first matrix multiply.
@@ -460,6 +474,7 @@ def estimate_training_memory(
     optimizer_slots: int = 1,
     device: str = "cpu",
     block: int | None = None,
+    allocator: str = "compact",
 ) -> MemoryEstimate:
     """Estimate the peak memory of training ``family`` at ``spec`` (see the module docstring).
 
@@ -478,6 +493,9 @@ def estimate_training_memory(
     block:
         ``None``: train the whole sub-model. An index in ``0..num_blocks - 1``: depth-wise training of that body
         block and the head only (:class:`BlockTrainingModel`).
+    allocator:
+        CPU only: how the training process's heap is managed, ``"compact"`` (no heap retention) or
+        ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see the module docstring.
 
     Results are cached per family and arguments. The first call in a process takes about a second (torch loads
     its meta kernels, see the module docstring for the memory this costs); later ones take about 40 ms for the
@@ -493,7 +511,9 @@ def estimate_training_memory(
     kind = _check_device(device)
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
         raise ValueError(f"block must be an integer block index or None, got {block!r}.")
-    key = (spec, batch_size, size, optimizer_slots, kind, block)
+    if allocator not in CPU_ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(CPU_ALLOCATORS)}, got {allocator!r}.")
+    key = (spec, batch_size, size, optimizer_slots, kind, block, allocator if kind == "cpu" else None)
     with _lock:
         cached = _cache.get(family, {}).get(key)
     if isinstance(cached, MemoryEstimate):
@@ -508,7 +528,7 @@ def estimate_training_memory(
     workspace = max(0, tensor_peak - accounted)
     if kind == "cpu":
         working_set = tensor_peak - trace.parameters - state + trace.frozen_peak
-        workspace += round(CPU_HEAP_RETENTION * working_set)
+        workspace += round(_RETENTION[allocator] * working_set)
         overhead = CPU_RUNTIME_BYTES
     else:
         overhead = CUDA_BLAS_WORKSPACE_BYTES

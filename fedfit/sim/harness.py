@@ -44,6 +44,7 @@ class SimOptions:
     workers: int = 1
     budgets: str = "tiers"
     budget_variance: float = 10.0
+    allocator: str = "compact"
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
 
@@ -62,12 +63,13 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def full_model_training_memory(config: CoordinatorConfig, dataset: Dataset) -> tuple[int, int]:
+def full_model_training_memory(config: CoordinatorConfig, dataset: Dataset,
+                               allocator: str = "compact") -> tuple[int, int]:
     """(fixed runtime overhead, model-dependent part) of the full model's training memory at the recipe's
-    batch size: the budgets' 0% and 100% points."""
+    batch size, for agents running ``allocator``: the budgets' 0% and 100% points."""
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
     estimate = family.training_memory_estimate(None, batch_size=config.recipe.batch_size,
-                                               input_size=dataset.image_size)
+                                               input_size=dataset.image_size, allocator=allocator)
     return estimate.overhead, estimate.total - estimate.overhead
 
 
@@ -120,7 +122,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         # FedAvg is the memory-ignoring upper reference: its devices train the full model whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
-            fixed, variable = full_model_training_memory(config, dataset)
+            fixed, variable = full_model_training_memory(config, dataset, options.allocator)
             schedules = list(device_budgets(options.budgets, options.agents, variable, options.seed,
                                             options.budget_variance, fixed_bytes=fixed))
         coordinator = Coordinator(config, dataset=dataset,
@@ -135,7 +137,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
                 AgentConfig(agent_id=agent_id(index), federation=options.federation, broker=broker_config,
                             device_kind=schedule.tier.name if schedule else "simulated",
                             budget_bytes=schedule(0) if schedule else None, data=data_config,
-                            torch_threads=threads, state_dir=str(Path(config.state_dir) / "agents")),
+                            torch_threads=threads, state_dir=str(Path(config.state_dir) / "agents"),
+                            allocator=options.allocator),  # type: ignore[arg-type]
                 to_local_data(dataset.x_train[indices], dataset.y_train[indices]),
                 executor=pool, budget_schedule=schedule,
             ))
@@ -149,7 +152,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
                     "federation": options.federation, "level_assignment": config.level_assignment,
                     "levels": list(config.levels), "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
-                    "device_tiers": [s.tier.name if s else None for s in schedules]}
+                    "device_tiers": [s.tier.name if s else None for s in schedules],
+                    "allocator": options.allocator}
         report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings)
         return SimOutcome(rounds, report, rejected)
     finally:

@@ -50,3 +50,11 @@ def test_from_mapping_requires_agent_id_and_names_nested_keys():
     config = from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "budget_bytes": 10})
     assert config.data.dataset == "digits" and config.budget_bytes == 10
     config.validate()
+
+
+def test_allocator_defaults_to_compact_and_takes_only_known_settings():
+    assert valid().allocator == "compact"
+    config = from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "allocator": "default"})
+    assert config.allocator == "default"
+    with pytest.raises(ConfigError, match="allocator"):
+        from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "allocator": "jemalloc"})

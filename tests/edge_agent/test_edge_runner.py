@@ -55,7 +55,7 @@ def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, ma
     spec = SubmodelSpec.uniform(rate)
     # The hint allows shrinking, but the sent spec fits: the runner trains exactly what was sent.
     task = make_task(spec, adaptation=WIDTH_LEVELS)
-    calibration_file = tmp_path / "agent" / "calibration.json"
+    calibration_file = tmp_path / "agent" / "calibration-cpu-compact.json"
     calibration = RecordingCalibration(calibration_file)
     runner = make_runner(calibration=calibration)
     update = runner.run(task)
@@ -136,15 +136,32 @@ def test_state_dir_holds_the_data_file_and_calibration(make_runner, tmp_path):
     with np.load(runner.data_path, allow_pickle=False) as archive:
         np.testing.assert_array_equal(archive["x"], data.x.numpy())
         np.testing.assert_array_equal(archive["y"], data.y.numpy())
-    assert runner.calibration.path == tmp_path / "agent" / "calibration.json"
+    assert runner.calibration.path == tmp_path / "agent" / "calibration-cpu-compact.json"
     runner.close()
     assert runner.data_path.exists()  # close() leaves a state_dir it was given alone
 
 
 def test_runner_loads_the_calibration_learnt_before(make_runner, tmp_path):
-    Calibration(tmp_path / "agent" / "calibration.json").observe(1000, 3000)
+    Calibration(tmp_path / "agent" / "calibration-cpu-compact.json").observe(1000, 3000)
     runner = make_runner()
     assert runner.calibration.factor == pytest.approx(3.0 * 1.05)
+
+
+@pytest.mark.parametrize("allocator", ["compact", "default"])
+def test_runner_estimates_for_the_heap_its_children_run(family, make_runner, tmp_path, allocator):
+    runner = make_runner(allocator=allocator)
+    assert runner.allocator == allocator  # glibc here: "compact" is available
+    spec = SubmodelSpec.uniform(0.5)
+    expected = family.training_memory_estimate(spec, batch_size=8, input_size=runner.data.image_size,
+                                               allocator=allocator)
+    assert runner.raw_estimate(family, spec, 8, 0.9) == expected
+    # A factor learnt under one heap setting says nothing about the other: one file per setting.
+    assert runner.calibration.path == tmp_path / "agent" / f"calibration-cpu-{allocator}.json"
+
+
+def test_runner_rejects_an_unknown_allocator(make_runner):
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        make_runner(allocator="tcmalloc")
 
 
 def test_runner_uses_a_given_calibration(make_runner):
@@ -278,7 +295,7 @@ def test_failed_and_declined_updates_do_not_touch_the_calibration(make_task, mak
     runner.run(make_task())  # declined
     runner.run(make_task(spec_dict={"width": 2.0}))  # failed
     assert (runner.calibration.ratios, runner.calibration.floor) == ([], 0.0)
-    assert not (tmp_path / "agent" / "calibration.json").exists()
+    assert not (tmp_path / "agent" / "calibration-cpu-compact.json").exists()
 
 
 def test_task_rejected_carries_status_and_reason():

@@ -69,7 +69,7 @@ def test_command_line_sim_writes_report(mosquitto: Broker, tmp_path: Path) -> No
         [sys.executable, "-m", "fedfit.cli", "sim", "--algorithm", "heterofl", "--agents", "3", "--rounds", "1",
          "--dataset", "digits", "--partition", "iid", "--seed", "0", "--federation", "cli-test",
          "--broker", f"{mosquitto.host}:{mosquitto.port}", "--config", str(config), "--report", str(report),
-         "--budgets", "uniform",
+         "--budgets", "uniform", "--allocator", "default",
          "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
@@ -81,3 +81,6 @@ def test_command_line_sim_writes_report(mosquitto: Broker, tmp_path: Path) -> No
     assert set(first) >= {"round", "global_accuracy", "level_accuracy", "participants", "bytes_down", "bytes_up",
                           "seconds"}
     assert first["participants"] == 3
+    # The agents ran glibc's default heap, and their budgets are relative to the full model's need under it.
+    assert data["settings"]["allocator"] == "default"
+    assert {t["status"] for t in data["tasks"]} == {"ok"}

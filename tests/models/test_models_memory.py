@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from models import BlockTrainingModel, MemoryEstimate, ModelFamily, SubmodelSpec, get_family
 from models.family import BYTES_PER_ELEMENT
 from models.memory import (
+    CPU_HEAP_RETENTION,
     CPU_RUNTIME_BYTES,
     CUDA_BLAS_WORKSPACE_BYTES,
     CUDA_BLOCK_BYTES,
@@ -124,15 +125,42 @@ def test_cpu_overhead_is_the_fixed_runtime_cost(case: Case) -> None:
     small = _estimate(family, size, spec=SubmodelSpec.uniform(0.0625), batch_size=2)
     large = _estimate(family, size, batch_size=64)
     assert small.overhead == large.overhead == CPU_RUNTIME_BYTES
-    # The heap retention is part of the workspace: at least the working set beyond parameters and state.
-    assert large.workspace >= large.activations
+
+
+def test_default_heap_adds_the_retention_to_the_workspace(case: Case) -> None:
+    family, size = case
+    compact = _estimate(family, size, batch_size=64)
+    default = _estimate(family, size, batch_size=64, allocator="default")
+    assert compact == _estimate(family, size, batch_size=64, allocator="compact")  # the default setting
+    same = ("parameters", "gradients", "optimizer_state", "activations", "overhead")
+    assert [getattr(default, part) for part in same] == [getattr(compact, part) for part in same]
+    # The working set (the tensor peak less parameters and optimizer state) once more, with CPU_HEAP_RETENTION 1.
+    # Where the compact workspace is zero the tensor peak may lie below the four parts (module docstring), so the
+    # parts only bound the working set from above there.
+    working_set = compact.total - compact.overhead - compact.parameters - compact.optimizer_state
+    retained = default.workspace - compact.workspace
+    if compact.workspace > 0:
+        assert retained == round(CPU_HEAP_RETENTION * working_set)
+    else:
+        assert 0 < retained <= round(CPU_HEAP_RETENTION * working_set)
+
+
+def test_rejects_unknown_allocator(case: Case) -> None:
+    family, size = case
+    with pytest.raises(ValueError, match="allocator must be one of compact, default"):
+        _estimate(family, size, allocator="tcmalloc")
+
+
+def test_cuda_estimate_ignores_the_cpu_heap_setting(case: Case) -> None:
+    family, size = case
+    assert _estimate(family, size, device="cuda", allocator="default") == _estimate(family, size, device="cuda")
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
 def test_cuda_estimate_without_gpu(case: Case) -> None:
     family, size = case
     spec = SubmodelSpec.uniform(0.25)
-    cpu = _estimate(family, size, spec=spec)
+    cpu = _estimate(family, size, spec=spec, allocator="default")
     cuda = _estimate(family, size, spec=spec, device="cuda")
     assert cuda.device == "cuda"
     assert cuda.overhead == CUDA_BLAS_WORKSPACE_BYTES  # the CUDA context is not counted
