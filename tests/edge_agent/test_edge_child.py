@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import child
+from edge_agent import allocator, child
 from edge_agent.calibration import Calibration
 from edge_agent.child import ChildOutcome, peak_rss_bytes, reset_peak_rss, rss_bytes, run_in_child
 from edge_agent.runner import LocalData
-from models import SubmodelSpec
-from protocol import Update, decode, encode
+from models import SubmodelSpec, get_family
+from protocol import ModelRef, Update, decode, encode
 
 U = SubmodelSpec.uniform
 MIB = 2**20
@@ -109,6 +109,23 @@ def test_run_in_child_returns_an_encoded_update(trained):
     assert set(update.metrics) == {"loss", "steps", "seconds", "peak_bytes"}
     assert update.metrics["steps"] == 2.0
     assert update.metrics["peak_bytes"] > 0
+
+
+@pytest.mark.skipif(not allocator.compact_supported(), reason="needs glibc's mallopt")
+def test_child_runs_the_heap_its_plan_names(make_task, tmp_path):
+    """The estimate is made for the plan's heap: a compact child peaks near it, a default one well above."""
+    family = get_family("cnn", 10, 1)  # the full-size CNN at 28 x 28: batch tensors of megabytes
+    spec = U(0.5)
+    task = make_task(spec, model=ModelRef("cnn", 10, 1, {}), of=family, batch_size=64)
+    data = LocalData(torch.randn(256, 1, 28, 28), torch.arange(256) % 10)
+    peaks = {}
+    for heap in ("compact", "default"):
+        outcome = run_in_child(write_workdir(tmp_path / heap, task, data, spec, allocator=heap), 120)
+        assert outcome.update is not None, outcome.error
+        peaks[heap] = decode(outcome.update, expected=Update).metrics["peak_bytes"]
+    estimate = family.training_memory_bytes(spec, batch_size=64, input_size=(28, 28), allocator="compact")
+    assert 0.85 <= estimate / peaks["compact"] <= 1.15, (estimate, peaks)
+    assert peaks["default"] > 1.1 * peaks["compact"], peaks
 
 
 def test_children_fork_from_a_server_that_has_torch_loaded(make_task, workdir_for):
