@@ -69,16 +69,19 @@ class Uplink:
         payload = encode(update)
         with self._lock:
             acked = self._acked.setdefault(update.task_id, threading.Event())
-        for attempt in range(1, self._attempts + 1):
+        attempt = 0
+        while attempt < self._attempts and not acked.is_set():
+            attempt += 1
             for chunk in split_payload(payload, f"{update.task_id}.{attempt}"):
                 self._publish(self.topic, chunk)
-            if acked.wait(self._ack_timeout_s):
-                self.delivered.append(update.task_id)
-                self._log.info("update_acked", task=update.task_id, attempts=attempt, bytes=len(payload))
-                break
-            self._log.warning("update_not_acked_resending", task=update.task_id, attempt=attempt)
+            if not acked.wait(self._ack_timeout_s) and attempt < self._attempts:
+                self._log.warning("update_not_acked_resending", task=update.task_id, attempt=attempt)
+        # Outstanding no more before the outcome is recorded: a later ack finds nothing and says so.
+        with self._lock:
+            self._acked.pop(update.task_id, None)
+        if acked.is_set():
+            self.delivered.append(update.task_id)
+            self._log.info("update_acked", task=update.task_id, attempts=attempt, bytes=len(payload))
         else:
             self.abandoned.append(update.task_id)
             self._log.error("update_abandoned", task=update.task_id, attempts=self._attempts)
-        with self._lock:
-            self._acked.pop(update.task_id, None)
