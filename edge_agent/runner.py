@@ -113,6 +113,7 @@ class TaskRunner:
         self.data_path = self.state_dir / "local-data.npz"
         np.savez(self.data_path, x=data.x.numpy(), y=data.y.numpy())
         self._families: dict[tuple[str, int, int, str], ModelFamily] = {}
+        self._estimates: dict[tuple[object, ...], MemoryEstimate] = {}
         self.child_pid: int | None = None
 
     def close(self) -> None:
@@ -136,12 +137,29 @@ class TaskRunner:
             self._families[key] = get_family(ref.family, ref.num_classes, ref.in_channels, **ref.options)
         return self._families[key]
 
-    def raw_estimate(self, family: ModelFamily, spec: SubmodelSpec, batch_size: int,
-                     momentum: float) -> MemoryEstimate:
-        """The estimator's prediction of peak training memory for ``spec`` on this device (with its parts)."""
-        return family.training_memory_estimate(spec, batch_size=batch_size, input_size=self.data.image_size,
-                                               optimizer_slots=1 if momentum > 0 else 0, device=self.device,
-                                               allocator=self.allocator)
+    def raw_estimates(self, model: ModelRef, specs: list[SubmodelSpec], batch_size: int,
+                      momentum: float) -> dict[SubmodelSpec, MemoryEstimate]:
+        """The estimator's predictions of peak training memory for ``specs`` on this device (with their parts).
+
+        Made in a child of the training forkserver (``child.estimate_in_child``: the agent process does not pay the
+        estimator's imports) for the specs not estimated before, and remembered.
+        """
+        slots = 1 if momentum > 0 else 0
+        model_key = (model.family, model.num_classes, model.in_channels, repr(sorted(model.options.items())))
+
+        def key(spec: SubmodelSpec) -> tuple[object, ...]:
+            return (*model_key, spec, batch_size, slots)
+
+        missing = list(dict.fromkeys(spec for spec in specs if key(spec) not in self._estimates))
+        if missing:
+            made = child.estimate_in_child(model, missing, batch_size=batch_size, input_size=self.data.image_size,
+                                           optimizer_slots=slots, device=self.device, allocator=self.allocator)
+            self._estimates.update(zip(map(key, missing), made))
+        return {spec: self._estimates[key(spec)] for spec in specs}
+
+    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, batch_size: int, momentum: float) -> MemoryEstimate:
+        """The estimator's prediction for one spec (see :meth:`raw_estimates`)."""
+        return self.raw_estimates(model, [spec], batch_size, momentum)[spec]
 
     def available(self, round_number: int) -> int:
         """Memory training may use now (budget for this round, cgroup, psutil; CUDA free memory on GPUs)."""
@@ -163,14 +181,14 @@ class TaskRunner:
             raise TaskRejected("failed", f"invalid task: {exc}") from exc
         self._check_weights(family, sent, task)
         recipe = task.recipe
-        raw: dict[SubmodelSpec, MemoryEstimate] = {}
+        candidates = adaptation.candidates(sent)
+        raw = self.raw_estimates(task.model, candidates, recipe.batch_size, recipe.momentum)
 
         def corrected(spec: SubmodelSpec) -> int:
-            raw[spec] = self.raw_estimate(family, spec, recipe.batch_size, recipe.momentum)
             return self.calibration.corrected(raw[spec].total, raw[spec].overhead)
 
         available = self.available(task.round)
-        choice = choose(adaptation.candidates(sent), corrected, available)
+        choice = choose(candidates, corrected, available)
         if choice.spec is None:
             tried = ", ".join(f"{name} {_size(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried})")

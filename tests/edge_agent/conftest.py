@@ -33,6 +33,12 @@ def family() -> ModelFamily:
     return get_family("cnn", 10, 1, hidden=HIDDEN)
 
 
+@pytest.fixture(scope="session")
+def model_ref() -> ModelRef:
+    """How tasks name :func:`family`."""
+    return ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)})
+
+
 def build_local_data(n: int = 16, num_classes: int = 10, channels: int = 1) -> LocalData:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(n, channels, 8, 8, generator=generator)

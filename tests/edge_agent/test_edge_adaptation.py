@@ -107,14 +107,14 @@ def test_choose_without_candidates():
 
 
 # ---------------------------------------------------------------------------------------------- runner
-def corrected_estimates(runner, family, rates) -> dict[float, int]:
-    estimates = {rate: runner.raw_estimate(family, U(rate), 8, 0.9) for rate in rates}
+def corrected_estimates(runner, model_ref, rates) -> dict[float, int]:
+    estimates = {rate: runner.raw_estimate(model_ref, U(rate), 8, 0.9) for rate in rates}
     return {rate: runner.calibration.corrected(e.total, e.overhead) for rate, e in estimates.items()}
 
 
-def test_runner_adapts_to_the_largest_level_that_fits(family, make_task, make_runner):
+def test_runner_adapts_to_the_largest_level_that_fits(family, model_ref, make_task, make_runner):
     probe = make_runner(name="probe")
-    estimates = corrected_estimates(probe, family, (1.0, 0.5, 0.25))
+    estimates = corrected_estimates(probe, model_ref, (1.0, 0.5, 0.25))
     assert estimates[0.25] < estimates[0.5] < estimates[1.0]
     budget = (estimates[0.25] + estimates[0.5]) // 2
 
@@ -133,15 +133,15 @@ def test_runner_adapts_to_the_largest_level_that_fits(family, make_task, make_ru
         assert np.isfinite(array).all()
     assert update.weights["conv1.weight"].shape[0] == 1  # 4 channels at width 0.25
     assert update.metrics["estimated_bytes"] == estimates[0.25]
-    assert update.metrics["raw_estimate_bytes"] == runner.raw_estimate(family, U(0.25), 8, 0.9).total
+    assert update.metrics["raw_estimate_bytes"] == runner.raw_estimate(model_ref, U(0.25), 8, 0.9).total
     assert update.metrics["budget_bytes"] == budget
     assert update.metrics["calibration"] == pytest.approx(1.10)
     assert update.metrics["peak_bytes"] > 0
 
 
-def test_runner_declines_without_a_hint(family, make_task, make_runner):
+def test_runner_declines_without_a_hint(model_ref, make_task, make_runner):
     probe = make_runner(name="probe")
-    estimates = corrected_estimates(probe, family, (0.5, 0.25))
+    estimates = corrected_estimates(probe, model_ref, (0.5, 0.25))
     budget = (estimates[0.25] + estimates[0.5]) // 2
     update = make_runner(budget=budget).run(make_task(U(1.0)))
     assert update.status == "declined"
@@ -157,10 +157,10 @@ def test_runner_declines_when_even_the_smallest_level_does_not_fit(family, make_
         assert name in update.reason
 
 
-def test_runner_adapts_a_sub_model_it_received_to_a_smaller_one(family, make_task, make_runner):
+def test_runner_adapts_a_sub_model_it_received_to_a_smaller_one(family, model_ref, make_task, make_runner):
     # The weights received are already a slice (width 0.5); the adapted level is cut out of that slice.
     probe = make_runner(name="probe")
-    estimates = corrected_estimates(probe, family, (0.5, 0.25))
+    estimates = corrected_estimates(probe, model_ref, (0.5, 0.25))
     task = make_task(U(0.5), adaptation=WIDTH_LEVELS)
     update = make_runner(budget=(estimates[0.25] + estimates[0.5]) // 2).run(task)
     assert update.status == "adapted", update.reason

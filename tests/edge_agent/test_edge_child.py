@@ -222,7 +222,7 @@ def kill_runner_child(runner, kill_when_busy,
     return watcher, killed
 
 
-def test_runner_survives_a_killed_child_and_serves_the_next_task(family, make_task, make_runner, tmp_path,
+def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make_task, make_runner, tmp_path,
                                                                  kill_when_busy):
     runner = make_runner(budget=2**30)
     watcher, killed = kill_runner_child(runner, kill_when_busy)
@@ -239,7 +239,7 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(family, make_ta
     assert not (tmp_path / "agent" / "tasks" / "r1-agent-0001").exists()
 
     # The kill says the real need may have been above what was available: the floor rises (at most doubling).
-    estimate = runner.raw_estimate(family, U(1.0), 8, 0.9)
+    estimate = runner.raw_estimate(model_ref, U(1.0), 8, 0.9)
     assert failed.metrics["raw_estimate_bytes"] == estimate.total
     expected = Calibration()
     expected.observe_failure(estimate.total, int(failed.metrics["budget_bytes"]), estimate.overhead)

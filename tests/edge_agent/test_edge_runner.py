@@ -98,15 +98,34 @@ def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, ma
     assert decoded.status == "ok" and decoded.metrics == metrics
 
 
-def test_raw_estimate_matches_family_memory_model(family, make_runner):
+def test_raw_estimate_matches_family_memory_model(family, model_ref, make_runner):
     runner = make_runner()
     spec = SubmodelSpec.uniform(0.5)
-    with_momentum = runner.raw_estimate(family, spec, 8, 0.9)
+    with_momentum = runner.raw_estimate(model_ref, spec, 8, 0.9)
     assert with_momentum == raw_estimate(family, spec, 8, 0.9)
-    without = runner.raw_estimate(family, spec, 8, 0.0)
+    without = runner.raw_estimate(model_ref, spec, 8, 0.0)
     assert without == raw_estimate(family, spec, 8, 0.0)
     assert without.optimizer_state == 0 < with_momentum.optimizer_state
     assert without.total < with_momentum.total
+
+
+def test_estimates_are_made_in_a_child_once_per_spec(family, model_ref, make_runner, monkeypatch):
+    runner = make_runner()
+    made: list[list[SubmodelSpec]] = []
+    estimate_in_child = runner_module.child.estimate_in_child
+
+    def recording(model, specs, **kwargs):
+        made.append(list(specs))
+        return estimate_in_child(model, specs, **kwargs)
+
+    monkeypatch.setattr(runner_module.child, "estimate_in_child", recording)
+    half, quarter = SubmodelSpec.uniform(0.5), SubmodelSpec.uniform(0.25)
+    first = runner.raw_estimates(model_ref, [half, quarter, half], 8, 0.9)
+    assert first == {half: raw_estimate(family, half), quarter: raw_estimate(family, quarter)}
+    assert runner.raw_estimates(model_ref, [quarter], 8, 0.9) == {quarter: first[quarter]}
+    assert made == [[half, quarter]]  # one child for both, nothing again for a spec already estimated
+    runner.raw_estimate(model_ref, half, 16, 0.9)  # another batch size is another estimate
+    assert made == [[half, quarter], [half]]
 
 
 def test_family_is_cached_per_model_ref(make_runner):
@@ -148,13 +167,13 @@ def test_runner_loads_the_calibration_learnt_before(make_runner, tmp_path):
 
 
 @pytest.mark.parametrize("allocator", ["compact", "default"])
-def test_runner_estimates_for_the_heap_its_children_run(family, make_runner, tmp_path, allocator):
+def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_runner, tmp_path, allocator):
     runner = make_runner(allocator=allocator)
     assert runner.allocator == allocator  # glibc here: "compact" is available
     spec = SubmodelSpec.uniform(0.5)
     expected = family.training_memory_estimate(spec, batch_size=8, input_size=runner.data.image_size,
                                                allocator=allocator)
-    assert runner.raw_estimate(family, spec, 8, 0.9) == expected
+    assert runner.raw_estimate(model_ref, spec, 8, 0.9) == expected
     # A factor learnt under one heap setting says nothing about the other: one file per setting.
     assert runner.calibration.path == tmp_path / "agent" / f"calibration-cpu-{allocator}.json"
 
