@@ -13,6 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from models import SubmodelSpec
 
 
@@ -78,3 +81,19 @@ def choose(candidates: list[SubmodelSpec], estimate: Callable[[SubmodelSpec], in
         if needed <= available:
             return Choice(spec, needed, tuple(tried))
     return Choice(None, tried[-1][1] if tried else 0, tuple(tried))
+
+
+def cut_nested(received: Mapping[str, np.ndarray], index_map: Mapping[str, tuple[torch.Tensor, ...]],
+               keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The weights of a smaller sub-model cut out of the received (larger) one, as new arrays.
+
+    Sub-models are nested prefixes, so the global indices of the smaller spec (``index_map`` of that spec) are
+    also positions in the received tensors; a spec that is not nested inside the received one is refused.
+    """
+    out = {}
+    for key in keys:
+        array, indices = received[key], [index.numpy() for index in index_map[key]]
+        if any(len(idx) and int(idx.max()) >= size for idx, size in zip(indices, array.shape)):
+            raise ValueError(f"the adapted spec is not nested inside the received one (tensor {key!r})")
+        out[key] = np.ascontiguousarray(array[np.ix_(*indices)] if indices else array.copy())
+    return out

@@ -162,22 +162,6 @@ def child_main(workdir_text: str) -> None:
     os._exit(0)
 
 
-def shrink(received: dict[str, torch.Tensor], index_map: dict[str, tuple[torch.Tensor, ...]],
-           keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The tensors of a smaller sub-model cut out of the received (larger) one.
-
-    Sub-models are nested prefixes, so the global indices of the smaller spec are also positions in the
-    received tensors; a spec that is not nested inside the received one is refused.
-    """
-    out = {}
-    for key in keys:
-        tensor, indices = received[key], index_map[key]
-        if any(len(idx) and int(idx.max()) >= size for idx, size in zip(indices, tensor.shape)):
-            raise ValueError(f"the adapted spec is not nested inside the received one (tensor {key!r})")
-        out[key] = tensor[torch.meshgrid(*indices, indexing="ij")].clone() if indices else tensor.clone()
-    return out
-
-
 def _train(workdir: Path) -> None:
     plan = json.loads((workdir / PLAN_FILE).read_text())
     torch.set_num_threads(int(plan["torch_threads"]))
@@ -191,10 +175,9 @@ def _train(workdir: Path) -> None:
     family = get_family(task.model.family, task.model.num_classes, task.model.in_channels, **task.model.options)
     spec = SubmodelSpec.from_dict(plan["spec"])
     device = plan["device"]
-    received = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
-    weights = received if plan["spec"] == task.spec else shrink(received, family.index_map(spec),
-                                                                family.trainable_keys(spec))
-    del received
+    if plan["spec"] != task.spec:
+        raise ValueError(f"the plan says {plan['spec']}, the task holds weights for {task.spec}")
+    weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
     gc.collect()
     baseline = rss_bytes()
     reset_peak_rss()  # where the kernel refuses, VmHWM is the lifetime peak: still an upper bound

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from edge_agent import allocator as heap
 from edge_agent import child
-from edge_agent.adaptation import adaptation_from_hint, choose
+from edge_agent.adaptation import adaptation_from_hint, choose, cut_nested
 from edge_agent.calibration import Calibration
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
@@ -196,6 +196,12 @@ class TaskRunner:
         estimate = raw[spec]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
                   "budget_bytes": float(available), "calibration": self.calibration.factor}
+        if spec != sent:
+            try:
+                task = replace(task, spec=spec.to_dict(), weights=cut_nested(
+                    task.weights, family.index_map(spec), family.trainable_keys(spec)))
+            except ValueError as exc:
+                raise TaskRejected("failed", f"cannot adapt: {exc}") from exc
         outcome = self._train_in_child(task, spec)
         if outcome.update is None:
             if outcome.killed_by == "SIGKILL" and not outcome.timed_out:

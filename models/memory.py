@@ -76,7 +76,7 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
   importing ``torch._dynamo`` and its dependencies (sympy, ... about 890 modules), measured as the RSS growth of
   ``torch.optim.SGD(...)`` right after ``import torch``; the forkserver's warm-up step pays that once for all
   children. The same lazy import happens the first time a process runs meta tensors, so the estimator itself
-  costs the calling process that much once.
+  costs the calling process that much once (the edge agent therefore estimates in a child of its forkserver).
 - ``CPU_HEAP_RETENTION`` (1.0, ``"default"`` only): with glibc's default settings the memory a step frees is not returned to the
   system but stays in the heap, and the next step does not fit into it in place. The first free of a large mapped
   chunk raises glibc's mmap threshold (up to 32 MiB), after which tensors come from the heap, and oneDNN's

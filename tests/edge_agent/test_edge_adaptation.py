@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
-from edge_agent.adaptation import Choice, NoAdaptation, WidthLevels, adaptation_from_hint, choose
+from edge_agent.adaptation import Choice, NoAdaptation, WidthLevels, adaptation_from_hint, choose, cut_nested
 from models import SubmodelSpec
 
 U = SubmodelSpec.uniform
@@ -168,3 +169,26 @@ def test_runner_adapts_a_sub_model_it_received_to_a_smaller_one(family, model_re
     shapes = {key: tuple(len(index) for index in indices) for key, indices in family.index_map(U(0.25)).items()}
     assert {key: array.shape for key, array in update.weights.items()} == {
         key: shapes[key] for key in family.trainable_keys(U(0.25))}
+
+
+# ---------------------------------------------------------------------------------------------- cut_nested
+def test_cut_nested_takes_the_smaller_slice_out_of_a_received_one(family):
+    torch.manual_seed(0)
+    global_state = family.build().state_dict()
+    keys = family.trainable_keys(U(0.25))
+    half = family.extract(global_state, U(0.5), keys=family.trainable_keys(U(0.5)))
+    received = {key: value.numpy() for key, value in half.items()}
+    cut = cut_nested(received, family.index_map(U(0.25)), keys)
+    expected = family.extract(global_state, U(0.25), keys=keys)
+    assert set(cut) == set(keys)
+    for key in keys:
+        np.testing.assert_array_equal(cut[key], expected[key].numpy())
+        assert cut[key].flags.c_contiguous and not np.shares_memory(cut[key], received[key])
+
+
+def test_cut_nested_refuses_a_spec_that_is_not_inside_the_received_one(family):
+    torch.manual_seed(0)
+    received = {k: v.numpy() for k, v in family.extract(family.build().state_dict(), U(0.25),
+                                                         keys=family.trainable_keys(U(0.25))).items()}
+    with pytest.raises(ValueError, match="not nested inside the received one"):
+        cut_nested(received, family.index_map(U(0.5)), family.trainable_keys(U(0.5)))

@@ -111,6 +111,13 @@ def test_run_in_child_returns_an_encoded_update(trained):
     assert update.metrics["peak_bytes"] > 0
 
 
+def test_child_refuses_a_plan_for_another_spec_than_its_task(make_task, workdir_for):
+    # The runner cuts an adapted spec's weights before it writes the task: a mismatch is a bug, not a guess.
+    outcome = run_in_child(workdir_for(make_task(U(0.5)), U(0.25)), 60)
+    assert outcome.update is None and outcome.exitcode == 1
+    assert "the plan says {'width': 0.25}, the task holds weights for {'width': 0.5}" in outcome.error
+
+
 @pytest.mark.skipif(not allocator.compact_supported(), reason="needs glibc's mallopt")
 def test_child_runs_the_heap_its_plan_names(make_task, tmp_path):
     """The estimate is made for the plan's heap: a compact child peaks near it, a default one well above."""
