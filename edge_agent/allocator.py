@@ -5,8 +5,8 @@ not fit into it in place, so the resident peak carries about one more copy of th
 much varies from run to run (see ``models.memory``). ``"compact"`` fixes glibc's mmap threshold at 64 KiB (which
 also switches off its dynamic growth): every block of 64 KiB or more, all batch-sized tensors, is mapped on
 allocation and returned to the system when freed, so the peak follows the live tensors. Measured on the
-benchmark rows (x86-64, one thread): peaks 30-45% lower and within about 6% of the estimate, steps 1.3-2.2 times
-slower (the kernel faults the pages in again every step). ``"default"`` leaves glibc alone: faster steps, higher
+benchmark rows (x86-64, one thread): peaks up to 42% lower (26-42% at full width, never higher) and within 8% of
+the estimate, steps up to 2.1 times slower (the kernel faults the pages in again every step). ``"default"`` leaves glibc alone: faster steps, higher
 and noisier peaks. The estimator takes the same word (``allocator=``), so the agent predicts what it will run.
 
 Only glibc has ``mallopt``; elsewhere :func:`resolve` falls back to ``"default"``.

@@ -58,9 +58,9 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
 - ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 64 KiB,
   so every batch-sized tensor is mapped when allocated and given back when freed, and the resident peak follows
   the live tensors: nothing is added. Every benchmark row (CNN and PreResNet-18, widths 1 to 1/16, batches 10
-  to 128, block training) is within about 6% of the measured peak, and runs repeat to about 1 MB; 400 steps
-  peak as high as 20. The price is speed: the kernel faults the pages in again each step (1.3-2.2 times
-  slower steps on the benchmark rows).
+  to 128, block training) is within 8% of the measured peak, and runs repeat to about 1 MB; 400 steps
+  peak as high as 20. The price is speed: the kernel faults the pages in again each step (steps up to 2.1
+  times slower on the benchmark rows).
 - ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
   blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below).
