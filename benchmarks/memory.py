@@ -101,16 +101,16 @@ def measure_block_training_peak(
     """(peak bytes, seconds per step) of depth-wise training ``row.block``, measured in THIS process as the
     agent's training child measures (run it in a fresh child of the forkserver).
 
-    Like the child: the heap is set up for ``allocator``, the local data and the received weights (``shapes``,
-    computed by the caller so that this process builds no model before the baseline) exist, the RSS high-water
-    mark is reset; then the model is built, loaded and trained for ``steps`` batches by the agent's own training
+    Like the child: the heap is set up for ``allocator``, the local data and the received weights (``shapes``)
+    exist, one warm-up step on a throwaway copy has mapped the code (``edge_agent.child.warm_up_training``), the
+    RSS high-water mark is reset; then the model is built, loaded and trained for ``steps`` batches by the agent's own training
     loop (``edge_agent.training.train_plain``; the frozen parameters get no gradient and no optimizer state).
     """
     import numpy as np
     import torch
 
     from edge_agent import allocator as heap
-    from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes, warm_up_training
     from edge_agent.training import train_plain
     from models import SubmodelSpec, block_training_model, get_family
 
@@ -133,6 +133,14 @@ def measure_block_training_peak(
     if cuda:
         torch.zeros(1, device="cuda")  # the CUDA context exists before the baseline
         torch.cuda.synchronize()
+    assert row.block is not None
+    block = row.block
+
+    def build() -> torch.nn.Module:
+        return block_training_model(family, family.build(spec, track_bn_stats=False).to(device), block,
+                                    row.image_size)
+
+    warm_up_training(build, x, y, recipe, list(range(NUM_CLASSES)), NUM_CLASSES, device)  # as the child does
     gc.collect()
     baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
     if cuda:
@@ -142,8 +150,7 @@ def measure_block_training_peak(
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict({key: torch.from_numpy(value) for key, value in weights.items()})
     model.to(device)  # all of the sub-model's weights, skipped blocks too, as the estimate assumes
-    assert row.block is not None
-    net = block_training_model(family, model, row.block, row.image_size)
+    net = block_training_model(family, model, block, row.image_size)
     result = train_plain(net, x, y, recipe, list(range(NUM_CLASSES)), NUM_CLASSES, device)
     if cuda:
         torch.cuda.synchronize()

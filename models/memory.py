@@ -65,13 +65,16 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
   blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below).
 
-- ``CPU_RUNTIME_BYTES`` (37.5 MB) is what the edge agent's training child (forked from its warm forkserver,
-  ``edge_agent.child``) adds whatever the model: mostly code pages of libtorch and of the model's Python modules
-  that the forkserver touched but a forked child faults in again as it builds and trains its first model
-  (file-backed pages are not copied on fork, yet count in the child's RSS; they are shared page cache, so this
-  overstates the physical memory), plus first-use allocator arenas. Fit to the agent's own measurement of the
-  smallest benchmark row (CNN width 1/16, batch 10: 38.5 MB measured, 0.7 MB of it tensors); PreResNet-18
-  touches more code and measures 3-4 MB more at small widths.
+- ``CPU_RUNTIME_BYTES`` (1.2 MB) is what the edge agent's training child (forked from its warm forkserver,
+  ``edge_agent.child``) adds beyond the tensors whatever the model: first-use allocator arenas, oneDNN's kernels
+  for the task's shapes, autograd's small structures. Fit to the agent's own measurement of the smallest
+  benchmark rows (CNN width 1/16 and 1/8, batch 10: 1.1 MB above their tensors); below a few MB of training
+  memory the measurement itself moves by about 0.5 MB between runs (small tensors live in glibc's heap, which
+  grows and is trimmed in 128 KiB steps). Code is not counted: before
+  its baseline the child runs one training step of a throwaway copy on two samples
+  (``edge_agent.child.warm_up_training``), because libtorch's code pages are file-backed, not copied on fork,
+  and how many of them a first execution adds to the RSS depends on the page cache (the same CNN task measured
+  40 MB above the baseline in one virtualenv and 101 MB in a freshly installed one without the warm-up step).
   A *fresh* process pays about 180 MB instead: about 157 MB is the first ``torch.optim`` optimizer lazily
   importing ``torch._dynamo`` and its dependencies (sympy, ... about 890 modules), measured as the RSS growth of
   ``torch.optim.SGD(...)`` right after ``import torch``; the forkserver's warm-up step pays that once for all
@@ -142,8 +145,8 @@ __all__ = [
     "split_blocks",
 ]
 
-#: Memory a training child of the agent's warm forkserver needs beyond tensors (first-use code pages, arenas).
-CPU_RUNTIME_BYTES = 37_500_000
+#: Memory a training child of the agent's warm forkserver needs beyond tensors (arenas, small structures).
+CPU_RUNTIME_BYTES = 1_200_000
 #: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set (module docstring).
 CPU_HEAP_RETENTION = 1.0
 #: How the training process's C heap is managed (see the module docstring): ``"compact"`` returns every freed

@@ -168,7 +168,6 @@ def test_cuda_estimate_without_gpu(case: Case) -> None:
     assert cuda.parameters % CUDA_BLOCK_BYTES == 0
     assert cuda.parameters >= cpu.parameters and cuda.activations >= cpu.activations
     assert cuda.workspace < cpu.workspace  # no heap retention
-    assert cuda.total < cpu.total  # nor the process runtime
     assert _estimate(family, size, spec=spec, device="cuda:0") == cuda
 
 
