@@ -58,12 +58,16 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
 - ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 64 KiB,
   so every batch-sized tensor is mapped when allocated and given back when freed, and the resident peak follows
   the live tensors: nothing is added. Every benchmark row (CNN and PreResNet-18, widths 1 to 1/16, batches 10
-  to 128, block training) is within 8% of the measured peak, and runs repeat to about 1 MB; 400 steps
-  peak as high as 20. The price is speed: the kernel faults the pages in again each step (steps up to 2.1
-  times slower on the benchmark rows).
+  to 128, block training) that needs more than 5 MB is within 11% of the measured peak (0.90-1.06); below
+  that the measurement moves by about 0.5 MB (``CPU_RUNTIME_BYTES``) and two CNN rows of 4-5 MB are
+  over-estimated by 0.8-1.0 MB. Runs repeat to about 1 MB; 400 steps peak as high as 20. The price is speed:
+  the kernel faults the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
 - ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
-  blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below).
+  blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below); the
+  retention was fit before the child mapped its code ahead of the baseline, and the estimate now
+  over-predicts most whole-model rows (up to 2.1 times) and under-predicts CNN block 0 (0.75): calibration
+  has to carry this mode.
 
 - ``CPU_RUNTIME_BYTES`` (1.2 MB) is what the edge agent's training child (forked from its warm forkserver,
   ``edge_agent.child``) adds beyond the tensors whatever the model: first-use allocator arenas, oneDNN's kernels
