@@ -11,10 +11,12 @@ text.
 
 The child first sets up its heap as the plan says (``edge_agent.allocator``; the estimate was made for the
 same setting). The task file holds exactly the weights of the spec to train (the runner cuts an adapted spec
-out of the received one beforehand), so every child runs the same code after its baseline. It measures its own
-peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``) right before the model is built,
-so ``peak - baseline`` is what training took (model, gradients, optimizer state, activations, workspace, and the
-runtime's first-use cost, ``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is used instead.
+out of the received one beforehand), so every child runs the same code after its baseline, and it maps that
+code before the baseline with one two-sample step of a throwaway copy (:func:`warm_up_training`). It measures
+its own peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``) right before the model is
+built, so ``peak - baseline`` is what training allocated (model, gradients, optimizer state, activations,
+workspace, and small runtime structures, ``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is
+used instead.
 
 Training-memory estimates are made in children of the same forkserver too (:func:`estimate_in_child`).
 """
