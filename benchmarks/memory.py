@@ -103,8 +103,9 @@ def measure_block_training_peak(
 
     Like the child: the heap is set up for ``allocator``, the local data and the received weights (``shapes``)
     exist, one warm-up step on a throwaway copy has mapped the code (``edge_agent.child.warm_up_training``), the
-    RSS high-water mark is reset; then the model is built, loaded and trained for ``steps`` batches by the agent's own training
-    loop (``edge_agent.training.train_plain``; the frozen parameters get no gradient and no optimizer state).
+    RSS high-water mark is reset; then the model is built, loaded and trained for ``steps`` batches by the
+    agent's own training loop (``edge_agent.training.train_plain``; the frozen parameters get no gradient and no
+    optimizer state).
     """
     import numpy as np
     import torch

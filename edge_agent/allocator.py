@@ -69,6 +69,7 @@ def configure(allocator: str) -> None:
         return
     libc = _libc()
     assert libc is not None
-    for option, value in ((_M_MMAP_THRESHOLD, COMPACT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2 * COMPACT_MMAP_THRESHOLD)):
+    settings = ((_M_MMAP_THRESHOLD, COMPACT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2 * COMPACT_MMAP_THRESHOLD))
+    for option, value in settings:
         if libc.mallopt(option, value) != 1:
             raise RuntimeError(f"mallopt({option}, {value}) failed")

@@ -142,7 +142,8 @@ def estimate_in_child(model: ModelRef, specs: list[SubmodelSpec], *, batch_size:
     process does not grow at all.
     """
     arguments = (model.family, model.num_classes, model.in_channels, dict(model.options),
-                 [spec.to_dict() for spec in specs], batch_size, tuple(input_size), optimizer_slots, device, allocator)
+                 [spec.to_dict() for spec in specs], batch_size, tuple(input_size), optimizer_slots, device,
+                 allocator)
     with process_context().Pool(1) as pool:
         parts = pool.apply(_estimate, arguments)
     return [MemoryEstimate(**part) for part in parts]

@@ -157,7 +157,8 @@ class TaskRunner:
             self._estimates.update(zip(map(key, missing), made))
         return {spec: self._estimates[key(spec)] for spec in specs}
 
-    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, batch_size: int, momentum: float) -> MemoryEstimate:
+    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, batch_size: int,
+                     momentum: float) -> MemoryEstimate:
         """The estimator's prediction for one spec (see :meth:`raw_estimates`)."""
         return self.raw_estimates(model, [spec], batch_size, momentum)[spec]
 
