@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from protocol import (
     Recipe,
     Task,
     Update,
+    encode,
 )
 
 
@@ -111,3 +114,15 @@ def assert_same_message(actual: object, expected: Message) -> None:
 def assert_same() -> Callable[[object, Message], None]:
     """The `assert_same_message` helper, as a fixture so test modules need no imports from here."""
     return assert_same_message
+
+
+def wire_of(message: Message) -> dict[str, Any]:
+    """The msgpack map a message encodes to."""
+    unpacked: dict[str, Any] = msgpack.unpackb(encode(message), raw=False)
+    return unpacked
+
+
+def pack(obj: object) -> bytes:
+    """Raw msgpack bytes, for hand-made (often malformed) payloads."""
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed

@@ -27,6 +27,8 @@ from protocol import (
     split_payload,
 )
 
+from .conftest import pack, wire_of
+
 MESSAGE_TYPES = (AgentStatus, CoordinatorStatus, Task, Update, Ack)
 KINDS = {
     "status": "status",
@@ -36,16 +38,6 @@ KINDS = {
     "update": "update",
     "ack": "ack",
 }
-
-
-def wire_of(message: Message) -> dict[str, Any]:
-    unpacked: dict[str, Any] = msgpack.unpackb(encode(message), raw=False)
-    return unpacked
-
-
-def pack(obj: object) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
-    return packed
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))

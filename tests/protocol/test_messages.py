@@ -7,7 +7,6 @@ import typing
 from dataclasses import fields
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -23,15 +22,7 @@ from protocol import (
     encode,
 )
 
-
-def wire_of(message: Message) -> dict[str, Any]:
-    unpacked: dict[str, Any] = msgpack.unpackb(encode(message), raw=False)
-    return unpacked
-
-
-def pack(obj: object) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
-    return packed
+from .conftest import pack, wire_of
 
 
 def _set(wire: dict[str, Any], path: str, value: object) -> None:
