@@ -21,7 +21,6 @@ by up to about 10% (heap fragmentation depends on the address-space layout; see 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import tempfile
 import time
@@ -102,8 +101,8 @@ def measure_block_training_peak(
     agent's training child measures (run it in a fresh child of the forkserver).
 
     Like the child: the heap is set up for ``allocator``, the local data and the received weights (``shapes``)
-    exist, one warm-up step on a throwaway copy has mapped the code (``edge_agent.child.warm_up_training``), the
-    RSS high-water mark is reset; then the model is built, loaded and trained for ``steps`` batches by the
+    exist, one warm-up step of a batch on a throwaway copy has mapped the code and settled the heap
+    (``edge_agent.child.warm_up_training``), the RSS high-water mark is reset; then the model is built, loaded and trained for ``steps`` batches by the
     agent's own training loop (``edge_agent.training.train_plain``; the frozen parameters get no gradient and no
     optimizer state).
     """
@@ -141,8 +140,7 @@ def measure_block_training_peak(
         return block_training_model(family, family.build(spec, track_bn_stats=False).to(device), block,
                                     row.image_size)
 
-    warm_up_training(build, x, y, recipe, list(range(NUM_CLASSES)), NUM_CLASSES, device)  # as the child does
-    gc.collect()
+    warm_up_training(build, x, y, recipe, list(range(NUM_CLASSES)), NUM_CLASSES, device, allocator)  # as the child
     baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

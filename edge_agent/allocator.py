@@ -22,7 +22,7 @@ from functools import cache
 
 from models.memory import CPU_ALLOCATORS
 
-__all__ = ["COMPACT_MMAP_THRESHOLD", "compact_supported", "configure", "resolve"]
+__all__ = ["COMPACT_MMAP_THRESHOLD", "compact_supported", "configure", "resolve", "settle"]
 
 #: Blocks at least this large are mapped and unmapped individually in ``"compact"`` mode.
 COMPACT_MMAP_THRESHOLD = 64 * 1024
@@ -73,3 +73,18 @@ def configure(allocator: str) -> None:
     for option, value in settings:
         if libc.mallopt(option, value) != 1:
             raise RuntimeError(f"mallopt({option}, {value}) failed")
+
+
+def settle(allocator: str) -> None:
+    """Before a measurement's baseline: give the heap's free memory back to the system (``malloc_trim(0)``).
+
+    What an earlier step freed and the heap kept would otherwise be reused by training without showing in the
+    RSS: glibc's default heap keeps a whole working set, which would hide below the baseline; even the compact
+    heap keeps the small blocks (under 64 KiB) of a warm-up step, and how much of the next run they absorb moved
+    the smallest benchmark rows by 0.5 MB from run to run. Trimmed, the peak above the baseline counts every page
+    training touches. ``allocator`` is validated; without glibc nothing is done.
+    """
+    resolve(allocator)
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -12,7 +12,8 @@ text.
 The child first sets up its heap as the plan says (``edge_agent.allocator``; the estimate was made for the
 same setting). The task file holds exactly the weights of the spec to train (the runner cuts an adapted spec
 out of the received one beforehand), so every child runs the same code after its baseline, and it maps that
-code before the baseline with one two-sample step of a throwaway copy (:func:`warm_up_training`). It measures
+code and creates its per-shape runtime objects before the baseline with one step of a throwaway copy
+(:func:`warm_up_training`). It measures
 its own peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``) right before the model is
 built, so ``peak - baseline`` is what training allocated (model, gradients, optimizer state, activations,
 workspace, and small runtime structures, ``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is
@@ -172,19 +173,28 @@ def child_main(workdir_text: str) -> None:
 
 
 def warm_up_training(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, recipe: Recipe,
-                     labels: list[int], num_classes: int, device: str) -> None:
-    """One step of the training loop on a throwaway model from ``build`` and two samples (learning rate 0).
+                     labels: list[int], num_classes: int, device: str, allocator: str) -> None:
+    """One step of the training loop on a throwaway model from ``build`` and one batch (learning rate 0), then
+    the heap settled for ``allocator`` (:func:`edge_agent.allocator.settle`).
 
-    Run before the baseline, it maps the code the run will execute: libtorch's and oneDNN's pages are file-backed,
-    not copied on fork, and how many of them a first execution adds to the RSS depends on the page cache (the
-    same CNN task measured 40 MB in one virtualenv and 101 MB in a freshly installed one). Afterwards the peak
-    above the baseline is the memory training allocates, which is what the estimate predicts.
+    Run before the baseline, it maps the code the run will execute and creates what the runtime keeps per batch
+    shape (oneDNN's primitives and their JIT kernels): libtorch's and oneDNN's code pages are file-backed, not
+    copied on fork, and how many of them a first execution adds to the RSS depends on the page cache (the same CNN
+    task measured 40 MB above the baseline in one virtualenv and 101 MB in a freshly installed one without this
+    step), and the per-shape objects land in the small-block heap at addresses that depend on its state (the
+    smallest benchmark rows moved by 0.5-1.4 MB with a two-sample warm-up at another shape, by about 0.3 MB with
+    this one). Afterwards the peak above the baseline is the memory training allocates, which is what the
+    estimate predicts. The batch's working set is freed again before the baseline: the compact heap has
+    unmapped it, glibc's default heap is trimmed so that it cannot hide below the baseline.
     """
     warm = build()
-    # Two samples, not a batch: a batch's working set would stay in the heap below the baseline and hide what
-    # training needs (glibc's default heap keeps it).
-    train_plain(warm, x[:2], y[:2], replace(recipe, epochs=1, batch_size=2, lr=0.0), labels, num_classes, device)
+    batch = max(2, recipe.batch_size)
+    train_plain(warm, x[:batch], y[:batch], replace(recipe, epochs=1, batch_size=batch, lr=0.0), labels,
+                num_classes, device)
     del warm
+    gc.collect()
+    if device != "cuda":
+        heap.settle(allocator)
 
 
 def _train(workdir: Path) -> None:
@@ -204,8 +214,7 @@ def _train(workdir: Path) -> None:
         raise ValueError(f"the plan says {plan['spec']}, the task holds weights for {task.spec}")
     weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
     warm_up_training(lambda: family.build(spec, track_bn_stats=False), x, y, task.recipe, plan["labels"],
-                     task.model.num_classes, device)
-    gc.collect()
+                     task.model.num_classes, device, plan["allocator"])
     baseline = rss_bytes()
     reset_peak_rss()  # where the kernel refuses, VmHWM is the lifetime peak: still an upper bound
     if device == "cuda":

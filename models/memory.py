@@ -17,7 +17,9 @@ How
    storage, when the storage is freed. That gives the exact live-byte timeline of the step: what autograd saves
    for backward (shared storages counted once), the gradients as they accumulate and the activation gradients
    alive together during backward. Nothing batch-sized is allocated, so a batch of 100 000 costs the same as a
-   batch of 10. The optimizer step is added analytically (``_step_temporaries``).
+   batch of 10. On CPU, every convolution also counts, for the duration of the call, the blocked copies oneDNN
+   makes inside it (``models.conv_workspace``), which no tensor shows. The optimizer step is added
+   analytically (``_step_temporaries``).
 2. **The steady-state peak** of the tensors is ``parameters + optimizer state + max(peak of forward/backward,
    end of backward + optimizer-step temporaries)``: from the second step on, the optimizer state exists during
    the whole forward and backward pass.
@@ -36,7 +38,8 @@ The parts of :class:`MemoryEstimate`
     autograd saved for backward (each storage once). Frozen blocks (depth-wise training) run without autograd,
     so only their output exists.
 ``workspace``
-    What the step needs beyond that at its peak: activation gradients alive together during backward and the
+    What the step needs beyond that at its peak: activation gradients alive together during backward, on CPU
+    the convolutions' internal copies (where they make the peak), and the
     optimizer's temporaries (weight decay makes one gradient-sized temporary per parameter; CUDA's ``foreach``
     implementation makes them for all parameters at once), that is ``max(0, tensor peak - the four parts
     above)`` (where the tensor peak comes before every gradient exists the total is conservative by at most the
@@ -130,6 +133,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from models.conv_workspace import convolution_workspace
 from models.spec import SubmodelSpec
 
 if TYPE_CHECKING:
@@ -150,7 +154,7 @@ __all__ = [
 ]
 
 #: Memory a training child of the agent's warm forkserver needs beyond tensors (arenas, small structures).
-CPU_RUNTIME_BYTES = 1_200_000
+CPU_RUNTIME_BYTES = 600_000
 #: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set (module docstring).
 CPU_HEAP_RETENTION = 1.0
 #: How the training process's C heap is managed (see the module docstring): ``"compact"`` returns every freed
@@ -304,9 +308,10 @@ def block_training_model(
 class _LiveBytes(TorchDispatchMode):
     """Live bytes of the tensor storages created while active (each storage once, until it is freed)."""
 
-    def __init__(self, granularity: int = 1) -> None:
+    def __init__(self, granularity: int = 1, workspace: Callable[[Any, Any, Any], int] | None = None) -> None:
         super().__init__()
         self.granularity = granularity
+        self.workspace = workspace
         self.live = 0
         self.peak = 0
         self._refs: dict[int, Any] = {}
@@ -343,6 +348,8 @@ class _LiveBytes(TorchDispatchMode):
                 self._watch(storage, size)
                 self.live += size
                 self.peak = max(self.peak, self.live)
+        if self.workspace is not None:
+            self.peak = max(self.peak, self.live + self.workspace(func, args, out))
         return out
 
 
@@ -372,7 +379,7 @@ def _trace(
     net: nn.Module = model if block is None else block_training_model(family, model, block, input_size)
     net.train()
     params = list(model.parameters())
-    tracker = _LiveBytes(granularity)
+    tracker = _LiveBytes(granularity, convolution_workspace if device == "cpu" else None)
     tracker.ignore(params)
     marks: dict[str, int] = {}
 

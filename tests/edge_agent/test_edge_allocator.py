@@ -13,7 +13,8 @@ from edge_agent import allocator
 needs_glibc = pytest.mark.skipif(not allocator.compact_supported(), reason="needs glibc's mallopt")
 
 # In a fresh interpreter: set the heap up, allocate and free a 4 MiB block after a 16 MiB one (the free of the
-# large mapped block is what raises glibc's dynamic mmap threshold), and print how much RSS stayed behind.
+# large mapped block is what raises glibc's dynamic mmap threshold), settle the heap if asked, and print how much
+# RSS stayed behind.
 _PROBE = textwrap.dedent("""
     import sys
     from edge_agent import allocator
@@ -24,12 +25,15 @@ _PROBE = textwrap.dedent("""
     for size in (16 << 20, 4 << 20):
         block = np.ones(size // 8)
         del block
+    if sys.argv[2:] == ["settle"]:
+        allocator.settle(sys.argv[1])
     print(rss_bytes() - baseline)
 """)
 
 
-def _retained_after_free(mode: str) -> int:
-    result = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
+def _retained_after_free(mode: str, *extra: str) -> int:
+    result = subprocess.run([sys.executable, "-c", _PROBE, mode, *extra], capture_output=True, text=True,
+                            check=True)
     return int(result.stdout.strip())
 
 
@@ -59,3 +63,16 @@ def test_default_heap_keeps_a_freed_block_that_compact_gives_back():
     # The contrast "compact" exists for: with glibc's dynamic threshold the 4 MiB block came from the heap and
     # stays resident after it is freed.
     assert _retained_after_free("default") >= 3 << 20
+
+
+@needs_glibc
+def test_settle_gives_back_what_the_default_heap_kept():
+    # What the child does before its baseline, so that the kept block cannot absorb training's allocations.
+    assert _retained_after_free("default", "settle") < 1 << 20
+
+
+def test_settle_validates_the_setting_and_needs_no_glibc(monkeypatch):
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        allocator.settle("tcmalloc")
+    monkeypatch.setattr(allocator, "_libc", lambda: None)
+    allocator.settle("default")  # nothing to trim with, nothing raised
