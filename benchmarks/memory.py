@@ -15,7 +15,7 @@ peak on GPU. Depth-wise block rows (the agent has no block-training recipe yet) 
 
 With ``--allocator default`` (glibc's default heap) measured peaks on CPU vary between runs of one configuration
 by up to about 10% (heap fragmentation depends on the address-space layout; see ``models/memory.py``); with
-``compact`` they repeat to within about 1 MB.
+``compact`` they repeat to within about 0.4 MB.
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def measure_block_training_peak(
     agent's training child measures (run it in a fresh child of the forkserver).
 
     Like the child: the heap is set up for ``allocator``, the local data and the received weights (``shapes``)
-    exist, one warm-up step of a batch on a throwaway copy has mapped the code and settled the heap
-    (``edge_agent.child.warm_up_training``), the RSS high-water mark is reset; then the model is built, loaded and trained for ``steps`` batches by the
-    agent's own training loop (``edge_agent.training.train_plain``; the frozen parameters get no gradient and no
-    optimizer state).
+    exist, one warm-up step of a batch on a throwaway copy has mapped the code and trimmed the heap
+    (``edge_agent.child.warm_up_training``), the RSS high-water mark is reset; then the model is built, loaded
+    and trained for ``steps`` batches by the agent's own training loop (``edge_agent.training.train_plain``; the
+    frozen parameters get no gradient and no optimizer state).
     """
     import numpy as np
     import torch
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                     worst = ratio
                 described = spec.describe() + ("" if row.block is None else f" block={row.block}")
                 print(
-                    f"{device:6s} {row.family:12s} {described:22s} {row.batch_size:5d} {estimate / MB:12.1f} "
-                    f"{measured / MB:12.1f} {ratio:6.3f} {seconds * 1000:8.0f}",
+                    f"{device:6s} {row.family:12s} {described:22s} {row.batch_size:5d} {estimate / MB:12.2f} "
+                    f"{measured / MB:12.2f} {ratio:6.3f} {seconds * 1000:8.0f}",
                     flush=True,
                 )
     print(f"({len(rows()) * len(devices)} rows, allocator {allocator}, {args.steps} steps each, "

@@ -2,12 +2,14 @@
 
 With glibc's default settings, memory a training step frees stays in the process heap and the next step does
 not fit into it in place, so the resident peak carries about one more copy of the step's working set, and by how
-much varies from run to run (see ``models.memory``). ``"compact"`` fixes glibc's mmap threshold at 64 KiB (which
-also switches off its dynamic growth): every block of 64 KiB or more, all batch-sized tensors, is mapped on
-allocation and returned to the system when freed, so the peak follows the live tensors. Measured on the
-benchmark rows (x86-64, one thread): within 11% of the estimate wherever training needs more than 5 MB, runs
-repeat to within about 1 MB, CNN width 1 at batch 128 peaks at 150 MB above the baseline against 264 MB with
-glibc's defaults; steps are 1.5-3 times slower (the kernel faults the pages in again every step).
+much varies from run to run (see ``models.memory``). ``"compact"`` fixes glibc's mmap threshold at 4 KiB (which
+also switches off its dynamic growth): every block of a page or more, every tensor but the tiniest, is mapped on
+allocation and returned to the system when freed, so the peak follows the live tensors page by page. (At 64 KiB
+the small tensors of narrow models stayed in the heap, and how much of them the heap's free chunks absorbed
+moved the smallest benchmark rows by 0.5 MB between runs.) Measured on the benchmark rows (x86-64, one thread):
+within 4% of the estimate wherever training needs more than 5 MB, CNN width 1 at batch 128 peaks at 149 MB
+above the baseline against 280 MB with glibc's defaults; steps are 1.5-3 times slower (the kernel faults the
+pages in again every step).
 ``"default"`` leaves glibc alone: faster steps, higher and noisier peaks. The estimator takes the same word
 (``allocator=``), so the agent predicts what it will run.
 
@@ -24,8 +26,8 @@ from models.memory import CPU_ALLOCATORS
 
 __all__ = ["COMPACT_MMAP_THRESHOLD", "compact_supported", "configure", "resolve", "settle"]
 
-#: Blocks at least this large are mapped and unmapped individually in ``"compact"`` mode.
-COMPACT_MMAP_THRESHOLD = 64 * 1024
+#: Blocks at least this large (one page) are mapped and unmapped individually in ``"compact"`` mode.
+COMPACT_MMAP_THRESHOLD = 4 * 1024
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
@@ -80,8 +82,7 @@ def settle(allocator: str) -> None:
 
     What an earlier step freed and the heap kept would otherwise be reused by training without showing in the
     RSS: glibc's default heap keeps a whole working set, which would hide below the baseline; even the compact
-    heap keeps the small blocks (under 64 KiB) of a warm-up step, and how much of the next run they absorb moved
-    the smallest benchmark rows by 0.5 MB from run to run. Trimmed, the peak above the baseline counts every page
+    heap keeps a warm-up step's blocks under a page. Trimmed, the peak above the baseline counts every page
     training touches. ``allocator`` is validated; without glibc nothing is done.
     """
     resolve(allocator)

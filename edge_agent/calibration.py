@@ -4,8 +4,8 @@ The factor multiplies the model-dependent part of the raw estimate (everything b
 overhead, which the estimator states separately and which is measured, not predicted); a run whose
 model-dependent part is too small to measure against that overhead teaches nothing. The factor starts at
 ``initial`` (a 10% margin: with the agent's default ``compact`` heap the estimator under-predicts no
-benchmark row by more than about 10%), then follows a conservative envelope of recent measured/estimated ratios. An
-out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
+benchmark row above 5 MB by more than 3%, the smallest ones by up to about 13%), then follows a conservative
+envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
 (at most doubling per failure) and never falls below it again.
 Stored as JSON in the agent's state directory (never pickled).
 """

@@ -4,20 +4,19 @@ Children come from a multiprocessing *forkserver* that has already imported this
 and the models (the agent stays warm, unlike per-message processes that re-import torch every round). The
 server also runs one tiny training step (``child_warmup``) so that torch's one-time initialisation (the lazy
 import behind the first optimizer, kernel set-up) is shared by every child instead of inflating each measured
-peak; it starts no threads that would make forking unsafe (one intra-op thread). Nothing crosses the process boundary pickled: the parent writes
-the task (protocol msgpack) and a small JSON plan into a work directory, the child reads its data from an
-``.npz`` written once by the agent (``allow_pickle=False``), and answers with an encoded update or an error
-text.
+peak; it starts no threads that would make forking unsafe (one intra-op thread). Nothing crosses the process
+boundary pickled: the parent writes the task (protocol msgpack) and a small JSON plan into a work directory,
+the child reads its data from an ``.npz`` written once by the agent (``allow_pickle=False``), and answers with
+an encoded update or an error text.
 
 The child first sets up its heap as the plan says (``edge_agent.allocator``; the estimate was made for the
 same setting). The task file holds exactly the weights of the spec to train (the runner cuts an adapted spec
-out of the received one beforehand), so every child runs the same code after its baseline, and it maps that
-code and creates its per-shape runtime objects before the baseline with one step of a throwaway copy
-(:func:`warm_up_training`). It measures
-its own peak: the resident-set high-water mark is reset (``/proc/self/clear_refs``) right before the model is
-built, so ``peak - baseline`` is what training allocated (model, gradients, optimizer state, activations,
-workspace, and small runtime structures, ``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is
-used instead.
+out of the received one beforehand), so every child runs the same code after its baseline. Before the baseline
+it maps that code and creates its per-shape runtime objects with one step of a throwaway copy on one batch,
+and trims the heap (:func:`warm_up_training`). It measures its own peak: the resident-set high-water mark is
+reset (``/proc/self/clear_refs``) right before the model is built, so ``peak - baseline`` is what training
+allocated (model, gradients, optimizer state, activations, workspace, and small runtime structures,
+``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is used instead.
 
 Training-memory estimates are made in children of the same forkserver too (:func:`estimate_in_child`).
 """
@@ -178,14 +177,14 @@ def warm_up_training(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.T
     the heap settled for ``allocator`` (:func:`edge_agent.allocator.settle`).
 
     Run before the baseline, it maps the code the run will execute and creates what the runtime keeps per batch
-    shape (oneDNN's primitives and their JIT kernels): libtorch's and oneDNN's code pages are file-backed, not
-    copied on fork, and how many of them a first execution adds to the RSS depends on the page cache (the same CNN
-    task measured 40 MB above the baseline in one virtualenv and 101 MB in a freshly installed one without this
-    step), and the per-shape objects land in the small-block heap at addresses that depend on its state (the
-    smallest benchmark rows moved by 0.5-1.4 MB with a two-sample warm-up at another shape, by about 0.3 MB with
-    this one). Afterwards the peak above the baseline is the memory training allocates, which is what the
-    estimate predicts. The batch's working set is freed again before the baseline: the compact heap has
-    unmapped it, glibc's default heap is trimmed so that it cannot hide below the baseline.
+    shape (oneDNN's primitives and JIT kernels). libtorch's and oneDNN's code pages are file-backed, not copied on
+    fork, and how many of them a first execution adds to the RSS depends on the page cache (the same CNN task
+    measured 40 MB above the baseline in one virtualenv and 101 MB in a freshly installed one without a warm-up
+    step); the per-shape objects landed in the heap wherever it had room, which moved the smallest benchmark rows
+    by 0.5 MB from run to run while the warm-up ran at another shape. The trim then gives back what the step
+    freed, above all the working set glibc's default heap would keep below the baseline. Afterwards the peak above
+    the baseline is the memory training allocates, which is what the estimate predicts. The warm-up's own peak is
+    that of one training step, so it needs no more memory than the run.
     """
     warm = build()
     batch = max(2, recipe.batch_size)

@@ -58,30 +58,31 @@ changed no measured peak by more than 1 MB.
 
 CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decides the rest (``allocator``):
 
-- ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 64 KiB,
-  so every batch-sized tensor is mapped when allocated and given back when freed, and the resident peak follows
-  the live tensors: nothing is added. Every benchmark row (CNN and PreResNet-18, widths 1 to 1/16, batches 10
-  to 128, block training) that needs more than 5 MB is within 11% of the measured peak (0.90-1.06); below
-  that the measurement moves by about 0.5 MB (``CPU_RUNTIME_BYTES``) and two CNN rows of 4-5 MB are
-  over-estimated by 0.8-1.0 MB. Runs repeat to about 1 MB; 400 steps peak as high as 20. The price is speed:
-  the kernel faults the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
+- ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 4 KiB,
+  so every tensor of a page or more is mapped when allocated and given back when freed, and the resident peak follows
+  the live tensors and the convolutions' internal copies: no heap term is added. Every benchmark row (CNN and
+  PreResNet-18, widths 1 to 1/16, batches 10 to 128, block training) is within 15% of the measured peak, all
+  that need more than 5 MB within 4%, and runs repeat to about 0.4 MB. The price is speed: the kernel faults
+  the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
 - ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
-  blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below); the
-  retention was fit before the child mapped its code ahead of the baseline, and the estimate now
-  over-predicts most whole-model rows (up to 2.1 times) and under-predicts CNN block 0 (0.75): calibration
-  has to carry this mode.
+  blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below), and its
+  estimate is rough: 0.65-1.24 times the measured peak on the benchmark rows (the narrowest CNN at batch 128
+  keeps far more than one working set, PreResNet-18 at width 1 less); calibration has to carry this mode.
 
-- ``CPU_RUNTIME_BYTES`` (1.2 MB) is what the edge agent's training child (forked from its warm forkserver,
-  ``edge_agent.child``) adds beyond the tensors whatever the model: first-use allocator arenas, oneDNN's kernels
-  for the task's shapes, autograd's small structures. Fit to the agent's own measurement of the smallest
-  benchmark rows (CNN width 1/16 and 1/8, batch 10: 1.1 MB above their tensors); below a few MB of training
-  memory the measurement itself moves by about 0.5 MB between runs (small tensors live in glibc's heap, which
-  grows and is trimmed in 128 KiB steps). Code is not counted: before
-  its baseline the child runs one training step of a throwaway copy on two samples
-  (``edge_agent.child.warm_up_training``), because libtorch's code pages are file-backed, not copied on fork,
-  and how many of them a first execution adds to the RSS depends on the page cache (the same CNN task measured
-  40 MB above the baseline in one virtualenv and 101 MB in a freshly installed one without the warm-up step).
+- ``CPU_RUNTIME_BYTES`` (0.12 MB) is what the edge agent's training child (forked from its warm forkserver,
+  ``edge_agent.child``) adds beyond the tensors whatever the model: blocks under a page in the heap, the page
+  rounding of the mapped ones, autograd's small structures. Over three runs of the benchmark with the compact
+  heap, the rows peaked between 0.34 MB below and 0.46 MB above their tensors and convolution copies, by
+  amounts that move about 0.3 MB between runs; this value keeps the smallest rows (CNN width 1/16 and 1/8 at
+  batch 10, which need 0.8-1.8 MB) within 11% in all three. Code and per-shape runtime objects are not
+  counted: before its baseline the child runs one training step of a throwaway copy on one batch and trims the
+  heap (``edge_agent.child.warm_up_training``),
+  because libtorch's code pages are file-backed, not copied on fork, and how many of them a first execution
+  adds to the RSS depends on the page cache (the same CNN task measured 40 MB above the baseline in one
+  virtualenv and 101 MB in a freshly installed one without a warm-up step), and because oneDNN's primitives and
+  JIT kernels for the batch's shapes (0.5-1.4 MB) otherwise landed in the heap wherever it had room, which
+  moved the smallest rows by half a megabyte from run to run.
   A *fresh* process pays about 180 MB instead: about 157 MB is the first ``torch.optim`` optimizer lazily
   importing ``torch._dynamo`` and its dependencies (sympy, ... about 890 modules), measured as the RSS growth of
   ``torch.optim.SGD(...)`` right after ``import torch``; the forkserver's warm-up step pays that once for all
@@ -153,12 +154,12 @@ __all__ = [
     "split_blocks",
 ]
 
-#: Memory a training child of the agent's warm forkserver needs beyond tensors (arenas, small structures).
-CPU_RUNTIME_BYTES = 600_000
+#: Memory a training child of the agent's warm forkserver needs beyond tensors (small blocks, page rounding).
+CPU_RUNTIME_BYTES = 120_000
 #: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set (module docstring).
 CPU_HEAP_RETENTION = 1.0
 #: How the training process's C heap is managed (see the module docstring): ``"compact"`` returns every freed
-#: block of 64 KiB or more to the system at once (``edge_agent.allocator``), ``"default"`` is glibc's default.
+#: block of a page or more to the system at once (``edge_agent.allocator``), ``"default"`` is glibc's default.
 CPU_ALLOCATORS = ("compact", "default")
 _RETENTION = {"compact": 0.0, "default": CPU_HEAP_RETENTION}
 #: Granularity of the CUDA caching allocator.
