@@ -7,7 +7,7 @@ also switches off its dynamic growth): every block of a page or more, every tens
 allocation and returned to the system when freed, so the peak follows the live tensors page by page. (At 64 KiB
 the small tensors of narrow models stayed in the heap, and how much of them the heap's free chunks absorbed
 moved the smallest benchmark rows by 0.5 MB between runs.) Measured on the benchmark rows (x86-64, one thread):
-within 4% of the estimate wherever training needs more than 5 MB, CNN width 1 at batch 128 peaks at 149 MB
+within 6% of the estimate wherever training needs more than 5 MB, CNN width 1 at batch 128 peaks at 149 MB
 above the baseline against 280 MB with glibc's defaults; steps are 1.5-3 times slower (the kernel faults the
 pages in again every step).
 ``"default"`` leaves glibc alone: faster steps, higher and noisier peaks. The estimator takes the same word
@@ -62,7 +62,8 @@ def configure(allocator: str) -> None:
     """Apply ``allocator`` to THIS process's heap (call it in the training child before training).
 
     ``"default"`` changes nothing. ``"compact"`` fixes the mmap threshold at :data:`COMPACT_MMAP_THRESHOLD` and
-    the trim threshold at twice that (glibc's default, now also fixed); raises ``RuntimeError`` where
+    the trim threshold at twice that (the heap's top goes back to the system once that much of it is free, where
+    glibc's default waits for 128 KiB); raises ``RuntimeError`` where
     ``mallopt`` is missing or refuses, since estimates made for ``"compact"`` would then be wrong.
     """
     if resolve(allocator) != allocator:

@@ -4,9 +4,10 @@ The factor multiplies the model-dependent part of the raw estimate (everything b
 overhead, which the estimator states separately and which is measured, not predicted); a run whose
 model-dependent part is too small to measure against that overhead teaches nothing. The factor starts at
 ``initial`` (a 10% margin: with the agent's default ``compact`` heap the estimator under-predicts no
-benchmark row above 5 MB by more than 3%, the smallest ones by up to about 13%), then follows a conservative
-envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded what was available, so the factor rises towards that
-(at most doubling per failure) and never falls below it again.
+benchmark row above 5 MB by more than 2%, the smallest ones, of 1-3 MB, by up to 10%), then follows a
+conservative envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded
+what was available, so the factor rises towards that (at most doubling per failure) and never falls below it
+again.
 Stored as JSON in the agent's state directory (never pickled).
 """
 
@@ -26,11 +27,14 @@ class Calibration:
     """Thread-safe calibration factor with an optional JSON file behind it."""
 
     def __init__(self, path: str | Path | None = None, initial: float = 1.10, margin: float = 1.05,
-                 window: int = 20) -> None:
+                 window: int = 20, resolution: int = 0) -> None:
+        """``resolution``: how far the measured peak of identical runs moves (bytes); a run whose
+        model-dependent part is under ten times that teaches nothing, since its ratio would be mostly noise."""
         self.path = Path(path) if path is not None else None
         self.initial = initial
         self.margin = margin
         self.window = window
+        self.resolution = resolution
         self.ratios: list[float] = []
         self.floor = 0.0  # raised by failures: the factor never goes below it again
         self._lock = threading.Lock()
@@ -49,9 +53,10 @@ class Calibration:
         return overhead + int((raw_estimate - overhead) * self.factor)
 
     def observe(self, raw_estimate: int, measured_peak: int, overhead: int = 0) -> None:
-        """Learn from a completed run (ignored when the model-dependent part is under 10% of the estimate)."""
+        """Learn from a completed run (ignored when the model-dependent part is under 10% of the estimate or
+        under ten times the measurement's resolution)."""
         variable = raw_estimate - overhead
-        if raw_estimate <= 0 or measured_peak <= 0 or variable < 0.1 * raw_estimate:
+        if raw_estimate <= 0 or measured_peak <= 0 or variable < max(0.1 * raw_estimate, 10 * self.resolution):
             return
         ratio = min(MAX_RATIO, max(MIN_RATIO, (measured_peak - overhead) / variable))
         with self._lock:

@@ -109,7 +109,8 @@ class TaskRunner:
         # One calibration per way of running: a factor learnt under one allocator is wrong for the other.
         runtime = "cuda" if device == "cuda" else f"cpu-{self.allocator}"
         self.calibration = calibration if calibration is not None else Calibration(
-            self.state_dir / f"calibration-{runtime}.json")
+            self.state_dir / f"calibration-{runtime}.json",
+            resolution=0 if device == "cuda" else child.CPU_PEAK_RESOLUTION_BYTES)
         self.data_path = self.state_dir / "local-data.npz"
         np.savez(self.data_path, x=data.x.numpy(), y=data.y.numpy())
         self._families: dict[tuple[str, int, int, str], ModelFamily] = {}

@@ -62,7 +62,7 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
   so every tensor of a page or more is mapped when allocated and given back when freed, and the resident peak follows
   the live tensors and the convolutions' internal copies: no heap term is added. Every benchmark row (CNN and
   PreResNet-18, widths 1 to 1/16, batches 10 to 128, block training) is within 15% of the measured peak, all
-  that need more than 5 MB within 4%, and runs repeat to about 0.4 MB. The price is speed: the kernel faults
+  that need more than 5 MB within 6%, and runs repeat to about 0.4 MB. The price is speed: the kernel faults
   the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
 - ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen

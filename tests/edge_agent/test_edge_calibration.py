@@ -68,6 +68,14 @@ def test_a_run_whose_model_part_is_too_small_to_measure_teaches_nothing(tmp_path
     assert not path.exists()
 
 
+def test_a_run_small_against_the_measurement_resolution_teaches_nothing():
+    calibration = Calibration(resolution=200)
+    calibration.observe(1900, 5000)  # 1900 bytes of model, measured to within 200: mostly noise
+    assert calibration.ratios == [] and calibration.factor == 1.10
+    calibration.observe(2000, 3000)  # ten times the resolution: learnt
+    assert calibration.ratios == [1.5]
+
+
 def test_only_the_last_window_ratios_count():
     calibration = Calibration(window=3)
     calibration.observe(100, 250)  # ratio 2.5, pushed out by three later runs
