@@ -328,7 +328,7 @@ def test_task_rejected_carries_status_and_reason():
 def test_task_id_dot_dot_does_not_delete_the_agents_state(make_task, make_runner):
     task = decode(encode(make_task(task_id="..")))  # the protocol accepts '..' as a task id
     runner = make_runner()
-    runner.calibration.observe(1000, 2000)
+    runner.calibration.observe(10_000_000, 20_000_000)  # a task large enough to learn from: the file exists
     for _ in range(2):  # the first one leaves state_dir/tasks behind, as every task does
         runner.run(task)
     assert runner.data_path.exists()
