@@ -67,7 +67,7 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
 - ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
   blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below), and its
-  estimate is rough: 0.65-1.24 times the measured peak on the benchmark rows (the narrowest CNN at batch 128
+  estimate is rough: 0.65-1.24 times the measured peak on the benchmark rows over two runs (the narrowest CNN at batch 128
   keeps far more than one working set, PreResNet-18 at width 1 less); calibration has to carry this mode.
 
 - ``CPU_RUNTIME_BYTES`` (0.12 MB) is what the edge agent's training child (forked from its warm forkserver,
