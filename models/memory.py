@@ -4,10 +4,10 @@ What is estimated
 -----------------
 The peak memory of a training process for one sub-model, as the edge agent measures it: in a training child
 forked from the agent's warm forkserver, holding the local data and the received weights (the baseline), the
-peak resident set size (high-water mark reset at the baseline) minus that baseline while it builds the model, loads the weights, creates
-``torch.optim.SGD`` and runs training steps (forward in train mode, cross-entropy, backward,
-``clip_grad_norm_``, ``step``, ``zero_grad(set_to_none=True)``). ``benchmarks/memory.py`` measures exactly this
-and compares it with the estimate.
+peak resident set size (high-water mark reset at the baseline) minus that baseline while it builds the model,
+loads the weights, creates ``torch.optim.SGD`` and runs training steps (forward in train mode, cross-entropy,
+backward, ``clip_grad_norm_``, ``step``, ``zero_grad(set_to_none=True)``). ``benchmarks/memory.py`` measures
+exactly this and compares it with the estimate.
 
 How
 ---
@@ -59,16 +59,17 @@ changed no measured peak by more than 1 MB.
 CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decides the rest (``allocator``):
 
 - ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 4 KiB,
-  so every tensor of a page or more is mapped when allocated and given back when freed, and the resident peak follows
-  the live tensors and the convolutions' internal copies: no heap term is added. Every benchmark row (CNN and
-  PreResNet-18, widths 1 to 1/16, batches 10 to 128, block training) is within 15% of the measured peak, all
-  that need more than 5 MB within 6%, and runs repeat to about 0.4 MB. The price is speed: the kernel faults
-  the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
+  so every tensor of a page or more is mapped when allocated and given back when freed, and the resident peak
+  follows the live tensors and the convolutions' internal copies: no heap term is added. Every benchmark row
+  (CNN and PreResNet-18, widths 1 to 1/16, batches 10 to 128, block training) is within 15% of the measured
+  peak, all that need more than 5 MB within 6%, and runs repeat to about 0.4 MB. The price is speed: the kernel
+  faults the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
 - ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
   the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
   blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below), and its
-  estimate is rough: 0.65-1.24 times the measured peak on the benchmark rows over two runs (the narrowest CNN at batch 128
-  keeps far more than one working set, PreResNet-18 at width 1 less); calibration has to carry this mode.
+  estimate is rough: 0.65-1.24 times the measured peak on the benchmark rows over two runs (the narrowest CNN
+  at batch 128 keeps far more than one working set, PreResNet-18 at width 1 less); calibration has to carry
+  this mode.
 
 - ``CPU_RUNTIME_BYTES`` (0.12 MB) is what the edge agent's training child (forked from its warm forkserver,
   ``edge_agent.child``) adds beyond the tensors whatever the model: blocks under a page in the heap, the page
@@ -88,18 +89,18 @@ CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decid
   ``torch.optim.SGD(...)`` right after ``import torch``; the forkserver's warm-up step pays that once for all
   children. The same lazy import happens the first time a process runs meta tensors, so the estimator itself
   costs the calling process that much once (the edge agent therefore estimates in a child of its forkserver).
-- ``CPU_HEAP_RETENTION`` (1.0, ``"default"`` only): with glibc's default settings the memory a step frees is not returned to the
-  system but stays in the heap, and the next step does not fit into it in place. The first free of a large mapped
-  chunk raises glibc's mmap threshold (up to 32 MiB), after which tensors come from the heap, and oneDNN's
-  temporary buffers (``malloc_stats`` shows a convolution over 26 MB NCHW tensors allocating and freeing one
-  (forward) or two (backward) more buffers of about that size) and autograd's small allocations fragment it. Over five runs of the benchmark rows, the default-setting peak exceeds the fixed-threshold peak by
-  0.93 times the working set (median; 0.5-1.6 for most rows): the heap holds about two copies of the working set.
-  Frozen blocks count because their short-lived outputs are allocated and freed in the heap before the trained
-  block's tensors. This is the noisiest part: repeated runs of one configuration differ by up to 10%
+- ``CPU_HEAP_RETENTION`` (1.0, ``"default"`` only): with glibc's default settings the memory a step frees is not
+  returned to the system but stays in the heap, and the next step does not fit into it in place. The first free
+  of a large mapped chunk raises glibc's mmap threshold (up to 32 MiB), after which tensors come from the heap,
+  and oneDNN's temporary buffers (``malloc_stats`` shows a convolution over 26 MB NCHW tensors allocating and
+  freeing one (forward) or two (backward) more buffers of about that size) and autograd's small allocations
+  fragment it. Over five runs of the benchmark rows, the default-setting peak exceeds the fixed-threshold peak
+  by 0.93 times the working set (median; 0.5-1.6 for most rows): the heap holds about two copies of the working
+  set. Frozen blocks count because their short-lived outputs are allocated and freed in the heap before the
+  trained block's tensors. This is the noisiest part: repeated runs of one configuration differ by up to 10%
   (address-space layout randomisation changes the fragmentation; with it and hash randomisation switched off
-  runs repeat to 0.1 MB),
-  which bounds what any estimate of this mode can do, and it grows over long runs. ``"compact"`` removes the
-  retention, with it the noise, and lowers the peak by the whole working set.
+  runs repeat to 0.1 MB), which bounds what any estimate of this mode can do, and it grows over long runs.
+  ``"compact"`` removes the retention, with it the noise, and lowers the peak by the whole working set.
 
 CUDA (``device="cuda"``): every block the caching allocator hands out is rounded up to 512 bytes (the tracker
 rounds each storage), the optimizer uses the ``foreach`` path, and ``overhead`` is ``CUDA_BLAS_WORKSPACE_BYTES``
