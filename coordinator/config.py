@@ -1,22 +1,13 @@
-"""Coordinator configuration (YAML, validated by :func:`fedfit.config.from_mapping`)."""
+"""Coordinator configuration (YAML, validated by :func:`common.config.from_mapping`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.mqtt_link import BrokerConfig
+
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
-
-
-@dataclass
-class BrokerConfig:
-    """Where the MQTT broker is."""
-
-    host: str = "127.0.0.1"
-    port: int = 1883
-    username: str | None = None
-    password: str | None = None
-    keepalive: int = 30
 
 
 @dataclass

@@ -26,9 +26,9 @@ from coordinator.levels import make_levels
 from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
 from coordinator.registry import AgentRecord, FleetRegistry
 from coordinator.strategies import Assignment, make_strategy
-from fedfit.data import Dataset, load_dataset, subsample
-from fedfit.logs import get_logger
-from fedfit.mqtt_link import BrokerAddress, MqttLink, Will
+from common.data import Dataset, load_dataset, subsample
+from common.logs import get_logger
+from common.mqtt_link import MqttLink, Will
 from models import ModelFamily, SubmodelSpec, get_family
 from protocol import (
     Ack,
@@ -102,8 +102,7 @@ class Coordinator:
         self.rejected_messages = 0
         self.link = MqttLink(
             client_id=f"fedfit-coordinator-{config.federation}",
-            broker=BrokerAddress(config.broker.host, config.broker.port, config.broker.username,
-                                 config.broker.password, config.broker.keepalive),
+            broker=config.broker,
             subscriptions=[self.topics.all_agent_status(), self.topics.all_agent_updates()],
             handler=self._on_message,
             will=Will(self.topics.coordinator_status(), encode(self._status("offline"))),

@@ -1,11 +1,11 @@
-"""Edge agent configuration (YAML, validated by :func:`fedfit.config.from_mapping`)."""
+"""Edge agent configuration (YAML, validated by :func:`common.config.from_mapping`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from coordinator.config import BrokerConfig
+from common.mqtt_link import BrokerConfig
 
 
 @dataclass

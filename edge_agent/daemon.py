@@ -18,9 +18,9 @@ from edge_agent.config import AgentConfig
 from edge_agent.memory import detect_device_kind, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.uplink import Uplink
-from fedfit import systemd_notify
-from fedfit.logs import get_logger
-from fedfit.mqtt_link import BrokerAddress, MqttLink, Will
+from common import systemd_notify
+from common.logs import get_logger
+from common.mqtt_link import MqttLink, Will
 from protocol import (
     Ack,
     AgentStatus,
@@ -67,8 +67,7 @@ class EdgeAgent:
         self.tasks_done = 0
         self.link = MqttLink(
             client_id=f"fedfit-agent-{self.agent_id}",
-            broker=BrokerAddress(config.broker.host, config.broker.port, config.broker.username,
-                                 config.broker.password, config.broker.keepalive),
+            broker=config.broker,
             subscriptions=[self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id)],
             handler=self._on_message,
             will=Will(self.topics.agent_status(self.agent_id), encode(self._offline_status())),

@@ -8,7 +8,7 @@ import torch
 
 from edge_agent.config import AgentDataConfig
 from edge_agent.runner import LocalData
-from fedfit.data import load_dataset, load_local_data, parse_partition, partition_indices
+from common.data import load_dataset, load_local_data, parse_partition, partition_indices
 
 
 def to_local_data(x: np.ndarray, y: np.ndarray) -> LocalData:

@@ -7,7 +7,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from fedfit.logs import get_logger
+from common.logs import get_logger
 from protocol import Update, encode, split_payload
 
 Publish = Callable[[str, bytes], bool]

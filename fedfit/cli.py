@@ -14,10 +14,10 @@ from typing import Any
 from coordinator.checkpoint import CheckpointError
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import NoAgentsError
-from fedfit.config import ConfigError, from_mapping, load_yaml
-from fedfit.data import DATASET_NAMES, DatasetError
-from fedfit.logs import configure_logging
-from fedfit.mqtt_link import BrokerUnavailable
+from common.config import ConfigError, from_mapping, load_yaml
+from common.data import DATASET_NAMES, DatasetError
+from common.logs import configure_logging
+from common.mqtt_link import BrokerUnavailable
 from fedfit.sim.broker import BrokerStartError
 from fedfit.sim.budgets import BUDGET_SCENARIOS
 
@@ -90,7 +90,7 @@ def _stop_on_signals(stop: Any) -> None:
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     from coordinator.daemon import Coordinator
-    from fedfit import systemd_notify
+    from common import systemd_notify
 
     configure_logging(args.log_level)
     config = _load(CoordinatorConfig, args.config)

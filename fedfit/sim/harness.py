@@ -15,13 +15,14 @@ from typing import IO, Any
 
 import torch
 
-from coordinator.config import BrokerConfig, CoordinatorConfig
+from common.mqtt_link import BrokerConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import RoundResult
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from fedfit.data import Dataset, load_dataset, parse_partition, partition_indices
+from common.data import Dataset, load_dataset, parse_partition, partition_indices
 from fedfit.sim.broker import Broker, external_broker, start_broker
 from fedfit.sim.budgets import DeviceBudget, device_budgets
 from fedfit.sim.report import build_report

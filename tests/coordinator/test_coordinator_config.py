@@ -1,11 +1,11 @@
-"""CoordinatorConfig.validate and loading through fedfit.config.from_mapping."""
+"""CoordinatorConfig.validate and loading through common.config.from_mapping."""
 
 from __future__ import annotations
 
 import pytest
 
 from coordinator.config import HETEROFL_RATES, CoordinatorConfig, DataConfig, RecipeConfig
-from fedfit.config import ConfigError, from_mapping
+from common.config import ConfigError, from_mapping
 
 
 def test_defaults_are_valid():

@@ -12,7 +12,7 @@ from coordinator.checkpoint import save_checkpoint
 from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
 from coordinator.daemon import Coordinator
 from coordinator.strategies import Assignment
-from fedfit.data import load_dataset
+from common.data import load_dataset
 from models import SubmodelSpec
 from protocol import Update
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edge_agent.config import AgentConfig, AgentDataConfig
-from fedfit.config import ConfigError, from_mapping
+from common.config import ConfigError, from_mapping
 
 
 def valid(**kwargs) -> AgentConfig:

@@ -19,7 +19,7 @@ from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from fedfit.data import load_dataset, parse_partition, partition_indices
+from common.data import load_dataset, parse_partition, partition_indices
 from fedfit.sim.broker import Broker
 from protocol import (
     Ack,

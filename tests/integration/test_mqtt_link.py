@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fedfit.mqtt_link import BrokerAddress, BrokerUnavailable, MqttLink, Will
+from common.mqtt_link import BrokerConfig, BrokerUnavailable, MqttLink, Will
 from fedfit.sim.broker import Broker, free_port, start_amqtt
 
 pytestmark = pytest.mark.broker
@@ -24,7 +24,7 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
 
 def exchange(broker: Broker) -> tuple[str, list[tuple[str, bytes]]]:
     received: list[tuple[str, bytes]] = []
-    address = BrokerAddress(broker.host, broker.port)
+    address = BrokerConfig(broker.host, broker.port)
     listener = MqttLink(client_id="listener", broker=address, subscriptions=["t/#"],
                         handler=lambda topic, payload: received.append((topic, payload)))
     speaker = MqttLink(client_id="speaker", broker=address, subscriptions=["unused"], handler=lambda t, p: None,
@@ -59,7 +59,7 @@ def test_embedded_broker_falls_back_to_mqtt311() -> None:
 
 
 def test_unreachable_broker_is_one_clear_error() -> None:
-    link = MqttLink(client_id="lonely", broker=BrokerAddress("127.0.0.1", free_port()), subscriptions=["x"],
+    link = MqttLink(client_id="lonely", broker=BrokerConfig("127.0.0.1", free_port()), subscriptions=["x"],
                     handler=lambda t, p: None)
     with pytest.raises(BrokerUnavailable, match="cannot reach the MQTT broker at 127.0.0.1:.*running"):
         link.start(timeout=1.5)
@@ -75,7 +75,7 @@ def test_handler_exceptions_do_not_stop_dispatch(mosquitto: Broker) -> None:
         seen.append(payload)
         done.set()
 
-    address = BrokerAddress(mosquitto.host, mosquitto.port)
+    address = BrokerConfig(mosquitto.host, mosquitto.port)
     link = MqttLink(client_id="robust", broker=address, subscriptions=["r"], handler=handler)
     link.start(20)
     try:

@@ -21,7 +21,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedfit.logs import get_logger
+from common.logs import get_logger
 
 MessageHandler = Callable[[str, bytes], None]
 
@@ -31,8 +31,8 @@ class BrokerUnavailable(ConnectionError):
 
 
 @dataclass(frozen=True)
-class BrokerAddress:
-    """Where the broker listens and how to log in."""
+class BrokerConfig:
+    """Where the MQTT broker listens and how to log in: the ``broker`` section of both daemons' configs."""
 
     host: str = "127.0.0.1"
     port: int = 1883
@@ -67,7 +67,7 @@ class MqttLink:
         self,
         *,
         client_id: str,
-        broker: BrokerAddress,
+        broker: BrokerConfig,
         subscriptions: Sequence[str],
         handler: MessageHandler,
         will: Will | None = None,

@@ -1,4 +1,4 @@
-"""Tests for fedfit.data.idx.read_idx."""
+"""Tests for common.data.idx.read_idx."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedfit.data import DatasetError, read_idx
+from common.data import DatasetError, read_idx
 
 
 def idx_bytes(array: np.ndarray, code: int, dtype: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Tests for fedfit.data.local.load_local_data."""
+"""Tests for common.data.local.load_local_data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedfit.data import DatasetError, load_local_data
+from common.data import DatasetError, load_local_data
 
 
 def save_npz(path: Path, **arrays: np.ndarray) -> Path:

@@ -1,11 +1,11 @@
-"""Tests for fedfit.data.partition."""
+"""Tests for common.data.partition."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedfit.data import PartitionSpec, label_set, parse_partition, partition_indices
+from common.data import PartitionSpec, label_set, parse_partition, partition_indices
 
 
 def make_labels(per_class: int = 100, classes: int = 10, seed: int = 0) -> np.ndarray:

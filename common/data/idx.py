@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfit.data.errors import DatasetError
+from common.data.errors import DatasetError
 
 __all__ = ["IDX_DTYPES", "read_idx"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfit.data.errors import DatasetError
-from fedfit.data.idx import read_idx
+from common.data.errors import DatasetError
+from common.data.idx import read_idx
 
 __all__ = [
     "DATASET_NAMES",

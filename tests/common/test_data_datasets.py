@@ -1,4 +1,4 @@
-"""Tests for fedfit.data.datasets."""
+"""Tests for common.data.datasets."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedfit.data import DATASET_NAMES, DatasetError, load_dataset, subsample
-from fedfit.data import datasets as ds_mod
+from common.data import DATASET_NAMES, DatasetError, load_dataset, subsample
+from common.data import datasets as ds_mod
 
 SYSTEM_FASHION = Path("/usr/share/datasets/fashion-mnist")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fedfit.data.errors import DatasetError
+from common.data.errors import DatasetError
 
 __all__ = ["IMAGE_SUFFIXES", "load_local_data"]
 

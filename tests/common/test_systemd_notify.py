@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfit import systemd_notify
+from common import systemd_notify
 
 
 def test_notify_sends_datagram(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

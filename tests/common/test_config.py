@@ -1,4 +1,4 @@
-"""Tests for fedfit.config."""
+"""Tests for common.config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 import pytest
 import yaml
 
-from fedfit.config import ConfigError, from_mapping, load_yaml, to_mapping
+from common.config import ConfigError, from_mapping, load_yaml, to_mapping
 
 # This module uses ``from __future__ import annotations``: every annotation below is a string that
 # from_mapping must resolve with typing.get_type_hints.

@@ -1,10 +1,10 @@
 """Datasets, federated partitions and device-local data for FedFit."""
 
-from fedfit.data.datasets import DATASET_NAMES, Dataset, load_dataset, subsample
-from fedfit.data.errors import DatasetError
-from fedfit.data.idx import read_idx
-from fedfit.data.local import load_local_data
-from fedfit.data.partition import PartitionSpec, label_set, parse_partition, partition_indices
+from common.data.datasets import DATASET_NAMES, Dataset, load_dataset, subsample
+from common.data.errors import DatasetError
+from common.data.idx import read_idx
+from common.data.local import load_local_data
+from common.data.partition import PartitionSpec, label_set, parse_partition, partition_indices
 
 __all__ = [
     "DATASET_NAMES",
