@@ -30,7 +30,7 @@ class BrokerUnavailable(ConnectionError):
     """The broker could not be reached or refused us; the message says what to check."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class BrokerConfig:
     """Where the MQTT broker listens and how to log in: the ``broker`` section of both daemons' configs."""
 
