@@ -108,10 +108,10 @@ def measure_block_training_peak(
     """
     import numpy as np
     import torch
+    from edge_agent.training import train_plain
 
     from edge_agent import allocator as heap
     from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes, warm_up_training
-    from edge_agent.training import train_plain
     from models import SubmodelSpec, block_training_model, get_family
 
     torch.set_num_threads(threads)

@@ -6,17 +6,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-from coordinator.strategies import Assignment
+from coordinator.strategies import TaskPlan
 from protocol import Update
 
 
 @dataclass(frozen=True)
 class DispatchedTask:
-    """What the coordinator sent: the assignment and when its answer is due."""
+    """What the coordinator sent: the strategy's task plan, with its id, round and when its answer is due."""
 
     task_id: str
     round: int
-    assignment: Assignment
+    task: TaskPlan
     deadline: float
 
 
@@ -35,7 +35,7 @@ class RoundCollector:
         """Take an update: returns "accepted", "duplicate", "late" or "unknown"."""
         with self._done:
             task = self.tasks.get(update.task_id)
-            if task is None or update.round != self.round or task.assignment.agent_id != update.agent_id:
+            if task is None or update.round != self.round or task.task.agent_id != update.agent_id:
                 return "unknown"
             if update.task_id in self.updates:
                 return "duplicate"

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.mqtt_link import BrokerConfig
+from models import FAMILY_NAMES
 
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
 
 @dataclass
 class ModelConfig:
-    """The global model: a family from ``models`` and its options (e.g. ``hidden``)."""
+    """The global model: a family from ``models.FAMILY_NAMES`` and its options (e.g. ``hidden``)."""
 
-    family: Literal["cnn", "preresnet18"] = "cnn"
+    family: str = "cnn"
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -42,12 +44,57 @@ class RecipeConfig:
 
 
 @dataclass
+class ScaleFLConfig:
+    """ScaleFL's settings (the ``scalefl`` section; used when ``algorithm: scalefl``).
+
+    ``ratios``: target cost ratios r_l of the levels, smallest first, the last 1 (the full model).
+    ``cost``: what a level's cost counts, ``params`` or ``flops`` (per sample, at the dataset's image size).
+    ``tolerance``: eps_l, one for all levels or one per level. ``grid_step``: step of the s_d, s_w grid search.
+    ``tau``, ``beta``: the self-distillation temperature and weight of Eq. 5 (paper: 3 and 0.1 for vision).
+    ``kd_warmup``: share of the rounds trained without distillation (reference code: 0.25; paper: 0).
+    ``detach_teacher``: stop the distillation gradient through the last exit (reference code: no).
+    ``normalization``: the weights of Eq. 5, ``paper`` (``i / (l (l + 1))``) or ``reference`` (twice that, the
+    weights summing to 1 as in the reference code).
+    """
+
+    ratios: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
+    cost: Literal["params", "flops"] = "params"
+    tolerance: float | list[float] = 0.1
+    grid_step: float = 0.01
+    tau: float = 3.0
+    beta: float = 0.1
+    kd_warmup: float = 0.0
+    detach_teacher: bool = False
+    normalization: Literal["paper", "reference"] = "paper"
+
+    def tolerances(self) -> list[float]:
+        """eps_l for every level."""
+        if isinstance(self.tolerance, list):
+            return list(self.tolerance)
+        return [self.tolerance] * len(self.ratios)
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        ratios = self.ratios
+        if (not ratios or any(not 0 < r <= 1 for r in ratios)
+                or any(a >= b for a, b in itertools.pairwise(ratios)) or ratios[-1] != 1.0):
+            raise ValueError(f"scalefl.ratios must increase strictly within (0, 1] and end with 1, got {ratios}")
+        tolerances = self.tolerances()
+        if len(tolerances) != len(ratios) or any(t < 0 for t in tolerances):
+            raise ValueError("scalefl.tolerance must be one non-negative number or one per level")
+        if not 0 < self.grid_step <= 0.5:
+            raise ValueError(f"scalefl.grid_step must be in (0, 0.5], got {self.grid_step}")
+        if self.tau <= 0 or self.beta < 0 or not 0 <= self.kd_warmup < 1:
+            raise ValueError("scalefl.tau must be positive, scalefl.beta non-negative, scalefl.kd_warmup in [0, 1)")
+
+
+@dataclass
 class CoordinatorConfig:
     """Everything the coordinator daemon needs."""
 
     federation: str = "default"
     broker: BrokerConfig = field(default_factory=BrokerConfig)
-    algorithm: Literal["heterofl", "fedavg", "decoupled"] = "heterofl"
+    algorithm: str = "heterofl"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
@@ -59,13 +106,17 @@ class CoordinatorConfig:
     levels: list[float] = field(default_factory=lambda: list(HETEROFL_RATES))
     level_assignment: Literal["fix", "dynamic"] = "fix"
     level_proportions: list[float] | None = None
+    scalefl: ScaleFLConfig = field(default_factory=ScaleFLConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     state_dir: str = "runs/coordinator"
     resume: bool = False
     seed: int = 0
 
     def validate(self) -> None:
-        """Cross-field checks; raises ValueError with one clear sentence."""
+        """Cross-field checks; raises ValueError with one clear sentence. (``algorithm`` is checked against the
+        strategies' registry when the coordinator makes its strategy.)"""
+        if self.model.family not in FAMILY_NAMES:
+            raise ValueError(f"model.family must be one of {', '.join(FAMILY_NAMES)}, got {self.model.family!r}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
         if self.rounds < 1 or self.min_agents < 1:
@@ -75,11 +126,11 @@ class CoordinatorConfig:
         if sorted(self.levels, reverse=True) != list(self.levels) or len(set(self.levels)) != len(self.levels):
             raise ValueError(f"levels must be distinct and listed from largest to smallest, got {self.levels}")
         if self.level_proportions is not None and (
-            len(self.level_proportions) != len(self.levels) or any(p < 0 for p in self.level_proportions)
-            or sum(self.level_proportions) <= 0
+            any(p < 0 for p in self.level_proportions) or sum(self.level_proportions) <= 0
         ):
             raise ValueError("level_proportions needs one non-negative weight per level, not all zero")
         if self.data.bn_samples < 1:
             raise ValueError("data.bn_samples must be at least 1")
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s must be positive")
+        self.scalefl.validate()

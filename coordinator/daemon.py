@@ -12,24 +12,24 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from coordinator.aggregation import MaskedAggregator, restrict_rows
+from common.data import Dataset, load_dataset, subsample
+from common.logs import get_logger
+from common.mqtt_link import MqttLink, Will
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.collector import DispatchedTask, RoundCollector
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator
-from coordinator.levels import make_levels
 from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
-from coordinator.registry import AgentRecord, FleetRegistry
-from coordinator.strategies import Assignment, make_strategy
-from common.data import Dataset, load_dataset, subsample
-from common.logs import get_logger
-from common.mqtt_link import MqttLink, Will
-from models import ModelFamily, SubmodelSpec, get_family
+from coordinator.planning import model_family, strategy_for
+from coordinator.registry import FleetRegistry
+from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
+from models import ModelFamily, SubmodelSpec
 from protocol import (
     Ack,
     AgentStatus,
@@ -37,9 +37,9 @@ from protocol import (
     ModelRef,
     ProtocolError,
     Reassembler,
-    Recipe,
     Task,
     Topics,
+    TrainingPlan,
     Update,
     decode,
     encode,
@@ -77,13 +77,10 @@ class Coordinator:
         self.topics = Topics(config.federation)
         self.log = get_logger("coordinator", federation=config.federation)
         self.dataset = dataset if dataset is not None else load_dataset(config.data.dataset, config.data.root)
-        self.family: ModelFamily = get_family(config.model.family, self.dataset.num_classes,
-                                              self.dataset.in_channels, **config.model.options)
+        self.family: ModelFamily = model_family(config, self.dataset)
         self.model_ref = ModelRef(config.model.family, self.dataset.num_classes, self.dataset.in_channels,
                                   dict(config.model.options))
-        self.levels = make_levels(config.levels)
-        self.strategy = make_strategy(config.algorithm, self.levels, self._training_cost,
-                                      config.level_assignment, config.level_proportions)
+        self.strategy = strategy_for(config, self.dataset, self.family)
         self.registry = FleetRegistry()
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
         self.on_round = on_round
@@ -91,14 +88,13 @@ class Coordinator:
         self.state_dir = Path(config.state_dir)
         self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
         self.metrics = MetricsWriter(self.state_dir / "metrics.jsonl")
-        self.states = self._initial_states()
+        self.states = self.strategy.initial_states(config.seed)
         self.completed_rounds = 0
         if config.resume and self.checkpoint_path.exists():
             self._resume()
         self._evaluator = self._make_evaluator()
         self._collector: RoundCollector | None = None
         self._collector_lock = threading.Lock()
-        self._cost_cache: dict[SubmodelSpec, int] = {}
         self.rejected_messages = 0
         self.link = MqttLink(
             client_id=f"fedfit-coordinator-{config.federation}",
@@ -110,40 +106,30 @@ class Coordinator:
         )
 
     # ------------------------------------------------------------------ setup
-    def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        torch.manual_seed(self.config.seed)
-        initial = self.family.build().state_dict()
-        return {group: {k: v.clone() for k, v in initial.items()} for group in self.strategy.groups()}
-
     def _resume(self) -> None:
         states, meta = load_checkpoint(self.checkpoint_path)
         if meta.get("algorithm") != self.config.algorithm or meta.get("family") != self.config.model.family:
             raise ValueError(f"checkpoint {self.checkpoint_path} is for {meta.get('algorithm')}/"
                              f"{meta.get('family')}, not {self.config.algorithm}/{self.config.model.family}; "
                              f"use another state_dir or set resume: false")
+        if set(states) != set(self.states):
+            raise ValueError(f"checkpoint {self.checkpoint_path} holds model groups {sorted(states)}, this "
+                             f"{self.config.algorithm} run keeps {sorted(self.states)}; use another state_dir")
         for group, state in states.items():
-            if group in self.states and set(state) == set(self.states[group]):
+            if set(state) == set(self.states[group]):
                 self.states[group] = state
             else:
                 raise ValueError(f"checkpoint {self.checkpoint_path} does not match this model (group {group})")
+        self.strategy.load_state_dict(meta.get("strategy", {}))
         self.completed_rounds = int(meta.get("round", 0))
         self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
 
     def _make_evaluator(self) -> Evaluator:
-        data = self.dataset
-        bn_x, _ = subsample(data.x_train, data.y_train, self.config.data.bn_samples, self.config.seed)
-        test_x, test_y = data.x_test, data.y_test
+        test_x, test_y = self.dataset.x_test, self.dataset.y_test
         if self.config.data.eval_samples is not None:
             test_x, test_y = subsample(test_x, test_y, self.config.data.eval_samples, self.config.seed)
-        return Evaluator(self.family, torch.tensor(np.asarray(bn_x)), torch.tensor(np.asarray(test_x)),
+        return Evaluator(self.family, self.strategy.context.server_x, torch.tensor(np.asarray(test_x)),
                          torch.tensor(np.asarray(test_y), dtype=torch.long))
-
-    def _training_cost(self, spec: SubmodelSpec) -> int:
-        """Training memory of a sub-model at the recipe's batch size, for level planning."""
-        if spec not in self._cost_cache:
-            self._cost_cache[spec] = self.family.training_memory_bytes(
-                spec, batch_size=self.config.recipe.batch_size, input_size=self.dataset.image_size)
-        return self._cost_cache[spec]
 
     # --------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
@@ -206,7 +192,7 @@ class Coordinator:
         return results
 
     def run_round(self, round_number: int) -> RoundResult:
-        """One round: select, plan, dispatch, collect, aggregate, evaluate, checkpoint, report."""
+        """One round: plan (the strategy), dispatch, collect, aggregate (the strategy), evaluate, checkpoint."""
         started = time.monotonic()
         online = self.registry.wait_for(self.config.min_agents, self.config.wait_for_agents_s)
         if not online:
@@ -214,36 +200,41 @@ class Coordinator:
                                 f"{self.config.wait_for_agents_s:.0f} s; start agents or check the broker address")
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
-        selected = self._select(online)
-        assignments, skipped = self.strategy.plan(selected, self.rng)
-        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
+        plan = self.strategy.configure_round(round_number, online, self.rng)
+        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in plan.skipped}
         deadline = time.time() + self.config.round_timeout_s
-        tasks = {self._task_id(round_number, a.agent_id): a for a in assignments}
+        tasks = {self._task_id(round_number, t.agent_id): t for t in plan.tasks}
         collector = RoundCollector(round_number, {
-            task_id: DispatchedTask(task_id, round_number, assignment, deadline)
-            for task_id, assignment in tasks.items()})
+            task_id: DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()})
         with self._collector_lock:
             self._collector = collector
-        bytes_down = sum(self._dispatch(round_number, task_id, a, deadline) for task_id, a in tasks.items())
-        self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(skipped),
+        bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items())
+        self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(plan.skipped),
                       bytes_down=bytes_down)
         collector.wait(deadline)
         with self._collector_lock:
             self._collector = None
-        participants = self._aggregate(collector, records)
-        for task_id, assignment in tasks.items():
+        results, outcomes = self._collect(collector, records)
+        for task_id, task in tasks.items():
             if task_id not in collector.updates:
-                records[assignment.agent_id] = TaskRecord(assignment.agent_id, assignment.level, "missing",
-                                                          assignment.spec.describe(), reason="no update by deadline")
+                records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
+                                                    reason="no update by deadline")
+                outcomes.append(TaskOutcome(task, "missing", None, {}))
+        if results:
+            self.states = self.strategy.aggregate(round_number, results, self.states)
+        self.strategy.observe(round_number, outcomes)
         accuracies = self._evaluate()
         self.completed_rounds = round_number
         self._checkpoint()
+        global_outputs = accuracies.pop("global")
         result = RoundResult(
             round=round_number,
-            global_accuracy=accuracies["global"],
-            level_accuracy={name: acc for name, acc in accuracies.items() if name != "global"},
-            participants=participants,
-            selected=len(selected),
+            global_accuracy=global_outputs[-1],
+            level_accuracy={name: outputs[-1] for name, outputs in accuracies.items()},
+            exit_accuracy={f"exit{i}": acc for i, acc in enumerate(global_outputs, start=1)}
+            if len(global_outputs) > 1 else {},
+            participants=len(results),
+            selected=len(plan.tasks) + len(plan.skipped),
             bytes_down=bytes_down,
             bytes_up=sum(collector.update_bytes.values()),
             seconds=round(time.monotonic() - started, 3),
@@ -251,74 +242,65 @@ class Coordinator:
         )
         self.metrics.write(result)
         self.log.info("round_done", round=round_number, global_accuracy=result.global_accuracy,
-                      participants=participants, seconds=result.seconds)
+                      participants=result.participants, seconds=result.seconds)
         if self.on_round is not None:
             self.on_round(result)
         return result
 
-    def _select(self, online: list[AgentRecord]) -> list[AgentRecord]:
-        count = max(1, round(self.config.fraction * len(online)))
-        return sorted(self.rng.sample(online, count), key=lambda a: a.agent_id)
-
     def _task_id(self, round_number: int, agent_id: str) -> str:
         return f"r{round_number}-{agent_id}-{uuid.uuid4().hex[:8]}"
 
-    def _dispatch(self, round_number: int, task_id: str, assignment: Assignment, deadline: float) -> int:
+    def _seeded(self, plan: TrainingPlan, round_number: int, agent_id: str) -> TrainingPlan:
+        material = f"{self.config.seed}:{round_number}:{agent_id}".encode()
+        return replace(plan, seed=int.from_bytes(hashlib.sha256(material).digest()[:4], "little"))
+
+    def _dispatch(self, round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         """Publish one task in chunks; returns the bytes sent."""
-        spec = assignment.spec
-        keys = self.family.trainable_keys(spec)
-        weights = self.family.extract(self.states[assignment.group], spec, keys=keys)
-        recipe_cfg = self.config.recipe
-        seed_material = f"{self.config.seed}:{round_number}:{assignment.agent_id}".encode()
-        recipe = Recipe(recipe_cfg.epochs, recipe_cfg.batch_size, recipe_cfg.lr, recipe_cfg.momentum,
-                        recipe_cfg.weight_decay, recipe_cfg.clip_norm, recipe_cfg.masked_ce,
-                        int.from_bytes(hashlib.sha256(seed_material).digest()[:4], "little"))
-        task = Task(task_id, round_number, assignment.agent_id, deadline, self.model_ref, spec.to_dict(), recipe,
+        spec = planned.spec
+        weights = self.family.extract(self.states[planned.group], spec, keys=self.family.state_keys(spec))
+        task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.to_dict(), None,
                     {key: value.detach().cpu().numpy() for key, value in weights.items()},
-                    adaptation=self.strategy.adaptation_hint())
+                    adaptation=planned.adaptation, plan=self._seeded(planned.plan, round_number, planned.agent_id))
         payload = encode(task)
-        topic = self.topics.agent_task(assignment.agent_id)
+        topic = self.topics.agent_task(planned.agent_id)
         chunks = split_payload(payload, task_id)
         for chunk in chunks:
             self.link.publish(topic, chunk)
         return sum(len(chunk) for chunk in chunks)
 
-    # ------------------------------------------------------------- aggregation
-    def _aggregate(self, collector: RoundCollector, records: dict[str, TaskRecord]) -> int:
-        aggregators: dict[str, MaskedAggregator] = {}
-        participants = 0
+    # ------------------------------------------------------------- collection
+    def _collect(self, collector: RoundCollector, records: dict[str, TaskRecord]
+                 ) -> tuple[list[TaskResult], list[TaskOutcome]]:
+        """Validate the round's updates: the ones to aggregate, and how every answered task ended."""
+        results: list[TaskResult] = []
+        outcomes: list[TaskOutcome] = []
         for task_id, update in sorted(collector.updates.items()):
-            assignment = collector.tasks[task_id].assignment
-            record = TaskRecord(update.agent_id, assignment.level, update.status, assignment.spec.describe(),
+            task = collector.tasks[task_id].task
+            record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(),
                                 reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics))
             if update.spec_trained is not None:
                 record.spec_trained = _describe(update.spec_trained)
             records[update.agent_id] = record
-            if update.status not in AGGREGATED:
-                continue
-            try:
-                spec, state, index_map = self._unpack_update(update, assignment)
-            except ValueError as exc:
-                record.status, record.reason = "rejected", str(exc)
-                self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=str(exc))
-                continue
-            record.spec_trained = spec.describe()
-            weight = float(max(1, update.num_samples)) if self.config.weighting == "samples" else 1.0
-            group = assignment.group
-            if group not in aggregators:
-                aggregators[group] = MaskedAggregator(self.states[group])
-            aggregators[group].add(state, index_map, weight)
-            participants += 1
-        for group, aggregator in aggregators.items():
-            self.states[group] = aggregator.result()
-        return participants
+            trained: SubmodelSpec | None = None
+            if update.status in AGGREGATED:
+                try:
+                    result = self._unpack_update(update, task)
+                except ValueError as exc:
+                    record.status, record.reason = "rejected", str(exc)
+                    self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=str(exc))
+                else:
+                    trained = result.spec
+                    record.spec_trained = trained.describe()
+                    results.append(result)
+            outcomes.append(TaskOutcome(task, record.status, trained, dict(update.metrics)))
+        return results, outcomes
 
-    def _unpack_update(self, update: Update, assignment: Assignment) -> tuple[
-            SubmodelSpec, dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]:
-        """Validate an update against the model and return (spec trained, tensors, index map)."""
-        spec = SubmodelSpec.from_dict(update.spec_trained) if update.spec_trained is not None else assignment.spec
-        if spec.width > assignment.spec.width:
-            raise ValueError(f"agent trained {spec.describe()}, larger than the {assignment.spec.describe()} sent")
+    def _unpack_update(self, update: Update, task: TaskPlan) -> TaskResult:
+        """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
+        spec = SubmodelSpec.from_dict(update.spec_trained) if update.spec_trained is not None else task.spec
+        self.family.validate_spec(spec)
+        if not self.family.is_nested(spec, task.spec):
+            raise ValueError(f"agent trained {spec.describe()}, which is not inside the {task.spec.describe()} sent")
         expected = set(self.family.trainable_keys(spec))
         if set(update.weights) != expected:
             missing, extra = sorted(expected - set(update.weights)), sorted(set(update.weights) - expected)
@@ -333,22 +315,21 @@ class Coordinator:
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
             state[key] = tensor
-        if self.config.recipe.masked_ce:
-            labels = [label for label in update.labels if label < self.dataset.num_classes]
-            state, index_map = restrict_rows(state, index_map, self.family.classifier_keys(), labels)
-        return spec, state, index_map
+        labels = [label for label in update.labels if label < self.dataset.num_classes]
+        return TaskResult(task, spec, state, index_map, update.num_samples, labels)
 
     # -------------------------------------------------------------- evaluation
-    def _evaluate(self) -> dict[str, float]:
-        """Accuracy of each evaluation target; BN statistics of full-width targets go into the state."""
-        results: dict[str, float] = {}
-        done: dict[tuple[str, SubmodelSpec], float] = {}
+    def _evaluate(self) -> dict[str, list[float]]:
+        """Accuracy of every output of each evaluation target; BN statistics of ``store_bn`` targets go into the
+        state."""
+        results: dict[str, list[float]] = {}
+        done: dict[tuple[str, SubmodelSpec], list[float]] = {}
         for name, target in self.strategy.eval_targets().items():
             key = (target.group, target.spec)
             if key not in done:
-                acc, bn_state = self._evaluator.evaluate(self.states[target.group], target.spec)
-                done[key] = acc
-                if target.spec.is_full:
+                accuracies, bn_state = self._evaluator.evaluate(self.states[target.group], target.spec)
+                done[key] = accuracies
+                if target.store_bn:
                     self.states[target.group].update(bn_state)
             results[name] = done[key]
         return results
@@ -356,4 +337,5 @@ class Coordinator:
     def _checkpoint(self) -> None:
         save_checkpoint(self.checkpoint_path, self.states, {
             "round": self.completed_rounds, "algorithm": self.config.algorithm,
-            "family": self.config.model.family, "federation": self.config.federation})
+            "family": self.config.model.family, "federation": self.config.federation,
+            "strategy": self.strategy.state_dict()})

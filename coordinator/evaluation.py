@@ -1,4 +1,4 @@
-"""Server-side static-BN statistics and accuracy of the global model and each level's sub-model."""
+"""Server-side static-BN statistics and accuracy of the global model, each level's sub-model and every exit."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from models import ModelFamily, Scaler, SubmodelSpec
+from models import FamilyNet, ModelFamily, Scaler, SubmodelSpec
 
 
 @torch.no_grad()
-def recompute_bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int = 500) -> None:
+def recompute_bn_statistics(model: FamilyNet, x: torch.Tensor, batch_size: int = 500) -> None:
     """HeteroFL's sBN: reset every BN layer and accumulate a cumulative average over ``x``.
 
     BN runs in train mode while the Scalers stay in eval mode, so the statistics describe exactly the
     activations the model sees at evaluation. Each batch's momentum is its share of the samples seen so far,
-    which makes the running statistics the sample-weighted average even when the last batch is short.
+    which makes the running statistics the sample-weighted average even when the last batch is short. Every
+    output runs, so the early-exit heads' BN layers get statistics too.
     """
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for norm in norms:
@@ -31,21 +32,22 @@ def recompute_bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int =
         seen += len(batch)
         for norm in norms:
             norm.momentum = len(batch) / seen
-        model(batch)
+        model.forward_exits(batch)
     for norm in norms:
         norm.momentum = None
     model.eval()
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> float:
-    """Top-1 accuracy of ``model`` in eval mode."""
+def accuracies(model: FamilyNet, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> list[float]:
+    """Top-1 accuracy of every output of ``model`` (depth order, the last output last), in eval mode."""
     model.eval()
-    correct = 0
+    correct = [0] * model.num_outputs
     for start in range(0, len(x), batch_size):
-        logits = model(x[start:start + batch_size])
-        correct += int((logits.argmax(dim=1) == y[start:start + batch_size]).sum())
-    return correct / max(1, len(x))
+        targets = y[start:start + batch_size]
+        for index, logits in enumerate(model.forward_exits(x[start:start + batch_size])):
+            correct[index] += int((logits.argmax(dim=1) == targets).sum())
+    return [count / max(1, len(x)) for count in correct]
 
 
 class Evaluator:
@@ -57,16 +59,18 @@ class Evaluator:
         self.test_x = test_x
         self.test_y = test_y
 
-    def prepare(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> nn.Module:
+    def prepare(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> FamilyNet:
         """The sub-model ``spec`` of ``state`` with fresh static-BN statistics, in eval mode."""
         model = self.family.build(spec)
         model.load_state_dict(self.family.extract(state, spec), strict=True)
         recompute_bn_statistics(model, self.bn_x)
         return model
 
-    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> tuple[float, dict[str, torch.Tensor]]:
-        """Accuracy of the sub-model and its BN statistics (to store back into the global state)."""
+    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec
+                 ) -> tuple[list[float], dict[str, torch.Tensor]]:
+        """Accuracy of every output of the sub-model (the last output last) and its BN statistics (to store back
+        into the global state)."""
         model = self.prepare(state, spec)
         bn_state = {key: value for key, value in model.state_dict().items() if "running_" in key
                     or key.endswith("num_batches_tracked")}
-        return accuracy(model, self.test_x, self.test_y), bn_state
+        return accuracies(model, self.test_x, self.test_y), bn_state

@@ -1,10 +1,11 @@
-"""Complexity levels: named width rates (HeteroFL's a..e) and which of them an agent can afford."""
+"""Complexity levels: named sub-models (HeteroFL's a..e, ScaleFL's 1..L) and which of them an agent can afford."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from models import SubmodelSpec
 
@@ -13,34 +14,31 @@ LEVEL_NAMES = "abcdefghijklmnopqrstuvwxyz"
 
 @dataclass(frozen=True)
 class Level:
-    """One complexity level: its name ("a" is the largest), width rate and sub-model spec."""
+    """One complexity level: its name, its sub-model spec, and what else describes it (e.g. ScaleFL's
+    ``s_d``/``s_w``), shown by ``fedfit plan``."""
 
     name: str
-    rate: float
     spec: SubmodelSpec
+    info: Mapping[str, Any] = field(default_factory=dict)
 
 
-def make_levels(rates: Sequence[float]) -> list[Level]:
-    """Levels named a, b, c, ... for rates listed from largest to smallest."""
+def width_levels(rates: Sequence[float], rounding: str = "ceil") -> list[Level]:
+    """HeteroFL's levels named a, b, c, ... for width rates listed from largest to smallest."""
     if len(rates) > len(LEVEL_NAMES):
         raise ValueError(f"at most {len(LEVEL_NAMES)} levels are supported")
-    return [Level(LEVEL_NAMES[i], rate, SubmodelSpec.uniform(rate)) for i, rate in enumerate(rates)]
+    return [Level(LEVEL_NAMES[i], SubmodelSpec.uniform(rate, rounding), {"rate": rate})
+            for i, rate in enumerate(rates)]
 
 
-def affordable(levels: Sequence[Level], budget: int | None, cost: Callable[[SubmodelSpec], int]) -> list[Level]:
+def affordable(levels: Sequence[Level], budget: int | None, cost: Callable[[Level], int]) -> list[Level]:
     """The levels whose training cost fits ``budget`` (all of them when the budget is unknown)."""
     if budget is None:
         return list(levels)
-    return [level for level in levels if cost(level.spec) <= budget]
+    return [level for level in levels if cost(level) <= budget]
 
 
-def pick_fixed(candidates: Sequence[Level]) -> Level:
-    """HeteroFL 'fix': the largest affordable level."""
-    return candidates[0]
-
-
-def pick_dynamic(candidates: Sequence[Level], proportions: dict[str, float], rng: random.Random) -> Level:
-    """HeteroFL 'dynamic': a level sampled by its proportion among the affordable ones."""
+def pick_dynamic(candidates: Sequence[Level], proportions: Mapping[str, float], rng: random.Random) -> Level:
+    """HeteroFL 'dynamic': a level sampled by its proportion among ``candidates``."""
     weights = [proportions.get(level.name, 0.0) for level in candidates]
     if sum(weights) <= 0:
         weights = [1.0] * len(candidates)

@@ -29,7 +29,8 @@ class TaskRecord:
 
 @dataclass
 class RoundResult:
-    """One round as reported: accuracy, participation, traffic and time."""
+    """One round as reported: accuracy (the global model at its last output, each level's sub-model at its last
+    output, and every output of the global model when it has early exits), participation, traffic and time."""
 
     round: int
     global_accuracy: float
@@ -40,6 +41,7 @@ class RoundResult:
     bytes_up: int
     seconds: float
     tasks: list[TaskRecord] = field(default_factory=list)
+    exit_accuracy: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,85 +1,79 @@
 """Adaptation: what the agent trains when it cannot afford the spec it was sent.
 
-The coordinator says how the agent may shrink (the task's ``adaptation`` hint, data not code); an
-:class:`Adaptation` turns the sent spec into candidates from largest to smallest, and :func:`choose` takes the
-first whose (calibrated) estimate fits. Later methods plug in here: FlexFL's APoZ-guided pruning steps,
-AdaptiveFL's (r_w, I) pool, ScaleFL's lower exits, FeDepth's depth-wise decomposition.
+The coordinator says how the agent may shrink, as data (the task's ``adaptation``): a ladder of candidate
+(spec, plan) pairs, largest first (HeteroFL's smaller width levels, ScaleFL's lower exits, later FlexFL's and
+AdaptiveFL's pools), or, from coordinators that predate ladders, HeteroFL's ``width-levels``. :func:`options`
+turns the task into what the agent may train, the sent spec first, and :func:`choose` takes the first whose
+(calibrated) estimate fits. A candidate must be nested inside the sent spec (its weights are cut out of the
+received ones); others are ignored.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from models import SubmodelSpec
-
-
-class Adaptation(ABC):
-    """Candidates to train instead of ``sent``, largest first, ``sent`` itself included first."""
-
-    kind: str = ""
-
-    @abstractmethod
-    def candidates(self, sent: SubmodelSpec) -> list[SubmodelSpec]:
-        """Specs the agent may train, in order of preference."""
-
-
-class NoAdaptation(Adaptation):
-    """Train exactly what was sent, or decline."""
-
-    kind = "none"
-
-    def candidates(self, sent: SubmodelSpec) -> list[SubmodelSpec]:
-        return [sent]
+from models import ModelFamily, SubmodelSpec
+from protocol import Adaptation, TrainingPlan
 
 
 @dataclass(frozen=True)
-class WidthLevels(Adaptation):
-    """HeteroFL: fall back to the next smaller uniform width level, down to the smallest."""
+class Option:
+    """Something the agent may train: a sub-model spec and the plan to train it with."""
 
-    rates: tuple[float, ...]
-    kind = "width-levels"
+    spec: SubmodelSpec
+    plan: TrainingPlan
 
-    def candidates(self, sent: SubmodelSpec) -> list[SubmodelSpec]:
-        smaller = sorted((rate for rate in set(self.rates) if rate < sent.width), reverse=True)
-        return [sent, *(SubmodelSpec.uniform(rate) for rate in smaller)]
+    def describe(self) -> str:
+        return self.spec.describe()
 
 
-def adaptation_from_hint(hint: Mapping[str, Any] | None) -> Adaptation:
-    """The adaptation a task's hint asks for; ValueError for an unknown or malformed hint."""
-    if hint is None or hint.get("kind") in (None, "none"):
-        return NoAdaptation()
-    if hint.get("kind") == "width-levels":
-        rates = hint.get("rates")
-        if not isinstance(rates, list) or not rates or not all(
-                isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r <= 1 for r in rates):
-            raise ValueError("a width-levels adaptation needs 'rates': a list of numbers in (0, 1]")
-        return WidthLevels(tuple(float(r) for r in rates))
-    raise ValueError(f"unknown adaptation kind {hint.get('kind')!r}; this agent knows 'none' and 'width-levels'")
+def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: Adaptation | None) -> list[Option]:
+    """What the agent may train for a task, in order of preference: ``sent`` with ``plan``, then the hint's
+    candidates nested inside ``sent`` (each with its own plan, run with the task's seed).
+
+    Raises ``ValueError`` for a candidate spec that is malformed or does not fit the family.
+    """
+    found = [Option(sent, plan)]
+    if hint is None or hint.kind == "none":
+        return found
+    if hint.kind == "width-levels":
+        smaller = sorted((rate for rate in set(hint.rates) if rate < sent.width), reverse=True)
+        candidates = [Option(SubmodelSpec.uniform(rate, sent.rounding), plan) for rate in smaller]
+    else:
+        candidates = []
+        for index, candidate in enumerate(hint.candidates):
+            try:
+                spec = family.validate_spec(SubmodelSpec.from_dict(candidate.spec))
+            except ValueError as exc:
+                raise ValueError(f"adaptation candidate {index}: {exc}") from None
+            candidates.append(Option(spec, replace(candidate.plan, seed=plan.seed)))
+    for option in candidates:
+        if option.spec != sent and family.is_nested(option.spec, sent) and option not in found:
+            found.append(option)
+    return found
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The spec chosen to train and its estimated peak (None when nothing fits)."""
+    """The option chosen to train and its estimated peak (None when nothing fits)."""
 
-    spec: SubmodelSpec | None
+    option: Option | None
     estimate: int
     tried: tuple[tuple[str, int], ...]
 
 
-def choose(candidates: list[SubmodelSpec], estimate: Callable[[SubmodelSpec], int], available: int) -> Choice:
+def choose(candidates: list[Option], estimate: Callable[[Option], int], available: int) -> Choice:
     """The first candidate whose estimate fits ``available`` bytes."""
     tried = []
-    for spec in candidates:
-        needed = estimate(spec)
-        tried.append((spec.describe(), needed))
+    for option in candidates:
+        needed = estimate(option)
+        tried.append((option.describe(), needed))
         if needed <= available:
-            return Choice(spec, needed, tuple(tried))
+            return Choice(option, needed, tuple(tried))
     return Choice(None, tried[-1][1] if tried else 0, tuple(tried))
 
 
@@ -92,6 +86,8 @@ def cut_nested(received: Mapping[str, np.ndarray], index_map: Mapping[str, tuple
     """
     out = {}
     for key in keys:
+        if key not in received:
+            raise ValueError(f"the adapted spec needs tensor {key!r}, which the task did not carry")
         array, indices = received[key], [index.numpy() for index in index_map[key]]
         if any(len(idx) and int(idx.max()) >= size for idx, size in zip(indices, array.shape)):
             raise ValueError(f"the adapted spec is not nested inside the received one (tensor {key!r})")

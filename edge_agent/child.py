@@ -38,12 +38,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from edge_agent import allocator as heap
-from edge_agent.training import train_plain
-from models import MemoryEstimate, SubmodelSpec, get_family
-from protocol import ModelRef, Recipe, Task, Update, decode, encode
+from models import FamilyNet, MemoryEstimate, SubmodelSpec, estimate_plan_memory, get_family, train
+from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode
 
 TASK_FILE = "task.msgpack"
 PLAN_FILE = "plan.json"
@@ -137,29 +135,29 @@ def run_in_child(workdir: Path, timeout: float, on_start: Any = None) -> ChildOu
     return ChildOutcome(None, process.exitcode, error)
 
 
-def estimate_in_child(model: ModelRef, specs: list[SubmodelSpec], *, batch_size: int, input_size: tuple[int, int],
-                      optimizer_slots: int, device: str, allocator: str) -> list[MemoryEstimate]:
-    """Training-memory estimates of ``specs`` (``models.memory``), made in a child of the forkserver.
+def estimate_in_child(model: ModelRef, options: list[tuple[SubmodelSpec, TrainingPlan]], *,
+                      input_size: tuple[int, int], device: str, allocator: str) -> list[MemoryEstimate]:
+    """Training-memory estimates of running each (spec, plan) (``models.memory.estimate_plan_memory``), made in
+    a child of the forkserver.
 
     The estimator's first use in a process imports what meta tensors need (about 160 MB of RSS, see
     ``models.memory``); the forkserver has paid that, so a child adds about 25 MB for a moment and the agent
-    process does not grow at all.
+    process does not grow at all. Specs and plans cross as their plain wire forms.
     """
     arguments = (model.family, model.num_classes, model.in_channels, dict(model.options),
-                 [spec.to_dict() for spec in specs], batch_size, tuple(input_size), optimizer_slots, device,
-                 allocator)
+                 [(spec.to_dict(), plan.to_dict()) for spec, plan in options], tuple(input_size), device, allocator)
     with process_context().Pool(1) as pool:
         parts = pool.apply(_estimate, arguments)
     return [MemoryEstimate(**part) for part in parts]
 
 
 def _estimate(family_name: str, num_classes: int, in_channels: int, options: dict[str, Any],
-              specs: list[dict[str, Any]], batch_size: int, input_size: tuple[int, int], optimizer_slots: int,
-              device: str, allocator: str) -> list[dict[str, Any]]:
+              pairs: list[tuple[dict[str, Any], dict[str, Any]]], input_size: tuple[int, int], device: str,
+              allocator: str) -> list[dict[str, Any]]:
     family = get_family(family_name, num_classes, in_channels, **options)
-    estimates = [family.training_memory_estimate(SubmodelSpec.from_dict(spec), batch_size=batch_size,
-                                                 input_size=input_size, optimizer_slots=optimizer_slots,
-                                                 device=device, allocator=allocator) for spec in specs]
+    estimates = [estimate_plan_memory(family, SubmodelSpec.from_dict(spec), TrainingPlan.from_dict(plan),
+                                      input_size=input_size, device=device, allocator=allocator)
+                 for spec, plan in pairs]
     return [{key: value for key, value in e.as_dict().items() if key != "total"} for e in estimates]
 
 
@@ -175,10 +173,10 @@ def child_main(workdir_text: str) -> None:
     os._exit(0)
 
 
-def warm_up_training(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, recipe: Recipe,
-                     labels: list[int], num_classes: int, device: str, allocator: str) -> None:
-    """One step of the training loop on a throwaway model from ``build`` and one batch (learning rate 0), then
-    the heap settled for ``allocator`` (:func:`edge_agent.allocator.settle`).
+def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor,
+                     plan: TrainingPlan, labels: list[int], num_classes: int, device: str, allocator: str) -> None:
+    """One step of every stage of ``plan`` on a throwaway model from ``build`` and one batch (learning rate 0),
+    then the heap settled for ``allocator`` (:func:`edge_agent.allocator.settle`).
 
     Run before the baseline, it maps the code the run will execute and creates what the runtime keeps per batch
     shape (oneDNN's primitives and JIT kernels). libtorch's and oneDNN's code pages are file-backed, not copied on
@@ -191,9 +189,10 @@ def warm_up_training(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.T
     that of one training step, so it needs no more memory than the run.
     """
     warm = build()
-    batch = max(2, recipe.batch_size)
-    train_plain(warm, x[:batch], y[:batch], replace(recipe, epochs=1, batch_size=batch, lr=0.0), labels,
-                num_classes, device)
+    batch = max(2, plan.batch_size)
+    still = replace(plan, epochs=1, batch_size=batch, optimizer=replace(plan.optimizer, lr=0.0),
+                    schedule=tuple(replace(stage, epochs=1) for stage in plan.schedule))
+    train(warm, spec, x[:batch], y[:batch], still, labels=labels, num_classes=num_classes, device=device)
     del warm
     gc.collect()
     if device != "cuda":
@@ -215,8 +214,9 @@ def _train(workdir: Path) -> None:
     device = plan["device"]
     if plan["spec"] != task.spec:
         raise ValueError(f"the plan says {plan['spec']}, the task holds weights for {task.spec}")
+    training = task.training_plan()
     weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
-    warm_up_training(lambda: family.build(spec, track_bn_stats=False), x, y, task.recipe, plan["labels"],
+    warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, plan["labels"],
                      task.model.num_classes, device, plan["allocator"])
     baseline = rss_bytes()
     reset_peak_rss()  # where the kernel refuses, VmHWM is the lifetime peak: still an upper bound
@@ -226,14 +226,16 @@ def _train(workdir: Path) -> None:
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict(weights, strict=True)
     del weights
-    result = train_plain(model, x, y, task.recipe, plan["labels"], task.model.num_classes, device)
+    result = train(model, spec, x, y, training, labels=plan["labels"], num_classes=task.model.num_classes,
+                   device=device)
     if device == "cuda":
         peak = int(torch.cuda.max_memory_allocated() - cuda_baseline)
     else:
         peak = max(0, peak_rss_bytes() - baseline)
-    state = {key: value.detach().cpu().numpy().astype(np.float32) for key, value in model.state_dict().items()}
+    trained = model.state_dict()
+    state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
     metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
-               "peak_bytes": float(peak)}
+               "stages": float(result.stages), "peak_bytes": float(peak)}
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y),
                     [int(v) for v in plan["labels"]], state, metrics, None)
     (workdir / UPDATE_FILE).write_bytes(encode(update))

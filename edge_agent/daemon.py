@@ -14,13 +14,13 @@ from collections import OrderedDict
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
+from common import systemd_notify
+from common.logs import get_logger
+from common.mqtt_link import MqttLink, Will
 from edge_agent.config import AgentConfig
 from edge_agent.memory import detect_device_kind, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.uplink import Uplink
-from common import systemd_notify
-from common.logs import get_logger
-from common.mqtt_link import MqttLink, Will
 from protocol import (
     Ack,
     AgentStatus,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from common.data import load_dataset, load_local_data, parse_partition, partition_indices
 from edge_agent.config import AgentDataConfig
 from edge_agent.runner import LocalData
-from common.data import load_dataset, load_local_data, parse_partition, partition_indices
 
 
 def to_local_data(x: np.ndarray, y: np.ndarray) -> LocalData:

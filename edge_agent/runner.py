@@ -21,11 +21,12 @@ import torch
 
 from edge_agent import allocator as heap
 from edge_agent import child
-from edge_agent.adaptation import adaptation_from_hint, choose, cut_nested
+from edge_agent.adaptation import Option, choose, cut_nested, options
 from edge_agent.calibration import Calibration
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
-from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
+from models.training import stages
+from protocol import ModelRef, ProtocolError, Task, TrainingPlan, Update, decode, encode
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
 DEADLINE_GRACE_S = 30.0
@@ -138,30 +139,29 @@ class TaskRunner:
             self._families[key] = get_family(ref.family, ref.num_classes, ref.in_channels, **ref.options)
         return self._families[key]
 
-    def raw_estimates(self, model: ModelRef, specs: list[SubmodelSpec], batch_size: int,
-                      momentum: float) -> dict[SubmodelSpec, MemoryEstimate]:
-        """The estimator's predictions of peak training memory for ``specs`` on this device (with their parts).
+    def raw_estimates(self, model: ModelRef, candidates: list[Option]) -> dict[Option, MemoryEstimate]:
+        """The estimator's predictions of peak training memory for each (spec, plan) on this device (with their
+        parts).
 
         Made in a child of the training forkserver (``child.estimate_in_child``: the agent process does not pay the
-        estimator's imports) for the specs not estimated before, and remembered.
+        estimator's imports) for the options not estimated before, and remembered (the seed plays no part).
         """
-        slots = 1 if momentum > 0 else 0
         model_key = (model.family, model.num_classes, model.in_channels, repr(sorted(model.options.items())))
 
-        def key(spec: SubmodelSpec) -> tuple[object, ...]:
-            return (*model_key, spec, batch_size, slots)
+        def key(option: Option) -> tuple[object, ...]:
+            return (*model_key, option.spec, replace(option.plan, seed=0))
 
-        missing = list(dict.fromkeys(spec for spec in specs if key(spec) not in self._estimates))
+        missing = list({key(option): option for option in candidates if key(option) not in self._estimates}.values())
         if missing:
-            made = child.estimate_in_child(model, missing, batch_size=batch_size, input_size=self.data.image_size,
-                                           optimizer_slots=slots, device=self.device, allocator=self.allocator)
+            made = child.estimate_in_child(model, [(o.spec, o.plan) for o in missing], input_size=self.data.image_size,
+                                           device=self.device, allocator=self.allocator)
             self._estimates.update(zip(map(key, missing), made))
-        return {spec: self._estimates[key(spec)] for spec in specs}
+        return {option: self._estimates[key(option)] for option in candidates}
 
-    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, batch_size: int,
-                     momentum: float) -> MemoryEstimate:
-        """The estimator's prediction for one spec (see :meth:`raw_estimates`)."""
-        return self.raw_estimates(model, [spec], batch_size, momentum)[spec]
+    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
+        """The estimator's prediction for one spec and plan (see :meth:`raw_estimates`)."""
+        option = Option(spec, plan)
+        return self.raw_estimates(model, [option])[option]
 
     def available(self, round_number: int) -> int:
         """Memory training may use now (budget for this round, cgroup, psutil; CUDA free memory on GPUs)."""
@@ -175,33 +175,33 @@ class TaskRunner:
         if time.time() > task.deadline:
             raise TaskRejected("declined", "the task's deadline passed before training could start")
         family = self.family_for(task.model)
-        self._check_compatible(task)
+        plan = task.training_plan()
+        self._check_compatible(task, plan)
         try:
-            sent = SubmodelSpec.from_dict(task.spec)
-            adaptation = adaptation_from_hint(task.adaptation)
+            sent = family.validate_spec(SubmodelSpec.from_dict(task.spec))
+            stages(sent, plan)
+            candidates = options(family, sent, plan, task.adaptation)
         except ValueError as exc:
             raise TaskRejected("failed", f"invalid task: {exc}") from exc
         self._check_weights(family, sent, task)
-        recipe = task.recipe
-        candidates = adaptation.candidates(sent)
-        raw = self.raw_estimates(task.model, candidates, recipe.batch_size, recipe.momentum)
+        raw = self.raw_estimates(task.model, candidates)
 
-        def corrected(spec: SubmodelSpec) -> int:
-            return self.calibration.corrected(raw[spec].total, raw[spec].overhead)
+        def corrected(option: Option) -> int:
+            return self.calibration.corrected(raw[option].total, raw[option].overhead)
 
         available = self.available(task.round)
         choice = choose(candidates, corrected, available)
-        if choice.spec is None:
+        if choice.option is None:
             tried = ", ".join(f"{name} {_size(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried})")
-        spec = choice.spec
-        estimate = raw[spec]
+        spec = choice.option.spec
+        estimate = raw[choice.option]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
                   "budget_bytes": float(available), "calibration": self.calibration.factor}
         if spec != sent:
             try:
-                task = replace(task, spec=spec.to_dict(), weights=cut_nested(
-                    task.weights, family.index_map(spec), family.trainable_keys(spec)))
+                task = replace(task, spec=spec.to_dict(), recipe=None, plan=choice.option.plan, adaptation=None,
+                               weights=cut_nested(task.weights, family.index_map(spec), family.state_keys(spec)))
             except ValueError as exc:
                 raise TaskRejected("failed", f"cannot adapt: {exc}") from exc
         outcome = self._train_in_child(task, spec)
@@ -226,20 +226,20 @@ class TaskRunner:
             update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {_size(available)}"
         return update
 
-    def _check_compatible(self, task: Task) -> None:
+    def _check_compatible(self, task: Task, plan: TrainingPlan) -> None:
         if task.model.in_channels != self.data.in_channels:
             raise TaskRejected("failed", f"model expects {task.model.in_channels} input channels, local data has "
                                          f"{self.data.in_channels}")
         if self.data.labels[-1] >= task.model.num_classes:
             raise TaskRejected("failed", f"local label {self.data.labels[-1]} is outside the model's "
                                          f"{task.model.num_classes} classes")
-        if task.recipe.batch_size < 2:
+        if plan.batch_size < 2:
             raise TaskRejected("failed", "batch_size must be at least 2: static BN normalises with batch statistics")
 
     @staticmethod
     def _check_weights(family: ModelFamily, spec: SubmodelSpec, task: Task) -> None:
         shapes = {key: tuple(len(idx) for idx in index) for key, index in family.index_map(spec).items()}
-        expected = set(family.trainable_keys(spec))
+        expected = set(family.state_keys(spec))
         if set(task.weights) != expected:
             missing = sorted(expected - set(task.weights))[:3]
             extra = sorted(set(task.weights) - expected)[:3]

@@ -1,8 +1,10 @@
-"""The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, and ``sim`` for broker-based local runs."""
+"""The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, ``sim`` for broker-based local runs, and
+``plan`` to see what a strategy would hand each device tier before deploying."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -11,18 +13,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from coordinator.checkpoint import CheckpointError
-from coordinator.config import CoordinatorConfig
-from coordinator.daemon import NoAgentsError
 from common.config import ConfigError, from_mapping, load_yaml
 from common.data import DATASET_NAMES, DatasetError
 from common.logs import configure_logging
 from common.mqtt_link import BrokerUnavailable
+from coordinator.checkpoint import CheckpointError
+from coordinator.config import CoordinatorConfig
+from coordinator.daemon import NoAgentsError
+from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
 from fedfit.sim.broker import BrokerStartError
 from fedfit.sim.budgets import BUDGET_SCENARIOS
-
-ALGORITHMS = ("heterofl", "fedavg", "decoupled")
-MODELS = ("cnn", "preresnet18")
+from models import FAMILY_NAMES
 # Errors a user can cause: reported as one sentence, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
                ValueError, FileNotFoundError)
@@ -41,12 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
 
     sim = sub.add_parser("sim", help="run a whole federation on this machine over a real MQTT broker")
-    sim.add_argument("--algorithm", choices=ALGORITHMS, default="heterofl")
+    sim.add_argument("--algorithm", choices=ALGORITHM_NAMES, default="heterofl")
     sim.add_argument("--agents", type=int, default=8, help="number of simulated edge agents")
     sim.add_argument("--rounds", type=int, default=5)
     sim.add_argument("--dataset", choices=DATASET_NAMES, default="fashion-mnist")
     sim.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N (labels per agent)")
-    sim.add_argument("--model", choices=MODELS, default="cnn")
+    sim.add_argument("--model", choices=FAMILY_NAMES, default="cnn")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--federation", default="sim", help="federation name (one MQTT topic level)")
     sim.add_argument("--broker", default=None, metavar="HOST:PORT",
@@ -66,17 +67,26 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--state-dir", default=None, help="where checkpoints and metrics go (default runs/sim-NAME)")
     sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
                                                      "and errors to stderr)")
+
+    plan = sub.add_parser("plan", help="print the levels or pool a strategy would use, before deploying")
+    plan.add_argument("--config", default=None, metavar="FILE",
+                      help="coordinator YAML (algorithm, model, recipe, method settings); flags override it")
+    plan.add_argument("--algorithm", choices=ALGORITHM_NAMES, default=None)
+    plan.add_argument("--model", choices=FAMILY_NAMES, default=None)
+    plan.add_argument("--dataset", choices=DATASET_NAMES, default=None,
+                      help="sets the classes, input channels and image size (default: the config's data.dataset)")
+    plan.add_argument("--json", action="store_true", help="print a JSON list of objects instead of a table")
     return parser
 
 
 def _load(cls: type[Any], path: str) -> Any:
     config = from_mapping(cls, load_yaml(path), where="")
-    validate = getattr(config, "validate", None)
-    if validate is not None:
-        try:
-            validate()
-        except ValueError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
+    try:
+        config.validate()
+        if isinstance(config, CoordinatorConfig):
+            check_algorithm(config.algorithm)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     return config
 
 
@@ -89,8 +99,8 @@ def _stop_on_signals(stop: Any) -> None:
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    from coordinator.daemon import Coordinator
     from common import systemd_notify
+    from coordinator.daemon import Coordinator
 
     configure_logging(args.log_level)
     config = _load(CoordinatorConfig, args.config)
@@ -150,10 +160,34 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from common.data import load_dataset
+    from coordinator.planning import strategy_for
+    from fedfit.plan_table import format_plan
+
+    config = _load(CoordinatorConfig, args.config) if args.config else CoordinatorConfig()
+    config = replace(config, algorithm=args.algorithm or config.algorithm,
+                     model=replace(config.model, family=args.model or config.model.family),
+                     data=replace(config.data, dataset=args.dataset or config.data.dataset))
+    config.validate()
+    dataset = load_dataset(config.data.dataset, config.data.root)
+    rows = strategy_for(config, dataset).describe()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
+              f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
+              f"batch {config.recipe.batch_size} (compact heap, this CPU)")
+        print(format_plan(rows))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedfit`` console command."""
     args = _parser().parse_args(argv)
-    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim}
+    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "plan": _run_plan}
     try:
         return runners[args.command](args)
     except USER_ERRORS as exc:

@@ -1,25 +1,34 @@
-"""Model families that can be built at any sub-model spec, with index maps, slicing and cost estimates
-(parameters, FLOPs, and training memory: ``models.memory``).
+"""Model families that can be built at any sub-model spec, with index maps, slicing, nesting and cost estimates
+(parameters, FLOPs, and training memory: ``models.memory``), and the training-plan interpreter
+(``models.training``).
 
-Pure torch; nothing here knows about MQTT or the daemons.
+Pure torch (and the wire contract's plain data types); nothing here knows about MQTT or the daemons.
 """
 
-from models.family import ModelFamily
+from models.depthwise import SegmentModel
+from models.family import LayerDecl, ModelFamily
 from models.layers import Scaler
-from models.memory import BlockTrainingModel, MemoryEstimate, block_training_model, estimate_training_memory
+from models.memory import MemoryEstimate, estimate_plan_memory, estimate_training_memory
+from models.net import FamilyNet
 from models.registry import FAMILY_NAMES, get_family
 from models.spec import SubmodelSpec
-from models.width import scaled_channels
+from models.training import TrainResult, train
+from models.width import ROUNDINGS, scaled_channels
 
 __all__ = [
     "FAMILY_NAMES",
-    "BlockTrainingModel",
+    "ROUNDINGS",
+    "FamilyNet",
+    "LayerDecl",
     "MemoryEstimate",
     "ModelFamily",
     "Scaler",
+    "SegmentModel",
     "SubmodelSpec",
-    "block_training_model",
+    "TrainResult",
+    "estimate_plan_memory",
     "estimate_training_memory",
     "get_family",
     "scaled_channels",
+    "train",
 ]

@@ -1,22 +1,30 @@
-"""The model-family base class: one place for index maps, slicing and cost estimates.
+"""The model-family base class: one place for structure, index maps, slicing, nesting and costs.
 
-A concrete family only *declares* its architecture:
+A concrete family only *declares* its architecture, once:
 
 - ``_channel_groups()``: the named channel dimensions that can be narrowed (the names ``layer_widths`` may
   use) with their global sizes. Layers that must agree on a width (e.g. every layer writing to one residual
   stream) share one group.
-- ``_declare_layers()``: one :class:`LayerDecl` per module that owns state, in module registration order, saying
-  which group feeds it and which group it produces.
-- ``_build_module()``: the ``nn.Module`` at given channel counts and Scaler rates.
+- ``_declare_layers()``: one :class:`LayerDecl` per module that owns state, in registration order, saying which
+  group feeds it, which group it produces and which **body block** it belongs to. Blocks are numbered 0.. in
+  depth order, the stem belongs to block 0 and the final head to no block (``block=None``). This one numbering
+  is used by the builder, the index maps, the FLOPs and the memory estimator.
+- ``_build_body()``: the registered modules for the kept channels and the first ``depth`` blocks, with views of
+  the blocks and the final head (:class:`models.net.BodyParts`).
+- Optionally ``_exit_points()`` (blocks an early exit may follow; default every block but the last) and the
+  ``exit_convs`` option (convolutions per exit head).
 
-Everything else (index maps, extraction, key lists, parameter counts, FLOPs, memory) follows from the
-declaration here, so a new family cannot get the slicing rules subtly different from the others. Tests check
-that the declaration matches the built module's ``state_dict`` key for key and shape for shape.
+Early-exit heads are declared here from that, for every exit point: ``exit_convs`` convolutions at the width of
+the block's output (each its own channel group ``exits.{b}.conv{i}``), then pooling and a classifier; their
+``state_dict`` keys are ``exits.{b}.*``. Everything else (index maps, extraction, key lists, parameter counts,
+FLOPs, nesting) follows from the declaration, so a new family cannot get the slicing rules subtly different
+from the others. Tests check that the declaration matches the built module's ``state_dict`` key for key and
+shape for shape, for every family, spec feature and combination.
 
 Slicing rule (HeteroFL, and the default of every method FedFit implements): each dimension keeps the leading
 prefix of the global dimension; a layer's input indices are its input group's kept indices; the model input
 channels and the classifier's class rows are never sliced. Because ``scaled_channels`` is monotone in the rate,
-a smaller spec is nested inside a larger one.
+a narrower spec with the same rounding is nested inside a wider one (:meth:`ModelFamily.is_nested`).
 """
 
 from __future__ import annotations
@@ -25,16 +33,15 @@ import abc
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from models._checks import check_input_size, check_positive_int
+from models.net import BodyParts, ExitHead, FamilyNet
 from models.spec import SubmodelSpec
 from models.width import scaled_channels
-
-if TYPE_CHECKING:
-    from models.memory import MemoryEstimate
 
 __all__ = ["BYTES_PER_ELEMENT", "LayerDecl", "ModelFamily", "bn_decl", "conv_decl", "linear_decl"]
 
@@ -42,8 +49,6 @@ __all__ = ["BYTES_PER_ELEMENT", "LayerDecl", "ModelFamily", "bn_decl", "conv_dec
 BYTES_PER_ELEMENT = 4
 
 LayerKind = Literal["conv", "bn", "linear"]
-
-_SPEC_FEATURES = ("depth", "exits", "trainable_blocks")
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,16 @@ class LayerDecl:
     in_group:
         Channel group feeding the layer; ``None`` = the model input (never sliced). Equals ``out_group`` for bn.
     out_group:
-        Channel group the layer produces; ``None`` = the classes (never sliced; the classifier).
+        Channel group the layer produces; ``None`` = the classes (never sliced; a classifier).
     kernel:
         Spatial kernel size of a conv.
     bias:
         Whether a conv or linear layer has a bias.
     block:
-        Body block the layer belongs to (0-based), or ``None`` for the stem and the head.
+        Body block the layer belongs to (0-based, the stem in block 0), or ``None`` for the final head and for
+        exit heads.
+    exit:
+        For a layer of an early-exit head, the block the exit follows; ``None`` otherwise.
     """
 
     name: str
@@ -77,6 +85,7 @@ class LayerDecl:
     kernel: tuple[int, ...] = ()
     bias: bool = True
     block: int | None = None
+    exit: int | None = None
 
 
 def conv_decl(
@@ -87,14 +96,15 @@ def conv_decl(
     *,
     bias: bool = True,
     block: int | None = None,
+    exit: int | None = None,
 ) -> LayerDecl:
     """Declare a convolution."""
-    return LayerDecl(name, "conv", in_group, out_group, tuple(kernel), bias, block)
+    return LayerDecl(name, "conv", in_group, out_group, tuple(kernel), bias, block, exit)
 
 
-def bn_decl(name: str, group: str, *, block: int | None = None) -> LayerDecl:
+def bn_decl(name: str, group: str, *, block: int | None = None, exit: int | None = None) -> LayerDecl:
     """Declare a (static) batch norm over ``group``."""
-    return LayerDecl(name, "bn", group, group, (), True, block)
+    return LayerDecl(name, "bn", group, group, (), True, block, exit)
 
 
 def linear_decl(
@@ -104,40 +114,10 @@ def linear_decl(
     *,
     bias: bool = True,
     block: int | None = None,
+    exit: int | None = None,
 ) -> LayerDecl:
-    """Declare a linear layer (``out_group=None``: the classifier)."""
-    return LayerDecl(name, "linear", in_group, out_group, (), bias, block)
-
-
-def _check_positive_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-    return int(value)
-
-
-def positive_int_tuple(what: str, value: object) -> tuple[int, ...]:
-    """Validate a non-empty sequence of positive integers (e.g. a ``hidden`` option) and return it as a tuple."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or not value:
-        raise ValueError(f"{what} must be a non-empty sequence of positive integers, got {value!r}.")
-    return tuple(_check_positive_int(f"every entry of {what}", v) for v in value)
-
-
-def _check_input_size(input_size: object) -> tuple[int, int]:
-    if (
-        not isinstance(input_size, (tuple, list))
-        or len(input_size) != 2
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in input_size)
-    ):
-        raise ValueError(f"input_size must be (height, width) with positive integers, got {input_size!r}.")
-    return int(input_size[0]), int(input_size[1])
-
-
-@dataclass(frozen=True)
-class _Trace:
-    """What one batch-1 forward pass measured."""
-
-    macs: int
-    activation_elements: int
+    """Declare a linear layer (``out_group=None``: a classifier)."""
+    return LayerDecl(name, "linear", in_group, out_group, (), bias, block, exit)
 
 
 class ModelFamily(abc.ABC):
@@ -151,51 +131,93 @@ class ModelFamily(abc.ABC):
         Channels of the input images (never sliced).
     **options:
         Family-specific options; see each family's ``option_defaults``. Unknown options raise ``ValueError``.
+        Every family takes ``exit_convs``: convolutions per early-exit head.
     """
 
     #: Registry name of the family.
     name: ClassVar[str] = ""
-    #: Options the family accepts, with their defaults.
+    #: Options the family accepts, with their defaults (``exit_convs`` is added for every family).
     option_defaults: ClassVar[Mapping[str, Any]] = {}
-    #: Spec features beyond width the family implements (a subset of depth, exits, trainable_blocks).
-    supported_features: ClassVar[frozenset[str]] = frozenset()
+    #: Default number of convolutions per early-exit head (ScaleFL's reference uses 3).
+    default_exit_convs: ClassVar[int] = 3
 
     def __init__(self, num_classes: int, in_channels: int, **options: Any) -> None:
-        self.num_classes = _check_positive_int("num_classes", num_classes)
-        self.in_channels = _check_positive_int("in_channels", in_channels)
-        unknown = sorted(set(options) - set(self.option_defaults))
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        self.in_channels = check_positive_int("in_channels", in_channels)
+        defaults = {**self.option_defaults, "exit_convs": self.default_exit_convs}
+        unknown = sorted(set(options) - set(defaults))
         if unknown:
-            valid = ", ".join(sorted(self.option_defaults)) or "none"
+            valid = ", ".join(sorted(defaults))
             raise ValueError(
                 f"unknown option {unknown[0]!r} for model family {self.name!r}; valid options: {valid}."
             )
-        merged = {**self.option_defaults, **options}
-        self.options: dict[str, Any] = self._validate_options(merged)
-        self._groups: dict[str, int] = dict(self._channel_groups())
-        self._layers: tuple[LayerDecl, ...] = tuple(self._declare_layers())
+        merged = {**defaults, **options}
+        exit_convs = merged.pop("exit_convs")
+        if isinstance(exit_convs, bool) or not isinstance(exit_convs, int) or exit_convs < 0:
+            raise ValueError(f"exit_convs must be a non-negative integer, got {exit_convs!r}.")
+        self.options: dict[str, Any] = {**self._validate_options(merged), "exit_convs": exit_convs}
+        body_groups = dict(self._channel_groups())
+        body_layers = tuple(self._declare_layers())
+        blocks = [d.block for d in body_layers if d.block is not None]
+        if not blocks or sorted(set(blocks)) != list(range(max(blocks) + 1)):
+            raise ValueError(f"family {self.name!r} must declare body blocks numbered 0, 1, 2, ... in order.")
+        self._num_blocks = max(blocks) + 1
+        self._exit_points = tuple(self._declare_exit_points())
+        if any(not 0 <= b < self._num_blocks - 1 for b in self._exit_points):
+            raise ValueError(f"family {self.name!r}: exits may follow blocks 0..{self._num_blocks - 2} only.")
+        exit_groups, exit_layers = self._declare_exits(body_groups, body_layers)
+        self._groups: dict[str, int] = {**body_groups, **exit_groups}
+        self._layers: tuple[LayerDecl, ...] = body_layers + exit_layers
         self._check_declaration()
-        self._trace_cache: dict[tuple[SubmodelSpec, tuple[int, int]], _Trace] = {}
+        self._spatial_cache: dict[tuple[int, int], dict[str, int]] = {}
 
     # ------------------------------------------------------------------ what a family declares
     def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Check and normalise the merged options; override in families with options."""
+        """Check and normalise the merged family options; override in families with options."""
         return options
 
     @abc.abstractmethod
     def _channel_groups(self) -> Mapping[str, int]:
-        """Named channel groups (the layer names of ``layer_widths``) and their global sizes, in order."""
+        """Named channel groups of the body and final head and their global sizes, in order."""
 
     @abc.abstractmethod
     def _declare_layers(self) -> Sequence[LayerDecl]:
-        """Every module that owns state, in registration (``state_dict``) order."""
+        """Every module of the body and final head that owns state, in registration (``state_dict``) order."""
 
     @abc.abstractmethod
-    def _build_module(
-        self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool
-    ) -> nn.Module:
-        """Build the network with ``channels[group]`` channels and Scaler rate ``rates[group]`` per group."""
+    def _build_body(self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool,
+                    depth: int) -> BodyParts:
+        """The modules of the first ``depth`` blocks (and the final head when ``depth`` is every block), with
+        ``channels[group]`` channels and Scaler rate ``rates[group]`` per group."""
 
-    # ------------------------------------------------------------------ declaration checks
+    def _declare_exit_points(self) -> Sequence[int]:
+        """Blocks an early exit may follow (default: every block but the last, which the final head follows)."""
+        return range(self._num_blocks - 1)
+
+    # ------------------------------------------------------------------ exits, derived from the declaration
+    def _block_output_group(self, block: int, layers: Sequence[LayerDecl]) -> str:
+        groups = [d.out_group for d in layers if d.block == block and d.out_group is not None]
+        if not groups:
+            raise ValueError(f"family {self.name!r}: block {block} declares no layer producing channels.")
+        return groups[-1]
+
+    def _declare_exits(self, groups: Mapping[str, int], layers: Sequence[LayerDecl]
+                       ) -> tuple[dict[str, int], tuple[LayerDecl, ...]]:
+        convs = self.options["exit_convs"]
+        exit_groups: dict[str, int] = {}
+        decls: list[LayerDecl] = []
+        for b in self._exit_points:
+            source = self._block_output_group(b, layers)
+            previous = source
+            for i in range(1, convs + 1):
+                group = f"exits.{b}.conv{i}"
+                exit_groups[group] = groups[source]
+                decls.append(conv_decl(f"exits.{b}.conv{i}", previous, group, (3, 3), bias=False, exit=b))
+                decls.append(bn_decl(f"exits.{b}.bn{i}", group, exit=b))
+                previous = group
+            decls.append(linear_decl(f"exits.{b}.classifier", previous, None, exit=b))
+        return exit_groups, tuple(decls)
+
     def _check_declaration(self) -> None:
         seen: set[str] = set()
         for decl in self._layers:
@@ -209,25 +231,42 @@ class ModelFamily(abc.ABC):
                     )
             if decl.kind == "bn" and (decl.in_group is None or decl.in_group != decl.out_group):
                 raise ValueError(f"family {self.name!r}: batch norm {decl.name!r} needs one channel group.")
-        if len(self.classifier_keys()) == 0:
-            raise ValueError(f"family {self.name!r} declares no classifier (a layer with out_group=None).")
+        if not any(d.out_group is None and d.block is None and d.exit is None for d in self._layers):
+            raise ValueError(f"family {self.name!r} declares no final classifier (a head layer with "
+                             "out_group=None).")
 
-    # ------------------------------------------------------------------ spec handling
+    # ------------------------------------------------------------------ structure
+    @property
+    def num_blocks(self) -> int:
+        """Body blocks of the full model (block 0 holds the stem)."""
+        return self._num_blocks
+
+    @property
+    def exit_points(self) -> tuple[int, ...]:
+        """Blocks an early-exit head may follow."""
+        return self._exit_points
+
     def layer_names(self) -> tuple[str, ...]:
-        """Names that ``SubmodelSpec.layer_widths`` may use for this family."""
+        """Names that ``SubmodelSpec.layer_widths`` may use for this family (exit heads' groups included)."""
         return tuple(self._groups)
 
+    def prunable_layers(self) -> tuple[str, ...]:
+        """The body's channel groups in depth order (the exits' excluded): what per-layer width methods prune."""
+        return tuple(g for g in self._groups if not g.startswith("exits."))
+
     def layers(self) -> tuple[LayerDecl, ...]:
-        """The declared stateful layers, in ``state_dict`` order."""
+        """Every declared stateful layer (body, final head, then the exit heads), in ``state_dict`` order."""
         return self._layers
 
+    # ------------------------------------------------------------------ spec handling
     def validate_spec(self, spec: SubmodelSpec | None = None) -> SubmodelSpec:
         """Return ``spec`` (``None`` -> full) after checking it fits this family.
 
         Raises
         ------
         ValueError
-            For a layer name the family does not have, or a spec feature it does not implement yet.
+            For a layer name the family does not have, a depth beyond its blocks, an exit where none may sit, a
+            cut body without an exit after its last block, or a segment beyond the kept blocks.
         """
         if spec is None:
             return SubmodelSpec.full()
@@ -239,30 +278,73 @@ class ModelFamily(abc.ABC):
                     f"layer_widths names unknown layer {layer!r} for family {self.name!r}; "
                     f"valid layers: {', '.join(self._groups)}."
                 )
-        for feature in _SPEC_FEATURES:
-            value = getattr(spec, feature)
-            is_set = value is not None if feature != "exits" else bool(value)
-            if is_set and feature not in self.supported_features:
-                raise ValueError(f"{feature} is not supported by family {self.name!r} yet.")
+        depth = self._depth(spec)
+        if depth > self._num_blocks:
+            raise ValueError(f"depth {depth} exceeds the {self._num_blocks} blocks of family {self.name!r}.")
+        for b in spec.exits:
+            if b not in self._exit_points:
+                raise ValueError(f"family {self.name!r} has no exit point after block {b}; exits may follow "
+                                 f"blocks {_ranges(self._exit_points)}.")
+        if depth < self._num_blocks and (not spec.exits or spec.exits[-1] != depth - 1):
+            raise ValueError(f"a sub-model cut after block {depth - 1} needs an exit there (exits={list(spec.exits)})"
+                             ".")
         return spec
 
-    def kept_channels(self, spec: SubmodelSpec | None = None) -> dict[str, int]:
-        """Channels each group keeps under ``spec`` (``ceil(rate * global)``)."""
-        spec = self.validate_spec(spec)
-        return {g: scaled_channels(c, spec.rate_for(g)) for g, c in self._groups.items()}
+    def _depth(self, spec: SubmodelSpec) -> int:
+        return self._num_blocks if spec.depth is None else spec.depth
 
-    def _rates(self, spec: SubmodelSpec) -> dict[str, float]:
-        return {g: spec.rate_for(g) for g in self._groups}
+    def kept_channels(self, spec: SubmodelSpec | None = None) -> dict[str, int]:
+        """Channels each group keeps under ``spec`` (``ceil`` or ``floor`` of ``rate * global``)."""
+        spec = self.validate_spec(spec)
+        return {g: scaled_channels(c, spec.rate_for(g), spec.rounding) for g, c in self._groups.items()}
+
+    def _present(self, decl: LayerDecl, spec: SubmodelSpec, depth: int) -> bool:
+        if decl.exit is not None:
+            return decl.exit in spec.exits
+        if decl.block is None:
+            return depth == self._num_blocks
+        return decl.block < depth
+
+    def trained_blocks(self, spec: SubmodelSpec | None = None) -> tuple[int, ...]:
+        """The blocks ``spec`` trains: every kept block, or those inside its segments."""
+        spec = self.validate_spec(spec)
+        if spec.segments is None:
+            return tuple(range(self._depth(spec)))
+        return tuple(sorted(b for start, stop in spec.segments for b in range(start, stop)))
+
+    def _trained(self, decl: LayerDecl, spec: SubmodelSpec, depth: int, blocks: set[int]) -> bool:
+        if decl.block is not None:
+            return decl.block in blocks
+        if decl.exit is not None:  # an exit trains with its block, and always when it is the model's output
+            return decl.exit in blocks or decl.exit == depth - 1
+        return True  # the final head trains in every stage
+
+    def _spec_layers(self, spec: SubmodelSpec) -> list[LayerDecl]:
+        depth = self._depth(spec)
+        return [d for d in self._layers if self._present(d, spec, depth)]
 
     # ------------------------------------------------------------------ building
-    def build(self, spec: SubmodelSpec | None = None, *, track_bn_stats: bool = True) -> nn.Module:
+    def build(self, spec: SubmodelSpec | None = None, *, track_bn_stats: bool = True) -> FamilyNet:
         """Build the sub-model for ``spec`` (``None`` = the full model), in train mode.
 
         ``track_bn_stats=False`` is what the edge trains (static BN: batch statistics only, no running buffers
         in the ``state_dict``); ``True`` is what the server evaluates (cumulative running statistics).
         """
         spec = self.validate_spec(spec)
-        return self._build_module(self.kept_channels(spec), self._rates(spec), track_bn_stats)
+        channels = self.kept_channels(spec)
+        rates = {g: spec.rate_for(g) for g in self._groups}
+        parts = self._build_body(channels, rates, track_bn_stats, self._depth(spec))
+        exits = {b: self._build_exit(b, channels, rates, track_bn_stats) for b in spec.exits}
+        return FamilyNet(parts, exits).train()
+
+    def _build_exit(self, block: int, channels: Mapping[str, int], rates: Mapping[str, float],
+                    track_bn_stats: bool) -> ExitHead:
+        decls = [d for d in self._layers if d.exit == block]
+        convs = [d for d in decls if d.kind == "conv"]
+        source = decls[0].in_group
+        assert source is not None
+        return ExitHead(channels[source], [channels[d.out_group] for d in convs if d.out_group],
+                        [rates[d.out_group] for d in convs if d.out_group], self.num_classes, track_bn_stats)
 
     # ------------------------------------------------------------------ index maps and slicing
     def _group_size(self, group: str | None, channels: Mapping[str, int], *, is_input: bool) -> int:
@@ -270,9 +352,10 @@ class ModelFamily(abc.ABC):
             return self.in_channels if is_input else self.num_classes
         return channels[group]
 
-    def _shapes(self, channels: Mapping[str, int], track_bn_stats: bool) -> dict[str, tuple[int, ...]]:
+    def _shapes(self, layers: Iterable[LayerDecl], channels: Mapping[str, int],
+                track_bn_stats: bool) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {}
-        for d in self._layers:
+        for d in layers:
             cin = self._group_size(d.in_group, channels, is_input=True)
             cout = self._group_size(d.out_group, channels, is_input=False)
             if d.kind == "bn":
@@ -289,8 +372,14 @@ class ModelFamily(abc.ABC):
         return shapes
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every ``state_dict`` tensor of the full model built with ``track_bn_stats=True``."""
-        return self._shapes(self._groups, True)
+        """Shape of every ``state_dict`` tensor any spec may have, at full width with BN statistics tracked (the
+        final head and the exit heads at every exit point included)."""
+        return self._shapes(self._layers, self._groups, True)
+
+    def shapes(self, spec: SubmodelSpec | None = None, *, track_bn_stats: bool = True) -> dict[str, tuple[int, ...]]:
+        """Shape of every ``state_dict`` tensor of ``build(spec, track_bn_stats=...)``, in order."""
+        spec = self.validate_spec(spec)
+        return self._shapes(self._spec_layers(spec), self.kept_channels(spec), track_bn_stats)
 
     def index_map(self, spec: SubmodelSpec | None = None) -> dict[str, tuple[torch.Tensor, ...]]:
         """Positions in the global tensors of every ``state_dict`` tensor of ``build(spec)``.
@@ -299,24 +388,49 @@ class ModelFamily(abc.ABC):
         ``global[key][torch.meshgrid(*idx, indexing="ij")]`` has the sub-model's shape. Scalars
         (``num_batches_tracked``) map to ``()``. All indices are leading prefixes (see the module docstring).
         """
-        shapes = self._shapes(self.kept_channels(spec), True)
         return {
-            key: tuple(torch.arange(n, dtype=torch.int64) for n in shape) for key, shape in shapes.items()
+            key: tuple(torch.arange(n, dtype=torch.int64) for n in shape)
+            for key, shape in self.shapes(spec).items()
         }
 
-    def trainable_keys(self, spec: SubmodelSpec | None = None) -> tuple[str, ...]:
-        """``state_dict`` keys of ``build(spec, track_bn_stats=False)``: what travels to and from clients."""
-        return tuple(self._shapes(self.kept_channels(spec), False))
+    def state_keys(self, spec: SubmodelSpec | None = None) -> tuple[str, ...]:
+        """``state_dict`` keys of ``build(spec, track_bn_stats=False)``: the weights a task sends down."""
+        return tuple(self.shapes(spec, track_bn_stats=False))
 
-    def classifier_keys(self) -> tuple[str, ...]:
-        """Keys of the final classifier whose dim 0 is the class dimension (weight, and bias if any)."""
+    def trainable_keys(self, spec: SubmodelSpec | None = None) -> tuple[str, ...]:
+        """The keys of :meth:`state_keys` that training updates: what an update carries back.
+
+        All of them, unless ``spec`` has segments: then the trained blocks' layers, their exits, and the head
+        that produces the model's output (frozen blocks run but are neither updated nor uploaded).
+        """
+        spec = self.validate_spec(spec)
+        depth = self._depth(spec)
+        blocks = set(self.trained_blocks(spec))
+        layers = [d for d in self._spec_layers(spec) if self._trained(d, spec, depth, blocks)]
+        return tuple(self._shapes(layers, self.kept_channels(spec), False))
+
+    def classifier_keys(self, spec: SubmodelSpec | None = None) -> tuple[str, ...]:
+        """Keys whose dim 0 is the class dimension (weight and bias of the final classifier and of every exit
+        classifier; only those of ``spec`` when it is given)."""
+        layers = self._layers if spec is None else self._spec_layers(self.validate_spec(spec))
         keys: list[str] = []
-        for d in self._layers:
+        for d in layers:
             if d.out_group is None:
                 keys.append(f"{d.name}.weight")
                 if d.bias:
                     keys.append(f"{d.name}.bias")
         return tuple(keys)
+
+    def is_nested(self, inner: SubmodelSpec | None, outer: SubmodelSpec | None) -> bool:
+        """Whether every tensor of ``inner`` lies inside ``outer``'s (same keys or fewer, each a prefix at most as
+        large), and ``inner`` trains nothing ``outer`` does not. The coordinator refuses an update whose trained
+        spec is not nested inside the spec it sent; an agent adapts only to nested candidates."""
+        outer_shapes = self.shapes(outer)
+        for key, shape in self.shapes(inner).items():
+            other = outer_shapes.get(key)
+            if other is None or any(a > b for a, b in zip(shape, other)):
+                return False
+        return set(self.trainable_keys(inner)) <= set(self.trainable_keys(outer))
 
     def extract(
         self,
@@ -329,11 +443,11 @@ class ModelFamily(abc.ABC):
         Parameters
         ----------
         global_state:
-            Full-model tensors (e.g. ``build().state_dict()``); only the keys requested are read.
+            Full-width tensors (e.g. ``build(global_spec).state_dict()``); only the keys requested are read.
         spec:
             The sub-model (``None`` = full).
         keys:
-            Keys to extract (default: every key of ``index_map(spec)``); e.g. ``trainable_keys(spec)``.
+            Keys to extract (default: every key of ``index_map(spec)``); e.g. ``state_keys(spec)``.
         """
         imap = self.index_map(spec)
         wanted = list(imap) if keys is None else list(keys)
@@ -341,7 +455,7 @@ class ModelFamily(abc.ABC):
         out: dict[str, torch.Tensor] = {}
         for key in wanted:
             if key not in imap:
-                raise ValueError(f"{key!r} is not a state_dict key of family {self.name!r}.")
+                raise ValueError(f"{key!r} is not a state_dict key of this sub-model of family {self.name!r}.")
             if key not in global_state:
                 raise ValueError(f"the global state has no tensor {key!r}, which family {self.name!r} needs.")
             tensor = global_state[key].detach()
@@ -351,46 +465,34 @@ class ModelFamily(abc.ABC):
                     f"these options expects {gshapes[key]}."
                 )
             for dim, idx in enumerate(imap[key]):
-                n = idx.numel()
-                if n and int(idx[0]) == 0 and torch.equal(idx, torch.arange(n, dtype=idx.dtype)):
-                    tensor = tensor.narrow(dim, 0, n)
-                else:
-                    tensor = tensor.index_select(dim, idx.to(tensor.device))
+                tensor = tensor.narrow(dim, 0, idx.numel())
             out[key] = tensor.clone(memory_format=torch.contiguous_format)
         return out
 
     # ------------------------------------------------------------------ costs
     def param_count(self, spec: SubmodelSpec | None = None) -> int:
-        """Trainable parameters of the sub-model (the tensors of ``trainable_keys(spec)``)."""
-        shapes = self._shapes(self.kept_channels(spec), False)
-        return sum(math.prod(shape) for shape in shapes.values())
+        """Parameters of the sub-model (every tensor of ``state_keys(spec)``, frozen blocks included)."""
+        return sum(math.prod(shape) for shape in self.shapes(spec, track_bn_stats=False).values())
 
-    def _trace(self, spec: SubmodelSpec, input_size: tuple[int, int]) -> _Trace:
-        cache_key = (spec, input_size)
-        cached = self._trace_cache.get(cache_key)
+    def _spatial(self, input_size: tuple[int, int]) -> dict[str, int]:
+        """Output positions (height x width) of every conv and linear layer for one input of ``input_size``:
+        one forward pass of the full model with an exit at every exit point, on the meta device."""
+        cached = self._spatial_cache.get(input_size)
         if cached is not None:
             return cached
-        # Eval mode with running statistics: shapes equal training's, and BN works on a single sample even
-        # where the feature map is 1x1 (batch statistics would need more than one value per channel).
-        model = self.build(spec, track_bn_stats=True).eval()
-        macs = 0
-        elements = 0
+        with torch.device("meta"):
+            model = self.build(SubmodelSpec(exits=self._exit_points), track_bn_stats=True).eval()
+        positions: dict[str, int] = {}
+        names = {module: name for name, module in model.named_modules()}
 
-        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            nonlocal macs, elements
-            outs = output if isinstance(output, (tuple, list)) else (output,)
-            tensors = [o for o in outs if isinstance(o, torch.Tensor)]
-            elements += sum(t.numel() for t in tensors)
-            if isinstance(module, nn.Conv2d):
-                per_output = (module.in_channels // module.groups) * math.prod(module.kernel_size)
-                macs += tensors[0].numel() * per_output
-            elif isinstance(module, nn.Linear):
-                macs += tensors[0].numel() * module.in_features
+        def hook(module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
+            shape = output.shape
+            positions[names[module]] = math.prod(shape[2:]) if len(shape) > 2 else 1
 
-        handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
         try:
             with torch.no_grad():
-                model(torch.zeros(1, self.in_channels, *input_size))
+                model.forward_exits(torch.empty(1, self.in_channels, *input_size, device="meta"))
         except RuntimeError as exc:
             raise ValueError(
                 f"input_size {input_size} does not fit family {self.name!r}: {exc}".splitlines()[0]
@@ -398,137 +500,59 @@ class ModelFamily(abc.ABC):
         finally:
             for h in handles:
                 h.remove()
-        trace = _Trace(macs=macs, activation_elements=elements)
-        self._trace_cache[cache_key] = trace
-        return trace
+        self._spatial_cache[input_size] = positions
+        return positions
+
+    def layer_costs(self, spec: SubmodelSpec | None = None, input_size: tuple[int, int] | None = None
+                    ) -> list[tuple[LayerDecl, int, int]]:
+        """``(layer, parameters, multiply-accumulates)`` of every layer of ``spec``, in declaration order.
+
+        Multiply-accumulates count one forward pass of one sample (0 for batch norms, and for every layer when
+        ``input_size`` is None); see :meth:`flops`. Split searches sum these per block.
+        """
+        spec = self.validate_spec(spec)
+        positions = self._spatial(check_input_size(input_size)) if input_size is not None else None
+        shapes = self.shapes(spec, track_bn_stats=False)
+        costs: list[tuple[LayerDecl, int, int]] = []
+        for d in self._spec_layers(spec):
+            params = math.prod(shapes[f"{d.name}.weight"]) + (math.prod(shapes[f"{d.name}.bias"])
+                                                               if f"{d.name}.bias" in shapes else 0)
+            macs = 0
+            if positions is not None and d.kind != "bn":
+                macs = positions[d.name] * math.prod(shapes[f"{d.name}.weight"])
+            costs.append((d, params, macs))
+        return costs
 
     def flops(self, spec: SubmodelSpec | None = None, input_size: tuple[int, int] = (28, 28)) -> int:
-        """Forward multiply-accumulates of conv and linear layers for one sample (biases not counted).
+        """Forward multiply-accumulates of the conv and linear layers of ``spec`` for one sample, every output
+        (exit) included; biases not counted. One multiply-add counts as one (thop's convention).
 
-        One multiply-add counts as one (thop's convention). Measured with forward hooks on a real batch-1
-        forward pass in eval mode; cached per (spec, input_size).
+        Computed from the declaration: each layer's kept input and output channels times its kernel times the
+        output positions, which one meta-device forward pass of the full model measures once per input size.
 
         For reference: HeteroFL's reference-code PreResNet18 (``blocks=(1, 1, 1, 2)``) gives 328.9 M here
         against 330.2 M in the paper's CIFAR-10 table; for the MNIST conv model the paper lists 80.5 M, about
-        twice the 40.0 M multiply-accumulates counted here (parameter counts match that table exactly).
+        twice the 40.0 M multiply-accumulates counted here (parameter counts match that table exactly); ResNet-110
+        gives 253.1 M at 32x32, as ScaleFL's Table 1.
         """
-        spec = self.validate_spec(spec)
-        return self._trace(spec, _check_input_size(input_size)).macs
-
-    def training_memory_estimate(
-        self,
-        spec: SubmodelSpec | None = None,
-        *,
-        batch_size: int,
-        input_size: tuple[int, int] = (28, 28),
-        optimizer_slots: int = 1,
-        device: str = "cpu",
-        allocator: str = "compact",
-    ) -> MemoryEstimate:
-        """Estimated peak memory of training ``spec``, with its parts (see :mod:`models.memory`).
-
-        ``optimizer_slots`` is the number of state tensors per parameter (SGD with momentum 1, without 0, Adam 2);
-        ``device`` is ``"cpu"`` (process RSS above the training process's baseline) or ``"cuda"`` (the caching
-        allocator's peak; the CUDA context is not counted). Computed by shape propagation on the meta device,
-        cached per arguments. ``allocator`` (CPU only) is how the training process's heap is managed:
-        ``"compact"`` (``edge_agent.allocator``) or glibc's ``"default"``.
-        """
-        from models.memory import estimate_training_memory
-
-        return estimate_training_memory(
-            self,
-            spec,
-            batch_size=batch_size,
-            input_size=input_size,
-            optimizer_slots=optimizer_slots,
-            device=device,
-            allocator=allocator,
-        )
-
-    def training_memory_bytes(
-        self,
-        spec: SubmodelSpec | None = None,
-        *,
-        batch_size: int,
-        input_size: tuple[int, int] = (28, 28),
-        optimizer_slots: int = 1,
-        device: str = "cpu",
-        allocator: str = "compact",
-    ) -> int:
-        """Estimated peak memory of training ``spec``, in bytes: ``training_memory_estimate(...).total``."""
-        return self.training_memory_estimate(
-            spec,
-            batch_size=batch_size,
-            input_size=input_size,
-            optimizer_slots=optimizer_slots,
-            device=device,
-            allocator=allocator,
-        ).total
-
-    def num_blocks(self, spec: SubmodelSpec | None = None) -> int:
-        """Number of body blocks depth-wise training trains one at a time (see ``models.memory.split_blocks``)."""
-        from models.memory import num_blocks
-
-        return num_blocks(self, self.validate_spec(spec))
-
-    def block_training_memory_estimate(
-        self,
-        spec: SubmodelSpec | None,
-        block: int,
-        *,
-        batch_size: int,
-        input_size: tuple[int, int] = (28, 28),
-        optimizer_slots: int = 1,
-        device: str = "cpu",
-        allocator: str = "compact",
-    ) -> MemoryEstimate:
-        """Estimated peak memory of training body block ``block`` and the head of ``spec`` (FeDepth).
-
-        Blocks before ``block`` are frozen (no gradients, no optimizer state, run without autograd so only their
-        output exists), later blocks are skipped (see :class:`models.memory.BlockTrainingModel`). All parameters
-        of ``spec`` are in memory.
-        """
-        from models.memory import estimate_training_memory
-
-        count = self.num_blocks(spec)
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < count:
-            raise ValueError(
-                f"block must be an integer in 0..{count - 1} for family {self.name!r}, got {block!r}."
-            )
-        return estimate_training_memory(
-            self,
-            spec,
-            batch_size=batch_size,
-            input_size=input_size,
-            optimizer_slots=optimizer_slots,
-            device=device,
-            block=block,
-            allocator=allocator,
-        )
-
-    def block_training_memory_bytes(
-        self,
-        spec: SubmodelSpec | None,
-        block: int,
-        *,
-        batch_size: int,
-        input_size: tuple[int, int] = (28, 28),
-        optimizer_slots: int = 1,
-        device: str = "cpu",
-        allocator: str = "compact",
-    ) -> int:
-        """Estimated peak bytes of training only body block ``block`` and the head: the estimate's ``total``."""
-        return self.block_training_memory_estimate(
-            spec,
-            block,
-            batch_size=batch_size,
-            input_size=input_size,
-            optimizer_slots=optimizer_slots,
-            device=device,
-            allocator=allocator,
-        ).total
+        return sum(macs for _, _, macs in self.layer_costs(spec, input_size))
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         extra = f", {opts}" if opts else ""
         return f"{type(self).__name__}(num_classes={self.num_classes}, in_channels={self.in_channels}{extra})"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``0..4, 7`` for (0, 1, 2, 3, 4, 7)."""
+    parts: list[str] = []
+    items = sorted(values)
+    start = prev = items[0] if items else 0
+    for v in items[1:] + [None]:  # type: ignore[list-item]
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(f"{start}..{prev}" if prev > start else f"{start}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(parts) if items else "none"

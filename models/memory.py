@@ -110,36 +110,36 @@ hundred MB, on Jetson taken from the same RAM), cuDNN's per-algorithm workspace 
 memory are not counted. The CUDA path is derived from the allocator's documented behaviour and has not been
 checked against a GPU here.
 
-Depth-wise training (FeDepth)
------------------------------
-A family's body is a sequence of blocks (``split_blocks``): for the CNN each conv block (conv, Scaler, BN, ReLU,
-pool), for PreResNet18 the stem convolution and then each residual block. Training block ``j`` runs blocks
-``< j`` without autograd (frozen: no gradients, no optimizer state, nothing saved), then block ``j``, then the
-head; blocks ``> j`` are skipped: the block's output reaches the head through a skip connection that subsamples
-it spatially to the head's input size and zero-pads its channels (FeDepth's ``x[:, :, ::s, ::s]`` and channel
-padding). :class:`BlockTrainingModel` implements exactly that, for the estimator (on meta) and for training.
+What is traced
+--------------
+The step is the training interpreter's own (:func:`models.training.forward_loss`): the forward pass over every
+output of the sub-model (early exits included) and the plan's loss terms (cross-entropy, distillation among
+exits with its softmax temporaries), then backward. Depth-wise training (a spec with segments, FeDepth) is
+traced one stage at a time through the same :class:`models.depthwise.SegmentModel` the interpreter trains:
+blocks before the segment run without autograd (frozen: no gradients, no optimizer state, nothing saved), the
+segment and its head are trained; the estimate of a run is that of its most expensive stage.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from models._checks import check_input_size, check_positive_int
 from models.conv_workspace import convolution_workspace
+from models.depthwise import SegmentModel
+from models.family import ModelFamily
 from models.spec import SubmodelSpec
-
-if TYPE_CHECKING:
-    from models.family import ModelFamily
+from models.training import forward_loss, stages
+from protocol.plan import LossTerm, TrainingPlan
 
 __all__ = [
     "CPU_ALLOCATORS",
@@ -147,12 +147,9 @@ __all__ = [
     "CPU_RUNTIME_BYTES",
     "CUDA_BLAS_WORKSPACE_BYTES",
     "CUDA_BLOCK_BYTES",
-    "BlockTrainingModel",
     "MemoryEstimate",
-    "block_training_model",
+    "estimate_plan_memory",
     "estimate_training_memory",
-    "num_blocks",
-    "split_blocks",
 ]
 
 #: Memory a training child of the agent's warm forkserver needs beyond tensors (small blocks, page rounding).
@@ -173,137 +170,6 @@ _DEVICES = ("cpu", "cuda")
 # Per family: estimates and block counts by their arguments.
 _cache: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-
-
-# ---------------------------------------------------------------------------------------------------- blocks
-def _split_cnn(model: nn.Module) -> tuple[list[nn.Module], nn.Module]:
-    children = dict(model.named_children())
-    blocks: list[nn.Module] = []
-    i = 1
-    while f"conv{i}" in children:
-        kinds = ("conv", "scaler", "bn", "relu", "pool")
-        blocks.append(nn.Sequential(*(children[f"{k}{i}"] for k in kinds if f"{k}{i}" in children)))
-        i += 1
-    head = nn.Sequential(children["avgpool"], children["flatten"], children["classifier"])
-    return blocks, head
-
-
-def _split_preresnet(model: nn.Module) -> tuple[list[nn.Module], nn.Module]:
-    blocks: list[nn.Module] = [model.get_submodule("conv1")]
-    s = 1
-    while hasattr(model, f"layer{s}"):
-        blocks.extend(model.get_submodule(f"layer{s}").children())
-        s += 1
-    names = ("scaler", "bn", "relu", "avgpool", "flatten", "classifier")
-    head = nn.Sequential(*(model.get_submodule(n) for n in names))
-    return blocks, head
-
-
-_SPLITTERS: dict[str, Callable[[nn.Module], tuple[list[nn.Module], nn.Module]]] = {
-    "cnn": _split_cnn,
-    "preresnet18": _split_preresnet,
-}
-
-
-def split_blocks(family: ModelFamily, model: nn.Module) -> tuple[list[nn.Module], nn.Module]:
-    """The body blocks of ``model`` (built by ``family``), input side first, and its head.
-
-    CNN: block ``i`` is conv block ``i + 1`` (conv, Scaler, BN, ReLU and its max pool); the head is the average
-    pool and the classifier. PreResNet18: block 0 is the stem convolution, blocks ``1..`` are the residual blocks
-    in order; the head is the final Scaler, BN, ReLU, average pool and classifier. The modules are those of
-    ``model`` (shared, not copies), so ``head(blocks[-1](...blocks[0](x)))`` equals ``model(x)``.
-    """
-    splitter = _SPLITTERS.get(family.name)
-    if splitter is None:
-        raise ValueError(f"model family {family.name!r} does not define body blocks for depth-wise training.")
-    return splitter(model)
-
-
-def num_blocks(family: ModelFamily, spec: SubmodelSpec | None = None) -> int:
-    """Number of body blocks of ``family`` at ``spec`` (see :func:`split_blocks`); cached."""
-    key = ("num_blocks", spec)
-    with _lock:
-        cached = _cache.get(family, {}).get(key)
-    if cached is None:
-        with torch.device("meta"):
-            model = family.build(spec, track_bn_stats=False)
-        cached = len(split_blocks(family, model)[0])
-        with _lock:
-            _cache.setdefault(family, {})[key] = cached
-    return int(cached)
-
-
-class BlockTrainingModel(nn.Module):
-    """FeDepth's depth-wise view of a model: train body block ``block`` and the head, nothing else.
-
-    Blocks before ``block`` run under ``torch.no_grad()`` (frozen), blocks after it are skipped: the block's
-    output goes to the head through a skip connection that keeps every ``s``-th row and column
-    (``s = ceil(size / head size)``) and zero-pads (or truncates) the channels to the head's input channels.
-    Build it with :func:`block_training_model`, which also freezes the parameters.
-    """
-
-    def __init__(
-        self,
-        blocks: Sequence[nn.Module],
-        head: nn.Module,
-        block: int,
-        head_channels: int,
-        head_size: tuple[int, int],
-    ) -> None:
-        super().__init__()
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < len(blocks):
-            raise ValueError(f"block must be an integer in 0..{len(blocks) - 1}, got {block!r}.")
-        self.frozen = nn.ModuleList(blocks[:block])
-        self.block = blocks[block]
-        self.head = head
-        self.skip = block < len(blocks) - 1
-        self.head_channels = head_channels
-        self.head_size = head_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            for frozen in self.frozen:
-                x = frozen(x)
-        x = self.block(x)
-        if self.skip:
-            sh = max(1, math.ceil(x.shape[2] / self.head_size[0]))
-            sw = max(1, math.ceil(x.shape[3] / self.head_size[1]))
-            if sh > 1 or sw > 1:
-                x = x[:, :, ::sh, ::sw]
-            extra = self.head_channels - x.shape[1]
-            if extra > 0:
-                x = F.pad(x, (0, 0, 0, 0, 0, extra))
-            elif extra < 0:
-                x = x[:, : self.head_channels]
-        out: torch.Tensor = self.head(x)
-        return out
-
-
-def block_training_model(
-    family: ModelFamily, model: nn.Module, block: int, input_size: tuple[int, int]
-) -> BlockTrainingModel:
-    """Freeze all of ``model`` but body block ``block`` and the head; return the module to train.
-
-    ``model`` must come from ``family.build``; its parameters' ``requires_grad`` flags are changed in place, so
-    ``[p for p in model.parameters() if p.requires_grad]`` is what the optimizer gets.
-    """
-    blocks, head = split_blocks(family, model)
-    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < len(blocks):
-        raise ValueError(
-            f"block must be an integer in 0..{len(blocks) - 1} for family {family.name!r}, got {block!r}."
-        )
-    # What the head receives from the last block: a two-sample shape probe on meta copies of the blocks.
-    x = torch.empty(2, family.in_channels, *input_size, device="meta")
-    with torch.no_grad():
-        for b in blocks:
-            meta = {k: torch.empty_like(v, device="meta") for k, v in b.state_dict().items()}
-            x = torch.func.functional_call(b, meta, (x,))
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for module in (blocks[block], head):
-        for p in module.parameters():
-            p.requires_grad_(True)
-    return BlockTrainingModel(blocks, head, block, int(x.shape[1]), (int(x.shape[2]), int(x.shape[3])))
 
 
 # ---------------------------------------------------------------------------------------------------- tracking
@@ -367,40 +233,52 @@ class _Trace:
     frozen_peak: int  # peak live bytes of the frozen blocks' forward pass above the batch (block training)
 
 
+_CE = (LossTerm("ce"),)
+
+
 def _trace(
     family: ModelFamily,
     spec: SubmodelSpec,
     batch_size: int,
     input_size: tuple[int, int],
     device: str,
-    block: int | None,
+    loss: tuple[LossTerm, ...],
+    segment: tuple[int, int] | None,
+    route: str,
 ) -> _Trace:
     granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
     with torch.device("meta"):
         model = family.build(spec, track_bn_stats=False)
-    net: nn.Module = model if block is None else block_training_model(family, model, block, input_size)
+    shape = (batch_size, family.in_channels, *input_size)
+    try:
+        net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"input_size {input_size} does not fit family {family.name!r}: {exc}".splitlines()[0]
+        ) from None
     net.train()
     params = list(model.parameters())
     tracker = _LiveBytes(granularity, convolution_workspace if device == "cpu" else None)
     tracker.ignore(params)
     marks: dict[str, int] = {}
 
-    def block_starts(_module: nn.Module, _args: Any) -> None:
-        # The peak so far when the trained block starts is the peak of the frozen blocks' forward pass.
+    def segment_starts(_module: nn.Module, _args: Any) -> None:
+        # The peak so far when the trained segment starts is the peak of the frozen blocks' forward pass.
         marks.setdefault("frozen", tracker.peak)
 
-    if isinstance(net, BlockTrainingModel):
-        net.block.register_forward_pre_hook(block_starts)
+    if segment is not None:
+        model.blocks[segment[0]].register_forward_pre_hook(segment_starts)
     try:
         with torch.enable_grad(), tracker:
-            inputs = torch.empty(batch_size, family.in_channels, *input_size, device="meta")
+            inputs = torch.empty(*shape, device="meta")
             targets = torch.empty(batch_size, dtype=torch.long, device="meta")
+            mask = torch.ones(family.num_classes, dtype=torch.bool, device="meta")
             batch = tracker.live
-            loss = F.cross_entropy(net(inputs), targets)
+            value = forward_loss(net, inputs, targets, loss, mask)
             activations = tracker.live
-            loss.backward()
+            value.backward()
             after_backward = tracker.live
-            del loss, inputs, targets
+            del value, inputs, targets, mask
     except RuntimeError as exc:
         raise ValueError(
             f"input_size {input_size} does not fit family {family.name!r}: {exc}".splitlines()[0]
@@ -484,6 +362,15 @@ def _check_device(device: object) -> str:
     return kind
 
 
+def _check_segment(segment: object) -> tuple[int, int] | None:
+    if segment is None:
+        return None
+    if (not isinstance(segment, (tuple, list)) or len(segment) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in segment)):
+        raise ValueError(f"segment must be a block range (start, stop) or None, got {segment!r}.")
+    return int(segment[0]), int(segment[1])
+
+
 def estimate_training_memory(
     family: ModelFamily,
     spec: SubmodelSpec | None = None,
@@ -492,8 +379,10 @@ def estimate_training_memory(
     input_size: tuple[int, int] = (28, 28),
     optimizer_slots: int = 1,
     device: str = "cpu",
-    block: int | None = None,
     allocator: str = "compact",
+    loss: Sequence[LossTerm] = _CE,
+    segment: tuple[int, int] | None = None,
+    route: str = "skip",
 ) -> MemoryEstimate:
     """Estimate the peak memory of training ``family`` at ``spec`` (see the module docstring).
 
@@ -509,36 +398,45 @@ def estimate_training_memory(
         State tensors per trainable parameter: SGD with momentum 1, plain SGD 0, Adam 2.
     device:
         ``"cpu"`` (process RSS) or ``"cuda"`` (caching-allocator peak, CUDA context excluded).
-    block:
-        ``None``: train the whole sub-model. An index in ``0..num_blocks - 1``: depth-wise training of that body
-        block and the head only (:class:`BlockTrainingModel`).
     allocator:
         CPU only: how the training process's heap is managed, ``"compact"`` (no heap retention) or
         ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see the module docstring.
+    loss:
+        The loss terms of the step (default: cross-entropy of the last output).
+    segment, route:
+        ``None``: the whole sub-model is trained (or, when ``spec`` has segments, every stage is traced through
+        the skip path and the most expensive counts). A block range ``(start, stop)``: depth-wise training of
+        those blocks and a head, reached through ``route`` (:class:`models.depthwise.SegmentModel`).
 
     Results are cached per family and arguments. The first call in a process takes about a second (torch loads
     its meta kernels, see the module docstring for the memory this costs); later ones take about 40 ms for the
     CNN and 60-120 ms for PreResNet18 on one x86 core, a cached result microseconds.
     """
-    from models.family import _check_input_size, _check_positive_int
-
     spec = family.validate_spec(spec)
-    batch_size = _check_positive_int("batch_size", batch_size)
+    batch_size = check_positive_int("batch_size", batch_size)
     if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 0:
         raise ValueError(f"optimizer_slots must be a non-negative integer, got {optimizer_slots!r}.")
-    size = _check_input_size(input_size)
+    size = check_input_size(input_size)
     kind = _check_device(device)
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
-        raise ValueError(f"block must be an integer block index or None, got {block!r}.")
     if allocator not in CPU_ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(CPU_ALLOCATORS)}, got {allocator!r}.")
-    key = (spec, batch_size, size, optimizer_slots, kind, block, allocator if kind == "cpu" else None)
+    terms = tuple(loss)
+    if not terms or not all(isinstance(term, LossTerm) for term in terms):
+        raise ValueError("loss must be a non-empty sequence of protocol.LossTerm.")
+    segment = _check_segment(segment)
+    if segment is None and spec.segments is not None:
+        estimates = [estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
+                                              optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
+                                              loss=terms, segment=seg, route="skip") for seg in spec.segments]
+        return max(estimates, key=lambda e: e.total)
+    key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
+           route)
     with _lock:
         cached = _cache.get(family, {}).get(key)
     if isinstance(cached, MemoryEstimate):
         return cached
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
-        trace = _trace(family, spec, batch_size, size, kind, block)
+        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route)
     gradients = sum(trace.trainable)
     state = optimizer_slots * gradients
     step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)
@@ -563,3 +461,25 @@ def estimate_training_memory(
     with _lock:
         _cache.setdefault(family, {})[key] = estimate
     return estimate
+
+
+def estimate_plan_memory(
+    family: ModelFamily,
+    spec: SubmodelSpec | None,
+    plan: TrainingPlan,
+    *,
+    input_size: tuple[int, int] = (28, 28),
+    device: str = "cpu",
+    allocator: str = "compact",
+) -> MemoryEstimate:
+    """The estimated peak of running ``plan`` on ``spec``: its batch size, its optimizer (SGD with momentum
+    keeps one state tensor per parameter), its loss, and each of its stages; the most expensive stage counts."""
+    spec = family.validate_spec(spec)
+    slots = 1 if plan.optimizer.momentum > 0 else 0
+    estimates = [
+        estimate_training_memory(family, spec, batch_size=plan.batch_size, input_size=input_size,
+                                 optimizer_slots=slots, device=device, allocator=allocator, loss=plan.loss,
+                                 segment=segment, route=stage.route)
+        for segment, stage in stages(spec, plan)
+    ]
+    return max(estimates, key=lambda e: e.total)

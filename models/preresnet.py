@@ -8,8 +8,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl, positive_int_tuple
+from models._checks import positive_int_tuple
+from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl
 from models.layers import Scaler, static_bn
+from models.net import BodyParts
 
 __all__ = ["PreResNet18Family"]
 
@@ -56,38 +58,6 @@ class PreActBlock(nn.Module):
         return out + shortcut
 
 
-class PreResNet(nn.Module):
-    """Stem conv, stages of :class:`PreActBlock`, then ``Scaler -> sBN -> ReLU -> avg pool -> Linear``."""
-
-    def __init__(
-        self,
-        stem: nn.Conv2d,
-        stages: list[nn.Sequential],
-        final_rate: float,
-        channels: int,
-        num_classes: int,
-        track_bn_stats: bool,
-    ) -> None:
-        super().__init__()
-        self.conv1 = stem
-        for s, stage in enumerate(stages, start=1):
-            self.add_module(f"layer{s}", stage)
-        self.num_stages = len(stages)
-        self.scaler = Scaler(final_rate)
-        self.bn = static_bn(channels, track_bn_stats)
-        self.relu = nn.ReLU()
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.flatten = nn.Flatten()
-        self.classifier = nn.Linear(channels, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.conv1(x)
-        for s in range(1, self.num_stages + 1):
-            out = getattr(self, f"layer{s}")(out)
-        out = self.relu(self.bn(self.scaler(out)))
-        return self.classifier(self.flatten(self.avgpool(out)))
-
-
 class PreResNet18Family(ModelFamily):
     """HeteroFL's PreResNet18: stem conv3x3 -> 4 stages x 2 pre-activation blocks -> sBN -> ReLU -> pool -> fc.
 
@@ -105,7 +75,9 @@ class PreResNet18Family(ModelFamily):
     shared by every conv writing to it: the stem for stage 1, each block's ``conv2`` and shortcut), and
     ``"layer{s}.{b}.conv1"`` is the inner width of block ``b`` of stage ``s``. Residual shortcuts therefore take
     the block's input indices and the block's output indices. Body blocks are the residual blocks, numbered
-    0.. in order; the stem and the head belong to no block.
+    0.. in order, the stem convolution in block 0; the final head is the last Scaler, sBN, ReLU, average pool
+    and classifier. Early-exit heads (``exit_convs``, default 3 as in ScaleFL's reference) read a block's raw
+    (pre-activation) output.
 
     ``state_dict`` keys: ``conv1.weight`` (stem), ``layer{s}.{b}.bn1.*``, ``layer{s}.{b}.conv1.weight``,
     ``layer{s}.{b}.bn2.*``, ``layer{s}.{b}.conv2.weight``, ``layer{s}.{b}.shortcut.weight`` (where present),
@@ -156,7 +128,7 @@ class PreResNet18Family(ModelFamily):
         return groups
 
     def _declare_layers(self) -> Sequence[LayerDecl]:
-        decls = [conv_decl("conv1", None, "layer1", (3, 3), bias=False)]
+        decls = [conv_decl("conv1", None, "layer1", (3, 3), bias=False, block=0)]
         for index, (s, b, gin, inner, gout, _, shortcut) in enumerate(self._blocks()):
             p = f"layer{s}.{b}"
             decls.append(bn_decl(f"{p}.bn1", gin, block=index))
@@ -170,23 +142,26 @@ class PreResNet18Family(ModelFamily):
         decls.append(linear_decl("classifier", last, None))
         return decls
 
-    def _build_module(
-        self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool
-    ) -> nn.Module:
+    def _build_body(self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool,
+                    depth: int) -> BodyParts:
         stem = nn.Conv2d(self.in_channels, channels["layer1"], kernel_size=3, stride=1, padding=1, bias=False)
+        modules: dict[str, nn.Module] = {"conv1": stem}
         stages: list[nn.Sequential] = [nn.Sequential() for _ in self.hidden]
-        for s, _, gin, inner, gout, stride, shortcut in self._blocks():
-            stages[s - 1].append(
-                PreActBlock(
-                    channels[gin],
-                    channels[inner],
-                    channels[gout],
-                    stride=stride,
-                    rate_in=rates[gin],
-                    rate_mid=rates[inner],
-                    track_bn_stats=track_bn_stats,
-                    with_shortcut=shortcut,
-                )
-            )
-        last = f"layer{len(self.hidden)}"
-        return PreResNet(stem, stages, rates[last], channels[last], self.num_classes, track_bn_stats)
+        blocks: list[nn.Module] = []
+        for index, (s, _, gin, inner, gout, stride, shortcut) in enumerate(self._blocks()[:depth]):
+            block = PreActBlock(channels[gin], channels[inner], channels[gout], stride=stride, rate_in=rates[gin],
+                                rate_mid=rates[inner], track_bn_stats=track_bn_stats, with_shortcut=shortcut)
+            stages[s - 1].append(block)
+            blocks.append(nn.Sequential(stem, block) if index == 0 else block)
+        for s, stage in enumerate(stages, start=1):
+            if len(stage):
+                modules[f"layer{s}"] = stage
+        head = None
+        if depth == len(self._blocks()):
+            last = f"layer{len(self.hidden)}"
+            tail = {"scaler": Scaler(rates[last]), "bn": static_bn(channels[last], track_bn_stats), "relu": nn.ReLU(),
+                    "avgpool": nn.AdaptiveAvgPool2d(1), "flatten": nn.Flatten(),
+                    "classifier": nn.Linear(channels[last], self.num_classes)}
+            modules.update(tail)
+            head = nn.Sequential(*tail.values())
+        return BodyParts(modules, blocks, head)

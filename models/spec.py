@@ -2,31 +2,35 @@
 
 A :class:`SubmodelSpec` is plain data. It travels inside a task message (``to_dict`` / ``from_dict`` use
 msgpack-friendly primitives only) and is interpreted by a :class:`models.family.ModelFamily`, which knows
-the layer names and which spec features it implements.
+the layer names, the body blocks and where exits may sit.
 
 The fields cover the five methods FedFit implements:
 
-- HeteroFL: a uniform ``width`` rate (levels 1, 1/2, 1/4, ...).
+- HeteroFL: a uniform ``width`` rate (levels 1, 1/2, 1/4, ...), channels rounded up.
+- ScaleFL: ``width`` with ``rounding="floor"``, ``depth`` (body blocks kept) and ``exits`` (blocks followed by
+  an early-exit head; a model cut at depth ``d`` ends with the exit after block ``d - 1``).
 - FlexFL / AdaptiveFL: per-layer rates in ``layer_widths`` (keys are the family's ``layer_names()``).
-- ScaleFL: ``depth`` (body blocks kept) and ``exits`` (blocks followed by an early-exit head).
-- FeDepth: ``trainable_blocks`` (blocks updated by this task; the others are frozen).
+- FeDepth: ``segments``, the consecutive block ranges trained one after another, in order (blocks outside
+  every segment are frozen: run, not trained, not uploaded).
 
-Block indices are 0-based positions in the family's body (block 0 is the one nearest the input).
-
-Every invalid value raises ``ValueError`` (also for wrong types): a spec usually arrives as decoded wire data,
-and the protocol turns exactly one exception class into a clear error message.
+Block indices are 0-based positions in the family's body (block 0 is the one nearest the input and holds the
+stem). Every invalid value raises ``ValueError`` (also for wrong types): a spec usually arrives as decoded wire
+data, and the protocol turns exactly one exception class into a clear error message.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from models.width import ROUNDINGS
+
 __all__ = ["SubmodelSpec"]
 
-_FIELDS = ("width", "layer_widths", "depth", "exits", "trainable_blocks")
+_FIELDS = ("width", "layer_widths", "rounding", "depth", "exits", "segments")
 
 
 def _check_rate(what: str, rate: object) -> float:
@@ -38,17 +42,39 @@ def _check_rate(what: str, rate: object) -> float:
     return value
 
 
-def _check_index_tuple(what: str, values: object) -> tuple[int, ...]:
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_exits(values: object) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise ValueError(f"{what} must be a sequence of block indices, got {values!r}.")  # noqa: TRY004
-    out: list[int] = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{what} must hold non-negative integer block indices, got {v!r}.")
-        out.append(int(v))
+        raise ValueError(f"exits must be a sequence of block indices, got {values!r}.")  # noqa: TRY004
+    out = list(values)
+    for v in out:
+        if not _is_index(v):
+            raise ValueError(f"exits must hold non-negative integer block indices, got {v!r}.")
     if len(set(out)) != len(out):
-        raise ValueError(f"{what} must not repeat a block index, got {tuple(out)!r}.")
+        raise ValueError(f"exits must not repeat a block index, got {tuple(out)!r}.")
     return tuple(sorted(out))
+
+
+def _check_segments(values: object) -> tuple[tuple[int, int], ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"segments must be a sequence of [start, stop) block ranges, got {values!r}.")  # noqa: TRY004
+    out: list[tuple[int, int]] = []
+    for pair in values:
+        if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_index(v) for v in pair)
+                or pair[0] >= pair[1]):
+            raise ValueError(f"every segment must be a block range [start, stop) with 0 <= start < stop, "
+                             f"got {pair!r}.")
+        out.append((int(pair[0]), int(pair[1])))
+    if not out:
+        raise ValueError("segments must name at least one block range (None trains the whole model at once).")
+    ordered = sorted(out)
+    for (_, stop), (start, _) in itertools.pairwise(ordered):
+        if start < stop:
+            raise ValueError(f"segments must not overlap, got {tuple(out)!r}.")
+    return tuple(out)
 
 
 def _fmt(x: float) -> str:
@@ -66,19 +92,23 @@ class SubmodelSpec:
     layer_widths:
         Per-layer overrides ``((name, rate), ...)``, keyed by the family's layer names. Any iterable of pairs
         or a mapping is accepted and normalised to a tuple sorted by name, so equal specs hash equally.
+    rounding:
+        How a rate becomes a channel count: ``"ceil"`` (HeteroFL) or ``"floor"`` (ScaleFL).
     depth:
-        Number of body blocks kept (``None`` = all).
+        Number of body blocks kept (``None`` = all, with the family's final head).
     exits:
         Block indices after which an early-exit head exists (sorted, unique).
-    trainable_blocks:
-        Block indices being trained (``None`` = all; sorted, unique).
+    segments:
+        ``None``: the whole sub-model is trained at once. Otherwise ``((start, stop), ...)``: block ranges
+        trained one after another in the order given (depth-wise training); blocks in no segment are frozen.
     """
 
     width: float = 1.0
     layer_widths: tuple[tuple[str, float], ...] = ()
+    rounding: str = "ceil"
     depth: int | None = None
     exits: tuple[int, ...] = ()
-    trainable_blocks: tuple[int, ...] | None = None
+    segments: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "width", _check_rate("width", self.width))
@@ -102,31 +132,30 @@ class SubmodelSpec:
             normalised[name] = _check_rate(f"layer_widths[{name!r}]", rate)
         object.__setattr__(self, "layer_widths", tuple(sorted(normalised.items())))
 
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}.")
+
         depth = self.depth
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
             raise ValueError(f"depth must be a positive integer or None, got {depth!r}.")
 
-        exits = _check_index_tuple("exits", self.exits)
+        exits = _check_exits(self.exits)
         object.__setattr__(self, "exits", exits)
-        if self.depth is not None and exits and exits[-1] >= self.depth:
-            raise ValueError(
-                f"exits {exits!r} must lie inside the {self.depth} kept blocks (indices 0..{self.depth - 1})."
-            )
+        if depth is not None and exits and exits[-1] >= depth:
+            raise ValueError(f"exits {exits!r} must lie inside the {depth} kept blocks (indices 0..{depth - 1}).")
 
-        if self.trainable_blocks is not None:
-            blocks = _check_index_tuple("trainable_blocks", self.trainable_blocks)
-            object.__setattr__(self, "trainable_blocks", blocks)
-            if self.depth is not None and blocks and blocks[-1] >= self.depth:
-                raise ValueError(
-                    f"trainable_blocks {blocks!r} must lie inside the {self.depth} kept blocks "
-                    f"(indices 0..{self.depth - 1})."
-                )
+        if self.segments is not None:
+            segments = _check_segments(self.segments)
+            object.__setattr__(self, "segments", segments)
+            if depth is not None and max(stop for _, stop in segments) > depth:
+                raise ValueError(f"segments {segments!r} must lie inside the {depth} kept blocks "
+                                 f"(indices 0..{depth - 1}).")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def uniform(cls, rate: float) -> SubmodelSpec:
+    def uniform(cls, rate: float, rounding: str = "ceil") -> SubmodelSpec:
         """HeteroFL level: every hidden layer at width ``rate``."""
-        return cls(width=rate)
+        return cls(width=rate, rounding=rounding)
 
     @classmethod
     def full(cls) -> SubmodelSpec:
@@ -142,30 +171,28 @@ class SubmodelSpec:
         return self.width
 
     @property
-    def is_full(self) -> bool:
-        """True when this spec describes the whole global model, trained whole.
+    def full_width(self) -> bool:
+        """True when every rate is 1 (overrides with rate 1 count as full)."""
+        return self.width == 1.0 and all(rate == 1.0 for _, rate in self.layer_widths)
 
-        Every rate is 1, all blocks are kept, there are no early exits and every block is trainable (overrides
-        with rate 1 count as full).
-        """
-        return (
-            self.width == 1.0
-            and all(rate == 1.0 for _, rate in self.layer_widths)
-            and self.depth is None
-            and not self.exits
-            and self.trainable_blocks is None
-        )
+    @property
+    def is_full(self) -> bool:
+        """True when this spec describes the whole global model, trained whole: full width, all blocks kept,
+        no early exits, no segments."""
+        return self.full_width and self.depth is None and not self.exits and self.segments is None
 
     def describe(self) -> str:
-        """Short readable form, e.g. ``"width=0.5"`` or ``"width=0.25 conv2=0.5 depth=3"``."""
+        """Short readable form, e.g. ``"width=0.5"`` or ``"width=0.7 floor depth=35 exits=34"``."""
         parts = [f"width={_fmt(self.width)}"]
         parts += [f"{name}={_fmt(rate)}" for name, rate in self.layer_widths]
+        if self.rounding != "ceil":
+            parts.append(self.rounding)
         if self.depth is not None:
             parts.append(f"depth={self.depth}")
         if self.exits:
             parts.append("exits=" + ",".join(str(i) for i in self.exits))
-        if self.trainable_blocks is not None:
-            parts.append("trainable=" + (",".join(str(i) for i in self.trainable_blocks) or "none"))
+        if self.segments is not None:
+            parts.append("segments=" + ",".join(f"{start}:{stop}" for start, stop in self.segments))
         return " ".join(parts)
 
     def __str__(self) -> str:
@@ -179,12 +206,14 @@ class SubmodelSpec:
             out["width"] = self.width
         if self.layer_widths:
             out["layer_widths"] = {name: rate for name, rate in self.layer_widths}
+        if self.rounding != "ceil":
+            out["rounding"] = self.rounding
         if self.depth is not None:
             out["depth"] = self.depth
         if self.exits:
             out["exits"] = list(self.exits)
-        if self.trainable_blocks is not None:
-            out["trainable_blocks"] = list(self.trainable_blocks)
+        if self.segments is not None:
+            out["segments"] = [[start, stop] for start, stop in self.segments]
         return out
 
     @classmethod
@@ -222,18 +251,27 @@ class SubmodelSpec:
                             f"(numbers), got {name!r}: {rate!r}."
                         )
                 value = tuple(value.items())
+            elif key == "rounding":
+                if not isinstance(value, str):
+                    raise ValueError(f"sub-model spec key 'rounding' must be a string, got {value!r}.")
             elif key == "depth":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                     raise ValueError(f"sub-model spec key 'depth' must be an integer, got {value!r}.")
-            else:  # exits, trainable_blocks
-                if value is None and key == "trainable_blocks":
-                    pass
-                elif not isinstance(value, (list, tuple)) or any(
+            elif key == "exits":
+                if not isinstance(value, (list, tuple)) or any(
                     isinstance(v, bool) or not isinstance(v, int) for v in value
                 ):
-                    raise ValueError(f"sub-model spec key {key!r} must be a list of integers, got {value!r}.")
-                else:
-                    value = tuple(value)
+                    raise ValueError(f"sub-model spec key 'exits' must be a list of integers, got {value!r}.")
+                value = tuple(value)
+            elif value is not None:  # segments
+                if not isinstance(value, (list, tuple)) or any(
+                    not isinstance(pair, (list, tuple)) or len(pair) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) for v in pair)
+                    for pair in value
+                ):
+                    raise ValueError("sub-model spec key 'segments' must be a list of [start, stop] integer "
+                                     f"pairs, got {value!r}.")
+                value = tuple(tuple(pair) for pair in value)
             kwargs[key] = value
         try:
             return cls(**kwargs)

@@ -118,21 +118,25 @@ class FieldReader:
     """Reads the fields of one msgpack map that must hold exactly the fields of a dataclass.
 
     Missing and unknown fields are reported at construction; each getter checks one field's type and range.
+    Fields named in ``optional`` (added to a message after its first version) may be absent and then read as
+    None, so that messages of older senders still decode.
     """
 
     def __init__(
-        self, obj: object, where: str, limits: Limits, cls: type, header: Iterable[str] = ()
+        self, obj: object, where: str, limits: Limits, cls: type, header: Iterable[str] = (),
+        optional: Iterable[str] = (),
     ) -> None:
         if not isinstance(obj, dict):
             raise ProtocolError(f"{where} must be a map, got {shown(obj)}")
         expected = [f.name for f in fields(cls)] + list(header)
-        missing = [name for name in expected if name not in obj]
+        may_lack = set(optional)
+        missing = [name for name in expected if name not in obj and name not in may_lack]
         if missing:
             raise ProtocolError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
         unknown = [key for key in obj if key not in expected]
         if unknown:
             raise ProtocolError(f"{where}: unknown field(s) {', '.join(repr(k)[:40] for k in unknown[:5])}")
-        self._obj: dict[str, object] = obj
+        self._obj: dict[str, object] = {**{name: None for name in may_lack if name not in obj}, **obj}
         self.where = where
         self.limits = limits
 

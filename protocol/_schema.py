@@ -5,24 +5,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from protocol._ids import shown
-from protocol._reader import FieldReader
+from protocol._reader import FieldReader, check_number
 from protocol.errors import ProtocolError
 from protocol.limits import Limits
 from protocol.messages import (
+    ADAPTATION_KINDS,
     AGENT_STATES,
     COORDINATOR_STATES,
     PROTOCOL_VERSION,
     UPDATE_STATUSES,
     Ack,
+    Adaptation,
     AgentStatus,
+    Candidate,
     Capabilities,
     CoordinatorStatus,
     Message,
     ModelRef,
-    Recipe,
     Task,
     Update,
 )
+from protocol.plan import Recipe, read_training_plan
 
 HEADER = ("v", "type")
 KIND_OF: dict[type, str] = {
@@ -70,6 +73,38 @@ def read_recipe(obj: object, where: str, limits: Limits) -> Recipe:
     )
 
 
+MAX_CANDIDATES = 64
+
+
+def read_candidate(obj: object, where: str, limits: Limits) -> Candidate:
+    r = FieldReader(obj, where, limits, Candidate)
+    return Candidate(spec=r.tree("spec"), plan=r.nested("plan", read_training_plan))
+
+
+def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
+    if isinstance(obj, dict) and obj.get("kind") not in ADAPTATION_KINDS:
+        raise ProtocolError(f"{where}.kind: unknown adaptation kind {shown(obj.get('kind'))}; this side knows "
+                            f"{', '.join(ADAPTATION_KINDS)} (upgrade it to run this task)")
+    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates"))
+    kind = r.text("kind", ADAPTATION_KINDS)
+    raw_candidates = r.raw("candidates") or []
+    if not isinstance(raw_candidates, list) or len(raw_candidates) > MAX_CANDIDATES:
+        raise ProtocolError(f"{r.label('candidates')} must be a list of at most {MAX_CANDIDATES} candidates, "
+                            f"got {shown(raw_candidates)}")
+    candidates = [read_candidate(c, f"{r.label('candidates')}[{i}]", limits) for i, c in enumerate(raw_candidates)]
+    raw_rates = r.raw("rates") or []
+    if not isinstance(raw_rates, list):
+        raise ProtocolError(f"{r.label('rates')} must be a list of width rates, got {shown(raw_rates)}")
+    rates = [check_number(rate, f"{r.label('rates')} item", above=0.0) for rate in raw_rates]
+    if any(rate > 1.0 for rate in rates):
+        raise ProtocolError(f"{r.label('rates')} must hold width rates in (0, 1], got {rates[:8]}")
+    if kind == "ladder" and not candidates:
+        raise ProtocolError(f"{where}: a 'ladder' adaptation needs at least one candidate")
+    if kind == "width-levels" and not rates:
+        raise ProtocolError(f"{where}: a 'width-levels' adaptation needs 'rates'")
+    return Adaptation(kind=kind, candidates=candidates, rates=rates)
+
+
 def read_agent_status(obj: object, limits: Limits) -> AgentStatus:
     r = FieldReader(obj, "status", limits, AgentStatus, HEADER)
     return AgentStatus(
@@ -91,7 +126,10 @@ def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
 
 
 def read_task(obj: object, limits: Limits) -> Task:
-    r = FieldReader(obj, "task", limits, Task, HEADER)
+    r = FieldReader(obj, "task", limits, Task, HEADER, optional=("plan", "adaptation"))
+    if (r.raw("plan") is None) == (r.raw("recipe") is None):
+        raise ProtocolError("task must carry a training 'plan' (or, from coordinators that predate plans, a "
+                            "'recipe'), not both and not neither")
     return Task(
         task_id=r.task_id("task_id"),
         round=r.integer("round", minimum=0),
@@ -99,9 +137,10 @@ def read_task(obj: object, limits: Limits) -> Task:
         deadline=r.number("deadline"),
         model=r.nested("model", read_model_ref),
         spec=r.tree("spec"),
-        recipe=r.nested("recipe", read_recipe),
+        recipe=r.opt_nested("recipe", read_recipe),
         weights=r.weights("weights"),
-        adaptation=r.opt_tree("adaptation"),
+        adaptation=r.opt_nested("adaptation", read_adaptation),
+        plan=r.opt_nested("plan", read_training_plan),
     )
 
 

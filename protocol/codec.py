@@ -6,34 +6,19 @@ and weights are maps of tensor name to wire tensor (see `protocol.tensors`).
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from protocol._ids import reason_of, shown
+from protocol._plain import plain
 from protocol._reader import check_text
 from protocol._schema import KIND_OF, read_message
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import PROTOCOL_VERSION, Message
 from protocol.tensors import check_array, encode_tensor
-
-
-def _plain(value: object) -> object:
-    """Dataclasses to maps, tuples to lists, numpy scalars and arrays to Python values."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
 
 
 def _encode_weights(weights: object, kind: str, limits: Limits) -> dict[str, dict[str, Any]]:
@@ -68,7 +53,7 @@ def encode(message: Message) -> bytes:
         body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": kind}
         for field in fields(message):
             if field.name != "weights":
-                body[field.name] = _plain(getattr(message, field.name))
+                body[field.name] = plain(getattr(message, field.name))
         weights = getattr(message, "weights", None)
         if weights is not None:
             body["weights"] = {}

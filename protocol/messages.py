@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
+
+from protocol.plan import Recipe, TrainingPlan
 
 PROTOCOL_VERSION = 1
 
@@ -56,23 +58,38 @@ class ModelRef:
     options: dict[str, Any]
 
 
-@dataclass
-class Recipe:
-    """Local training hyperparameters sent with a task."""
+ADAPTATION_KINDS: tuple[str, ...] = ("none", "ladder", "width-levels")
 
-    epochs: int
-    batch_size: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    clip_norm: float | None
-    masked_ce: bool
-    seed: int
+
+@dataclass
+class Candidate:
+    """Something an agent may train instead of the task's spec: a sub-model spec and its training plan."""
+
+    spec: dict[str, Any]
+    plan: TrainingPlan
+
+
+@dataclass
+class Adaptation:
+    """How an agent may shrink a task it cannot afford (``ADAPTATION_KINDS``).
+
+    ``"ladder"``: the ``candidates``, largest first; the agent trains the first that fits (the plan of the task
+    keeps its seed). ``"width-levels"``: the hint of coordinators that predate ladders, HeteroFL's uniform
+    width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
+    """
+
+    kind: str
+    candidates: list[Candidate] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
 
 
 @dataclass
 class Task:
-    """One round of work for one agent: the sub-model spec, the recipe and the sliced weights."""
+    """One round of work for one agent: the sub-model spec, how to train it, and the sliced weights.
+
+    A task carries a training ``plan``; tasks from coordinators that predate plans carry a ``recipe`` instead
+    (exactly one of the two is set, see :meth:`training_plan`).
+    """
 
     task_id: str
     round: int
@@ -80,11 +97,18 @@ class Task:
     deadline: float
     model: ModelRef
     spec: dict[str, Any]
-    recipe: Recipe
+    recipe: Recipe | None
     weights: dict[str, np.ndarray]
-    adaptation: dict[str, Any] | None = None
-    """How the agent may shrink the spec when it cannot afford it (e.g. ``{"kind": "width-levels",
-    "rates": [...]}``); None: train exactly ``spec`` or decline."""
+    adaptation: Adaptation | None = None
+    """How the agent may shrink the spec when it cannot afford it; None: train exactly ``spec`` or decline."""
+    plan: TrainingPlan | None = None
+
+    def training_plan(self) -> TrainingPlan:
+        """The plan to run: ``plan``, or the plan an old-style task's ``recipe`` stands for."""
+        if self.plan is not None:
+            return self.plan
+        assert self.recipe is not None, "a decoded task has a plan or a recipe"
+        return TrainingPlan.from_recipe(self.recipe)
 
 
 @dataclass
@@ -113,4 +137,4 @@ class Ack:
 
 
 Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack
-"""Any top-level message (the nested Capabilities, ModelRef and Recipe are not)."""
+"""Any top-level message (the nested Capabilities, ModelRef, Recipe, TrainingPlan and Adaptation are not)."""

@@ -1,30 +1,50 @@
-"""Server halves of the methods, one per module."""
+"""Server halves of the methods, one per module, and the registry of algorithm names."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-from coordinator.levels import Level
-from coordinator.strategies.base import Assignment, EvalTarget, Skip, Strategy
+from coordinator.strategies.base import (
+    EvalTarget,
+    RoundPlan,
+    Skip,
+    Strategy,
+    StrategyContext,
+    TaskOutcome,
+    TaskPlan,
+    TaskResult,
+)
 from coordinator.strategies.decoupled import Decoupled
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.heterofl import HeteroFL
-from models import SubmodelSpec
+from coordinator.strategies.scalefl import ScaleFL
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL)}
+#: The algorithm names a coordinator config, ``fedfit sim`` and ``fedfit plan`` accept.
+ALGORITHM_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
 
-def make_strategy(
-    name: str,
-    levels: Sequence[Level],
-    cost: Callable[[SubmodelSpec], int],
-    assignment: str = "fix",
-    proportions: Sequence[float] | None = None,
-) -> Strategy:
-    """The strategy called ``name``; ValueError listing the known ones otherwise."""
+def check_algorithm(name: str) -> None:
+    """Raise ValueError (one sentence naming the valid ones) unless ``name`` is a known algorithm."""
     if name not in STRATEGIES:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name](levels, cost, assignment, proportions)
+        raise ValueError(f"unknown algorithm {name!r}; 'algorithm' must be one of {', '.join(ALGORITHM_NAMES)}")
 
 
-__all__ = ["STRATEGIES", "Assignment", "EvalTarget", "Skip", "Strategy", "make_strategy"]
+def make_strategy(name: str, context: StrategyContext) -> Strategy:
+    """Set up the strategy called ``name``; ValueError listing the known ones otherwise."""
+    check_algorithm(name)
+    return STRATEGIES[name](context)
+
+
+__all__ = [
+    "ALGORITHM_NAMES",
+    "STRATEGIES",
+    "EvalTarget",
+    "RoundPlan",
+    "Skip",
+    "Strategy",
+    "StrategyContext",
+    "TaskOutcome",
+    "TaskPlan",
+    "TaskResult",
+    "check_algorithm",
+    "make_strategy",
+]

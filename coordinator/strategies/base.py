@@ -1,34 +1,61 @@
-"""What every strategy (the server half of a method) provides to the coordinator."""
+"""The strategy interface: the server half of a method, in the shape of Flower's strategies.
+
+A strategy is set up once (:class:`StrategyContext`: the model family, the server's own data, the configuration
+and a training-memory estimator); it may choose levels or exits there. Each round it turns the online agents
+into task plans (:meth:`Strategy.configure_round`), combines what came back (:meth:`Strategy.aggregate`, masked
+aggregation by default, the weighting its own choice), and learns from the outcomes (:meth:`Strategy.observe`).
+Its state (:meth:`Strategy.state_dict`) is saved in the checkpoint and restored on resume. The daemon keeps
+only transport, deadlines, collection, update validation, evaluation and checkpoints.
+"""
 
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from coordinator.levels import Level, affordable, pick_dynamic, pick_fixed
+import torch
+
+from coordinator.aggregation import MaskedAggregator, restrict_rows
+from coordinator.config import CoordinatorConfig, RecipeConfig
 from coordinator.registry import AgentRecord
-from models import SubmodelSpec
+from models import ModelFamily, SubmodelSpec
+from protocol import Adaptation, LossTerm, OptimizerSettings, TrainingPlan
+
+State = dict[str, torch.Tensor]
+IndexMap = Mapping[str, tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
-class Assignment:
-    """One agent's part of a round: the level it trains, the spec, and the model group it belongs to."""
+class StrategyContext:
+    """What a strategy is set up with.
+
+    ``server_x``/``server_y`` is data the server may use (a sample of the training distribution: the proxy
+    data of methods that pre-train, and the static-BN sample); ``training_cost(spec, plan)`` estimates the peak
+    memory of training ``spec`` with ``plan`` on an agent (bytes).
+    """
+
+    family: ModelFamily
+    config: CoordinatorConfig
+    input_size: tuple[int, int]
+    server_x: torch.Tensor
+    server_y: torch.Tensor
+    training_cost: Callable[[SubmodelSpec, TrainingPlan], int]
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """One agent's part of a round: what it trains (spec and plan), how it may shrink it, which model state
+    (aggregation group) it trains, and the level name it is reported under."""
 
     agent_id: str
     level: str
     spec: SubmodelSpec
-    group: str
-
-
-@dataclass(frozen=True)
-class EvalTarget:
-    """A model to evaluate each round: the sub-model ``spec`` of the state kept for ``group``."""
-
-    group: str
-    spec: SubmodelSpec
+    plan: TrainingPlan
+    group: str = "global"
+    adaptation: Adaptation | None = None
 
 
 @dataclass(frozen=True)
@@ -39,64 +66,149 @@ class Skip:
     reason: str
 
 
+@dataclass
+class RoundPlan:
+    """What a strategy hands out in one round."""
+
+    tasks: list[TaskPlan] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+
+
+@dataclass
+class TaskResult:
+    """A validated update to aggregate: the spec trained (nested in the one sent), its tensors and index map."""
+
+    task: TaskPlan
+    spec: SubmodelSpec
+    state: State
+    index_map: IndexMap
+    num_samples: int
+    labels: list[int]
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """How one task ended (status ok, adapted, declined, failed, rejected or missing), for selection that learns."""
+
+    task: TaskPlan
+    status: str
+    spec_trained: SubmodelSpec | None
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """A model to evaluate each round: the sub-model ``spec`` of the state kept for ``group``. ``store_bn``: its
+    recomputed BN statistics are kept in that state (the global model's)."""
+
+    group: str
+    spec: SubmodelSpec
+    store_bn: bool = False
+
+
+def base_plan(recipe: RecipeConfig, loss: Sequence[LossTerm] | None = None) -> TrainingPlan:
+    """The training plan of the configured recipe: SGD, its epochs and batch size, plain (or masked) CE unless
+    ``loss`` says otherwise. The seed is set per task by the daemon."""
+    return TrainingPlan(
+        optimizer=OptimizerSettings("sgd", recipe.lr, recipe.momentum, recipe.weight_decay, recipe.clip_norm),
+        epochs=recipe.epochs,
+        batch_size=recipe.batch_size,
+        loss=tuple(loss) if loss is not None else (LossTerm.ce(masked=recipe.masked_ce),),
+    )
+
+
+def select_fraction(agents: Sequence[AgentRecord], fraction: float, rng: random.Random) -> list[AgentRecord]:
+    """FedAvg's client sampling: ``fraction`` of the online agents (at least one) at random, sorted by id."""
+    if not agents:
+        return []
+    count = max(1, round(fraction * len(agents)))
+    return sorted(rng.sample(list(agents), count), key=lambda a: a.agent_id)
+
+
+def masked_aggregate(states: Mapping[str, State], results: Sequence[TaskResult],
+                     weight: Callable[[TaskResult], float], classifier_keys: Sequence[str]) -> dict[str, State]:
+    """Masked (index-aware) aggregation per group: each element the weighted mean of the updates that hold it,
+    the others unchanged. Where a task's plan masks absent classes, that update's classifier rows of those
+    classes are left out."""
+    aggregators: dict[str, MaskedAggregator] = {}
+    for result in results:
+        state, index_map = result.state, result.index_map
+        if result.task.plan.uses_masked_ce:
+            state, index_map = restrict_rows(state, index_map, classifier_keys, result.labels)
+        group = result.task.group
+        if group not in aggregators:
+            aggregators[group] = MaskedAggregator(states[group])
+        aggregators[group].add(state, index_map, weight(result))
+    merged = dict(states)
+    for group, aggregator in aggregators.items():
+        merged[group] = aggregator.result()
+    return merged
+
+
 class Strategy(ABC):
-    """Plans sub-models for selected agents and says which model states exist and what to evaluate."""
+    """The server half of a method (see the module docstring)."""
 
-    name: str = ""
+    name: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        levels: Sequence[Level],
-        cost: Callable[[SubmodelSpec], int],
-        assignment: str = "fix",
-        proportions: Sequence[float] | None = None,
-    ) -> None:
-        self.levels = list(levels)
-        self.cost = cost
-        self.assignment = assignment
-        weights = list(proportions) if proportions is not None else [1.0] * len(self.levels)
-        self.proportions = {level.name: w for level, w in zip(self.levels, weights)}
+    def __init__(self, context: StrategyContext) -> None:
+        self.context = context
+        self.family = context.family
+        self.config = context.config
 
-    @abstractmethod
+    # ------------------------------------------------------------------ setup
+    def global_spec(self) -> SubmodelSpec:
+        """The spec of the global model's state (the full model; ScaleFL adds its exits)."""
+        return SubmodelSpec.full()
+
     def groups(self) -> list[str]:
         """Names of the model states this strategy keeps (one global model, or one per level)."""
+        return ["global"]
+
+    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
+        """The most demanding (spec, plan) this strategy hands out: what "the full model's training memory" means
+        for it (simulated devices' budgets are shares of it)."""
+        return self.global_spec(), base_plan(self.config.recipe)
+
+    def initial_states(self, seed: int) -> dict[str, State]:
+        """Initial weights of every group: the global spec built with ``seed`` (BN statistics included)."""
+        torch.manual_seed(seed)
+        initial = self.family.build(self.global_spec()).state_dict()
+        return {group: {k: v.clone() for k, v in initial.items()} for group in self.groups()}
+
+    # ------------------------------------------------------------------ rounds
+    @abstractmethod
+    def configure_round(self, round_number: int, agents: Sequence[AgentRecord], rng: random.Random) -> RoundPlan:
+        """Select among the online ``agents`` and plan each selected one's task."""
+
+    def aggregate(self, round_number: int, results: Sequence[TaskResult],
+                  states: Mapping[str, State]) -> dict[str, State]:
+        """Combine the round's validated updates into new states (default: masked aggregation, uniform or
+        sample-weighted as configured)."""
+        return masked_aggregate(states, results, self.weight, self.family.classifier_keys())
+
+    def weight(self, result: TaskResult) -> float:
+        """Aggregation weight of an update: 1 (HeteroFL, ScaleFL) or its sample count (``weighting: samples``)."""
+        return float(max(1, result.num_samples)) if self.config.weighting == "samples" else 1.0
+
+    def observe(self, round_number: int, outcomes: Sequence[TaskOutcome]) -> None:
+        """Learn from how the round's tasks ended (default: nothing)."""
 
     @abstractmethod
-    def group_of(self, level: Level) -> str:
-        """The model state a level's clients train and are aggregated into."""
-
     def eval_targets(self) -> dict[str, EvalTarget]:
-        """Name -> model to evaluate; "global" is the reported global model, level names the sub-models."""
-        targets = {level.name: EvalTarget(self.group_of(level), level.spec) for level in self.levels}
-        targets["global"] = EvalTarget(self.group_of(self.levels[0]), SubmodelSpec.full())
-        return targets
+        """Name -> model to evaluate: ``"global"`` (the reported global model: every output of it is reported,
+        its last output is the global accuracy) and one per level (its last output)."""
 
-    def adaptation_hint(self) -> dict[str, Any] | None:
-        """How an agent may shrink what it was sent when it cannot afford it (None: it must decline)."""
-        return None
+    def describe(self) -> list[dict[str, Any]]:
+        """What each level or pool model would be, for ``fedfit plan``: at least ``name`` and ``spec``."""
+        return [{"name": name, "spec": target.spec} for name, target in self.eval_targets().items()
+                if name != "global"]
 
-    def choose_level(self, agent: AgentRecord, rng: random.Random) -> Level | None:
-        """The level this agent trains this round, or None when none fits its memory.
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state kept across rounds (saved in the checkpoint)."""
+        return {}
 
-        'fix': the largest level whose estimated training memory fits the agent's reported budget.
-        'dynamic': a level sampled by proportion from all levels, as in HeteroFL's dynamic setting (devices'
-        capabilities change every round); an agent that cannot afford it adapts or declines.
-        """
-        if self.assignment == "dynamic":
-            return pick_dynamic(self.levels, self.proportions, rng)
-        candidates = affordable(self.levels, agent.budget(), self.cost)
-        return pick_fixed(candidates) if candidates else None
-
-    def plan(self, agents: Sequence[AgentRecord], rng: random.Random) -> tuple[list[Assignment], list[Skip]]:
-        """Assign a level to every selected agent that can afford one."""
-        assignments: list[Assignment] = []
-        skipped: list[Skip] = []
-        for agent in agents:
-            level = self.choose_level(agent, rng)
-            if level is None:
-                smallest = self.cost(self.levels[-1].spec)
-                skipped.append(Skip(agent.agent_id, f"no level fits its memory ({agent.budget()} bytes < "
-                                                    f"{smallest} bytes for level {self.levels[-1].name})"))
-                continue
-            assignments.append(Assignment(agent.agent_id, level.name, level.spec, self.group_of(level)))
-        return assignments, skipped
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"strategy {self.name!r} keeps no state, but the checkpoint holds {sorted(state)}")

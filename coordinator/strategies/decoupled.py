@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from coordinator.levels import Level
-from coordinator.strategies.base import Strategy
+from coordinator.levels import Level, width_levels
+from coordinator.strategies.leveled import LevelStrategy
 
 
-class Decoupled(Strategy):
-    """Same level planning as HeteroFL, but no aggregation across levels; the global model is level a's."""
+class Decoupled(LevelStrategy):
+    """HeteroFL's level planning, but no aggregation across levels (and no falling to another level's model);
+    the global model is level a's."""
 
     name = "decoupled"
+    adapts = False
+
+    def make_levels(self) -> list[Level]:
+        return width_levels(self.config.levels)
 
     def groups(self) -> list[str]:
         return [level.name for level in self.levels]

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from coordinator.levels import Level
-from coordinator.strategies.base import Strategy
+from coordinator.levels import Level, width_levels
+from coordinator.strategies.leveled import LevelStrategy
 
 
-class HeteroFL(Strategy):
-    """Each agent trains the prefix slice of its level ('fix' or 'dynamic'); all share one global model."""
+class HeteroFL(LevelStrategy):
+    """Each agent trains the prefix slice of its level ('fix' or 'dynamic'), hidden channels rounded up; all share
+    one global model. An agent short of memory falls to the next smaller level that fits."""
 
     name = "heterofl"
 
-    def groups(self) -> list[str]:
-        return ["global"]
-
-    def group_of(self, level: Level) -> str:
-        return "global"
-
-    def adaptation_hint(self) -> dict[str, Any]:
-        """Nested levels: an agent short of memory trains the next smaller level that fits."""
-        return {"kind": "width-levels", "rates": [level.rate for level in self.levels]}
+    def make_levels(self) -> list[Level]:
+        return width_levels(self.config.levels)

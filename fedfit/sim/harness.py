@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import torch
 
+from common.data import load_dataset, parse_partition, partition_indices
 from common.mqtt_link import BrokerConfig
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
@@ -22,11 +23,10 @@ from coordinator.metrics import RoundResult
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from common.data import Dataset, load_dataset, parse_partition, partition_indices
 from fedfit.sim.broker import Broker, external_broker, start_broker
 from fedfit.sim.budgets import DeviceBudget, device_budgets
 from fedfit.sim.report import build_report
-from models import get_family
+from models import estimate_plan_memory
 
 
 @dataclass
@@ -64,13 +64,13 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def full_model_training_memory(config: CoordinatorConfig, dataset: Dataset,
-                               allocator: str = "compact") -> tuple[int, int]:
-    """(fixed runtime overhead, model-dependent part) of the full model's training memory at the recipe's
-    batch size, for agents running ``allocator``: the budgets' 0% and 100% points."""
-    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
-    estimate = family.training_memory_estimate(None, batch_size=config.recipe.batch_size,
-                                               input_size=dataset.image_size, allocator=allocator)
+def full_model_training_memory(coordinator: Coordinator, allocator: str = "compact") -> tuple[int, int]:
+    """(fixed runtime overhead, model-dependent part) of the training memory of the most demanding task the
+    coordinator's strategy hands out (the full model; ScaleFL's with every exit), for agents running
+    ``allocator``: the budgets' 0% and 100% points."""
+    spec, plan = coordinator.strategy.largest_task()
+    estimate = estimate_plan_memory(coordinator.family, spec, plan, input_size=coordinator.dataset.image_size,
+                                    allocator=allocator)
     return estimate.overhead, estimate.total - estimate.overhead
 
 
@@ -99,7 +99,9 @@ def print_progress(stream: IO[str], total: int) -> Any:
 
     def on_round(result: RoundResult) -> None:
         levels = " ".join(f"{name}={acc:.3f}" for name, acc in sorted(result.level_accuracy.items()))
+        exits = " ".join(f"{name}={acc:.3f}" for name, acc in result.exit_accuracy.items())
         stream.write(f"round {result.round}/{total}: global {result.global_accuracy:.4f} [{levels}] "
+                     + (f"exits [{exits}] " if exits else "") +
                      f"agents {result.participants}/{result.selected} {result.seconds:.1f}s\n")
         stream.flush()
 
@@ -120,14 +122,14 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
     coordinator: Coordinator | None = None
     try:
         config = coordinator_config(options, broker)
+        coordinator = Coordinator(config, dataset=dataset,
+                                  on_round=print_progress(progress, options.rounds) if progress else None)
         # FedAvg is the memory-ignoring upper reference: its devices train the full model whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
-            fixed, variable = full_model_training_memory(config, dataset, options.allocator)
+            fixed, variable = full_model_training_memory(coordinator, options.allocator)
             schedules = list(device_budgets(options.budgets, options.agents, variable, options.seed,
                                             options.budget_variance, fixed_bytes=fixed))
-        coordinator = Coordinator(config, dataset=dataset,
-                                  on_round=print_progress(progress, options.rounds) if progress else None)
         coordinator.start()
         broker_config = BrokerConfig(host=broker.host, port=broker.port)
         for index, indices in enumerate(shards):
@@ -151,7 +153,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
                     "partition": options.partition, "model": options.model, "seed": options.seed,
                     "federation": options.federation, "level_assignment": config.level_assignment,
-                    "levels": list(config.levels), "budgets": options.budgets,
+                    "levels": [entry["name"] for entry in coordinator.strategy.describe()],
+                    "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
                     "device_tiers": [s.tier.name if s else None for s in schedules],
                     "allocator": options.allocator}

@@ -20,6 +20,7 @@ def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: 
                 "round": r.round,
                 "global_accuracy": r.global_accuracy,
                 "level_accuracy": r.level_accuracy,
+                "exit_accuracy": r.exit_accuracy,
                 "participants": r.participants,
                 "bytes_down": r.bytes_down,
                 "bytes_up": r.bytes_up,
@@ -46,13 +47,16 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
 
 
 def format_table(rounds: list[RoundResult]) -> str:
-    """A plain-text table: accuracy overall and per level, traffic and time per round."""
+    """A plain-text table: accuracy overall, per level and per exit, traffic and time per round."""
     levels = sorted({name for r in rounds for name in r.level_accuracy})
-    header = ["round", "global"] + [f"lvl {name}" for name in levels] + ["agents", "MB down", "MB up", "seconds"]
+    exits = sorted({name for r in rounds for name in r.exit_accuracy}, key=lambda name: (len(name), name))
+    header = (["round", "global"] + [f"lvl {name}" for name in levels] + list(exits)
+              + ["agents", "MB down", "MB up", "seconds"])
     rows = [header]
     for r in rounds:
         rows.append([str(r.round), f"{r.global_accuracy:.4f}"]
                     + [f"{r.level_accuracy[name]:.4f}" if name in r.level_accuracy else "-" for name in levels]
+                    + [f"{r.exit_accuracy[name]:.4f}" if name in r.exit_accuracy else "-" for name in exits]
                     + [f"{r.participants}/{r.selected}", f"{r.bytes_down / 1e6:.2f}", f"{r.bytes_up / 1e6:.2f}",
                        f"{r.seconds:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import HETEROFL_RATES, CoordinatorConfig, DataConfig, RecipeConfig
 from common.config import ConfigError, from_mapping
+from coordinator.config import HETEROFL_RATES, CoordinatorConfig, DataConfig, RecipeConfig
 
 
 def test_defaults_are_valid():

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from common.data import load_dataset
 from coordinator.checkpoint import save_checkpoint
 from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
 from coordinator.daemon import Coordinator
 from coordinator.strategies import Assignment
-from common.data import load_dataset
 from models import SubmodelSpec
 from protocol import Update
 

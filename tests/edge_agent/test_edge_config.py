@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge_agent.config import AgentConfig, AgentDataConfig
 from common.config import ConfigError, from_mapping
+from edge_agent.config import AgentConfig, AgentDataConfig
 
 
 def valid(**kwargs) -> AgentConfig:

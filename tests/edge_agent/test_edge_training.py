@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from edge_agent.training import label_mask, masked_cross_entropy, train_plain
 from torch import nn
 
-from edge_agent.training import label_mask, masked_cross_entropy, train_plain
 from models import get_family
 from protocol import Recipe
 

@@ -15,11 +15,11 @@ import structlog
 import torch
 from paho.mqtt.enums import CallbackAPIVersion
 
+from common.data import load_dataset, parse_partition, partition_indices
 from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from common.data import load_dataset, parse_partition, partition_indices
 from fedfit.sim.broker import Broker
 from protocol import (
     Ack,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from common.data import load_dataset
 from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from common.data import load_dataset
 from fedfit.sim.broker import Broker
 
 from .conftest import tiny_config

@@ -1,0 +1,46 @@
+"""Setting a strategy up for a configuration and a dataset: the daemon's start and ``fedfit plan`` share it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from common.data import Dataset, subsample
+from coordinator.config import CoordinatorConfig
+from coordinator.strategies import Strategy, StrategyContext, make_strategy
+from models import ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
+from protocol import TrainingPlan
+
+
+class TrainingCost:
+    """Estimated peak memory of training a (spec, plan) on an agent (compact heap, this host's CPU), cached: what
+    level planning compares with the budgets agents report."""
+
+    def __init__(self, family: ModelFamily, input_size: tuple[int, int]) -> None:
+        self.family = family
+        self.input_size = input_size
+        self._cache: dict[tuple[SubmodelSpec, TrainingPlan], int] = {}
+
+    def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
+        key = (spec, replace(plan, seed=0))
+        if key not in self._cache:
+            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size).total
+        return self._cache[key]
+
+
+def model_family(config: CoordinatorConfig, dataset: Dataset) -> ModelFamily:
+    """The configured model family for the dataset's classes and input channels."""
+    return get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
+
+
+def strategy_for(config: CoordinatorConfig, dataset: Dataset, family: ModelFamily | None = None) -> Strategy:
+    """Set up the configured strategy: its family, a server sample of ``data.bn_samples`` training examples, and
+    the training-memory estimator. Raises ValueError for an unknown algorithm or a method that cannot plan."""
+    family = family or model_family(config, dataset)
+    server_x, server_y = subsample(dataset.x_train, dataset.y_train, config.data.bn_samples, config.seed)
+    return make_strategy(config.algorithm, StrategyContext(
+        family=family, config=config, input_size=dataset.image_size,
+        server_x=torch.tensor(np.asarray(server_x)), server_y=torch.tensor(np.asarray(server_y), dtype=torch.long),
+        training_cost=TrainingCost(family, dataset.image_size)))

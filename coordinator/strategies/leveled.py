@@ -1,0 +1,105 @@
+"""Strategies built on a fixed ladder of nested levels (HeteroFL, its baselines, ScaleFL)."""
+
+from __future__ import annotations
+
+import random
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from coordinator.levels import Level, affordable, pick_dynamic
+from coordinator.registry import AgentRecord
+from coordinator.strategies.base import (
+    EvalTarget,
+    RoundPlan,
+    Skip,
+    Strategy,
+    StrategyContext,
+    TaskPlan,
+    base_plan,
+    select_fraction,
+)
+from models import SubmodelSpec
+from protocol import Adaptation, Candidate, TrainingPlan
+
+
+class LevelStrategy(Strategy):
+    """Levels listed largest first; each round ``fraction`` of the online agents is selected and each gets a level
+    ('fix': the largest whose estimated training memory fits the budget the agent reports; 'dynamic': sampled
+    by the configured proportions from all levels, HeteroFL's setting of capabilities that change every round).
+    """
+
+    #: Whether an agent short of memory may fall to a smaller level (a ladder of the levels below its own).
+    adapts: bool = True
+
+    def __init__(self, context: StrategyContext) -> None:
+        super().__init__(context)
+        self.levels = self.make_levels()
+        if not self.levels:
+            raise ValueError(f"strategy {self.name!r} has no levels")
+        weights = self.config.level_proportions or [1.0] * len(self.levels)
+        if len(weights) != len(self.levels):
+            raise ValueError(f"level_proportions needs one weight per level of {self.name} ({len(self.levels)}), "
+                             f"got {len(weights)}")
+        self.proportions = {level.name: w for level, w in zip(self.levels, weights)}
+
+    @abstractmethod
+    def make_levels(self) -> list[Level]:
+        """The levels, largest first."""
+
+    def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
+        """How a level is trained in a round (default: the configured recipe)."""
+        return base_plan(self.config.recipe)
+
+    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
+        return self.levels[0].spec, self.level_plan(self.levels[0], 1)
+
+    def group_of(self, level: Level) -> str:
+        """The model state a level's agents train and are aggregated into."""
+        return "global"
+
+    def cost(self, level: Level, round_number: int = 1) -> int:
+        """Estimated training memory of a level on an agent."""
+        return self.context.training_cost(level.spec, self.level_plan(level, round_number))
+
+    def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
+        """The level this agent trains this round, or None when none fits its memory."""
+        if self.config.level_assignment == "dynamic":
+            return pick_dynamic(self.levels, self.proportions, rng)
+        candidates = affordable(self.levels, agent.budget(), lambda level: self.cost(level, round_number))
+        return candidates[0] if candidates else None
+
+    def ladder(self, level: Level, round_number: int) -> Adaptation | None:
+        """The smaller levels an agent short of memory may train instead, largest first (None: none)."""
+        below = self.levels[self.levels.index(level) + 1:]
+        if not self.adapts or not below:
+            return None
+        return Adaptation("ladder", [Candidate(lower.spec.to_dict(), self.level_plan(lower, round_number))
+                                     for lower in below])
+
+    def configure_round(self, round_number: int, agents: Sequence[AgentRecord], rng: random.Random) -> RoundPlan:
+        plan = RoundPlan()
+        for agent in select_fraction(agents, self.config.fraction, rng):
+            level = self.choose_level(agent, rng, round_number)
+            if level is None:
+                smallest = self.levels[-1]
+                plan.skipped.append(Skip(agent.agent_id, f"no level fits its memory ({agent.budget()} bytes < "
+                                                         f"{self.cost(smallest, round_number)} bytes for level "
+                                                         f"{smallest.name})"))
+                continue
+            plan.tasks.append(TaskPlan(agent.agent_id, level.name, level.spec, self.level_plan(level, round_number),
+                                       self.group_of(level), self.ladder(level, round_number)))
+        return plan
+
+    def eval_targets(self) -> dict[str, EvalTarget]:
+        targets = {level.name: EvalTarget(self.group_of(level), level.spec) for level in self.levels}
+        targets["global"] = EvalTarget(self.group_of(self.levels[0]), self.global_spec(), store_bn=True)
+        return targets
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per level: name, spec, parameters, FLOPs, estimated training memory at the recipe's batch size, and
+        the level's own figures."""
+        size = self.context.input_size
+        return [{"name": level.name, "spec": level.spec.describe(), "params": self.family.param_count(level.spec),
+                 "flops": self.family.flops(level.spec, size), "train_bytes": self.cost(level),
+                 **level.info} for level in self.levels]

@@ -1,0 +1,98 @@
+"""ScaleFL (Ilhan, Su and Liu, CVPR 2023): split the model in width and depth, with early exits and
+self-distillation among them.
+
+Set-up (Alg. 1 lines 2-4): for each level ``l`` with target cost ratio ``r_l`` the split search of Eq. 1
+(:mod:`coordinator.split_search`) finds the most balanced depth and width ratios ``(s_d, s_w)``; an early exit
+is placed after block ``floor(s_d * N)`` and the level keeps ``floor(s_w * channels)`` of every hidden layer.
+The global model is the full model with the exits of every level. Cost is the number of parameters (or FLOPs)
+of a level's sub-model as it is trained, its exits included, against the global model's.
+
+Levels are named ``1`` (smallest) to ``L`` (the full model). Clients are mapped to the highest level whose
+estimated training memory fits the budget they report (``fix``; the paper maps by a budget of the cost, a
+device reports memory), or sampled per round (``dynamic``); one that cannot afford its level falls to a lower
+level nested in it. A level-``l`` sub-model has exits ``1..l`` and trains them with Eq. 5,
+``1/(l(l+1)) * sum_i i * (beta * KL_tau(y_i || y_l) + CE(y_i, y))``, the last exit the teacher. Aggregation is
+Eq. 2: per element, the mean over the participants whose sub-model holds it (layers beyond a client's exit are
+untouched by it), i.e. masked aggregation. Each round the global model is evaluated at every exit, and each
+level's sub-model at its last exit.
+"""
+
+from __future__ import annotations
+
+from coordinator.levels import Level
+from coordinator.split_search import NoSplitError, search_levels
+from coordinator.strategies.base import StrategyContext, base_plan
+from coordinator.strategies.leveled import LevelStrategy
+from models import SubmodelSpec
+from protocol import LossTerm, TrainingPlan
+
+__all__ = ["ScaleFL", "self_distillation_loss"]
+
+
+def self_distillation_loss(outputs: int, *, beta: float, tau: float, distill: bool = True,
+                           detach_teacher: bool = False, masked: bool = False,
+                           normalization: str = "paper") -> tuple[LossTerm, ...]:
+    """ScaleFL's Eq. 5 for a sub-model with ``outputs`` exits, as loss terms.
+
+    ``L = c * sum_{i=1..l} i * (beta * KL_tau(y_i || y_l) + CE(y_i, y))`` with ``c = 1/(l(l+1))`` (``paper``)
+    or ``2/(l(l+1))`` (``reference``: the weights sum to 1); the last exit ``y_l`` is the teacher (its own KL term
+    is zero and left out). ``distill=False`` keeps only the cross-entropy terms (the reference code's first
+    quarter of the rounds).
+    """
+    if outputs < 1:
+        raise ValueError(f"a sub-model has at least one output, got {outputs}")
+    if normalization not in ("paper", "reference"):
+        raise ValueError(f"normalization must be 'paper' or 'reference', got {normalization!r}")
+    scale = (1.0 if normalization == "paper" else 2.0) / (outputs * (outputs + 1))
+    terms = [LossTerm.ce(weight=scale * i, output=i - 1, masked=masked) for i in range(1, outputs + 1)]
+    if distill and beta > 0:
+        terms += [LossTerm.kd(i - 1, outputs - 1, weight=scale * i * beta, tau=tau, detach_teacher=detach_teacher)
+                  for i in range(1, outputs)]
+    return tuple(terms)
+
+
+class ScaleFL(LevelStrategy):
+    """Width-and-depth split levels with early exits and self-distillation (see the module docstring)."""
+
+    name = "scalefl"
+
+    def __init__(self, context: StrategyContext) -> None:
+        self.settings = context.config.scalefl
+        super().__init__(context)
+
+    def make_levels(self) -> list[Level]:
+        settings = self.settings
+        try:
+            found = search_levels(self.family, settings.ratios, settings.tolerances(), metric=settings.cost,
+                                  input_size=self.context.input_size, step=settings.grid_step)
+        except NoSplitError as exc:
+            raise ValueError(f"ScaleFL cannot split model {self.family.name!r}: {exc}; change scalefl.ratios or "
+                             "widen scalefl.tolerance") from None
+        levels = []
+        for number, level in enumerate(found, start=1):
+            split = level.split
+            exit_block: int | str = split.blocks - 1 if split.blocks < self.family.num_blocks else "final"
+            levels.append(Level(str(number), level.spec, {
+                "s_d": split.s_d, "s_w": split.s_w, "blocks": f"{split.blocks}/{self.family.num_blocks}",
+                "exit_block": exit_block, "target_ratio": level.target,
+                "cost_ratio": split.ratio, "tolerance": level.tolerance, "cost": settings.cost}))
+        return levels[::-1]
+
+    def global_spec(self) -> SubmodelSpec:
+        """The full model with every level's exit."""
+        return self.levels[0].spec
+
+    def outputs(self, level: Level) -> int:
+        """How many exits the level's sub-model has."""
+        return len(level.spec.exits) + (level.spec.depth is None)
+
+    def distilling(self, round_number: int) -> bool:
+        """Whether the round's plans distil (off for the first ``kd_warmup`` share of the rounds)."""
+        return round_number > self.settings.kd_warmup * self.config.rounds
+
+    def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
+        settings = self.settings
+        loss = self_distillation_loss(self.outputs(level), beta=settings.beta, tau=settings.tau,
+                                      distill=self.distilling(round_number), detach_teacher=settings.detach_teacher,
+                                      masked=self.config.recipe.masked_ce, normalization=settings.normalization)
+        return base_plan(self.config.recipe, loss)

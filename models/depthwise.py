@@ -1,0 +1,99 @@
+"""Depth-wise training views (FeDepth): train one segment of consecutive blocks and a head, nothing else.
+
+Blocks before the segment run under ``torch.no_grad()`` (frozen: no gradients, nothing saved for backward, only
+their output exists), the segment's blocks are trained, blocks after it are skipped. The segment's output
+reaches a classifier by one of two routes:
+
+- ``"skip"`` (FeDepth's skip connection): every ``s``-th row and column is kept (``s = ceil(size / head size)``)
+  and the channels are zero-padded (or truncated) to what the model's output head expects, then that head (the
+  final head, or the exit closing a cut model) runs;
+- ``"exit"``: the early exit after the segment's last block (auxiliary classifiers per depth).
+
+The same view serves the training interpreter (:mod:`models.training`) and the memory estimator
+(:mod:`models.memory`), so what is estimated is what runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.net import FamilyNet
+
+__all__ = ["SegmentModel", "output_shape"]
+
+
+def output_shape(model: FamilyNet, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(channels, height, width) of the last kept block's output for inputs of ``input_shape`` (N, C, H, W):
+    a two-sample shape probe on meta copies of the blocks."""
+    x = torch.empty(2, *input_shape[1:], device="meta")
+    with torch.no_grad():
+        for block in model.blocks:
+            meta = {k: torch.empty_like(v, device="meta") for k, v in block.state_dict().items()}
+            x = torch.func.functional_call(block, meta, (x,))
+    return int(x.shape[1]), int(x.shape[2]), int(x.shape[3])
+
+
+class SegmentModel(nn.Module):
+    """Train blocks ``start..stop-1`` of ``model`` and one head (see the module docstring).
+
+    Construction freezes every parameter of ``model`` but the segment's and the head's (``requires_grad``
+    changed in place, so ``[p for p in model.parameters() if p.requires_grad]`` is what an optimizer gets);
+    :meth:`release` makes every parameter trainable again. ``forward_exits`` returns the one output.
+    """
+
+    def __init__(self, model: FamilyNet, start: int, stop: int, input_shape: tuple[int, ...],
+                 route: str = "skip") -> None:
+        super().__init__()
+        count = len(model.blocks)
+        if not 0 <= start < stop <= count:
+            raise ValueError(f"a segment must be a block range [start, stop) within 0..{count}, got [{start}, {stop}).")
+        if route not in ("skip", "exit"):
+            raise ValueError(f"route must be 'skip' or 'exit', got {route!r}.")
+        self.model = model
+        self.start, self.stop, self.route = start, stop, route
+        if route == "exit" and stop < count:
+            if stop - 1 not in model.exit_blocks:
+                raise ValueError(f"route 'exit' needs an exit after block {stop - 1}; the spec has exits at "
+                                 f"{list(model.exit_blocks)}.")
+            classifier = model.exit_head(stop - 1)
+        else:
+            classifier = model.output_head()
+        self._classifier = (classifier,)  # a view: registered in the model already
+        self.skip = route == "skip" and stop < count
+        self.head_channels, self.head_h, self.head_w = output_shape(model, input_shape) if self.skip else (0, 0, 0)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for module in (*model.blocks[start:stop], classifier):
+            for p in module.parameters():
+                p.requires_grad_(True)
+
+    def release(self) -> None:
+        """Make every parameter of the model trainable again."""
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+
+    def forward_exits(self, x: torch.Tensor) -> list[torch.Tensor]:
+        blocks = self.model.blocks
+        with torch.no_grad():
+            for block in blocks[: self.start]:
+                x = block(x)
+        for block in blocks[self.start:self.stop]:
+            x = block(x)
+        if self.skip:
+            sh = max(1, math.ceil(x.shape[2] / self.head_h))
+            sw = max(1, math.ceil(x.shape[3] / self.head_w))
+            if sh > 1 or sw > 1:
+                x = x[:, :, ::sh, ::sw]
+            extra = self.head_channels - x.shape[1]
+            if extra > 0:
+                x = F.pad(x, (0, 0, 0, 0, 0, extra))
+            elif extra < 0:
+                x = x[:, : self.head_channels]
+        return [self._classifier[0](x)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_exits(x)[0]

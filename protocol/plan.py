@@ -1,0 +1,233 @@
+"""The training plan: how an agent trains the sub-model of a task, as data (the agent never learns the paper).
+
+A :class:`TrainingPlan` holds the optimizer settings, the data loop (epochs, batch size, seed), the loss as a
+list of terms over the model's outputs, and the schedule of the spec's depth-wise stages. The outputs of a
+sub-model are its exits in depth order, the deepest last (index -1); a model without early exits has one.
+
+Loss term kinds (``LOSS_KINDS``):
+
+- ``"ce"``: ``weight * CE(outputs[output], y)``; ``masked`` is HeteroFL's masked cross-entropy (the logits of
+  classes absent from the local data are set to 0 before the loss).
+- ``"kd"``: self-distillation between two outputs, ``weight * tau^2 * KL(softmax(t / tau) || softmax(s / tau))``
+  averaged over the batch, with ``s = outputs[output]`` the student and ``t = outputs[teacher]`` the teacher
+  (ScaleFL Eq. 5); ``detach_teacher`` stops the gradient through the teacher.
+
+Further kinds (distillation from nested sub-models, mutual distillation among copies) are added here with a
+version bump; an agent that meets a kind, field or version it does not know rejects the task with one
+:class:`~protocol.ProtocolError` that names it.
+
+The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate plans carry a
+:class:`~protocol.Recipe` instead; :meth:`TrainingPlan.from_recipe` gives the plan that recipe always meant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol._ids import shown
+from protocol._plain import plain
+from protocol._reader import FieldReader, check_int
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+
+__all__ = [
+    "LOSS_KINDS",
+    "PLAN_VERSION",
+    "ROUTES",
+    "LossTerm",
+    "OptimizerSettings",
+    "Recipe",
+    "Stage",
+    "TrainingPlan",
+    "read_training_plan",
+]
+
+PLAN_VERSION = 1
+LOSS_KINDS: tuple[str, ...] = ("ce", "kd")
+OPTIMIZERS: tuple[str, ...] = ("sgd",)
+#: How a depth-wise stage's output reaches a classifier: FeDepth's skip connection to the final head
+#: (spatial subsampling, zero-padded channels) or the early exit after the stage's last block.
+ROUTES: tuple[str, ...] = ("skip", "exit")
+MAX_LOSS_TERMS = 64
+MAX_STAGES = 1024
+
+
+@dataclass
+class Recipe:
+    """The training settings of tasks from coordinators that predate training plans (plain or masked CE)."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    clip_norm: float | None
+    masked_ce: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """SGD with momentum and weight decay, gradients clipped to ``clip_norm`` (None: not clipped)."""
+
+    kind: str = "sgd"
+    lr: float = 0.02
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    clip_norm: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """One term of the loss (see the module docstring); fields a kind does not use stay at their defaults."""
+
+    kind: str
+    weight: float = 1.0
+    output: int = -1
+    masked: bool = False
+    teacher: int | None = None
+    tau: float | None = None
+    detach_teacher: bool = False
+
+    @classmethod
+    def ce(cls, weight: float = 1.0, output: int = -1, masked: bool = False) -> LossTerm:
+        """Cross-entropy of one output."""
+        return cls("ce", weight=weight, output=output, masked=masked)
+
+    @classmethod
+    def kd(cls, student: int, teacher: int, *, weight: float, tau: float,
+           detach_teacher: bool = False) -> LossTerm:
+        """Self-distillation of output ``student`` towards output ``teacher``."""
+        return cls("kd", weight=weight, output=student, teacher=teacher, tau=tau, detach_teacher=detach_teacher)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Settings of one depth-wise stage (one segment of the spec), in the spec's segment order."""
+
+    epochs: int = 1
+    route: str = "skip"
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """Everything about local training but the weights and the spec (see the module docstring).
+
+    ``schedule`` is empty for a spec trained whole; for a spec with segments it is empty (every stage runs
+    ``epochs`` epochs through the skip path) or has one :class:`Stage` per segment.
+    """
+
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    epochs: int = 1
+    batch_size: int = 32
+    seed: int = 0
+    loss: tuple[LossTerm, ...] = (LossTerm("ce"),)
+    schedule: tuple[Stage, ...] = ()
+    version: int = PLAN_VERSION
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> TrainingPlan:
+        """The plan a pre-plan task's :class:`Recipe` stands for: one plain (or masked) CE term."""
+        return cls(
+            optimizer=OptimizerSettings("sgd", recipe.lr, recipe.momentum, recipe.weight_decay, recipe.clip_norm),
+            epochs=recipe.epochs,
+            batch_size=recipe.batch_size,
+            seed=recipe.seed,
+            loss=(LossTerm.ce(masked=recipe.masked_ce),),
+        )
+
+    @property
+    def uses_masked_ce(self) -> bool:
+        """Whether a cross-entropy term masks absent classes (their classifier rows are then not aggregated)."""
+        return any(term.kind == "ce" and term.masked for term in self.loss)
+
+    def outputs_needed(self) -> int:
+        """How many of the deepest outputs the loss reads at least (``-1`` needs 1, ``-3`` needs 3; a
+        non-negative index ``i`` needs ``i + 1``)."""
+        needed = 1
+        for term in self.loss:
+            for index in (term.output, term.teacher):
+                if index is not None:
+                    needed = max(needed, -index if index < 0 else index + 1)
+        return needed
+
+    def to_dict(self) -> dict[str, object]:
+        """Msgpack-friendly form, as the codec writes it inside a task."""
+        result = plain(self)
+        assert isinstance(result, dict)
+        return result
+
+    @classmethod
+    def from_dict(cls, data: object, limits: Limits = DEFAULT_LIMITS) -> TrainingPlan:
+        """Strict inverse of :meth:`to_dict`; raises :class:`ProtocolError` naming what is wrong."""
+        return read_training_plan(data, "plan", limits)
+
+
+# ------------------------------------------------------------------------------------------------ readers
+def _read_optimizer(obj: object, where: str, limits: Limits) -> OptimizerSettings:
+    r = FieldReader(obj, where, limits, OptimizerSettings)
+    return OptimizerSettings(
+        kind=r.text("kind", OPTIMIZERS),
+        lr=r.number("lr", above=0.0),
+        momentum=r.number("momentum", minimum=0.0, below=1.0),
+        weight_decay=r.number("weight_decay", minimum=0.0),
+        clip_norm=r.opt_number("clip_norm", above=0.0),
+    )
+
+
+def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
+    if isinstance(obj, dict) and obj.get("kind") not in LOSS_KINDS:
+        raise ProtocolError(f"{where}.kind: unknown loss term kind {shown(obj.get('kind'))}; this side knows "
+                            f"{', '.join(LOSS_KINDS)} (upgrade it to run this plan)")
+    r = FieldReader(obj, where, limits, LossTerm)
+    kind = r.text("kind", LOSS_KINDS)
+    term = LossTerm(
+        kind=kind,
+        weight=r.number("weight", minimum=0.0),
+        output=r.integer("output"),
+        masked=r.boolean("masked"),
+        teacher=r.opt_integer("teacher"),
+        tau=r.opt_number("tau", above=0.0),
+        detach_teacher=r.boolean("detach_teacher"),
+    )
+    if kind == "kd" and (term.teacher is None or term.tau is None or term.masked):
+        raise ProtocolError(f"{where}: a 'kd' term needs 'teacher' and 'tau' and cannot be 'masked'")
+    if kind == "ce" and (term.teacher is not None or term.tau is not None or term.detach_teacher):
+        raise ProtocolError(f"{where}: a 'ce' term takes no 'teacher', 'tau' or 'detach_teacher'")
+    return term
+
+
+def _read_stage(obj: object, where: str, limits: Limits) -> Stage:
+    r = FieldReader(obj, where, limits, Stage)
+    return Stage(epochs=r.integer("epochs", minimum=1), route=r.text("route", ROUTES))
+
+
+def _read_list(value: object, where: str, most: int) -> list[object]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where} must be a list, got {shown(value)}")
+    if len(value) > most:
+        raise ProtocolError(f"{where} has {len(value)} entries, more than the limit of {most}")
+    return value
+
+
+def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
+    """Read and validate a training plan (a decoded msgpack map); raises :class:`ProtocolError`."""
+    if isinstance(obj, dict) and "version" in obj:
+        version = obj["version"]
+        if type(version) is not int or version != PLAN_VERSION:
+            raise ProtocolError(f"{where}.version: the training plan is version {shown(version)}, this side "
+                                f"runs version {PLAN_VERSION}: upgrade the older side")
+    r = FieldReader(obj, where, limits, TrainingPlan)
+    terms = _read_list(r.raw("loss"), r.label("loss"), MAX_LOSS_TERMS)
+    if not terms:
+        raise ProtocolError(f"{r.label('loss')} must hold at least one term")
+    stages = _read_list(r.raw("schedule"), r.label("schedule"), MAX_STAGES)
+    return TrainingPlan(
+        optimizer=r.nested("optimizer", _read_optimizer),
+        epochs=r.integer("epochs", minimum=1),
+        batch_size=r.integer("batch_size", minimum=2),
+        seed=check_int(r.raw("seed"), r.label("seed")),
+        loss=tuple(_read_loss_term(term, f"{r.label('loss')}[{i}]", limits) for i, term in enumerate(terms)),
+        schedule=tuple(_read_stage(stage, f"{r.label('schedule')}[{i}]", limits) for i, stage in enumerate(stages)),
+        version=PLAN_VERSION,
+    )
