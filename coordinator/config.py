@@ -48,7 +48,9 @@ class ScaleFLConfig:
     """ScaleFL's settings (the ``scalefl`` section; used when ``algorithm: scalefl``).
 
     ``ratios``: target cost ratios r_l of the levels, smallest first, the last 1 (the full model).
-    ``cost``: what a level's cost counts, ``params`` or ``flops`` (per sample, at the dataset's image size).
+    ``cost``: what a level's cost counts: ``memory`` (its estimated training memory at the recipe's batch size,
+    what the budgets agents report limit), ``params`` or ``flops`` (per sample, at the dataset's image size; the
+    paper's two, for comparing with its Table 1).
     ``tolerance``: eps_l, one for all levels or one per level. ``grid_step``: step of the s_d, s_w grid search.
     ``tau``, ``beta``: the self-distillation temperature and weight of Eq. 5 (paper: 3 and 0.1 for vision).
     ``kd_warmup``: share of the rounds trained without distillation (reference code: 0.25; paper: 0).
@@ -58,7 +60,7 @@ class ScaleFLConfig:
     """
 
     ratios: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
-    cost: Literal["params", "flops"] = "params"
+    cost: Literal["memory", "params", "flops"] = "memory"
     tolerance: float | list[float] = 0.1
     grid_step: float = 0.01
     tau: float = 3.0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from models import ModelFamily, SubmodelSpec
 
-__all__ = ["NoSplitError", "Split", "search_levels", "search_split"]
+__all__ = ["LevelSplit", "NoSplitError", "Split", "search_levels", "search_split", "split_spec"]
 
 _SNAP = 1e-9
 
@@ -67,7 +67,11 @@ def search_split(
     Parameters
     ----------
     cost:
-        ``cost(blocks, s_w)``: cost of the model cut after ``blocks`` blocks at width ``s_w``.
+        ``cost(blocks, s_w)``: cost of the model cut after ``blocks`` blocks at width ``s_w``. It must not
+        decrease as the width or the depth grows (parameters, FLOPs and training memory do not), which lets the
+        search skip most of the grid: it starts at the depth where the balanced diagonal ``s_w = s_d`` crosses the
+        target, bisects widths, and moves away from that depth only while a split as balanced as the best so far
+        can still exist. The result is the one an exhaustive grid search finds.
     num_blocks:
         ``N``, the body blocks of the full model.
     full_cost, target, tolerance:
@@ -85,25 +89,73 @@ def search_split(
     """
     grid = _grid(step)
     goal = target * full_cost
+    low, high = goal * (1.0 - tolerance) * (1 - _SNAP), goal * (1.0 + tolerance) * (1 + _SNAP)
+    depths: dict[int, list[int]] = {}  # blocks -> grid indices of the s_d that keep them
+    for index, s_d in enumerate(grid):
+        blocks = _blocks_of(s_d, num_blocks)
+        if 1 <= blocks <= num_blocks and (above is None or blocks >= above.blocks) and (
+                allowed_blocks is None or blocks in allowed_blocks):
+            depths.setdefault(blocks, []).append(index)
+    order = sorted(depths)
+    if not order:
+        raise NoSplitError("no depth on the grid is open to this level")
+    values: dict[tuple[int, int], float] = {}
+
+    def at(blocks: int, index: int) -> float:
+        if (blocks, index) not in values:
+            values[(blocks, index)] = cost(blocks, grid[index])
+        return values[(blocks, index)]
+
     best: tuple[tuple[float, float, int], Split] | None = None
-    for blocks in range(1, num_blocks + 1):
-        depths = [s for s in grid if _blocks_of(s, num_blocks) == blocks]
-        if not depths or (above is not None and blocks < above.blocks) or (
-                allowed_blocks is not None and blocks not in allowed_blocks):
-            continue
-        for s_w in grid:
-            value = cost(blocks, s_w)
-            error = abs(value / goal - 1.0)
-            if error > tolerance + _SNAP:
-                continue
-            s_d = min(depths, key=lambda s: (abs(s - s_w), s))
-            key = (round(abs(s_d - s_w), 9), error, -blocks)
+
+    def visit(blocks: int) -> str:
+        """Update ``best`` with this depth's most balanced feasible width; say whether the feasible widths lie
+        wholly below ("low") or above ("high") the window that could still beat it."""
+        nonlocal best
+        first, last = depths[blocks][0], depths[blocks][-1]
+        reach = len(grid) if best is None else round(best[0][0] / step)
+        lo, hi = max(0, first - reach), min(len(grid) - 1, last + reach)
+        if at(blocks, lo) > high:
+            return "low"
+        if at(blocks, hi) < low:
+            return "high"
+        start = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) >= low)
+        stop = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) > high) - 1
+        for s_d in depths[blocks]:
+            if start > stop:
+                break
+            nearest = min(max(s_d, start), stop)
+            value = at(blocks, nearest)
+            key = (round(abs(grid[s_d] - grid[nearest]), 9), abs(value / goal - 1.0), -blocks)
             if best is None or key < best[0]:
-                best = (key, Split(s_d, s_w, blocks, value, value / full_cost))
+                best = (key, Split(grid[s_d], grid[nearest], blocks, value, value / full_cost))
+        return "inside"
+
+    # The depth where the diagonal crosses the target: its cost grows with the depth.
+    crossing = _bisect(len(order), lambda i: at(order[i], depths[order[i]][len(depths[order[i]]) // 2]) >= goal)
+    for direction in (range(crossing, len(order)), range(crossing - 1, -1, -1)):
+        for i in direction:
+            where = visit(order[i])
+            # Deeper splits only move the feasible widths down and the balanced window up, shallower ones the
+            # other way: once out of reach, the rest of that direction is too.
+            if (where == "low" and direction.step > 0) or (where == "high" and direction.step < 0):
+                break
     if best is None:
         raise NoSplitError(f"no split on the {step:g} grid has a cost within {tolerance:.0%} of {target:g} of the "
                            f"global model's")
     return best[1]
+
+
+def _bisect(count: int, reached: Callable[[int], bool]) -> int:
+    """The first index in ``0..count`` where the monotone ``reached`` holds (``count`` when it never does)."""
+    lo, hi = 0, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reached(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass(frozen=True)
@@ -124,9 +176,29 @@ def _with_exit(exits: tuple[int, ...], blocks: int, num_blocks: int) -> tuple[in
     return (*exits, blocks - 1)
 
 
+def split_spec(family: ModelFamily, blocks: int, s_w: float, exits: Sequence[int]) -> SubmodelSpec:
+    """The floor-rounded sub-model cut after ``blocks`` blocks at width ``s_w`` with ``exits``."""
+    return SubmodelSpec(width=s_w, rounding="floor", depth=blocks if blocks < family.num_blocks else None,
+                        exits=tuple(exits))
+
+
+class _SpecCost:
+    """``cost(blocks, s_w, exits)`` of any per-spec cost (training memory), remembered per spec."""
+
+    def __init__(self, family: ModelFamily, cost: Callable[[SubmodelSpec], float]) -> None:
+        self.family, self.cost = family, cost
+        self._seen: dict[SubmodelSpec, float] = {}
+
+    def __call__(self, blocks: int, s_w: float, exits: Sequence[int]) -> float:
+        spec = split_spec(self.family, blocks, s_w, exits)
+        if spec not in self._seen:
+            self._seen[spec] = float(self.cost(spec))
+        return self._seen[spec]
+
+
 class _CostModel:
-    """Fast ``cost(blocks, s_w, exits)`` of a family's floor-rounded sub-models: per-layer costs per width, summed
-    over the kept blocks (prefix sums), the exits and, at full depth, the final head."""
+    """Fast ``cost(blocks, s_w, exits)`` of parameters or FLOPs: per-layer costs per width, summed over the kept
+    blocks (prefix sums), the exits and, at full depth, the final head."""
 
     def __init__(self, family: ModelFamily, metric: str, input_size: tuple[int, int]) -> None:
         self.family, self.metric, self.input_size = family, metric, input_size
@@ -162,20 +234,27 @@ class _CostModel:
 
 
 def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequence[float], *,
-                  metric: str = "params", input_size: tuple[int, int] = (28, 28), step: float = 0.01,
-                  max_rounds: int = 10) -> list[LevelSplit]:
+                  cost: str | Callable[[SubmodelSpec], float] = "params", input_size: tuple[int, int] = (28, 28),
+                  step: float = 0.01, max_rounds: int = 10) -> list[LevelSplit]:
     """ScaleFL's levels for ``family``: one split per target ratio (smallest first, the last 1: the full model).
+
+    ``cost`` is ``"params"``, ``"flops"`` (per sample at ``input_size``) or any function of a spec that grows
+    with its width (e.g. the estimated training memory of the level that spec would be).
 
     ``cost(M)`` is the global model as the top level trains it, early exits included, so every level's ratio is
     of the same model; since the exits depend on the splits, the search repeats until the exits settle
     (at most ``max_rounds`` times). A level below the top that is cut keeps an exit after its last block, and
     every level keeps the exits of the levels below it.
     """
-    if metric not in ("params", "flops"):
-        raise ValueError(f"the split cost must be 'params' or 'flops', got {metric!r}")
     if not ratios or abs(ratios[-1] - 1.0) > 1e-9:
         raise ValueError(f"the last target ratio must be 1 (the full model), got {list(ratios)}")
-    costs = _CostModel(family, metric, input_size)
+    costs: Callable[[int, float, Sequence[int]], float]
+    if callable(cost):
+        costs = _SpecCost(family, cost)
+    elif cost in ("params", "flops"):
+        costs = _CostModel(family, cost, input_size)
+    else:
+        raise ValueError(f"the split cost must be 'params', 'flops' or a function of a spec, got {cost!r}")
     n = family.num_blocks
     allowed = [b + 1 for b in family.exit_points] + [n]
     exits: tuple[int, ...] = ()
@@ -194,12 +273,11 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
             split = search_split(level_cost, n, full, target, tolerance, step=step, above=previous,
                                  allowed_blocks=allowed)
             found = list(_with_exit(lower, split.blocks, n))
-            spec = SubmodelSpec(width=split.s_w, rounding="floor", depth=split.blocks if split.blocks < n else None,
-                                exits=tuple(found))
+            spec = split_spec(family, split.blocks, split.s_w, found)
             levels.append(LevelSplit(target, tolerance, split, spec))
             previous = split
         top = Split(1.0, 1.0, n, full, 1.0)
-        levels.append(LevelSplit(1.0, tolerances[-1], top, SubmodelSpec(rounding="floor", exits=tuple(found))))
+        levels.append(LevelSplit(1.0, tolerances[-1], top, split_spec(family, n, 1.0, found)))
         if tuple(found) == exits:
             return levels
         exits = tuple(found)

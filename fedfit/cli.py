@@ -13,6 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import yaml
+
 from common.config import ConfigError, from_mapping, load_yaml
 from common.data import DATASET_NAMES, DatasetError
 from common.logs import configure_logging
@@ -24,6 +26,7 @@ from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
 from fedfit.sim.broker import BrokerStartError
 from fedfit.sim.budgets import BUDGET_SCENARIOS
 from models import FAMILY_NAMES
+
 # Errors a user can cause: reported as one sentence, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
                ValueError, FileNotFoundError)
@@ -55,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
     sim.add_argument("--config", default=None, metavar="FILE",
                      help="coordinator YAML whose settings (recipe, levels, model options, ...) the run starts from")
+    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                     help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
     sim.add_argument("--budgets", choices=BUDGET_SCENARIOS, default="tiers",
                      help="device memory budgets: uniform (all 110%% of the full model's training memory), tiers "
                           "(weak/medium/strong 40/30/30%% with 35/60/110%%) or tiers-fluctuating (r = r_M - |u|)")
@@ -75,18 +80,42 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", choices=FAMILY_NAMES, default=None)
     plan.add_argument("--dataset", choices=DATASET_NAMES, default=None,
                       help="sets the classes, input channels and image size (default: the config's data.dataset)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                      help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
     plan.add_argument("--json", action="store_true", help="print a JSON list of objects instead of a table")
     return parser
 
 
-def _load(cls: type[Any], path: str) -> Any:
-    config = from_mapping(cls, load_yaml(path), where="")
+def _override(mapping: dict[str, Any], assignment: str) -> None:
+    """Apply one ``--set dotted.key=value`` (the value read as YAML) to a configuration mapping."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. scalefl.cost=params), got {assignment!r}")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: the value {text!r} is not valid YAML ({exc})") from exc
+    *parents, last = key.strip().split(".")
+    target = mapping
+    for part in parents:
+        child = target.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section of the configuration")
+        target = child
+    target[last] = value
+
+
+def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = ()) -> Any:
+    mapping = load_yaml(path) if path else {}
+    for assignment in overrides:
+        _override(mapping, assignment)
+    config = from_mapping(cls, mapping, where="")
     try:
         config.validate()
         if isinstance(config, CoordinatorConfig):
             check_algorithm(config.algorithm)
     except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{path or 'the configuration'}: {exc}") from exc
     return config
 
 
@@ -144,7 +173,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         configure_logging("info", log_stream)
     else:
         configure_logging("warning", sys.stderr)
-    base = _load(CoordinatorConfig, args.config) if args.config else CoordinatorConfig()
+    base = _load(CoordinatorConfig, args.config, args.overrides)
     options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                          partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
                          broker=args.broker, workers=args.workers, budgets=args.budgets,
@@ -167,7 +196,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from coordinator.planning import strategy_for
     from fedfit.plan_table import format_plan
 
-    config = _load(CoordinatorConfig, args.config) if args.config else CoordinatorConfig()
+    config = _load(CoordinatorConfig, args.config, args.overrides)
     config = replace(config, algorithm=args.algorithm or config.algorithm,
                      model=replace(config.model, family=args.model or config.model.family),
                      data=replace(config.data, dataset=args.dataset or config.data.dataset))

@@ -19,6 +19,8 @@ level's sub-model at its last exit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from coordinator.levels import Level
 from coordinator.split_search import NoSplitError, search_levels
 from coordinator.strategies.base import StrategyContext, base_plan
@@ -62,8 +64,11 @@ class ScaleFL(LevelStrategy):
 
     def make_levels(self) -> list[Level]:
         settings = self.settings
+        cost: str | Callable[[SubmodelSpec], float] = settings.cost
+        if settings.cost == "memory":
+            cost = self.memory_cost
         try:
-            found = search_levels(self.family, settings.ratios, settings.tolerances(), metric=settings.cost,
+            found = search_levels(self.family, settings.ratios, settings.tolerances(), cost=cost,
                                   input_size=self.context.input_size, step=settings.grid_step)
         except NoSplitError as exc:
             raise ValueError(f"ScaleFL cannot split model {self.family.name!r}: {exc}; change scalefl.ratios or "
@@ -78,21 +83,27 @@ class ScaleFL(LevelStrategy):
                 "cost_ratio": split.ratio, "tolerance": level.tolerance, "cost": settings.cost}))
         return levels[::-1]
 
+    def memory_cost(self, spec: SubmodelSpec) -> float:
+        """Estimated training memory of ``spec`` trained as a level (its exits with Eq. 5), at the recipe's batch
+        size, as the agents estimate it: the ``memory`` cost of the split search."""
+        outputs = len(spec.exits) + (spec.depth is None)
+        return float(self.context.training_cost(spec, self._plan(outputs, distill=True)))
+
+    def _plan(self, outputs: int, *, distill: bool) -> TrainingPlan:
+        settings = self.settings
+        return base_plan(self.config.recipe, self_distillation_loss(
+            outputs, beta=settings.beta, tau=settings.tau, distill=distill, detach_teacher=settings.detach_teacher,
+            masked=self.config.recipe.masked_ce, normalization=settings.normalization))
+
     def global_spec(self) -> SubmodelSpec:
         """The full model with every level's exit."""
         return self.levels[0].spec
 
-    def outputs(self, level: Level) -> int:
-        """How many exits the level's sub-model has."""
-        return len(level.spec.exits) + (level.spec.depth is None)
 
     def distilling(self, round_number: int) -> bool:
         """Whether the round's plans distil (off for the first ``kd_warmup`` share of the rounds)."""
         return round_number > self.settings.kd_warmup * self.config.rounds
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
-        settings = self.settings
-        loss = self_distillation_loss(self.outputs(level), beta=settings.beta, tau=settings.tau,
-                                      distill=self.distilling(round_number), detach_teacher=settings.detach_teacher,
-                                      masked=self.config.recipe.masked_ce, normalization=settings.normalization)
-        return base_plan(self.config.recipe, loss)
+        outputs = len(level.spec.exits) + (level.spec.depth is None)
+        return self._plan(outputs, distill=self.distilling(round_number))
