@@ -10,23 +10,23 @@ import torch
 from common.data import Dataset, subsample
 from coordinator.config import CoordinatorConfig
 from coordinator.strategies import Strategy, StrategyContext, make_strategy
-from models import ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
+from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from protocol import TrainingPlan
 
 
-class TrainingCost:
+class TrainingMemory:
     """Estimated peak memory of training a (spec, plan) on an agent (compact heap, this host's CPU), cached: what
     level planning compares with the budgets agents report."""
 
     def __init__(self, family: ModelFamily, input_size: tuple[int, int]) -> None:
         self.family = family
         self.input_size = input_size
-        self._cache: dict[tuple[SubmodelSpec, TrainingPlan], int] = {}
+        self._cache: dict[tuple[SubmodelSpec, TrainingPlan], MemoryEstimate] = {}
 
-    def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
+    def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
         key = (spec, replace(plan, seed=0))
         if key not in self._cache:
-            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size).total
+            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size)
         return self._cache[key]
 
 
@@ -43,4 +43,4 @@ def strategy_for(config: CoordinatorConfig, dataset: Dataset, family: ModelFamil
     return make_strategy(config.algorithm, StrategyContext(
         family=family, config=config, input_size=dataset.image_size,
         server_x=torch.tensor(np.asarray(server_x)), server_y=torch.tensor(np.asarray(server_y), dtype=torch.long),
-        training_cost=TrainingCost(family, dataset.image_size)))
+        training_memory=TrainingMemory(family, dataset.image_size)))

@@ -21,7 +21,7 @@ import torch
 from coordinator.aggregation import MaskedAggregator, restrict_rows
 from coordinator.config import CoordinatorConfig, RecipeConfig
 from coordinator.registry import AgentRecord
-from models import ModelFamily, SubmodelSpec
+from models import MemoryEstimate, ModelFamily, SubmodelSpec
 from protocol import Adaptation, LossTerm, OptimizerSettings, TrainingPlan
 
 State = dict[str, torch.Tensor]
@@ -33,8 +33,8 @@ class StrategyContext:
     """What a strategy is set up with.
 
     ``server_x``/``server_y`` is data the server may use (a sample of the training distribution: the proxy
-    data of methods that pre-train, and the static-BN sample); ``training_cost(spec, plan)`` estimates the peak
-    memory of training ``spec`` with ``plan`` on an agent (bytes).
+    data of methods that pre-train, and the static-BN sample); ``training_memory(spec, plan)`` estimates the peak
+    memory of training ``spec`` with ``plan`` on an agent, with its parts (:class:`models.MemoryEstimate`).
     """
 
     family: ModelFamily
@@ -42,7 +42,7 @@ class StrategyContext:
     input_size: tuple[int, int]
     server_x: torch.Tensor
     server_y: torch.Tensor
-    training_cost: Callable[[SubmodelSpec, TrainingPlan], int]
+    training_memory: Callable[[SubmodelSpec, TrainingPlan], MemoryEstimate]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,10 @@ class Strategy(ABC):
     def groups(self) -> list[str]:
         """Names of the model states this strategy keeps (one global model, or one per level)."""
         return ["global"]
+
+    def training_cost(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
+        """Estimated peak bytes of training ``spec`` with ``plan`` on an agent: what its reported budget must hold."""
+        return self.context.training_memory(spec, plan).total
 
     def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
         """The most demanding (spec, plan) this strategy hands out: what "the full model's training memory" means

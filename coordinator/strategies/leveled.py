@@ -60,7 +60,7 @@ class LevelStrategy(Strategy):
 
     def cost(self, level: Level, round_number: int = 1) -> int:
         """Estimated training memory of a level on an agent."""
-        return self.context.training_cost(level.spec, self.level_plan(level, round_number))
+        return self.training_cost(level.spec, self.level_plan(level, round_number))
 
     def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
         """The level this agent trains this round, or None when none fits its memory."""

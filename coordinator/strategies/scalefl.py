@@ -84,10 +84,12 @@ class ScaleFL(LevelStrategy):
         return levels[::-1]
 
     def memory_cost(self, spec: SubmodelSpec) -> float:
-        """Estimated training memory of ``spec`` trained as a level (its exits with Eq. 5), at the recipe's batch
-        size, as the agents estimate it: the ``memory`` cost of the split search."""
+        """The ``memory`` cost of the split search: the model-dependent part of the estimated training memory of
+        ``spec`` trained as a level (its exits with Eq. 5) at the recipe's batch size, as the agents estimate it
+        (the runtime's fixed overhead, the same for every model, is left out, as in the simulator's budgets)."""
         outputs = len(spec.exits) + (spec.depth is None)
-        return float(self.context.training_cost(spec, self._plan(outputs, distill=True)))
+        estimate = self.context.training_memory(spec, self._plan(outputs, distill=True))
+        return float(estimate.total - estimate.overhead)
 
     def _plan(self, outputs: int, *, distill: bool) -> TrainingPlan:
         settings = self.settings

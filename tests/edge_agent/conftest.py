@@ -1,4 +1,9 @@
-"""Shared fixtures for the edge-agent tests: a tiny CNN on 8x8 inputs, tasks for it, runners in tmp_path."""
+"""Shared fixtures for the edge-agent tests: tiny CNNs on 8x8 inputs, tasks for them, runners in tmp_path.
+
+Tasks carry a :class:`protocol.TrainingPlan` (``make_task(plan=...)`` or the plan ``task_plan(...)`` builds from
+the keyword arguments); ``make_task(legacy=True)`` makes a task the way coordinators that predate plans send it
+(a :class:`protocol.Recipe`, no plan).
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,20 @@ import torch
 
 from edge_agent.runner import LocalData, TaskRunner
 from models import ModelFamily, SubmodelSpec, get_family
-from protocol import ModelRef, Recipe, Task
+from protocol import Adaptation, LossTerm, ModelRef, OptimizerSettings, Recipe, Stage, Task, TrainingPlan
 
 HIDDEN = (4, 8)
+#: A three-block CNN (exits may follow blocks 0 and 1): room for ScaleFL-like depth cuts and FeDepth segments.
+DEEP_HIDDEN = (4, 8, 8)
+TASK_SEED = 3
+
+
+def task_plan(*, batch_size: int = 8, epochs: int = 1, momentum: float = 0.9, lr: float = 0.05,
+              weight_decay: float = 5e-4, clip_norm: float | None = 1.0, seed: int = TASK_SEED,
+              loss: tuple[LossTerm, ...] = (LossTerm.ce(),), schedule: tuple[Stage, ...] = ()) -> TrainingPlan:
+    """The training plan of the tests' tasks (plain cross-entropy of the last output unless ``loss`` says)."""
+    return TrainingPlan(optimizer=OptimizerSettings("sgd", lr, momentum, weight_decay, clip_norm), epochs=epochs,
+                        batch_size=batch_size, seed=seed, loss=tuple(loss), schedule=tuple(schedule))
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +55,17 @@ def model_ref() -> ModelRef:
     return ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)})
 
 
+@pytest.fixture(scope="session")
+def deep_family() -> ModelFamily:
+    return get_family("cnn", 10, 1, hidden=DEEP_HIDDEN)
+
+
+@pytest.fixture(scope="session")
+def deep_ref() -> ModelRef:
+    """How tasks name :func:`deep_family`."""
+    return ModelRef("cnn", 10, 1, {"hidden": list(DEEP_HIDDEN)})
+
+
 def build_local_data(n: int = 16, num_classes: int = 10, channels: int = 1) -> LocalData:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(n, channels, 8, 8, generator=generator)
@@ -54,29 +81,55 @@ def local_data() -> Callable[..., LocalData]:
 
 @pytest.fixture(scope="session")
 def make_task(family: ModelFamily) -> Callable[..., Task]:
-    """Factory for a task on the tiny CNN; the weights are the global model's slice for ``spec``."""
+    """Factory for a task on the tiny CNN (``of``: another family, named by ``model``); the weights are the
+    global model's slice for ``spec`` (every tensor of ``state_keys(spec)``, frozen blocks included).
+
+    The task carries ``plan``, or the plan :func:`task_plan` makes from the keyword arguments; ``legacy=True``
+    makes an old-style task instead: the same settings as a :class:`Recipe`, no plan.
+    """
 
     def make(spec: SubmodelSpec | None = None, *, task_id: str = "r1-agent-0001", round_number: int = 1,
              deadline: float | None = None, model: ModelRef | None = None, spec_dict: dict | None = None,
              weights: dict[str, np.ndarray] | None = None, batch_size: int = 8, epochs: int = 1,
-             momentum: float = 0.9, adaptation: dict | None = None, of: ModelFamily | None = None) -> Task:
+             momentum: float = 0.9, adaptation: Adaptation | None = None, of: ModelFamily | None = None,
+             plan: TrainingPlan | None = None, legacy: bool = False) -> Task:
         spec = SubmodelSpec.uniform(0.5) if spec is None else spec
         source = family if of is None else of
         if weights is None:
             torch.manual_seed(0)
-            global_state = source.build().state_dict()
-            sliced = source.extract(global_state, spec, keys=source.trainable_keys(spec))
+            # The global model with an exit at every exit point: any spec's weights are a slice of it.
+            global_state = source.build(SubmodelSpec(exits=source.exit_points)).state_dict()
+            sliced = source.extract(global_state, spec, keys=source.state_keys(spec))
             weights = {key: value.numpy() for key, value in sliced.items()}
+        if legacy:
+            assert plan is None, "an old-style task carries a recipe, not a plan"
+            recipe = Recipe(epochs=epochs, batch_size=batch_size, lr=0.05, momentum=momentum, weight_decay=5e-4,
+                            clip_norm=1.0, masked_ce=False, seed=TASK_SEED)
+        else:
+            recipe = None
+            if plan is None:
+                plan = task_plan(batch_size=batch_size, epochs=epochs, momentum=momentum)
         return Task(
             task_id=task_id, round=round_number, agent_id="agent",
             deadline=time.time() + 60 if deadline is None else deadline,
             model=model or ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)}),
             spec=spec.to_dict() if spec_dict is None else spec_dict,
-            recipe=Recipe(epochs=epochs, batch_size=batch_size, lr=0.05, momentum=momentum, weight_decay=5e-4,
-                          clip_norm=1.0, masked_ce=False, seed=3),
+            recipe=recipe,
             weights=weights,
             adaptation=adaptation,
+            plan=plan,
         )
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def make_deep_task(make_task: Callable[..., Task], deep_family: ModelFamily,
+                   deep_ref: ModelRef) -> Callable[..., Task]:
+    """``make_task`` on the three-block CNN (:data:`DEEP_HIDDEN`)."""
+
+    def make(spec: SubmodelSpec | None = None, **kwargs) -> Task:
+        return make_task(spec, of=deep_family, model=deep_ref, **kwargs)
 
     return make
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,36 @@ def test_coordinator_without_agents_is_one_sentence(tmp_path: Path, capsys: pyte
         broker.stop()
     assert code == 2
     assert "no agent of federation 'empty' came online" in err and "Traceback" not in err
+
+
+def test_plan_prints_scalefl_levels_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--algorithm", "scalefl", "--model", "resnet20", "--dataset", "digits",
+                 "--set", "scalefl.cost=params", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = json.loads(out)
+    assert [row["name"] for row in rows] == ["4", "3", "2", "1"]
+    for row, target in zip(rows, (1.0, 0.5, 0.25, 0.125)):
+        assert {"name", "spec", "params", "flops", "train_bytes", "s_d", "s_w"} <= set(row)
+        assert row["params"] > 0 and row["flops"] > 0 and row["train_bytes"] > 0
+        # Eq. 1: the level's parameters are within 10% of its share of the global model's.
+        assert abs(row["params"] / rows[0]["params"] / target - 1) <= 0.1 + 1e-9, row
+    assert rows[0]["s_d"] == rows[0]["s_w"] == 1.0
+    assert all(row["params"] < above["params"] for row, above in zip(rows[1:], rows))
+
+
+def test_plan_table_and_user_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--dataset", "digits", "--set", "model.options={hidden: [8, 16]}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "heterofl | cnn | digits" in out and "train_bytes" in out and "width=0.0625" in out
+    code, err = run(capsys, "plan", "--dataset", "digits", "--set", "scalefl.cost=bogus")
+    assert code == 2 and "scalefl.cost" in err and "Traceback" not in err
+    code, err = run(capsys, "plan", "--dataset", "digits", "--set", "nothing-to-set")
+    assert code == 2 and "KEY=VALUE" in err
+    code, err = run(capsys, "plan", "--dataset", "digits", "--set", "algorithm=nope")
+    assert code == 2 and "unknown algorithm 'nope'" in err
+    code, err = run(capsys, "plan", "--dataset", "digits", "--algorithm", "scalefl",
+                    "--set", "scalefl.ratios=[0.001, 1.0]", "--set", "scalefl.tolerance=0.0",
+                    "--set", "scalefl.cost=params")
+    assert code == 2 and "ScaleFL cannot split" in err and "Traceback" not in err

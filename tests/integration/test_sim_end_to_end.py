@@ -84,3 +84,23 @@ def test_command_line_sim_writes_report(mosquitto: Broker, tmp_path: Path) -> No
     # The agents ran glibc's default heap, and their budgets are relative to the full model's need under it.
     assert data["settings"]["allocator"] == "default"
     assert {t["status"] for t in data["tasks"]} == {"ok"}
+
+
+def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto: Broker, tmp_path: Path) -> None:
+    outcome = simulate(mosquitto, tmp_path, "scalefl", agents=6, rounds=2)
+    report = outcome.report
+    levels = report["settings"]["levels"]
+    assert levels == ["4", "3", "2", "1"]
+    for entry in report["rounds"]:
+        assert set(entry["level_accuracy"]) == set(levels)
+        # The global model has an exit per level below the top and its final head.
+        assert list(entry["exit_accuracy"]) == [f"exit{i}" for i in range(1, len(entry["exit_accuracy"]) + 1)]
+        assert len(entry["exit_accuracy"]) >= 2
+        assert entry["exit_accuracy"][list(entry["exit_accuracy"])[-1]] == entry["global_accuracy"]
+        assert entry["participants"] >= 1
+    trained = [t for t in report["tasks"] if t["status"] in ("ok", "adapted")]
+    assert trained and all(t["status"] in ("ok", "adapted", "skipped", "declined") for t in report["tasks"])
+    # Devices of different tiers train different levels: at least two levels take part.
+    assert len({t["level"] for t in trained}) >= 2, report["tasks"]
+    assert any("exits=" in (t["spec_trained"] or "") for t in trained)
+    assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]

@@ -12,13 +12,19 @@ import pytest
 
 from protocol import (
     Ack,
+    Adaptation,
     AgentStatus,
+    Candidate,
     Capabilities,
     CoordinatorStatus,
+    LossTerm,
     Message,
     ModelRef,
+    OptimizerSettings,
     Recipe,
+    Stage,
     Task,
+    TrainingPlan,
     Update,
     encode,
 )
@@ -34,8 +40,30 @@ def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
+SAMPLE_PLAN = TrainingPlan(
+    optimizer=OptimizerSettings(kind="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4, clip_norm=5.0),
+    epochs=2,
+    batch_size=32,
+    seed=42,
+    loss=(
+        LossTerm.ce(masked=True),
+        LossTerm.ce(weight=0.5, output=-2),
+        LossTerm.kd(-2, -1, weight=0.3, tau=3.0, detach_teacher=True),
+    ),
+    schedule=(Stage(epochs=2, route="skip"), Stage(epochs=1, route="exit")),
+)
+"""A plan with every feature: masked and plain CE terms, a distillation term and a two-stage schedule."""
+
+CANDIDATE_PLAN = TrainingPlan(
+    optimizer=OptimizerSettings(lr=0.1, clip_norm=None), epochs=1, batch_size=16, seed=42,
+    loss=(LossTerm.ce(), LossTerm.kd(0, -1, weight=1.0, tau=2.0)),
+)
+SEGMENT_PLAN = TrainingPlan(seed=42, schedule=(Stage(3, "exit"), Stage(1, "skip")))
+
+
 def make_messages() -> dict[str, Message]:
-    """One valid message of every kind (two statuses: with and without capabilities)."""
+    """One valid message of every kind (two statuses: with and without capabilities; two tasks: one with a
+    training plan and a ladder, one with a recipe and the legacy width-levels hint)."""
     rng = np.random.default_rng(7)
     capabilities = Capabilities(
         device_kind="raspberry-pi-5",
@@ -62,6 +90,24 @@ def make_messages() -> dict[str, Message]:
                 family="resnet", num_classes=10, in_channels=3, options={"depth": 18, "w": [1.0, 0.5]}
             ),
             spec={"width": 0.5, "blocks": [{"keep": [0, 2, 3], "exit": None}], "name": "level-2", "kd": True},
+            recipe=None,
+            weights=_weights(rng),
+            adaptation=Adaptation(
+                kind="ladder",
+                candidates=[
+                    Candidate(spec={"width": 0.25, "name": "level-3"}, plan=CANDIDATE_PLAN),
+                    Candidate(spec={"width": 0.125, "segments": [[0, 1], [2]]}, plan=SEGMENT_PLAN),
+                ],
+            ),
+            plan=SAMPLE_PLAN,
+        ),
+        "task_recipe": Task(
+            task_id="r3:pi-02",
+            round=3,
+            agent_id="pi-02",
+            deadline=1700000600.0,
+            model=ModelRef(family="cnn", num_classes=10, in_channels=1, options={}),
+            spec={"width": 0.5},
             recipe=Recipe(
                 epochs=2,
                 batch_size=32,
@@ -73,6 +119,7 @@ def make_messages() -> dict[str, Message]:
                 seed=42,
             ),
             weights=_weights(rng),
+            adaptation=Adaptation(kind="width-levels", rates=[1.0, 0.5, 0.25]),
         ),
         "update": Update(
             task_id="r3:pi-01",
@@ -88,6 +135,54 @@ def make_messages() -> dict[str, Message]:
         ),
         "ack": Ack(task_id="r3:pi-01", round=3, agent_id="pi-01"),
     }
+
+
+def make_old_task() -> tuple[dict[str, Any], Task]:
+    """A task as a coordinator that predates training plans sends it, and the Task it decodes to.
+
+    The map is built by hand (not by `encode`): it has a ``recipe`` and neither a ``plan`` nor an
+    ``adaptation`` key, and its tensors are written as raw little-endian bytes.
+    """
+    conv = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    counts = np.array([3, 1, 4], dtype=np.int64)
+    wire: dict[str, Any] = {
+        "v": 1,
+        "type": "task",
+        "task_id": "r1:old-pi",
+        "round": 1,
+        "agent_id": "old-pi",
+        "deadline": 1600000000.0,
+        "model": {"family": "cnn", "num_classes": 10, "in_channels": 1, "options": {"hidden": 64}},
+        "spec": {"width": 0.25},
+        "recipe": {
+            "epochs": 3, "batch_size": 20, "lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4,
+            "clip_norm": None, "masked_ce": True, "seed": 9,
+        },
+        "weights": {
+            "conv.weight": {"dtype": "float32", "shape": [2, 3, 4], "data": conv.astype("<f4").tobytes()},
+            "counts": {"dtype": "int64", "shape": [3], "data": counts.astype("<i8").tobytes()},
+        },
+    }  # fmt: skip
+    task = Task(
+        task_id="r1:old-pi",
+        round=1,
+        agent_id="old-pi",
+        deadline=1600000000.0,
+        model=ModelRef(family="cnn", num_classes=10, in_channels=1, options={"hidden": 64}),
+        spec={"width": 0.25},
+        recipe=Recipe(
+            epochs=3, batch_size=20, lr=0.01, momentum=0.5, weight_decay=1e-4, clip_norm=None, masked_ce=True,
+            seed=9,
+        ),
+        weights={"conv.weight": conv, "counts": counts},
+    )
+    return wire, task
+
+
+@pytest.fixture
+def old_task_wire() -> dict[str, Any]:
+    """A fresh copy of the hand-built wire map of an old coordinator's task (see `make_old_task`)."""
+    return make_old_task()[0]
 
 
 @pytest.fixture

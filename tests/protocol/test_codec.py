@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections.abc import Callable
@@ -35,6 +36,7 @@ KINDS = {
     "status_offline": "status",
     "coordinator_status": "coordinator_status",
     "task": "task",
+    "task_recipe": "task",
     "update": "update",
     "ack": "ack",
 }
@@ -61,8 +63,23 @@ def test_envelope_has_version_and_type(name: str, messages: dict[str, Message]) 
 
 def test_task_wire_layout(messages: dict[str, Message]) -> None:
     wire = wire_of(messages["task"])
-    assert wire["recipe"]["lr"] == 0.05
+    assert wire["recipe"] is None
+    assert wire["plan"]["version"] == 1
+    assert wire["plan"]["optimizer"] == {
+        "kind": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "clip_norm": 5.0
+    }  # fmt: skip
+    assert wire["plan"]["loss"][2] == {
+        "kind": "kd", "weight": 0.3, "output": -2, "masked": False, "teacher": -1, "tau": 3.0,
+        "detach_teacher": True,
+    }  # fmt: skip
+    assert wire["plan"]["schedule"] == [{"epochs": 2, "route": "skip"}, {"epochs": 1, "route": "exit"}]
+    assert wire["adaptation"]["kind"] == "ladder" and wire["adaptation"]["rates"] == []
+    assert wire["adaptation"]["candidates"][0]["spec"] == {"width": 0.25, "name": "level-3"}
+    assert wire["adaptation"]["candidates"][0]["plan"]["optimizer"]["clip_norm"] is None
     assert wire["model"]["family"] == "resnet"
+    old = wire_of(messages["task_recipe"])
+    assert old["plan"] is None and old["recipe"]["lr"] == 0.05
+    assert old["adaptation"] == {"kind": "width-levels", "candidates": [], "rates": [1.0, 0.5, 0.25]}
     tensor = wire["weights"]["conv.weight"]
     assert set(tensor) == {"dtype", "shape", "data"}
     assert tensor["dtype"] == "float32" and tensor["shape"] == [4, 3, 3, 3]
@@ -227,10 +244,15 @@ def test_encode_refuses_what_decode_would_reject(messages: dict[str, Message]) -
     task.weights["conv.weight"][0, 0, 0, 0] = np.nan
     with pytest.raises(ProtocolError, match=r"weights\['conv.weight'\]: tensor contains NaN or Inf"):
         encode(task)
-    task = messages["task"]
-    assert isinstance(task, Task)
+    task = messages["task_recipe"]
+    assert isinstance(task, Task) and task.recipe is not None
     task.recipe.lr = -0.1
     with pytest.raises(ProtocolError, match=re.escape("cannot encode task: task.recipe.lr must be > 0")):
+        encode(task)
+    task = messages["task"]
+    assert isinstance(task, Task) and task.plan is not None
+    task.plan = dataclasses.replace(task.plan, version=2)
+    with pytest.raises(ProtocolError, match=re.escape("cannot encode task: task.plan.version")):
         encode(task)
 
 
@@ -288,11 +310,15 @@ def _mutate(payload: bytes, rng: random.Random) -> bytes:
     return bytes(data)
 
 
-def test_mutation_fuzz_only_ever_raises_protocol_error(messages: dict[str, Message]) -> None:
+def test_mutation_fuzz_only_ever_raises_protocol_error(
+    messages: dict[str, Message], old_task_wire: dict[str, Any]
+) -> None:
     rng = random.Random(1234)
     accepted = rejected = 0
-    for message in messages.values():
-        payload = encode(message)
+    task = messages["task"]
+    assert isinstance(task, Task) and task.plan is not None and task.adaptation is not None  # plans are fuzzed
+    payloads = [encode(message) for message in messages.values()] + [pack(old_task_wire)]
+    for payload in payloads:
         for _ in range(700):
             mutated = _mutate(payload, rng)
             try:
@@ -304,20 +330,20 @@ def test_mutation_fuzz_only_ever_raises_protocol_error(messages: dict[str, Messa
             else:
                 assert isinstance(result, MESSAGE_TYPES)
                 accepted += 1
-    assert accepted + rejected == 700 * len(messages)
+    assert accepted + rejected == 700 * len(payloads)
     assert rejected > 1000  # most mutations break the payload...
     assert accepted > 10  # ...but a flipped bit in tensor data or a float still decodes
 
 
 def test_task_adaptation_hint_round_trips_and_is_validated() -> None:
-    from protocol import ModelRef, Recipe, Task
+    from protocol import Adaptation, ModelRef, Recipe, Task
 
     task = Task("t-1", 1, "dev-a", 10.0, ModelRef("cnn", 10, 1, {}), {"width": 0.5},
                 Recipe(1, 8, 0.1, 0.0, 0.0, None, False, 0), {"w": np.zeros(2, dtype=np.float32)},
-                adaptation={"kind": "width-levels", "rates": [1.0, 0.5, 0.25]})
+                adaptation=Adaptation("width-levels", rates=[1.0, 0.5, 0.25]))
     decoded = decode(encode(task), expected=Task)
     assert isinstance(decoded, Task)
-    assert decoded.adaptation == {"kind": "width-levels", "rates": [1.0, 0.5, 0.25]}
+    assert decoded.adaptation == Adaptation("width-levels", candidates=[], rates=[1.0, 0.5, 0.25])
     raw = msgpack.unpackb(encode(task))
     raw["adaptation"] = "shrink please"
     with pytest.raises(ProtocolError, match="adaptation"):

@@ -25,18 +25,25 @@ from protocol import (
 from .conftest import pack, wire_of
 
 
+def _step(node: Any, part: str) -> Any:
+    return node[int(part)] if isinstance(node, list) else node[part]
+
+
 def _set(wire: dict[str, Any], path: str, value: object) -> None:
+    """Set a dotted path; numeric parts index lists (``plan.loss.0.kind``)."""
     *parents, last = path.split(".")
+    node: Any = wire
     for part in parents:
-        wire = wire[part]
-    wire[last] = value
+        node = _step(node, part)
+    node[int(last) if isinstance(node, list) else last] = value
 
 
 def _delete(wire: dict[str, Any], path: str) -> None:
     *parents, last = path.split(".")
+    node: Any = wire
     for part in parents:
-        wire = wire[part]
-    del wire[last]
+        node = _step(node, part)
+    del node[int(last) if isinstance(node, list) else last]
 
 
 def _tensor(dtype: str, shape: list[int], data: bytes) -> dict[str, Any]:
@@ -92,17 +99,61 @@ BAD_FIELDS: list[tuple[str, str, object, str]] = [
     ("task", "model.in_channels", -3, "task.model.in_channels must be >= 1"),
     ("task", "model.options", {"nested": {"a": 1}}, "task.model.options.nested must be None, bool"),
     ("task", "model.options", {"xs": [[1]]}, "task.model.options.xs must be None, bool"),
-    ("task", "recipe.epochs", 0, "task.recipe.epochs must be >= 1"),
-    ("task", "recipe.epochs", 2.0, "task.recipe.epochs must be an integer"),
-    ("task", "recipe.batch_size", 0, "task.recipe.batch_size must be >= 1"),
-    ("task", "recipe.lr", 0.0, "task.recipe.lr must be > 0"),
-    ("task", "recipe.lr", "0.1", "task.recipe.lr must be a number, got str"),
-    ("task", "recipe.momentum", 1.0, "task.recipe.momentum must be < 1"),
-    ("task", "recipe.momentum", -0.1, "task.recipe.momentum must be >= 0"),
-    ("task", "recipe.weight_decay", -1e-4, "task.recipe.weight_decay must be >= 0"),
-    ("task", "recipe.clip_norm", 0.0, "task.recipe.clip_norm must be > 0"),
-    ("task", "recipe.masked_ce", 1, "task.recipe.masked_ce must be true or false"),
-    ("task", "recipe.seed", 4.0, "task.recipe.seed must be an integer"),
+    ("task_recipe", "recipe.epochs", 0, "task.recipe.epochs must be >= 1"),
+    ("task_recipe", "recipe.epochs", 2.0, "task.recipe.epochs must be an integer"),
+    ("task_recipe", "recipe.batch_size", 0, "task.recipe.batch_size must be >= 1"),
+    ("task_recipe", "recipe.lr", 0.0, "task.recipe.lr must be > 0"),
+    ("task_recipe", "recipe.lr", "0.1", "task.recipe.lr must be a number, got str"),
+    ("task_recipe", "recipe.momentum", 1.0, "task.recipe.momentum must be < 1"),
+    ("task_recipe", "recipe.momentum", -0.1, "task.recipe.momentum must be >= 0"),
+    ("task_recipe", "recipe.weight_decay", -1e-4, "task.recipe.weight_decay must be >= 0"),
+    ("task_recipe", "recipe.clip_norm", 0.0, "task.recipe.clip_norm must be > 0"),
+    ("task_recipe", "recipe.masked_ce", 1, "task.recipe.masked_ce must be true or false"),
+    ("task_recipe", "recipe.seed", 4.0, "task.recipe.seed must be an integer"),
+    ("task", "plan", "sgd", "task.plan must be a map, got str"),
+    ("task", "plan.epochs", 0, "task.plan.epochs must be >= 1"),
+    ("task", "plan.epochs", 1.0, "task.plan.epochs must be an integer"),
+    ("task", "plan.batch_size", 1, "task.plan.batch_size must be >= 2"),
+    ("task", "plan.batch_size", True, "task.plan.batch_size must be an integer, got bool"),
+    ("task", "plan.seed", 1.5, "task.plan.seed must be an integer"),
+    ("task", "plan.seed", None, "task.plan.seed must be an integer"),
+    ("task", "plan.optimizer", None, "task.plan.optimizer must be a map"),
+    ("task", "plan.optimizer.kind", "adam", "task.plan.optimizer.kind must be one of sgd; got str 'adam'"),
+    ("task", "plan.optimizer.lr", math.nan, "task.plan.optimizer.lr must be finite"),
+    ("task", "plan.optimizer.lr", math.inf, "task.plan.optimizer.lr must be finite"),
+    ("task", "plan.optimizer.lr", 0, "task.plan.optimizer.lr must be > 0"),
+    ("task", "plan.optimizer.momentum", 1.0, "task.plan.optimizer.momentum must be < 1"),
+    ("task", "plan.optimizer.weight_decay", -1.0, "task.plan.optimizer.weight_decay must be >= 0"),
+    ("task", "plan.optimizer.clip_norm", -math.inf, "task.plan.optimizer.clip_norm must be finite"),
+    ("task", "plan.optimizer.clip_norm", 0.0, "task.plan.optimizer.clip_norm must be > 0"),
+    ("task", "plan.loss", [], "task.plan.loss must hold at least one term"),
+    ("task", "plan.loss", {"kind": "ce"}, "task.plan.loss must be a list"),
+    ("task", "plan.loss", [{"kind": "ce"}] * 65, "task.plan.loss has 65 entries, more than the limit of 64"),
+    ("task", "plan.loss.0", "ce", "task.plan.loss[0] must be a map"),
+    ("task", "plan.loss.0.weight", -0.5, "task.plan.loss[0].weight must be >= 0"),
+    ("task", "plan.loss.0.weight", math.nan, "task.plan.loss[0].weight must be finite"),
+    ("task", "plan.loss.0.output", -1.0, "task.plan.loss[0].output must be an integer"),
+    ("task", "plan.loss.0.masked", None, "task.plan.loss[0].masked must be true or false"),
+    ("task", "plan.loss.2.teacher", "-1", "task.plan.loss[2].teacher must be an integer"),
+    ("task", "plan.loss.2.tau", 0.0, "task.plan.loss[2].tau must be > 0"),
+    ("task", "plan.loss.2.tau", math.inf, "task.plan.loss[2].tau must be finite"),
+    ("task", "plan.loss.2.detach_teacher", 1, "task.plan.loss[2].detach_teacher must be true or false"),
+    ("task", "plan.schedule", None, "task.plan.schedule must be a list"),
+    ("task", "plan.schedule", [{"epochs": 1, "route": "skip"}] * 1025, "more than the limit of 1024"),
+    ("task", "plan.schedule.0", [2, "skip"], "task.plan.schedule[0] must be a map"),
+    ("task", "plan.schedule.1.epochs", 0, "task.plan.schedule[1].epochs must be >= 1"),
+    ("task", "plan.schedule.1.route", "jump", "task.plan.schedule[1].route must be one of skip, exit"),
+    ("task", "adaptation", [], "task.adaptation must be a map"),
+    ("task", "adaptation.candidates", {"spec": {}}, "task.adaptation.candidates must be a list"),
+    ("task", "adaptation.candidates.0", None, "task.adaptation.candidates[0] must be a map"),
+    ("task", "adaptation.candidates.0.spec", [0.25], "task.adaptation.candidates[0].spec must be a map"),
+    ("task", "adaptation.candidates.1.plan", None, "task.adaptation.candidates[1].plan must be a map"),
+    ("task", "adaptation.candidates.1.plan.batch_size", 0, "candidates[1].plan.batch_size must be >= 2"),
+    ("task", "adaptation.rates", [0.5], "task.adaptation.rates"),  # see test_plan for what rates may be
+    ("task_recipe", "adaptation.rates", "1,0.5", "task.adaptation.rates must be a list"),
+    ("task_recipe", "adaptation.rates", [1.0, 0.0], "task.adaptation.rates item must be > 0"),
+    ("task_recipe", "adaptation.rates", [1.0, True], "task.adaptation.rates item must be a number, got bool"),
+    ("task_recipe", "adaptation.rates", [math.nan], "task.adaptation.rates item must be finite"),
     ("task", "weights", [], "task.weights must be a map of tensors"),
     (
         "task",
@@ -157,7 +208,7 @@ def test_every_missing_field_is_rejected_by_name(sample: str, messages: dict[str
 
 
 @pytest.mark.parametrize(
-    ("sample", "where"), [("ack", ""), ("task", "recipe."), ("task", "model."), ("status", "capabilities.")]
+    ("sample", "where"), [("ack", ""), ("task_recipe", "recipe."), ("task", "model."), ("status", "capabilities.")]
 )
 def test_unknown_field_is_rejected_by_name(sample: str, where: str, messages: dict[str, Message]) -> None:
     wire = wire_of(messages[sample])
