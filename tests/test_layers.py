@@ -1,0 +1,67 @@
+"""The packages import one way: protocol, models, common at the bottom; coordinator and edge_agent on them and
+never on each other; the fedfit command on top. No package imports itself in a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BOTTOM = {"protocol", "models", "common"}
+DAEMONS = {"coordinator", "edge_agent"}
+PACKAGES = BOTTOM | DAEMONS | {"fedfit"}
+
+
+def imports(path: Path) -> list[str]:
+    """Every absolute module a file imports (TYPE_CHECKING and function-level imports included)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]  # "from models import memory"
+    return names
+
+
+def modules(package: str) -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_run_one_way(package: str) -> None:
+    wrong = []
+    for name, path in modules(package).items():
+        for imported in imports(path):
+            root = imported.split(".")[0]
+            if root not in PACKAGES or root == package:
+                continue
+            allowed = (BOTTOM if package in BOTTOM else BOTTOM if package in DAEMONS else PACKAGES)
+            if root not in allowed:
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, wrong
+
+
+def test_models_has_no_import_cycle() -> None:
+    known = modules("models")
+    graph = {name: {imp for imp in imports(path) if imp in known and imp != "models"}
+             for name, path in known.items() if name != "models"}
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        stack = list(graph.get(start, ()))
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                stack.extend(graph.get(node, ()))
+        return seen
+
+    cycles = [name for name in graph if name in reachable(name)]
+    assert not cycles, cycles
