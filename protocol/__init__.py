@@ -5,6 +5,7 @@ Every payload is a msgpack map ``{"v": PROTOCOL_VERSION, "type": kind, **fields}
 ``{"dtype", "shape", "data"}`` holding raw little-endian C-order bytes of a whitelisted dtype; nothing is ever
 pickled. Large payloads travel as ``chunk`` maps of at most CHUNK_SIZE data bytes, put back together by a
 `Reassembler`. `decode` enforces `Limits` and turns every malformed input into a `ProtocolError`.
+A task says how to train as data: a versioned `TrainingPlan` (`protocol.plan`) and an `Adaptation` ladder.
 Topics live under ``fedfit/v1/<federation>/`` (see `Topics`).
 """
 

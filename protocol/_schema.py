@@ -82,17 +82,19 @@ def read_candidate(obj: object, where: str, limits: Limits) -> Candidate:
 
 
 def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
-    if isinstance(obj, dict) and obj.get("kind") not in ADAPTATION_KINDS:
+    if isinstance(obj, dict) and "kind" in obj and obj["kind"] not in ADAPTATION_KINDS:
         raise ProtocolError(f"{where}.kind: unknown adaptation kind {shown(obj.get('kind'))}; this side knows "
                             f"{', '.join(ADAPTATION_KINDS)} (upgrade it to run this task)")
     r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates"))
     kind = r.text("kind", ADAPTATION_KINDS)
-    raw_candidates = r.raw("candidates") or []
+    raw_candidates = r.raw("candidates")
+    raw_candidates = [] if raw_candidates is None else raw_candidates
     if not isinstance(raw_candidates, list) or len(raw_candidates) > MAX_CANDIDATES:
         raise ProtocolError(f"{r.label('candidates')} must be a list of at most {MAX_CANDIDATES} candidates, "
                             f"got {shown(raw_candidates)}")
     candidates = [read_candidate(c, f"{r.label('candidates')}[{i}]", limits) for i, c in enumerate(raw_candidates)]
-    raw_rates = r.raw("rates") or []
+    raw_rates = r.raw("rates")
+    raw_rates = [] if raw_rates is None else raw_rates
     if not isinstance(raw_rates, list):
         raise ProtocolError(f"{r.label('rates')} must be a list of width rates, got {shown(raw_rates)}")
     rates = [check_number(rate, f"{r.label('rates')} item", above=0.0) for rate in raw_rates]

@@ -176,7 +176,7 @@ def _read_optimizer(obj: object, where: str, limits: Limits) -> OptimizerSetting
 
 
 def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
-    if isinstance(obj, dict) and obj.get("kind") not in LOSS_KINDS:
+    if isinstance(obj, dict) and "kind" in obj and obj["kind"] not in LOSS_KINDS:
         raise ProtocolError(f"{where}.kind: unknown loss term kind {shown(obj.get('kind'))}; this side knows "
                             f"{', '.join(LOSS_KINDS)} (upgrade it to run this plan)")
     r = FieldReader(obj, where, limits, LossTerm)

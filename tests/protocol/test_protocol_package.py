@@ -15,7 +15,8 @@ EXPORTS = {
     "ProtocolError", "Topics", "validate_name", "parse_agent_topic", "Limits", "DEFAULT_LIMITS",
     "PROTOCOL_VERSION", "Capabilities", "AgentStatus", "CoordinatorStatus", "ModelRef", "Recipe", "Task",
     "Update", "Ack", "Message", "encode", "decode", "encode_tensor", "decode_tensor", "split_payload",
-    "Reassembler", "CHUNK_SIZE",
+    "Reassembler", "CHUNK_SIZE", "PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage",
+    "Adaptation", "Candidate",
 }  # fmt: skip
 
 
@@ -24,6 +25,14 @@ def test_exports() -> None:
     assert all(hasattr(protocol, name) for name in EXPORTS)
     assert issubclass(protocol.ProtocolError, ValueError)
     assert protocol.__doc__ and "little-endian" in protocol.__doc__
+
+
+def test_plan_types_live_in_protocol_plan() -> None:
+    import protocol.plan
+
+    for name in ("PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage", "Recipe"):
+        assert getattr(protocol, name) is getattr(protocol.plan, name), name
+    assert protocol.PLAN_VERSION == 1
 
 
 def test_imports_neither_torch_nor_paho_nor_other_packages() -> None:

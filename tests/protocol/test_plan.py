@@ -1,0 +1,671 @@
+"""Training plans and typed adaptation on the wire: round trips, tasks of old coordinators, and rejections."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+
+from protocol import (
+    DEFAULT_LIMITS,
+    PLAN_VERSION,
+    Adaptation,
+    Candidate,
+    Limits,
+    LossTerm,
+    Message,
+    OptimizerSettings,
+    ProtocolError,
+    Recipe,
+    Stage,
+    Task,
+    TrainingPlan,
+    decode,
+    encode,
+    encode_tensor,
+)
+from protocol._reader import FieldReader
+
+from .conftest import CANDIDATE_PLAN, SAMPLE_PLAN, SEGMENT_PLAN, make_old_task, pack, wire_of
+
+MutateWire = Callable[[dict[str, Any]], None]
+
+
+def _task(messages: dict[str, Message], name: str = "task") -> Task:
+    task = messages[name]
+    assert isinstance(task, Task)
+    return task
+
+
+def _decode_task(payload: bytes) -> Task:
+    task = decode(payload, expected=Task)
+    assert isinstance(task, Task)
+    return task
+
+
+def _rejection(payload: bytes) -> str:
+    """The reason decode gives; it must be exactly one ProtocolError raised by a reader, not a wrapped crash."""
+    with pytest.raises(ProtocolError) as caught:
+        decode(payload)
+    assert type(caught.value) is ProtocolError
+    assert caught.value.__cause__ is None
+    reason = str(caught.value)
+    assert not reason.startswith("malformed message"), reason
+    return reason
+
+
+# ---- round trips -----------------------------------------------------------------------------------------
+
+
+def test_task_with_plan_and_ladder_round_trips(
+    messages: dict[str, Message], assert_same: Callable[[object, Message], None]
+) -> None:
+    task = _task(messages)
+    decoded = _decode_task(encode(task))
+    assert_same(decoded, task)
+    assert decoded.recipe is None and decoded.plan is not None
+    assert decoded.plan == SAMPLE_PLAN
+    assert isinstance(decoded.plan.optimizer, OptimizerSettings)
+    assert isinstance(decoded.plan.loss, tuple) and all(type(term) is LossTerm for term in decoded.plan.loss)
+    assert isinstance(decoded.plan.schedule, tuple) and all(type(stage) is Stage for stage in decoded.plan.schedule)
+    assert [term.kind for term in decoded.plan.loss] == ["ce", "ce", "kd"]
+    assert decoded.plan.loss[2] == LossTerm.kd(-2, -1, weight=0.3, tau=3.0, detach_teacher=True)
+    assert decoded.training_plan() is decoded.plan
+    assert isinstance(decoded.adaptation, Adaptation) and decoded.adaptation.kind == "ladder"
+    assert [type(c) for c in decoded.adaptation.candidates] == [Candidate, Candidate]
+    assert [c.plan for c in decoded.adaptation.candidates] == [CANDIDATE_PLAN, SEGMENT_PLAN]
+    assert decoded.adaptation.candidates[1].spec == {"width": 0.125, "segments": [[0, 1], [2]]}
+    assert decoded.adaptation.rates == []
+    assert hash(decoded.plan) == hash(SAMPLE_PLAN)  # frozen all the way down, as built by the coordinator
+
+
+@pytest.mark.parametrize(
+    "adaptation",
+    [
+        None,
+        Adaptation("none"),
+        Adaptation("ladder", [Candidate({"width": 0.5}, TrainingPlan(seed=3))]),
+        Adaptation("ladder", [Candidate({"w": w / 64}, TrainingPlan(batch_size=w + 2)) for w in range(64)]),
+        Adaptation("width-levels", rates=[1.0, 0.5, 0.25, 0.125]),
+        Adaptation("width-levels", rates=[1]),
+    ],
+    ids=["absent", "none", "ladder", "ladder-64", "width-levels", "width-levels-int"],
+)
+def test_every_adaptation_kind_round_trips(adaptation: Adaptation | None, messages: dict[str, Message]) -> None:
+    task = _task(messages)
+    task.adaptation = adaptation
+    decoded = _decode_task(encode(task))
+    assert decoded.adaptation == adaptation
+    if adaptation is not None:
+        assert all(type(rate) is float for rate in decoded.adaptation.rates)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        TrainingPlan(),
+        SAMPLE_PLAN,
+        CANDIDATE_PLAN,
+        SEGMENT_PLAN,
+        TrainingPlan.from_recipe(Recipe(1, 2, 1e-3, 0.0, 0.0, None, False, -7)),
+        TrainingPlan(seed=2**63 - 1, loss=tuple(LossTerm.ce(output=-i) for i in range(1, 65))),
+        TrainingPlan(schedule=tuple(Stage(1 + i % 3, "exit" if i % 2 else "skip") for i in range(1024))),
+    ],
+    ids=["default", "sample", "candidate", "segments", "from-recipe", "64-terms", "1024-stages"],
+)
+def test_plan_to_dict_from_dict_round_trip(plan: TrainingPlan) -> None:
+    data = plan.to_dict()
+    assert isinstance(data, dict) and data["version"] == PLAN_VERSION
+    assert isinstance(data["loss"], list) and isinstance(data["schedule"], list)  # lists, not tuples
+    assert TrainingPlan.from_dict(data) == plan
+    through_msgpack = msgpack.unpackb(msgpack.packb(data, use_bin_type=True), raw=False)
+    assert through_msgpack == data
+    assert TrainingPlan.from_dict(through_msgpack) == plan
+
+
+def test_plan_dict_layout() -> None:
+    assert TrainingPlan().to_dict() == {
+        "optimizer": {"kind": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4, "clip_norm": 1.0},
+        "epochs": 1,
+        "batch_size": 32,
+        "seed": 0,
+        "loss": [{"kind": "ce", "weight": 1.0, "output": -1, "masked": False, "teacher": None, "tau": None,
+                  "detach_teacher": False}],
+        "schedule": [],
+        "version": 1,
+    }  # fmt: skip
+    data = SAMPLE_PLAN.to_dict()
+    data["loss"].clear()  # the dict is a copy: changing it leaves the plan alone
+    assert len(SAMPLE_PLAN.loss) == 3
+
+
+def test_plan_types_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLE_PLAN.epochs = 5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLE_PLAN.loss[0].weight = 2.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLE_PLAN.optimizer.lr = 1.0  # type: ignore[misc]
+
+
+def test_plan_field_names_are_the_contract() -> None:
+    def names(cls: type) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version"]
+    assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
+    assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher"]
+    assert names(Stage) == ["epochs", "route"]
+    assert names(Adaptation) == ["kind", "candidates", "rates"]
+    assert names(Candidate) == ["spec", "plan"]
+    assert names(Recipe) == [
+        "epochs", "batch_size", "lr", "momentum", "weight_decay", "clip_norm", "masked_ce", "seed",
+    ]  # fmt: skip
+
+
+def test_plan_helpers() -> None:
+    assert TrainingPlan().version == PLAN_VERSION == 1
+    assert TrainingPlan().loss == (LossTerm("ce"),) and TrainingPlan().schedule == ()
+    assert SAMPLE_PLAN.uses_masked_ce and not CANDIDATE_PLAN.uses_masked_ce
+    assert not TrainingPlan(loss=(LossTerm.kd(-2, -1, weight=1.0, tau=1.0),)).uses_masked_ce
+    assert TrainingPlan().outputs_needed() == 1
+    assert SAMPLE_PLAN.outputs_needed() == 2
+    assert CANDIDATE_PLAN.outputs_needed() == 1  # output 0 of a one-output model is its last
+    assert TrainingPlan(loss=(LossTerm.ce(output=-3),)).outputs_needed() == 3
+    assert TrainingPlan(loss=(LossTerm.ce(output=2),)).outputs_needed() == 3
+    assert TrainingPlan(loss=(LossTerm.kd(-1, -4, weight=1.0, tau=2.0),)).outputs_needed() == 4
+    kd = LossTerm.kd(1, -1, weight=0.5, tau=2.0, detach_teacher=True)
+    assert (kd.kind, kd.output, kd.teacher, kd.tau, kd.weight, kd.detach_teacher, kd.masked) == (
+        "kd", 1, -1, 2.0, 0.5, True, False
+    )  # fmt: skip
+
+
+# ---- tasks of coordinators that predate plans ------------------------------------------------------------
+
+
+EXPECTED_OLD_PLAN = TrainingPlan(
+    optimizer=OptimizerSettings(kind="sgd", lr=0.01, momentum=0.5, weight_decay=1e-4, clip_norm=None),
+    epochs=3,
+    batch_size=20,
+    seed=9,
+    loss=(LossTerm("ce", weight=1.0, output=-1, masked=True),),
+    schedule=(),
+    version=1,
+)
+
+
+def test_old_task_decodes_and_stands_for_its_recipe(
+    old_task_wire: dict[str, Any], assert_same: Callable[[object, Message], None]
+) -> None:
+    assert "plan" not in old_task_wire and "adaptation" not in old_task_wire
+    _, expected = make_old_task()
+    task = _decode_task(pack(old_task_wire))
+    assert_same(task, expected)
+    assert task.plan is None and task.adaptation is None and task.recipe is not None
+    plan = task.training_plan()
+    assert plan == TrainingPlan.from_recipe(task.recipe) == EXPECTED_OLD_PLAN
+    assert plan.uses_masked_ce
+    assert TrainingPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_from_recipe_maps_every_field() -> None:
+    recipe = Recipe(epochs=4, batch_size=8, lr=0.3, momentum=0.0, weight_decay=0.0, clip_norm=2.5,
+                    masked_ce=False, seed=123)  # fmt: skip
+    assert TrainingPlan.from_recipe(recipe) == TrainingPlan(
+        optimizer=OptimizerSettings("sgd", 0.3, 0.0, 0.0, 2.5), epochs=4, batch_size=8, seed=123,
+        loss=(LossTerm.ce(),), schedule=(),
+    )  # fmt: skip
+    assert not TrainingPlan.from_recipe(recipe).uses_masked_ce
+
+
+def test_old_task_with_legacy_width_levels_hint_decodes(old_task_wire: dict[str, Any]) -> None:
+    old_task_wire["adaptation"] = {"kind": "width-levels", "rates": [1.0, 0.5, 0.25, 0.125, 0.0625]}
+    task = _decode_task(pack(old_task_wire))
+    assert task.adaptation == Adaptation("width-levels", candidates=[], rates=[1.0, 0.5, 0.25, 0.125, 0.0625])
+    assert task.training_plan() == EXPECTED_OLD_PLAN
+
+
+def test_old_task_with_explicit_null_adaptation_decodes(old_task_wire: dict[str, Any]) -> None:
+    old_task_wire["adaptation"] = None
+    assert _decode_task(pack(old_task_wire)).adaptation is None
+
+
+def test_new_task_without_adaptation_key_decodes(messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])
+    del wire["adaptation"]
+    task = _decode_task(pack(wire))
+    assert task.adaptation is None and task.plan == SAMPLE_PLAN
+
+
+def test_decoded_old_task_re_encodes_with_a_null_plan(old_task_wire: dict[str, Any]) -> None:
+    task = _decode_task(pack(old_task_wire))
+    wire = wire_of(task)
+    assert wire["plan"] is None and wire["adaptation"] is None
+    assert wire["recipe"] == old_task_wire["recipe"]
+    again = _decode_task(encode(task))
+    assert again.recipe == task.recipe and again.training_plan() == EXPECTED_OLD_PLAN
+
+
+def test_field_reader_optional_fields() -> None:
+    @dataclasses.dataclass
+    class Pair:
+        a: int
+        b: int | None
+
+    data: dict[str, Any] = {"a": 1}
+    reader = FieldReader(data, "pair", DEFAULT_LIMITS, Pair, optional=("b",))
+    assert reader.integer("a") == 1 and reader.raw("b") is None and reader.opt_integer("b") is None
+    assert data == {"a": 1}  # the decoded map is not changed
+    assert FieldReader({"a": 1, "b": 2}, "pair", DEFAULT_LIMITS, Pair, optional=("b",)).opt_integer("b") == 2
+    with pytest.raises(ProtocolError, match=r"pair: missing field\(s\) 'b'"):
+        FieldReader({"a": 1}, "pair", DEFAULT_LIMITS, Pair)
+    with pytest.raises(ProtocolError, match=r"pair: missing field\(s\) 'a'"):
+        FieldReader({"b": 1}, "pair", DEFAULT_LIMITS, Pair, optional=("b",))
+    with pytest.raises(ProtocolError, match=r"pair: unknown field\(s\) 'c'"):
+        FieldReader({"a": 1, "c": 1}, "pair", DEFAULT_LIMITS, Pair, optional=("b",))
+    with pytest.raises(ProtocolError, match=r"pair: unknown field\(s\) 'c'"):  # optional does not add fields
+        FieldReader({"a": 1, "b": 1, "c": 1}, "pair", DEFAULT_LIMITS, Pair, optional=("c",))
+
+
+# ---- rejections on decode --------------------------------------------------------------------------------
+
+
+def _term(wire: dict[str, Any], index: int) -> dict[str, Any]:
+    term: dict[str, Any] = wire["plan"]["loss"][index]
+    return term
+
+
+def _future_plan(wire: dict[str, Any]) -> None:
+    """A plan of a newer coordinator: version 2, a new field and a new loss kind with its own field."""
+    wire["plan"]["version"] = 2
+    wire["plan"]["mixup"] = 0.2
+    wire["plan"]["loss"].append({"kind": "mutual_kd", "weight": 1.0, "peers": 2})
+
+
+def _drop(path: str) -> MutateWire:
+    def mutate(wire: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        for part in parents:
+            wire = wire[part]
+        del wire[last]
+
+    return mutate
+
+
+def _put(path: str, value: object) -> MutateWire:
+    def mutate(wire: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = wire
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[int(last) if isinstance(node, list) else last] = value
+
+    return mutate
+
+
+REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
+    # (id, sample, mutation of its wire map, texts the one reason must hold)
+    ("mutual-kd", "task", _put("plan.loss.1.kind", "mutual_kd"),
+     ("task.plan.loss[1].kind", "unknown loss term kind", "'mutual_kd'", "ce, kd")),
+    ("mutual-kd-new-fields", "task",
+     lambda w: w["plan"]["loss"].append({"kind": "mutual_kd", "weight": 0.5, "peers": [1, 2], "tau": 2.0}),
+     ("task.plan.loss[3].kind", "unknown loss term kind", "'mutual_kd'")),
+    ("mutual-kd-in-candidate", "task", _put("adaptation.candidates.1.plan.loss.0.kind", "mutual_kd"),
+     ("task.adaptation.candidates[1].plan.loss[0].kind", "'mutual_kd'")),
+    ("loss-kind-null", "task", _put("plan.loss.0.kind", None), ("task.plan.loss[0].kind", "unknown loss term")),
+    ("loss-kind-not-text", "task", _put("plan.loss.0.kind", ["ce"]), ("task.plan.loss[0].kind",)),
+    ("kd-without-teacher", "task", _put("plan.loss.2.teacher", None),
+     ("task.plan.loss[2]", "'kd' term needs 'teacher' and 'tau'")),
+    ("kd-without-tau", "task", _put("plan.loss.2.tau", None),
+     ("task.plan.loss[2]", "'kd' term needs 'teacher' and 'tau'")),
+    ("kd-masked", "task", _put("plan.loss.2.masked", True), ("task.plan.loss[2]", "cannot be 'masked'")),
+    ("ce-with-teacher", "task", _put("plan.loss.0.teacher", -1),
+     ("task.plan.loss[0]", "'ce' term takes no 'teacher'")),
+    ("ce-with-tau", "task", _put("plan.loss.1.tau", 2.0), ("task.plan.loss[1]", "'ce' term takes no", "'tau'")),
+    ("ce-detached", "task", _put("plan.loss.1.detach_teacher", True),
+     ("task.plan.loss[1]", "'ce' term takes no", "'detach_teacher'")),
+    ("plan-version-2", "task", _put("plan.version", 2),
+     ("task.plan.version", "version int 2", "version 1", "upgrade")),
+    ("plan-version-0", "task", _put("plan.version", 0), ("task.plan.version", "version int 0")),
+    ("plan-version-text", "task", _put("plan.version", "1"), ("task.plan.version", "str '1'")),
+    ("plan-version-float", "task", _put("plan.version", 1.0), ("task.plan.version", "float 1.0")),
+    ("plan-version-bool", "task", _put("plan.version", True), ("task.plan.version", "bool True")),
+    ("plan-version-missing", "task", _drop("plan.version"), ("task.plan: missing field(s) 'version'",)),
+    ("future-plan", "task", _future_plan, ("task.plan.version", "version int 2")),
+    ("candidate-plan-version-2", "task", _put("adaptation.candidates.0.plan.version", 2),
+     ("task.adaptation.candidates[0].plan.version", "version int 2")),
+    ("unknown-plan-field", "task", _put("plan.mixup", 0.2), ("task.plan: unknown field(s) 'mixup'",)),
+    ("unknown-candidate-plan-field", "task", _put("adaptation.candidates.0.plan.ema", True),
+     ("task.adaptation.candidates[0].plan: unknown field(s) 'ema'",)),
+    ("unknown-term-field", "task", _put("plan.loss.2.temperature", 3.0),
+     ("task.plan.loss[2]: unknown field(s) 'temperature'",)),
+    ("unknown-adaptation-kind", "task", _put("adaptation.kind", "shrink-depth"),
+     ("task.adaptation.kind", "unknown adaptation kind", "'shrink-depth'", "none, ladder, width-levels")),
+    ("adaptation-kind-missing", "task", _drop("adaptation.kind"), ("task.adaptation.kind", "unknown adaptation")),
+    ("unknown-adaptation-field", "task", _put("adaptation.depths", [1]),
+     ("task.adaptation: unknown field(s) 'depths'",)),
+    ("ladder-empty", "task", _put("adaptation.candidates", []), ("task.adaptation", "'ladder'", "candidate")),
+    ("ladder-no-candidates", "task", _drop("adaptation.candidates"), ("task.adaptation", "'ladder'", "candidate")),
+    ("ladder-too-long", "task",
+     lambda w: w["adaptation"].__setitem__("candidates", w["adaptation"]["candidates"][:1] * 65),
+     ("task.adaptation.candidates", "at most 64")),
+    ("width-levels-no-rates", "task_recipe", _drop("adaptation.rates"),
+     ("task.adaptation", "'width-levels'", "'rates'")),
+    ("width-levels-empty-rates", "task_recipe", _put("adaptation.rates", []),
+     ("task.adaptation", "'width-levels'", "'rates'")),
+    ("width-levels-rate-above-1", "task_recipe", _put("adaptation.rates", [1.0, 1.5]),
+     ("task.adaptation.rates", "(0, 1]")),
+    ("width-levels-rate-0", "task_recipe", _put("adaptation.rates", [0.5, 0]), ("task.adaptation.rates",)),
+    ("width-levels-negative-rate", "task_recipe", _put("adaptation.rates", [-0.5]), ("task.adaptation.rates",)),
+    ("plan-and-recipe", "task", lambda w: w.__setitem__("recipe", wire_of_recipe()), ("'plan'", "'recipe'", "both")),
+    ("plan-and-recipe-old", "task_recipe", lambda w: w.__setitem__("plan", SAMPLE_PLAN.to_dict()),
+     ("'plan'", "'recipe'", "both")),
+    ("neither-null", "task", _put("plan", None), ("'plan'", "'recipe'", "neither")),
+    ("neither-absent", "task", _drop("plan"), ("'plan'", "'recipe'", "neither")),
+    ("neither-old", "task_recipe", _put("recipe", None), ("'plan'", "'recipe'", "neither")),
+    ("batch-size-1", "task", _put("plan.batch_size", 1), ("task.plan.batch_size must be >= 2", "got 1")),
+    ("batch-size-0", "task", _put("plan.batch_size", 0), ("task.plan.batch_size must be >= 2",)),
+    ("candidate-batch-size-1", "task", _put("adaptation.candidates.0.plan.batch_size", 1),
+     ("task.adaptation.candidates[0].plan.batch_size must be >= 2",)),
+    ("lr-nan", "task", _put("plan.optimizer.lr", math.nan), ("task.plan.optimizer.lr must be finite",)),
+    ("lr-inf", "task", _put("plan.optimizer.lr", math.inf), ("task.plan.optimizer.lr must be finite",)),
+    ("lr-minus-inf", "task", _put("plan.optimizer.lr", -math.inf), ("task.plan.optimizer.lr must be finite",)),
+    ("candidate-lr-nan", "task", _put("adaptation.candidates.1.plan.optimizer.lr", math.nan),
+     ("task.adaptation.candidates[1].plan.optimizer.lr must be finite",)),
+    ("optimizer-adam", "task", _put("plan.optimizer.kind", "adam"), ("task.plan.optimizer.kind", "'adam'")),
+    ("route-unknown", "task", _put("plan.schedule.0.route", "teleport"), ("task.plan.schedule[0].route",)),
+    ("no-loss-terms", "task", _put("plan.loss", []), ("task.plan.loss must hold at least one term",)),
+]
+
+
+def wire_of_recipe() -> dict[str, Any]:
+    return dataclasses.asdict(Recipe(1, 8, 0.1, 0.0, 0.0, None, False, 0))
+
+
+@pytest.mark.parametrize(
+    ("sample", "mutate", "texts"), [case[1:] for case in REJECTIONS], ids=[case[0] for case in REJECTIONS]
+)
+def test_rejection_is_one_protocol_error_naming_the_problem(
+    sample: str, mutate: MutateWire, texts: tuple[str, ...], messages: dict[str, Message]
+) -> None:
+    wire = wire_of(messages[sample])
+    mutate(wire)
+    reason = _rejection(pack(wire))
+    for text in texts:
+        assert text in reason, (text, reason)
+
+
+def test_old_task_rejections(old_task_wire: dict[str, Any]) -> None:
+    for kind, extra in [("shrink", {}), ("width-levels", {}), ("width-levels", {"rates": [2.0]}), ("ladder", {})]:
+        wire = copy.deepcopy(old_task_wire)
+        wire["adaptation"] = {"kind": kind, **extra}
+        assert "task.adaptation" in _rejection(pack(wire)), (kind, extra)
+    wire = copy.deepcopy(old_task_wire)
+    wire["plan"] = TrainingPlan().to_dict()
+    assert "not both" in _rejection(pack(wire))
+    wire = copy.deepcopy(old_task_wire)
+    del wire["recipe"]
+    assert "missing field(s) 'recipe'" in _rejection(pack(wire))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "texts"),
+    [
+        (lambda p: p.__setitem__("version", 2), ("plan.version", "version int 2")),
+        (lambda p: p.__setitem__("extra", 1), ("plan: unknown field(s) 'extra'",)),
+        (lambda p: p["loss"][0].__setitem__("kind", "mutual_kd"), ("plan.loss[0].kind", "'mutual_kd'")),
+        (lambda p: p["loss"][0].__setitem__("kind", {"nested": "map"}), ("plan.loss[0].kind",)),
+        (lambda p: p.__setitem__("batch_size", 1), ("plan.batch_size must be >= 2",)),
+        (lambda p: p["optimizer"].__setitem__("lr", math.inf), ("plan.optimizer.lr must be finite",)),
+        (lambda p: p.pop("seed"), ("plan: missing field(s) 'seed'",)),
+        (lambda p: p.__setitem__("loss", [{"kind": "ce"}]), ("plan.loss[0]: missing field(s)",)),
+        (lambda p: p.__setitem__("schedule", [{"epochs": 1, "route": "skip"}] * 1025), ("plan.schedule has 1025",)),
+    ],
+)
+def test_from_dict_rejects_with_the_plan_label(
+    mutate: Callable[[dict[str, Any]], None], texts: tuple[str, ...]
+) -> None:
+    data = SAMPLE_PLAN.to_dict()
+    mutate(data)
+    with pytest.raises(ProtocolError) as caught:
+        TrainingPlan.from_dict(data)
+    for text in texts:
+        assert text in str(caught.value), (text, str(caught.value))
+
+
+@pytest.mark.parametrize("data", [None, [], "plan", 1, b"\x00", TrainingPlan()])
+def test_from_dict_rejects_non_maps(data: object) -> None:
+    with pytest.raises(ProtocolError, match="plan must be a map"):
+        TrainingPlan.from_dict(data)
+
+
+def test_from_dict_applies_limits() -> None:
+    with pytest.raises(ProtocolError, match="plan.optimizer.kind is 3 characters long"):
+        TrainingPlan.from_dict(TrainingPlan().to_dict(), Limits(max_str_len=2))
+
+
+# ---- encode refuses what decode refuses ------------------------------------------------------------------
+
+
+def _wire_value(value: object) -> object:
+    """Message values as msgpack primitives, written independently of the codec (and without its checks)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {key: _wire_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_wire_value(item) for item in value]
+    return value
+
+
+def _unchecked_payload(task: Task) -> bytes:
+    body: dict[str, Any] = {"v": 1, "type": "task"}
+    for f in dataclasses.fields(task):
+        if f.name != "weights":
+            body[f.name] = _wire_value(getattr(task, f.name))
+    body["weights"] = {name: encode_tensor(array) for name, array in task.weights.items()}
+    return pack(body)
+
+
+def _with_plan(**changes: Any) -> Callable[[Task], None]:
+    def change(task: Task) -> None:
+        assert task.plan is not None
+        task.plan = dataclasses.replace(task.plan, **changes)
+
+    return change
+
+
+def _with_optimizer(**changes: Any) -> Callable[[Task], None]:
+    return _with_plan(optimizer=dataclasses.replace(SAMPLE_PLAN.optimizer, **changes))
+
+
+def _with_term(term: LossTerm) -> Callable[[Task], None]:
+    return _with_plan(loss=(*SAMPLE_PLAN.loss, term))
+
+
+def _with_adaptation(adaptation: Adaptation) -> Callable[[Task], None]:
+    def change(task: Task) -> None:
+        task.adaptation = adaptation
+
+    return change
+
+
+def _with_recipe(task: Task) -> None:
+    task.recipe = Recipe(1, 8, 0.1, 0.0, 0.0, None, False, 0)
+
+
+def _without_plan(task: Task) -> None:
+    task.plan = None
+
+
+ENCODE_REFUSALS: list[tuple[str, Callable[[Task], None], str]] = [
+    ("mutual-kd", _with_term(LossTerm("mutual_kd")), "task.plan.loss[3].kind"),
+    ("kd-without-teacher", _with_term(LossTerm("kd", tau=2.0)), "'kd' term needs"),
+    ("kd-without-tau", _with_term(LossTerm("kd", output=-2, teacher=-1)), "'kd' term needs"),
+    ("ce-with-teacher", _with_term(LossTerm("ce", teacher=-2)), "'ce' term takes no"),
+    ("plan-version-2", _with_plan(version=2), "task.plan.version"),
+    ("no-terms", _with_plan(loss=()), "task.plan.loss must hold at least one term"),
+    ("batch-size-1", _with_plan(batch_size=1), "task.plan.batch_size must be >= 2"),
+    ("epochs-0", _with_plan(epochs=0), "task.plan.epochs must be >= 1"),
+    ("lr-nan", _with_optimizer(lr=math.nan), "task.plan.optimizer.lr must be finite"),
+    ("lr-inf", _with_optimizer(lr=math.inf), "task.plan.optimizer.lr must be finite"),
+    ("route", _with_plan(schedule=(Stage(1, "teleport"),)), "task.plan.schedule[0].route"),
+    ("unknown-adaptation", _with_adaptation(Adaptation("shrink-depth")), "unknown adaptation kind"),
+    ("ladder-empty", _with_adaptation(Adaptation("ladder")), "'ladder' adaptation needs"),
+    ("width-levels-empty", _with_adaptation(Adaptation("width-levels")), "'width-levels' adaptation needs"),
+    ("rate-above-1", _with_adaptation(Adaptation("width-levels", rates=[1.0, 1.01])), "(0, 1]"),
+    ("candidate-plan", _with_adaptation(Adaptation("ladder", [Candidate({}, TrainingPlan(batch_size=1))])),
+     "task.adaptation.candidates[0].plan.batch_size must be >= 2"),
+    ("both", _with_recipe, "not both and not neither"),
+    ("neither", _without_plan, "not both and not neither"),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "text"), [case[1:] for case in ENCODE_REFUSALS], ids=[case[0] for case in ENCODE_REFUSALS]
+)
+def test_encode_refuses_what_decode_refuses(
+    change: Callable[[Task], None], text: str, messages: dict[str, Message]
+) -> None:
+    task = _task(messages)
+    change(task)
+    reason = _rejection(_unchecked_payload(task))  # what the receiving side would say
+    assert text in reason, (text, reason)
+    with pytest.raises(ProtocolError) as caught:
+        encode(task)
+    assert str(caught.value) == f"cannot encode task: {reason}"
+
+
+def test_unchecked_payload_of_a_valid_task_decodes(
+    messages: dict[str, Message], assert_same: Callable[[object, Message], None]
+) -> None:
+    """The helper above writes what encode writes (so its refusals are meaningful)."""
+    for name in ("task", "task_recipe"):
+        task = _task(messages, name)
+        assert _unchecked_payload(task) == encode(task)
+        assert_same(decode(_unchecked_payload(task)), task)
+
+
+# ---- falsy non-lists are not lists ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "kind", "value"), [
+    ("candidates", "none", 0), ("candidates", "width-levels", False), ("candidates", "none", {}),
+    ("rates", "ladder", ""), ("rates", "none", 0), ("rates", "ladder", {}),
+])  # fmt: skip
+def test_adaptation_lists_must_be_lists(field: str, kind: str, value: object, messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])
+    wire["adaptation"]["kind"] = kind
+    wire["adaptation"]["rates"] = [0.5]
+    wire["adaptation"][field] = value
+    reason = _rejection(pack(wire))
+    assert f"task.adaptation.{field} must be a list" in reason
+
+
+# ---- structural fuzz of plans and adaptations ------------------------------------------------------------
+
+_ODD_VALUES: list[object] = [
+    None, True, False, 0, 1, -1, 2, 65, 2**63 - 1, -(2**63), 2**64 - 1, 0.0, 0.5, 1.5, -0.5, math.nan, math.inf,
+    "", "ce", "kd", "mutual_kd", "ladder", "none", "width-levels", "skip", "exit", "sgd", "x" * 5000, b"\x00",
+    [], [1], [0.5, 2.0], [None], [[]], [{}], {}, {"kind": "ce"}, {"kind": "kd"}, {1: 2},
+]  # fmt: skip
+
+
+def _containers(node: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    found: list[tuple[object, ...]] = []
+    if isinstance(node, dict):
+        found.append(path)
+        for key, value in node.items():
+            found.extend(_containers(value, (*path, key)))
+    elif isinstance(node, list):
+        found.append(path)
+        for index, value in enumerate(node):
+            found.extend(_containers(value, (*path, index)))
+    return found
+
+
+def _fuzz_wire(wire: dict[str, Any], roots: tuple[str, ...], rng: random.Random) -> dict[str, Any]:
+    """Apply 1 to 3 random edits (replace, delete, add, duplicate) somewhere inside the given top-level fields."""
+    wire = copy.deepcopy(wire)
+    for _ in range(rng.randint(1, 3)):
+        root = rng.choice(roots)
+        if not isinstance(wire.get(root), (dict, list)):
+            wire[root] = rng.choice(_ODD_VALUES + [{}])
+            continue
+        path = rng.choice(_containers(wire[root], (root,)))
+        node: Any = wire
+        for part in path:
+            node = node[part]
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        op = rng.randrange(4)
+        if op == 0 and keys:
+            node[rng.choice(keys)] = copy.deepcopy(rng.choice(_ODD_VALUES))
+        elif op == 1 and keys:
+            del node[rng.choice(keys)]
+        elif op == 2 and isinstance(node, dict):
+            node[rng.choice(["kind", "extra", "version", "candidates", "rates", "teacher", "tau"])] = copy.deepcopy(
+                rng.choice(_ODD_VALUES)
+            )
+        elif op == 2:
+            node.append(copy.deepcopy(rng.choice(_ODD_VALUES)))
+        elif keys:
+            key = rng.choice(keys)
+            if isinstance(node, list):
+                node.append(copy.deepcopy(node[key]))
+            else:
+                node[key] = copy.deepcopy(node[rng.choice(keys)])
+    return wire
+
+
+def test_structural_fuzz_of_plans_only_ever_raises_protocol_error(
+    messages: dict[str, Message], old_task_wire: dict[str, Any]
+) -> None:
+    rng = random.Random(20261123)
+    bases = [
+        (wire_of(messages["task"]), ("plan", "adaptation", "recipe")),
+        (wire_of(messages["task_recipe"]), ("recipe", "adaptation", "plan")),
+        (old_task_wire, ("recipe", "adaptation", "plan")),
+    ]
+    accepted = rejected = 0
+    for _ in range(900):
+        base, roots = rng.choice(bases)
+        mutated = _fuzz_wire(base, roots, rng)
+        try:
+            payload = pack(mutated)
+        except (TypeError, ValueError):  # pragma: no cover - every value above packs
+            continue
+        try:
+            task = decode(payload)
+        except ProtocolError as exc:
+            assert type(exc) is ProtocolError
+            assert not str(exc).startswith("malformed message"), str(exc)  # a reader's reason, not a crash
+            rejected += 1
+            continue
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - this is the failure being tested for
+            pytest.fail(f"decode leaked {type(exc).__name__}: {exc!r} for {mutated!r}")
+        assert isinstance(task, Task)
+        assert (task.plan is None) != (task.recipe is None)
+        assert isinstance(task.training_plan(), TrainingPlan)
+        again = _decode_task(encode(task))  # whatever decode accepts, encode sends unchanged
+        assert (again.plan, again.recipe, again.adaptation) == (task.plan, task.recipe, task.adaptation)
+        accepted += 1
+    assert rejected > 300 and accepted > 50, (accepted, rejected)
+
+
+def test_plan_from_dict_fuzz_only_ever_raises_protocol_error() -> None:
+    rng = random.Random(7)
+    base = {"plan": SAMPLE_PLAN.to_dict()}
+    for _ in range(600):
+        data = _fuzz_wire(base, ("plan",), rng)["plan"]
+        try:
+            plan = TrainingPlan.from_dict(data)
+        except ProtocolError:
+            continue
+        assert TrainingPlan.from_dict(plan.to_dict()) == plan
+
