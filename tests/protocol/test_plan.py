@@ -347,7 +347,7 @@ REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
      ("task.plan.loss[2]: unknown field(s) 'temperature'",)),
     ("unknown-adaptation-kind", "task", _put("adaptation.kind", "shrink-depth"),
      ("task.adaptation.kind", "unknown adaptation kind", "'shrink-depth'", "none, ladder, width-levels")),
-    ("adaptation-kind-missing", "task", _drop("adaptation.kind"), ("task.adaptation.kind", "unknown adaptation")),
+    ("adaptation-kind-missing", "task", _drop("adaptation.kind"), ("task.adaptation", "missing field(s) 'kind'")),
     ("unknown-adaptation-field", "task", _put("adaptation.depths", [1]),
      ("task.adaptation: unknown field(s) 'depths'",)),
     ("ladder-empty", "task", _put("adaptation.candidates", []), ("task.adaptation", "'ladder'", "candidate")),
