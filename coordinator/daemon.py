@@ -320,18 +320,18 @@ class Coordinator:
 
     # -------------------------------------------------------------- evaluation
     def _evaluate(self) -> dict[str, list[float]]:
-        """Accuracy of every output of each evaluation target; BN statistics of ``store_bn`` targets go into the
-        state."""
+        """Accuracy of every output of each evaluation target (a model shared by several targets is evaluated
+        once); the BN statistics of ``store_bn`` targets go into their state."""
         results: dict[str, list[float]] = {}
-        done: dict[tuple[str, SubmodelSpec], list[float]] = {}
+        done: dict[tuple[str, SubmodelSpec], tuple[list[float], dict[str, torch.Tensor]]] = {}
         for name, target in self.strategy.eval_targets().items():
             key = (target.group, target.spec)
             if key not in done:
-                accuracies, bn_state = self._evaluator.evaluate(self.states[target.group], target.spec)
-                done[key] = accuracies
-                if target.store_bn:
-                    self.states[target.group].update(bn_state)
-            results[name] = done[key]
+                done[key] = self._evaluator.evaluate(self.states[target.group], target.spec)
+            accuracies, bn_state = done[key]
+            if target.store_bn:
+                self.states[target.group].update(bn_state)
+            results[name] = accuracies
         return results
 
     def _checkpoint(self) -> None:

@@ -281,4 +281,17 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
         if tuple(found) == exits:
             return levels
         exits = tuple(found)
-    return levels
+    # The exits did not settle: keep the last levels only if they meet their targets against the global model
+    # they make (with their own exits).
+    full = costs(n, 1.0, exits)
+    settled = []
+    for level in levels[:-1]:
+        split = level.split
+        ratio = split.cost / full
+        if abs(ratio / level.target - 1.0) > level.tolerance + _SNAP:
+            raise NoSplitError(f"the global model's exits do not settle within {max_rounds} searches (the level "
+                               f"of ratio {level.target:g} ends at {ratio:.3g})")
+        settled.append(LevelSplit(level.target, level.tolerance, Split(split.s_d, split.s_w, split.blocks,
+                                                                        split.cost, ratio), level.spec))
+    top = Split(1.0, 1.0, n, full, 1.0)
+    return [*settled, LevelSplit(1.0, tolerances[-1], top, split_spec(family, n, 1.0, exits))]

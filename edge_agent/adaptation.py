@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from models import ModelFamily, SubmodelSpec
+from models.training import check_plan
 from protocol import Adaptation, TrainingPlan
 
 
@@ -35,8 +36,10 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
     """What the agent may train for a task, in order of preference: ``sent`` with ``plan``, then the hint's
     candidates nested inside ``sent`` (each with its own plan, run with the task's seed).
 
-    Raises ``ValueError`` for a candidate spec that is malformed or does not fit the family.
+    Raises ``ValueError`` for a spec that is malformed or does not fit the family, or a plan that cannot run on
+    its spec (:func:`models.training.check_plan`); the message names the candidate.
     """
+    check_plan(family, sent, plan)
     found = [Option(sent, plan)]
     if hint is None or hint.kind == "none":
         return found
@@ -48,6 +51,7 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
         for index, candidate in enumerate(hint.candidates):
             try:
                 spec = family.validate_spec(SubmodelSpec.from_dict(candidate.spec))
+                check_plan(family, spec, candidate.plan)
             except ValueError as exc:
                 raise ValueError(f"adaptation candidate {index}: {exc}") from None
             candidates.append(Option(spec, replace(candidate.plan, seed=plan.seed)))

@@ -25,7 +25,6 @@ from edge_agent.adaptation import Option, choose, cut_nested, options
 from edge_agent.calibration import Calibration
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
-from models.training import stages
 from protocol import ModelRef, ProtocolError, Task, TrainingPlan, Update, decode, encode
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
@@ -179,7 +178,6 @@ class TaskRunner:
         self._check_compatible(task, plan)
         try:
             sent = family.validate_spec(SubmodelSpec.from_dict(task.spec))
-            stages(sent, plan)
             candidates = options(family, sent, plan, task.adaptation)
         except ValueError as exc:
             raise TaskRejected("failed", f"invalid task: {exc}") from exc

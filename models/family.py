@@ -305,6 +305,11 @@ class ModelFamily(abc.ABC):
             return depth == self._num_blocks
         return decl.block < depth
 
+    def num_outputs(self, spec: SubmodelSpec | None = None) -> int:
+        """How many logits ``build(spec).forward_exits`` returns: its exits, and the final head when it is kept."""
+        spec = self.validate_spec(spec)
+        return len(spec.exits) + (self._depth(spec) == self._num_blocks)
+
     def trained_blocks(self, spec: SubmodelSpec | None = None) -> tuple[int, ...]:
         """The blocks ``spec`` trains: every kept block, or those inside its segments."""
         spec = self.validate_spec(spec)

@@ -22,11 +22,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.depthwise import SegmentModel
+from models.family import ModelFamily
 from models.net import FamilyNet
 from models.spec import SubmodelSpec
 from protocol.plan import LossTerm, Stage, TrainingPlan
 
-__all__ = ["TrainResult", "forward_loss", "label_mask", "loss_of", "masked_cross_entropy", "stages", "train"]
+__all__ = ["TrainResult", "check_plan", "forward_loss", "label_mask", "loss_of", "masked_cross_entropy", "stages", "train"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,17 @@ def stages(spec: SubmodelSpec, plan: TrainingPlan) -> list[tuple[tuple[int, int]
         raise ValueError(f"the plan schedules {len(schedule)} stage(s) for the spec's {len(spec.segments)} "
                          "segment(s).")
     return list(zip(spec.segments, schedule))
+
+
+def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> None:
+    """Raise ``ValueError`` (one sentence) unless ``plan`` can run on ``spec``: its schedule fits the spec's
+    segments, and its loss reads only outputs the model has in every stage (a depth-wise stage has one)."""
+    outputs = family.num_outputs(spec)
+    for segment, _ in stages(spec, plan):
+        available = outputs if segment is None else 1
+        if plan.outputs_needed() > available:
+            where = "a depth-wise stage has" if segment is not None else f"{spec.describe()} has"
+            raise ValueError(f"the plan's loss reads {plan.outputs_needed()} output(s), but {where} {available}.")
 
 
 def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor, plan: TrainingPlan, *,

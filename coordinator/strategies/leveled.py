@@ -70,8 +70,10 @@ class LevelStrategy(Strategy):
         return candidates[0] if candidates else None
 
     def ladder(self, level: Level, round_number: int) -> Adaptation | None:
-        """The smaller levels an agent short of memory may train instead, largest first (None: none)."""
-        below = self.levels[self.levels.index(level) + 1:]
+        """The smaller levels nested in ``level`` that an agent short of memory may train instead, largest first
+        (None: none)."""
+        below = [lower for lower in self.levels[self.levels.index(level) + 1:]
+                 if self.family.is_nested(lower.spec, level.spec)]
         if not self.adapts or not below:
             return None
         return Adaptation("ladder", [Candidate(lower.spec.to_dict(), self.level_plan(lower, round_number))

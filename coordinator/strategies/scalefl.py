@@ -87,7 +87,7 @@ class ScaleFL(LevelStrategy):
         """The ``memory`` cost of the split search: the model-dependent part of the estimated training memory of
         ``spec`` trained as a level (its exits with Eq. 5) at the recipe's batch size, as the agents estimate it
         (the runtime's fixed overhead, the same for every model, is left out, as in the simulator's budgets)."""
-        outputs = len(spec.exits) + (spec.depth is None)
+        outputs = self.family.num_outputs(spec)
         estimate = self.context.training_memory(spec, self._plan(outputs, distill=True))
         return float(estimate.total - estimate.overhead)
 
@@ -101,11 +101,15 @@ class ScaleFL(LevelStrategy):
         """The full model with every level's exit."""
         return self.levels[0].spec
 
+    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
+        """The top level with its distilling plan (the heaviest it is handed, whatever the KD warm-up)."""
+        top = self.levels[0]
+        return top.spec, self._plan(self.family.num_outputs(top.spec), distill=True)
+
 
     def distilling(self, round_number: int) -> bool:
         """Whether the round's plans distil (off for the first ``kd_warmup`` share of the rounds)."""
         return round_number > self.settings.kd_warmup * self.config.rounds
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
-        outputs = len(level.spec.exits) + (level.spec.depth is None)
-        return self._plan(outputs, distill=self.distilling(round_number))
+        return self._plan(self.family.num_outputs(level.spec), distill=self.distilling(round_number))

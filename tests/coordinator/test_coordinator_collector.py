@@ -8,9 +8,9 @@ import time
 import numpy as np
 
 from coordinator.collector import DispatchedTask, RoundCollector
-from coordinator.strategies import Assignment
+from coordinator.strategies import TaskPlan
 from models import SubmodelSpec
-from protocol import Update
+from protocol import TrainingPlan, Update
 
 ROUND = 4
 
@@ -18,7 +18,7 @@ ROUND = 4
 def make_collector(agents=("a0", "a1"), deadline: float | None = None) -> RoundCollector:
     deadline = time.time() + 60 if deadline is None else deadline
     tasks = {
-        f"t-{agent}": DispatchedTask(f"t-{agent}", ROUND, Assignment(agent, "a", SubmodelSpec.full(), "global"),
+        f"t-{agent}": DispatchedTask(f"t-{agent}", ROUND, TaskPlan(agent, "a", SubmodelSpec.full(), TrainingPlan()),
                                      deadline)
         for agent in agents
     }
@@ -29,6 +29,12 @@ def update(agent: str, task_id: str | None = None, round_number: int = ROUND, st
     return Update(task_id=task_id or f"t-{agent}", round=round_number, agent_id=agent, status=status,
                   spec_trained={}, num_samples=5, labels=[0, 1], weights={"w": np.zeros(2, np.float32)},
                   metrics={"loss": 1.0})
+
+
+def test_dispatched_task_carries_the_strategy_task_plan():
+    collector = make_collector()
+    task = collector.tasks["t-a1"].task
+    assert isinstance(task, TaskPlan) and task.agent_id == "a1" and task.group == "global"
 
 
 def test_accepts_and_records_update_and_size():

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from common.config import ConfigError, from_mapping
-from coordinator.config import HETEROFL_RATES, CoordinatorConfig, DataConfig, RecipeConfig
+from coordinator.config import (
+    HETEROFL_RATES,
+    CoordinatorConfig,
+    DataConfig,
+    ModelConfig,
+    RecipeConfig,
+    ScaleFLConfig,
+)
+from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
 
 
 def test_defaults_are_valid():
@@ -36,8 +44,9 @@ def test_levels_must_be_width_rates(levels):
         CoordinatorConfig(levels=levels).validate()
 
 
-@pytest.mark.parametrize("proportions", [[1.0, 1.0], [1, 1, 1, 1, 1, 1], [1, -1, 1, 1, 1], [0, 0, 0, 0, 0]])
-def test_level_proportions_need_one_nonnegative_weight_per_level(proportions):
+@pytest.mark.parametrize("proportions", [[1, -1, 1, 1, 1], [0, 0, 0, 0, 0]])
+def test_level_proportions_need_nonnegative_weights_not_all_zero(proportions):
+    # Their number is checked by the strategy (test_coordinator_strategies), which knows its levels.
     with pytest.raises(ValueError, match="level_proportions"):
         CoordinatorConfig(level_proportions=proportions).validate()
 
@@ -82,6 +91,64 @@ def test_from_mapping_names_wrong_type_with_dotted_path():
         from_mapping(CoordinatorConfig, {"recipe": {"lr": "fast"}})
 
 
-def test_from_mapping_rejects_unknown_algorithm():
-    with pytest.raises(ConfigError, match="algorithm"):
-        from_mapping(CoordinatorConfig, {"algorithm": "scalefl"})
+def test_unknown_algorithm_is_rejected_by_the_strategy_registry():
+    # The config keeps the name as a plain string; the registry of strategies checks it.
+    config = from_mapping(CoordinatorConfig, {"algorithm": "fedprox"})
+    assert config.algorithm == "fedprox"
+    with pytest.raises(ValueError, match="unknown algorithm 'fedprox'.*heterofl, fedavg, decoupled, scalefl"):
+        check_algorithm(config.algorithm)
+    for name in ALGORITHM_NAMES:
+        check_algorithm(from_mapping(CoordinatorConfig, {"algorithm": name}).algorithm)
+
+
+def test_unknown_model_family_is_rejected_by_validate():
+    with pytest.raises(ValueError, match="model.family must be one of .*cnn.*'vgg16'"):
+        CoordinatorConfig(model=ModelConfig(family="vgg16")).validate()
+    for family in ("cnn", "preresnet18", "resnet20", "resnet56", "resnet110"):
+        CoordinatorConfig(model=ModelConfig(family=family)).validate()
+
+
+# ---------------------------------------------------------------------------------------------- scalefl
+def test_scalefl_section_loads_and_defaults_are_valid():
+    defaults = ScaleFLConfig()
+    defaults.validate()
+    assert defaults.ratios == [0.125, 0.25, 0.5, 1.0] and defaults.tolerances() == [0.1] * 4
+    config = from_mapping(CoordinatorConfig, {
+        "algorithm": "scalefl",
+        "scalefl": {"ratios": [0.25, 0.5, 1.0], "cost": "flops", "tolerance": [0.05, 0.1, 0.0], "tau": 2.0,
+                    "kd_warmup": 0.25, "normalization": "reference", "detach_teacher": True}})
+    assert isinstance(config.scalefl, ScaleFLConfig)
+    assert config.scalefl.cost == "flops" and config.scalefl.tolerances() == [0.05, 0.1, 0.0]
+    assert config.scalefl.normalization == "reference" and config.scalefl.detach_teacher is True
+    config.validate()
+
+
+def test_scalefl_section_rejects_unknown_keys_and_choices():
+    with pytest.raises(ConfigError, match=r"'scalefl\.ratio'"):
+        from_mapping(CoordinatorConfig, {"scalefl": {"ratio": [1.0]}})
+    with pytest.raises(ConfigError, match=r"'scalefl\.cost'"):
+        from_mapping(CoordinatorConfig, {"scalefl": {"cost": "bytes"}})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratios": [0.5, 0.25, 1.0]}, "scalefl.ratios"),
+        ({"ratios": [0.25, 0.25, 1.0]}, "scalefl.ratios"),
+        ({"ratios": [0.25, 0.5]}, "scalefl.ratios"),
+        ({"ratios": [0.0, 1.0]}, "scalefl.ratios"),
+        ({"ratios": []}, "scalefl.ratios"),
+        ({"tolerance": [0.1, 0.1]}, "scalefl.tolerance"),
+        ({"tolerance": -0.1}, "scalefl.tolerance"),
+        ({"grid_step": 0.0}, "scalefl.grid_step"),
+        ({"grid_step": 0.6}, "scalefl.grid_step"),
+        ({"tau": 0.0}, "scalefl.tau"),
+        ({"beta": -0.1}, "scalefl.beta"),
+        ({"kd_warmup": 1.0}, "kd_warmup"),
+    ],
+)
+def test_scalefl_validate(kwargs, match):
+    with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+        ScaleFLConfig(**kwargs).validate()
+    with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+        CoordinatorConfig(scalefl=ScaleFLConfig(**kwargs)).validate()

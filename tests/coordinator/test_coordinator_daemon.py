@@ -1,7 +1,10 @@
-"""Coordinator logic that needs no broker: resume from a checkpoint, and validation of incoming updates."""
+"""Coordinator logic that needs no broker: resume from a checkpoint, validation of incoming updates against what
+was sent (nesting, exits, tensors), collection, evaluation of every exit, and one whole round with the transport
+replaced by hand-made updates."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +12,15 @@ import pytest
 import torch
 
 from common.data import load_dataset
-from coordinator.checkpoint import save_checkpoint
-from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
+from coordinator.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.collector import DispatchedTask, RoundCollector
+from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig, ScaleFLConfig
 from coordinator.daemon import Coordinator
-from coordinator.strategies import Assignment
+from coordinator.metrics import TaskRecord
+from coordinator.registry import AgentRecord
+from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec
-from protocol import Update
+from protocol import Capabilities, Update
 
 
 def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
@@ -26,25 +32,59 @@ def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
     return cfg
 
 
+def scalefl_config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
+    """ScaleFL on a four-block CNN (digits are 8x8): levels 1..3 with early exits, FLOPs as the split cost."""
+    return config(tmp_path, algorithm="scalefl", model=ModelConfig(family="cnn", options={"hidden": [4, 8, 16, 32]}),
+                  scalefl=ScaleFLConfig(ratios=[0.25, 0.5, 1.0], cost="flops", grid_step=0.05), **overrides)
+
+
 @pytest.fixture(scope="module")
 def digits():
     return load_dataset("digits")
 
 
-def update_for(coordinator: Coordinator, spec: SubmodelSpec, *, labels: list[int], fill: float = 1.0,
-               drop: str | None = None) -> Update:
-    keys = coordinator.family.trainable_keys(spec)
-    state = coordinator.family.extract(coordinator.states["global"], spec, keys=keys)
-    weights = {k: np.full(tuple(v.shape), fill, dtype=np.float32) for k, v in state.items() if k != drop}
-    return Update("t-1", 1, "dev", "ok", spec.to_dict(), 10, labels, weights, {}, None)
+@pytest.fixture
+def heterofl(tmp_path: Path, digits) -> Coordinator:
+    return Coordinator(config(tmp_path), dataset=digits)
 
 
+@pytest.fixture
+def scalefl(tmp_path: Path, digits) -> Coordinator:
+    return Coordinator(scalefl_config(tmp_path), dataset=digits)
+
+
+def update_for(coordinator: Coordinator, spec: SubmodelSpec | None, *, labels: list[int] = (0, 1),
+               fill: float = 1.0, drop: str | None = None, extra: dict | None = None, status: str = "ok",
+               task_id: str = "t-1", agent: str = "dev", round_number: int = 1,
+               shapes_of: SubmodelSpec | None = None) -> Update:
+    """An update carrying ``spec`` (None: no spec_trained) with every trainable tensor set to ``fill``."""
+    family = coordinator.family
+    of = shapes_of or spec or SubmodelSpec.full()
+    shapes = family.shapes(of, track_bn_stats=False)
+    weights = {k: np.full(shapes[k], fill, dtype=np.float32) for k in family.trainable_keys(of) if k != drop}
+    weights.update(extra or {})
+    return Update(task_id, round_number, agent, status, None if spec is None else spec.to_dict(), 10,
+                  list(labels), weights, {"loss": 0.5}, None)
+
+
+def task_for(coordinator: Coordinator, level_name: str, agent: str = "dev", round_number: int = 1) -> TaskPlan:
+    strategy = coordinator.strategy
+    level = next(level for level in strategy.levels if level.name == level_name)
+    return TaskPlan(agent, level.name, level.spec, strategy.level_plan(level, round_number), strategy.group_of(level),
+                    strategy.ladder(level, round_number))
+
+
+def level_spec(coordinator: Coordinator, name: str) -> SubmodelSpec:
+    return next(level.spec for level in coordinator.strategy.levels if level.name == name)
+
+
+# ---------------------------------------------------------------------------------------------- resume
 def test_resume_continues_from_the_checkpoint(tmp_path: Path, digits) -> None:
     first = Coordinator(config(tmp_path), dataset=digits)
     marked = {k: v.clone() for k, v in first.states["global"].items()}
     marked["classifier.bias"] = torch.full_like(marked["classifier.bias"], 7.0)
     save_checkpoint(first.checkpoint_path, {"global": marked},
-                    {"round": 3, "algorithm": "heterofl", "family": "cnn"})
+                    {"round": 3, "algorithm": "heterofl", "family": "cnn", "strategy": {}})
     resumed = Coordinator(config(tmp_path, resume=True), dataset=digits)
     assert resumed.completed_rounds == 3
     torch.testing.assert_close(resumed.states["global"]["classifier.bias"], marked["classifier.bias"])
@@ -59,24 +99,259 @@ def test_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path: Path, digits
         Coordinator(config(tmp_path, resume=True), dataset=digits)
 
 
-def test_update_validation(tmp_path: Path, digits) -> None:
-    coordinator = Coordinator(config(tmp_path), dataset=digits)
-    half, full = SubmodelSpec.uniform(0.5), SubmodelSpec.full()
-    assignment = Assignment("dev", "b", half, "global")
-    spec, state, _ = coordinator._unpack_update(update_for(coordinator, half, labels=[0, 1]), assignment)
-    assert spec == half and set(state) == set(coordinator.family.trainable_keys(half))
-    with pytest.raises(ValueError, match="larger"):
-        coordinator._unpack_update(update_for(coordinator, full, labels=[0]), assignment)
-    with pytest.raises(ValueError, match="missing"):
-        coordinator._unpack_update(update_for(coordinator, half, labels=[0], drop="conv1.bias"), assignment)
+def test_resume_refuses_other_groups_other_tensors_and_foreign_strategy_state(tmp_path: Path, digits) -> None:
+    first = Coordinator(config(tmp_path), dataset=digits)
+    meta = {"round": 1, "algorithm": "heterofl", "family": "cnn"}
+    copy = {k: v.clone() for k, v in first.states["global"].items()}
+    save_checkpoint(first.checkpoint_path, {"a": first.states["global"], "b": copy}, meta)
+    with pytest.raises(ValueError, match=r"model groups \['a', 'b'\]"):
+        Coordinator(config(tmp_path, resume=True), dataset=digits)
+    fewer = {k: v for k, v in first.states["global"].items() if k != "conv1.bias"}
+    save_checkpoint(first.checkpoint_path, {"global": fewer}, meta)
+    with pytest.raises(ValueError, match="does not match this model"):
+        Coordinator(config(tmp_path, resume=True), dataset=digits)
+    save_checkpoint(first.checkpoint_path, first.states, {**meta, "strategy": {"scores": [1]}})
+    with pytest.raises(ValueError, match="keeps no state"):
+        Coordinator(config(tmp_path, resume=True), dataset=digits)
+
+
+def test_unknown_algorithm_is_refused_when_the_strategy_is_made(tmp_path: Path, digits) -> None:
+    with pytest.raises(ValueError, match="unknown algorithm 'fedprox'"):
+        Coordinator(config(tmp_path, algorithm="fedprox"), dataset=digits)
+
+
+# ---------------------------------------------------------------------------------------------- updates
+def test_nested_update_is_accepted(heterofl: Coordinator) -> None:
+    half = SubmodelSpec.uniform(0.5)
+    task = task_for(heterofl, "b")
+    assert task.spec == half
+    result = heterofl._unpack_update(update_for(heterofl, half, labels=[0, 1, 42], fill=2.0), task)
+    assert isinstance(result, TaskResult)
+    assert result.task is task and result.spec == half
+    assert set(result.state) == set(result.index_map) == set(heterofl.family.trainable_keys(half))
+    full_map = heterofl.family.index_map(half)
+    for key, tensor in result.state.items():
+        assert tensor.dtype == torch.float32 and torch.all(tensor == 2.0)
+        assert tuple(tensor.shape) == tuple(len(idx) for idx in full_map[key])
+    assert result.num_samples == 10
+    assert result.labels == [0, 1]  # labels the dataset does not have are dropped
+
+
+def test_update_without_a_trained_spec_is_taken_as_the_sent_spec(heterofl: Coordinator) -> None:
+    task = task_for(heterofl, "b")
+    result = heterofl._unpack_update(update_for(heterofl, None, shapes_of=task.spec), task)
+    assert result.spec == task.spec
+
+
+def test_wider_update_than_sent_is_rejected(heterofl: Coordinator) -> None:
+    with pytest.raises(ValueError, match=r"agent trained width=1, which is not inside the width=0\.5 sent"):
+        heterofl._unpack_update(update_for(heterofl, SubmodelSpec.full()), task_for(heterofl, "b"))
+
+
+def test_update_with_an_extra_exit_is_rejected(heterofl: Coordinator, scalefl: Coordinator) -> None:
+    with_exit = SubmodelSpec(width=0.5, exits=(0,))
+    with pytest.raises(ValueError, match="not inside"):
+        heterofl._unpack_update(update_for(heterofl, with_exit), task_for(heterofl, "b"))
+    lowest = level_spec(scalefl, "1")
+    assert lowest.depth is not None and lowest.depth >= 2
+    extra = SubmodelSpec(width=lowest.width, rounding="floor", depth=lowest.depth,
+                         exits=tuple(sorted({0, *lowest.exits})))
+    assert extra != lowest
+    with pytest.raises(ValueError, match="not inside"):
+        scalefl._unpack_update(update_for(scalefl, extra), task_for(scalefl, "1"))
+
+
+def test_update_deeper_than_sent_is_rejected(scalefl: Coordinator) -> None:
+    lowest = level_spec(scalefl, "1")
+    deeper = SubmodelSpec(width=lowest.width, rounding="floor", exits=lowest.exits)  # every block, final head
+    with pytest.raises(ValueError, match="not inside"):
+        scalefl._unpack_update(update_for(scalefl, deeper), task_for(scalefl, "1"))
+
+
+def test_update_with_missing_or_extra_tensors_is_rejected(heterofl: Coordinator, scalefl: Coordinator) -> None:
+    half, task = SubmodelSpec.uniform(0.5), task_for(heterofl, "b")
+    with pytest.raises(ValueError, match=r"missing \['conv1\.bias'\], unexpected \[\]"):
+        heterofl._unpack_update(update_for(heterofl, half, drop="conv1.bias"), task)
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['bogus\.weight'\]"):
+        heterofl._unpack_update(update_for(heterofl, half, extra={"bogus.weight": np.zeros(2, np.float32)}), task)
+    # BN statistics are not trained: an update must not carry them.
+    with pytest.raises(ValueError, match=r"unexpected \['bn1\.running_mean'\]"):
+        heterofl._unpack_update(update_for(heterofl, half, extra={"bn1.running_mean": np.zeros(2, np.float32)}),
+                                task)
+    # A cut level has no final classifier.
+    lowest = level_spec(scalefl, "1")
+    with pytest.raises(ValueError, match=r"unexpected \['classifier\.weight'\]"):
+        scalefl._unpack_update(update_for(scalefl, lowest, extra={"classifier.weight": np.zeros((10, 32), np.float32)}),
+                               task_for(scalefl, "1"))
+
+
+def test_update_with_a_wrong_shape_is_rejected(heterofl: Coordinator) -> None:
+    half = SubmodelSpec.uniform(0.5)
+    with pytest.raises(ValueError, match=r"tensor 'conv1\.bias' has shape \(4,\), expected \(2,\)"):
+        heterofl._unpack_update(update_for(heterofl, half, extra={"conv1.bias": np.zeros(4, np.float32)}),
+                                task_for(heterofl, "b"))
+
+
+def test_update_with_a_spec_the_family_cannot_build_is_rejected(heterofl: Coordinator) -> None:
+    bad = update_for(heterofl, SubmodelSpec.uniform(0.5))
+    bad.spec_trained = {"width": 0.5, "exits": [5]}
+    with pytest.raises(ValueError, match="no exit point after block 5"):
+        heterofl._unpack_update(bad, task_for(heterofl, "b"))
+    bad.spec_trained = {"width": 0.5, "colour": "red"}
+    with pytest.raises(ValueError, match="unknown sub-model spec key 'colour'"):
+        heterofl._unpack_update(bad, task_for(heterofl, "b"))
+
+
+def test_nested_adapted_update_is_accepted(scalefl: Coordinator) -> None:
+    top, middle = task_for(scalefl, "3"), level_spec(scalefl, "2")
+    assert scalefl.family.is_nested(middle, top.spec) and middle != top.spec
+    assert middle.to_dict() in [c.spec for c in top.adaptation.candidates]
+    result = scalefl._unpack_update(update_for(scalefl, middle, status="adapted"), top)
+    assert result.spec == middle and result.task is top
+    assert set(result.state) == set(scalefl.family.trainable_keys(middle))
+    exit_keys = [k for k in result.state if k.startswith("exits.")]
+    assert exit_keys and all(k.split(".")[1] in {str(b) for b in middle.exits} for k in exit_keys)
 
 
 def test_masked_cross_entropy_keeps_absent_class_rows(tmp_path: Path, digits) -> None:
     cfg = config(tmp_path)
     cfg.recipe.masked_ce = True
     coordinator = Coordinator(cfg, dataset=digits)
-    assignment = Assignment("dev", "a", SubmodelSpec.full(), "global")
-    _, state, index_map = coordinator._unpack_update(
-        update_for(coordinator, SubmodelSpec.full(), labels=[2, 5]), assignment)
-    assert state["classifier.weight"].shape[0] == 2
-    assert index_map["classifier.weight"][0].tolist() == [2, 5]
+    task = task_for(coordinator, "a")
+    assert task.plan.uses_masked_ce
+    result = coordinator._unpack_update(update_for(coordinator, SubmodelSpec.full(), labels=[2, 5]), task)
+    assert result.labels == [2, 5]
+    before = coordinator.states["global"]
+    merged = coordinator.strategy.aggregate(1, [result], coordinator.states)["global"]
+    for row in range(10):
+        if row in (2, 5):
+            assert torch.all(merged["classifier.weight"][row] == 1.0)
+        else:
+            torch.testing.assert_close(merged["classifier.weight"][row], before["classifier.weight"][row])
+
+
+# ---------------------------------------------------------------------------------------------- collection
+def test_collect_sorts_updates_into_results_and_outcomes(scalefl: Coordinator) -> None:
+    deadline = 1e12
+    names = {"ok": "3", "adapted": "3", "wide": "1", "declined": "2", "failed": "1", "silent": "1"}
+    tasks = {f"t-{agent}": DispatchedTask(f"t-{agent}", 1, task_for(scalefl, level, agent), deadline)
+             for agent, level in names.items()}
+    collector = RoundCollector(1, tasks)
+    spec = {name: level_spec(scalefl, name) for name in ("1", "2", "3")}
+    offers = [
+        update_for(scalefl, spec["3"], task_id="t-ok", agent="ok"),
+        update_for(scalefl, spec["2"], task_id="t-adapted", agent="adapted", status="adapted"),
+        update_for(scalefl, spec["3"], task_id="t-wide", agent="wide", status="adapted"),
+        Update("t-declined", 1, "declined", "declined", None, 0, [], {}, {"budget_bytes": 5.0}, "too small"),
+        Update("t-failed", 1, "failed", "failed", None, 0, [], {}, {}, "killed"),
+    ]
+    for update in offers:
+        assert collector.offer(update, 100) == "accepted"
+    records: dict[str, TaskRecord] = {}
+    results, outcomes = scalefl._collect(collector, records)
+    assert [(r.task.agent_id, r.spec) for r in results] == [("adapted", spec["2"]), ("ok", spec["3"])]
+    by_agent = {o.task.agent_id: o for o in outcomes}
+    assert set(by_agent) == {"ok", "adapted", "wide", "declined", "failed"}  # "silent" is the round's business
+    assert {a: o.status for a, o in by_agent.items()} == {
+        "ok": "ok", "adapted": "adapted", "wide": "rejected", "declined": "declined", "failed": "failed"}
+    assert by_agent["adapted"].spec_trained == spec["2"] and by_agent["wide"].spec_trained is None
+    assert by_agent["declined"].metrics == {"budget_bytes": 5.0}
+    assert records["wide"].status == "rejected" and "not inside" in records["wide"].reason
+    assert records["wide"].spec_sent == spec["1"].describe()
+    assert records["wide"].spec_trained == spec["3"].describe()
+    assert records["adapted"].spec_trained == spec["2"].describe() and records["adapted"].level == "3"
+    assert records["declined"].reason == "too small" and records["failed"].reason == "killed"
+    assert records["ok"].num_samples == 10 and records["ok"].metrics == {"loss": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def test_evaluate_reports_every_exit_of_the_global_model(scalefl: Coordinator) -> None:
+    strategy = scalefl.strategy
+    global_spec = strategy.global_spec()
+    before = {k: v.clone() for k, v in scalefl.states["global"].items()}
+    results = scalefl._evaluate()
+    assert set(results) == set(strategy.eval_targets()) == {"1", "2", "3", "global"}
+    assert len(results["global"]) == len(global_spec.exits) + 1 >= 3
+    for name, target in strategy.eval_targets().items():
+        accs = results[name]
+        assert len(accs) == scalefl.family.build(target.spec).num_outputs
+        assert all(0.0 <= acc <= 1.0 for acc in accs)
+    assert results["3"] == results["global"]  # the top level is the global model
+    # The global model's recomputed BN statistics are kept in its state.
+    assert not torch.equal(scalefl.states["global"]["bn1.running_mean"], before["bn1.running_mean"])
+    expected, _ = scalefl._evaluator.evaluate(before, global_spec)
+    assert results["global"] == pytest.approx(expected)
+
+
+def test_evaluate_without_exits_reports_one_accuracy_per_target(heterofl: Coordinator) -> None:
+    before = {k: v.clone() for k, v in heterofl.states["global"].items()}
+    results = heterofl._evaluate()
+    assert set(results) == {"global", "a", "b"}
+    assert all(len(accs) == 1 for accs in results.values())
+    expected, bn_state = heterofl._evaluator.evaluate(before, SubmodelSpec.full())
+    assert results["global"] == results["a"] == pytest.approx(expected)
+    # The global target stores its BN statistics, even though level a (the same model) is evaluated first.
+    for key in ("bn1.running_mean", "bn2.running_var"):
+        torch.testing.assert_close(heterofl.states["global"][key], bn_state[key], msg=key)
+        assert not torch.equal(bn_state[key], before[key])
+
+
+# ---------------------------------------------------------------------------------------------- a whole round
+def agent_record(agent_id: str) -> AgentRecord:
+    capabilities = Capabilities("generic", 10**12, 10**12, None, 10, list(range(10)))
+    return AgentRecord(agent_id, "online", capabilities, 0.0)
+
+
+def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digits, monkeypatch) -> None:
+    cfg = scalefl_config(tmp_path, rounds=2)
+    cfg.level_assignment = "dynamic"
+    coordinator = Coordinator(cfg, dataset=digits)
+    agents = [agent_record(f"sim-{i}") for i in range(4)]
+    monkeypatch.setattr(coordinator.registry, "wait_for", lambda count, timeout: agents)
+    sent: list[TaskPlan] = []
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        sent.append(planned)
+        status = "failed" if planned.agent_id == "sim-3" else "ok"
+        update = update_for(coordinator, planned.spec, task_id=task_id, agent=planned.agent_id, status=status,
+                            round_number=round_number, fill=0.5)
+        assert coordinator._collector is not None
+        assert coordinator._collector.offer(update, 1000) == "accepted"
+        return 10
+
+    monkeypatch.setattr(coordinator, "_dispatch", dispatch)
+    seen = []
+    coordinator.on_round = seen.append
+    result = coordinator.run_round(1)
+    assert seen == [result]
+    assert len(sent) == 4 and result.selected == 4 and result.participants == 3
+    assert (result.bytes_down, result.bytes_up) == (40, 4000)
+    outputs = len(coordinator.strategy.global_spec().exits) + 1
+    assert list(result.exit_accuracy) == [f"exit{i}" for i in range(1, outputs + 1)]
+    assert result.global_accuracy == result.exit_accuracy[f"exit{outputs}"]
+    assert set(result.level_accuracy) == {"1", "2", "3"}
+    assert result.level_accuracy["3"] == result.global_accuracy
+    assert [(t.agent, t.status) for t in result.tasks] == [
+        ("sim-0", "ok"), ("sim-1", "ok"), ("sim-2", "ok"), ("sim-3", "failed")]
+    # Aggregated: the first conv's leading channel (held by every level) is the updates' 0.5.
+    assert torch.all(coordinator.states["global"]["conv1.weight"][0] == 0.5)
+    states, meta = load_checkpoint(coordinator.checkpoint_path)
+    assert meta["round"] == 1 and meta["algorithm"] == "scalefl" and meta["strategy"] == {}
+    torch.testing.assert_close(states["global"]["conv1.weight"], coordinator.states["global"]["conv1.weight"])
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["exit_accuracy"] == result.exit_accuracy and row["round"] == 1
+
+
+def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinator, monkeypatch) -> None:
+    monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"), 10)
+        return 10
+
+    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    result = heterofl.run_round(1)
+    assert result.exit_accuracy == {} and result.participants == 0
+    assert set(result.level_accuracy) == {"a", "b"}
+    assert [(t.status, t.reason) for t in result.tasks] == [("declined", "no memory")]

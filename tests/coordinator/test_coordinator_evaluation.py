@@ -1,4 +1,4 @@
-"""Static-BN statistics, accuracy and the Evaluator on a tiny CNN."""
+"""Static-BN statistics, per-output accuracies and the Evaluator on a tiny CNN (with and without early exits)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.evaluation import Evaluator, accuracy, recompute_bn_statistics
+from coordinator.evaluation import Evaluator, accuracies, recompute_bn_statistics
 from models import Scaler, SubmodelSpec, get_family
-
-
-@pytest.fixture(autouse=True)
-def single_torch_thread():
-    """Tiny models run fastest on one thread (and do not fight other processes for cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture
@@ -82,29 +73,53 @@ def test_scalers_stay_in_eval_mode_during_recompute(family):
     assert bn_modes == [True]
 
 
-class ConstantClass(nn.Module):
-    def __init__(self, cls: int, num_classes: int = 5) -> None:
+class ConstantOutputs(nn.Module):
+    """Stands in for a FamilyNet: output ``i`` always predicts class ``classes[i]``."""
+
+    def __init__(self, *classes: int, num_classes: int = 5) -> None:
         super().__init__()
-        self.cls = cls
+        self.classes = classes
         self.num_classes = num_classes
+        self.batches = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.zeros(len(x), self.num_classes)
-        logits[:, self.cls] = 1.0
-        return logits
+    @property
+    def num_outputs(self) -> int:
+        return len(self.classes)
+
+    def forward_exits(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.batches += 1
+        outputs = []
+        for cls in self.classes:
+            logits = torch.zeros(len(x), self.num_classes)
+            logits[:, cls] = 1.0
+            outputs.append(logits)
+        return outputs
 
 
-def test_accuracy_of_constant_predictor_is_share_of_that_class():
-    y = torch.tensor([3, 3, 1, 0, 3, 2, 4, 3, 1, 0])  # four 3s
+def test_accuracies_of_constant_predictors_are_shares_of_their_classes():
+    y = torch.tensor([3, 3, 1, 0, 3, 2, 4, 3, 1, 0])  # four 3s, one 4, two 1s
     x = torch.zeros(len(y), 1, 2, 2)
-    model = ConstantClass(3).train()
-    assert accuracy(model, x, y, batch_size=3) == pytest.approx(0.4)
+    model = ConstantOutputs(3, 4, 1).train()
+    assert accuracies(model, x, y, batch_size=3) == pytest.approx([0.4, 0.1, 0.2])
+    assert model.batches == 4  # batches of 3: 3 + 3 + 3 + 1
     assert not model.training
-    assert accuracy(ConstantClass(4), x, y) == pytest.approx(0.1)
+    assert accuracies(ConstantOutputs(4), x, y) == pytest.approx([0.1])
 
 
-def test_accuracy_of_empty_set_is_zero():
-    assert accuracy(ConstantClass(0), torch.zeros(0, 1, 2, 2), torch.zeros(0, dtype=torch.long)) == 0.0
+def test_accuracies_of_empty_set_are_zero():
+    empty = accuracies(ConstantOutputs(0, 1), torch.zeros(0, 1, 2, 2), torch.zeros(0, dtype=torch.long))
+    assert empty == [0.0, 0.0]
+
+
+def test_accuracies_of_a_family_net_follow_its_outputs():
+    torch.manual_seed(3)
+    exits_family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
+    model = exits_family.build(SubmodelSpec(exits=(0, 1))).eval()
+    x, y = torch.randn(25, 1, 8, 8), torch.randint(0, 10, (25,))
+    with torch.no_grad():
+        expected = [float((logits.argmax(1) == y).float().mean()) for logits in model.forward_exits(x)]
+    assert len(expected) == 3
+    assert accuracies(model, x, y, batch_size=7) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.5])
@@ -115,8 +130,8 @@ def test_evaluator_returns_accuracy_and_bn_statistics(family, rate):
     test_x, test_y = torch.randn(20, 1, 8, 8), torch.randint(0, 10, (20,))
     evaluator = Evaluator(family, bn_x, test_x, test_y)
     spec = SubmodelSpec.uniform(rate)
-    acc, bn_state = evaluator.evaluate(state, spec)
-    assert 0.0 <= acc <= 1.0
+    accs, bn_state = evaluator.evaluate(state, spec)
+    assert len(accs) == 1 and 0.0 <= accs[0] <= 1.0
     expected_keys = {f"bn{i}.{suffix}" for i in (1, 2)
                      for suffix in ("running_mean", "running_var", "num_batches_tracked")}
     assert set(bn_state) == expected_keys
@@ -136,5 +151,28 @@ def test_evaluator_accuracy_matches_prepared_model(family):
     model = evaluator.prepare(state, spec)
     with torch.no_grad():
         expected = float((model(x).argmax(1) == y).float().mean())
-    acc, _ = evaluator.evaluate(state, spec)
-    assert acc == pytest.approx(expected)
+    accs, _ = evaluator.evaluate(state, spec)
+    assert accs == pytest.approx([expected])
+
+
+def test_evaluator_reports_every_exit_and_their_bn_statistics():
+    # Exit heads with a convolution have their own BN layers: their statistics are recomputed too.
+    torch.manual_seed(4)
+    family = get_family("cnn", 10, 1, hidden=(4, 8, 8), exit_convs=1)
+    global_spec = SubmodelSpec(exits=(0, 1))
+    state = family.build(global_spec).state_dict()
+    x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 10, (40,))
+    evaluator = Evaluator(family, x[:16], x, y)
+    accs, bn_state = evaluator.evaluate(state, global_spec)
+    model = evaluator.prepare(state, global_spec)
+    with torch.no_grad():
+        expected = [float((logits.argmax(1) == y).float().mean()) for logits in model.forward_exits(x)]
+    assert len(accs) == 3 and accs == pytest.approx(expected)
+    for head in ("exits.0.bn1", "exits.1.bn1"):
+        assert int(bn_state[f"{head}.num_batches_tracked"]) == 1
+        assert not torch.equal(bn_state[f"{head}.running_mean"], state[f"{head}.running_mean"])
+    # A cut sub-model: the outputs are its exits only, the last one after its last block.
+    cut = SubmodelSpec(width=0.5, rounding="floor", depth=2, exits=(0, 1))
+    accs, bn_state = evaluator.evaluate(state, cut)
+    assert len(accs) == 2
+    assert "bn3.running_mean" not in bn_state and bn_state["exits.1.bn1.running_mean"].shape == (4,)

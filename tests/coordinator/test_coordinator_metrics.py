@@ -41,6 +41,15 @@ def test_existing_metrics_are_kept(tmp_path):
     assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [1, 2]
 
 
+def test_exit_accuracies_are_written_and_default_to_empty():
+    assert result(1).to_dict()["exit_accuracy"] == {}
+    with_exits = result(2)
+    with_exits.exit_accuracy = {"exit1": 0.3, "exit2": 0.4, "exit3": 0.52}
+    data = json.loads(json.dumps(with_exits.to_dict()))
+    assert data["exit_accuracy"] == {"exit1": 0.3, "exit2": 0.4, "exit3": 0.52}
+    assert data["global_accuracy"] == 0.52
+
+
 def test_to_dict_round_trips_through_json():
     data = result(3).to_dict()
     assert json.loads(json.dumps(data)) == data

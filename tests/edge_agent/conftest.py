@@ -44,6 +44,12 @@ def single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session", name="task_plan")
+def task_plan_fixture() -> Callable[..., TrainingPlan]:
+    """:func:`task_plan`, for the test modules (conftest is not importable under ``--import-mode=importlib``)."""
+    return task_plan
+
+
 @pytest.fixture(scope="session")
 def family() -> ModelFamily:
     return get_family("cnn", 10, 1, hidden=HIDDEN)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -17,8 +18,8 @@ from edge_agent import allocator, child
 from edge_agent.calibration import Calibration
 from edge_agent.child import ChildOutcome, peak_rss_bytes, reset_peak_rss, rss_bytes, run_in_child
 from edge_agent.runner import LocalData
-from models import SubmodelSpec, get_family
-from protocol import ModelRef, Update, decode, encode
+from models import SubmodelSpec, estimate_plan_memory, get_family
+from protocol import LossTerm, ModelRef, Stage, TrainingPlan, Update, decode, encode
 
 U = SubmodelSpec.uniform
 MIB = 2**20
@@ -106,8 +107,8 @@ def test_run_in_child_returns_an_encoded_update(trained):
     for key, array in update.weights.items():
         assert array.shape == task.weights[key].shape and array.dtype == np.float32
     assert any(not np.array_equal(update.weights[k], task.weights[k]) for k in task.weights)  # trained
-    assert set(update.metrics) == {"loss", "steps", "seconds", "peak_bytes"}
-    assert update.metrics["steps"] == 2.0
+    assert set(update.metrics) == {"loss", "steps", "seconds", "stages", "peak_bytes"}
+    assert update.metrics["steps"] == 2.0 and update.metrics["stages"] == 1.0
     assert update.metrics["peak_bytes"] > 0
 
 
@@ -130,7 +131,7 @@ def test_child_runs_the_heap_its_plan_names(make_task, tmp_path):
         outcome = run_in_child(write_workdir(tmp_path / heap, task, data, spec, allocator=heap), 120)
         assert outcome.update is not None, outcome.error
         peaks[heap] = decode(outcome.update, expected=Update).metrics["peak_bytes"]
-    estimate = family.training_memory_bytes(spec, batch_size=64, input_size=(28, 28), allocator="compact")
+    estimate = estimate_plan_memory(family, spec, task.plan, input_size=(28, 28), allocator="compact").total
     assert 0.85 <= estimate / peaks["compact"] <= 1.15, (estimate, peaks)
     assert peaks["default"] > 1.1 * peaks["compact"], peaks
 
@@ -210,6 +211,72 @@ def test_a_timeout_kills_the_child_and_says_so(make_task, workdir_for):
     assert not Path(f"/proc/{pids[0]}").exists()  # killed and reaped
 
 
+def test_a_child_trains_a_depth_wise_task_and_uploads_only_what_it_trained(make_task, tmp_path, local_data,
+                                                                          task_plan):
+    family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
+    spec = SubmodelSpec(segments=((0, 1), (2, 3)))
+    plan = task_plan(schedule=(Stage(epochs=2), Stage(epochs=1)))
+    task = make_task(spec, of=family, model=ModelRef("cnn", 10, 1, {"hidden": [4, 8, 8]}), plan=plan)
+    outcome = run_in_child(write_workdir(tmp_path / "work", task, local_data(), spec), 120)
+    assert outcome.update is not None, outcome.error
+    update = decode(outcome.update, expected=Update)
+    assert list(update.weights) == list(family.trainable_keys(spec))
+    assert {key.split(".")[0] for key in update.weights} == {"conv1", "bn1", "conv3", "bn3", "classifier"}
+    assert (update.metrics["stages"], update.metrics["steps"]) == (2.0, 4.0 + 2.0)
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+def test_warm_up_runs_every_stage_of_the_plan_once_at_learning_rate_zero(monkeypatch):
+    family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
+    spec = SubmodelSpec(exits=(0,), segments=((0, 1), (1, 3)))
+    plan = TrainingPlan(epochs=3, batch_size=4, seed=5, schedule=(Stage(epochs=4, route="exit"), Stage(epochs=2)),
+                        loss=(LossTerm.ce(weight=0.5, masked=True),))
+    x, y = torch.randn(16, 1, 8, 8), torch.arange(16) % 10
+    built, calls = [], []
+
+    def build():
+        built.append(family.build(spec, track_bn_stats=False))
+        return built[-1]
+
+    def recording_train(model, spec_, x_, y_, plan_, **kwargs):
+        calls.append((model, spec_, x_, y_, plan_, kwargs))
+
+    monkeypatch.setattr(child, "train", recording_train)
+    child.warm_up_training(build, spec, x, y, plan, [0, 1, 2], 10, "cpu", "default")
+    [(model, spec_, x_, y_, still, kwargs)] = calls
+    assert model is built[0] and spec_ == spec
+    assert torch.equal(x_, x[:4]) and torch.equal(y_, y[:4])  # one batch
+    assert still.optimizer.lr == 0.0  # the throwaway copy's step changes nothing that matters
+    assert still.epochs == 1 and still.batch_size == 4
+    assert still.schedule == (Stage(epochs=1, route="exit"), Stage(epochs=1, route="skip"))  # every stage, once
+    assert still.loss == plan.loss and still.seed == plan.seed  # the same loss terms: the same code is mapped
+    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu"}
+
+
+def test_warm_up_takes_two_samples_at_least_and_really_runs(monkeypatch):
+    family = get_family("cnn", 10, 1, hidden=(4, 8))
+    spec = SubmodelSpec(exits=(0,))
+    plan = TrainingPlan(batch_size=2, loss=(LossTerm.ce(), LossTerm.kd(0, 1, weight=1.0, tau=2.0)))
+    x, y = torch.randn(8, 1, 8, 8), torch.arange(8) % 10
+    models = []
+
+    def build():
+        models.append(family.build(spec, track_bn_stats=False))
+        models.append({k: v.clone() for k, v in models[-1].state_dict().items()})
+        return models[0]
+
+    real_train = child.train
+    results = []
+    monkeypatch.setattr(child, "train", lambda *a, **k: results.append(real_train(*a, **k)))
+    child.warm_up_training(build, spec, x, y, plan, list(range(8)), 10, "cpu", "compact")
+    [result] = results
+    assert (result.steps, result.samples, result.stages) == (1, 2, 1)
+    assert math.isfinite(result.loss) and result.loss > 0
+    # learning rate 0: the step ran (gradients and all) but left the throwaway model where it was
+    after = models[0].state_dict()
+    assert all(torch.equal(after[key], before) for key, before in models[1].items())
+
+
 # ---------------------------------------------------------------------------------------------- runner
 def kill_runner_child(runner, kill_when_busy,
                       sig: int = signal.SIGKILL) -> tuple[threading.Thread, list[bool]]:
@@ -233,7 +300,8 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make
                                                                  kill_when_busy):
     runner = make_runner(budget=2**30)
     watcher, killed = kill_runner_child(runner, kill_when_busy)
-    failed = runner.run(make_task(U(1.0), task_id="r1-agent-0001", epochs=LONG))
+    task = make_task(U(1.0), task_id="r1-agent-0001", epochs=LONG)
+    failed = runner.run(task)
     watcher.join(10)
 
     assert killed == [True]
@@ -246,7 +314,7 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make
     assert not (tmp_path / "agent" / "tasks" / "r1-agent-0001").exists()
 
     # The kill says the real need may have been above what was available: the floor rises (at most doubling).
-    estimate = runner.raw_estimate(model_ref, U(1.0), 8, 0.9)
+    estimate = runner.raw_estimate(model_ref, U(1.0), task.plan)
     assert failed.metrics["raw_estimate_bytes"] == estimate.total
     expected = Calibration()
     expected.observe_failure(estimate.total, int(failed.metrics["budget_bytes"]), estimate.overhead)

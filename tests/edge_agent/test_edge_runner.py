@@ -1,7 +1,8 @@
 """TaskRunner: a task in, an update out (ok, declined or failed with a reason); LocalData validation.
 
-Fixtures (family, make_task, make_runner, local_data) come from conftest.py: a tiny CNN (hidden 4, 8) on
-8x8 one-channel inputs, 16 samples, batch size 8, so one epoch is two steps.
+Fixtures (family, make_task, make_runner, local_data, task_plan) come from conftest.py: a tiny CNN (hidden 4, 8)
+on 8x8 one-channel inputs, 16 samples, batch size 8, so one epoch is two steps; ``deep_family`` and
+``make_deep_task``: the same with three blocks (hidden 4, 8, 8), for exits and depth-wise segments.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,15 +18,26 @@ import torch
 
 from edge_agent import child
 from edge_agent import runner as runner_module
+from edge_agent.adaptation import Option
 from edge_agent.calibration import Calibration
 from edge_agent.runner import LocalData, TaskRejected, TaskRunner
-from models import SubmodelSpec, get_family
-from protocol import ModelRef, decode, encode
+from models import SubmodelSpec, estimate_plan_memory, get_family
+from protocol import (
+    Adaptation,
+    Candidate,
+    LossTerm,
+    ModelRef,
+    ProtocolError,
+    Stage,
+    TrainingPlan,
+    decode,
+    encode,
+)
 
 HIDDEN = (4, 8)
 MEMORY_KEYS = {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration"}
-OK_METRICS = {"loss", "steps", "seconds", "peak_bytes"} | MEMORY_KEYS
-WIDTH_LEVELS = {"kind": "width-levels", "rates": [1.0, 0.5, 0.25]}
+OK_METRICS = {"loss", "steps", "seconds", "stages", "peak_bytes"} | MEMORY_KEYS
+WIDTH_LEVELS = Adaptation("width-levels", rates=[1.0, 0.5, 0.25])
 
 
 class RecordingCalibration(Calibration):
@@ -44,18 +57,25 @@ class RecordingCalibration(Calibration):
         super().observe_failure(raw_estimate, available, overhead)
 
 
-def raw_estimate(family, spec: SubmodelSpec, batch_size: int = 8, momentum: float = 0.9):
-    """What the runner should ask the estimator for: 8x8 inputs, one optimizer slot with momentum, CPU."""
-    return family.training_memory_estimate(spec, batch_size=batch_size, input_size=(8, 8),
-                                           optimizer_slots=1 if momentum > 0 else 0, device="cpu")
+def raw_estimate(family, spec: SubmodelSpec, plan: TrainingPlan, allocator: str = "compact"):
+    """What the runner should ask the estimator for: the plan on 8x8 inputs, on CPU."""
+    return estimate_plan_memory(family, spec, plan, input_size=(8, 8), device="cpu", allocator=allocator)
 
 
 # ---------------------------------------------------------------------------------------------- ok
-@pytest.mark.parametrize("rate", [1.0, 0.25])
-def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, make_runner, tmp_path, rate):
+@pytest.mark.parametrize(("rate", "legacy"), [(1.0, False), (0.25, False), (1.0, True)],
+                         ids=["width 1", "width 0.25", "old-style task"])
+def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, make_runner, tmp_path, task_plan,
+                                                           rate, legacy):
     spec = SubmodelSpec.uniform(rate)
-    # The hint allows shrinking, but the sent spec fits: the runner trains exactly what was sent.
-    task = make_task(spec, adaptation=WIDTH_LEVELS)
+    # The hint allows shrinking, but the sent spec fits: the runner trains exactly what was sent. An old-style
+    # task (a recipe, no plan; HeteroFL's width levels) is served the same way.
+    if legacy:
+        task = make_task(spec, legacy=True, adaptation=WIDTH_LEVELS)
+        assert task.plan is None and task.training_plan() == task_plan()
+    else:
+        smaller = SubmodelSpec.uniform(rate / 2)
+        task = make_task(spec, adaptation=Adaptation("ladder", [Candidate(smaller.to_dict(), task_plan())]))
     calibration_file = tmp_path / "agent" / "calibration-cpu-compact.json"
     calibration = RecordingCalibration(calibration_file)
     runner = make_runner(calibration=calibration)
@@ -75,9 +95,9 @@ def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, ma
     metrics = update.metrics
     assert set(metrics) == OK_METRICS
     assert all(math.isfinite(v) for v in metrics.values())
-    assert metrics["steps"] == 2.0
+    assert metrics["steps"] == 2.0 and metrics["stages"] == 1.0
     assert metrics["loss"] > 0 and metrics["seconds"] > 0
-    estimate = raw_estimate(family, spec)
+    estimate = raw_estimate(family, spec, task_plan())
     assert metrics["raw_estimate_bytes"] == estimate.total
     assert metrics["calibration"] == pytest.approx(1.10)  # a fresh device: the initial factor
     # the decision used the corrected estimate: the model-dependent part times the factor, plus the overhead
@@ -99,34 +119,47 @@ def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, ma
     assert decoded.status == "ok" and decoded.metrics == metrics
 
 
-def test_raw_estimate_matches_family_memory_model(family, model_ref, make_runner):
+def test_raw_estimate_matches_family_memory_model(family, model_ref, make_runner, task_plan):
     runner = make_runner()
     spec = SubmodelSpec.uniform(0.5)
-    with_momentum = runner.raw_estimate(model_ref, spec, 8, 0.9)
-    assert with_momentum == raw_estimate(family, spec, 8, 0.9)
-    without = runner.raw_estimate(model_ref, spec, 8, 0.0)
-    assert without == raw_estimate(family, spec, 8, 0.0)
+    with_momentum = runner.raw_estimate(model_ref, spec, task_plan(momentum=0.9))
+    assert with_momentum == raw_estimate(family, spec, task_plan(momentum=0.9))
+    without = runner.raw_estimate(model_ref, spec, task_plan(momentum=0.0))
+    assert without == raw_estimate(family, spec, task_plan(momentum=0.0))
     assert without.optimizer_state == 0 < with_momentum.optimizer_state
     assert without.total < with_momentum.total
 
 
-def test_estimates_are_made_in_a_child_once_per_spec(family, model_ref, make_runner, monkeypatch):
-    runner = make_runner()
-    made: list[list[SubmodelSpec]] = []
+def recording_estimates(monkeypatch) -> list[list[tuple[SubmodelSpec, TrainingPlan]]]:
+    """Record the (spec, plan) pairs of every estimator child the runner starts."""
+    made: list[list[tuple[SubmodelSpec, TrainingPlan]]] = []
     estimate_in_child = runner_module.child.estimate_in_child
 
-    def recording(model, specs, **kwargs):
-        made.append(list(specs))
-        return estimate_in_child(model, specs, **kwargs)
+    def recording(model, pairs, **kwargs):
+        made.append(list(pairs))
+        return estimate_in_child(model, pairs, **kwargs)
 
     monkeypatch.setattr(runner_module.child, "estimate_in_child", recording)
-    half, quarter = SubmodelSpec.uniform(0.5), SubmodelSpec.uniform(0.25)
-    first = runner.raw_estimates(model_ref, [half, quarter, half], 8, 0.9)
-    assert first == {half: raw_estimate(family, half), quarter: raw_estimate(family, quarter)}
-    assert runner.raw_estimates(model_ref, [quarter], 8, 0.9) == {quarter: first[quarter]}
-    assert made == [[half, quarter]]  # one child for both, nothing again for a spec already estimated
-    runner.raw_estimate(model_ref, half, 16, 0.9)  # another batch size is another estimate
-    assert made == [[half, quarter], [half]]
+    return made
+
+
+def test_estimates_are_made_in_a_child_once_per_spec_and_plan(family, model_ref, make_runner, monkeypatch,
+                                                              task_plan):
+    runner = make_runner()
+    made = recording_estimates(monkeypatch)
+    plan = task_plan()
+    half, quarter = Option(SubmodelSpec.uniform(0.5), plan), Option(SubmodelSpec.uniform(0.25), plan)
+    first = runner.raw_estimates(model_ref, [half, quarter, half])
+    assert first == {half: raw_estimate(family, half.spec, plan), quarter: raw_estimate(family, quarter.spec, plan)}
+    assert runner.raw_estimates(model_ref, [quarter]) == {quarter: first[quarter]}
+    assert made == [[(half.spec, plan), (quarter.spec, plan)]]  # one child for both, nothing again for a pair
+    bigger_batch = task_plan(batch_size=16)
+    assert runner.raw_estimate(model_ref, half.spec, bigger_batch) == raw_estimate(family, half.spec, bigger_batch)
+    assert made[1:] == [[(half.spec, bigger_batch)]]  # another batch size is another estimate
+    # another model is another estimate, even for the same (spec, plan)
+    other = ModelRef("cnn", 10, 1, {"hidden": [4, 4]})
+    runner.raw_estimate(other, half.spec, plan)
+    assert len(made) == 3
 
 
 def test_family_is_cached_per_model_ref(make_runner):
@@ -170,13 +203,16 @@ def test_runner_loads_the_calibration_learnt_before(make_runner, tmp_path):
 
 
 @pytest.mark.parametrize("allocator", ["compact", "default"])
-def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_runner, tmp_path, allocator):
+def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_runner, tmp_path, task_plan,
+                                                        allocator):
     runner = make_runner(allocator=allocator)
     assert runner.allocator == allocator  # glibc here: "compact" is available
     spec = SubmodelSpec.uniform(0.5)
-    expected = family.training_memory_estimate(spec, batch_size=8, input_size=runner.data.image_size,
-                                               allocator=allocator)
-    assert runner.raw_estimate(model_ref, spec, 8, 0.9) == expected
+    expected = estimate_plan_memory(family, spec, task_plan(), input_size=runner.data.image_size,
+                                    allocator=allocator)
+    assert runner.raw_estimate(model_ref, spec, task_plan()) == expected
+    other = "default" if allocator == "compact" else "compact"
+    assert expected != raw_estimate(family, spec, task_plan(), allocator=other)  # the setting matters
     # A factor learnt under one heap setting says nothing about the other: one file per setting.
     assert runner.calibration.path == tmp_path / "agent" / f"calibration-cpu-{allocator}.json"
 
@@ -210,8 +246,9 @@ def test_declines_when_budget_below_estimate(family, make_task, make_runner):
     assert update.weights == {} and update.num_samples == 16 and update.spec_trained is None
 
 
-def test_declines_when_corrected_estimate_exceeds_budget_although_raw_fits(family, make_task, make_runner):
-    estimate = raw_estimate(family, SubmodelSpec.uniform(0.5))
+def test_declines_when_corrected_estimate_exceeds_budget_although_raw_fits(family, make_task, make_runner,
+                                                                           task_plan):
+    estimate = raw_estimate(family, SubmodelSpec.uniform(0.5), task_plan())
     corrected = Calibration().corrected(estimate.total, estimate.overhead)
     assert corrected > estimate.total
     # raw estimate < budget < corrected estimate: the calibration factor is what makes it decline
@@ -275,15 +312,32 @@ def test_fails_on_invalid_spec(make_task, make_runner, spec_dict, detail):
     assert detail in update.reason
 
 
-@pytest.mark.parametrize(("hint", "detail"), [
-    ({"kind": "width-levels", "rates": []}, "'rates'"),
-    ({"kind": "width-levels", "rates": [0.5, 2.0]}, "'rates'"),
-    ({"kind": "prune"}, "unknown adaptation kind 'prune'"),
+@pytest.mark.parametrize(("candidate", "detail"), [
+    ({"width": 2.0}, "width must be a number in (0, 1]"),
+    ({"bogus": 1}, "unknown sub-model spec key 'bogus'"),
+    ({"width": "half"}, "'width' must be a number"),
+    ({"width": 0.25, "depth": 1}, "a sub-model cut after block 0 needs an exit there"),
 ])
-def test_fails_on_invalid_adaptation_hint(make_task, make_runner, hint, detail):
-    update = make_runner().run(make_task(adaptation=hint))
+def test_fails_on_invalid_adaptation_candidate(make_task, make_runner, task_plan, candidate, detail):
+    hint = Adaptation("ladder", [Candidate(candidate, task_plan())])
+    update = make_runner().run(make_task(SubmodelSpec.uniform(1.0), adaptation=hint))
     assert update.status == "failed"
-    assert update.reason.startswith("invalid task: ") and detail in update.reason
+    assert update.reason.startswith("invalid task: adaptation candidate 0: ") and detail in update.reason
+    assert update.weights == {}
+
+
+@pytest.mark.parametrize(("hint", "detail"), [
+    (Adaptation("width-levels", rates=[]), "'width-levels' adaptation needs 'rates'"),
+    (Adaptation("width-levels", rates=[0.5, 2.0]), "rates in (0, 1]"),
+    (Adaptation("prune"), "unknown adaptation kind"),
+    (Adaptation("ladder"), "'ladder' adaptation needs at least one candidate"),
+], ids=repr)
+def test_a_malformed_hint_never_reaches_the_runner(make_task, hint, detail):
+    """Hints are typed now: the protocol refuses a malformed one when the task arrives (the daemon answers such
+    a payload without running it)."""
+    with pytest.raises(ProtocolError, match="adaptation") as raised:
+        decode(encode(make_task(adaptation=hint)))
+    assert detail in str(raised.value)
 
 
 def test_fails_on_batch_size_below_two(make_task, make_runner):
@@ -333,6 +387,137 @@ def test_task_id_dot_dot_does_not_delete_the_agents_state(make_task, make_runner
         runner.run(task)
     assert runner.data_path.exists()
     assert runner.calibration.path is not None and runner.calibration.path.exists()
+
+
+# ---------------------------------------------------------------------------------------------- plans
+def changed(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> set[str]:
+    """The keys of ``after`` whose tensors differ from ``before``'s."""
+    return {key for key, array in after.items() if not np.array_equal(array, before[key])}
+
+
+@pytest.mark.parametrize(("spec", "schedule", "epochs", "trained", "steps"), [
+    # one segment in the middle, no schedule: block 1 (conv2, bn2) and the final head; block 0 runs frozen
+    (SubmodelSpec(segments=((1, 2),)), (), 1, ("conv2", "bn2"), 2),
+    # two segments of a half-width model, one stage each as the schedule says (1 epoch, then 2)
+    (SubmodelSpec(width=0.5, segments=((0, 1), (1, 2))), (Stage(epochs=1), Stage(epochs=2)), 1,
+     ("conv1", "bn1", "conv2", "bn2"), 2 + 4),
+    # two segments without a schedule: every stage runs the plan's epochs through the skip path
+    (SubmodelSpec(segments=((0, 1), (1, 2))), (), 2, ("conv1", "bn1", "conv2", "bn2"), 4 + 4),
+], ids=["one segment", "scheduled", "unscheduled"])
+def test_a_depth_wise_task_uploads_only_the_trained_blocks_and_the_head(deep_family, deep_ref, make_deep_task,
+                                                                         make_runner, task_plan, spec, schedule,
+                                                                         epochs, trained, steps):
+    plan = task_plan(epochs=epochs, schedule=schedule)
+    task = make_deep_task(spec, plan=plan)
+    # The task carries every tensor of the sub-model, frozen blocks included (they run in every stage).
+    assert set(task.weights) == set(deep_family.state_keys(spec)) > set(deep_family.trainable_keys(spec))
+    update = make_runner().run(task)
+
+    assert update.status == "ok", update.reason
+    assert update.spec_trained == spec.to_dict()
+    expected = {f"{layer}.{kind}" for layer in (*trained, "classifier") for kind in ("weight", "bias")}
+    assert set(update.weights) == expected == set(deep_family.trainable_keys(spec))
+    assert "conv3.weight" not in update.weights  # block 2 is in no segment: neither trained nor uploaded
+    for key, array in update.weights.items():
+        assert array.shape == task.weights[key].shape, key
+        assert np.isfinite(array).all()
+    assert {f"{layer}.weight" for layer in (*trained, "classifier")} <= changed(task.weights, update.weights)
+    assert set(update.metrics) == OK_METRICS
+    assert update.metrics["stages"] == float(len(spec.segments))
+    assert update.metrics["steps"] == float(steps)
+    assert update.metrics["raw_estimate_bytes"] == estimate_plan_memory(deep_family, spec, plan,
+                                                                        input_size=(8, 8)).total
+
+
+@pytest.mark.parametrize(("spec", "schedule", "detail"), [
+    (SubmodelSpec(segments=((0, 1), (1, 2))), (Stage(), Stage(), Stage()),
+     "the plan schedules 3 stage(s) for the spec's 2 segment(s)."),
+    (SubmodelSpec(segments=((0, 2),)), (Stage(), Stage()), "the plan schedules 2 stage(s) for the spec's 1 segment(s)."),
+    (SubmodelSpec(width=0.5), (Stage(),),
+     "the plan schedules depth-wise stages, but the spec trains the whole model at once."),
+], ids=["too many stages", "too few segments", "no segments"])
+def test_fails_on_a_schedule_that_does_not_match_the_segments(make_deep_task, make_runner, monkeypatch, task_plan,
+                                                              spec, schedule, detail):
+    made = recording_estimates(monkeypatch)
+    runner = make_runner()
+    update = runner.run(make_deep_task(spec, plan=task_plan(schedule=schedule)))
+    assert update.status == "failed"
+    assert update.reason == f"invalid task: {detail}"
+    assert update.weights == {} and update.spec_trained is None
+    assert made == []  # refused before anything was estimated or trained
+    assert (runner.calibration.ratios, runner.calibration.floor) == ([], 0.0)
+
+
+def test_a_kd_term_between_two_exits_trains_every_output(deep_family, make_deep_task, make_runner, task_plan):
+    spec = SubmodelSpec(exits=(0, 1))
+    plan = task_plan(loss=(LossTerm.ce(), LossTerm.ce(output=0), LossTerm.kd(0, 1, weight=0.5, tau=2.0)))
+    task = make_deep_task(spec, plan=plan)
+    update = make_runner().run(task)
+    assert update.status == "ok", update.reason
+    assert list(update.weights) == list(deep_family.trainable_keys(spec))
+    assert {"exits.0.classifier.weight", "exits.1.classifier.weight"} <= set(update.weights)
+    assert changed(task.weights, update.weights) >= {key for key in update.weights if key.endswith(".weight")}
+    assert update.metrics["loss"] > 0 and math.isfinite(update.metrics["loss"])
+
+
+@pytest.mark.parametrize("detach_teacher", [True, False])
+def test_a_kd_term_alone_moves_exactly_the_weights_between_its_outputs(deep_family, make_deep_task, make_runner,
+                                                                      task_plan, detach_teacher):
+    """Only a kd term from exit 0 (the student) towards exit 1 (the teacher), without weight decay: the student's
+    path is trained, the teacher's only when it is not detached, and the rest of the model not at all."""
+    spec = SubmodelSpec(exits=(0, 1))
+    plan = task_plan(weight_decay=0.0,
+                     loss=(LossTerm.kd(0, 1, weight=1.0, tau=2.0, detach_teacher=detach_teacher),))
+    task = make_deep_task(spec, plan=plan)
+    update = make_runner().run(task)
+    assert update.status == "ok", update.reason
+    assert update.metrics["loss"] > 0
+
+    moved = changed(task.weights, update.weights)
+    student = {"conv1.weight", "bn1.weight", "bn1.bias", "exits.0.classifier.weight", "exits.0.classifier.bias"}
+    teacher = {"conv2.weight", "bn2.weight", "bn2.bias", "exits.1.classifier.weight", "exits.1.classifier.bias"}
+    untouched = {key for key in update.weights if key.startswith(("conv3.", "bn3.", "classifier."))}
+    assert len(untouched) == 6
+    assert student <= moved
+    assert moved.isdisjoint(untouched)  # the final head's output is in no loss term
+    if detach_teacher:
+        assert moved.isdisjoint(teacher | {"conv2.bias"})
+    else:
+        assert teacher <= moved
+
+
+def test_estimates_with_exits_and_kd_terms_are_cached_per_spec_and_plan_without_seed(
+        deep_family, deep_ref, make_deep_task, make_runner, monkeypatch, task_plan):
+    spec = SubmodelSpec(width=0.5, rounding="floor", depth=2, exits=(0, 1))
+    kd = (LossTerm.ce(output=0, weight=1 / 6), LossTerm.ce(output=1, weight=2 / 6),
+          LossTerm.kd(0, 1, weight=0.5 / 6, tau=3.0))
+    plan = task_plan(loss=kd, seed=1)
+    expected = estimate_plan_memory(deep_family, spec, plan, input_size=(8, 8))
+    ce_only = task_plan(loss=kd[:2], seed=1)
+    assert estimate_plan_memory(deep_family, spec, ce_only, input_size=(8, 8)) != expected  # the kd term counts
+
+    made = recording_estimates(monkeypatch)
+    runner = make_runner()
+    first, again = Option(spec, plan), Option(spec, replace(plan, seed=2))
+    assert runner.raw_estimates(deep_ref, [first, again]) == {first: expected, again: expected}
+    # one estimator child, one (spec, plan) for both seeds
+    assert [[(s, replace(p, seed=0)) for s, p in pairs] for pairs in made] == [[(spec, replace(plan, seed=0))]]
+    assert runner.raw_estimate(deep_ref, spec, replace(plan, seed=7)) == expected
+    assert len(made) == 1
+
+    # Anything else about the plan or the spec is another estimate.
+    others = [(spec, ce_only), (spec, task_plan(loss=kd[:2] + (replace(kd[2], tau=1.0),))),
+              (spec, task_plan(loss=kd, batch_size=4)), (SubmodelSpec(width=0.25, rounding="floor", depth=2,
+                                                                      exits=(0, 1)), plan)]
+    for other_spec, other_plan in others:
+        runner.raw_estimate(deep_ref, other_spec, other_plan)
+    assert made[1:] == [[(other_spec, other_plan)] for other_spec, other_plan in others]
+
+    # A task for the same spec and plan with another seed is served without another estimate.
+    update = runner.run(make_deep_task(spec, plan=replace(plan, seed=11)))
+    assert update.status == "ok", update.reason
+    assert update.metrics["raw_estimate_bytes"] == expected.total
+    assert len(made) == 1 + len(others)
 
 
 # ---------------------------------------------------------------------------------------------- LocalData
