@@ -288,6 +288,8 @@ class ModelFamily(abc.ABC):
         if depth < self._num_blocks and (not spec.exits or spec.exits[-1] != depth - 1):
             raise ValueError(f"a sub-model cut after block {depth - 1} needs an exit there (exits={list(spec.exits)})"
                              ".")
+        if spec.segments is not None and max(stop for _, stop in spec.segments) > depth:
+            raise ValueError(f"segments {[list(s) for s in spec.segments]} reach beyond the {depth} blocks kept.")
         return spec
 
     def _depth(self, spec: SubmodelSpec) -> int:
@@ -320,8 +322,12 @@ class ModelFamily(abc.ABC):
     def _trained(self, decl: LayerDecl, spec: SubmodelSpec, depth: int, blocks: set[int]) -> bool:
         if decl.block is not None:
             return decl.block in blocks
-        if decl.exit is not None:  # an exit trains with its block, and always when it is the model's output
-            return decl.exit in blocks or decl.exit == depth - 1
+        if decl.exit is not None:
+            # Trained whole, every exit trains with its block; depth-wise, an exit trains when it closes a segment
+            # (the route of auxiliary classifiers) or is the model's output.
+            if spec.segments is None or decl.exit == depth - 1:
+                return decl.exit in blocks or decl.exit == depth - 1
+            return any(stop - 1 == decl.exit for _, stop in spec.segments)
         return True  # the final head trains in every stage
 
     def _spec_layers(self, spec: SubmodelSpec) -> list[LayerDecl]:

@@ -144,10 +144,10 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
     planned = stages(spec, plan)
     for segment, stage in planned:
         net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
-                                    weight_decay=settings.weight_decay)
         try:
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
+                                        weight_decay=settings.weight_decay)
             for _ in range(stage.epochs):
                 order = torch.randperm(len(x), generator=generator)
                 for start in range(0, len(x), plan.batch_size):

@@ -19,8 +19,8 @@ def test_report_has_the_documented_shape(tmp_path: Path) -> None:
     assert report["algorithm"] == "heterofl"
     assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11"}
     assert report["rounds"] == [{"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
-                                 "participants": 2, "bytes_down": 2_000_000, "bytes_up": 1_500_000,
-                                 "seconds": 4.25}]
+                                 "exit_accuracy": {}, "participants": 2, "bytes_down": 2_000_000,
+                                 "bytes_up": 1_500_000, "seconds": 4.25}]
     assert [t["status"] for t in report["tasks"]] == ["ok", "declined"]
     path = tmp_path / "out" / "r.json"
     write_report(report, path)
@@ -34,3 +34,13 @@ def test_table_lists_levels_and_traffic() -> None:
                               "seconds"]
     assert set(rule.replace(" ", "")) == {"-"}
     assert row.split() == ["1", "0.8125", "0.8125", "0.7500", "2/3", "2.00", "1.50", "4.2"]
+
+
+def test_report_and_table_show_every_exit_in_depth_order() -> None:
+    rounds = [RoundResult(round=1, global_accuracy=0.9, level_accuracy={"1": 0.5, "2": 0.9}, participants=2,
+                          selected=2, bytes_down=10, bytes_up=10, seconds=1.0,
+                          exit_accuracy={"exit1": 0.5, "exit2": 0.7, "exit10": 0.9})]
+    report = build_report("scalefl", "mosquitto", "2.0.11", rounds, {})
+    assert report["rounds"][0]["exit_accuracy"] == {"exit1": 0.5, "exit2": 0.7, "exit10": 0.9}
+    header = format_table(rounds).splitlines()[0].split()
+    assert header[header.index("exit1"):header.index("exit10") + 1] == ["exit1", "exit2", "exit10"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -20,14 +20,21 @@ FAMILY_CASES = {
 }
 
 
-def make_family(name: str) -> tuple[ModelFamily, tuple[int, int]]:
-    family_name, in_channels, options, size = FAMILY_CASES[name]
-    return get_family(family_name, num_classes=10, in_channels=in_channels, **options), size
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread (and do not fight other test processes for the cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
-@pytest.fixture(params=sorted(FAMILY_CASES))
+@pytest.fixture(scope="session", params=sorted(FAMILY_CASES))
 def case(request: pytest.FixtureRequest) -> tuple[ModelFamily, tuple[int, int]]:
-    return make_family(request.param)
+    """One family object per case for the whole session: families are immutable, and sharing them shares their
+    caches (memory estimates, spatial sizes), which keeps the suite fast."""
+    name, in_channels, options, size = FAMILY_CASES[request.param]
+    return get_family(name, num_classes=10, in_channels=in_channels, **options), size
 
 
 @pytest.fixture(params=RATES, ids=lambda r: f"rate={r:g}")
@@ -56,8 +63,9 @@ def _layer_widths(family: ModelFamily) -> SubmodelSpec:
 
 
 def _segments(family: ModelFamily) -> SubmodelSpec:
+    """Two segments, in reverse depth order, and an exit after a frozen block."""
     n = family.num_blocks
-    return SubmodelSpec(width=0.5, segments=((n - 2, n), (0, 1)))
+    return SubmodelSpec(width=0.5, exits=(1,), segments=((n - 2, n), (0, 1)))
 
 
 def _everything(family: ModelFamily) -> SubmodelSpec:
@@ -83,10 +91,11 @@ FEATURES: dict[str, Callable[[ModelFamily], SubmodelSpec]] = {
 
 @pytest.fixture(params=list(FEATURES))
 def feature(request: pytest.FixtureRequest) -> Callable[[ModelFamily], SubmodelSpec]:
+    """A spec builder using one feature (or all of them): ``feature(family)`` is the spec."""
     return FEATURES[request.param]
 
 
-def global_state(family: ModelFamily, seed: int = 0) -> dict[str, torch.Tensor]:
+def _global_state(family: ModelFamily, seed: int = 0) -> dict[str, torch.Tensor]:
     """The full model's state with an exit at every exit point (every key any spec may have), BN statistics
     tracked and set to distinctive values so that slicing them is checked too."""
     torch.manual_seed(seed)
@@ -97,3 +106,9 @@ def global_state(family: ModelFamily, seed: int = 0) -> dict[str, torch.Tensor]:
         elif key.endswith("num_batches_tracked"):
             value.fill_(7)
     return state
+
+
+@pytest.fixture
+def global_state_of() -> Callable[..., dict[str, torch.Tensor]]:
+    """``global_state_of(family, seed=0)``: see :func:`_global_state`."""
+    return _global_state

@@ -9,6 +9,7 @@ from torch import nn
 from models import SubmodelSpec, get_family
 from models.cnn import ConvFamily
 from models.layers import Scaler
+from models.memory import estimate_training_memory
 
 
 def tiny() -> ConvFamily:
@@ -40,6 +41,42 @@ def test_state_dict_keys() -> None:
         "classifier.bias",
     )
     assert tiny().layer_names() == ("conv1", "conv2")
+    assert tiny().prunable_layers() == ("conv1", "conv2")
+    assert tiny().num_blocks == 2 and tiny().exit_points == (0,)
+
+
+def test_exit_heads_are_pool_and_linear_by_default() -> None:
+    family = get_family("cnn", num_classes=3, in_channels=1, hidden=(2, 4, 6))
+    assert family.options["exit_convs"] == 0
+    spec = SubmodelSpec(exits=(0, 1))
+    keys = family.state_keys(spec)
+    assert keys[-4:] == ("exits.0.classifier.weight", "exits.0.classifier.bias", "exits.1.classifier.weight",
+                         "exits.1.classifier.bias")
+    assert family.shapes(spec)["exits.0.classifier.weight"] == (3, 2)
+    assert family.shapes(spec)["exits.1.classifier.weight"] == (3, 4)
+    model = family.build(spec)
+    kinds = [type(m).__name__ for m in model.exit_head(1).children()]
+    assert kinds == ["AdaptiveAvgPool2d", "Flatten", "Linear"]
+    # Exit heads are each their own cost: (3 x 2 + 3) + (3 x 4 + 3) parameters; over 4x4 inputs exit 0 reads a
+    # 2x2 map and exit 1 a 1x1 map, and a linear layer costs one multiply-accumulate per weight.
+    assert family.param_count(spec) - family.param_count() == 9 + 15
+    assert family.flops(spec, (4, 4)) - family.flops(None, (4, 4)) == 3 * 2 + 3 * 4
+    with_convs = get_family("cnn", num_classes=3, in_channels=1, hidden=(2, 4, 6), exit_convs=1)
+    assert with_convs.layer_names() == ("conv1", "conv2", "conv3", "exits.0.conv1", "exits.1.conv1")
+    assert with_convs.shapes(SubmodelSpec(exits=(1,)))["exits.1.conv1.weight"] == (4, 4, 3, 3)
+
+
+def test_cut_model_ends_with_its_exit() -> None:
+    family = get_family("cnn", num_classes=3, in_channels=1, hidden=(2, 4, 6))
+    spec = SubmodelSpec(depth=2, exits=(1,))
+    model = family.build(spec, track_bn_stats=False)
+    assert tuple(model.state_dict()) == (
+        "conv1.weight", "conv1.bias", "bn1.weight", "bn1.bias", "conv2.weight", "conv2.bias", "bn2.weight",
+        "bn2.bias", "exits.1.classifier.weight", "exits.1.classifier.bias",
+    )
+    kinds = [type(m).__name__ for m in model.blocks[1]]
+    assert kinds == ["Conv2d", "Scaler", "BatchNorm2d", "ReLU", "MaxPool2d"]
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 3)
 
 
 def test_layout_and_block_structure() -> None:
@@ -62,10 +99,16 @@ def test_training_memory_hand_computed() -> None:
     family = tiny()
     params = (2 * 9 + 2) + 4 + (4 * 2 * 9 + 4) + 8 + (4 * 3 + 3)
     assert family.param_count() == params == 123
-    estimate = family.training_memory_estimate(batch_size=2, input_size=(4, 4))
+    estimate = estimate_training_memory(family, batch_size=2, input_size=(4, 4))
     assert estimate.parameters == estimate.gradients == estimate.optimizer_state == 4 * params
-    assert family.training_memory_estimate(batch_size=2, input_size=(4, 4), optimizer_slots=0).optimizer_state == 0
-    assert family.training_memory_bytes(batch_size=2, input_size=(4, 4)) == estimate.total
+    assert estimate_training_memory(family, batch_size=2, input_size=(4, 4), optimizer_slots=0).optimizer_state == 0
+    assert estimate.total == sum(estimate.as_dict()[part] for part in (  # type: ignore[misc]
+        "parameters", "gradients", "optimizer_state", "activations", "workspace", "overhead"))
+    # Training block 1 alone: every weight is loaded, only block 1 and the head have gradients and momentum.
+    second = estimate_training_memory(family, batch_size=2, input_size=(4, 4), segment=(1, 2))
+    trained = (4 * 2 * 9 + 4) + 8 + (4 * 3 + 3)
+    assert second.parameters == 4 * params
+    assert second.gradients == second.optimizer_state == 4 * trained
 
 
 def test_heterofl_paper_parameter_counts() -> None:
@@ -117,4 +160,8 @@ def test_options_validation() -> None:
     with pytest.raises(ValueError, match="hidden"):
         get_family("cnn", 10, 1, hidden=(8, 0))
     family = get_family("cnn", 10, 1, hidden=[8, 16])
-    assert family.options == {"hidden": (8, 16)}
+    assert family.options == {"hidden": (8, 16), "exit_convs": 0}
+    assert get_family("cnn", 10, 1, exit_convs=2).options["exit_convs"] == 2
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="exit_convs"):
+            get_family("cnn", 10, 1, exit_convs=bad)

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import get_family
 from models.conv_workspace import channel_block, convolution_workspace
+from models.memory import estimate_training_memory
 
 F32 = 4
 CONV = torch.ops.aten.convolution.default
@@ -107,14 +108,15 @@ def test_channel_block_matches_the_cpu() -> None:
 
 
 def test_cpu_estimate_includes_the_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PreResNet's stem trained alone: its weight-gradient call holds the blocked output gradient and the
-    input copy, more than the tensors around it. Without the term the estimate is lower by at least that."""
+    """PreResNet's block 0 (the stem and the first residual block) trained alone: the stem's weight-gradient call
+    holds the blocked output gradient and the input copy, more than the tensors around it. Without the term the
+    estimate is lower by at least that."""
     if not channel_block():
         pytest.skip("no oneDNN here")
 
     def estimate() -> int:
         family = get_family("preresnet18", 10, 3)  # a new family object: the estimate cache is per family
-        return family.block_training_memory_bytes(None, 0, batch_size=32, input_size=(32, 32))
+        return estimate_training_memory(family, None, batch_size=32, input_size=(32, 32), segment=(0, 1)).total
 
     with_workspace = estimate()
     monkeypatch.setattr("models.memory.convolution_workspace", lambda *_: 0)

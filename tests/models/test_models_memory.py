@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from models import BlockTrainingModel, MemoryEstimate, ModelFamily, SubmodelSpec, get_family
+from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.family import BYTES_PER_ELEMENT
 from models.memory import (
     CPU_HEAP_RETENTION,
@@ -21,10 +19,9 @@ from models.memory import (
     CUDA_BLOCK_BYTES,
     _LiveBytes,
     _step_temporaries,
-    block_training_model,
     estimate_training_memory,
-    split_blocks,
 )
+from protocol.plan import LossTerm, OptimizerSettings, Stage, TrainingPlan
 
 RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
@@ -35,7 +32,7 @@ PARTS = ("parameters", "gradients", "optimizer_state", "activations", "workspace
 
 def _estimate(family: ModelFamily, size: tuple[int, int], **kwargs: object) -> MemoryEstimate:
     kwargs.setdefault("batch_size", 8)
-    return family.training_memory_estimate(input_size=size, **kwargs)  # type: ignore[arg-type]
+    return estimate_training_memory(family, input_size=size, **kwargs)  # type: ignore[arg-type]
 
 
 def _rss() -> int:
@@ -52,7 +49,7 @@ def test_parts_add_up_to_total(case: Case, spec: SubmodelSpec, device: str) -> N
     assert all(getattr(est, part) >= 0 for part in PARTS)
     assert est.device == device
     assert est.as_dict()["total"] == est.total
-    assert family.training_memory_bytes(spec, batch_size=8, input_size=size, device=device) == est.total
+    assert est.as_dict() == {**{part: getattr(est, part) for part in PARTS}, "total": est.total, "device": device}
 
 
 @pytest.mark.parametrize("slots", [0, 1, 2])
@@ -80,8 +77,9 @@ def test_activations_are_linear_in_batch(case: Case) -> None:
     spec = SubmodelSpec.uniform(0.5)
     acts = {b: _estimate(family, size, spec=spec, batch_size=b).activations for b in (8, 16, 24, 64)}
     per_8 = acts[16] - acts[8]
-    assert per_8 > 0
+    assert per_8 > 0 and per_8 % 8 == 0
     assert acts[24] - acts[16] == per_8  # every batch tensor is a multiple of the batch
+    assert acts[64] - acts[8] == 7 * per_8  # what autograd saves is per sample
     assert acts[64] / acts[8] == pytest.approx(8, rel=0.05)
     # Everything but the runtime constant grows with the batch; parameters do not.
     small, large = (
@@ -101,11 +99,12 @@ def test_activations_and_total_shrink_with_width(case: Case) -> None:
 def test_activations_cover_what_autograd_saves() -> None:
     """A conv -> BN -> ReLU stack: the hand-counted saved tensors of a tiny CNN."""
     family = get_family("cnn", 3, 1, hidden=(2,))
-    est = family.training_memory_estimate(batch_size=4, input_size=(4, 4))
+    est = estimate_training_memory(family, batch_size=4, input_size=(4, 4))
     b, c, hw = 4, 2, 16
     # Input batch (saved by conv), labels (saved by the loss), conv output after the Scaler (saved by BN), BN
     # mean and inverse std, ReLU output (saved by ReLU and by the average pool), the pooled features (saved by
-    # the classifier), the log-softmax (saved by the loss), the loss's total weight and the loss itself.
+    # the classifier), the log-softmax (saved by the loss), the loss's total weight and the loss itself; and the
+    # local label mask the step's loss reads (one byte per class).
     expected = (
         4 * (b * 1 * hw)
         + 8 * b
@@ -116,6 +115,7 @@ def test_activations_cover_what_autograd_saves() -> None:
         + 4 * b * 3
         + 4
         + 4
+        + 3
     )
     assert est.activations == expected
 
@@ -175,16 +175,16 @@ def test_cuda_estimate_without_gpu(case: Case) -> None:
 def test_rejects_unknown_device(case: Case, device: object) -> None:
     family, size = case
     with pytest.raises(ValueError, match="device"):
-        family.training_memory_bytes(None, batch_size=4, input_size=size, device=device)  # type: ignore[arg-type]
+        estimate_training_memory(family, None, batch_size=4, input_size=size, device=device)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------ meta only
 def test_big_batch_allocates_nothing_real() -> None:
     family = get_family("cnn", 10, 1, hidden=(16, 32, 32, 64))
-    family.training_memory_bytes(batch_size=2)  # first call: torch loads its meta kernels
+    estimate_training_memory(family, batch_size=2)  # first call: torch loads its meta kernels
     before = _rss()
     started = time.monotonic()
-    est = family.training_memory_estimate(batch_size=100_000)
+    est = estimate_training_memory(family, batch_size=100_000)
     elapsed = time.monotonic() - started
     assert est.activations > 10 * 2**30  # tens of GB if they were real
     assert _rss() - before < 64 * 2**20
@@ -205,13 +205,15 @@ def test_results_are_cached(case: Case) -> None:
 def test_rejects_bad_arguments(case: Case, kwargs: dict[str, object]) -> None:
     family, _ = case
     with pytest.raises(ValueError):
-        family.training_memory_estimate(None, **kwargs)  # type: ignore[arg-type]
+        estimate_training_memory(family, None, **kwargs)  # type: ignore[arg-type]
 
 
 def test_rejects_input_too_small_for_the_model() -> None:
     family = get_family("cnn", 10, 1)  # three 2x2 max pools need at least 8x8 pixels
     with pytest.raises(ValueError, match="input_size"):
-        family.training_memory_bytes(None, batch_size=2, input_size=(4, 4))
+        estimate_training_memory(family, None, batch_size=2, input_size=(4, 4))
+    with pytest.raises(ValueError, match="input_size"):
+        estimate_training_memory(family, None, batch_size=2, input_size=(4, 4), segment=(0, 1))
 
 
 # ------------------------------------------------------------------------------------------------ the optimizer step
@@ -241,95 +243,176 @@ def test_step_temporaries_match_torch_optimizers(slots: int, device: str) -> Non
     assert tracker.peak - before == pytest.approx(_step_temporaries(sizes, slots, device), abs=64)
 
 
-# ------------------------------------------------------------------------------------------------ blocks
+# ------------------------------------------------------------------------------------------------ blocks, segments
 def test_num_blocks() -> None:
-    assert get_family("cnn", 10, 1).num_blocks() == 4
-    assert get_family("cnn", 10, 1, hidden=(8, 8)).num_blocks() == 2
-    assert get_family("preresnet18", 10, 3).num_blocks() == 9  # stem + 8 residual blocks
-    assert get_family("preresnet18", 10, 3, blocks=(1, 1, 1, 2)).num_blocks() == 6
+    assert get_family("cnn", 10, 1).num_blocks == 4
+    assert get_family("cnn", 10, 1, hidden=(8, 8)).num_blocks == 2
+    assert get_family("preresnet18", 10, 3).num_blocks == 8  # 8 residual blocks, the stem in block 0
+    assert get_family("preresnet18", 10, 3, blocks=(1, 1, 1, 2)).num_blocks == 5
+    assert get_family("resnet20", 10, 3).num_blocks == 9
+    assert get_family("resnet56", 10, 3).num_blocks == 27
+    assert get_family("resnet110", 10, 3).num_blocks == 54
 
 
-def test_split_blocks_compose_to_the_model(case: Case) -> None:
-    family, size = case
-    torch.manual_seed(0)
-    model = family.build(SubmodelSpec.uniform(0.5), track_bn_stats=False).train()
-    blocks, head = split_blocks(family, model)
-    assert len(blocks) == family.num_blocks()
-    x = torch.randn(4, family.in_channels, *size)
-    out = x
-    for b in blocks:
-        out = b(out)
-    torch.testing.assert_close(head(out), model(x))
-    covered = {id(p) for m in (*blocks, head) for p in m.parameters()}
-    assert covered == {id(p) for p in model.parameters()}
-
-
-def _block_and_head_bytes(family: ModelFamily, spec: SubmodelSpec, block: int) -> int:
+def _trained_bytes(family: ModelFamily, spec: SubmodelSpec, start: int, stop: int, exit_head: bool = False) -> int:
+    """Bytes of blocks ``start..stop-1`` and of the head a segment trains (the output head, or the exit after
+    its last block)."""
     with torch.device("meta"):
         model = family.build(spec, track_bn_stats=False)
-    blocks, head = split_blocks(family, model)
-    return sum(p.nbytes for m in (blocks[block], head) for p in m.parameters())
+    head = model.exit_head(stop - 1) if exit_head else model.output_head()
+    return sum(p.nbytes for m in (*model.blocks[start:stop], head) for p in m.parameters())
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.25])
-def test_block_estimates(case: Case, rate: float) -> None:
+def test_segment_estimates(case: Case, rate: float) -> None:
     family, size = case
     spec = SubmodelSpec.uniform(rate)
     full = _estimate(family, size, spec=spec)
-    for block in range(family.num_blocks(spec)):
-        est = family.block_training_memory_estimate(spec, block, batch_size=8, input_size=size)
-        assert est.total == family.block_training_memory_bytes(spec, block, batch_size=8, input_size=size)
+    for block in range(family.num_blocks):
+        est = _estimate(family, size, spec=spec, segment=(block, block + 1))
         assert est.total == sum(getattr(est, part) for part in PARTS)
         assert est.total < full.total
         # All weights are loaded; only the block and the head have gradients and optimizer state.
         assert est.parameters == full.parameters
-        assert est.gradients == est.optimizer_state == _block_and_head_bytes(family, spec, block)
+        assert est.gradients == est.optimizer_state == _trained_bytes(family, spec, block, block + 1)
         assert est.gradients < full.gradients
         assert est.activations < full.activations
 
 
-def test_block_rejects_bad_index(case: Case) -> None:
+def test_segment_of_every_block_is_the_whole_model_minus_nothing(case: Case) -> None:
+    """A segment over every block trains what the whole model trains (the blocks then run with autograd)."""
     family, size = case
-    n = family.num_blocks()
-    for block in (-1, n, 1.5, True):
-        with pytest.raises(ValueError, match="block"):
-            family.block_training_memory_bytes(None, block, batch_size=4, input_size=size)  # type: ignore[arg-type]
+    full = _estimate(family, size)
+    whole = _estimate(family, size, segment=(0, family.num_blocks))
+    assert (whole.parameters, whole.gradients, whole.optimizer_state) == (
+        full.parameters, full.gradients, full.optimizer_state)
+    assert whole.activations == full.activations
 
 
-def test_block_training_model_trains_only_block_and_head(case: Case) -> None:
+@pytest.mark.parametrize("segment", [(-1, 0), "n", (2, 1), (0, "n+1"), (1.5, 2), (True, 1), (0,), "01", 3])
+def test_segment_rejects_bad_ranges(case: Case, segment: object) -> None:
     family, size = case
-    torch.manual_seed(0)
-    for block in (0, 1, family.num_blocks() - 1):
-        model = family.build(SubmodelSpec.uniform(0.5), track_bn_stats=False)
-        net = block_training_model(family, model, block, size)
-        assert isinstance(net, BlockTrainingModel)
-        x = torch.randn(4, family.in_channels, *size)
-        logits = net(x)
-        assert logits.shape == (4, 10)
-        F.cross_entropy(logits, torch.tensor([0, 1, 2, 3])).backward()
-        blocks, head = split_blocks(family, model)
-        trained = {id(p) for m in (blocks[block], head) for p in m.parameters()}
-        for p in model.parameters():
-            assert (p.grad is not None) == (id(p) in trained)
-            assert p.requires_grad == (id(p) in trained)
+    n = family.num_blocks
+    if segment == "n":
+        segment = (n, n + 1)
+    elif segment == (0, "n+1"):
+        segment = (0, n + 1)
+    with pytest.raises(ValueError, match="segment"):
+        _estimate(family, size, segment=segment)
 
 
 def test_frozen_prefix_saves_nothing() -> None:
-    """Block j's activations do not depend on how many frozen blocks run before it at the same resolution."""
-    family = get_family("preresnet18", 10, 3, hidden=(8, 16))
+    """A segment's activations do not depend on how many frozen blocks run before it at the same resolution."""
+    family = get_family("preresnet18", 10, 3, hidden=(8, 16), blocks=(3, 1))
     size = (8, 8)
-    acts = [
-        family.block_training_memory_estimate(None, b, batch_size=8, input_size=size).activations
-        for b in (1, 2)
-    ]
-    assert acts[0] == acts[1]  # blocks 1 and 2 are identical residual blocks of stage 1
+    ests = [estimate_training_memory(family, None, batch_size=8, input_size=size, segment=(b, b + 1))
+            for b in (1, 2)]
+    assert ests[0].activations == ests[1].activations  # layer1.1 and layer1.2 are identical residual blocks
+    assert ests[0].gradients == ests[1].gradients
 
 
-def test_estimate_function_matches_family_methods(case: Case) -> None:
+def test_spec_with_segments_estimates_its_most_expensive_stage(case: Case) -> None:
     family, size = case
-    spec = SubmodelSpec.uniform(0.25)
-    direct = estimate_training_memory(family, spec, batch_size=8, input_size=size, block=1)
-    assert direct == family.block_training_memory_estimate(spec, 1, batch_size=8, input_size=size)
-    assert math.isclose(
-        direct.total, family.block_training_memory_bytes(spec, 1, batch_size=8, input_size=size)
-    )
+    n = family.num_blocks
+    segments = ((n - 1, n), (0, n - 1))
+    spec = SubmodelSpec(width=0.5, segments=segments)
+    stages = [_estimate(family, size, spec=spec, segment=seg) for seg in segments]
+    assert stages[0].total != stages[1].total
+    worst = max(stages, key=lambda e: e.total)
+    assert _estimate(family, size, spec=spec) == worst
+    # The segments do not change the model: the same stage of the spec trained whole costs the same.
+    plain = SubmodelSpec.uniform(0.5)
+    assert stages == [_estimate(family, size, spec=plain, segment=seg) for seg in segments]
+    assert worst.total < _estimate(family, size, spec=plain).total
+
+
+def test_route_exit_trains_the_exit_after_the_segment(case: Case) -> None:
+    family, size = case
+    spec = SubmodelSpec(width=0.5, exits=(1,))
+    est = _estimate(family, size, spec=spec, segment=(0, 2), route="exit")
+    assert est.gradients == _trained_bytes(family, spec, 0, 2, exit_head=True)
+    skip = _estimate(family, size, spec=spec, segment=(0, 2), route="skip")
+    assert skip.gradients == _trained_bytes(family, spec, 0, 2)
+    assert est != skip
+    with pytest.raises(ValueError, match="route 'exit' needs an exit after block 2"):
+        _estimate(family, size, spec=spec, segment=(0, 3), route="exit")
+
+
+def _scalefl_loss(outputs: int) -> tuple[LossTerm, ...]:
+    """ScaleFL's Eq. 5 over ``outputs`` outputs: CE of each, KD of each early exit towards the last."""
+    terms = [LossTerm.ce(weight=i / outputs, output=i - 1) for i in range(1, outputs + 1)]
+    terms += [LossTerm.kd(i - 1, -1, weight=0.1 * i / outputs, tau=3.0) for i in range(1, outputs)]
+    return tuple(terms)
+
+
+def test_exits_and_distillation_cost_more(case: Case) -> None:
+    family, size = case
+    plain = SubmodelSpec.uniform(0.5)
+    spec = SubmodelSpec(width=0.5, exits=(0, family.num_blocks // 2))
+    without = _estimate(family, size, spec=plain)
+    with_exits = _estimate(family, size, spec=spec)  # cross-entropy of the last output only
+    every_ce = tuple(LossTerm.ce(output=i) for i in range(3))
+    with_ce = _estimate(family, size, spec=spec, loss=every_ce)
+    with_kd = _estimate(family, size, spec=spec, loss=_scalefl_loss(3))
+    head_bytes = (family.param_count(spec) - family.param_count(plain)) * BYTES_PER_ELEMENT
+    assert with_exits.parameters - without.parameters == head_bytes > 0
+    assert with_exits.gradients - without.gradients == head_bytes
+    assert with_exits.total > without.total
+    # Trained through the loss, the exit heads keep what their backward needs.
+    assert with_ce.parameters == with_exits.parameters
+    assert with_ce.activations > with_exits.activations >= without.activations
+    assert with_ce.total > with_exits.total
+    # Distillation adds the softened outputs of student and teacher.
+    assert with_kd.parameters == with_exits.parameters
+    assert with_kd.activations > with_ce.activations
+    assert with_kd.total >= with_ce.total  # the peak may lie elsewhere (e.g. in a convolution's backward)
+    assert with_kd.total > without.total
+
+
+def test_loss_terms_must_fit_the_model() -> None:
+    family, size = get_family("cnn", 10, 1, hidden=(4, 8)), (8, 8)
+    with pytest.raises(ValueError, match="output"):
+        _estimate(family, size, loss=(LossTerm.kd(-2, -1, weight=1.0, tau=2.0),))  # one output only
+    with pytest.raises(ValueError, match="output"):
+        _estimate(family, size, spec=SubmodelSpec(exits=(0,)), loss=(LossTerm.ce(output=-3),))
+    for loss in ((), ("ce",)):
+        with pytest.raises(ValueError, match="loss"):
+            _estimate(family, size, loss=loss)
+
+
+def test_plan_memory_uses_the_plans_batch_size_optimizer_and_loss() -> None:
+    family, size = get_family("cnn", 10, 1, hidden=(4, 8, 8)), (8, 8)
+    spec = SubmodelSpec(width=0.5, exits=(0,))
+    loss = _scalefl_loss(2)
+    plan = TrainingPlan(optimizer=OptimizerSettings(momentum=0.9), batch_size=6, loss=loss)
+    est = estimate_plan_memory(family, spec, plan, input_size=size)
+    assert est == _estimate(family, size, spec=spec, batch_size=6, optimizer_slots=1, loss=loss)
+    assert est.optimizer_state == est.gradients > 0
+    assert est != _estimate(family, size, spec=spec, batch_size=6, optimizer_slots=1)  # the loss counts
+    assert est.activations < estimate_plan_memory(family, spec, TrainingPlan(batch_size=12, loss=loss),
+                                                  input_size=size).activations
+    plain_sgd = TrainingPlan(optimizer=OptimizerSettings(momentum=0.0), batch_size=6, loss=loss)
+    no_state = estimate_plan_memory(family, spec, plain_sgd, input_size=size)
+    assert no_state == _estimate(family, size, spec=spec, batch_size=6, optimizer_slots=0, loss=loss)
+    assert no_state.optimizer_state == 0
+    cuda = estimate_plan_memory(family, spec, plan, input_size=size, device="cuda")
+    assert cuda == _estimate(family, size, spec=spec, batch_size=6, loss=loss, device="cuda")
+    assert estimate_plan_memory(family, spec, plan, input_size=size, allocator="default") == _estimate(
+        family, size, spec=spec, batch_size=6, loss=loss, allocator="default")
+
+
+def test_plan_memory_takes_each_stages_route() -> None:
+    family, size = get_family("cnn", 10, 1, hidden=(4, 8, 8, 8)), (8, 8)
+    n = family.num_blocks
+    spec = SubmodelSpec(exits=(1,), segments=((0, 2), (2, n)))
+    plan = TrainingPlan(batch_size=4, schedule=(Stage(route="exit"), Stage(epochs=2)))
+    stages = [_estimate(family, size, spec=spec, batch_size=4, segment=(0, 2), route="exit"),
+              _estimate(family, size, spec=spec, batch_size=4, segment=(2, n))]
+    assert estimate_plan_memory(family, spec, plan, input_size=size) == max(stages, key=lambda e: e.total)
+    # Without a schedule every stage takes the skip path.
+    assert estimate_plan_memory(family, spec, TrainingPlan(batch_size=4), input_size=size) == _estimate(
+        family, size, spec=spec, batch_size=4)
+    with pytest.raises(ValueError, match="schedules 1 stage"):
+        estimate_plan_memory(family, spec, TrainingPlan(schedule=(Stage(),)), input_size=size)
+    with pytest.raises(ValueError, match="whole model at once"):
+        estimate_plan_memory(family, SubmodelSpec(), TrainingPlan(schedule=(Stage(),)), input_size=size)

@@ -25,9 +25,19 @@ def test_structure_and_shortcuts() -> None:
     assert keys[0] == "conv1.weight" and keys[-2:] == ("classifier.weight", "classifier.bias")
     assert "conv1.bias" not in keys
     blocks = [d.block for d in family.layers() if d.block is not None]
-    assert sorted(set(blocks)) == list(range(8))
-    assert family.layer_names()[:4] == ("layer1", "layer2", "layer3", "layer4")
-    assert len(family.layer_names()) == 4 + 8
+    assert sorted(set(blocks)) == list(range(8))  # the stem belongs to block 0
+    assert family.num_blocks == 8 and family.exit_points == tuple(range(7))
+    stem = next(d for d in family.layers() if d.name == "conv1")
+    assert stem.block == 0
+    assert [d.name for d in family.layers() if d.block == 0] == [
+        "conv1", "layer1.0.bn1", "layer1.0.conv1", "layer1.0.bn2", "layer1.0.conv2"]
+    assert [d.name for d in family.layers() if d.block is None and d.exit is None] == ["bn", "classifier"]
+    assert family.prunable_layers()[:4] == ("layer1", "layer2", "layer3", "layer4")
+    assert len(family.prunable_layers()) == 4 + 8
+    # Three convolutions per exit head (ScaleFL's reference) at every exit point, each its own group.
+    assert family.options["exit_convs"] == 3
+    assert len(family.layer_names()) == 4 + 8 + 7 * 3
+    assert family.layer_names()[12:15] == ("exits.0.conv1", "exits.0.conv2", "exits.0.conv3")
 
 
 def test_default_is_resnet18_sized() -> None:
@@ -63,6 +73,48 @@ def test_residual_shortcut_indices() -> None:
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict(family.extract(family.build().state_dict(), spec, family.trainable_keys(spec)))
     assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+
+
+def test_blocks_are_the_residual_blocks_with_the_stem_in_block_0() -> None:
+    family = tiny()
+    model = family.build(track_bn_stats=False)
+    assert len(model.blocks) == 8
+    assert isinstance(model.blocks[0], torch.nn.Sequential)
+    assert model.blocks[0][0] is model.conv1
+    assert model.blocks[0][1] is model.layer1[0]
+    assert model.blocks[1] is model.layer1[1] and model.blocks[2] is model.layer2[0]
+    assert model.blocks[7] is model.layer4[1]
+    assert isinstance(model.blocks[3], PreActBlock)
+
+
+def test_cut_model_keeps_the_first_blocks_and_its_exit() -> None:
+    family = tiny()
+    spec = SubmodelSpec(width=0.5, depth=3, exits=(0, 2))
+    model = family.build(spec, track_bn_stats=False)
+    keys = list(model.state_dict())
+    assert not any(k.startswith(("layer3", "layer4", "bn.", "classifier")) for k in keys)
+    assert any(k.startswith("layer2.0.") for k in keys) and not any(k.startswith("layer2.1.") for k in keys)
+    shapes = family.shapes(spec, track_bn_stats=False)
+    # Exit 2 follows layer2.0 (8 channels at width 1/2): three 3x3 convolutions at that width, then the classifier.
+    assert shapes["exits.2.conv1.weight"] == (8, 8, 3, 3)
+    assert shapes["exits.2.conv3.weight"] == (8, 8, 3, 3)
+    assert shapes["exits.2.bn3.weight"] == (8,)
+    assert shapes["exits.2.classifier.weight"] == (10, 8)
+    assert shapes["exits.0.conv1.weight"] == (4, 4, 3, 3)
+    outputs = model.forward_exits(torch.randn(2, 3, 16, 16))
+    assert [o.shape for o in outputs] == [(2, 10), (2, 10)]
+
+
+def test_exit_head_reads_the_raw_block_output() -> None:
+    family = get_family("preresnet18", 4, 3, hidden=(4, 8), blocks=(1, 1), exit_convs=1)
+    torch.manual_seed(0)
+    model = family.build(SubmodelSpec(exits=(0,)), track_bn_stats=False)
+    x = torch.randn(3, 3, 8, 8)
+    head = model.exit_head(0)
+    expected = head(model.layer1[0](model.conv1(x)))
+    torch.testing.assert_close(model.forward_exits(x)[0], expected)
+    assert [type(m).__name__ for m in head] == ["Conv2d", "Scaler", "BatchNorm2d", "ReLU", "AdaptiveAvgPool2d",
+                                                 "Flatten", "Linear"]
 
 
 def test_identity_shortcut_and_preactivation_wiring() -> None:
@@ -106,3 +158,4 @@ def test_options_validation() -> None:
     with pytest.raises(ValueError, match="blocks"):
         tiny(blocks=(2, 0, 2, 2))
     assert tiny().options["blocks"] == (2, 2, 2, 2)
+    assert get_family("preresnet18", 10, 3, blocks=(1, 1, 1, 2)).num_blocks == 5

@@ -8,13 +8,23 @@ import models
 from models import FAMILY_NAMES, ModelFamily, get_family
 from models.cnn import ConvFamily
 from models.preresnet import PreResNet18Family
+from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family
 
 
 def test_family_names() -> None:
-    assert FAMILY_NAMES == ("cnn", "preresnet18")
+    assert FAMILY_NAMES == ("cnn", "preresnet18", "resnet20", "resnet56", "resnet110")
 
 
-@pytest.mark.parametrize(("name", "cls"), [("cnn", ConvFamily), ("preresnet18", PreResNet18Family)])
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("cnn", ConvFamily),
+        ("preresnet18", PreResNet18Family),
+        ("resnet20", ResNet20Family),
+        ("resnet56", ResNet56Family),
+        ("resnet110", ResNet110Family),
+    ],
+)
 def test_get_family(name: str, cls: type[ModelFamily]) -> None:
     family = get_family(name, num_classes=7, in_channels=2, hidden=(4, 8))
     assert isinstance(family, cls) and family.name == name
@@ -24,15 +34,18 @@ def test_get_family(name: str, cls: type[ModelFamily]) -> None:
 
 
 def test_unknown_family_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18"):
+    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18, resnet20, resnet56, "
+                                         "resnet110"):
         get_family("vgg16", 10, 3)
 
 
 def test_unknown_option_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown option 'depth'.*valid options: hidden"):
+    with pytest.raises(ValueError, match=r"unknown option 'depth'.*valid options: exit_convs, hidden\.$"):
         get_family("cnn", 10, 1, depth=3)
-    with pytest.raises(ValueError, match="valid options: blocks, hidden"):
+    with pytest.raises(ValueError, match=r"valid options: blocks, exit_convs, hidden\.$"):
         get_family("preresnet18", 10, 3, widht=2)
+    with pytest.raises(ValueError, match=r"unknown option 'blocks'.*valid options: exit_convs, hidden\.$"):
+        get_family("resnet110", 10, 3, blocks=(18, 18, 18))
 
 
 @pytest.mark.parametrize(("num_classes", "in_channels"), [(0, 1), (10, 0), (True, 1), (10, 1.5)])
@@ -44,16 +57,24 @@ def test_bad_sizes(num_classes: object, in_channels: object) -> None:
 def test_public_exports() -> None:
     assert set(models.__all__) == {
         "FAMILY_NAMES",
-        "BlockTrainingModel",
+        "ROUNDINGS",
+        "FamilyNet",
+        "LayerDecl",
         "MemoryEstimate",
-        "block_training_model",
-        "estimate_training_memory",
         "ModelFamily",
         "Scaler",
+        "SegmentModel",
         "SubmodelSpec",
+        "TrainResult",
+        "estimate_plan_memory",
+        "estimate_training_memory",
         "get_family",
         "scaled_channels",
+        "train",
     }
+    assert models.ROUNDINGS == ("ceil", "floor")
+    assert not hasattr(models, "BlockTrainingModel") and not hasattr(models, "block_training_model")
     for name in models.__all__:
         assert getattr(models, name) is not None
     assert models.scaled_channels(64, 1 / 16) == 4
+    assert models.scaled_channels(10, 0.55, "floor") == 5 and models.scaled_channels(10, 0.55) == 6

@@ -14,7 +14,9 @@ def test_defaults_are_the_full_model() -> None:
     assert spec == SubmodelSpec.full()
     assert spec.is_full
     assert spec.width == 1.0 and spec.layer_widths == () and spec.depth is None
-    assert spec.exits == () and spec.trainable_blocks is None
+    assert spec.rounding == "ceil"
+    assert spec.exits == () and spec.segments is None
+    assert spec.full_width
     assert spec.to_dict() == {}
 
 
@@ -23,6 +25,8 @@ def test_uniform() -> None:
     assert spec.width == 0.25
     assert not spec.is_full
     assert spec.rate_for("conv3") == 0.25
+    assert spec.rounding == "ceil"
+    assert SubmodelSpec.uniform(0.25, rounding="floor") == SubmodelSpec(width=0.25, rounding="floor")
 
 
 def test_layer_widths_are_normalised_sorted_and_hashable() -> None:
@@ -40,13 +44,19 @@ def test_is_full_counts_rate_one_overrides_as_full() -> None:
     assert not SubmodelSpec(layer_widths=(("conv1", 0.5),)).is_full
     assert not SubmodelSpec(depth=2).is_full
     assert not SubmodelSpec(exits=(0,)).is_full
-    assert not SubmodelSpec(trainable_blocks=(0, 1)).is_full
+    assert not SubmodelSpec(segments=((0, 1),)).is_full
+    assert SubmodelSpec(rounding="floor").is_full  # floor of the full width is the full width
+    assert SubmodelSpec(depth=2, exits=(1,)).full_width
+    assert not SubmodelSpec(layer_widths=(("conv1", 0.5),)).full_width
 
 
-def test_indices_are_sorted() -> None:
-    spec = SubmodelSpec(depth=4, exits=(3, 1), trainable_blocks=(2, 0))
+def test_exits_are_sorted_and_segments_keep_their_order() -> None:
+    spec = SubmodelSpec(depth=4, exits=(3, 1), segments=[[2, 4], (0, 1)])  # type: ignore[arg-type]
     assert spec.exits == (1, 3)
-    assert spec.trainable_blocks == (0, 2)
+    assert spec.segments == ((2, 4), (0, 1))  # trained in the order given
+    assert all(isinstance(v, int) for pair in spec.segments for v in pair)
+    assert hash(spec) == hash(SubmodelSpec(depth=4, exits=(1, 3), segments=((2, 4), (0, 1))))
+    assert spec != SubmodelSpec(depth=4, exits=(1, 3), segments=((0, 1), (2, 4)))
 
 
 @pytest.mark.parametrize(
@@ -71,10 +81,23 @@ def test_indices_are_sorted() -> None:
         ({"exits": (-1,)}, "exits"),
         ({"exits": (1, 1)}, "repeat"),
         ({"exits": (True,)}, "exits"),
+        ({"exits": 3}, "exits"),
+        ({"exits": "01"}, "exits"),
         ({"depth": 2, "exits": (2,)}, "inside the 2 kept blocks"),
-        ({"trainable_blocks": (0, 0)}, "repeat"),
-        ({"trainable_blocks": (-2,)}, "trainable_blocks"),
-        ({"depth": 3, "trainable_blocks": (3,)}, "inside the 3 kept blocks"),
+        ({"rounding": "round"}, "rounding must be one of ceil, floor"),
+        ({"rounding": None}, "rounding"),
+        ({"segments": ()}, "at least one block range"),
+        ({"segments": ((0, 2), (1, 3))}, "overlap"),
+        ({"segments": ((2, 4), (0, 3))}, "overlap"),
+        ({"segments": ((1, 1),)}, "start < stop"),
+        ({"segments": ((2, 1),)}, "start < stop"),
+        ({"segments": ((-1, 1),)}, "start < stop"),
+        ({"segments": ((0, 1, 2),)}, "block range"),
+        ({"segments": ((0, True),)}, "block range"),
+        ({"segments": ((0.0, 1),)}, "block range"),
+        ({"segments": (0, 1)}, "block range"),
+        ({"segments": "0:1"}, "segments"),
+        ({"depth": 3, "segments": ((0, 4),)}, "inside the 3 kept blocks"),
     ],
 )
 def test_validation(kwargs: dict[str, object], message: str) -> None:
@@ -86,8 +109,9 @@ SPECS = [
     SubmodelSpec(),
     SubmodelSpec.uniform(0.0625),
     SubmodelSpec(width=0.25, layer_widths=(("conv2", 0.5),), depth=3),
-    SubmodelSpec(depth=5, exits=(1, 4), trainable_blocks=(2,)),
-    SubmodelSpec(trainable_blocks=()),
+    SubmodelSpec(depth=5, exits=(1, 4), segments=((2, 5), (0, 1))),
+    SubmodelSpec(width=0.7, rounding="floor", depth=35, exits=(17, 34)),
+    SubmodelSpec(segments=((0, 1),)),
 ]
 
 
@@ -118,6 +142,13 @@ def test_to_dict_omits_defaults() -> None:
         "layer_widths": {"conv1": 0.5},
         "exits": [0],
     }
+    assert SubmodelSpec(width=0.5, rounding="floor", depth=3, exits=(2,), segments=((2, 3), (0, 2))).to_dict() == {
+        "width": 0.5,
+        "rounding": "floor",
+        "depth": 3,
+        "exits": [2],
+        "segments": [[2, 3], [0, 2]],
+    }
 
 
 @pytest.mark.parametrize(
@@ -132,7 +163,16 @@ def test_to_dict_omits_defaults() -> None:
         ({"depth": "3"}, "'depth'"),
         ({"exits": 3}, "'exits'"),
         ({"exits": [1, True]}, "'exits'"),
-        ({"trainable_blocks": "0"}, "'trainable_blocks'"),
+        ({"trainable_blocks": [0]}, "'trainable_blocks'"),
+        ({"rounding": 1}, "'rounding'"),
+        ({"rounding": "round"}, "rounding must be one of"),
+        ({"segments": "0"}, "'segments'"),
+        ({"segments": [0, 1]}, "'segments'"),
+        ({"segments": [[0, 1, 2]]}, "'segments'"),
+        ({"segments": [[0, True]]}, "'segments'"),
+        ({"segments": [[0, 1.0]]}, "'segments'"),
+        ({"segments": [[0, 2], [1, 3]]}, "invalid sub-model spec: segments must not overlap"),
+        ({"segments": []}, "at least one block range"),
         ({1: 0.5}, "unknown sub-model spec key 1"),
     ],
 )
@@ -148,8 +188,10 @@ def test_from_dict_rejects_non_mappings(d: object) -> None:
 
 
 def test_from_dict_accepts_integer_rates_and_explicit_none() -> None:
-    spec = SubmodelSpec.from_dict({"width": 1, "depth": None, "trainable_blocks": None})
+    spec = SubmodelSpec.from_dict({"width": 1, "depth": None, "segments": None, "rounding": "ceil", "exits": []})
     assert spec == SubmodelSpec.full()
+    assert SubmodelSpec.from_dict({"segments": ((0, 1),), "exits": (0,)}) == SubmodelSpec(
+        exits=(0,), segments=((0, 1),))
 
 
 def test_describe() -> None:
@@ -159,8 +201,11 @@ def test_describe() -> None:
     assert SubmodelSpec(width=0.25, layer_widths=(("conv2", 0.5),), depth=3).describe() == (
         "width=0.25 conv2=0.5 depth=3"
     )
-    assert SubmodelSpec(depth=4, exits=(1, 3), trainable_blocks=(0,)).describe() == (
-        "width=1 depth=4 exits=1,3 trainable=0"
+    assert SubmodelSpec(depth=4, exits=(1, 3), segments=((2, 4), (0, 1))).describe() == (
+        "width=1 depth=4 exits=1,3 segments=2:4,0:1"
+    )
+    assert SubmodelSpec(width=0.7, rounding="floor", depth=35, exits=(34,)).describe() == (
+        "width=0.7 floor depth=35 exits=34"
     )
     assert str(SubmodelSpec.uniform(0.5)) == "width=0.5"
 

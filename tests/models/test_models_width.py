@@ -44,3 +44,35 @@ def test_invalid_rate(rate: object) -> None:
 def test_invalid_channels(channels: object) -> None:
     with pytest.raises(ValueError, match="channels"):
         scaled_channels(channels, 0.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("channels", "rate", "expected"),
+    [
+        (16, 0.7, 11),  # ScaleFL ResNet-110 at s_w = 0.7: 16, 32, 64 -> 11, 22, 44
+        (32, 0.7, 22),
+        (64, 0.7, 44),
+        (10, 0.7, 7),  # 0.7 * 10 == 6.999999999999999 must not round down to 6
+        (30, 0.1, 3),
+        (3, 0.5, 1),
+        (7, 0.1, 1),  # never below one channel
+        (64, 1.0, 64),
+    ],
+)
+def test_floor_rounding(channels: int, rate: float, expected: int) -> None:
+    assert scaled_channels(channels, rate, "floor") == expected
+
+
+def test_floor_is_monotone_and_never_above_ceil() -> None:
+    rates = [i / 64 for i in range(1, 65)]
+    for channels in (1, 3, 30, 64, 100):
+        floor = [scaled_channels(channels, r, "floor") for r in rates]
+        ceil = [scaled_channels(channels, r, "ceil") for r in rates]
+        assert floor == sorted(floor) and floor[-1] == channels
+        assert all(1 <= f <= c <= f + 1 for f, c in zip(floor, ceil))
+
+
+@pytest.mark.parametrize("rounding", ["round", "", None, "CEIL"])
+def test_invalid_rounding(rounding: object) -> None:
+    with pytest.raises(ValueError, match="rounding must be one of ceil, floor"):
+        scaled_channels(10, 0.5, rounding)  # type: ignore[arg-type]

@@ -1,0 +1,179 @@
+"""Tests for models.depthwise: SegmentModel, the depth-wise (FeDepth) training view, and output_shape."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, get_family
+from models.depthwise import output_shape
+
+Case = tuple[ModelFamily, tuple[int, int]]
+
+
+def _build(family: ModelFamily, spec: SubmodelSpec, seed: int = 0) -> FamilyNet:
+    torch.manual_seed(seed)
+    return family.build(spec, track_bn_stats=False).train()
+
+
+def _ids(*modules: nn.Module) -> set[int]:
+    return {id(p) for m in modules for p in m.parameters()}
+
+
+def _last_block_output(model: FamilyNet, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        for block in model.blocks:
+            x = block(x)
+    return x
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_only_the_segment_and_the_head_require_grad(case: Case, where: str) -> None:
+    family, size = case
+    n = family.num_blocks
+    start, stop = {"first": (0, 1), "middle": (1, 3), "last": (n - 2, n)}[where]
+    model = _build(family, SubmodelSpec(width=0.5, exits=(0, 1)))
+    x = torch.randn(4, family.in_channels, *size)
+    net = SegmentModel(model, start, stop, tuple(x.shape))
+    trained = _ids(*model.blocks[start:stop], model.output_head())
+    assert {id(p) for p in model.parameters() if p.requires_grad} == trained
+    assert len(trained) < len(list(model.parameters()))
+    logits = net(x)
+    assert logits.shape == (4, family.num_classes)
+    F.cross_entropy(logits, torch.tensor([0, 1, 2, 3])).backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (id(p) in trained), name
+    assert any(float(p.grad.abs().sum()) > 0 for p in model.parameters() if p.grad is not None)
+    net.release()
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_frozen_blocks_run_without_autograd(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec.uniform(0.5))
+    x = torch.randn(2, family.in_channels, *size)
+    net = SegmentModel(model, 2, 3, tuple(x.shape))
+    seen: list[torch.Tensor] = []
+    model.blocks[2].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    net(x)
+    assert len(seen) == 1
+    assert not seen[0].requires_grad and seen[0].grad_fn is None  # nothing before the segment is saved
+
+
+def test_skip_route_subsamples_and_pads_to_the_heads_input(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec.uniform(0.5))
+    x = torch.randn(3, family.in_channels, *size)
+    full = _last_block_output(model, x)
+    head_shape = tuple(full.shape[1:])
+    assert output_shape(model, tuple(x.shape)) == head_shape
+    received: list[torch.Tensor] = []
+    assert model.head is not None
+    model.head.register_forward_pre_hook(lambda _m, args: received.append(args[0]))
+    net = SegmentModel(model, 0, 1, tuple(x.shape))
+    assert (net.head_channels, net.head_h, net.head_w) == head_shape
+    net(x)
+    got = received[-1]
+    assert tuple(got.shape) == (3, *head_shape)
+    with torch.no_grad():
+        h = model.blocks[0](x)
+    assert h.shape[1] < head_shape[0] and h.shape[2] > head_shape[1]  # both adjustments happen here
+    step = math.ceil(h.shape[2] / head_shape[1])
+    expected = F.pad(h[:, :, ::step, ::step], (0, 0, 0, 0, 0, head_shape[0] - h.shape[1]))
+    torch.testing.assert_close(got, expected)
+    assert torch.all(got[:, h.shape[1]:] == 0)  # zero-padded channels
+
+
+def test_skip_route_truncates_extra_channels() -> None:
+    family = get_family("cnn", 3, 1, hidden=(8, 4))
+    model = _build(family, SubmodelSpec())
+    x = torch.randn(2, 1, 8, 8)
+    received: list[torch.Tensor] = []
+    assert model.head is not None
+    model.head.register_forward_pre_hook(lambda _m, args: received.append(args[0]))
+    SegmentModel(model, 0, 1, tuple(x.shape))(x)
+    with torch.no_grad():
+        h = model.blocks[0](x)  # 8 channels at 4x4; the head reads 4 channels at 4x4
+    torch.testing.assert_close(received[-1], h[:, :4])
+
+
+def test_skip_route_of_a_cut_model_feeds_its_output_exit(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec(width=0.5, depth=3, exits=(0, 2)))
+    x = torch.randn(2, family.in_channels, *size)
+    net = SegmentModel(model, 0, 1, tuple(x.shape))
+    assert _ids(*model.blocks[0:1], model.exit_head(2)) == {id(p) for p in model.parameters() if p.requires_grad}
+    received: list[torch.Tensor] = []
+    model.exit_head(2).register_forward_pre_hook(lambda _m, args: received.append(args[0]))
+    assert net(x).shape == (2, family.num_classes)
+    assert tuple(received[-1].shape[1:]) == tuple(_last_block_output(model, x).shape[1:])
+
+
+def test_exit_route_uses_the_exit_after_the_segment(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec(width=0.5, exits=(1,)))
+    x = torch.randn(4, family.in_channels, *size)
+    net = SegmentModel(model, 0, 2, tuple(x.shape), route="exit")
+    assert not net.skip
+    assert {id(p) for p in model.parameters() if p.requires_grad} == _ids(*model.blocks[:2], model.exit_head(1))
+    out = net.forward_exits(x)
+    assert len(out) == 1
+    with torch.no_grad():
+        expected = model.exit_head(1)(model.blocks[1](model.blocks[0](x)))
+    torch.testing.assert_close(out[0], expected)
+    with pytest.raises(ValueError, match=r"route 'exit' needs an exit after block 2; the spec has exits at \[1\]"):
+        SegmentModel(_build(family, SubmodelSpec(exits=(1,))), 1, 3, tuple(x.shape), route="exit")
+    with pytest.raises(ValueError, match="route 'exit' needs an exit after block 0"):
+        SegmentModel(_build(family, SubmodelSpec()), 0, 1, tuple(x.shape), route="exit")
+
+
+def test_exit_route_of_the_last_segment_is_the_final_head(case: Case) -> None:
+    family, size = case
+    n = family.num_blocks
+    model = _build(family, SubmodelSpec())  # no exits needed: the last segment ends at the final head
+    x = torch.randn(2, family.in_channels, *size)
+    net = SegmentModel(model, n - 1, n, tuple(x.shape), route="exit")
+    assert model.head is not None
+    assert {id(p) for p in model.parameters() if p.requires_grad} == _ids(model.blocks[n - 1], model.head)
+    torch.testing.assert_close(net(x), model(x))
+
+
+@pytest.mark.parametrize("route", ["skip", "exit"])
+def test_last_segment_reproduces_the_model(case: Case, route: str) -> None:
+    """When the segment ends at the last block nothing is subsampled or padded: the output is the model's."""
+    family, size = case
+    n = family.num_blocks
+    model = _build(family, SubmodelSpec(width=0.5, exits=(0,)))
+    x = torch.randn(4, family.in_channels, *size)
+    for start in (0, n // 2, n - 1):
+        net = SegmentModel(model, start, n, tuple(x.shape), route=route)
+        assert not net.skip
+        torch.testing.assert_close(net(x), model(x))
+        net.release()
+
+
+@pytest.mark.parametrize(("start", "stop"), [(-1, 1), (0, 0), (2, 1), (0, 99)])
+def test_rejects_bad_segments(case: Case, start: int, stop: int) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec())
+    with pytest.raises(ValueError, match="a segment must be a block range"):
+        SegmentModel(model, start, stop, (2, family.in_channels, *size))
+    assert all(p.requires_grad for p in model.parameters())  # nothing frozen by a refused view
+
+
+def test_rejects_unknown_route(case: Case) -> None:
+    family, size = case
+    with pytest.raises(ValueError, match="route must be 'skip' or 'exit'"):
+        SegmentModel(_build(family, SubmodelSpec()), 0, 1, (2, family.in_channels, *size), route="aux")
+
+
+def test_output_shape_is_a_meta_probe(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec(width=0.25, depth=2, exits=(1,)))
+    x = torch.randn(2, family.in_channels, *size)
+    assert output_shape(model, (64, family.in_channels, *size)) == tuple(_last_block_output(model, x).shape[1:])
+    assert all(p.device.type == "cpu" for p in model.parameters())

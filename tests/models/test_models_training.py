@@ -1,0 +1,500 @@
+"""Tests for models.training: the training-plan interpreter (loss terms, label masks, stages, train)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, TrainResult, get_family
+from models.training import check_plan, forward_loss, label_mask, loss_of, masked_cross_entropy, stages, train
+from protocol.plan import LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
+
+Case = tuple[ModelFamily, tuple[int, int]]
+
+
+def plan(*, epochs: int = 1, batch_size: int = 8, lr: float = 0.05, momentum: float = 0.9,
+         weight_decay: float = 0.0, clip_norm: float | None = None, masked_ce: bool = False, seed: int = 0,
+         loss: tuple[LossTerm, ...] | None = None, schedule: tuple[Stage, ...] = ()) -> TrainingPlan:
+    return TrainingPlan(
+        optimizer=OptimizerSettings(lr=lr, momentum=momentum, weight_decay=weight_decay, clip_norm=clip_norm),
+        epochs=epochs, batch_size=batch_size, seed=seed,
+        loss=(LossTerm.ce(masked=masked_ce),) if loss is None else loss, schedule=schedule,
+    )
+
+
+def separable_data(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class 0: bright top half; class 1: bright bottom half (8x8, one channel)."""
+    generator = torch.Generator().manual_seed(0)
+    y = torch.arange(n) % 2
+    x = torch.randn(n, 1, 8, 8, generator=generator) * 0.1
+    x[y == 0, :, :4, :] += 1.0
+    x[y == 1, :, 4:, :] += 1.0
+    return x, y
+
+
+def tiny_model(num_classes: int = 2) -> FamilyNet:
+    torch.manual_seed(0)
+    return get_family("cnn", num_classes, 1, hidden=(4, 8)).build(track_bn_stats=False)
+
+
+FULL = SubmodelSpec()
+
+
+def full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.train()  # static BN: batch statistics, as in training
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(x), y))
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------- masked CE
+def test_label_mask_marks_present_classes_and_ignores_out_of_range() -> None:
+    mask = label_mask([0, 2, 2, 7, -1], 5)
+    assert mask.dtype == torch.bool
+    assert mask.tolist() == [True, False, True, False, False]
+    assert label_mask([], 3).tolist() == [False, False, False]
+
+
+def test_masked_cross_entropy_sets_absent_logits_to_zero() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5) * 3
+    targets = torch.tensor([0, 2, 3, 0, 2, 3])
+    mask = torch.tensor([True, False, True, True, False])
+    manual_logits = logits.clone()
+    manual_logits[:, 1] = 0.0
+    manual_logits[:, 4] = 0.0
+    log_probs = manual_logits - torch.logsumexp(manual_logits, dim=1, keepdim=True)
+    expected = -log_probs[torch.arange(6), targets].mean()
+    got = masked_cross_entropy(logits, targets, mask)
+    torch.testing.assert_close(got, expected)
+    # zero, not -inf: absent classes still take probability mass
+    minus_inf = nn.functional.cross_entropy(logits.masked_fill(~mask, float("-inf")), targets)
+    assert not torch.isclose(got, minus_inf)
+
+
+def test_masked_cross_entropy_with_all_classes_is_plain_cross_entropy() -> None:
+    torch.manual_seed(1)
+    logits, targets = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    torch.testing.assert_close(masked_cross_entropy(logits, targets, torch.ones(3, dtype=torch.bool)),
+                               nn.functional.cross_entropy(logits, targets))
+
+
+def test_masked_cross_entropy_gives_no_gradient_to_absent_logits() -> None:
+    logits = torch.randn(3, 4, requires_grad=True)
+    masked_cross_entropy(logits, torch.tensor([0, 1, 0]), torch.tensor([True, True, False, False])).backward()
+    assert logits.grad is not None
+    assert torch.all(logits.grad[:, 2:] == 0) and torch.any(logits.grad[:, :2] != 0)
+
+
+# ---------------------------------------------------------------------------------------------- loss terms
+STUDENT = [[1.0, 2.0, 0.5], [0.0, -1.0, 1.5]]
+TEACHER = [[2.0, 0.0, 1.0], [0.5, 0.5, -0.5]]
+
+
+def _softmax(row: list[float], tau: float) -> list[float]:
+    exps = [math.exp(v / tau) for v in row]
+    return [e / sum(exps) for e in exps]
+
+
+def test_loss_of_ce_and_kd_by_hand() -> None:
+    tau = 2.0
+    student = torch.tensor(STUDENT)
+    teacher = torch.tensor(TEACHER)
+    targets = torch.tensor([1, 2])
+    terms = (LossTerm.ce(weight=0.5), LossTerm.kd(0, 1, weight=0.3, tau=tau))
+    got = loss_of([student, teacher], targets, terms)
+    # CE of the last output (the teacher here), by hand.
+    ce = -sum(math.log(_softmax(row, 1.0)[t]) for row, t in zip(TEACHER, (1, 2))) / 2
+    # tau^2 * KL(softmax(t / tau) || softmax(s / tau)), averaged over the batch, by hand.
+    kl = 0.0
+    for s_row, t_row in zip(STUDENT, TEACHER):
+        p_t, p_s = _softmax(t_row, tau), _softmax(s_row, tau)
+        kl += sum(pt * (math.log(pt) - math.log(ps)) for pt, ps in zip(p_t, p_s))
+    kd = tau * tau * kl / 2
+    assert kd > 0.1  # a real difference between the two distributions
+    assert float(got) == pytest.approx(0.5 * ce + 0.3 * kd, rel=1e-6)
+    # Each term alone, and the direction of the divergence (teacher || student, not the reverse).
+    assert float(loss_of([student, teacher], targets, terms[1:])) == pytest.approx(0.3 * kd, rel=1e-6)
+    reverse = loss_of([teacher, student], targets, (LossTerm.kd(1, 0, weight=1.0, tau=tau),))
+    assert float(reverse) == pytest.approx(kd, rel=1e-6)
+    swapped = loss_of([student, teacher], targets, (LossTerm.kd(1, 0, weight=1.0, tau=tau),))
+    assert float(swapped) != pytest.approx(kd, rel=1e-3)
+
+
+def test_kd_of_equal_outputs_is_zero_and_output_indices_may_be_negative() -> None:
+    logits = torch.tensor(STUDENT)
+    targets = torch.tensor([0, 1])
+    assert float(loss_of([logits, logits], targets, (LossTerm.kd(-2, -1, weight=1.0, tau=3.0),))) == \
+        pytest.approx(0.0, abs=1e-7)
+    first = loss_of([logits, torch.tensor(TEACHER)], targets, (LossTerm.ce(output=0),))
+    assert float(first) == pytest.approx(float(F.cross_entropy(logits, targets)))
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_detach_teacher_stops_the_gradient_into_the_teacher(detach: bool) -> None:
+    student = torch.tensor(STUDENT, requires_grad=True)
+    teacher = torch.tensor(TEACHER, requires_grad=True)
+    term = LossTerm.kd(0, 1, weight=1.0, tau=2.0, detach_teacher=detach)
+    value = loss_of([student, teacher], torch.tensor([0, 1]), (term,))
+    value.backward()
+    assert student.grad is not None and float(student.grad.abs().sum()) > 0
+    if detach:
+        assert teacher.grad is None
+    else:
+        assert teacher.grad is not None and float(teacher.grad.abs().sum()) > 0
+    other = loss_of([student, teacher], torch.tensor([0, 1]), (LossTerm.kd(0, 1, weight=1.0, tau=2.0,
+                                                                           detach_teacher=not detach),))
+    assert float(other.detach()) == pytest.approx(float(value.detach()))  # detaching changes the gradient, not the value
+
+
+def test_masked_ce_term() -> None:
+    torch.manual_seed(2)
+    logits, targets = torch.randn(4, 5), torch.tensor([0, 2, 0, 2])
+    mask = label_mask([0, 2], 5)
+    got = loss_of([logits], targets, (LossTerm.ce(masked=True, weight=2.0),), mask)
+    torch.testing.assert_close(got, 2.0 * masked_cross_entropy(logits, targets, mask))
+    assert not torch.isclose(got, 2.0 * F.cross_entropy(logits, targets))
+    with pytest.raises(ValueError, match="needs the local label mask"):
+        loss_of([logits], targets, (LossTerm.ce(masked=True),))
+    # An unmasked term ignores the mask.
+    torch.testing.assert_close(loss_of([logits], targets, (LossTerm.ce(),), mask), F.cross_entropy(logits, targets))
+
+
+@pytest.mark.parametrize(
+    "term",
+    [LossTerm.ce(output=1), LossTerm.ce(output=-2), LossTerm.kd(0, 1, weight=1.0, tau=1.0),
+     LossTerm.kd(-2, -1, weight=1.0, tau=1.0)],
+    ids=["ce-1", "ce--2", "kd-teacher-1", "kd-student--2"],
+)
+def test_a_term_reading_a_missing_output_is_an_error(term: LossTerm) -> None:
+    with pytest.raises(ValueError, match=r"reads output -?\d, but the model has 1 output"):
+        loss_of([torch.randn(2, 3)], torch.tensor([0, 1]), (term,))
+
+
+def test_forward_loss_reads_every_output_of_the_model() -> None:
+    family = get_family("cnn", 3, 1, hidden=(4, 8, 8))
+    torch.manual_seed(0)
+    model = family.build(SubmodelSpec(exits=(0, 1)), track_bn_stats=False)
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 0])
+    terms = (LossTerm.ce(output=0), LossTerm.kd(1, -1, weight=0.5, tau=3.0), LossTerm.ce())
+    outputs = model.forward_exits(x)
+    assert len(outputs) == 3
+    torch.testing.assert_close(forward_loss(model, x, y, terms), loss_of(outputs, y, terms))
+    with pytest.raises(ValueError, match="reads output -4, but the model has 3 output"):
+        forward_loss(model, x, y, (LossTerm.ce(output=-4),))
+    with pytest.raises(ValueError, match="reads output 1, but the model has 1 output"):
+        forward_loss(family.build(track_bn_stats=False), x, y, (LossTerm.kd(0, 1, weight=1.0, tau=1.0),))
+
+
+def test_loss_needs_known_terms() -> None:
+    with pytest.raises(ValueError, match="at least one loss term"):
+        loss_of([torch.randn(2, 3)], torch.tensor([0, 1]), ())
+    with pytest.raises(ValueError, match="unknown loss term kind 'mse'"):
+        loss_of([torch.randn(2, 3)], torch.tensor([0, 1]), (LossTerm("mse"),))
+
+
+# ---------------------------------------------------------------------------------------------- stages
+def test_stages() -> None:
+    p = plan(epochs=3)
+    assert stages(FULL, p) == [(None, Stage(epochs=3))]
+    spec = SubmodelSpec(segments=((2, 4), (0, 2)))
+    assert stages(spec, p) == [((2, 4), Stage(epochs=3)), ((0, 2), Stage(epochs=3))]
+    schedule = (Stage(epochs=1, route="exit"), Stage(epochs=2))
+    assert stages(spec, plan(schedule=schedule)) == [((2, 4), schedule[0]), ((0, 2), schedule[1])]
+
+
+def test_stages_must_fit_the_segments() -> None:
+    with pytest.raises(ValueError, match="schedules depth-wise stages, but the spec trains the whole model"):
+        stages(FULL, plan(schedule=(Stage(),)))
+    spec = SubmodelSpec(segments=((0, 1), (1, 2)))
+    with pytest.raises(ValueError, match=r"schedules 1 stage\(s\) for the spec's 2 segment\(s\)"):
+        stages(spec, plan(schedule=(Stage(),)))
+    with pytest.raises(ValueError, match=r"schedules 3 stage\(s\) for the spec's 2 segment\(s\)"):
+        stages(spec, plan(schedule=(Stage(),) * 3))
+    with pytest.raises(ValueError, match="schedules"):
+        train(tiny_model(), FULL, *separable_data(8), plan(schedule=(Stage(),)), labels=[0, 1], num_classes=2)
+
+
+def test_check_plan() -> None:
+    family = get_family("cnn", 3, 1, hidden=(4, 8, 8))
+    two_outputs = SubmodelSpec(exits=(1,))
+    distil = plan(loss=(LossTerm.ce(output=0), LossTerm.ce(output=1), LossTerm.kd(0, 1, weight=0.1, tau=3.0)))
+    check_plan(family, two_outputs, distil)
+    check_plan(family, SubmodelSpec(depth=2, exits=(0, 1)), distil)  # two exits, the last one the output
+    check_plan(family, FULL, plan())
+    with pytest.raises(ValueError, match=r"reads 2 output\(s\), but width=1 has 1"):
+        check_plan(family, FULL, distil)
+    with pytest.raises(ValueError, match=r"reads 3 output\(s\)"):
+        check_plan(family, two_outputs, plan(loss=(LossTerm.ce(output=-3),)))
+    with pytest.raises(ValueError, match=r"reads 3 output\(s\)"):
+        check_plan(family, two_outputs, plan(loss=(LossTerm.ce(output=2),)))
+    # A depth-wise stage has one output, whatever exits the spec has.
+    segments = SubmodelSpec(exits=(0, 1), segments=((0, 1), (1, 3)))
+    check_plan(family, segments, plan())
+    with pytest.raises(ValueError, match=r"reads 2 output\(s\), but a depth-wise stage has 1"):
+        check_plan(family, segments, distil)
+    with pytest.raises(ValueError, match="schedules"):
+        check_plan(family, segments, plan(schedule=(Stage(),)))
+    with pytest.raises(ValueError, match="exceeds"):
+        check_plan(family, SubmodelSpec(depth=9), plan())
+
+
+# ---------------------------------------------------------------------------------------------- train
+def test_train_reduces_loss_on_separable_problem() -> None:
+    x, y = separable_data()
+    model = tiny_model()
+    before = full_loss(model, x, y)
+    result = train(model, FULL, x, y, plan(epochs=15, lr=0.1), labels=[0, 1], num_classes=2)
+    after = full_loss(model, x, y)
+    assert isinstance(result, TrainResult)
+    assert after < 0.5 * before
+    assert result.steps == 15 * 4 and result.samples == 15 * 32 and result.stages == 1
+    assert math.isfinite(result.loss) and result.seconds >= 0
+    assert model.training
+
+
+def test_train_with_masked_ce_also_learns() -> None:
+    x, y = separable_data()
+    model = get_family("cnn", 5, 1, hidden=(4, 8)).build(track_bn_stats=False)
+    result = train(model, FULL, x, y, plan(epochs=10, lr=0.1, masked_ce=True), labels=[0, 1], num_classes=5)
+    with torch.no_grad():
+        predictions = model(x).argmax(1)
+    assert math.isfinite(result.loss)
+    assert float((predictions == y).float().mean()) > 0.9
+
+
+def test_train_plan_from_a_recipe_is_the_same_run() -> None:
+    x, y = separable_data(16)
+    recipe = Recipe(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=5e-4, clip_norm=1.0,
+                    masked_ce=True, seed=4)
+    models = [tiny_model(), tiny_model()]
+    train(models[0], FULL, x, y, TrainingPlan.from_recipe(recipe), labels=[0, 1], num_classes=2)
+    train(models[1], FULL, x, y, plan(epochs=2, weight_decay=5e-4, clip_norm=1.0, masked_ce=True, seed=4),
+          labels=[0, 1], num_classes=2)
+    for key, value in models[0].state_dict().items():
+        torch.testing.assert_close(value, models[1].state_dict()[key])
+
+
+def test_train_is_deterministic_for_a_seed() -> None:
+    x, y = separable_data()
+    states = []
+    for _ in range(2):
+        model = tiny_model()
+        train(model, FULL, x, y, plan(epochs=2, seed=5), labels=[0, 1], num_classes=2)
+        states.append(model.state_dict())
+    for key in states[0]:
+        torch.testing.assert_close(states[0][key], states[1][key])
+    other = tiny_model()
+    train(other, FULL, x, y, plan(epochs=2, seed=6), labels=[0, 1], num_classes=2)
+    assert any(not torch.equal(states[0][k], v) for k, v in other.state_dict().items())
+
+
+def test_train_skips_trailing_single_sample_batch() -> None:
+    x, y = separable_data(9)
+    result = train(tiny_model(), FULL, x, y, plan(batch_size=4), labels=[0, 1], num_classes=2)
+    assert result.steps == 2 and result.samples == 8
+
+
+def test_train_reports_the_sample_weighted_mean_loss() -> None:
+    """With a zero learning rate nothing changes, so the reported loss can be recomputed batch by batch."""
+    x, y = separable_data(10)
+    model = tiny_model()
+    before = _snapshot(model)
+    result = train(model, FULL, x, y, plan(batch_size=4, lr=0.0, momentum=0.0, seed=3), labels=[0, 1],
+                   num_classes=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(3))
+    batches = [order[i:i + 4] for i in range(0, 10, 4)]
+    with torch.no_grad():
+        losses = [float(F.cross_entropy(model(x[b]), y[b])) * len(b) for b in batches]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert result.loss == pytest.approx(sum(losses) / 10, rel=1e-5)
+    assert result.steps == 3 and result.samples == 10
+
+
+@pytest.mark.parametrize("clip_norm", [0.01, 0.5])
+def test_train_clips_gradients_to_clip_norm(monkeypatch: pytest.MonkeyPatch, clip_norm: float) -> None:
+    original = nn.utils.clip_grad_norm_
+    calls: list[float] = []
+
+    def spy(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        parameters = list(parameters)
+        calls.append(max_norm)
+        total = original(parameters, max_norm, *args, **kwargs)
+        clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters if p.grad is not None]))
+        assert float(clipped) <= max_norm * 1.01 + 1e-6
+        return total
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    x, y = separable_data(16)
+    result = train(tiny_model(), FULL, x, y, plan(epochs=2, clip_norm=clip_norm), labels=[0, 1], num_classes=2)
+    assert calls == [clip_norm] * result.steps
+    assert result.steps == 4
+
+
+def test_train_does_not_clip_without_clip_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[float] = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: calls.append(1.0))
+    x, y = separable_data(16)
+    train(tiny_model(), FULL, x, y, plan(clip_norm=None), labels=[0, 1], num_classes=2)
+    assert calls == []
+
+
+def test_train_rejects_empty_data() -> None:
+    with pytest.raises(ValueError, match="no local training data"):
+        train(tiny_model(), FULL, torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long), plan(),
+              labels=[], num_classes=2)
+
+
+def test_train_raises_on_divergence() -> None:
+    x, y = separable_data(8)
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="diverged"):
+        train(tiny_model(), FULL, x, y, plan(), labels=[0, 1], num_classes=2)
+
+
+def test_train_refuses_batch_size_one() -> None:
+    """Static BN normalises with batch statistics: a batch of one cannot be trained, and the plan is refused."""
+    x, y = separable_data(8)
+    model = tiny_model()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="batch_size must be at least 2"):
+        train(model, FULL, x, y, plan(batch_size=1), labels=[0, 1], num_classes=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_train_with_exits_and_self_distillation_trains_every_head() -> None:
+    family = get_family("cnn", 2, 1, hidden=(4, 8, 8))
+    spec = SubmodelSpec(exits=(0, 1))
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    before = _snapshot(model)
+    x, y = separable_data(16)
+    loss = (LossTerm.ce(weight=1 / 6, output=0), LossTerm.ce(weight=2 / 6, output=1), LossTerm.ce(weight=3 / 6),
+            LossTerm.kd(0, -1, weight=0.1 / 6, tau=3.0), LossTerm.kd(1, -1, weight=0.2 / 6, tau=3.0))
+    result = train(model, spec, x, y, plan(epochs=2, loss=loss, weight_decay=5e-4), labels=[0, 1],
+                   num_classes=2)
+    assert math.isfinite(result.loss) and result.stages == 1
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed == set(family.trainable_keys(spec))
+    assert {"exits.0.classifier.weight", "exits.1.classifier.weight", "classifier.weight"} <= changed
+
+
+# ---------------------------------------------------------------------------------------------- depth-wise
+class _Recorder(SegmentModel):
+    made: ClassVar[list[tuple[int, int, str]]] = []
+
+    def __init__(self, model: FamilyNet, start: int, stop: int, input_shape: tuple[int, ...],
+                 route: str = "skip") -> None:
+        super().__init__(model, start, stop, input_shape, route)
+        _Recorder.made.append((start, stop, route))
+
+
+def test_train_runs_one_stage_per_segment(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    family, size = case
+    n = family.num_blocks
+    spec = SubmodelSpec(width=0.5, segments=((2, n), (0, 1)))  # block 1 stays frozen
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    before = _snapshot(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, family.in_channels, *size, generator=generator)
+    y = torch.arange(8) % family.num_classes
+    _Recorder.made = []
+    monkeypatch.setattr("models.training.SegmentModel", _Recorder)
+    schedule = (Stage(epochs=1), Stage(epochs=2))
+    result = train(model, spec, x, y, plan(batch_size=4, weight_decay=5e-4, schedule=schedule),
+                   labels=list(range(family.num_classes)), num_classes=family.num_classes)
+    assert _Recorder.made == [(2, n, "skip"), (0, 1, "skip")]  # in the spec's order
+    assert result.stages == 2
+    assert result.steps == (1 + 2) * 2 and result.samples == (1 + 2) * 8
+    assert all(p.requires_grad for p in model.parameters())  # restored after the last stage
+    after = model.state_dict()
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed == set(family.trainable_keys(spec))
+    frozen = {name for name, p in model.named_parameters()
+              if any(p is q for q in model.blocks[1].parameters())}
+    assert frozen and not frozen & changed
+    assert set(family.state_keys(spec)) - changed == frozen
+
+
+def test_train_exit_route_trains_the_exit_after_the_segment() -> None:
+    family = get_family("cnn", 2, 1, hidden=(4, 8, 8))
+    spec = SubmodelSpec(exits=(0,), segments=((0, 1), (1, 3)))
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    before = _snapshot(model)
+    x, y = separable_data(8)
+    result = train(model, spec, x, y, plan(batch_size=4, weight_decay=5e-4, schedule=(Stage(route="exit"),
+                                                                                      Stage())),
+                   labels=[0, 1], num_classes=2)
+    assert result.stages == 2
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed == set(family.trainable_keys(spec)) == set(family.state_keys(spec))
+    assert {"exits.0.classifier.weight", "conv1.weight", "conv3.weight", "classifier.weight"} <= changed
+
+
+def test_train_restores_requires_grad_when_a_stage_fails() -> None:
+    family = get_family("cnn", 2, 1, hidden=(4, 8))
+    model = family.build(track_bn_stats=False)
+    x, y = separable_data(8)
+    x[:, :, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="diverged"):
+        train(model, SubmodelSpec(segments=((1, 2),)), x, y, plan(batch_size=4), labels=[0, 1], num_classes=2)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_train_restores_requires_grad_when_the_optimizer_is_refused() -> None:
+    """Whatever a stage fails on, the caller's model is not left frozen (here torch refuses the learning rate,
+    after the stage's view has frozen the blocks outside its segment)."""
+    model = get_family("cnn", 2, 1, hidden=(4, 8)).build(track_bn_stats=False)
+    x, y = separable_data(8)
+    with pytest.raises(ValueError, match="learning rate"):
+        train(model, SubmodelSpec(segments=((1, 2),)), x, y, plan(batch_size=4, lr=-0.1), labels=[0, 1],
+              num_classes=2)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_frozen_blocks_get_no_optimizer_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage's optimizer holds exactly the parameters that stage trains."""
+    family = get_family("cnn", 2, 1, hidden=(4, 8, 8))
+    spec = SubmodelSpec(segments=((0, 1), (2, 3)))
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups: list[set[str]] = []
+    original = torch.optim.SGD
+
+    def spy(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        groups.append({names[id(p)] for p in params})
+        return original(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", spy)
+    x, y = separable_data(8)
+    train(model, spec, x, y, plan(batch_size=4), labels=[0, 1], num_classes=2)
+    head = {"classifier.weight", "classifier.bias"}
+    assert groups == [{"conv1.weight", "conv1.bias", "bn1.weight", "bn1.bias"} | head,
+                      {"conv3.weight", "conv3.bias", "bn3.weight", "bn3.bias"} | head]
+
+
+def test_train_takes_the_plans_optimizer_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+    original = torch.optim.SGD
+
+    def spy(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        seen.append(kwargs)
+        return original(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", spy)
+    x, y = separable_data(8)
+    train(tiny_model(), FULL, x, y, plan(lr=0.03, momentum=0.5, weight_decay=1e-3), labels=[0, 1], num_classes=2)
+    assert seen == [{"lr": 0.03, "momentum": 0.5, "weight_decay": 1e-3}]
