@@ -54,10 +54,12 @@ class BasicBlock(nn.Module):
 
 
 class ResNetFamily(ModelFamily):
-    """A CIFAR ResNet with ``blocks_per_stage`` basic blocks per stage (subclasses fix it by depth).
+    """A CIFAR ResNet of any depth ``6n + 2`` (``resnet``; ``resnet20``, ``resnet56`` and ``resnet110`` fix it).
 
     Options
     -------
+    depth:
+        Layers, ``2 * stages * n + 2`` for ``n`` basic blocks per stage (``resnet`` only; default 20).
     hidden:
         Channels of each stage (default ``(16, 32, 64)``); the first has stride 1, the others stride 2.
     exit_convs:
@@ -72,11 +74,24 @@ class ResNetFamily(ModelFamily):
     ``classifier.weight``, ``classifier.bias``.
     """
 
-    blocks_per_stage: ClassVar[int] = 3
-    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (16, 32, 64)}
+    name: ClassVar[str] = "resnet"
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (16, 32, 64), "depth": 20}
+
+    #: Blocks per stage of a named preset (``resnet110``: 18); ``resnet`` derives them from its ``depth`` option.
+    preset_blocks_per_stage: ClassVar[int | None] = None
 
     def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        return {"hidden": positive_int_tuple("hidden", options["hidden"])}
+        hidden = positive_int_tuple("hidden", options["hidden"])
+        if self.preset_blocks_per_stage is not None:
+            self.blocks_per_stage = self.preset_blocks_per_stage
+            return {"hidden": hidden}
+        depth = options["depth"]
+        per_stage, rest = divmod(depth - 2, 2 * len(hidden)) if isinstance(depth, int) else (0, 1)
+        if isinstance(depth, bool) or rest or per_stage < 1:
+            raise ValueError(f"depth must be 2 * {len(hidden)} * n + 2 layers for {len(hidden)} stages "
+                             f"(e.g. {2 * len(hidden) + 2}, {6 * len(hidden) + 2}), got {depth!r}.")
+        self.blocks_per_stage = per_stage
+        return {"hidden": hidden, "depth": depth}
 
     @property
     def hidden(self) -> tuple[int, ...]:
@@ -144,18 +159,21 @@ class ResNet20Family(ResNetFamily):
     """ResNet-20: 3 blocks per stage."""
 
     name: ClassVar[str] = "resnet20"
-    blocks_per_stage: ClassVar[int] = 3
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (16, 32, 64)}
+    preset_blocks_per_stage: ClassVar[int | None] = 3
 
 
 class ResNet56Family(ResNetFamily):
     """ResNet-56: 9 blocks per stage."""
 
     name: ClassVar[str] = "resnet56"
-    blocks_per_stage: ClassVar[int] = 9
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (16, 32, 64)}
+    preset_blocks_per_stage: ClassVar[int | None] = 9
 
 
 class ResNet110Family(ResNetFamily):
     """ResNet-110: 18 blocks per stage (ScaleFL's Table 1 model)."""
 
     name: ClassVar[str] = "resnet110"
-    blocks_per_stage: ClassVar[int] = 18
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (16, 32, 64)}
+    preset_blocks_per_stage: ClassVar[int | None] = 18

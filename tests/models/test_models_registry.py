@@ -8,11 +8,11 @@ import models
 from models import FAMILY_NAMES, ModelFamily, get_family
 from models.cnn import ConvFamily
 from models.preresnet import PreResNet18Family
-from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family
+from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family, ResNetFamily
 
 
 def test_family_names() -> None:
-    assert FAMILY_NAMES == ("cnn", "preresnet18", "resnet20", "resnet56", "resnet110")
+    assert FAMILY_NAMES == ("cnn", "preresnet18", "resnet", "resnet20", "resnet56", "resnet110")
 
 
 @pytest.mark.parametrize(
@@ -20,13 +20,15 @@ def test_family_names() -> None:
     [
         ("cnn", ConvFamily),
         ("preresnet18", PreResNet18Family),
+        ("resnet", ResNetFamily),
         ("resnet20", ResNet20Family),
         ("resnet56", ResNet56Family),
         ("resnet110", ResNet110Family),
     ],
 )
 def test_get_family(name: str, cls: type[ModelFamily]) -> None:
-    family = get_family(name, num_classes=7, in_channels=2, hidden=(4, 8))
+    extra = {"depth": 14} if name == "resnet" else {}  # 2 stages of 3 blocks
+    family = get_family(name, num_classes=7, in_channels=2, hidden=(4, 8), **extra)
     assert isinstance(family, cls) and family.name == name
     assert family.num_classes == 7 and family.in_channels == 2
     assert family.options["hidden"] == (4, 8)
@@ -34,7 +36,7 @@ def test_get_family(name: str, cls: type[ModelFamily]) -> None:
 
 
 def test_unknown_family_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18, resnet20, resnet56, "
+    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18, resnet, resnet20, resnet56, "
                                          "resnet110"):
         get_family("vgg16", 10, 3)
 

@@ -196,9 +196,9 @@ def test_scalefl_level_with_depth_cut_and_exits() -> None:
 
 @pytest.mark.parametrize(("cls", "n"), [(ResNet20Family, 3), (ResNet56Family, 9), (ResNet110Family, 18)])
 def test_families_differ_only_in_blocks_per_stage(cls: type[ResNetFamily], n: int) -> None:
-    assert issubclass(cls, ResNetFamily) and cls.blocks_per_stage == n
+    assert issubclass(cls, ResNetFamily)
     family = cls(10, 3, hidden=(4,))
-    assert family.num_blocks == n
+    assert family.blocks_per_stage == n and family.num_blocks == n
     assert family.options == {"hidden": (4,), "exit_convs": 3}
 
 
@@ -217,3 +217,23 @@ def test_options_validation() -> None:
     assert family.layer_names() == family.prunable_layers()  # exits without convolutions have no groups
     assert family.state_keys(SubmodelSpec(exits=(2,)))[-2:] == ("exits.2.classifier.weight",
                                                                "exits.2.classifier.bias")
+
+
+@pytest.mark.parametrize(("depth", "blocks"), [(8, 3), (20, 9), (32, 15), (56, 27), (110, 54)])
+def test_generic_family_by_depth(depth: int, blocks: int) -> None:
+    family = get_family("resnet", 10, 3, depth=depth)
+    assert family.num_blocks == blocks and family.options["depth"] == depth
+    named = {20: "resnet20", 56: "resnet56", 110: "resnet110"}.get(depth)
+    if named is not None:
+        assert family.param_count() == get_family(named, 10, 3).param_count()
+    assert get_family("resnet", 10, 3).num_blocks == 9  # default ResNet-20
+    assert get_family("resnet", 10, 3, depth=14, hidden=(8, 16)).num_blocks == 6  # 2 * 2 * 3 + 2
+    assert get_family("resnet110", 10, 3, hidden=(8, 16)).num_blocks == 36  # presets fix 18 blocks per stage
+
+
+def test_generic_depth_is_checked_and_presets_fix_it() -> None:
+    for depth in (21, 2, 0, True, "20", 20.0):
+        with pytest.raises(ValueError, match="depth must be 2 \\* 3 \\* n \\+ 2"):
+            get_family("resnet", 10, 3, depth=depth)
+    with pytest.raises(ValueError, match="unknown option 'depth' for model family 'resnet110'"):
+        get_family("resnet110", 10, 3, depth=56)
