@@ -12,6 +12,7 @@ from models._checks import positive_int_tuple
 from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl
 from models.layers import Scaler, static_bn
 from models.net import BodyParts
+from models.residual import ResidualBlock, residual_blocks, residual_groups
 
 __all__ = ["PreResNet18Family"]
 
@@ -108,34 +109,21 @@ class PreResNet18Family(ModelFamily):
         """Residual blocks per stage."""
         return tuple(self.options["blocks"])
 
-    def _blocks(self) -> list[tuple[int, int, str, str, str, int, bool]]:
-        """(stage, block, in group, inner group, out group, stride, has shortcut) for every residual block."""
-        out: list[tuple[int, int, str, str, str, int, bool]] = []
-        prev_group, prev_ch = "layer1", self.hidden[0]  # the stem writes to stage 1's stream
-        for s, ch in enumerate(self.hidden, start=1):
-            for b in range(self.stage_blocks[s - 1]):
-                stride = 2 if (s > 1 and b == 0) else 1
-                group = f"layer{s}"
-                shortcut = stride != 1 or prev_ch != ch
-                out.append((s, b, prev_group, f"layer{s}.{b}.conv1", group, stride, shortcut))
-                prev_group, prev_ch = group, ch
-        return out
+    def _blocks(self) -> list[ResidualBlock]:
+        return residual_blocks(self.hidden, self.stage_blocks)
 
     def _channel_groups(self) -> Mapping[str, int]:
-        groups = {f"layer{s}": ch for s, ch in enumerate(self.hidden, start=1)}
-        for s, b, _, inner, _, _, _ in self._blocks():
-            groups[inner] = self.hidden[s - 1]
-        return groups
+        return residual_groups(self.hidden, self._blocks())
 
     def _declare_layers(self) -> Sequence[LayerDecl]:
         decls = [conv_decl("conv1", None, "layer1", (3, 3), bias=False, block=0)]
-        for index, (s, b, gin, inner, gout, _, shortcut) in enumerate(self._blocks()):
-            p = f"layer{s}.{b}"
+        for index, blk in enumerate(self._blocks()):
+            p, gin, inner, gout = blk.prefix, blk.in_group, blk.inner_group, blk.out_group
             decls.append(bn_decl(f"{p}.bn1", gin, block=index))
             decls.append(conv_decl(f"{p}.conv1", gin, inner, (3, 3), bias=False, block=index))
             decls.append(bn_decl(f"{p}.bn2", inner, block=index))
             decls.append(conv_decl(f"{p}.conv2", inner, gout, (3, 3), bias=False, block=index))
-            if shortcut:
+            if blk.shortcut:
                 decls.append(conv_decl(f"{p}.shortcut", gin, gout, (1, 1), bias=False, block=index))
         last = f"layer{len(self.hidden)}"
         decls.append(bn_decl("bn", last))
@@ -148,10 +136,11 @@ class PreResNet18Family(ModelFamily):
         modules: dict[str, nn.Module] = {"conv1": stem}
         stages: list[nn.Sequential] = [nn.Sequential() for _ in self.hidden]
         blocks: list[nn.Module] = []
-        for index, (s, _, gin, inner, gout, stride, shortcut) in enumerate(self._blocks()[:depth]):
-            block = PreActBlock(channels[gin], channels[inner], channels[gout], stride=stride, rate_in=rates[gin],
-                                rate_mid=rates[inner], track_bn_stats=track_bn_stats, with_shortcut=shortcut)
-            stages[s - 1].append(block)
+        for index, blk in enumerate(self._blocks()[:depth]):
+            block = PreActBlock(channels[blk.in_group], channels[blk.inner_group], channels[blk.out_group],
+                                stride=blk.stride, rate_in=rates[blk.in_group], rate_mid=rates[blk.inner_group],
+                                track_bn_stats=track_bn_stats, with_shortcut=blk.shortcut)
+            stages[blk.stage - 1].append(block)
             blocks.append(nn.Sequential(stem, block) if index == 0 else block)
         for s, stage in enumerate(stages, start=1):
             if len(stage):

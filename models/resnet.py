@@ -19,6 +19,7 @@ from models._checks import positive_int_tuple
 from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl
 from models.layers import Scaler, static_bn
 from models.net import BodyParts
+from models.residual import ResidualBlock, residual_blocks, residual_groups
 
 __all__ = ["ResNet20Family", "ResNet56Family", "ResNet110Family", "ResNetFamily"]
 
@@ -97,33 +98,21 @@ class ResNetFamily(ModelFamily):
     def hidden(self) -> tuple[int, ...]:
         return tuple(self.options["hidden"])
 
-    def _blocks(self) -> list[tuple[int, int, str, str, str, int, bool]]:
-        """(stage, block, in group, inner group, out group, stride, has shortcut) for every residual block."""
-        out: list[tuple[int, int, str, str, str, int, bool]] = []
-        prev_group, prev_ch = "layer1", self.hidden[0]
-        for s, ch in enumerate(self.hidden, start=1):
-            for b in range(self.blocks_per_stage):
-                stride = 2 if (s > 1 and b == 0) else 1
-                out.append((s, b, prev_group, f"layer{s}.{b}.conv1", f"layer{s}", stride,
-                            stride != 1 or prev_ch != ch))
-                prev_group, prev_ch = f"layer{s}", ch
-        return out
+    def _blocks(self) -> list[ResidualBlock]:
+        return residual_blocks(self.hidden, [self.blocks_per_stage] * len(self.hidden))
 
     def _channel_groups(self) -> Mapping[str, int]:
-        groups = {f"layer{s}": ch for s, ch in enumerate(self.hidden, start=1)}
-        for s, _, _, inner, _, _, _ in self._blocks():
-            groups[inner] = self.hidden[s - 1]
-        return groups
+        return residual_groups(self.hidden, self._blocks())
 
     def _declare_layers(self) -> Sequence[LayerDecl]:
         decls = [conv_decl("conv1", None, "layer1", (3, 3), bias=False, block=0), bn_decl("bn1", "layer1", block=0)]
-        for index, (s, b, gin, inner, gout, _, shortcut) in enumerate(self._blocks()):
-            p = f"layer{s}.{b}"
+        for index, blk in enumerate(self._blocks()):
+            p, gin, inner, gout = blk.prefix, blk.in_group, blk.inner_group, blk.out_group
             decls.append(conv_decl(f"{p}.conv1", gin, inner, (3, 3), bias=False, block=index))
             decls.append(bn_decl(f"{p}.bn1", inner, block=index))
             decls.append(conv_decl(f"{p}.conv2", inner, gout, (3, 3), bias=False, block=index))
             decls.append(bn_decl(f"{p}.bn2", gout, block=index))
-            if shortcut:
+            if blk.shortcut:
                 decls.append(conv_decl(f"{p}.shortcut", gin, gout, (1, 1), bias=False, block=index))
                 decls.append(bn_decl(f"{p}.shortcut_bn", gout, block=index))
         decls.append(linear_decl("classifier", f"layer{len(self.hidden)}", None))
@@ -137,10 +126,11 @@ class ResNetFamily(ModelFamily):
         modules: dict[str, nn.Module] = dict(stem_parts)
         stages: list[nn.Sequential] = [nn.Sequential() for _ in self.hidden]
         blocks: list[nn.Module] = []
-        for index, (s, _, gin, inner, gout, stride, shortcut) in enumerate(self._blocks()[:depth]):
-            block = BasicBlock(channels[gin], channels[inner], channels[gout], stride=stride, rate_mid=rates[inner],
-                               rate_out=rates[gout], track_bn_stats=track_bn_stats, with_shortcut=shortcut)
-            stages[s - 1].append(block)
+        for index, blk in enumerate(self._blocks()[:depth]):
+            block = BasicBlock(channels[blk.in_group], channels[blk.inner_group], channels[blk.out_group],
+                               stride=blk.stride, rate_mid=rates[blk.inner_group], rate_out=rates[blk.out_group],
+                               track_bn_stats=track_bn_stats, with_shortcut=blk.shortcut)
+            stages[blk.stage - 1].append(block)
             blocks.append(nn.Sequential(*stem_parts.values(), block) if index == 0 else block)
         for s, stage in enumerate(stages, start=1):
             if len(stage):

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import structlog
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -14,3 +15,13 @@ def fresh_logging() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread, and the tests' training children and the other test processes then
+    do not fight for the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

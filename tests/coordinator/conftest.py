@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,14 +21,6 @@ def width_cost(spec: SubmodelSpec, plan: TrainingPlan) -> int:
     e 62)."""
     return int(spec.width * 1000)
 
-
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (and do not fight other processes for cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture

@@ -35,14 +35,6 @@ def task_plan(*, batch_size: int = 8, epochs: int = 1, momentum: float = 0.9, lr
                         batch_size=batch_size, seed=seed, loss=tuple(loss), schedule=tuple(schedule))
 
 
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """Tiny models train fastest on one thread (and do not fight the training children for cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="session", name="task_plan")
 def task_plan_fixture() -> Callable[..., TrainingPlan]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,14 +19,6 @@ FAMILY_CASES = {
     "resnet20": ("resnet20", 3, {"hidden": (8, 16, 16)}, (8, 8)),
 }
 
-
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (and do not fight other test processes for the cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILY_CASES))
