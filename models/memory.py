@@ -5,9 +5,9 @@ What is estimated
 The peak memory of a training process for one sub-model, as the edge agent measures it: in a training child
 forked from the agent's warm forkserver, holding the local data and the received weights (the baseline), the
 peak resident set size (high-water mark reset at the baseline) minus that baseline while it builds the model,
-loads the weights, creates ``torch.optim.SGD`` and runs training steps (forward in train mode, cross-entropy,
-backward, ``clip_grad_norm_``, ``step``, ``zero_grad(set_to_none=True)``). ``benchmarks/memory.py`` measures
-exactly this and compares it with the estimate.
+loads the weights, creates ``torch.optim.SGD`` and runs training steps of its training plan (forward in train mode
+over every output, the plan's loss terms, backward, ``clip_grad_norm_``, ``step``, ``zero_grad(set_to_none=True)``).
+``benchmarks/memory.py`` measures exactly this and compares it with the estimate.
 
 How
 ---
