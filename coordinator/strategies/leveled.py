@@ -99,9 +99,9 @@ class LevelStrategy(Strategy):
         return targets
 
     def describe(self) -> list[dict[str, Any]]:
-        """Per level: name, spec, parameters, FLOPs, estimated training memory at the recipe's batch size, and
-        the level's own figures."""
+        """Per level: name, spec, parameters, FLOPs, estimated training memory at the recipe's batch size (with the
+        plan of the last round, e.g. distilling after a warm-up), and the level's own figures."""
         size = self.context.input_size
         return [{"name": level.name, "spec": level.spec.describe(), "params": self.family.param_count(level.spec),
-                 "flops": self.family.flops(level.spec, size), "train_bytes": self.cost(level),
+                 "flops": self.family.flops(level.spec, size), "train_bytes": self.cost(level, self.config.rounds),
                  **level.info} for level in self.levels]

@@ -2,15 +2,17 @@
 self-distillation among them.
 
 Set-up (Alg. 1 lines 2-4): for each level ``l`` with target cost ratio ``r_l`` the split search of Eq. 1
-(:mod:`coordinator.split_search`) finds the most balanced depth and width ratios ``(s_d, s_w)``; an early exit
-is placed after block ``floor(s_d * N)`` and the level keeps ``floor(s_w * channels)`` of every hidden layer.
-The global model is the full model with the exits of every level. Cost is the number of parameters (or FLOPs)
-of a level's sub-model as it is trained, its exits included, against the global model's.
+(:mod:`coordinator.split_search`) finds the most balanced depth and width ratios ``(s_d, s_w)``; the level keeps
+the first ``floor(s_d * N)`` of the ``N`` blocks with an early exit after the last of them (0-based block
+``floor(s_d * N) - 1``) and ``floor(s_w * channels)`` of every hidden layer.
+The global model is the full model with the exits of every level. A level's cost is that of its sub-model as it
+is trained, its exits included, against the global model's: by default the model-dependent part of its estimated
+training memory (what the budgets devices report limit), or, as in the paper, its parameters or FLOPs.
 
 Levels are named ``1`` (smallest) to ``L`` (the full model). Clients are mapped to the highest level whose
 estimated training memory fits the budget they report (``fix``; the paper maps by a budget of the cost, a
 device reports memory), or sampled per round (``dynamic``); one that cannot afford its level falls to a lower
-level nested in it. A level-``l`` sub-model has exits ``1..l`` and trains them with Eq. 5,
+level nested in it. A level-``l`` sub-model has the exits of levels ``1..l`` and trains them with Eq. 5,
 ``1/(l(l+1)) * sum_i i * (beta * KL_tau(y_i || y_l) + CE(y_i, y))``, the last exit the teacher. Aggregation is
 Eq. 2: per element, the mean over the participants whose sub-model holds it (layers beyond a client's exit are
 untouched by it), i.e. masked aggregation. Each round the global model is evaluated at every exit, and each
@@ -105,7 +107,6 @@ class ScaleFL(LevelStrategy):
         """The top level with its distilling plan (the heaviest it is handed, whatever the KD warm-up)."""
         top = self.levels[0]
         return top.spec, self._plan(self.family.num_outputs(top.spec), distill=True)
-
 
     def distilling(self, round_number: int) -> bool:
         """Whether the round's plans distil (off for the first ``kd_warmup`` share of the rounds)."""
