@@ -13,7 +13,7 @@ class Scaler(nn.Module):
 
     HeteroFL appends it right after each sliced parametric layer (conv -> Scaler -> norm -> ReLU), like
     inverted dropout, so that a sub-model trained at rate ``r`` produces activations on the scale the full
-    model sees at inference time.
+    model sees at inference time. At rate 1 it returns its input itself (no copy).
     """
 
     def __init__(self, rate: float) -> None:
@@ -23,7 +23,8 @@ class Scaler(nn.Module):
         self.rate = float(rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / self.rate if self.training else x
+        # At rate 1 dividing would change nothing but allocate (and keep for backward) a copy of x.
+        return x / self.rate if self.training and self.rate != 1.0 else x
 
     def extra_repr(self) -> str:
         return f"rate={self.rate:g}"

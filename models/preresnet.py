@@ -14,10 +14,7 @@ from models.layers import Scaler, static_bn
 from models.net import BodyParts
 from models.residual import ResidualBlock, residual_blocks, residual_groups
 
-__all__ = ["PreResNet18Family"]
-
-_BLOCKS_PER_STAGE = 2
-
+__all__ = ["PreResNet18Family", "PreResNet20Family"]
 
 class PreActBlock(nn.Module):
     """``Scaler -> sBN -> ReLU -> conv3x3 -> Scaler -> sBN -> ReLU -> conv3x3`` plus the shortcut.
@@ -87,11 +84,13 @@ class PreResNet18Family(ModelFamily):
 
     name: ClassVar[str] = "preresnet18"
     option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (64, 128, 256, 512), "blocks": None}
+    #: Residual blocks per stage when the ``blocks`` option is not given.
+    blocks_per_stage: ClassVar[int] = 2
 
     def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
         hidden = positive_int_tuple("hidden", options["hidden"])
         if options["blocks"] is None:
-            blocks = (_BLOCKS_PER_STAGE,) * len(hidden)
+            blocks = (self.blocks_per_stage,) * len(hidden)
         else:
             blocks = positive_int_tuple("blocks", options["blocks"])
             if len(blocks) != len(hidden):
@@ -154,3 +153,12 @@ class PreResNet18Family(ModelFamily):
             modules.update(tail)
             head = nn.Sequential(*tail.values())
         return BodyParts(modules, blocks, head)
+
+
+class PreResNet20Family(PreResNet18Family):
+    """FeDepth's PreResNet-20: the same pre-activation blocks, three stages of three (16, 32 and 64 channels), so
+    nine residual blocks of two convolutions (the stem in block 0). ``hidden`` and ``blocks`` may be changed."""
+
+    name: ClassVar[str] = "preresnet20"
+    option_defaults: ClassVar[Mapping[str, Any]] = {"hidden": (16, 32, 64), "blocks": None}
+    blocks_per_stage: ClassVar[int] = 3

@@ -6,14 +6,14 @@ from typing import Any
 
 from models.cnn import ConvFamily
 from models.family import ModelFamily
-from models.preresnet import PreResNet18Family
+from models.preresnet import PreResNet18Family, PreResNet20Family
 from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family, ResNetFamily
 
 __all__ = ["FAMILY_NAMES", "get_family"]
 
 _FAMILIES: dict[str, type[ModelFamily]] = {
     family.name: family
-    for family in (ConvFamily, PreResNet18Family, ResNetFamily, ResNet20Family, ResNet56Family, ResNet110Family)
+    for family in (ConvFamily, PreResNet18Family, PreResNet20Family, ResNetFamily, ResNet20Family, ResNet56Family, ResNet110Family)
 }
 
 #: Names accepted by :func:`get_family`.

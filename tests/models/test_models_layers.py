@@ -25,8 +25,10 @@ def test_scaler_has_no_state_and_rejects_bad_rates() -> None:
 
 
 def test_scaler_full_rate_is_identity_in_training() -> None:
-    x = torch.randn(5)
-    assert torch.equal(Scaler(1.0).train()(x), x)
+    x = torch.randn(5, requires_grad=True)
+    out = Scaler(1.0).train()(x)
+    assert out is x  # no copy: nothing allocated, nothing kept for backward
+    assert Scaler(0.5).train()(x) is not x
 
 
 def test_static_bn_without_tracking_has_no_statistics() -> None:

@@ -47,6 +47,24 @@ def test_default_is_resnet18_sized() -> None:
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_preresnet20_is_fedepths_model() -> None:
+    """FeDepth's PreResNet-20: 3 stages x 3 pre-activation blocks of 16, 32, 64 channels; 9 body blocks."""
+    family = get_family("preresnet20", 10, 3)
+    assert family.num_blocks == 9 and family.options["hidden"] == (16, 32, 64)
+    assert family.options["blocks"] == (3, 3, 3)
+    # stem 432; stage 1: 3 x (2 BN of 16 + 2 convs 16x16x3x3); stages 2 and 3 add a 1x1 shortcut in the first
+    # block; final BN and classifier.
+    stage1 = 3 * (2 * 32 + 2 * 2304)
+    stage2 = (32 + 16 * 32 * 9 + 64 + 32 * 32 * 9 + 16 * 32) + 2 * (2 * 64 + 2 * 9216)
+    stage3 = (64 + 32 * 64 * 9 + 128 + 64 * 64 * 9 + 32 * 64) + 2 * (2 * 128 + 2 * 36864)
+    assert family.param_count() == 432 + stage1 + stage2 + stage3 + 128 + 650 == 272_282
+    model = family.build(track_bn_stats=False)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert [k for k in family.state_keys() if k.endswith("shortcut.weight")] == ["layer2.0.shortcut.weight",
+                                                                             "layer3.0.shortcut.weight"]
+    assert get_family("preresnet20", 10, 1, blocks=(1, 1, 1)).num_blocks == 3
+
+
 def test_reference_code_blocks_reproduce_paper_table() -> None:
     """HeteroFL's code builds "resnet18" with (1, 1, 1, 2) blocks: the paper's 9.6 M / 2.4 M / 604 K / 152 K / 38 K."""
     family = get_family("preresnet18", 10, 3, blocks=(1, 1, 1, 2))

@@ -7,12 +7,12 @@ import pytest
 import models
 from models import FAMILY_NAMES, ModelFamily, get_family
 from models.cnn import ConvFamily
-from models.preresnet import PreResNet18Family
+from models.preresnet import PreResNet18Family, PreResNet20Family
 from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family, ResNetFamily
 
 
 def test_family_names() -> None:
-    assert FAMILY_NAMES == ("cnn", "preresnet18", "resnet", "resnet20", "resnet56", "resnet110")
+    assert FAMILY_NAMES == ("cnn", "preresnet18", "preresnet20", "resnet", "resnet20", "resnet56", "resnet110")
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,7 @@ def test_family_names() -> None:
     [
         ("cnn", ConvFamily),
         ("preresnet18", PreResNet18Family),
+        ("preresnet20", PreResNet20Family),
         ("resnet", ResNetFamily),
         ("resnet20", ResNet20Family),
         ("resnet56", ResNet56Family),
@@ -36,7 +37,7 @@ def test_get_family(name: str, cls: type[ModelFamily]) -> None:
 
 
 def test_unknown_family_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18, resnet, resnet20, resnet56, "
+    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18, preresnet20, resnet, resnet20, resnet56, "
                                          "resnet110"):
         get_family("vgg16", 10, 3)
 
