@@ -10,12 +10,15 @@ reaches a classifier by one of two routes:
 - ``"exit"``: the early exit after the segment's last block (auxiliary classifiers per depth).
 
 The same view serves the training interpreter (:mod:`models.training`) and the memory estimator
-(:mod:`models.memory`), so what is estimated is what runs.
+(:mod:`models.memory`), so what is estimated is what runs. :func:`cut_segments` is FeDepth's memory-adaptive
+decomposition: the fewest consecutive segments that each fit a budget, skipping the blocks that never fit.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,7 +26,7 @@ from torch.nn import functional as F
 
 from models.net import FamilyNet
 
-__all__ = ["SegmentModel", "output_shape"]
+__all__ = ["Decomposition", "SegmentModel", "cut_by_block_costs", "cut_segments", "output_shape"]
 
 
 def output_shape(model: FamilyNet, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -97,3 +100,55 @@ class SegmentModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_exits(x)[0]
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """How a body of blocks is trained under a memory budget (FeDepth): ``skipped`` blocks are not trained at all
+    (partial training: they do not fit even alone), ``segments`` are the consecutive block ranges trained one
+    after another, input side first."""
+
+    segments: tuple[tuple[int, int], ...]
+    skipped: tuple[int, ...]
+
+    def describe(self) -> str:
+        """E.g. ``"0 | 1 | 2-3 | 4-8"`` (block numbers, 0-based), skipped blocks noted."""
+        parts = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in self.segments]
+        text = " | ".join(parts) or "nothing"
+        return f"{text} (skipped {', '.join(map(str, self.skipped))})" if self.skipped else text
+
+
+def cut_segments(cost: Callable[[int, int], float], num_blocks: int, budget: float) -> Decomposition:
+    """The fewest consecutive segments of blocks ``0..num_blocks-1`` whose training each fits ``budget``.
+
+    ``cost(start, stop)`` is the memory of training blocks ``start..stop-1`` together (and the head); it must not
+    shrink when a segment grows. Starting at the input side, each segment is extended while it fits (greedy, which
+    gives the fewest segments for such costs); a block that does not fit even alone is skipped (partial
+    training) and the next segment starts after it.
+    """
+    segments: list[tuple[int, int]] = []
+    skipped: list[int] = []
+    start = 0
+    while start < num_blocks:
+        if cost(start, start + 1) > budget:
+            skipped.append(start)
+            start += 1
+            continue
+        stop = start + 1
+        while stop < num_blocks and cost(start, stop + 1) <= budget:
+            stop += 1
+        segments.append((start, stop))
+        start = stop
+    return Decomposition(tuple(segments), tuple(skipped))
+
+
+def cut_by_block_costs(costs: Sequence[float], budget: float) -> Decomposition:
+    """:func:`cut_segments` for additive per-block costs (a segment costs the sum of its blocks), as in FeDepth's
+    paper: blocks of ``{3, 2, 1, 0.5, 0.5, 0.5}`` GB give a 3 GB device ``0 | 1-2 | 3-5`` and a 5 GB one ``0-1 | 2-5``.
+    """
+    prefix = [0.0]
+    for value in costs:
+        if value < 0:
+            raise ValueError(f"block costs must be non-negative, got {value!r}")
+        prefix.append(prefix[-1] + float(value))
+    return cut_segments(lambda start, stop: prefix[stop] - prefix[start], len(costs), budget)

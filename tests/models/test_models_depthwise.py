@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, get_family
-from models.depthwise import output_shape
+from models.depthwise import cut_by_block_costs, cut_segments, output_shape
 
 Case = tuple[ModelFamily, tuple[int, int]]
 
@@ -177,3 +177,55 @@ def test_output_shape_is_a_meta_probe(case: Case) -> None:
     x = torch.randn(2, family.in_channels, *size)
     assert output_shape(model, (64, family.in_channels, *size)) == tuple(_last_block_output(model, x).shape[1:])
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# ---- FeDepth's memory-adaptive decomposition -----------------------------------------------------------------
+
+def test_cut_reproduces_the_papers_gb_example() -> None:
+    """FeDepth, Figure 3: layers of {3, 2, 1, 0.5, 0.5, 0.5} GB; a 3 GB client trains 3 blocks, a 5 GB one 2."""
+    costs = [3, 2, 1, 0.5, 0.5, 0.5]
+    three = cut_by_block_costs(costs, 3.0)
+    assert three.segments == ((0, 1), (1, 3), (3, 6)) and three.skipped == ()
+    five = cut_by_block_costs(costs, 5.0)
+    assert five.segments == ((0, 2), (2, 6)) and five.skipped == ()
+    assert cut_by_block_costs(costs, 100.0).segments == ((0, 6),)
+
+
+# PreResNet-20's block costs in MB, FeDepth's Table 1 (B1-3 20.02, B4 14.05, B5-6 10.07, B7 7.21, B8-9 5.28).
+TABLE_1 = [20.02, 20.02, 20.02, 14.05, 10.07, 10.07, 7.21, 5.28, 5.28]
+
+
+def test_cut_reproduces_the_papers_preresnet20_order() -> None:
+    """The paper trains B1 -> B2 -> B3 -> B4 -> B5,6 -> B7,8,9 at the 1/6-width budget. With the table's own
+    costs that order is the fewest segments for every budget from B5 + B6 = 20.14 MB up to B4 + B5 = 24.12 MB
+    (exclusive); the table's 1/6-width figure, 19.34 MB, is below B1-B3's 20.02 MB, which then do not fit."""
+    for budget in (20.14, 22.0, 24.1):
+        cut = cut_by_block_costs(TABLE_1, budget)
+        assert cut.segments == ((0, 1), (1, 2), (2, 3), (3, 4), (4, 6), (6, 9)), budget
+        assert cut.describe() == "0 | 1 | 2 | 3 | 4-5 | 6-8"
+    assert cut_by_block_costs(TABLE_1, 24.13).segments[3:] == ((3, 5), (5, 9))
+
+
+def test_cut_skips_the_input_side_blocks_that_never_fit() -> None:
+    """Partial training: at 19.34 MB B1-B3 are skipped and the rest is cut as before."""
+    cut = cut_by_block_costs(TABLE_1, 19.34)
+    assert cut.skipped == (0, 1, 2)
+    assert cut.segments == ((3, 4), (4, 5), (5, 7), (7, 9))
+    assert cut.describe() == "3 | 4 | 5-6 | 7-8 (skipped 0, 1, 2)"
+    nothing = cut_by_block_costs(TABLE_1, 1.0)
+    assert nothing.segments == () and nothing.skipped == tuple(range(9)) and nothing.describe().startswith("nothing")
+
+
+def test_cut_takes_any_monotone_segment_cost() -> None:
+    """Segment costs need not be additive (real training memory is not): the greedy extends while it fits."""
+    calls = []
+
+    def cost(start: int, stop: int) -> float:
+        calls.append((start, stop))
+        return 10.0 + 3.0 * (stop - start)  # a fixed part (the head) plus 3 per block
+
+    cut = cut_segments(cost, 7, 20.0)
+    assert cut.segments == ((0, 3), (3, 6), (6, 7))
+    assert (0, 4) in calls and (0, 5) not in calls  # stops extending once a segment no longer fits
+    with pytest.raises(ValueError, match="non-negative"):
+        cut_by_block_costs([1.0, -1.0], 5.0)
