@@ -91,6 +91,36 @@ class ScaleFLConfig:
 
 
 @dataclass
+class FeDepthConfig:
+    """FeDepth's settings (the ``fedepth`` section; used when ``algorithm: fedepth``).
+
+    ``max_copies``: the most copies a device with memory to spare trains with mutual distillation
+    (m-FeDepth; 1 switches it off). ``mutual_weight``: the weight of the mutual KL terms.
+    """
+
+    max_copies: int = 2
+    mutual_weight: float = 1.0
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if self.max_copies < 1 or self.mutual_weight < 0:
+            raise ValueError("fedepth.max_copies must be at least 1 and fedepth.mutual_weight non-negative")
+
+
+@dataclass
+class FedAvgConfig:
+    """FedAvg's setting (the ``fedavg`` section): the uniform ``width`` every device trains (1: the full model,
+    the memory-ignoring upper reference; e.g. 1/6: FeDepth's and HeteroFL's "FedAvg (x 1/6)")."""
+
+    width: float = 1.0
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if not 0 < self.width <= 1:
+            raise ValueError(f"fedavg.width must be in (0, 1], got {self.width}")
+
+
+@dataclass
 class CoordinatorConfig:
     """Everything the coordinator daemon needs."""
 
@@ -109,6 +139,8 @@ class CoordinatorConfig:
     level_assignment: Literal["fix", "dynamic"] = "fix"
     level_proportions: list[float] | None = None
     scalefl: ScaleFLConfig = field(default_factory=ScaleFLConfig)
+    fedepth: FeDepthConfig = field(default_factory=FeDepthConfig)
+    fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     state_dir: str = "runs/coordinator"
     resume: bool = False
@@ -136,3 +168,5 @@ class CoordinatorConfig:
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s must be positive")
         self.scalefl.validate()
+        self.fedepth.validate()
+        self.fedavg.validate()

@@ -330,9 +330,24 @@ class Coordinator:
                 done[key] = self._evaluator.evaluate(self.states[target.group], target.spec)
             accuracies, bn_state = done[key]
             if target.store_bn:
-                self.states[target.group].update(bn_state)
+                self._store_bn(self.states[target.group], bn_state)
             results[name] = accuracies
         return results
+
+    @staticmethod
+    def _store_bn(state: dict[str, torch.Tensor], bn_state: dict[str, torch.Tensor]) -> None:
+        """Write a sub-model's BN statistics into the leading slices of the global tensors they belong to."""
+        for key, value in bn_state.items():
+            target = state[key]
+            if value.shape == target.shape:
+                state[key] = value
+            else:
+                target = target.clone()
+                region = target
+                for dim, size in enumerate(value.shape):
+                    region = region.narrow(dim, 0, size)
+                region.copy_(value)
+                state[key] = target
 
     def _checkpoint(self) -> None:
         save_checkpoint(self.checkpoint_path, self.states, {

@@ -199,6 +199,21 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
         heap.settle(allocator)
 
 
+def _reset_peak(device: str) -> None:
+    """Start a new high-water mark (where the kernel refuses, VmHWM stays the lifetime peak: an upper bound)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()
+
+
+def _peak_above(device: str, baseline: int) -> int:
+    """The peak since the last reset above ``baseline`` (CUDA: the allocator's; CPU: the RSS high-water mark)."""
+    if device == "cuda":
+        return int(torch.cuda.max_memory_allocated() - baseline)
+    return max(0, peak_rss_bytes() - baseline)
+
+
 def _train(workdir: Path) -> None:
     plan = json.loads((workdir / PLAN_FILE).read_text())
     torch.set_num_threads(int(plan["torch_threads"]))
@@ -218,24 +233,29 @@ def _train(workdir: Path) -> None:
     weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
     warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, plan["labels"],
                      task.model.num_classes, device, plan["allocator"])
-    baseline = rss_bytes()
-    reset_peak_rss()  # where the kernel refuses, VmHWM is the lifetime peak: still an upper bound
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        cuda_baseline = torch.cuda.memory_allocated()
+    baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
+    _reset_peak(device)
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict(weights, strict=True)
     del weights
+    peaks: list[int] = [_peak_above(device, baseline)]  # building and loading the model
+
+    def on_stage(_index: int, phase: str) -> None:
+        # Each stage's own peak: the high-water mark is reset when it starts and read when it ends.
+        if phase == "start":
+            _reset_peak(device)
+        else:
+            peaks.append(_peak_above(device, baseline))
+
     result = train(model, spec, x, y, training, labels=plan["labels"], num_classes=task.model.num_classes,
-                   device=device)
-    if device == "cuda":
-        peak = int(torch.cuda.max_memory_allocated() - cuda_baseline)
-    else:
-        peak = max(0, peak_rss_bytes() - baseline)
+                   device=device, on_stage=on_stage)
+    peak = max(peaks)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
     metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
                "stages": float(result.stages), "peak_bytes": float(peak)}
+    if spec.segments is not None:  # depth-wise: the peak of every stage, in order
+        metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y),
                     [int(v) for v in plan["labels"]], state, metrics, None)
     (workdir / UPDATE_FILE).write_bytes(encode(update))

@@ -21,10 +21,11 @@ import torch
 
 from edge_agent import allocator as heap
 from edge_agent import child
-from edge_agent.adaptation import Option, choose, cut_nested, options
+from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import Calibration
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
+from models.depthwise import Decomposition, cut_segments
 from protocol import ModelRef, ProtocolError, Task, TrainingPlan, Update, decode, encode
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
@@ -53,6 +54,14 @@ class LocalData:
     @property
     def in_channels(self) -> int:
         return int(self.x.shape[1])
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A depth-wise decomposition and the calibrated estimate of the cheapest single block."""
+
+    decomposition: Decomposition
+    smallest: int
 
 
 class TaskRejected(Exception):
@@ -189,9 +198,17 @@ class TaskRunner:
 
         available = self.available(task.round)
         choice = choose(candidates, corrected, available)
+        cut: _Cut | None = None
+        if choice.option is None and task.adaptation is not None and task.adaptation.kind == "depthwise":
+            cut, option, segment_estimate = self._depthwise(task.model, family, sent, plan, available)
+            if option is not None:
+                raw[option] = segment_estimate
+                choice = Choice(option, corrected(option), (*choice.tried, (option.describe(), corrected(option))))
         if choice.option is None:
             tried = ", ".join(f"{name} {_size(needed)}" for name, needed in choice.tried)
-            raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried})")
+            raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried}"
+                                           + (f"; no block fits alone, the smallest needs {_size(cut.smallest)}"
+                                              if cut is not None else "") + ")")
         spec = choice.option.spec
         estimate = raw[choice.option]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
@@ -220,9 +237,42 @@ class TaskRunner:
         self.calibration.observe(estimate.total, peak, estimate.overhead)
         update.status = "ok" if spec == sent else "adapted"
         update.metrics.update(memory)
-        if spec != sent:
+        if cut is not None and spec != sent:
+            update.reason = f"trained depth-wise, blocks {cut.decomposition.describe()}, to fit {_size(available)}"
+        elif spec != sent:
             update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {_size(available)}"
         return update
+
+    def _depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan,
+                   available: int) -> tuple[_Cut, Option | None, MemoryEstimate]:
+        """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
+
+        The (calibrated) estimate of training each candidate segment (its blocks, the head, the skip path, the
+        frozen blocks before it) at the plan's batch size decides; the segments starting at a block are estimated
+        together, when the cut first needs one of them, and remembered. Returns the cut, the option to train (the
+        sent spec with the segments; None when no block fits alone) and its raw estimate (its costliest stage).
+        """
+        blocks = sent.depth or family.num_blocks
+        starts: set[int] = set()
+
+        def raw_cost(start: int, stop: int) -> MemoryEstimate:
+            if start not in starts:  # every segment from this block in one estimating child
+                starts.add(start)
+                self.raw_estimates(model, [Option(replace(sent, segments=((start, end),)), plan)
+                                           for end in range(start + 1, blocks + 1)])
+            return self.raw_estimate(model, replace(sent, segments=((start, stop),)), plan)
+
+        def cost(start: int, stop: int) -> float:
+            estimate = raw_cost(start, stop)
+            return self.calibration.corrected(estimate.total, estimate.overhead)
+
+        decomposition = cut_segments(cost, blocks, available)
+        smallest = min(int(cost(b, b + 1)) for b in range(blocks))
+        if not decomposition.segments:
+            return _Cut(decomposition, smallest), None, raw_cost(0, 1)
+        stages = [raw_cost(*segment) for segment in decomposition.segments]
+        option = Option(replace(sent, segments=decomposition.segments), plan)
+        return _Cut(decomposition, smallest), option, max(stages, key=lambda e: e.total)
 
     def _check_compatible(self, task: Task, plan: TrainingPlan) -> None:
         if task.model.in_channels != self.data.in_channels:

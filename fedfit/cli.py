@@ -24,12 +24,21 @@ from coordinator.config import CoordinatorConfig
 from coordinator.daemon import NoAgentsError
 from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
 from fedfit.sim.broker import BrokerStartError
-from fedfit.sim.budgets import BUDGET_SCENARIOS
+from fedfit.sim.budgets import scenario_tiers
 from models import FAMILY_NAMES
 
 # Errors a user can cause: reported as one sentence, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
                ValueError, FileNotFoundError)
+
+
+def _budgets(text: str) -> str:
+    """argparse type of ``--budgets``: a known scenario or ``fractions:A,B,...``."""
+    try:
+        scenario_tiers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,9 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="coordinator YAML whose settings (recipe, levels, model options, ...) the run starts from")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
-    sim.add_argument("--budgets", choices=BUDGET_SCENARIOS, default="tiers",
-                     help="device memory budgets: uniform (all 110%% of the full model's training memory), tiers "
-                          "(weak/medium/strong 40/30/30%% with 35/60/110%%) or tiers-fluctuating (r = r_M - |u|)")
+    sim.add_argument("--budgets", type=_budgets, default="tiers",
+                     help="device memory budgets as shares of the full model's training memory: uniform (all 110%%), "
+                          "tiers (weak/medium/strong 40/30/30%% with 35/60/110%%), tiers-fluctuating (r = r_M - |u|), "
+                          "FeDepth's fair {1/6,1/3,1/2,1}, lack {1/8,1/6,1/2,1}, surplus {1/6,1/3,1/2,2}, or "
+                          "fractions:A,B,... (a quarter, third... of the fleet each)")
     sim.add_argument("--budget-variance", type=float, default=10.0,
                      help="sigma^2 of the per-round fluctuation u, in percentage points squared")
     sim.add_argument("--allocator", choices=("compact", "default"), default="compact",
@@ -82,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="sets the classes, input channels and image size (default: the config's data.dataset)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                       help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
-    plan.add_argument("--json", action="store_true", help="print a JSON list of objects instead of a table")
+    plan.add_argument("--budgets", type=_budgets, default=None,
+                      help="also show what each device tier of this budget scenario would train (see sim --budgets)")
+    plan.add_argument("--json", action="store_true",
+                      help="print JSON: a list of the levels (with --budgets: {\"levels\": [...], \"tiers\": [...]})")
     return parser
 
 
@@ -202,15 +216,34 @@ def _run_plan(args: argparse.Namespace) -> int:
                      data=replace(config.data, dataset=args.dataset or config.data.dataset))
     config.validate()
     dataset = load_dataset(config.data.dataset, config.data.root)
-    rows = strategy_for(config, dataset).describe()
+    strategy = strategy_for(config, dataset)
+    rows = strategy.describe()
+    tiers = _tier_rows(strategy, args.budgets) if args.budgets else None
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows if tiers is None else {"levels": rows, "tiers": tiers}, indent=2))
     else:
         print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
               f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
               f"batch {config.recipe.batch_size} (compact heap, this CPU)")
         print(format_plan(rows))
+        if tiers is not None:
+            print(f"\ndevice tiers of --budgets {args.budgets} (shares of the full model's training memory):")
+            print(format_plan(tiers))
     return 0
+
+
+def _tier_rows(strategy: Any, scenario: str) -> list[dict[str, Any]]:
+    """What each tier of ``scenario`` would train: budgets are the fixed overhead plus the tier's share of the
+    model-dependent training memory of the strategy's largest task, as in ``fedfit sim``."""
+    from fedfit.sim.budgets import tier_budget
+
+    spec, plan = strategy.largest_task()
+    estimate = strategy.context.training_memory(spec, plan)
+    rows = []
+    for tier in scenario_tiers(scenario):
+        budget = tier_budget(tier, estimate.total - estimate.overhead, estimate.overhead)
+        rows.append({"tier": tier.name, "budget_bytes": budget, **strategy.plan_for_budget(budget)})
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

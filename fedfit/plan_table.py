@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-_FIRST = ("name", "spec", "params", "flops", "train_bytes")
+_FIRST = ("name", "tier", "budget_bytes", "trains", "segments", "spec", "params", "flops", "train_bytes")
 
 
 def _cell(key: str, value: Any) -> str:
-    if key == "train_bytes":
+    if isinstance(value, list):
+        return " ".join(_cell(key, item) for item in value)
+    if key.endswith("_bytes"):
         return f"{value / 2**20:.1f} MiB"
     if key in ("params", "flops"):
         return f"{value / 1e6:.3f} M"
@@ -19,7 +21,8 @@ def _cell(key: str, value: Any) -> str:
 
 
 def format_plan(rows: Sequence[dict[str, Any]]) -> str:
-    """Aligned columns: name, spec, parameters, FLOPs, training memory, then the strategy's own figures."""
+    """Aligned columns: name (or tier), spec, parameters, FLOPs, training memory, then the strategy's own
+    figures."""
     keys = [k for k in _FIRST if any(k in row for row in rows)]
     keys += [k for row in rows for k in row if k not in keys]
     keys = list(dict.fromkeys(keys))

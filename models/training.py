@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,8 +129,13 @@ def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> N
 
 
 def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor, plan: TrainingPlan, *,
-          labels: Sequence[int], num_classes: int, device: torch.device | str = "cpu") -> TrainResult:
-    """Run ``plan`` on ``model`` (built from ``spec``) over the local data, in train mode (static BN)."""
+          labels: Sequence[int], num_classes: int, device: torch.device | str = "cpu",
+          on_stage: Callable[[int, str], None] | None = None) -> TrainResult:
+    """Run ``plan`` on ``model`` (built from ``spec``) over the local data, in train mode (static BN).
+
+    ``on_stage(index, "start" | "end")`` is called around every stage (the training child measures each stage's
+    peak with it).
+    """
     if len(x) == 0:
         raise ValueError("no local training data")
     if plan.batch_size < 2:
@@ -142,7 +147,9 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
     settings = plan.optimizer
     total_loss, steps, seen = 0.0, 0, 0
     planned = stages(spec, plan)
-    for segment, stage in planned:
+    for index, (segment, stage) in enumerate(planned):
+        if on_stage is not None:
+            on_stage(index, "start")
         net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route)
         try:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -167,8 +174,13 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     seen += len(batch)
                     steps += 1
         finally:
+            # The stage's gradients and optimizer state go with it: the next stage freezes these parameters.
+            for p in model.parameters():
+                p.grad = None
             if isinstance(net, SegmentModel):
                 net.release()
+        if on_stage is not None:
+            on_stage(index, "end")
     mean_loss = total_loss / seen if seen else math.nan
     return TrainResult(loss=mean_loss, steps=steps, samples=seen, seconds=time.monotonic() - started,
                        stages=len(planned))

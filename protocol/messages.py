@@ -58,7 +58,7 @@ class ModelRef:
     options: dict[str, Any]
 
 
-ADAPTATION_KINDS: tuple[str, ...] = ("none", "ladder", "width-levels")
+ADAPTATION_KINDS: tuple[str, ...] = ("none", "ladder", "depthwise", "width-levels")
 
 
 @dataclass
@@ -74,7 +74,9 @@ class Adaptation:
     """How an agent may shrink a task it cannot afford (``ADAPTATION_KINDS``).
 
     ``"ladder"``: the ``candidates``, largest first; the agent trains the first that fits (the plan of the task
-    keeps its seed). ``"width-levels"``: the hint of coordinators that predate ladders, HeteroFL's uniform
+    keeps its seed). ``"depthwise"`` (FeDepth): the agent trains the spec it was sent whole if that fits, else
+    depth-wise, in the fewest consecutive segments of blocks that each fit what it has, skipping the blocks that
+    fit nowhere (partial training). ``"width-levels"``: the hint of coordinators that predate ladders, HeteroFL's uniform
     width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
     """
 

@@ -14,10 +14,13 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.decoupled import Decoupled
 from coordinator.strategies.fedavg import FedAvg
+from coordinator.strategies.fedepth import FeDepth
 from coordinator.strategies.heterofl import HeteroFL
 from coordinator.strategies.scalefl import ScaleFL
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth)
+}
 #: The algorithm names a coordinator config, ``fedfit sim`` and ``fedfit plan`` accept.
 ALGORITHM_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 

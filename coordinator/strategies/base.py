@@ -207,6 +207,10 @@ class Strategy(ABC):
         return [{"name": name, "spec": target.spec} for name, target in self.eval_targets().items()
                 if name != "global"]
 
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """What a device reporting ``budget`` bytes would be handed (for ``fedfit plan --budgets``)."""
+        return {}
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state kept across rounds (saved in the checkpoint)."""

@@ -1,8 +1,11 @@
-"""FedAvg / All-Large baseline: every selected agent trains the full model, whatever its memory."""
+"""FedAvg baselines: every selected agent trains the same model whatever its memory: the full one (All-Large, the
+memory-ignoring upper reference) or a uniform width every device can afford (``fedavg.width``, e.g. 1/6:
+"FedAvg (x 1/6)")."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from coordinator.levels import Level
 from coordinator.registry import AgentRecord
@@ -12,16 +15,23 @@ from models import SubmodelSpec
 
 
 class FedAvg(LevelStrategy):
-    """The memory-ignoring upper reference; only the full model exists."""
+    """One model, trained by everyone; it is the global model."""
 
     name = "fedavg"
     adapts = False
 
     def make_levels(self) -> list[Level]:
-        return [Level("a", SubmodelSpec.full(), {"rate": 1.0})]
+        width = self.config.fedavg.width
+        return [Level("a", SubmodelSpec.uniform(width), {"rate": width})]
 
     def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
         return self.levels[0]
+
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """The one model, whatever the budget (FedAvg ignores memory), and whether it would fit."""
+        level = self.levels[0]
+        cost = self.cost(level)
+        return {"trains": level.name, "spec": level.spec.describe(), "train_bytes": cost, "fits": cost <= budget}
 
     def eval_targets(self) -> dict[str, EvalTarget]:
         full = self.levels[0]

@@ -98,6 +98,13 @@ class LevelStrategy(Strategy):
         targets["global"] = EvalTarget(self.group_of(self.levels[0]), self.global_spec(), store_bn=True)
         return targets
 
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """The level ``fix`` assignment gives a device with ``budget`` bytes, and its training memory."""
+        fitting = affordable(self.levels, budget, self.cost)
+        if not fitting:
+            return {"trains": "nothing", "smallest_level_bytes": self.cost(self.levels[-1])}
+        return {"trains": fitting[0].name, "spec": fitting[0].spec.describe(), "train_bytes": self.cost(fitting[0])}
+
     def describe(self) -> list[dict[str, Any]]:
         """Per level: name, spec, parameters, FLOPs, estimated training memory at the recipe's batch size (with the
         plan of the last round, e.g. distilling after a warm-up), and the level's own figures."""

@@ -10,6 +10,9 @@ not what FlexFL's percentages of the model size describe.
 - ``tiers-fluctuating``: the same tiers, and every round each device has r = r_M - |u|, u ~ N(0, sigma^2)
   percentage points (FlexFL: sigma^2 in {5, 8, 10}); the coordinator only learns the new figure from the
   device's next status, so the device must adapt at task time.
+- FeDepth's scenarios, a quarter of the fleet each: ``fair`` {1/6, 1/3, 1/2, 1}, ``lack`` {1/8, 1/6, 1/2, 1}
+  (the weakest quarter can train only part of the model), ``surplus`` {1/6, 1/3, 1/2, 2} (the richest can hold
+  two copies); ``fractions:A,B,...`` any such list, one equal share of the fleet per fraction.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-BUDGET_SCENARIOS = ("uniform", "tiers", "tiers-fluctuating")
+#: The named scenarios (``fractions:A,B,...`` is accepted too, see :func:`scenario_tiers`).
+BUDGET_SCENARIOS = ("uniform", "tiers", "tiers-fluctuating", "fair", "lack", "surplus")
+_FEDEPTH = {"fair": (1 / 6, 1 / 3, 1 / 2, 1.0), "lack": (1 / 8, 1 / 6, 1 / 2, 1.0),
+            "surplus": (1 / 6, 1 / 3, 1 / 2, 2.0)}
 
 
 @dataclass(frozen=True)
@@ -58,11 +64,53 @@ class DeviceBudget:
     fixed_bytes: int = 0
 
     def __call__(self, round_number: int) -> int:
-        percent = self.tier.percent
+        tier = self.tier
         if self.variance > 0:
             rng = random.Random(f"{self.seed}:{round_number}")
-            percent -= abs(rng.gauss(0.0, math.sqrt(self.variance)))
-        return self.fixed_bytes + max(1, int(self.full_model_bytes * percent / 100.0))
+            tier = Tier(tier.name, tier.share, tier.percent - abs(rng.gauss(0.0, math.sqrt(self.variance))))
+        return tier_budget(tier, self.full_model_bytes, self.fixed_bytes)
+
+
+def _fraction_name(value: float) -> str:
+    for denominator in (1, 2, 3, 4, 6, 8):
+        if abs(value * denominator - round(value * denominator)) < 1e-9:
+            numerator = round(value * denominator)
+            return f"{numerator}" if denominator == 1 else f"{numerator}/{denominator}"
+    return f"{value:g}"
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """The fractions of ``fractions:A,B,...`` (numbers or ``p/q``), each positive; ValueError otherwise."""
+    values: list[float] = []
+    for part in text.split(","):
+        try:
+            numerator, _, denominator = part.strip().partition("/")
+            value = float(numerator) / float(denominator) if denominator else float(numerator)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--budgets fractions must be positive numbers or p/q, e.g. fractions:1/6,1/3,1/2,1; "
+                             f"got {part.strip()!r}")
+        values.append(value)
+    return tuple(values)
+
+
+def scenario_tiers(scenario: str) -> list[Tier]:
+    """The tiers of a scenario (each with its share of the fleet and percentage); ValueError for an unknown one."""
+    if scenario == "uniform":
+        return [UNIFORM_TIER]
+    if scenario in ("tiers", "tiers-fluctuating"):
+        return list(DEFAULT_TIERS)
+    if scenario in _FEDEPTH or scenario.startswith("fractions:"):
+        fractions = _FEDEPTH.get(scenario) or parse_fractions(scenario.partition(":")[2])
+        return [Tier(f"r={_fraction_name(f)}", 1 / len(fractions), 100.0 * f) for f in fractions]
+    raise ValueError(f"--budgets must be one of {', '.join(BUDGET_SCENARIOS)} or fractions:A,B,..., got {scenario!r}")
+
+
+def tier_budget(tier: Tier, full_model_bytes: int, fixed_bytes: int = 0) -> int:
+    """The memory of a device of ``tier`` when the full model's model-dependent training memory is
+    ``full_model_bytes``: the fixed overhead plus the tier's percentage of it."""
+    return fixed_bytes + max(1, int(full_model_bytes * tier.percent / 100.0))
 
 
 def device_budgets(scenario: str, count: int, full_model_bytes: int, seed: int,
@@ -72,11 +120,10 @@ def device_budgets(scenario: str, count: int, full_model_bytes: int, seed: int,
     ``full_model_bytes`` is the model-dependent training memory of the full model (the 100% point),
     ``fixed_bytes`` the runtime overhead every device has on top.
     """
-    if scenario not in BUDGET_SCENARIOS:
-        raise ValueError(f"--budgets must be one of {', '.join(BUDGET_SCENARIOS)}, got {scenario!r}")
+    tiers_of_scenario = scenario_tiers(scenario)
     if variance < 0:
         raise ValueError(f"the budget variance must be non-negative, got {variance}")
-    tiers = [UNIFORM_TIER] * count if scenario == "uniform" else assign_tiers(count, DEFAULT_TIERS, seed)
+    tiers = assign_tiers(count, tiers_of_scenario, seed)
     fluctuation = variance if scenario == "tiers-fluctuating" else 0.0
     return [DeviceBudget(tier, full_model_bytes, fluctuation, seed * 100_003 + index, fixed_bytes)
             for index, tier in enumerate(tiers)]

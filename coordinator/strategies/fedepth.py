@@ -1,0 +1,68 @@
+"""FeDepth (memory-adaptive depth-wise learning): every device trains the full model, block by block, sized to
+the memory it has.
+
+Every selected device gets the whole full-size model and a ``depthwise`` adaptation: it trains the model whole
+when that fits its memory, and otherwise cuts the body into the fewest consecutive segments whose training each
+fits (memory-adaptive decomposition, decided on the device from its own calibrated estimates) and trains them one
+after another, each with the classifier head through the skip path, the blocks before it frozen (depth-wise
+sequential learning). Blocks that fit nowhere are skipped (partial training): not trained, not uploaded. A device
+that can hold more than one copy of the whole model trains up to ``fedepth.max_copies`` of them with mutual
+distillation (m-FeDepth) and uploads one. Aggregation is the sample-weighted mean of what each device trained
+(Alg. 1 line 7), masked so that skipped blocks do not dilute it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from coordinator.levels import Level
+from coordinator.registry import AgentRecord
+from coordinator.strategies.base import EvalTarget, TaskResult
+from coordinator.strategies.leveled import LevelStrategy
+from models import SubmodelSpec
+from models.depthwise import cut_segments
+from protocol import Adaptation
+
+__all__ = ["FeDepth"]
+
+
+class FeDepth(LevelStrategy):
+    """The full model for every device, trained whole or depth-wise as its memory allows (see the module)."""
+
+    name = "fedepth"
+
+    def make_levels(self) -> list[Level]:
+        return [Level("full", SubmodelSpec.full(), {})]
+
+    def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
+        return self.levels[0]  # the device decides how to fit it
+
+    def ladder(self, level: Level, round_number: int) -> Adaptation | None:
+        return Adaptation("depthwise")
+
+    def weight(self, result: TaskResult) -> float:
+        """Sample-weighted, whatever ``weighting`` says (FeDepth aggregates by the clients' data shares)."""
+        return float(max(1, result.num_samples))
+
+    def eval_targets(self) -> dict[str, EvalTarget]:
+        return {"global": EvalTarget("global", self.global_spec(), store_bn=True)}
+
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """The decomposition a device with ``budget`` bytes would train, from the coordinator's own estimates (a
+        device decides with its calibrated ones): its segments, the blocks it skips, and each segment's memory."""
+        full = self.levels[0]
+        plan = self.level_plan(full, 1)
+        whole = self.training_cost(full.spec, plan)
+        if whole <= budget:
+            return {"trains": "whole", "train_bytes": whole}
+        blocks = self.family.num_blocks
+
+        def cost(start: int, stop: int) -> float:
+            return float(self.training_cost(SubmodelSpec(segments=((start, stop),)), plan))
+
+        cut = cut_segments(cost, blocks, budget)
+        if not cut.segments:
+            return {"trains": "nothing", "smallest_block_bytes": int(min(cost(b, b + 1) for b in range(blocks)))}
+        return {"trains": "depth-wise", "segments": cut.describe(),
+                "train_bytes": [int(cost(*segment)) for segment in cut.segments]}
