@@ -422,7 +422,9 @@ def test_a_depth_wise_task_uploads_only_the_trained_blocks_and_the_head(deep_fam
         assert array.shape == task.weights[key].shape, key
         assert np.isfinite(array).all()
     assert {f"{layer}.weight" for layer in (*trained, "classifier")} <= changed(task.weights, update.weights)
-    assert set(update.metrics) == OK_METRICS
+    stage_peaks = {f"stage_peak_bytes.{i}" for i in range(len(spec.segments))}  # one measured peak per segment
+    assert set(update.metrics) == OK_METRICS | stage_peaks
+    assert all(0 < update.metrics[key] <= update.metrics["peak_bytes"] for key in stage_peaks)
     assert update.metrics["stages"] == float(len(spec.segments))
     assert update.metrics["steps"] == float(steps)
     assert update.metrics["raw_estimate_bytes"] == estimate_plan_memory(deep_family, spec, plan,

@@ -346,7 +346,7 @@ REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
     ("unknown-term-field", "task", _put("plan.loss.2.temperature", 3.0),
      ("task.plan.loss[2]: unknown field(s) 'temperature'",)),
     ("unknown-adaptation-kind", "task", _put("adaptation.kind", "shrink-depth"),
-     ("task.adaptation.kind", "unknown adaptation kind", "'shrink-depth'", "none, ladder, width-levels")),
+     ("task.adaptation.kind", "unknown adaptation kind", "'shrink-depth'", "none, ladder, depthwise, width-levels")),
     ("adaptation-kind-missing", "task", _drop("adaptation.kind"), ("task.adaptation", "missing field(s) 'kind'")),
     ("unknown-adaptation-field", "task", _put("adaptation.depths", [1]),
      ("task.adaptation: unknown field(s) 'depths'",)),
