@@ -1,9 +1,11 @@
 """Training-memory estimator against the measured peak, side by side.
 
 Run as ``.venv/bin/python benchmarks/memory.py`` (a benchmark, not a test: it prints, it never fails on a
-number). For each model family, several sub-model specs and batch sizes, a few depth-wise rows (one block
-trained, the others frozen: a spec with one segment) and a few early-exit rows (ScaleFL levels trained with
-self-distillation), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
+number). For each model family, several sub-model specs and batch sizes, depth-wise rows (FeDepth: a spec with
+segments, trained one after another with the blocks before each frozen; the measured peak is the child's
+highest stage peak, the estimate that of the costliest stage) for the CNN, PreResNet-18 and PreResNet-20, rows
+of several copies trained with mutual distillation (m-FeDepth) and a few early-exit rows (ScaleFL levels trained
+with self-distillation), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
 measured peak, their ratio and the milliseconds per training step; the last line is ``worst ratio: X`` (the
 ratio farthest from 1).
 
@@ -42,17 +44,17 @@ class Row:
     image_size: tuple[int, int]
     width: float
     batch_size: int
-    block: int | None = None  # depth-wise: train this block only
+    segments: tuple[tuple[int, int], ...] | None = None  # depth-wise: these block ranges, in order
     exits: tuple[int, ...] = ()  # early exits, trained with ScaleFL's self-distillation
     depth: int | None = None
+    copies: int = 1  # models trained side by side with mutual distillation
 
     def spec(self) -> Any:
         from models import SubmodelSpec
 
         if self.exits:
             return SubmodelSpec(width=self.width, rounding="floor", depth=self.depth, exits=self.exits)
-        segments = None if self.block is None else ((self.block, self.block + 1),)
-        return SubmodelSpec(width=self.width, segments=segments)
+        return SubmodelSpec(width=self.width, segments=self.segments)
 
     def plan(self) -> Any:
         from coordinator.strategies.scalefl import self_distillation_loss
@@ -60,19 +62,31 @@ class Row:
 
         outputs = len(self.exits) + (self.depth is None) if self.exits else 1
         loss = self_distillation_loss(outputs, beta=0.1, tau=3.0) if self.exits else (LossTerm.ce(),)
+        if self.copies > 1:
+            loss = (*loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
         return TrainingPlan(optimizer=OptimizerSettings("sgd", 0.01, 0.9, 5e-4, 1.0), epochs=1,
-                            batch_size=self.batch_size, loss=loss)
+                            batch_size=self.batch_size, loss=loss, copies=self.copies)
 
 
 def rows() -> list[Row]:
     out = [Row("cnn", 1, (28, 28), w, b) for w in (1, 0.5, 0.25, 0.125, 0.0625) for b in (10, 32, 128)]
     out += [Row("preresnet18", 3, (32, 32), w, b) for w in (1, 0.5, 0.25, 0.125) for b in (10, 32)]
     out += [
-        Row("cnn", 1, (28, 28), 1, 128, block=0),
-        Row("cnn", 1, (28, 28), 1, 32, block=2),
-        Row("preresnet18", 3, (32, 32), 1, 32, block=0),
-        Row("preresnet18", 3, (32, 32), 1, 32, block=3),
-        Row("preresnet18", 3, (32, 32), 0.5, 32, block=7),
+        Row("cnn", 1, (28, 28), 1, 128, segments=((0, 1),)),
+        Row("cnn", 1, (28, 28), 1, 32, segments=((2, 3),)),
+        Row("cnn", 1, (28, 28), 1, 32, segments=((0, 1), (1, 3))),
+        Row("preresnet18", 3, (32, 32), 1, 32, segments=((0, 1),)),
+        Row("preresnet18", 3, (32, 32), 1, 32, segments=((3, 4),)),
+        Row("preresnet18", 3, (32, 32), 0.5, 32, segments=((7, 8),)),
+        Row("preresnet18", 3, (32, 32), 1, 32, segments=((0, 2), (2, 5), (5, 8))),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 1),)),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((4, 5),)),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((8, 9),)),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 1), (1, 2), (2, 5), (5, 9))),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((3, 5), (5, 9))),
+        Row("preresnet20", 1, (28, 28), 1, 32),
+        Row("cnn", 1, (28, 28), 1, 32, copies=2),
+        Row("preresnet20", 1, (28, 28), 1, 32, copies=2),
         Row("cnn", 1, (28, 28), 0.76, 32, exits=(0, 2), depth=3),
         Row("cnn", 1, (28, 28), 1, 32, exits=(0, 2)),
         Row("resnet20", 1, (28, 28), 0.6, 32, exits=(1, 2, 4), depth=5),
@@ -82,8 +96,9 @@ def rows() -> list[Row]:
 
 def measure_with_agent(
     row: Row, device: str, steps: int, threads: int, allocator: str, state_dir: Path
-) -> tuple[int, float]:
-    """(peak bytes, seconds per step) of one training task run by the agent's ``TaskRunner``."""
+) -> dict[str, float]:
+    """The metrics of one training task run by the agent's ``TaskRunner`` (``peak_bytes``, ``seconds``,
+    ``steps``, and ``stage_peak_bytes.<i>`` for depth-wise rows)."""
     import numpy as np
     import torch
 
@@ -107,7 +122,7 @@ def measure_with_agent(
     update = runner.run(task)
     if update.status != "ok":
         raise RuntimeError(f"the agent did not train {row}: {update.status}: {update.reason}")
-    return int(update.metrics["peak_bytes"]), update.metrics["seconds"] / update.metrics["steps"]
+    return update.metrics
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from edge_agent import allocator as heap
-    from models import estimate_plan_memory, get_family
+    from models import estimate_plan_memory, estimate_training_memory, get_family
 
     allocator = heap.resolve(args.allocator)
     if allocator != args.allocator:
@@ -142,16 +157,27 @@ def main(argv: list[str] | None = None) -> None:
                 spec = row.spec()
                 estimate = estimate_plan_memory(family, spec, row.plan(), input_size=row.image_size, device=device,
                                                 allocator=allocator).total
-                measured, seconds = measure_with_agent(row, device, args.steps, args.threads, allocator,
-                                                       Path(state_dir))
+                metrics = measure_with_agent(row, device, args.steps, args.threads, allocator, Path(state_dir))
+                measured, seconds = metrics["peak_bytes"], metrics["seconds"] / metrics["steps"]
                 ratio = estimate / measured
                 if abs(ratio - 1) > abs(worst - 1):
                     worst = ratio
+                label = spec.describe() + (f" x{row.copies} copies" if row.copies > 1 else "")
                 print(
-                    f"{device:6s} {row.family:12s} {spec.describe():34s} {row.batch_size:5d} {estimate / MB:12.2f} "
+                    f"{device:6s} {row.family:12s} {label:34s} {row.batch_size:5d} {estimate / MB:12.2f} "
                     f"{measured / MB:12.2f} {ratio:6.3f} {seconds * 1000:8.0f}",
                     flush=True,
                 )
+                for index, segment in enumerate(spec.segments or ()):  # every stage of a depth-wise run
+                    if len(spec.segments) == 1:
+                        break
+                    stage = estimate_training_memory(
+                        family, spec, batch_size=row.batch_size, input_size=row.image_size, device=device,
+                        allocator=allocator, segment=segment).total
+                    stage_measured = metrics[f"stage_peak_bytes.{index}"]
+                    print(f"{'':6s} {'':12s} {'  stage ' + str(index) + ': blocks ' + str(segment):34s} "
+                          f"{'':5s} {stage / MB:12.2f} {stage_measured / MB:12.2f} {stage / stage_measured:6.3f}",
+                          flush=True)
     print(f"({len(rows()) * len(devices)} rows, allocator {allocator}, {args.steps} steps each, "
           f"{time.monotonic() - started:.0f} s)")
     print(f"worst ratio: {worst:.3f}")

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from common.mqtt_link import BrokerConfig
 from models import FAMILY_NAMES
+from protocol.plan import MAX_COPIES
 
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
@@ -103,8 +104,9 @@ class FeDepthConfig:
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
-        if self.max_copies < 1 or self.mutual_weight < 0:
-            raise ValueError("fedepth.max_copies must be at least 1 and fedepth.mutual_weight non-negative")
+        if not 1 <= self.max_copies <= MAX_COPIES or self.mutual_weight < 0:
+            raise ValueError(f"fedepth.max_copies must be between 1 and {MAX_COPIES} and fedepth.mutual_weight "
+                             "non-negative")
 
 
 @dataclass

@@ -33,14 +33,15 @@ class Option:
 
 
 def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: Adaptation | None) -> list[Option]:
-    """What the agent may train for a task, in order of preference: ``sent`` with ``plan``, then the hint's
-    candidates nested inside ``sent`` (each with its own plan, run with the task's seed).
+    """What the agent may train for a task, in order of preference: ``sent`` with ``plan``, ``sent`` with fewer
+    of the plan's copies (down to one: ``copies`` is a cap, the device takes as many as its memory holds), then
+    the hint's candidates nested inside ``sent`` (each with its own plan, run with the task's seed).
 
     Raises ``ValueError`` for a spec that is malformed or does not fit the family, or a plan that cannot run on
     its spec (:func:`models.training.check_plan`); the message names the candidate.
     """
     check_plan(family, sent, plan)
-    found = [Option(sent, plan)]
+    found = [Option(sent, replace(plan, copies=count)) for count in range(plan.copies, 0, -1)]
     if hint is None or hint.kind == "none":
         return found
     if hint.kind == "width-levels":

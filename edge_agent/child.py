@@ -40,12 +40,24 @@ import numpy as np
 import torch
 
 from edge_agent import allocator as heap
-from models import FamilyNet, MemoryEstimate, SubmodelSpec, estimate_plan_memory, get_family, train
+from edge_agent.copies import read_copies, write_copies
+from models import (
+    FamilyNet,
+    MemoryEstimate,
+    ModelFamily,
+    SubmodelSpec,
+    estimate_plan_memory,
+    get_family,
+    train,
+)
 from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode
 
 TASK_FILE = "task.msgpack"
 PLAN_FILE = "plan.json"
 UPDATE_FILE = "update.msgpack"
+#: The auxiliary copies of a plan with ``copies`` > 1 (edge_agent.copies), before and after training.
+COPIES_FILE = "copies.npz"
+TRAINED_COPIES_FILE = "copies-trained.npz"
 ERROR_FILE = "error.txt"
 #: How far the measured CPU peak of identical tasks moves between runs (the smallest ``benchmarks/memory.py``
 #: rows: about 0.3 MB between invocations; two agents of one simulation training the same sub-MB task: 0.37 and
@@ -188,12 +200,13 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     the baseline is the memory training allocates, which is what the estimate predicts. The warm-up's own peak is
     that of one training step, so it needs no more memory than the run.
     """
-    warm = build()
+    warm, others = build(), [build() for _ in range(plan.copies - 1)]
     batch = max(2, plan.batch_size)
     still = replace(plan, epochs=1, batch_size=batch, optimizer=replace(plan.optimizer, lr=0.0),
                     schedule=tuple(replace(stage, epochs=1) for stage in plan.schedule))
-    train(warm, spec, x[:batch], y[:batch], still, labels=labels, num_classes=num_classes, device=device)
-    del warm
+    train(warm, spec, x[:batch], y[:batch], still, labels=labels, num_classes=num_classes, device=device,
+          copies=others)
+    del warm, others
     gc.collect()
     if device != "cuda":
         heap.settle(allocator)
@@ -212,6 +225,18 @@ def _peak_above(device: str, baseline: int) -> int:
     if device == "cuda":
         return int(torch.cuda.max_memory_allocated() - baseline)
     return max(0, peak_rss_bytes() - baseline)
+
+
+def _load_copies(workdir: Path, family: ModelFamily, spec: SubmodelSpec, count: int) -> list[FamilyNet]:
+    """The plan's further copies (``count - 1`` models), from the weights the runner wrote."""
+    if count == 1:
+        return []
+    models = []
+    for state in read_copies(workdir / COPIES_FILE, count - 1, family.state_keys(spec)):
+        copy = family.build(spec, track_bn_stats=False)
+        copy.load_state_dict({key: torch.from_numpy(value) for key, value in state.items()}, strict=True)
+        models.append(copy)
+    return models
 
 
 def _train(workdir: Path) -> None:
@@ -238,6 +263,7 @@ def _train(workdir: Path) -> None:
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict(weights, strict=True)
     del weights
+    copies = _load_copies(workdir, family, spec, training.copies)
     peaks: list[int] = [_peak_above(device, baseline)]  # building and loading the model
 
     def on_stage(_index: int, phase: str) -> None:
@@ -248,12 +274,17 @@ def _train(workdir: Path) -> None:
             peaks.append(_peak_above(device, baseline))
 
     result = train(model, spec, x, y, training, labels=plan["labels"], num_classes=task.model.num_classes,
-                   device=device, on_stage=on_stage)
+                   device=device, on_stage=on_stage, copies=copies)
     peak = max(peaks)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
     metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
                "stages": float(result.stages), "peak_bytes": float(peak)}
+    if copies:  # the device's auxiliary copies go back to the runner, which keeps them for the next round
+        metrics["copies"] = float(training.copies)
+        write_copies(workdir / TRAINED_COPIES_FILE, [
+            {key: state[key].detach().cpu().numpy().astype(np.float32) for key in family.state_keys(spec)}
+            for state in (copy.state_dict() for copy in copies)])
     if spec.segments is not None:  # depth-wise: the peak of every stage, in order
         metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y),

@@ -23,6 +23,7 @@ from edge_agent import allocator as heap
 from edge_agent import child
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import Calibration
+from edge_agent.copies import CopyStore, read_copies, write_copies
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
 from models.depthwise import Decomposition, cut_segments
@@ -124,6 +125,7 @@ class TaskRunner:
         np.savez(self.data_path, x=data.x.numpy(), y=data.y.numpy())
         self._families: dict[tuple[str, int, int, str], ModelFamily] = {}
         self._estimates: dict[tuple[object, ...], MemoryEstimate] = {}
+        self.copies = CopyStore(self.state_dir / "copies")
         self.child_pid: int | None = None
 
     def close(self) -> None:
@@ -200,7 +202,8 @@ class TaskRunner:
         choice = choose(candidates, corrected, available)
         cut: _Cut | None = None
         if choice.option is None and task.adaptation is not None and task.adaptation.kind == "depthwise":
-            cut, option, segment_estimate = self._depthwise(task.model, family, sent, plan, available)
+            cut, option, segment_estimate = self._depthwise(task.model, family, sent, replace(plan, copies=1),
+                                                            available)
             if option is not None:
                 raw[option] = segment_estimate
                 choice = Choice(option, corrected(option), (*choice.tried, (option.describe(), corrected(option))))
@@ -209,17 +212,19 @@ class TaskRunner:
             raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried}"
                                            + (f"; no block fits alone, the smallest needs {_size(cut.smallest)}"
                                               if cut is not None else "") + ")")
-        spec = choice.option.spec
+        spec, chosen_plan = choice.option.spec, choice.option.plan
         estimate = raw[choice.option]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
                   "budget_bytes": float(available), "calibration": self.calibration.factor}
-        if spec != sent:
+        if spec == sent and chosen_plan != plan:
+            task = replace(task, recipe=None, plan=chosen_plan, adaptation=None)
+        elif spec != sent:
             try:
                 task = replace(task, spec=spec.to_dict(), recipe=None, plan=choice.option.plan, adaptation=None,
                                weights=cut_nested(task.weights, family.index_map(spec), family.state_keys(spec)))
             except ValueError as exc:
                 raise TaskRejected("failed", f"cannot adapt: {exc}") from exc
-        outcome = self._train_in_child(task, spec)
+        outcome = self._train_in_child(task, spec, chosen_plan)
         if outcome.update is None:
             if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
                 self.calibration.observe_failure(estimate.total, available, estimate.overhead)
@@ -241,6 +246,9 @@ class TaskRunner:
             update.reason = f"trained depth-wise, blocks {cut.decomposition.describe()}, to fit {_size(available)}"
         elif spec != sent:
             update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {_size(available)}"
+        elif plan.copies > 1:
+            update.reason = (f"trained {chosen_plan.copies} of up to {plan.copies} copies with mutual distillation, "
+                             f"uploaded the first, to fit {_size(available)}")
         return update
 
     def _depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan,
@@ -297,7 +305,7 @@ class TaskRunner:
                 raise TaskRejected("failed", f"tensor {key!r} has shape {tuple(array.shape)}, the spec needs "
                                              f"{shapes[key]}")
 
-    def _train_in_child(self, task: Task, spec: SubmodelSpec) -> child.ChildOutcome:
+    def _train_in_child(self, task: Task, spec: SubmodelSpec, plan: TrainingPlan) -> child.ChildOutcome:
         # Named by a digest: a task id is wire data and must never become a path ("..", say).
         workdir = self.state_dir / "tasks" / hashlib.sha256(task.task_id.encode()).hexdigest()[:24]
         shutil.rmtree(workdir, ignore_errors=True)
@@ -308,8 +316,16 @@ class TaskRunner:
                 "spec": spec.to_dict(), "device": self.device, "labels": self.data.labels,
                 "data_path": str(self.data_path), "torch_threads": self.torch_threads,
                 "allocator": self.allocator}))
+            if plan.copies > 1:  # the device's own auxiliary copies (m-FeDepth), kept between rounds
+                write_copies(workdir / child.COPIES_FILE, self.copies.load(
+                    task.model, self.family_for(task.model), spec, plan.copies - 1, plan.seed))
             timeout = max(30.0, task.deadline - time.time() + DEADLINE_GRACE_S)
-            return child.run_in_child(workdir, timeout, on_start=self._started)
+            outcome = child.run_in_child(workdir, timeout, on_start=self._started)
+            trained = workdir / child.TRAINED_COPIES_FILE
+            if plan.copies > 1 and outcome.update is not None and trained.exists():
+                self.copies.save(task.model, spec, read_copies(trained, plan.copies - 1,
+                                                               self.family_for(task.model).state_keys(spec)))
+            return outcome
         finally:
             self.child_pid = None
             shutil.rmtree(workdir, ignore_errors=True)

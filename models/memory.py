@@ -112,9 +112,10 @@ checked against a GPU here.
 
 What is traced
 --------------
-The step is the training interpreter's own (:func:`models.training.forward_loss`): the forward pass over every
+The step is the training interpreter's own (:func:`models.training.backward_step`): the forward pass over every
 output of the sub-model (early exits included) and the plan's loss terms (cross-entropy, distillation among
-exits with its softmax temporaries), then backward. Depth-wise training (a spec with segments, FeDepth) is
+exits with its softmax temporaries), then backward; a plan with several copies (m-FeDepth) runs all of them,
+their parameters and optimizer state included. Depth-wise training (a spec with segments, FeDepth) is
 traced one stage at a time through the same :class:`models.depthwise.SegmentModel` the interpreter trains:
 blocks before the segment run without autograd (frozen: no gradients, no optimizer state, nothing saved), the
 segment and its head are trained; the estimate of a run is that of its most expensive stage.
@@ -138,7 +139,7 @@ from models.conv_workspace import convolution_workspace
 from models.depthwise import SegmentModel
 from models.family import ModelFamily
 from models.spec import SubmodelSpec
-from models.training import forward_loss, stages
+from models.training import backward_step, stages
 from protocol.plan import LossTerm, TrainingPlan
 
 __all__ = [
@@ -245,10 +246,12 @@ def _trace(
     loss: tuple[LossTerm, ...],
     segment: tuple[int, int] | None,
     route: str,
+    copies: int = 1,
 ) -> _Trace:
     granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
     with torch.device("meta"):
         model = family.build(spec, track_bn_stats=False)
+        others = [family.build(spec, track_bn_stats=False).train() for _ in range(copies - 1)]
     shape = (batch_size, family.in_channels, *input_size)
     try:
         net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
@@ -257,7 +260,7 @@ def _trace(
             f"input_size {input_size} does not fit family {family.name!r}: {exc}".splitlines()[0]
         ) from None
     net.train()
-    params = list(model.parameters())
+    params = [p for m in (model, *others) for p in m.parameters()]
     tracker = _LiveBytes(granularity, convolution_workspace if device == "cpu" else None)
     tracker.ignore(params)
     marks: dict[str, int] = {}
@@ -274,9 +277,11 @@ def _trace(
             targets = torch.empty(batch_size, dtype=torch.long, device="meta")
             mask = torch.ones(family.num_classes, dtype=torch.bool, device="meta")
             batch = tracker.live
-            value = forward_loss(net, inputs, targets, loss, mask)
-            activations = tracker.live
-            value.backward()
+            def forwarded() -> None:  # the most alive at the end of a forward pass (of any copy)
+                marks["activations"] = max(marks.get("activations", 0), tracker.live)
+
+            value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded)
+            activations = marks["activations"]
             after_backward = tracker.live
             del value, inputs, targets, mask
     except RuntimeError as exc:
@@ -383,6 +388,7 @@ def estimate_training_memory(
     loss: Sequence[LossTerm] = _CE,
     segment: tuple[int, int] | None = None,
     route: str = "skip",
+    copies: int = 1,
 ) -> MemoryEstimate:
     """Estimate the peak memory of training ``family`` at ``spec`` (see the module docstring).
 
@@ -407,6 +413,9 @@ def estimate_training_memory(
         ``None``: the whole sub-model is trained (or, when ``spec`` has segments, every stage is traced through
         the skip path and the most expensive counts). A block range ``(start, stop)``: depth-wise training of
         those blocks and a head, reached through ``route`` (:class:`models.depthwise.SegmentModel`).
+    copies:
+        Models of ``spec`` trained side by side on every batch (m-FeDepth's mutual distillation): all their
+        parameters, gradients, optimizer state and activations count. Only with the whole sub-model.
 
     Results are cached per family and arguments. The first call in a process takes about a second (torch loads
     its meta kernels, see the module docstring for the memory this costs); later ones take about 40 ms for the
@@ -424,19 +433,22 @@ def estimate_training_memory(
     if not terms or not all(isinstance(term, LossTerm) for term in terms):
         raise ValueError("loss must be a non-empty sequence of protocol.LossTerm.")
     segment = _check_segment(segment)
+    copies = check_positive_int("copies", copies)
+    if copies > 1 and (segment is not None or spec.segments is not None):
+        raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
     if segment is None and spec.segments is not None:
         estimates = [estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
                                               optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
                                               loss=terms, segment=seg, route="skip") for seg in spec.segments]
         return max(estimates, key=lambda e: e.total)
     key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
-           route)
+           route, copies)
     with _lock:
         cached = _cache.get(family, {}).get(key)
     if isinstance(cached, MemoryEstimate):
         return cached
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
-        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route)
+        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies)
     gradients = sum(trace.trainable)
     state = optimizer_slots * gradients
     step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)
@@ -479,7 +491,7 @@ def estimate_plan_memory(
     estimates = [
         estimate_training_memory(family, spec, batch_size=plan.batch_size, input_size=input_size,
                                  optimizer_slots=slots, device=device, allocator=allocator, loss=plan.loss,
-                                 segment=segment, route=stage.route)
+                                 segment=segment, route=stage.route, copies=plan.copies)
         for segment, stage in stages(spec, plan)
     ]
     return max(estimates, key=lambda e: e.total)

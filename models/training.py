@@ -8,6 +8,14 @@ A run is a sequence of stages: one stage training the whole sub-model for ``plan
 spec with segments, one per segment in order (:class:`models.depthwise.SegmentModel`), each for its
 ``plan.schedule`` entry's epochs. Every stage makes its own SGD optimizer over the parameters it trains, so
 momentum does not leak from one segment into the next, and starts from the weights the previous stage left.
+
+A plan with ``copies`` M > 1 trains M models of the spec side by side (whole, never depth-wise). Every batch
+first runs through the other copies without autograd (their predictions before this step), then each copy in
+turn runs forward and backward on its own loss: the plan's terms on its outputs, ``mutual_kd`` terms towards
+the others' predictions as fixed targets (deep mutual learning). One optimizer step follows, so each copy steps
+on the gradient of its own loss at the plan's learning rate, and only one copy's activations are alive at a
+time: M copies cost M times the parameters, gradients and optimizer state, not M times the activations. The
+loss reported is the mean over the copies (m-FeDepth's objective).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from models.net import FamilyNet
 from models.spec import SubmodelSpec
 from protocol.plan import LossTerm, Stage, TrainingPlan
 
-__all__ = ["TrainResult", "check_plan", "forward_loss", "label_mask", "loss_of", "masked_cross_entropy", "stages", "train"]
+__all__ = ["TrainResult", "backward_step", "check_plan", "forward_loss", "label_mask", "loss_of", "masked_cross_entropy", "stages", "train"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +67,19 @@ def _output(outputs: Sequence[torch.Tensor], index: int) -> torch.Tensor:
     return outputs[index]
 
 
+def _kl(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tensor:
+    """``tau^2 * KL(softmax(teacher / tau) || softmax(student / tau))``, averaged over the batch."""
+    return F.kl_div(F.log_softmax(student / tau, dim=1), F.log_softmax(teacher / tau, dim=1),
+                    reduction="batchmean", log_target=True) * (tau * tau)
+
+
 def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Sequence[LossTerm],
-            mask: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, peers: Sequence[Sequence[torch.Tensor]] = ()) -> torch.Tensor:
     """The weighted sum of ``terms`` over the model's ``outputs`` (see :mod:`protocol.plan` for each kind).
 
     ``kd`` is ``tau^2 * KL(softmax(t / tau) || softmax(s / tau))`` averaged over the batch (ScaleFL Eq. 5's
-    ``L_KL(y_s, y_t)``); ``mask`` is the local label set, needed by masked cross-entropy terms.
+    ``L_KL(y_s, y_t)``); ``mask`` is the local label set, needed by masked cross-entropy terms; ``peers`` are
+    the outputs of the other copies, the fixed targets of ``mutual_kd`` terms (0 without peers).
     """
     total: torch.Tensor | None = None
     for term in terms:
@@ -81,9 +96,14 @@ def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Seque
             student, teacher = _output(outputs, term.output), _output(outputs, term.teacher)
             if term.detach_teacher:
                 teacher = teacher.detach()
-            tau = term.tau
-            value = F.kl_div(F.log_softmax(student / tau, dim=1), F.log_softmax(teacher / tau, dim=1),
-                             reduction="batchmean", log_target=True) * (tau * tau)
+            value = _kl(student, teacher, term.tau)
+        elif term.kind == "mutual_kd":
+            assert term.tau is not None
+            own = _output(outputs, term.output)
+            if not peers:
+                continue
+            value = sum((_kl(own, _output(peer, term.output).detach(), term.tau) for peer in peers),
+                        own.new_zeros(())) / len(peers)
         else:
             raise ValueError(f"unknown loss term kind {term.kind!r}.")
         weighted = value * term.weight
@@ -96,9 +116,41 @@ def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Seque
 def forward_loss(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass of ``net`` (a :class:`FamilyNet` or :class:`SegmentModel`) over every output the model
-    has, and the plan's loss: the part of a training step the estimator traces too."""
+    has, and the plan's loss."""
     outputs = net.forward_exits(inputs)  # type: ignore[operator]
     return loss_of(outputs, targets, terms, mask)
+
+
+def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
+                  mask: torch.Tensor | None = None, copies: Sequence[nn.Module] = (),
+                  after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward of one batch, gradients accumulated, no optimizer step: the part of a training step
+    the estimator traces too (``after_forward`` is called after every forward pass, before its backward).
+
+    With further ``copies`` of the model, each copy's loss is taken towards the others' predictions (see the
+    module docstring); the result is the detached sum of the losses (the caller checks it is finite before it
+    steps).
+    """
+    models = [net, *copies]
+    fixed: list[Sequence[torch.Tensor]] = [()]
+    if copies:
+        with torch.no_grad():  # the other copies' predictions before this step
+            fixed += [copy.forward_exits(inputs) for copy in copies]  # type: ignore[operator]
+    total: torch.Tensor | None = None
+    for index, model in enumerate(models):
+        outputs = model.forward_exits(inputs)  # type: ignore[operator]
+        peers = [fixed[j] for j in range(len(models)) if j != index]
+        loss = loss_of(outputs, targets, terms, mask, peers)
+        if copies:  # this copy's prediction, a fixed target for the copies after it
+            fixed[index] = [output.detach() for output in outputs]
+        del outputs  # what backward needs the graph keeps; the rest goes before backward runs
+        if after_forward is not None:
+            after_forward()
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
+    assert total is not None
+    return total
 
 
 def stages(spec: SubmodelSpec, plan: TrainingPlan) -> list[tuple[tuple[int, int] | None, Stage]]:
@@ -121,6 +173,8 @@ def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> N
     """Raise ``ValueError`` (one sentence) unless ``plan`` can run on ``spec``: its schedule fits the spec's
     segments, and its loss reads only outputs the model has in every stage (a depth-wise stage has one)."""
     outputs = family.num_outputs(spec)
+    if plan.copies > 1 and spec.segments is not None:
+        raise ValueError(f"the plan trains {plan.copies} copies, which only a spec trained whole can do.")
     for segment, _ in stages(spec, plan):
         available = outputs if segment is None else 1
         if plan.outputs_needed() > available:
@@ -130,12 +184,15 @@ def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> N
 
 def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor, plan: TrainingPlan, *,
           labels: Sequence[int], num_classes: int, device: torch.device | str = "cpu",
-          on_stage: Callable[[int, str], None] | None = None) -> TrainResult:
+          on_stage: Callable[[int, str], None] | None = None, copies: Sequence[FamilyNet] = ()) -> TrainResult:
     """Run ``plan`` on ``model`` (built from ``spec``) over the local data, in train mode (static BN).
 
     ``on_stage(index, "start" | "end")`` is called around every stage (the training child measures each stage's
-    peak with it).
+    peak with it). ``copies`` are the plan's further copies (``plan.copies - 1`` models of ``spec``), trained
+    alongside ``model`` and left trained in place.
     """
+    if len(copies) != plan.copies - 1:
+        raise ValueError(f"the plan trains {plan.copies} copies, {len(copies) + 1} model(s) were given")
     if len(x) == 0:
         raise ValueError("no local training data")
     if plan.batch_size < 2:
@@ -143,6 +200,8 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
     started = time.monotonic()
     generator = torch.Generator().manual_seed(plan.seed)
     model.to(device).train()
+    for copy in copies:
+        copy.to(device).train()
     mask = label_mask(labels, num_classes).to(device)
     settings = plan.optimizer
     total_loss, steps, seen = 0.0, 0, 0
@@ -152,7 +211,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
             on_stage(index, "start")
         net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route)
         try:
-            params = [p for p in model.parameters() if p.requires_grad]
+            params = [p for m in (model, *copies) for p in m.parameters() if p.requires_grad]
             optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
                                         weight_decay=settings.weight_decay)
             for _ in range(stage.epochs):
@@ -163,20 +222,20 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                         continue  # a last batch of one sample: batch-statistics BN cannot normalise it
                     inputs, targets = x[batch].to(device), y[batch].to(device)
                     optimizer.zero_grad(set_to_none=True)
-                    loss = forward_loss(net, inputs, targets, plan.loss, mask)
+                    loss = backward_step(net, inputs, targets, plan.loss, mask, copies)
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {steps}")
-                    loss.backward()
                     if settings.clip_norm is not None:
                         nn.utils.clip_grad_norm_(params, settings.clip_norm)
                     optimizer.step()
-                    total_loss += loss.item() * len(batch)
+                    total_loss += loss.item() / plan.copies * len(batch)
                     seen += len(batch)
                     steps += 1
         finally:
             # The stage's gradients and optimizer state go with it: the next stage freezes these parameters.
-            for p in model.parameters():
-                p.grad = None
+            for m in (model, *copies):
+                for p in m.parameters():
+                    p.grad = None
             if isinstance(net, SegmentModel):
                 net.release()
         if on_stage is not None:

@@ -8,9 +8,13 @@ import numpy as np
 
 
 def plain(value: object) -> object:
-    """Dataclasses to maps, tuples to lists, numpy scalars and arrays to Python values."""
+    """Dataclasses to maps (without the fields named in their ``OMITTED_AT_DEFAULT`` that hold their default),
+    tuples to lists, numpy scalars and arrays to Python values."""
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+        # Fields added after a message's first version stay off the wire at their default (older readers).
+        omit = getattr(value, "OMITTED_AT_DEFAULT", ())
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)
+                if f.name not in omit or getattr(value, f.name) != f.default}
     if isinstance(value, dict):
         return {key: plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

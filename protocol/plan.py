@@ -11,10 +11,17 @@ Loss term kinds (``LOSS_KINDS``):
 - ``"kd"``: self-distillation between two outputs, ``weight * tau^2 * KL(softmax(t / tau) || softmax(s / tau))``
   averaged over the batch, with ``s = outputs[output]`` the student and ``t = outputs[teacher]`` the teacher
   (ScaleFL Eq. 5); ``detach_teacher`` stops the gradient through the teacher.
+- ``"mutual_kd"``: mutual distillation among the plan's ``copies`` (m-FeDepth, after Zhang et al. 2018's deep
+  mutual learning): every copy adds ``weight * tau^2 * mean_{other copies} KL(softmax(h' / tau) || softmax(h /
+  tau))`` of its output ``output`` to its own loss, the other copies' predictions taken as fixed targets. With
+  one copy the term is 0.
 
-Further kinds (distillation from nested sub-models, mutual distillation among copies) are added here with a
-version bump; an agent that meets a kind, field or version it does not know rejects the task with one
-:class:`~protocol.ProtocolError` that names it.
+``copies`` (default 1) is how many models of the spec the agent trains side by side on the same batches: the
+first starts from the task's weights and is the one uploaded, the others are the device's own auxiliary models,
+kept between rounds and never sent. It is written on the wire only when above 1, so that agents that predate it
+still read every other plan. Further kinds (e.g. distillation from nested sub-models) are added here; the
+version is bumped only when the meaning of something already on the wire changes. An agent that meets a kind,
+field or version it does not know rejects the task with one :class:`~protocol.ProtocolError` that names it.
 
 The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate plans carry a
 :class:`~protocol.Recipe` instead; :meth:`TrainingPlan.from_recipe` gives the plan that recipe always meant.
@@ -23,6 +30,7 @@ The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from protocol._ids import shown
 from protocol._plain import plain
@@ -32,6 +40,7 @@ from protocol.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
     "LOSS_KINDS",
+    "MAX_COPIES",
     "PLAN_VERSION",
     "ROUTES",
     "LossTerm",
@@ -43,13 +52,14 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-LOSS_KINDS: tuple[str, ...] = ("ce", "kd")
+LOSS_KINDS: tuple[str, ...] = ("ce", "kd", "mutual_kd")
 OPTIMIZERS: tuple[str, ...] = ("sgd",)
 #: How a depth-wise stage's output reaches a classifier: FeDepth's skip connection to the final head
 #: (spatial subsampling, zero-padded channels) or the early exit after the stage's last block.
 ROUTES: tuple[str, ...] = ("skip", "exit")
 MAX_LOSS_TERMS = 64
 MAX_STAGES = 1024
+MAX_COPIES = 8
 
 
 @dataclass
@@ -100,6 +110,11 @@ class LossTerm:
         """Self-distillation of output ``student`` towards output ``teacher``."""
         return cls("kd", weight=weight, output=student, teacher=teacher, tau=tau, detach_teacher=detach_teacher)
 
+    @classmethod
+    def mutual_kd(cls, *, weight: float = 1.0, tau: float = 1.0, output: int = -1) -> LossTerm:
+        """Mutual distillation of output ``output`` among the plan's copies."""
+        return cls("mutual_kd", weight=weight, output=output, tau=tau)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -124,6 +139,10 @@ class TrainingPlan:
     loss: tuple[LossTerm, ...] = (LossTerm("ce"),)
     schedule: tuple[Stage, ...] = ()
     version: int = PLAN_VERSION
+    copies: int = 1
+
+    #: Written only when not at their default, so that agents that predate them still read the plan.
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("copies",)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> TrainingPlan:
@@ -194,6 +213,9 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
         raise ProtocolError(f"{where}: a 'kd' term needs 'teacher' and 'tau' and cannot be 'masked'")
     if kind == "ce" and (term.teacher is not None or term.tau is not None or term.detach_teacher):
         raise ProtocolError(f"{where}: a 'ce' term takes no 'teacher', 'tau' or 'detach_teacher'")
+    if kind == "mutual_kd" and (term.tau is None or term.teacher is not None or term.masked or term.detach_teacher):
+        raise ProtocolError(f"{where}: a 'mutual_kd' term needs 'tau' and takes no 'teacher', 'masked' or "
+                            "'detach_teacher' (the other copies are the teachers, always detached)")
     return term
 
 
@@ -217,7 +239,7 @@ def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
         if type(version) is not int or version != PLAN_VERSION:
             raise ProtocolError(f"{where}.version: the training plan is version {shown(version)}, this side "
                                 f"runs version {PLAN_VERSION}: upgrade the older side")
-    r = FieldReader(obj, where, limits, TrainingPlan)
+    r = FieldReader(obj, where, limits, TrainingPlan, optional=("copies",))
     terms = _read_list(r.raw("loss"), r.label("loss"), MAX_LOSS_TERMS)
     if not terms:
         raise ProtocolError(f"{r.label('loss')} must hold at least one term")
@@ -230,4 +252,12 @@ def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
         loss=tuple(_read_loss_term(term, f"{r.label('loss')}[{i}]", limits) for i, term in enumerate(terms)),
         schedule=tuple(_read_stage(stage, f"{r.label('schedule')}[{i}]", limits) for i, stage in enumerate(stages)),
         version=PLAN_VERSION,
+        copies=_read_copies(r),
     )
+
+
+def _read_copies(r: FieldReader) -> int:
+    copies = r.opt_integer("copies", minimum=1)
+    if copies is not None and copies > MAX_COPIES:
+        raise ProtocolError(f"{r.label('copies')} is {copies}, more than the limit of {MAX_COPIES}")
+    return 1 if copies is None else copies

@@ -14,6 +14,7 @@ distillation (m-FeDepth) and uploads one. Aggregation is the sample-weighted mea
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 from coordinator.levels import Level
@@ -22,7 +23,7 @@ from coordinator.strategies.base import EvalTarget, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
 from models.depthwise import cut_segments
-from protocol import Adaptation
+from protocol import Adaptation, LossTerm, TrainingPlan
 
 __all__ = ["FeDepth"]
 
@@ -41,6 +42,21 @@ class FeDepth(LevelStrategy):
     def ladder(self, level: Level, round_number: int) -> Adaptation | None:
         return Adaptation("depthwise")
 
+    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
+        """The full model trained once (one copy): what budgets are fractions of."""
+        spec, plan = super().largest_task()
+        return spec, replace(plan, copies=1)
+
+    def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
+        """The recipe's plan, with up to ``fedepth.max_copies`` copies and their mutual distillation term (a
+        device trains as many copies as its memory holds, one when it trains depth-wise)."""
+        plan = super().level_plan(level, round_number)
+        settings = self.config.fedepth
+        if settings.max_copies == 1:
+            return plan
+        mutual = LossTerm.mutual_kd(weight=settings.mutual_weight, tau=1.0)
+        return replace(plan, loss=(*plan.loss, mutual), copies=settings.max_copies)
+
     def weight(self, result: TaskResult) -> float:
         """Sample-weighted, whatever ``weighting`` says (FeDepth aggregates by the clients' data shares)."""
         return float(max(1, result.num_samples))
@@ -52,7 +68,12 @@ class FeDepth(LevelStrategy):
         """The decomposition a device with ``budget`` bytes would train, from the coordinator's own estimates (a
         device decides with its calibrated ones): its segments, the blocks it skips, and each segment's memory."""
         full = self.levels[0]
-        plan = self.level_plan(full, 1)
+        capped = self.level_plan(full, 1)
+        for copies in range(capped.copies, 1, -1):
+            train_bytes = self.training_cost(full.spec, replace(capped, copies=copies))
+            if train_bytes <= budget:
+                return {"trains": f"whole, {copies} copies", "train_bytes": train_bytes}
+        plan = replace(capped, copies=1)
         whole = self.training_cost(full.spec, plan)
         if whole <= budget:
             return {"trains": "whole", "train_bytes": whole}

@@ -298,9 +298,9 @@ def test_runner_trains_the_first_scalefl_candidate_that_fits(deep_family, deep_r
     trained_tasks = []
     train_in_child = runner._train_in_child
 
-    def recording(task, spec):
+    def recording(task, spec, plan):
         trained_tasks.append((task, spec))
-        return train_in_child(task, spec)
+        return train_in_child(task, spec, plan)
 
     monkeypatch.setattr(runner, "_train_in_child", recording)
     update = runner.run(task)

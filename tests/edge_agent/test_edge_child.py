@@ -250,7 +250,7 @@ def test_warm_up_runs_every_stage_of_the_plan_once_at_learning_rate_zero(monkeyp
     assert still.epochs == 1 and still.batch_size == 4
     assert still.schedule == (Stage(epochs=1, route="exit"), Stage(epochs=1, route="skip"))  # every stage, once
     assert still.loss == plan.loss and still.seed == plan.seed  # the same loss terms: the same code is mapped
-    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu"}
+    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu", "copies": []}
 
 
 def test_warm_up_takes_two_samples_at_least_and_really_runs(monkeypatch):

@@ -416,3 +416,19 @@ def test_plan_memory_takes_each_stages_route() -> None:
         estimate_plan_memory(family, spec, TrainingPlan(schedule=(Stage(),)), input_size=size)
     with pytest.raises(ValueError, match="whole model at once"):
         estimate_plan_memory(family, SubmodelSpec(), TrainingPlan(schedule=(Stage(),)), input_size=size)
+
+
+def test_copies_add_their_parameters_gradients_and_state_but_not_their_activations() -> None:
+    family = get_family("cnn", 10, 1, hidden=(8, 16))
+    mutual = (LossTerm.ce(), LossTerm.mutual_kd(weight=1.0, tau=1.0))
+    one = estimate_training_memory(family, batch_size=32, input_size=(16, 16), loss=mutual)
+    two = estimate_training_memory(family, batch_size=32, input_size=(16, 16), loss=mutual, copies=2)
+    assert two.parameters == 2 * one.parameters and two.gradients == 2 * one.gradients
+    assert two.optimizer_state == 2 * one.optimizer_state
+    # One copy's activations are alive at a time (plus the others' predictions): far below twice one copy's.
+    assert one.activations <= two.activations < 1.5 * one.activations
+    assert two.total < 2 * one.total
+    with pytest.raises(ValueError, match="copies are trained whole"):
+        estimate_training_memory(family, SubmodelSpec(segments=((0, 1),)), batch_size=8, copies=2)
+    with pytest.raises(ValueError, match="copies"):
+        estimate_training_memory(family, batch_size=8, copies=0)

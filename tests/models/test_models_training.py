@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import pytest
@@ -11,7 +12,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, TrainResult, get_family
-from models.training import check_plan, forward_loss, label_mask, loss_of, masked_cross_entropy, stages, train
+from models.training import (
+    backward_step,
+    check_plan,
+    forward_loss,
+    label_mask,
+    loss_of,
+    masked_cross_entropy,
+    stages,
+    train,
+)
 from protocol.plan import LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
 
 Case = tuple[ModelFamily, tuple[int, int]]
@@ -498,3 +508,79 @@ def test_train_takes_the_plans_optimizer_settings(monkeypatch: pytest.MonkeyPatc
     x, y = separable_data(8)
     train(tiny_model(), FULL, x, y, plan(lr=0.03, momentum=0.5, weight_decay=1e-3), labels=[0, 1], num_classes=2)
     assert seen == [{"lr": 0.03, "momentum": 0.5, "weight_decay": 1e-3}]
+
+
+# ------------------------------------------------------------------------------------- copies (m-FeDepth)
+MUTUAL = (LossTerm.ce(), LossTerm.mutual_kd(weight=1.0, tau=2.0))
+
+
+def test_mutual_kd_by_hand_and_zero_without_peers() -> None:
+    torch.manual_seed(0)
+    own, peer_a, peer_b = (torch.randn(4, 3) for _ in range(3))
+    targets = torch.tensor([0, 1, 2, 0])
+    terms = (LossTerm.mutual_kd(weight=0.5, tau=2.0),)
+
+    def kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        p = F.softmax(teacher / 2.0, dim=1)
+        return (p * (p.log() - F.log_softmax(student / 2.0, dim=1))).sum(dim=1).mean() * 4.0
+
+    expected = 0.5 * (kl(own, peer_a) + kl(own, peer_b)) / 2
+    assert torch.allclose(loss_of([own], targets, terms, peers=[[peer_a], [peer_b]]), expected)
+    both = loss_of([own], targets, (LossTerm.ce(), *terms), peers=[[peer_a]])
+    assert torch.allclose(both, F.cross_entropy(own, targets) + 0.5 * kl(own, peer_a))
+    assert torch.allclose(loss_of([own], targets, (LossTerm.ce(), *terms)), F.cross_entropy(own, targets))
+
+
+def test_backward_step_gives_each_copy_the_gradient_of_its_own_loss() -> None:
+    x, y = separable_data(8)
+    models = [tiny_model() for _ in range(3)]
+    for index, model in enumerate(models):  # three different copies
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * index)
+        model.train()
+    total = backward_step(models[0], x, y, MUTUAL, copies=models[1:])
+    with torch.no_grad():
+        outputs = [m(x) for m in models]
+    for index, model in enumerate(models):
+        reference = tiny_model()
+        reference.load_state_dict(model.state_dict())
+        reference.train()
+        peers = [[o] for j, o in enumerate(outputs) if j != index]
+        own_loss = loss_of([reference(x)], y, MUTUAL, peers=peers)
+        own_loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), (index, name)
+    expected = sum(loss_of([o], y, MUTUAL, peers=[[p] for j, p in enumerate(outputs) if j != i])
+                   for i, o in enumerate(outputs))
+    assert torch.allclose(total, expected, atol=1e-6)
+
+
+def test_train_with_copies_trains_all_of_them_and_reports_the_mean_loss() -> None:
+    x, y = separable_data()
+    model, others = tiny_model(), [tiny_model(), tiny_model()]
+    with torch.no_grad():
+        for index, other in enumerate(others, 1):
+            for p in other.parameters():
+                p.add_(0.05 * index)
+    before = [_snapshot(m) for m in (model, *others)]
+    mutual = replace(plan(epochs=3, lr=0.1, loss=MUTUAL), copies=3)
+    result = train(model, FULL, x, y, mutual, labels=[0, 1], num_classes=2, copies=others)
+    for m, snapshot in zip((model, *others), before):
+        assert any(not torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
+        assert all(p.grad is None for p in m.parameters())
+    assert math.isfinite(result.loss) and result.steps == 3 * 4
+    # Against one copy alone, the mutual term changes what the first copy learns.
+    alone = tiny_model()
+    train(alone, FULL, x, y, plan(epochs=3, lr=0.1, loss=MUTUAL), labels=[0, 1], num_classes=2)
+    assert any(not torch.equal(v, alone.state_dict()[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="the plan trains 3 copies, 1 model"):
+        train(tiny_model(), FULL, x, y, mutual, labels=[0, 1], num_classes=2)
+
+
+def test_copies_are_trained_whole_only() -> None:
+    family = get_family("cnn", 2, 1, hidden=(4, 8))
+    mutual = replace(plan(loss=MUTUAL), copies=2)
+    check_plan(family, FULL, mutual)
+    with pytest.raises(ValueError, match="only a spec trained whole"):
+        check_plan(family, SubmodelSpec(segments=((0, 1), (1, 2))), mutual)

@@ -158,7 +158,7 @@ def test_plan_field_names_are_the_contract() -> None:
     def names(cls: type) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version"]
+    assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies"]
     assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
     assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher"]
     assert names(Stage) == ["epochs", "route"]
@@ -311,13 +311,16 @@ def _put(path: str, value: object) -> MutateWire:
 
 REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
     # (id, sample, mutation of its wire map, texts the one reason must hold)
-    ("mutual-kd", "task", _put("plan.loss.1.kind", "mutual_kd"),
-     ("task.plan.loss[1].kind", "unknown loss term kind", "'mutual_kd'", "ce, kd")),
+    ("nested-kd", "task", _put("plan.loss.1.kind", "nested_kd"),
+     ("task.plan.loss[1].kind", "unknown loss term kind", "'nested_kd'", "ce, kd, mutual_kd")),
+    ("nested-kd-new-fields", "task",
+     lambda w: w["plan"]["loss"].append({"kind": "nested_kd", "weight": 0.5, "peers": [1, 2], "tau": 2.0}),
+     ("task.plan.loss[3].kind", "unknown loss term kind", "'nested_kd'")),
+    ("nested-kd-in-candidate", "task", _put("adaptation.candidates.1.plan.loss.0.kind", "nested_kd"),
+     ("task.adaptation.candidates[1].plan.loss[0].kind", "'nested_kd'")),
     ("mutual-kd-new-fields", "task",
-     lambda w: w["plan"]["loss"].append({"kind": "mutual_kd", "weight": 0.5, "peers": [1, 2], "tau": 2.0}),
-     ("task.plan.loss[3].kind", "unknown loss term kind", "'mutual_kd'")),
-    ("mutual-kd-in-candidate", "task", _put("adaptation.candidates.1.plan.loss.0.kind", "mutual_kd"),
-     ("task.adaptation.candidates[1].plan.loss[0].kind", "'mutual_kd'")),
+     lambda w: w["plan"]["loss"].append({**LossTerm.mutual_kd().__dict__, "peers": [1, 2]}),
+     ("task.plan.loss[3]", "unknown field(s) 'peers'")),
     ("loss-kind-null", "task", _put("plan.loss.0.kind", None), ("task.plan.loss[0].kind", "unknown loss term")),
     ("loss-kind-not-text", "task", _put("plan.loss.0.kind", ["ce"]), ("task.plan.loss[0].kind",)),
     ("kd-without-teacher", "task", _put("plan.loss.2.teacher", None),
@@ -381,6 +384,13 @@ REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
     ("optimizer-adam", "task", _put("plan.optimizer.kind", "adam"), ("task.plan.optimizer.kind", "'adam'")),
     ("route-unknown", "task", _put("plan.schedule.0.route", "teleport"), ("task.plan.schedule[0].route",)),
     ("no-loss-terms", "task", _put("plan.loss", []), ("task.plan.loss must hold at least one term",)),
+    ("copies-0", "task", _put("plan.copies", 0), ("task.plan.copies must be >= 1",)),
+    ("copies-above-limit", "task", _put("plan.copies", 9), ("task.plan.copies is 9, more than the limit of 8",)),
+    ("copies-text", "task", _put("plan.copies", "2"), ("task.plan.copies",)),
+    ("mutual-kd-without-tau", "task", _put("plan.loss.0", {**LossTerm.mutual_kd().__dict__, "tau": None}),
+     ("task.plan.loss[0]", "'mutual_kd' term needs 'tau'")),
+    ("mutual-kd-with-teacher", "task", _put("plan.loss.0", {**LossTerm.mutual_kd().__dict__, "teacher": -1}),
+     ("task.plan.loss[0]", "'mutual_kd' term", "no 'teacher'")),
 ]
 
 
@@ -419,7 +429,7 @@ def test_old_task_rejections(old_task_wire: dict[str, Any]) -> None:
     [
         (lambda p: p.__setitem__("version", 2), ("plan.version", "version int 2")),
         (lambda p: p.__setitem__("extra", 1), ("plan: unknown field(s) 'extra'",)),
-        (lambda p: p["loss"][0].__setitem__("kind", "mutual_kd"), ("plan.loss[0].kind", "'mutual_kd'")),
+        (lambda p: p["loss"][0].__setitem__("kind", "nested_kd"), ("plan.loss[0].kind", "'nested_kd'")),
         (lambda p: p["loss"][0].__setitem__("kind", {"nested": "map"}), ("plan.loss[0].kind",)),
         (lambda p: p.__setitem__("batch_size", 1), ("plan.batch_size must be >= 2",)),
         (lambda p: p["optimizer"].__setitem__("lr", math.inf), ("plan.optimizer.lr must be finite",)),
@@ -456,7 +466,9 @@ def test_from_dict_applies_limits() -> None:
 def _wire_value(value: object) -> object:
     """Message values as msgpack primitives, written independently of the codec (and without its checks)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        # A plan's copies stay off the wire at 1 (see test_copies_stay_off_the_wire_at_their_default...).
+        return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (isinstance(value, TrainingPlan) and f.name == "copies" and value.copies == 1)}
     if isinstance(value, dict):
         return {key: _wire_value(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -505,7 +517,9 @@ def _without_plan(task: Task) -> None:
 
 
 ENCODE_REFUSALS: list[tuple[str, Callable[[Task], None], str]] = [
-    ("mutual-kd", _with_term(LossTerm("mutual_kd")), "task.plan.loss[3].kind"),
+    ("nested-kd", _with_term(LossTerm("nested_kd")), "task.plan.loss[3].kind"),
+    ("mutual-kd-without-tau", _with_term(LossTerm("mutual_kd")), "'mutual_kd' term needs 'tau'"),
+    ("copies-9", _with_plan(copies=9), "task.plan.copies is 9"),
     ("kd-without-teacher", _with_term(LossTerm("kd", tau=2.0)), "'kd' term needs"),
     ("kd-without-tau", _with_term(LossTerm("kd", output=-2, teacher=-1)), "'kd' term needs"),
     ("ce-with-teacher", _with_term(LossTerm("ce", teacher=-2)), "'ce' term takes no"),
@@ -669,3 +683,21 @@ def test_plan_from_dict_fuzz_only_ever_raises_protocol_error() -> None:
             continue
         assert TrainingPlan.from_dict(plan.to_dict()) == plan
 
+
+
+def test_copies_stay_off_the_wire_at_their_default_and_round_trip_above_it() -> None:
+    # An agent that predates copies reads every plan that trains one (the field is not written).
+    assert "copies" not in TrainingPlan().to_dict()
+    plan = TrainingPlan(loss=(LossTerm.ce(), LossTerm.mutual_kd(weight=0.5, tau=2.0)), copies=3)
+    wire = plan.to_dict()
+    assert wire["copies"] == 3
+    assert wire["loss"][1] == {"kind": "mutual_kd", "weight": 0.5, "output": -1, "masked": False, "teacher": None,
+                               "tau": 2.0, "detach_teacher": False}
+    assert TrainingPlan.from_dict(wire) == plan
+    assert TrainingPlan.from_dict(TrainingPlan().to_dict()).copies == 1
+
+
+def test_a_task_of_one_copy_plans_carries_no_copies_field(messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])  # its plan and its ladder candidates' plans train one copy
+    assert "copies" not in wire["plan"]
+    assert all("copies" not in candidate["plan"] for candidate in wire["adaptation"]["candidates"])

@@ -1,0 +1,85 @@
+"""FeDepth's server half: the full model for every device, copies up to the cap, masked sample-weighted mean,
+and what a budget would train (the cut from per-block costs)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig, FeDepthConfig, ModelConfig
+from coordinator.strategies import TaskPlan, TaskResult, make_strategy
+from coordinator.strategies.base import base_plan
+from models import SubmodelSpec
+from protocol import Adaptation, LossTerm, TrainingPlan
+
+
+def fedepth(make_context, cost=None, **settings: object):
+    cfg = CoordinatorConfig(model=ModelConfig(family="cnn", options={"hidden": [4, 8, 8]}), rounds=3,
+                            algorithm="fedepth", fedepth=FeDepthConfig(**settings))  # type: ignore[arg-type]
+    return make_strategy("fedepth", make_context(cfg, cost=cost) if cost else make_context(cfg))
+
+
+def test_every_device_gets_the_full_model_to_train_whole_or_depth_wise(make_context, make_agent):
+    strategy = fedepth(make_context)
+    agents = [make_agent("poor", 1), make_agent("rich", 10**9), make_agent("unknown", None)]
+    plan = strategy.configure_round(1, agents, random.Random(0))
+    assert plan.skipped == [] and [t.agent_id for t in plan.tasks] == ["poor", "rich", "unknown"]
+    for task in plan.tasks:
+        assert task.spec == SubmodelSpec.full() and task.adaptation == Adaptation("depthwise")
+        assert task.plan.copies == 2  # a cap: each device takes as many as its memory holds
+        assert task.plan.loss == (*base_plan(strategy.config.recipe).loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
+    # Budgets are shares of one copy's training.
+    spec, largest = strategy.largest_task()
+    assert spec == SubmodelSpec.full() and largest.copies == 1
+
+
+def test_one_copy_switches_mutual_distillation_off(make_context, make_agent):
+    strategy = fedepth(make_context, max_copies=1, mutual_weight=0.5)
+    [task] = strategy.configure_round(1, [make_agent("a", None)], random.Random(0)).tasks
+    assert task.plan == base_plan(strategy.config.recipe)
+
+
+@pytest.mark.parametrize("settings", [{"max_copies": 0}, {"max_copies": 9}, {"mutual_weight": -1.0}])
+def test_bad_settings_are_one_sentence(settings):
+    with pytest.raises(ValueError, match="fedepth.max_copies must be between 1 and 8"):
+        FeDepthConfig(**settings).validate()
+
+
+def test_aggregation_is_the_sample_weighted_mean_of_what_each_device_trained(make_context):
+    strategy = fedepth(make_context)
+    family = strategy.family
+    level = strategy.levels[0]
+    whole, partial = SubmodelSpec.full(), SubmodelSpec(segments=((1, 2), (2, 3)))  # partial skips block 0
+
+    def result(spec: SubmodelSpec, fill: float, samples: int) -> TaskResult:
+        keys = family.trainable_keys(spec)
+        shapes = family.shapes(spec, track_bn_stats=False)
+        index = family.index_map(spec)
+        task = TaskPlan("dev", level.name, whole, strategy.level_plan(level, 1), "global")
+        return TaskResult(task, spec, {k: torch.full(shapes[k], fill) for k in keys}, {k: index[k] for k in keys},
+                          samples, list(range(10)))
+
+    states = strategy.initial_states(0)
+    merged = strategy.aggregate(1, [result(whole, 1.0, 100), result(partial, 4.0, 300)], states)["global"]
+    assert "conv1.weight" not in family.trainable_keys(partial)
+    assert torch.allclose(merged["conv1.weight"], torch.ones_like(merged["conv1.weight"]))  # not diluted
+    assert torch.allclose(merged["conv3.weight"], torch.full_like(merged["conv3.weight"], (100 + 1200) / 400))
+
+
+def test_plan_for_budget_cuts_by_the_estimates(make_context):
+    def cost(spec: SubmodelSpec, plan: TrainingPlan) -> int:
+        if spec.segments is None:
+            return 1000 * plan.copies  # whole: 1000 a copy
+        (start, stop), = spec.segments
+        return sum((500, 300, 200)[start:stop])  # per-block costs, as FeDepth's cut reads them
+
+    strategy = fedepth(make_context, cost=cost, max_copies=3)
+    assert strategy.plan_for_budget(3000) == {"trains": "whole, 3 copies", "train_bytes": 3000}
+    assert strategy.plan_for_budget(2500) == {"trains": "whole, 2 copies", "train_bytes": 2000}
+    assert strategy.plan_for_budget(1000) == {"trains": "whole", "train_bytes": 1000}
+    assert strategy.plan_for_budget(600) == {"trains": "depth-wise", "segments": "0 | 1-2", "train_bytes": [500, 500]}
+    described = strategy.plan_for_budget(300)
+    assert described["trains"] == "depth-wise" and "skipped 0" in described["segments"]
+    assert strategy.plan_for_budget(100) == {"trains": "nothing", "smallest_block_bytes": 200}
