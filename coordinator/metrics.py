@@ -26,6 +26,13 @@ class TaskRecord:
         value = self.metrics.get(name)
         return int(value) if value is not None else None
 
+    def stage_peaks(self) -> list[int]:
+        """The measured peak of every depth-wise stage, in order (empty for a model trained whole)."""
+        peaks = []
+        while (value := self.memory(f"stage_peak_bytes.{len(peaks)}")) is not None:
+            peaks.append(value)
+        return peaks
+
 
 @dataclass
 class RoundResult:

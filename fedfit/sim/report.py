@@ -11,7 +11,8 @@ from coordinator.metrics import RoundResult
 
 def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: list[RoundResult],
                  settings: dict[str, Any]) -> dict[str, Any]:
-    """The report: algorithm, broker, one entry per round, every task, and the settings used."""
+    """The report: algorithm, broker, one entry per round, every task (its memory figures, the peak of each
+    depth-wise stage, the copies it trained, what was sent and trained, and why), and the settings used."""
     return {
         "algorithm": algorithm,
         "broker": {"kind": broker_kind, "version": broker_version},
@@ -31,8 +32,9 @@ def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: 
         "tasks": [
             {"round": r.round, "agent": t.agent, "level": t.level, "status": t.status,
              "budget_bytes": t.memory("budget_bytes"), "estimated_bytes": t.memory("estimated_bytes"),
-             "peak_bytes": t.memory("peak_bytes"), "spec_sent": t.spec_sent, "spec_trained": t.spec_trained,
-             "reason": t.reason}
+             "peak_bytes": t.memory("peak_bytes"), "stage_peak_bytes": t.stage_peaks(),
+             "copies": t.memory("copies") or (1 if t.spec_trained else None), "spec_sent": t.spec_sent,
+             "spec_trained": t.spec_trained, "reason": t.reason}
             for r in rounds for t in r.tasks
         ],
         "settings": settings,

@@ -44,3 +44,17 @@ def test_report_and_table_show_every_exit_in_depth_order() -> None:
     assert report["rounds"][0]["exit_accuracy"] == {"exit1": 0.5, "exit2": 0.7, "exit10": 0.9}
     header = format_table(rounds).splitlines()[0].split()
     assert header[header.index("exit1"):header.index("exit10") + 1] == ["exit1", "exit2", "exit10"]
+
+
+def test_report_shows_each_depth_wise_stage_peak_and_the_copies_trained() -> None:
+    depthwise = TaskRecord("sim-002", "full", "adapted", "width=1", "width=1 segments=3:5,5:9",
+                           "trained depth-wise, blocks 3-4 | 5-8 (skipped 0, 1, 2), to fit 12.9 MiB", 10,
+                           {"peak_bytes": 12.0e6, "stage_peak_bytes.0": 11.5e6, "stage_peak_bytes.1": 12.0e6})
+    mutual = TaskRecord("sim-003", "full", "ok", "width=1", "width=1", "trained 2 of up to 2 copies", 10,
+                        {"peak_bytes": 40.0e6, "copies": 2.0})
+    rounds = [RoundResult(round=1, global_accuracy=0.5, level_accuracy={}, participants=2, selected=2,
+                          bytes_down=1, bytes_up=1, seconds=1.0, tasks=[depthwise, mutual])]
+    first, second = build_report("fedepth", "mosquitto", "2", rounds, {})["tasks"]
+    assert first["stage_peak_bytes"] == [11_500_000, 12_000_000] and first["copies"] == 1
+    assert "skipped 0, 1, 2" in first["reason"] and first["spec_trained"] == "width=1 segments=3:5,5:9"
+    assert second["stage_peak_bytes"] == [] and second["copies"] == 2

@@ -1,0 +1,23 @@
+"""The commented example configurations load and validate (they are what a new user copies first)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.config import from_mapping, load_yaml
+from coordinator.config import CoordinatorConfig
+from edge_agent.config import AgentConfig
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_the_example_coordinator_config_names_every_method_section_and_validates() -> None:
+    config = from_mapping(CoordinatorConfig, load_yaml(EXAMPLES / "coordinator.yaml"))
+    config.validate()
+    text = (EXAMPLES / "coordinator.yaml").read_text()
+    for section in ("scalefl:", "fedepth:", "fedavg:"):
+        assert f"\n{section}" in text, section
+
+
+def test_the_example_agent_config_loads() -> None:
+    from_mapping(AgentConfig, load_yaml(EXAMPLES / "agent.yaml"))
