@@ -28,7 +28,7 @@ class TaskRecord:
 
     def stage_peaks(self) -> list[int]:
         """The measured peak of every depth-wise stage, in order (empty for a model trained whole)."""
-        peaks = []
+        peaks: list[int] = []
         while (value := self.memory(f"stage_peak_bytes.{len(peaks)}")) is not None:
             peaks.append(value)
         return peaks
