@@ -283,8 +283,8 @@ def _train(workdir: Path) -> None:
     if copies:  # the device's auxiliary copies go back to the runner, which keeps them for the next round
         metrics["copies"] = float(training.copies)
         write_copies(workdir / TRAINED_COPIES_FILE, [
-            {key: state[key].detach().cpu().numpy().astype(np.float32) for key in family.state_keys(spec)}
-            for state in (copy.state_dict() for copy in copies)])
+            {key: weights[key].detach().cpu().numpy().astype(np.float32) for key in family.state_keys(spec)}
+            for weights in (copy.state_dict() for copy in copies)])
     if spec.segments is not None:  # depth-wise: the peak of every stage, in order
         metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y),

@@ -246,9 +246,12 @@ class TaskRunner:
             update.reason = f"trained depth-wise, blocks {cut.decomposition.describe()}, to fit {_size(available)}"
         elif spec != sent:
             update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {_size(available)}"
-        elif plan.copies > 1:
+        elif plan.copies > 1 and chosen_plan.copies > 1:
             update.reason = (f"trained {chosen_plan.copies} of up to {plan.copies} copies with mutual distillation, "
                              f"uploaded the first, to fit {_size(available)}")
+        elif plan.copies > 1:
+            update.reason = (f"trained 1 of up to {plan.copies} copies (no mutual distillation: a second copy does "
+                             f"not fit {_size(available)})")
         return update
 
     def _depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan,
