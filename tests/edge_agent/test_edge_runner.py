@@ -546,3 +546,60 @@ def test_local_data_properties():
     assert data.labels == [1, 4]
     assert data.image_size == (6, 5) and data.in_channels == 2
 
+
+
+# --------------------------------------------------------------------------- FeDepth's depthwise adaptation
+def corrected_cost(family, spec: SubmodelSpec, plan: TrainingPlan) -> int:
+    """What a fresh runner's calibration makes of the estimate of training ``spec`` with ``plan``."""
+    estimate = raw_estimate(family, spec, plan)
+    return Calibration().corrected(estimate.total, estimate.overhead)
+
+
+def test_depthwise_trains_the_whole_model_when_it_fits(deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan()
+    whole = corrected_cost(deep_family, SubmodelSpec.full(), plan)
+    update = make_runner(budget=whole + 1000).run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert update.status == "ok" and update.spec_trained == SubmodelSpec.full().to_dict(), update.reason
+    assert "stage_peak_bytes.0" not in update.metrics
+
+
+def test_depthwise_cuts_the_fewest_segments_that_fit(deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan()
+    cost = {(a, b): corrected_cost(deep_family, SubmodelSpec(segments=((a, b),)), plan)
+            for a in range(3) for b in range(a + 1, 4)}
+    assert cost[(0, 2)] < cost[(0, 3)]
+    budget = (cost[(0, 2)] + cost[(0, 3)]) // 2  # blocks 0-1 fit together, all three do not
+    update = make_runner(budget=budget).run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == SubmodelSpec(segments=((0, 2), (2, 3))).to_dict()
+    assert update.reason.startswith("trained depth-wise, blocks 0-1 | 2, to fit ")
+    assert set(update.weights) == set(deep_family.trainable_keys(SubmodelSpec.full()))  # every block trained
+    assert update.metrics["stages"] == 2.0
+    assert {"stage_peak_bytes.0", "stage_peak_bytes.1"} <= set(update.metrics)
+    assert update.metrics["estimated_bytes"] <= budget
+
+
+def test_depthwise_skips_the_input_side_blocks_that_fit_nowhere(deep_family, make_deep_task, make_runner,
+                                                                 task_plan):
+    plan = task_plan()
+    cost = {(a, b): corrected_cost(deep_family, SubmodelSpec(segments=((a, b),)), plan)
+            for a in range(3) for b in range(a + 1, 4)}
+    assert cost[(0, 1)] > cost[(1, 3)]  # the first block (full resolution) is the dearest
+    budget = (cost[(0, 1)] + cost[(1, 3)]) // 2
+    update = make_runner(budget=budget).run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == SubmodelSpec(segments=((1, 3),)).to_dict()
+    assert "(skipped 0)" in update.reason
+    assert "conv1.weight" not in update.weights and "conv2.weight" in update.weights  # skipped: not uploaded
+
+
+def test_depthwise_declines_when_no_block_fits_alone(deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan()
+    smallest = min(corrected_cost(deep_family, SubmodelSpec(segments=((b, b + 1),)), plan) for b in range(3))
+    update = make_runner(budget=smallest - 1000).run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert update.status == "declined"
+    assert "no block fits alone, the smallest needs" in update.reason and update.weights == {}

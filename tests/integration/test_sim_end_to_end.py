@@ -104,3 +104,30 @@ def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto: Broker
     assert len({t["level"] for t in trained}) >= 2, report["tasks"]
     assert any("exits=" in (t["spec_trained"] or "") for t in trained)
     assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
+
+
+def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto: Broker, tmp_path: Path) -> None:
+    # Budgets as shares of the full CNN's training memory: 30% holds no block alone, 70% holds each block (not
+    # two together: depth-wise in three segments), 200% holds two copies (m-FeDepth).
+    options = SimOptions(algorithm="fedepth", agents=6, rounds=2, dataset="digits", partition="iid", seed=1,
+                         federation="e2e-fedepth", broker=f"{mosquitto.host}:{mosquitto.port}", base=tiny_config(),
+                         state_dir=str(tmp_path / "fedepth"), budgets="fractions:0.3,0.7,2")
+    report = run_simulation(options, progress=None).report
+    tasks = report["tasks"]
+    assert len(tasks) == 12 and all(t["spec_sent"] == "width=1" for t in tasks)
+    declined = [t for t in tasks if t["status"] == "declined"]
+    depthwise = [t for t in tasks if t["status"] == "adapted"]
+    mutual = [t for t in tasks if t["status"] == "ok"]
+    assert len(declined) == len(depthwise) == len(mutual) == 4, tasks
+    assert all("no block fits alone" in t["reason"] for t in declined)
+    for task in depthwise:
+        assert task["spec_trained"] == "width=1 segments=0:1,1:2,2:3", task
+        assert task["reason"].startswith("trained depth-wise, blocks 0 | 1 | 2")
+        assert len(task["stage_peak_bytes"]) == 3 and task["peak_bytes"] == max(task["stage_peak_bytes"])
+    for task in mutual:
+        assert task["copies"] == 2 and "trained 2 of up to 2 copies" in task["reason"], task
+    # Each rich device keeps its own auxiliary copy between rounds; nobody else has one.
+    kept = sorted(path.parent.parent.name for path in (tmp_path / "fedepth" / "agents").glob("*/copies/*.npz"))
+    assert kept == sorted({t["agent"] for t in mutual})
+    assert report["rounds"][-1]["participants"] == 4
+    assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
