@@ -29,7 +29,8 @@ class Option:
     plan: TrainingPlan
 
     def describe(self) -> str:
-        return self.spec.describe()
+        """The spec in readable form, and the copies when the plan trains more than one."""
+        return self.spec.describe() + (f" x{self.plan.copies} copies" if self.plan.copies > 1 else "")
 
 
 def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: Adaptation | None) -> list[Option]:

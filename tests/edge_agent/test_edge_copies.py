@@ -87,3 +87,9 @@ def test_a_device_takes_as_many_copies_as_its_memory_holds(family, make_task, ma
     update = make_runner(budget=(corrected[1] + corrected[2]) // 2, name="poorer").run(make_task(spec, plan=plan))
     assert update.status == "ok", update.reason
     assert "copies" not in update.metrics and "trained 1 of up to 3 copies" in update.reason
+
+
+def test_a_device_short_of_even_one_copy_names_every_option_it_tried(make_task, make_runner, task_plan):
+    update = make_runner(budget=1000).run(make_task(SubmodelSpec.full(), plan=_mutual_plan(task_plan, 2)))
+    assert update.status == "declined"
+    assert "estimated: width=1 x2 copies " in update.reason and ", width=1 " in update.reason
