@@ -211,7 +211,9 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
             on_stage(index, "start")
         net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route)
         try:
-            params = [p for m in (model, *copies) for p in m.parameters() if p.requires_grad]
+            # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
+            groups = [[p for p in m.parameters() if p.requires_grad] for m in (model, *copies)]
+            params = [p for group in groups for p in group]
             optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
                                         weight_decay=settings.weight_decay)
             for _ in range(stage.epochs):
@@ -226,7 +228,8 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {steps}")
                     if settings.clip_norm is not None:
-                        nn.utils.clip_grad_norm_(params, settings.clip_norm)
+                        for group in groups:
+                            nn.utils.clip_grad_norm_(group, settings.clip_norm)
                     optimizer.step()
                     total_loss += loss.item() / plan.copies * len(batch)
                     seen += len(batch)

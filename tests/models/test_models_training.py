@@ -584,3 +584,21 @@ def test_copies_are_trained_whole_only() -> None:
     check_plan(family, FULL, mutual)
     with pytest.raises(ValueError, match="only a spec trained whole"):
         check_plan(family, SubmodelSpec(segments=((0, 1), (1, 2))), mutual)
+
+
+def test_each_copy_is_clipped_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = nn.utils.clip_grad_norm_
+    groups: list[int] = []
+
+    def spy(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        parameters = list(parameters)
+        groups.append(len(parameters))
+        return original(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(nn.utils, "clip_grad_norm_", spy)
+    x, y = separable_data(8)
+    model, other = tiny_model(), tiny_model()
+    train(model, FULL, x, y, replace(plan(loss=MUTUAL, clip_norm=0.1), copies=2), labels=[0, 1], num_classes=2,
+          copies=[other])
+    per_model = len(list(model.parameters()))
+    assert groups == [per_model, per_model]  # one step (8 samples, batch 8): each copy's gradient on its own
