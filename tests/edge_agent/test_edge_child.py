@@ -371,3 +371,16 @@ def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, mo
     assert "did not finish within 1 s" in update.reason
     assert runner.calibration.floor == 0.0
     assert runner.calibration.factor == pytest.approx(1.10)
+
+
+@pytest.mark.parametrize(("samples", "warmed"), [(16, 4), (18, 6), (17, 4), (3, 3)],
+                         ids=["whole batches", "short last batch", "last batch of one (skipped)", "under a batch"])
+def test_warm_up_also_runs_the_shorter_batch_an_epoch_ends_with(monkeypatch, samples, warmed):
+    family = get_family("cnn", 10, 1, hidden=(4, 8))
+    calls = []
+    monkeypatch.setattr(child, "train", lambda model, spec, x, y, plan, **kwargs: calls.append((x, plan)))
+    x, y = torch.randn(samples, 1, 8, 8), torch.arange(samples) % 10
+    child.warm_up_training(lambda: family.build(track_bn_stats=False), SubmodelSpec(), x, y,
+                           TrainingPlan(batch_size=4), [0, 1], 10, "cpu", "default")
+    [(x_, still)] = calls
+    assert torch.equal(x_, x[:warmed]) and still.batch_size == 4  # one full batch, then the short one
