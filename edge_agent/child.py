@@ -56,8 +56,8 @@ TASK_FILE = "task.msgpack"
 PLAN_FILE = "plan.json"
 UPDATE_FILE = "update.msgpack"
 #: The auxiliary copies of a plan with ``copies`` > 1 (edge_agent.copies), before and after training.
-COPIES_FILE = "copies.npz"
-TRAINED_COPIES_FILE = "copies-trained.npz"
+COPIES_FILE = "copies.safetensors"
+TRAINED_COPIES_FILE = "copies-trained.safetensors"
 ERROR_FILE = "error.txt"
 #: How far the measured CPU peak of identical tasks moves between runs (the smallest ``benchmarks/memory.py``
 #: rows: about 0.3 MB between invocations; two agents of one simulation training the same sub-MB task: 0.37 and

@@ -3,8 +3,8 @@
 A plan with ``copies`` M > 1 trains the task's model and M - 1 further models of the same spec side by side;
 only the first is uploaded. The others belong to this device: they start from a random initialisation the
 first time a model and spec are trained this way, and continue from where the last such task left them. They
-are stored per model and spec in the agent's state directory, as plain ``.npz`` arrays read without pickle,
-each file replaced atomically.
+are stored per model and spec in the agent's state directory in safetensors (the format of the coordinator's
+checkpoints: raw tensors and a JSON header), each file replaced atomically.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
 from models import ModelFamily, SubmodelSpec
 from protocol import ModelRef
@@ -31,19 +31,16 @@ Weights = dict[str, np.ndarray]
 def write_copies(path: Path, copies: Sequence[Mapping[str, np.ndarray]]) -> None:
     """Write ``copies`` (state dicts as arrays) to ``path`` atomically, as ``<copy>.<tensor>`` entries."""
     tmp = path.with_name(path.name + ".tmp")
-    arrays: dict[str, Any] = {f"{index}.{key}": array for index, copy in enumerate(copies)
-                              for key, array in copy.items()}
-    with tmp.open("wb") as handle:
-        np.savez(handle, **arrays)
+    save_file({f"{index}.{key}": np.ascontiguousarray(array) for index, copy in enumerate(copies)
+               for key, array in copy.items()}, str(tmp))
     os.replace(tmp, path)
 
 
 def read_copies(path: Path, count: int, keys: Sequence[str]) -> list[Weights]:
     """The ``count`` copies stored at ``path``, each with exactly ``keys``; ValueError when they are not there."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            stored = {name: np.array(archive[name]) for name in archive.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        stored = load_file(str(path))
+    except (OSError, ValueError, SafetensorError) as exc:
         raise ValueError(f"cannot read the stored copies at {path}: {exc}") from None
     copies = []
     for index in range(count):
@@ -65,7 +62,7 @@ class CopyStore:
         """Where the copies of ``model`` at ``spec`` live (named by a digest: the names are wire data)."""
         key = json.dumps({"model": [model.family, model.num_classes, model.in_channels, model.options],
                           "spec": spec.to_dict()}, sort_keys=True, default=str)
-        return self.directory / f"copies-{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+        return self.directory / f"copies-{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
     def load(self, model: ModelRef, family: ModelFamily, spec: SubmodelSpec, count: int, seed: int) -> list[Weights]:
         """``count`` auxiliary copies: the stored ones first (a stored file that cannot be read, or has fewer, is

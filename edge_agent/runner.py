@@ -59,10 +59,10 @@ class LocalData:
 
 @dataclass(frozen=True)
 class _Cut:
-    """A depth-wise decomposition and the calibrated estimate of the cheapest single block."""
+    """A depth-wise decomposition and, when nothing fits, the calibrated estimate of the cheapest single block."""
 
     decomposition: Decomposition
-    smallest: int
+    smallest: int | None = None
 
 
 class TaskRejected(Exception):
@@ -211,7 +211,7 @@ class TaskRunner:
             tried = ", ".join(f"{name} {_size(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried}"
                                            + (f"; no block fits alone, the smallest needs {_size(cut.smallest)}"
-                                              if cut is not None else "") + ")")
+                                              if cut is not None and cut.smallest is not None else "") + ")")
         spec, chosen_plan = choice.option.spec, choice.option.plan
         estimate = raw[choice.option]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
@@ -278,12 +278,12 @@ class TaskRunner:
             return self.calibration.corrected(estimate.total, estimate.overhead)
 
         decomposition = cut_segments(cost, blocks, available)
-        smallest = min(int(cost(b, b + 1)) for b in range(blocks))
-        if not decomposition.segments:
+        if not decomposition.segments:  # every block was tried alone: their estimates are known
+            smallest = min(int(cost(b, b + 1)) for b in range(blocks))
             return _Cut(decomposition, smallest), None, raw_cost(0, 1)
         stages = [raw_cost(*segment) for segment in decomposition.segments]
         option = Option(replace(sent, segments=decomposition.segments), plan)
-        return _Cut(decomposition, smallest), option, max(stages, key=lambda e: e.total)
+        return _Cut(decomposition), option, max(stages, key=lambda e: e.total)
 
     def _check_compatible(self, task: Task, plan: TrainingPlan) -> None:
         if task.model.in_channels != self.data.in_channels:

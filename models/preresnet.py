@@ -16,6 +16,7 @@ from models.residual import ResidualBlock, residual_blocks, residual_groups
 
 __all__ = ["PreResNet18Family", "PreResNet20Family"]
 
+
 class PreActBlock(nn.Module):
     """``Scaler -> sBN -> ReLU -> conv3x3 -> Scaler -> sBN -> ReLU -> conv3x3`` plus the shortcut.
 

@@ -21,19 +21,19 @@ def _mutual_plan(task_plan, copies: int):
 def test_write_and_read_copies_round_trip(tmp_path):
     copies = [{"a": np.arange(3, dtype=np.float32), "b": np.ones((2, 2), np.float32)},
               {"a": np.zeros(3, np.float32), "b": np.full((2, 2), 2.0, np.float32)}]
-    path = tmp_path / "c.npz"
+    path = tmp_path / "c.safetensors"
     write_copies(path, copies)
     back = read_copies(path, 2, ["a", "b"])
     for want, got in zip(copies, back):
         assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
-    assert not path.with_name("c.npz.tmp").exists()
+    assert not path.with_name("c.safetensors.tmp").exists()
     with pytest.raises(ValueError, match="lack copy 2"):
         read_copies(path, 3, ["a", "b"])
     with pytest.raises(ValueError, match="lack copy 0's \\['c'\\]"):
         read_copies(path, 1, ["a", "c"])
-    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="cannot read the stored copies"):
-        read_copies(tmp_path / "bad.npz", 1, ["a"])
+        read_copies(tmp_path / "bad.safetensors", 1, ["a"])
 
 
 def test_the_store_initialises_at_random_keeps_and_tops_up(tmp_path, family, model_ref):

@@ -127,7 +127,7 @@ def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto: Brok
     for task in mutual:
         assert task["copies"] == 2 and "trained 2 of up to 2 copies" in task["reason"], task
     # Each rich device keeps its own auxiliary copy between rounds; nobody else has one.
-    kept = sorted(path.parent.parent.name for path in (tmp_path / "fedepth" / "agents").glob("*/copies/*.npz"))
+    kept = sorted(path.parent.parent.name for path in (tmp_path / "fedepth" / "agents").glob("*/copies/*.safetensors"))
     assert kept == sorted({t["agent"] for t in mutual})
     assert report["rounds"][-1]["participants"] == 4
     assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
