@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from common.mqtt_link import BrokerConfig
 from models import FAMILY_NAMES
-from protocol.plan import MAX_COPIES
+from protocol.plan import MAX_COPIES, ROUTES
 
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
@@ -96,17 +96,23 @@ class FeDepthConfig:
     """FeDepth's settings (the ``fedepth`` section; used when ``algorithm: fedepth``).
 
     ``max_copies``: the most copies a device with memory to spare trains with mutual distillation
-    (m-FeDepth; 1 switches it off). ``mutual_weight``: the weight of the mutual KL terms.
+    (m-FeDepth; 1 switches it off). ``mutual_weight``: the weight of the mutual KL terms. ``route``: how a
+    depth-wise segment's output reaches a classifier, ``skip`` (the paper's skip connection to the final head) or
+    ``exit`` (an auxiliary classifier after every block, the model's early-exit heads: ``model.options.exit_convs``
+    sets their size).
     """
 
     max_copies: int = 2
     mutual_weight: float = 1.0
+    route: str = "skip"
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
         if not 1 <= self.max_copies <= MAX_COPIES or self.mutual_weight < 0:
             raise ValueError(f"fedepth.max_copies must be between 1 and {MAX_COPIES} and fedepth.mutual_weight "
                              "non-negative")
+        if self.route not in ROUTES:
+            raise ValueError(f"fedepth.route must be one of {', '.join(ROUTES)}, got {self.route!r}")
 
 
 @dataclass

@@ -38,11 +38,15 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
     of the plan's copies (down to one: ``copies`` is a cap, the device takes as many as its memory holds), then
     the hint's candidates nested inside ``sent`` (each with its own plan, run with the task's seed).
 
+    A ``depthwise`` hint's whole-model options drop the sent spec's exits: they are the auxiliary classifiers
+    of depth-wise stages (route ``"exit"``), and a model trained whole learns through its own head.
+
     Raises ``ValueError`` for a spec that is malformed or does not fit the family, or a plan that cannot run on
     its spec (:func:`models.training.check_plan`); the message names the candidate.
     """
     check_plan(family, sent, plan)
-    found = [Option(sent, replace(plan, copies=count)) for count in range(plan.copies, 0, -1)]
+    whole = replace(sent, exits=()) if hint is not None and hint.kind == "depthwise" else sent
+    found = [Option(whole, replace(plan, copies=count)) for count in range(plan.copies, 0, -1)]
     if hint is None or hint.kind == "none":
         return found
     if hint.kind == "width-levels":

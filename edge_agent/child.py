@@ -148,16 +148,19 @@ def run_in_child(workdir: Path, timeout: float, on_start: Any = None) -> ChildOu
 
 
 def estimate_in_child(model: ModelRef, options: list[tuple[SubmodelSpec, TrainingPlan]], *,
-                      input_size: tuple[int, int], device: str, allocator: str) -> list[MemoryEstimate]:
+                      input_size: tuple[int, int], device: str, allocator: str,
+                      samples: int = 0) -> list[MemoryEstimate]:
     """Training-memory estimates of running each (spec, plan) (``models.memory.estimate_plan_memory``), made in
     a child of the forkserver.
 
     The estimator's first use in a process imports what meta tensors need (about 160 MB of RSS, see
     ``models.memory``); the forkserver has paid that, so a child adds about 25 MB for a moment and the agent
-    process does not grow at all. Specs and plans cross as their plain wire forms.
+    process does not grow at all. Specs and plans cross as their plain wire forms. ``samples`` is the local data's
+    size (what a stage's buffer of frozen outputs holds).
     """
     arguments = (model.family, model.num_classes, model.in_channels, dict(model.options),
-                 [(spec.to_dict(), plan.to_dict()) for spec, plan in options], tuple(input_size), device, allocator)
+                 [(spec.to_dict(), plan.to_dict()) for spec, plan in options], tuple(input_size), device, allocator,
+                 samples)
     with process_context().Pool(1) as pool:
         parts = pool.apply(_estimate, arguments)
     return [MemoryEstimate(**part) for part in parts]
@@ -165,10 +168,10 @@ def estimate_in_child(model: ModelRef, options: list[tuple[SubmodelSpec, Trainin
 
 def _estimate(family_name: str, num_classes: int, in_channels: int, options: dict[str, Any],
               pairs: list[tuple[dict[str, Any], dict[str, Any]]], input_size: tuple[int, int], device: str,
-              allocator: str) -> list[dict[str, Any]]:
+              allocator: str, samples: int) -> list[dict[str, Any]]:
     family = get_family(family_name, num_classes, in_channels, **options)
     estimates = [estimate_plan_memory(family, SubmodelSpec.from_dict(spec), TrainingPlan.from_dict(plan),
-                                      input_size=input_size, device=device, allocator=allocator)
+                                      input_size=input_size, device=device, allocator=allocator, samples=samples)
                  for spec, plan in pairs]
     return [{key: value for key, value in e.as_dict().items() if key != "total"} for e in estimates]
 

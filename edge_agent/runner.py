@@ -27,7 +27,7 @@ from edge_agent.copies import CopyStore, read_copies, write_copies
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
 from models.depthwise import Decomposition, cut_segments
-from protocol import ModelRef, ProtocolError, Task, TrainingPlan, Update, decode, encode
+from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, Update, decode, encode
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
 DEADLINE_GRACE_S = 30.0
@@ -59,10 +59,37 @@ class LocalData:
 
 @dataclass(frozen=True)
 class _Cut:
-    """A depth-wise decomposition and, when nothing fits, the calibrated estimate of the cheapest single block."""
+    """A depth-wise decomposition and, when nothing fits, the calibrated estimate of the cheapest single block.
+
+    ``route`` is how each segment reaches a classifier; ``cached`` the stages (1-based) that buffer their frozen
+    blocks' outputs, ``recomputed`` those that run them every batch, and ``buffer_needs`` the least a recomputed
+    stage's buffered run would need (None when a stage runs one epoch: buffering saves nothing).
+    """
 
     decomposition: Decomposition
     smallest: int | None = None
+    route: str = "skip"
+    cached: tuple[int, ...] = ()
+    recomputed: tuple[int, ...] = ()
+    buffer_needs: int | None = None
+
+    def describe(self) -> str:
+        """E.g. ``"blocks 0 | 1-3 | 4-8 via the skip path; frozen blocks recomputed every batch in stages 2, 3
+        (one epoch a stage)"``."""
+        text = f"blocks {self.decomposition.describe()} via " + (
+            "auxiliary classifiers" if self.route == "exit" else "the skip path")
+        if self.cached:
+            text += f"; frozen blocks' outputs buffered in stage{_numbers(self.cached)}"
+        if self.recomputed:
+            why = ("one epoch a stage" if self.buffer_needs is None
+                   else f"buffering needs {_size(self.buffer_needs)}")
+            text += f"; frozen blocks recomputed every batch in stage{_numbers(self.recomputed)} ({why})"
+        return text
+
+
+def _numbers(numbers: tuple[int, ...]) -> str:
+    """``" 2"`` or ``"s 2, 3"``: the tail of "stage" for a list of stage numbers."""
+    return f" {numbers[0]}" if len(numbers) == 1 else "s " + ", ".join(map(str, numbers))
 
 
 class TaskRejected(Exception):
@@ -164,7 +191,7 @@ class TaskRunner:
         missing = list({key(option): option for option in candidates if key(option) not in self._estimates}.values())
         if missing:
             made = child.estimate_in_child(model, [(o.spec, o.plan) for o in missing], input_size=self.data.image_size,
-                                           device=self.device, allocator=self.allocator)
+                                           device=self.device, allocator=self.allocator, samples=len(self.data.x))
             self._estimates.update(zip(map(key, missing), made))
         return {option: self._estimates[key(option)] for option in candidates}
 
@@ -201,9 +228,11 @@ class TaskRunner:
         available = self.available(task.round)
         choice = choose(candidates, corrected, available)
         cut: _Cut | None = None
-        if choice.option is None and task.adaptation is not None and task.adaptation.kind == "depthwise":
+        depthwise = task.adaptation is not None and task.adaptation.kind == "depthwise"
+        whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
+        if choice.option is None and task.adaptation is not None and depthwise:
             cut, option, segment_estimate = self._depthwise(task.model, family, sent, replace(plan, copies=1),
-                                                            available)
+                                                            task.adaptation.route, available)
             if option is not None:
                 raw[option] = segment_estimate
                 choice = Choice(option, corrected(option), (*choice.tried, (option.describe(), corrected(option))))
@@ -211,7 +240,9 @@ class TaskRunner:
             tried = ", ".join(f"{name} {_size(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"nothing fits the {_size(available)} available (estimated: {tried}"
                                            + (f"; no block fits alone, the smallest needs {_size(cut.smallest)}"
-                                              if cut is not None and cut.smallest is not None else "") + ")")
+                                              if cut is not None and cut.smallest is not None else "")
+                                           + ("; no cut fits with its auxiliary classifiers"
+                                              if cut is not None and cut.smallest is None else "") + ")")
         spec, chosen_plan = choice.option.spec, choice.option.plan
         estimate = raw[choice.option]
         memory = {"estimated_bytes": float(choice.estimate), "raw_estimate_bytes": float(estimate.total),
@@ -240,11 +271,12 @@ class TaskRunner:
         assert isinstance(update, Update)
         peak = int(update.metrics.get("peak_bytes", 0))
         self.calibration.observe(estimate.total, peak, estimate.overhead)
-        update.status = "ok" if spec == sent else "adapted"
+        update.status = "ok" if spec in (sent, whole) else "adapted"
         update.metrics.update(memory)
-        if cut is not None and spec != sent:
-            update.reason = f"trained depth-wise, blocks {cut.decomposition.describe()}, to fit {_size(available)}"
-        elif spec != sent:
+        if cut is not None and spec.segments is not None:
+            update.reason = f"trained depth-wise, {cut.describe()}, to fit {_size(available)}"
+            update.metrics["cached_stages"] = float(len(cut.cached))
+        elif spec not in (sent, whole):
             update.reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {_size(available)}"
         elif plan.copies > 1 and chosen_plan.copies > 1:
             update.reason = (f"trained {chosen_plan.copies} of up to {plan.copies} copies with mutual distillation, "
@@ -254,36 +286,76 @@ class TaskRunner:
                              f"not fit {_size(available)})")
         return update
 
-    def _depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan,
+    def _depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
                    available: int) -> tuple[_Cut, Option | None, MemoryEstimate]:
         """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
 
-        The (calibrated) estimate of training each candidate segment (its blocks, the head, the skip path, the
-        frozen blocks before it) at the plan's batch size decides; the segments starting at a block are estimated
-        together, when the cut first needs one of them, and remembered. Returns the cut, the option to train (the
-        sent spec with the segments; None when no block fits alone) and its raw estimate (its costliest stage).
+        The (calibrated) estimate of training each candidate segment (its blocks, its classifier reached through
+        ``route``, the frozen blocks before it) at the plan's batch size decides; the segments starting at a block
+        are estimated together, when the cut first needs one of them, and remembered. The cut's spec carries the
+        auxiliary classifier of every segment (route ``"exit"``), whose weights all its stages hold: when they
+        push a stage over, the cut is made again for that much less. A stage after the first buffers its frozen
+        blocks' outputs when it runs more than one epoch and the buffer fits too. Returns the cut, the option to
+        train (None when nothing fits) and its raw estimate (its costliest stage).
         """
         blocks = sent.depth or family.num_blocks
         starts: set[int] = set()
 
+        def spec_for(segments: tuple[tuple[int, int], ...]) -> SubmodelSpec:
+            ends = tuple(stop - 1 for _, stop in segments if stop < blocks) if route == "exit" else ()
+            return replace(sent, segments=segments, exits=ends)
+
+        def staged(count: int, cache: bool = False) -> TrainingPlan:
+            return replace(plan, schedule=(Stage(plan.epochs, route, cache),) * count)
+
         def raw_cost(start: int, stop: int) -> MemoryEstimate:
             if start not in starts:  # every segment from this block in one estimating child
                 starts.add(start)
-                self.raw_estimates(model, [Option(replace(sent, segments=((start, end),)), plan)
+                self.raw_estimates(model, [Option(spec_for(((start, end),)), staged(1))
                                            for end in range(start + 1, blocks + 1)])
-            return self.raw_estimate(model, replace(sent, segments=((start, stop),)), plan)
+            return self.raw_estimate(model, spec_for(((start, stop),)), staged(1))
 
-        def cost(start: int, stop: int) -> float:
-            estimate = raw_cost(start, stop)
+        def corrected(estimate: MemoryEstimate) -> int:
             return self.calibration.corrected(estimate.total, estimate.overhead)
 
-        decomposition = cut_segments(cost, blocks, available)
-        if not decomposition.segments:  # every block was tried alone: their estimates are known
-            smallest = min(int(cost(b, b + 1)) for b in range(blocks))
-            return _Cut(decomposition, smallest), None, raw_cost(0, 1)
-        stages = [raw_cost(*segment) for segment in decomposition.segments]
-        option = Option(replace(sent, segments=decomposition.segments), plan)
-        return _Cut(decomposition), option, max(stages, key=lambda e: e.total)
+        budget = available
+        for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
+            decomposition = cut_segments(lambda a, b: corrected(raw_cost(a, b)), blocks, budget)
+            if not decomposition.segments:  # every block was tried alone: their estimates are known
+                smallest = min(corrected(raw_cost(b, b + 1)) for b in range(blocks))
+                return _Cut(decomposition, smallest, route), None, raw_cost(0, 1)
+            spec = spec_for(decomposition.segments)
+            each = [Option(replace(spec, segments=(segment,)), staged(1)) for segment in decomposition.segments]
+            buffered = [Option(replace(spec, segments=(segment,)), staged(1, cache=True))
+                        for segment in decomposition.segments if segment[0] > 0 and plan.epochs > 1]
+            made = self.raw_estimates(model, each + buffered)
+            worst = max(corrected(made[option]) for option in each)
+            if worst <= available:
+                break
+            budget -= worst - available
+        else:
+            return _Cut(Decomposition((), ()), None, route), None, raw_cost(0, 1)
+        chosen: list[MemoryEstimate] = []
+        cached: list[int] = []
+        recomputed: list[int] = []
+        needs: list[int] = []
+        for number, (option, segment) in enumerate(zip(each, decomposition.segments), start=1):
+            estimate = made[option]
+            if segment[0] > 0 and plan.epochs > 1:
+                with_buffer = made[replace(option, plan=staged(1, cache=True))]
+                if corrected(with_buffer) <= available:
+                    estimate = with_buffer
+                    cached.append(number)
+                else:
+                    recomputed.append(number)
+                    needs.append(corrected(with_buffer))
+            elif segment[0] > 0:
+                recomputed.append(number)
+            chosen.append(estimate)
+        schedule = tuple(Stage(plan.epochs, route, number in cached)
+                         for number in range(1, len(decomposition.segments) + 1))
+        cut = _Cut(decomposition, None, route, tuple(cached), tuple(recomputed), min(needs) if needs else None)
+        return cut, Option(spec, replace(plan, schedule=schedule)), max(chosen, key=lambda e: e.total)
 
     def _check_compatible(self, task: Task, plan: TrainingPlan) -> None:
         if task.model.in_channels != self.data.in_channels:

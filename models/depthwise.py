@@ -1,7 +1,8 @@
 """Depth-wise training views (FeDepth): train one segment of consecutive blocks and a head, nothing else.
 
 Blocks before the segment run under ``torch.no_grad()`` (frozen: no gradients, nothing saved for backward, only
-their output exists), the segment's blocks are trained, blocks after it are skipped. The segment's output
+their output exists), or ran once before the stage (:func:`frozen_outputs`, FeDepth's buffered activations), the
+segment's blocks are trained, blocks after it are skipped. The segment's output
 reaches a classifier by one of two routes:
 
 - ``"skip"`` (FeDepth's skip connection): every ``s``-th row and column is kept (``s = ceil(size / head size)``)
@@ -16,6 +17,7 @@ decomposition: the fewest consecutive segments that each fit a budget, skipping 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from torch.nn import functional as F
 
 from models.net import FamilyNet
 
-__all__ = ["Decomposition", "SegmentModel", "cut_by_block_costs", "cut_segments", "output_shape"]
+__all__ = ["Decomposition", "SegmentModel", "cut_by_block_costs", "cut_segments", "frozen_outputs", "output_shape"]
 
 
 def output_shape(model: FamilyNet, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -46,10 +48,12 @@ class SegmentModel(nn.Module):
     Construction freezes every parameter of ``model`` but the segment's and the head's (``requires_grad``
     changed in place, so ``[p for p in model.parameters() if p.requires_grad]`` is what an optimizer gets);
     :meth:`release` makes every parameter trainable again. ``forward_exits`` returns the one output.
+    ``frozen_input``: inputs are already the frozen blocks' outputs (from :func:`frozen_outputs`);
+    ``input_shape`` is still that of the model's own input.
     """
 
     def __init__(self, model: FamilyNet, start: int, stop: int, input_shape: tuple[int, ...],
-                 route: str = "skip") -> None:
+                 route: str = "skip", *, frozen_input: bool = False) -> None:
         super().__init__()
         count = len(model.blocks)
         if not 0 <= start < stop <= count:
@@ -58,6 +62,7 @@ class SegmentModel(nn.Module):
             raise ValueError(f"route must be 'skip' or 'exit', got {route!r}.")
         self.model = model
         self.start, self.stop, self.route = start, stop, route
+        self.frozen_input = frozen_input
         if route == "exit" and stop < count:
             if stop - 1 not in model.exit_blocks:
                 raise ValueError(f"route 'exit' needs an exit after block {stop - 1}; the spec has exits at "
@@ -81,9 +86,10 @@ class SegmentModel(nn.Module):
 
     def forward_exits(self, x: torch.Tensor) -> list[torch.Tensor]:
         blocks = self.model.blocks
-        with torch.no_grad():
-            for block in blocks[: self.start]:
-                x = block(x)
+        if not self.frozen_input:
+            with torch.no_grad():
+                for block in blocks[: self.start]:
+                    x = block(x)
         for block in blocks[self.start:self.stop]:
             x = block(x)
         if self.skip:
@@ -100,6 +106,33 @@ class SegmentModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_exits(x)[0]
+
+
+def frozen_outputs(model: FamilyNet, stop: int, x: torch.Tensor, batch_size: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The outputs of blocks ``0..stop-1`` for every sample of ``x`` (on ``device``), computed without gradients
+    in batches of ``batch_size`` in the samples' order, the model in its current (train) mode.
+
+    Under static BN the frozen blocks normalise with the statistics of the batch they run in, so a sample's
+    buffered output is the one of its batch here, where recomputing gives that of the training batch it falls
+    in each epoch; both are batch statistics of the same frozen weights. A last batch of one sample joins the
+    one before it (batch statistics cannot normalise a single sample).
+    """
+    bounds = list(range(0, len(x), batch_size)) + [len(x)]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
+        del bounds[-2]
+    result: torch.Tensor | None = None
+    with torch.no_grad():
+        for start, end in itertools.pairwise(bounds):
+            out = x[start:end].to(device)
+            for block in model.blocks[:stop]:
+                out = block(out)
+            if result is None:  # filled in place: the buffer is all that stays
+                result = out.new_empty((len(x), *out.shape[1:]))
+            result[start:end] = out
+            del out
+    assert result is not None, "no samples"
+    return result
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,10 @@ exits with its softmax temporaries), then backward; a plan with several copies (
 their parameters and optimizer state included. Depth-wise training (a spec with segments, FeDepth) is
 traced one stage at a time through the same :class:`models.depthwise.SegmentModel` the interpreter trains:
 blocks before the segment run without autograd (frozen: no gradients, no optimizer state, nothing saved), the
-segment and its head are trained; the estimate of a run is that of its most expensive stage.
+segment and its head are trained; the estimate of a run is that of its most expensive stage. A stage whose
+frozen blocks' outputs are buffered for its epochs (``Stage.cache``) adds the buffer, ``samples`` times the
+segment input's bytes per sample, to that stage's traced peak (an upper bound of both building the buffer and
+training from it, which no longer runs the frozen blocks per batch).
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -232,6 +235,7 @@ class _Trace:
     fb_peak: int  # peak live bytes of forward + backward, parameters and optimizer state excluded
     after_backward: int  # live bytes after backward (gradients, the batch), parameters excluded
     frozen_peak: int  # peak live bytes of the frozen blocks' forward pass above the batch (block training)
+    segment_input: int = 0  # bytes of the input batch of the trained segment (block training)
 
 
 _CE = (LossTerm("ce"),)
@@ -265,9 +269,10 @@ def _trace(
     tracker.ignore(params)
     marks: dict[str, int] = {}
 
-    def segment_starts(_module: nn.Module, _args: Any) -> None:
+    def segment_starts(_module: nn.Module, args: Any) -> None:
         # The peak so far when the trained segment starts is the peak of the frozen blocks' forward pass.
         marks.setdefault("frozen", tracker.peak)
+        marks.setdefault("segment_input", int(args[0].nbytes))
 
     if segment is not None:
         model.blocks[segment[0]].register_forward_pre_hook(segment_starts)
@@ -295,6 +300,7 @@ def _trace(
         fb_peak=tracker.peak,
         after_backward=after_backward,
         frozen_peak=marks.get("frozen", batch) - batch,
+        segment_input=marks.get("segment_input", 0),
     )
 
 
@@ -319,7 +325,8 @@ def _step_temporaries(trainable: Sequence[int], slots: int, device: str) -> int:
 class MemoryEstimate:
     """Estimated peak training memory in bytes, and its parts (see the module docstring).
 
-    ``total`` is the sum of the six parts.
+    ``total`` is the sum of the seven parts (``cache``: the buffered outputs of frozen blocks, depth-wise stages
+    only).
     """
 
     parameters: int
@@ -329,6 +336,7 @@ class MemoryEstimate:
     workspace: int
     overhead: int
     device: str = "cpu"
+    cache: int = 0
     total: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -339,6 +347,7 @@ class MemoryEstimate:
             self.activations,
             self.workspace,
             self.overhead,
+            self.cache,
         )
         object.__setattr__(self, "total", sum(parts))
 
@@ -351,6 +360,7 @@ class MemoryEstimate:
             "activations": self.activations,
             "workspace": self.workspace,
             "overhead": self.overhead,
+            "cache": self.cache,
             "total": self.total,
             "device": self.device,
         }
@@ -389,6 +399,7 @@ def estimate_training_memory(
     segment: tuple[int, int] | None = None,
     route: str = "skip",
     copies: int = 1,
+    cache_samples: int = 0,
 ) -> MemoryEstimate:
     """Estimate the peak memory of training ``family`` at ``spec`` (see the module docstring).
 
@@ -416,6 +427,9 @@ def estimate_training_memory(
     copies:
         Models of ``spec`` trained side by side on every batch (m-FeDepth's mutual distillation): all their
         parameters, gradients, optimizer state and activations count. Only with the whole sub-model.
+    cache_samples:
+        With a ``segment`` after block 0: the frozen blocks' outputs for this many samples are buffered for the
+        stage (``Stage.cache``); their bytes are the estimate's ``cache``. 0: recomputed every batch.
 
     Results are cached per family and arguments. The first call in a process takes about a second (torch loads
     its meta kernels, see the module docstring for the memory this costs); later ones take about 40 ms for the
@@ -434,6 +448,8 @@ def estimate_training_memory(
         raise ValueError("loss must be a non-empty sequence of protocol.LossTerm.")
     segment = _check_segment(segment)
     copies = check_positive_int("copies", copies)
+    if isinstance(cache_samples, bool) or not isinstance(cache_samples, int) or cache_samples < 0:
+        raise ValueError(f"cache_samples must be a non-negative integer, got {cache_samples!r}.")
     if copies > 1 and (segment is not None or spec.segments is not None):
         raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
     if segment is None and spec.segments is not None:
@@ -445,8 +461,9 @@ def estimate_training_memory(
            route, copies)
     with _lock:
         cached = _cache.get(family, {}).get(key)
-    if isinstance(cached, MemoryEstimate):
-        return cached
+    if cached is not None:
+        known, per_sample = cached
+        return _with_cache(known, per_sample, cache_samples, segment)
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
         trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies)
     gradients = sum(trace.trainable)
@@ -470,9 +487,19 @@ def estimate_training_memory(
         overhead=overhead,
         device=kind,
     )
+    per_sample = trace.segment_input // batch_size
     with _lock:
-        _cache.setdefault(family, {})[key] = estimate
-    return estimate
+        _cache.setdefault(family, {})[key] = (estimate, per_sample)
+    return _with_cache(estimate, per_sample, cache_samples, segment)
+
+
+def _with_cache(estimate: MemoryEstimate, per_sample: int, samples: int,
+                segment: tuple[int, int] | None) -> MemoryEstimate:
+    """``estimate`` with the buffer of ``samples`` frozen outputs of ``per_sample`` bytes each (none before block 0
+    or without samples)."""
+    if samples == 0 or segment is None or segment[0] == 0:
+        return estimate
+    return replace(estimate, cache=samples * per_sample)
 
 
 def estimate_plan_memory(
@@ -483,15 +510,18 @@ def estimate_plan_memory(
     input_size: tuple[int, int] = (28, 28),
     device: str = "cpu",
     allocator: str = "compact",
+    samples: int = 0,
 ) -> MemoryEstimate:
     """The estimated peak of running ``plan`` on ``spec``: its batch size, its optimizer (SGD with momentum
-    keeps one state tensor per parameter), its loss, and each of its stages; the most expensive stage counts."""
+    keeps one state tensor per parameter), its loss, and each of its stages; the most expensive stage counts.
+    ``samples``: the local data's size, which the buffer of a stage with ``cache`` holds."""
     spec = family.validate_spec(spec)
     slots = 1 if plan.optimizer.momentum > 0 else 0
     estimates = [
         estimate_training_memory(family, spec, batch_size=plan.batch_size, input_size=input_size,
                                  optimizer_slots=slots, device=device, allocator=allocator, loss=plan.loss,
-                                 segment=segment, route=stage.route, copies=plan.copies)
+                                 segment=segment, route=stage.route, copies=plan.copies,
+                                 cache_samples=samples if stage.cache else 0)
         for segment, stage in stages(spec, plan)
     ]
     return max(estimates, key=lambda e: e.total)

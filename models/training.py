@@ -7,7 +7,9 @@ coordinator's own training on server data. A plan says nothing about the paper i
 A run is a sequence of stages: one stage training the whole sub-model for ``plan.epochs`` epochs, or, for a
 spec with segments, one per segment in order (:class:`models.depthwise.SegmentModel`), each for its
 ``plan.schedule`` entry's epochs. Every stage makes its own SGD optimizer over the parameters it trains, so
-momentum does not leak from one segment into the next, and starts from the weights the previous stage left.
+momentum does not leak from one segment into the next, and starts from the weights the previous stage left. A
+stage with ``cache`` runs its frozen blocks once over the local data at its start and trains from their
+buffered outputs (:func:`models.depthwise.frozen_outputs`); the batches are drawn as without it.
 
 A plan with ``copies`` M > 1 trains M models of the spec side by side (whole, never depth-wise). Every batch
 first runs through the other copies without autograd (their predictions before this step), then each copy in
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.depthwise import SegmentModel
+from models.depthwise import SegmentModel, frozen_outputs
 from models.family import ModelFamily
 from models.net import FamilyNet
 from models.spec import SubmodelSpec
@@ -209,8 +211,14 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
     for index, (segment, stage) in enumerate(planned):
         if on_stage is not None:
             on_stage(index, "start")
-        net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route)
+        cached = segment is not None and stage.cache and segment[0] > 0
+        net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route,
+                                                                    frozen_input=cached)
+        inputs_of = x
         try:
+            if cached:
+                assert segment is not None
+                inputs_of = frozen_outputs(model, segment[0], x, plan.batch_size, device)
             # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
             groups = [[p for p in m.parameters() if p.requires_grad] for m in (model, *copies)]
             params = [p for group in groups for p in group]
@@ -222,7 +230,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     batch = order[start:start + plan.batch_size]
                     if len(batch) < 2:
                         continue  # a last batch of one sample: batch-statistics BN cannot normalise it
-                    inputs, targets = x[batch].to(device), y[batch].to(device)
+                    inputs, targets = inputs_of[batch].to(device), y[batch].to(device)
                     optimizer.zero_grad(set_to_none=True)
                     loss = backward_step(net, inputs, targets, plan.loss, mask, copies)
                     if not torch.isfinite(loss):
@@ -241,6 +249,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     p.grad = None
             if isinstance(net, SegmentModel):
                 net.release()
+            del inputs_of  # the stage's buffer, if any
         if on_stage is not None:
             on_stage(index, "end")
     mean_loss = total_loss / seen if seen else math.nan

@@ -25,7 +25,7 @@ from protocol.messages import (
     Task,
     Update,
 )
-from protocol.plan import Recipe, read_training_plan
+from protocol.plan import ROUTES, Recipe, read_training_plan
 
 HEADER = ("v", "type")
 KIND_OF: dict[type, str] = {
@@ -85,8 +85,12 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
     if isinstance(obj, dict) and "kind" in obj and obj["kind"] not in ADAPTATION_KINDS:
         raise ProtocolError(f"{where}.kind: unknown adaptation kind {shown(obj.get('kind'))}; this side knows "
                             f"{', '.join(ADAPTATION_KINDS)} (upgrade it to run this task)")
-    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates"))
+    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates", "route"))
     kind = r.text("kind", ADAPTATION_KINDS)
+    route = "skip" if r.raw("route") is None else r.text("route", ROUTES)
+    if route != "skip" and kind != "depthwise":
+        raise ProtocolError(f"{r.label('route')}: only a 'depthwise' adaptation has a route, got {route!r} with "
+                            f"{kind!r}")
     raw_candidates = r.raw("candidates")
     raw_candidates = [] if raw_candidates is None else raw_candidates
     if not isinstance(raw_candidates, list) or len(raw_candidates) > MAX_CANDIDATES:
@@ -104,7 +108,7 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
         raise ProtocolError(f"{where}: a 'ladder' adaptation needs at least one candidate")
     if kind == "width-levels" and not rates:
         raise ProtocolError(f"{where}: a 'width-levels' adaptation needs 'rates'")
-    return Adaptation(kind=kind, candidates=candidates, rates=rates)
+    return Adaptation(kind=kind, candidates=candidates, rates=rates, route=route)
 
 
 def read_agent_status(obj: object, limits: Limits) -> AgentStatus:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import numpy as np
 
@@ -76,13 +76,18 @@ class Adaptation:
     ``"ladder"``: the ``candidates``, largest first; the agent trains the first that fits (the plan of the task
     keeps its seed). ``"depthwise"`` (FeDepth): the agent trains the spec it was sent whole if that fits, else
     depth-wise, in the fewest consecutive segments of blocks that each fit what it has, skipping the blocks that
-    fit nowhere (partial training). ``"width-levels"``: the hint of coordinators that predate ladders, HeteroFL's uniform
-    width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
+    fit nowhere (partial training); ``route`` says how a segment's output reaches a classifier (``ROUTES``:
+    ``"skip"``, the skip connection to the final head, or ``"exit"``, the auxiliary classifier after the
+    segment, which the sent spec must carry). ``"width-levels"``: the hint of coordinators that predate ladders,
+    HeteroFL's uniform width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
     """
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("route",)
 
     kind: str
     candidates: list[Candidate] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
+    route: str = "skip"
 
 
 @dataclass

@@ -118,10 +118,19 @@ class LossTerm:
 
 @dataclass(frozen=True)
 class Stage:
-    """Settings of one depth-wise stage (one segment of the spec), in the spec's segment order."""
+    """Settings of one depth-wise stage (one segment of the spec), in the spec's segment order.
+
+    ``cache``: the frozen blocks before the segment run once over the local data at the stage's start and
+    their outputs are reused for all its epochs (FeDepth's buffered activations), instead of running again for
+    every batch. It saves compute from the second epoch on and costs memory for the whole data's activations;
+    the agent sets it when that fits.
+    """
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("cache",)
 
     epochs: int = 1
     route: str = "skip"
+    cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,8 +229,9 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
 
 
 def _read_stage(obj: object, where: str, limits: Limits) -> Stage:
-    r = FieldReader(obj, where, limits, Stage)
-    return Stage(epochs=r.integer("epochs", minimum=1), route=r.text("route", ROUTES))
+    r = FieldReader(obj, where, limits, Stage, optional=("cache",))
+    return Stage(epochs=r.integer("epochs", minimum=1), route=r.text("route", ROUTES),
+                 cache=r.raw("cache") is not None and r.boolean("cache"))
 
 
 def _read_list(value: object, where: str, most: int) -> list[object]:

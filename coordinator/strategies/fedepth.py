@@ -5,7 +5,9 @@ Every selected device gets the whole full-size model and a ``depthwise`` adaptat
 when that fits its memory, and otherwise cuts the body into the fewest consecutive segments whose training each
 fits (memory-adaptive decomposition, decided on the device from its own calibrated estimates) and trains them one
 after another, each with the classifier head through the skip path, the blocks before it frozen (depth-wise
-sequential learning). Blocks that fit nowhere are skipped (partial training): not trained, not uploaded. A device
+sequential learning), or, with ``fedepth.route: exit``, each through the auxiliary classifier after it (the
+global model then carries one after every block, trained only by the devices whose segments end there). Blocks
+that fit nowhere are skipped (partial training): not trained, not uploaded. A device
 that can hold more than one copy of the whole model trains up to ``fedepth.max_copies`` of them with mutual
 distillation (m-FeDepth) and uploads one. Aggregation is the sample-weighted mean of what each device trained
 (Alg. 1 line 7), masked so that skipped blocks do not dilute it.
@@ -23,7 +25,7 @@ from coordinator.strategies.base import EvalTarget, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
 from models.depthwise import cut_segments
-from protocol import Adaptation, LossTerm, TrainingPlan
+from protocol import Adaptation, LossTerm, Stage, TrainingPlan
 
 __all__ = ["FeDepth"]
 
@@ -34,18 +36,23 @@ class FeDepth(LevelStrategy):
     name = "fedepth"
 
     def make_levels(self) -> list[Level]:
-        return [Level("full", SubmodelSpec.full(), {})]
+        exits = self.family.exit_points if self.config.fedepth.route == "exit" else ()
+        return [Level("full", SubmodelSpec(exits=exits), {})]
+
+    def global_spec(self) -> SubmodelSpec:
+        """The full model, with an auxiliary classifier after every block when segments train through them."""
+        return self.levels[0].spec
 
     def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
         return self.levels[0]  # the device decides how to fit it
 
     def ladder(self, level: Level, round_number: int) -> Adaptation | None:
-        return Adaptation("depthwise")
+        return Adaptation("depthwise", route=self.config.fedepth.route)
 
     def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
-        """The full model trained once (one copy): what budgets are fractions of."""
-        spec, plan = super().largest_task()
-        return spec, replace(plan, copies=1)
+        """The full model trained whole, once (one copy, no auxiliary classifiers): what budgets are fractions of."""
+        _, plan = super().largest_task()
+        return SubmodelSpec.full(), replace(plan, copies=1)
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
         """The recipe's plan, with up to ``fedepth.max_copies`` copies and their mutual distillation term (a
@@ -64,26 +71,42 @@ class FeDepth(LevelStrategy):
     def eval_targets(self) -> dict[str, EvalTarget]:
         return {"global": EvalTarget("global", self.global_spec(), store_bn=True)}
 
+    def describe(self) -> list[dict[str, Any]]:
+        """The one model every device gets, with the memory of training it whole once (what budgets are shares
+        of) and, when m-FeDepth is on, with all its copies."""
+        spec, plan = self.largest_task()
+        row: dict[str, Any] = {"name": "full", "spec": self.global_spec().describe(),
+                               "params": self.family.param_count(self.global_spec()),
+                               "flops": self.family.flops(spec, self.context.input_size),
+                               "train_bytes": self.training_cost(spec, plan)}
+        copies = self.config.fedepth.max_copies
+        if copies > 1:
+            row[f"x{copies}_copies_train_bytes"] = self.training_cost(spec, self.level_plan(self.levels[0], 1))
+        return [row]
+
     def plan_for_budget(self, budget: int) -> dict[str, Any]:
         """The decomposition a device with ``budget`` bytes would train, from the coordinator's own estimates (a
         device decides with its calibrated ones): its segments, the blocks it skips, and each segment's memory."""
-        full = self.levels[0]
-        capped = self.level_plan(full, 1)
+        capped = self.level_plan(self.levels[0], 1)
         for copies in range(capped.copies, 1, -1):
-            train_bytes = self.training_cost(full.spec, replace(capped, copies=copies))
+            train_bytes = self.training_cost(SubmodelSpec.full(), replace(capped, copies=copies))
             if train_bytes <= budget:
                 return {"trains": f"whole, {copies} copies", "train_bytes": train_bytes}
         plan = replace(capped, copies=1)
-        whole = self.training_cost(full.spec, plan)
+        whole = self.training_cost(SubmodelSpec.full(), plan)
         if whole <= budget:
             return {"trains": "whole", "train_bytes": whole}
         blocks = self.family.num_blocks
+        route = self.config.fedepth.route
+        staged = replace(plan, schedule=(Stage(plan.epochs, route),))
 
         def cost(start: int, stop: int) -> float:
-            return float(self.training_cost(SubmodelSpec(segments=((start, stop),)), plan))
+            exits = (stop - 1,) if route == "exit" and stop < blocks else ()
+            return float(self.training_cost(SubmodelSpec(exits=exits, segments=((start, stop),)), staged))
 
         cut = cut_segments(cost, blocks, budget)
         if not cut.segments:
             return {"trains": "nothing", "smallest_block_bytes": int(min(cost(b, b + 1) for b in range(blocks)))}
-        return {"trains": "depth-wise", "segments": cut.describe(),
+        return {"trains": "depth-wise" + (" via auxiliary classifiers" if route == "exit" else ""),
+                "segments": cut.describe(),
                 "train_bytes": [int(cost(*segment)) for segment in cut.segments]}

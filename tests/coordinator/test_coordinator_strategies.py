@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordinator.aggregation import grid
-from coordinator.config import HETEROFL_RATES, CoordinatorConfig, ModelConfig
+from coordinator.config import HETEROFL_RATES, CoordinatorConfig, FedAvgConfig, ModelConfig
 from coordinator.levels import width_levels
 from coordinator.strategies import (
     ALGORITHM_NAMES,
@@ -309,6 +309,15 @@ def test_fedavg_eval_targets_are_full_model_only(make):
     assert targets["global"].store_bn and not targets["a"].store_bn
     spec, plan = strategy.largest_task()
     assert spec.is_full and plan == base_plan(strategy.config.recipe)
+
+
+def test_fedavg_at_a_thin_width_measures_budgets_against_the_full_model(make):
+    strategy = make("fedavg", fedavg=FedAvgConfig(width=0.25))
+    assert strategy.levels[0].spec == SubmodelSpec.uniform(0.25)
+    spec, plan = strategy.largest_task()  # budgets are shares of this: the same fleet as the other algorithms
+    assert spec.is_full and plan == base_plan(strategy.config.recipe)
+    tier = strategy.plan_for_budget(strategy.training_cost(spec, plan) // 2)
+    assert tier["spec"] == "width=0.25" and tier["fits"] is True
 
 
 # ---------------------------------------------------------------------------------------------- Decoupled

@@ -83,3 +83,42 @@ def test_plan_for_budget_cuts_by_the_estimates(make_context):
     described = strategy.plan_for_budget(300)
     assert described["trains"] == "depth-wise" and "skipped 0" in described["segments"]
     assert strategy.plan_for_budget(100) == {"trains": "nothing", "smallest_block_bytes": 200}
+
+
+def test_auxiliary_classifier_route_sends_an_exit_after_every_block(make_context, make_agent):
+    strategy = fedepth(make_context, route="exit")
+    exits = strategy.family.exit_points
+    assert exits == (0, 1)  # every block but the last (three blocks)
+    [task] = strategy.configure_round(1, [make_agent("a", None)], random.Random(0)).tasks
+    assert task.spec == SubmodelSpec(exits=exits) == strategy.global_spec()
+    assert task.adaptation == Adaptation("depthwise", route="exit")
+    assert strategy.largest_task()[0] == SubmodelSpec.full()  # budgets: the model trained whole, no classifiers
+    assert set(strategy.initial_states(0)["global"]) == set(strategy.family.shapes(SubmodelSpec(exits=exits)))
+
+
+def test_plan_for_budget_through_auxiliary_classifiers_costs_each_segment_with_its_exit(make_context):
+    seen: list[SubmodelSpec] = []
+
+    def cost(spec: SubmodelSpec, plan: TrainingPlan) -> int:
+        if spec.segments is None:
+            return 1000
+        seen.append(spec)
+        assert plan.schedule[0].route == "exit"
+        (start, stop), = spec.segments
+        return sum((500, 300, 200)[start:stop]) + 50 * len(spec.exits)
+
+    strategy = fedepth(make_context, cost=cost, route="exit")
+    assert strategy.plan_for_budget(600) == {"trains": "depth-wise via auxiliary classifiers", "segments": "0 | 1-2",
+                                             "train_bytes": [550, 500]}
+    assert SubmodelSpec(exits=(0,), segments=((0, 1),)) in seen and SubmodelSpec(segments=((1, 3),)) in seen
+
+
+def test_describe_shows_the_whole_model_once_and_with_its_copies(make_context):
+    strategy = fedepth(make_context, cost=lambda spec, plan: 1000 * plan.copies)
+    [row] = strategy.describe()
+    assert row["name"] == "full" and row["train_bytes"] == 1000 and row["x2_copies_train_bytes"] == 2000
+
+
+def test_an_unknown_route_is_one_sentence():
+    with pytest.raises(ValueError, match="fedepth.route must be one of skip, exit, got 'teleport'"):
+        FeDepthConfig(route="teleport").validate()

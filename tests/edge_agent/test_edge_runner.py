@@ -574,7 +574,8 @@ def test_depthwise_cuts_the_fewest_segments_that_fit(deep_family, make_deep_task
         make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
     assert update.status == "adapted", update.reason
     assert update.spec_trained == SubmodelSpec(segments=((0, 2), (2, 3))).to_dict()
-    assert update.reason.startswith("trained depth-wise, blocks 0-1 | 2, to fit ")
+    assert update.reason.startswith("trained depth-wise, blocks 0-1 | 2 via the skip path; frozen blocks recomputed "
+                                    "every batch in stage 2 (one epoch a stage), to fit ")
     assert set(update.weights) == set(deep_family.trainable_keys(SubmodelSpec.full()))  # every block trained
     assert update.metrics["stages"] == 2.0
     assert {"stage_peak_bytes.0", "stage_peak_bytes.1"} <= set(update.metrics)
@@ -603,3 +604,68 @@ def test_depthwise_declines_when_no_block_fits_alone(deep_family, make_deep_task
         make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
     assert update.status == "declined"
     assert "no block fits alone, the smallest needs" in update.reason and update.weights == {}
+
+
+def test_depthwise_buffers_the_frozen_outputs_of_a_stage_of_several_epochs_when_they_fit(
+        deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan(epochs=2)
+    cost = {(a, b): corrected_cost(deep_family, SubmodelSpec(segments=((a, b),)), plan) for a, b in ((0, 2), (0, 3))}
+    budget = (cost[(0, 2)] + cost[(0, 3)]) // 2  # blocks 0-1, then block 2 on their buffered outputs
+    update = make_runner(budget=budget).run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == SubmodelSpec(segments=((0, 2), (2, 3))).to_dict()
+    assert "via the skip path; frozen blocks' outputs buffered in stage 2, to fit" in update.reason
+    assert update.metrics["cached_stages"] == 1.0 and update.metrics["stages"] == 2.0
+    buffered = estimate_plan_memory(deep_family, SubmodelSpec(segments=((2, 3),)),
+                                    replace(plan, schedule=(Stage(2, cache=True),)), input_size=(8, 8), samples=16)
+    assert buffered.cache > 0  # the 16 samples' outputs of block 1
+    assert update.metrics["estimated_bytes"] <= budget
+
+
+def test_depthwise_recomputes_the_frozen_blocks_when_their_buffer_does_not_fit(
+        deep_family, make_deep_task, make_runner, task_plan, local_data):
+    plan = task_plan(epochs=2)
+    data = local_data(n=4096)  # block 1's outputs of 4096 samples outweigh the budget
+    cost = {(a, b): corrected_cost(deep_family, SubmodelSpec(segments=((a, b),)), plan) for a, b in ((0, 2), (0, 3))}
+    budget = (cost[(0, 2)] + cost[(0, 3)]) // 2
+    update = make_runner(data, budget=budget).run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == SubmodelSpec(segments=((0, 2), (2, 3))).to_dict()
+    assert "; frozen blocks recomputed every batch in stage 2 (buffering needs " in update.reason
+    assert update.metrics["cached_stages"] == 0.0
+
+
+def test_depthwise_through_auxiliary_classifiers_trains_the_exit_closing_each_segment(
+        deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan()
+    sent = SubmodelSpec(exits=(0, 1))  # an auxiliary classifier after every block but the last
+
+    def cost(a: int, b: int) -> int:
+        exits = (b - 1,) if b < 3 else ()
+        return corrected_cost(deep_family, SubmodelSpec(exits=exits, segments=((a, b),)),
+                              replace(plan, schedule=(Stage(1, "exit"),)))
+
+    budget = (cost(0, 2) + cost(0, 3)) // 2
+    update = make_runner(budget=budget).run(
+        make_deep_task(sent, plan=plan, adaptation=Adaptation("depthwise", route="exit")))
+    trained = SubmodelSpec(exits=(1,), segments=((0, 2), (2, 3)))
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == trained.to_dict()
+    assert "blocks 0-1 | 2 via auxiliary classifiers" in update.reason
+    assert set(update.weights) == set(deep_family.trainable_keys(trained))
+    exit_keys = set(deep_family.state_keys(SubmodelSpec(exits=(1,)))) - set(deep_family.state_keys())
+    assert exit_keys and exit_keys <= set(update.weights)  # the classifier of segment 0-1 trained and uploaded
+    assert not set(update.weights) - set(deep_family.state_keys(sent))
+
+
+def test_depthwise_through_auxiliary_classifiers_trains_whole_through_the_models_own_head(
+        deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan()
+    whole = corrected_cost(deep_family, SubmodelSpec.full(), plan)
+    update = make_runner(budget=whole + 1000).run(
+        make_deep_task(SubmodelSpec(exits=(0, 1)), plan=plan, adaptation=Adaptation("depthwise", route="exit")))
+    assert update.status == "ok", update.reason
+    assert update.spec_trained == SubmodelSpec.full().to_dict()  # the auxiliary classifiers are not trained
+    assert set(update.weights) == set(deep_family.trainable_keys(SubmodelSpec.full()))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.config import FeDepthConfig
 from fedfit.sim.broker import Broker
 from fedfit.sim.harness import SimOptions, run_simulation
 
@@ -124,6 +125,9 @@ def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto: Brok
         assert task["spec_trained"] == "width=1 segments=0:1,1:2,2:3", task
         assert task["reason"].startswith("trained depth-wise, blocks 0 | 1 | 2")
         assert len(task["stage_peak_bytes"]) == 3 and task["peak_bytes"] == max(task["stage_peak_bytes"])
+        # Two epochs a stage: the reason says whether stages 2 and 3 buffer their frozen blocks' outputs or run
+        # them every batch (here the buffer of ~300 digits does not fit beside a block).
+        assert "; frozen blocks recomputed every batch in stages 2, 3 (buffering needs " in task["reason"], task
     for task in mutual:
         assert task["copies"] == 2 and "trained 2 of up to 2 copies" in task["reason"], task
     # Each rich device keeps its own auxiliary copy between rounds; nobody else has one.
@@ -131,3 +135,26 @@ def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto: Brok
     assert kept == sorted({t["agent"] for t in mutual})
     assert report["rounds"][-1]["participants"] == 4
     assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
+
+
+def test_fedepth_through_auxiliary_classifiers_end_to_end(mosquitto: Broker, tmp_path: Path) -> None:
+    # 70% of the full CNN's training memory trains depth-wise, each segment through the auxiliary classifier
+    # after it; 150% trains the whole model through its own head (one copy: m-FeDepth off).
+    base = tiny_config()
+    base.fedepth = FeDepthConfig(max_copies=1, route="exit")
+    options = SimOptions(algorithm="fedepth", agents=4, rounds=2, dataset="digits", partition="iid", seed=2,
+                         federation="e2e-fedepth-exits", broker=f"{mosquitto.host}:{mosquitto.port}", base=base,
+                         state_dir=str(tmp_path / "fedepth-exits"), budgets="fractions:0.7,1.5")
+    report = run_simulation(options, progress=None).report
+    tasks = report["tasks"]
+    assert len(tasks) == 8 and all(t["spec_sent"] == "width=1 exits=0,1" for t in tasks), tasks
+    depthwise = [t for t in tasks if t["status"] == "adapted"]
+    whole = [t for t in tasks if t["status"] == "ok"]
+    assert len(depthwise) == len(whole) == 4, tasks
+    for task in depthwise:
+        assert "segments=" in task["spec_trained"] and "exits=" in task["spec_trained"], task
+        assert "via auxiliary classifiers" in task["reason"], task
+    assert all(t["spec_trained"] == "width=1" for t in whole)  # no classifier trained whole
+    last = report["rounds"][-1]
+    assert last["participants"] == 4 and set(last["exit_accuracy"]) == {"exit1", "exit2", "exit3"}, last
+    assert last["global_accuracy"] > 0.4, report["rounds"]

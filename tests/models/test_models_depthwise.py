@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, get_family
-from models.depthwise import cut_by_block_costs, cut_segments, output_shape
+from models.depthwise import cut_by_block_costs, cut_segments, frozen_outputs, output_shape
 
 Case = tuple[ModelFamily, tuple[int, int]]
 
@@ -229,3 +229,38 @@ def test_cut_takes_any_monotone_segment_cost() -> None:
     assert (0, 4) in calls and (0, 5) not in calls  # stops extending once a segment no longer fits
     with pytest.raises(ValueError, match="non-negative"):
         cut_by_block_costs([1.0, -1.0], 5.0)
+
+
+# ---------------------------------------------------------------------------------------------- buffering
+def test_frozen_outputs_are_the_frozen_blocks_outputs_without_autograd(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec.uniform(0.5))
+    x = torch.randn(6, family.in_channels, *size)
+    with torch.no_grad():
+        expected = x
+        for block in model.blocks[:2]:
+            expected = block(expected)
+    buffered = frozen_outputs(model, 2, x, batch_size=6)  # one batch: the same batch statistics
+    assert buffered.shape == expected.shape and not buffered.requires_grad
+    torch.testing.assert_close(buffered, expected)
+
+
+def test_frozen_outputs_run_in_batches_and_fold_a_last_single_sample_into_the_batch_before(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec.uniform(0.5))
+    x = torch.randn(7, family.in_channels, *size)
+    sizes: list[int] = []
+    model.blocks[0].register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    buffered = frozen_outputs(model, 1, x, batch_size=3)
+    assert sizes == [3, 4] and len(buffered) == 7  # 3 + 3 + 1: the single sample joins the second batch
+    with torch.no_grad():
+        torch.testing.assert_close(buffered[3:], model.blocks[0](x[3:]))
+
+
+def test_segment_on_buffered_inputs_matches_the_recomputed_segment(case: Case) -> None:
+    family, size = case
+    model = _build(family, SubmodelSpec.uniform(0.5))
+    x = torch.randn(4, family.in_channels, *size)
+    recomputed = SegmentModel(model, 2, 3, tuple(x.shape))(x)
+    buffered = SegmentModel(model, 2, 3, tuple(x.shape), frozen_input=True)(frozen_outputs(model, 2, x, 4))
+    torch.testing.assert_close(buffered, recomputed)

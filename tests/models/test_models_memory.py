@@ -27,7 +27,7 @@ RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
 Case = tuple[ModelFamily, tuple[int, int]]
 
-PARTS = ("parameters", "gradients", "optimizer_state", "activations", "workspace", "overhead")
+PARTS = ("parameters", "gradients", "optimizer_state", "activations", "workspace", "overhead", "cache")
 
 
 def _estimate(family: ModelFamily, size: tuple[int, int], **kwargs: object) -> MemoryEstimate:
@@ -336,6 +336,27 @@ def test_route_exit_trains_the_exit_after_the_segment(case: Case) -> None:
     assert est != skip
     with pytest.raises(ValueError, match="route 'exit' needs an exit after block 2"):
         _estimate(family, size, spec=spec, segment=(0, 3), route="exit")
+
+
+def test_a_buffered_stage_adds_the_frozen_outputs_of_every_sample(case: Case) -> None:
+    family, size = case
+    spec = SubmodelSpec(width=0.5, segments=((0, 2), (2, 3)))
+    model = family.build(spec, track_bn_stats=False)
+    with torch.no_grad():
+        out = torch.randn(1, family.in_channels, *size)
+        for block in model.blocks[:2]:
+            out = block(out)
+    per_sample = out.nbytes  # what the interpreter buffers per sample before block 2
+    recomputed = _estimate(family, size, spec=spec, segment=(2, 3))
+    buffered = _estimate(family, size, spec=spec, segment=(2, 3), cache_samples=100)
+    assert recomputed.cache == 0 and buffered.cache == 100 * per_sample
+    assert buffered.total == recomputed.total + 100 * per_sample
+    assert _estimate(family, size, spec=spec, segment=(0, 2), cache_samples=100).cache == 0  # nothing frozen
+    plan = TrainingPlan(batch_size=8, schedule=(Stage(2), Stage(2, cache=True)))
+    assert estimate_plan_memory(family, spec, plan, input_size=size, samples=100) == max(
+        (_estimate(family, size, spec=spec, segment=(0, 2), optimizer_slots=1), buffered), key=lambda e: e.total)
+    with pytest.raises(ValueError, match="cache_samples"):
+        _estimate(family, size, spec=spec, segment=(2, 3), cache_samples=-1)
 
 
 def _scalefl_loss(outputs: int) -> tuple[LossTerm, ...]:

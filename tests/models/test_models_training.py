@@ -403,9 +403,9 @@ class _Recorder(SegmentModel):
     made: ClassVar[list[tuple[int, int, str]]] = []
 
     def __init__(self, model: FamilyNet, start: int, stop: int, input_shape: tuple[int, ...],
-                 route: str = "skip") -> None:
-        super().__init__(model, start, stop, input_shape, route)
-        _Recorder.made.append((start, stop, route))
+                 route: str = "skip", *, frozen_input: bool = False) -> None:
+        super().__init__(model, start, stop, input_shape, route, frozen_input=frozen_input)
+        _Recorder.made.append((start, stop, route) + (("buffered",) if frozen_input else ()))
 
 
 def test_train_runs_one_stage_per_segment(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -602,3 +602,28 @@ def test_each_copy_is_clipped_on_its_own(monkeypatch: pytest.MonkeyPatch) -> Non
           copies=[other])
     per_model = len(list(model.parameters()))
     assert groups == [per_model, per_model]  # one step (8 samples, batch 8): each copy's gradient on its own
+
+
+def test_a_buffered_stage_trains_as_the_recomputed_one_when_a_batch_holds_all_the_data(case: Case,
+                                                                                       monkeypatch) -> None:
+    family, size = case
+    n = family.num_blocks
+    spec = SubmodelSpec(width=0.5, segments=((0, 1), (1, n)))
+    x = torch.randn(8, family.in_channels, *size, generator=torch.Generator().manual_seed(2))
+    y = torch.arange(8) % family.num_classes
+    trained = {}
+    _Recorder.made = []
+    monkeypatch.setattr("models.training.SegmentModel", _Recorder)
+    for cache in (False, True):
+        torch.manual_seed(0)
+        model = family.build(spec, track_bn_stats=False)
+        # One batch of all 8 samples: the frozen blocks see the same batch statistics either way.
+        schedule = (Stage(epochs=2, cache=cache), Stage(epochs=3, cache=cache))
+        result = train(model, spec, x, y, plan(batch_size=8, schedule=schedule),
+                       labels=list(range(family.num_classes)), num_classes=family.num_classes)
+        assert result.steps == 5
+        trained[cache] = model.state_dict()
+    # The first stage has nothing frozen before it: only the second runs on buffered outputs.
+    assert _Recorder.made == [(0, 1, "skip"), (1, n, "skip"), (0, 1, "skip"), (1, n, "skip", "buffered")]
+    for key, value in trained[False].items():
+        torch.testing.assert_close(trained[True][key], value, msg=key)

@@ -94,8 +94,11 @@ def test_task_with_plan_and_ladder_round_trips(
         Adaptation("ladder", [Candidate({"w": w / 64}, TrainingPlan(batch_size=w + 2)) for w in range(64)]),
         Adaptation("width-levels", rates=[1.0, 0.5, 0.25, 0.125]),
         Adaptation("width-levels", rates=[1]),
+        Adaptation("depthwise"),
+        Adaptation("depthwise", route="exit"),
     ],
-    ids=["absent", "none", "ladder", "ladder-64", "width-levels", "width-levels-int"],
+    ids=["absent", "none", "ladder", "ladder-64", "width-levels", "width-levels-int", "depthwise",
+         "depthwise-exit"],
 )
 def test_every_adaptation_kind_round_trips(adaptation: Adaptation | None, messages: dict[str, Message]) -> None:
     task = _task(messages)
@@ -115,7 +118,7 @@ def test_every_adaptation_kind_round_trips(adaptation: Adaptation | None, messag
         SEGMENT_PLAN,
         TrainingPlan.from_recipe(Recipe(1, 2, 1e-3, 0.0, 0.0, None, False, -7)),
         TrainingPlan(seed=2**63 - 1, loss=tuple(LossTerm.ce(output=-i) for i in range(1, 65))),
-        TrainingPlan(schedule=tuple(Stage(1 + i % 3, "exit" if i % 2 else "skip") for i in range(1024))),
+        TrainingPlan(schedule=tuple(Stage(1 + i % 3, "exit" if i % 2 else "skip", i % 5 == 0) for i in range(1024))),
     ],
     ids=["default", "sample", "candidate", "segments", "from-recipe", "64-terms", "1024-stages"],
 )
@@ -161,8 +164,8 @@ def test_plan_field_names_are_the_contract() -> None:
     assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies"]
     assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
     assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher"]
-    assert names(Stage) == ["epochs", "route"]
-    assert names(Adaptation) == ["kind", "candidates", "rates"]
+    assert names(Stage) == ["epochs", "route", "cache"]
+    assert names(Adaptation) == ["kind", "candidates", "rates", "route"]
     assert names(Candidate) == ["spec", "plan"]
     assert names(Recipe) == [
         "epochs", "batch_size", "lr", "momentum", "weight_decay", "clip_norm", "masked_ce", "seed",
@@ -384,6 +387,11 @@ REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
     ("optimizer-adam", "task", _put("plan.optimizer.kind", "adam"), ("task.plan.optimizer.kind", "'adam'")),
     ("route-unknown", "task", _put("plan.schedule.0.route", "teleport"), ("task.plan.schedule[0].route",)),
     ("no-loss-terms", "task", _put("plan.loss", []), ("task.plan.loss must hold at least one term",)),
+    ("stage-cache-text", "task", _put("plan.schedule.0.cache", "yes"), ("task.plan.schedule[0].cache",)),
+    ("route-on-a-ladder", "task", _put("adaptation.route", "exit"),
+     ("task.adaptation.route", "only a 'depthwise' adaptation has a route")),
+    ("route-unknown-depthwise", "task", lambda w: w.__setitem__("adaptation", {"kind": "depthwise", "route": "x"}),
+     ("task.adaptation.route",)),
     ("copies-0", "task", _put("plan.copies", 0), ("task.plan.copies must be >= 1",)),
     ("copies-above-limit", "task", _put("plan.copies", 9), ("task.plan.copies is 9, more than the limit of 8",)),
     ("copies-text", "task", _put("plan.copies", "2"), ("task.plan.copies",)),
@@ -466,9 +474,11 @@ def test_from_dict_applies_limits() -> None:
 def _wire_value(value: object) -> object:
     """Message values as msgpack primitives, written independently of the codec (and without its checks)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # A plan's copies stay off the wire at 1 (see test_copies_stay_off_the_wire_at_their_default...).
+        # Fields added later stay off the wire at their default (see test_copies_stay_off_the_wire_at_their_...).
+        later = {TrainingPlan: ("copies", 1), Stage: ("cache", False), Adaptation: ("route", "skip")}
+        name, default = later.get(type(value), ("", None))
         return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if not (isinstance(value, TrainingPlan) and f.name == "copies" and value.copies == 1)}
+                if not (f.name == name and getattr(value, f.name) == default)}
     if isinstance(value, dict):
         return {key: _wire_value(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -701,3 +711,12 @@ def test_a_task_of_one_copy_plans_carries_no_copies_field(messages: dict[str, Me
     wire = wire_of(messages["task"])  # its plan and its ladder candidates' plans train one copy
     assert "copies" not in wire["plan"]
     assert all("copies" not in candidate["plan"] for candidate in wire["adaptation"]["candidates"])
+
+
+def test_stage_cache_and_adaptation_route_stay_off_the_wire_at_their_defaults() -> None:
+    # Agents that predate them read every plan without cached stages and every skip-route adaptation.
+    assert TrainingPlan(schedule=(Stage(2, "skip"),)).to_dict()["schedule"] == [{"epochs": 2, "route": "skip"}]
+    cached = TrainingPlan(schedule=(Stage(2, "exit", cache=True),))
+    assert cached.to_dict()["schedule"] == [{"epochs": 2, "route": "exit", "cache": True}]
+    assert TrainingPlan.from_dict(cached.to_dict()) == cached
+    assert TrainingPlan.from_dict(TrainingPlan(schedule=(Stage(),)).to_dict()).schedule[0].cache is False
