@@ -3,7 +3,8 @@
 Run as ``.venv/bin/python benchmarks/memory.py`` (a benchmark, not a test: it prints, it never fails on a
 number). For each model family, several sub-model specs and batch sizes, depth-wise rows (FeDepth: a spec with
 segments, trained one after another with the blocks before each frozen; the measured peak is the child's
-highest stage peak, the estimate that of the costliest stage) for the CNN, PreResNet-18 and PreResNet-20, rows
+highest stage peak, the estimate that of the costliest stage) for the CNN, PreResNet-18 and PreResNet-20 (some
+with two epochs a stage training from buffered frozen outputs, one through auxiliary classifiers), rows
 of several copies trained with mutual distillation (m-FeDepth) and a few early-exit rows (ScaleFL levels trained
 with self-distillation), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
 measured peak, their ratio and the milliseconds per training step; the last line is ``worst ratio: X`` (the
@@ -11,7 +12,7 @@ ratio farthest from 1).
 
 Every row is measured by the edge agent itself: a ``TaskRunner`` (``--allocator``, default ``compact``, see
 ``edge_agent.allocator``; ``--threads`` torch threads) gets a task for the sub-model with random weights and
-``--steps`` batches of random local data (one epoch), trains it in its training child forked from the warm
+``--steps`` batches of random local data (one epoch; half as many samples for two epochs), trains it in its training child forked from the warm
 forkserver, and the measured peak is the ``peak_bytes`` the child reports in the update: its RSS high-water mark
 (reset at the start of training through ``/proc/self/clear_refs``) minus the RSS there, or the CUDA allocator's
 peak on GPU.
@@ -48,24 +49,39 @@ class Row:
     exits: tuple[int, ...] = ()  # early exits, trained with ScaleFL's self-distillation
     depth: int | None = None
     copies: int = 1  # models trained side by side with mutual distillation
+    route: str = "skip"  # depth-wise: how a segment reaches a classifier ("exit": the exits after segments)
+    buffered: bool = False  # depth-wise: two epochs a stage, the frozen blocks' outputs buffered (Stage.cache)
+
+    @property
+    def scalefl(self) -> bool:
+        return bool(self.exits) and self.segments is None
+
+    @property
+    def epochs(self) -> int:
+        return 2 if self.buffered else 1
 
     def spec(self) -> Any:
         from models import SubmodelSpec
 
-        if self.exits:
+        if self.scalefl:
             return SubmodelSpec(width=self.width, rounding="floor", depth=self.depth, exits=self.exits)
-        return SubmodelSpec(width=self.width, segments=self.segments)
+        return SubmodelSpec(width=self.width, segments=self.segments, exits=self.exits)
 
     def plan(self) -> Any:
         from coordinator.strategies.scalefl import self_distillation_loss
-        from protocol import LossTerm, OptimizerSettings, TrainingPlan
+        from protocol import LossTerm, OptimizerSettings, Stage, TrainingPlan
 
-        outputs = len(self.exits) + (self.depth is None) if self.exits else 1
-        loss = self_distillation_loss(outputs, beta=0.1, tau=3.0) if self.exits else (LossTerm.ce(),)
+        outputs = len(self.exits) + (self.depth is None) if self.scalefl else 1
+        loss = self_distillation_loss(outputs, beta=0.1, tau=3.0) if self.scalefl else (LossTerm.ce(),)
         if self.copies > 1:
             loss = (*loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
-        return TrainingPlan(optimizer=OptimizerSettings("sgd", 0.01, 0.9, 5e-4, 1.0), epochs=1,
-                            batch_size=self.batch_size, loss=loss, copies=self.copies)
+        schedule = tuple(Stage(self.epochs, self.route, self.buffered) for _ in self.segments or ())
+        return TrainingPlan(optimizer=OptimizerSettings("sgd", 0.01, 0.9, 5e-4, 1.0), epochs=self.epochs,
+                            batch_size=self.batch_size, loss=loss, copies=self.copies, schedule=schedule)
+
+    def label(self) -> str:
+        return (self.spec().describe() + (f" x{self.copies} copies" if self.copies > 1 else "")
+                + (" buffered" if self.buffered else ""))
 
 
 def rows() -> list[Row]:
@@ -85,6 +101,9 @@ def rows() -> list[Row]:
         Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 1), (1, 2), (2, 5), (5, 9))),
         Row("preresnet20", 1, (28, 28), 1, 32, segments=((3, 5), (5, 9))),
         Row("preresnet20", 1, (28, 28), 1, 32),
+        Row("cnn", 1, (28, 28), 1, 32, segments=((0, 1), (1, 3)), buffered=True),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 3), (3, 5), (5, 9)), buffered=True),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 3), (3, 9)), exits=(2,), route="exit"),
         Row("cnn", 1, (28, 28), 1, 32, copies=2),
         Row("preresnet20", 1, (28, 28), 1, 32, copies=2),
         Row("cnn", 1, (28, 28), 0.76, 32, exits=(0, 2), depth=3),
@@ -111,7 +130,7 @@ def measure_with_agent(
     torch.manual_seed(0)
     full = family.build(type(spec)(exits=spec.exits)).state_dict()
     weights = family.extract(full, spec, keys=family.state_keys(spec))
-    samples = steps * row.batch_size
+    samples = steps * row.batch_size // row.epochs
     data = LocalData(torch.randn(samples, row.in_channels, *row.image_size), torch.arange(samples) % NUM_CLASSES)
     task = Task(task_id=f"bench-{time.monotonic_ns()}", round=1, agent_id="bench", deadline=time.time() + 3600,
                 model=ModelRef(row.family, NUM_CLASSES, row.in_channels, {}), spec=spec.to_dict(), recipe=None,
@@ -131,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allocator", choices=("compact", "default"), default="compact",
                         help="heap of the training child on CPU, the agent's allocator setting (default compact)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the training child (default 1)")
+    parser.add_argument("--match", default="", help="only the rows whose 'family spec' contains this text")
     args = parser.parse_args(argv)
 
     import torch
@@ -150,19 +170,21 @@ def main(argv: list[str] | None = None) -> None:
     print("-" * len(header))
     worst = 1.0
     started = time.monotonic()
+    chosen = [row for row in rows() if args.match in f"{row.family} {row.label()}"]
     with tempfile.TemporaryDirectory(prefix="fedfit-bench-") as state_dir:
         for device in devices:
-            for row in rows():
+            for row in chosen:
                 family = get_family(row.family, NUM_CLASSES, row.in_channels)
                 spec = row.spec()
+                samples = args.steps * row.batch_size // row.epochs
                 estimate = estimate_plan_memory(family, spec, row.plan(), input_size=row.image_size, device=device,
-                                                allocator=allocator).total
+                                                allocator=allocator, samples=samples).total
                 metrics = measure_with_agent(row, device, args.steps, args.threads, allocator, Path(state_dir))
                 measured, seconds = metrics["peak_bytes"], metrics["seconds"] / metrics["steps"]
                 ratio = estimate / measured
                 if abs(ratio - 1) > abs(worst - 1):
                     worst = ratio
-                label = spec.describe() + (f" x{row.copies} copies" if row.copies > 1 else "")
+                label = row.label()
                 print(
                     f"{device:6s} {row.family:12s} {label:34s} {row.batch_size:5d} {estimate / MB:12.2f} "
                     f"{measured / MB:12.2f} {ratio:6.3f} {seconds * 1000:8.0f}",
@@ -173,12 +195,13 @@ def main(argv: list[str] | None = None) -> None:
                         break
                     stage = estimate_training_memory(
                         family, spec, batch_size=row.batch_size, input_size=row.image_size, device=device,
-                        allocator=allocator, segment=segment).total
+                        allocator=allocator, segment=segment, route=row.route,
+                        cache_samples=samples if row.buffered else 0).total
                     stage_measured = metrics[f"stage_peak_bytes.{index}"]
                     print(f"{'':6s} {'':12s} {'  stage ' + str(index) + ': blocks ' + str(segment):34s} "
                           f"{'':5s} {stage / MB:12.2f} {stage_measured / MB:12.2f} {stage / stage_measured:6.3f}",
                           flush=True)
-    print(f"({len(rows()) * len(devices)} rows, allocator {allocator}, {args.steps} steps each, "
+    print(f"({len(chosen) * len(devices)} rows, allocator {allocator}, {args.steps} steps each, "
           f"{time.monotonic() - started:.0f} s)")
     print(f"worst ratio: {worst:.3f}")
 
