@@ -116,6 +116,9 @@ class ChildOutcome:
     exitcode: int | None
     error: str | None
     timed_out: bool = False
+    out_of_memory: bool | None = None
+    """For a child killed by SIGKILL (not for its deadline): whether the kernel counted an OOM kill meanwhile
+    (None: not known; see :mod:`edge_agent.oom`)."""
 
     @property
     def killed_by(self) -> str | None:

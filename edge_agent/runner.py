@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from edge_agent import allocator as heap
-from edge_agent import child
+from edge_agent import child, oom
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import Calibration
 from edge_agent.copies import CopyStore, read_copies, write_copies
@@ -112,6 +112,17 @@ def _size(count: int) -> str:
     return f"{count / 2**10:.1f} KiB"
 
 
+def _killed(outcome: child.ChildOutcome) -> str:
+    """Why a child killed by a signal failed, the OOM killer told from anyone else."""
+    if outcome.killed_by != "SIGKILL" or outcome.timed_out:
+        return f"training process was killed by {outcome.killed_by}"
+    if outcome.out_of_memory:
+        return "training process was killed by the kernel's OOM killer (SIGKILL, out of memory)"
+    if outcome.out_of_memory is None:
+        return "training process was killed by SIGKILL (no OOM-kill counter to tell whether for memory)"
+    return "training process was killed by SIGKILL, not for memory (the kernel counted no OOM kill)"
+
+
 def _constant(budget: int | None) -> BudgetFn:
     """A budget that does not change from round to round."""
     return lambda _round: budget
@@ -154,6 +165,8 @@ class TaskRunner:
         self._estimates: dict[tuple[object, ...], MemoryEstimate] = {}
         self.copies = CopyStore(self.state_dir / "copies")
         self.child_pid: int | None = None
+        #: Reads the OOM-kill counter that tells the OOM killer's SIGKILL from any other (:mod:`edge_agent.oom`).
+        self.oom_kills: Callable[[], oom.OomCount | None] = oom.oom_kills
 
     def close(self) -> None:
         """Remove what the runner wrote when it chose the directory itself."""
@@ -257,10 +270,9 @@ class TaskRunner:
                 raise TaskRejected("failed", f"cannot adapt: {exc}") from exc
         outcome = self._train_in_child(task, spec, chosen_plan)
         if outcome.update is None:
-            if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
+            if outcome.out_of_memory:  # only the OOM killer's kills say the estimate was too low
                 self.calibration.observe_failure(estimate.total, available, estimate.overhead)
-            why = (f"training process was killed by {outcome.killed_by}" if outcome.killed_by
-                   else f"training process failed (exit code {outcome.exitcode})")
+            why = _killed(outcome) if outcome.killed_by else f"training process failed (exit code {outcome.exitcode})"
             detail = (outcome.error or "").strip().splitlines()[:1]
             return self._answer(task, "failed", spec_trained=spec.to_dict(), metrics=memory,
                                 reason=f"{why}: {detail[0]}" if detail else why)
@@ -395,7 +407,10 @@ class TaskRunner:
                 write_copies(workdir / child.COPIES_FILE, self.copies.load(
                     task.model, self.family_for(task.model), spec, plan.copies - 1, plan.seed))
             timeout = max(30.0, task.deadline - time.time() + DEADLINE_GRACE_S)
+            before = self.oom_kills()
             outcome = child.run_in_child(workdir, timeout, on_start=self._started)
+            if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
+                outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
             trained = workdir / child.TRAINED_COPIES_FILE
             if plan.copies > 1 and outcome.update is not None and trained.exists():
                 self.copies.save(task.model, spec, read_copies(trained, plan.copies - 1,

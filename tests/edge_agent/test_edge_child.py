@@ -17,6 +17,7 @@ import torch
 from edge_agent import allocator, child
 from edge_agent.calibration import Calibration
 from edge_agent.child import ChildOutcome, peak_rss_bytes, reset_peak_rss, rss_bytes, run_in_child
+from edge_agent.oom import OomCount
 from edge_agent.runner import LocalData
 from models import SubmodelSpec, estimate_plan_memory, get_family
 from protocol import LossTerm, ModelRef, Stage, TrainingPlan, Update, decode, encode
@@ -299,6 +300,8 @@ def kill_runner_child(runner, kill_when_busy,
 def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make_task, make_runner, tmp_path,
                                                                  kill_when_busy):
     runner = make_runner(budget=2**30)
+    readings = [OomCount("kernel", 7), OomCount("kernel", 8)]  # the kernel counts an OOM kill meanwhile
+    runner.oom_kills = lambda: readings.pop(0) if len(readings) > 1 else readings[0]
     watcher, killed = kill_runner_child(runner, kill_when_busy)
     task = make_task(U(1.0), task_id="r1-agent-0001", epochs=LONG)
     failed = runner.run(task)
@@ -306,14 +309,13 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make
 
     assert killed == [True]
     assert failed.status == "failed"
-    assert "SIGKILL" in failed.reason
-    assert failed.reason.startswith("training process was killed by SIGKILL")
+    assert failed.reason.startswith("training process was killed by the kernel's OOM killer (SIGKILL")
     assert failed.spec_trained == U(1.0).to_dict() and failed.weights == {}
     assert set(failed.metrics) == {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration"}
     assert runner.child_pid is None
     assert not (tmp_path / "agent" / "tasks" / "r1-agent-0001").exists()
 
-    # The kill says the real need may have been above what was available: the floor rises (at most doubling).
+    # The OOM kill says the real need was above what was available: the floor rises (at most doubling).
     estimate = runner.raw_estimate(model_ref, U(1.0), task.plan)
     assert failed.metrics["raw_estimate_bytes"] == estimate.total
     expected = Calibration()
@@ -342,7 +344,7 @@ def test_a_child_stopped_by_sigterm_fails_the_task_without_touching_the_calibrat
     assert killed == [True]
     assert update.status == "failed"
     assert update.reason.startswith("training process was killed by SIGTERM")
-    assert runner.calibration.floor == 0.0  # only SIGKILL (the OOM killer's signal) counts as out of memory
+    assert runner.calibration.floor == 0.0  # only the OOM killer's kills count as out of memory
 
 
 def test_a_crashing_child_fails_the_task_with_its_error(make_task, make_runner, tmp_path):
