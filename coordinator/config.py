@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from common.mqtt_link import BrokerConfig
 from models import FAMILY_NAMES
+from protocol import validate_name
 from protocol.plan import MAX_COPIES, ROUTES
 
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -157,6 +158,7 @@ class CoordinatorConfig:
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. (``algorithm`` is checked against the
         strategies' registry when the coordinator makes its strategy.)"""
+        validate_name(self.federation, "federation")
         if self.model.family not in FAMILY_NAMES:
             raise ValueError(f"model.family must be one of {', '.join(FAMILY_NAMES)}, got {self.model.family!r}")
         if not 0 < self.fraction <= 1:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from common.mqtt_link import BrokerConfig
+from protocol import validate_name
 
 
 @dataclass
@@ -52,7 +53,10 @@ class AgentConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def validate(self) -> None:
-        """Cross-field checks; raises ValueError with one clear sentence."""
+        """Cross-field checks; raises ValueError with one clear sentence. The agent id and the federation are
+        checked first: both become topic levels, and the id a directory under ``state_dir``."""
+        validate_name(self.agent_id, "agent_id")
+        validate_name(self.federation, "federation")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive when set")
         if self.data.path is None and self.data.dataset is None:

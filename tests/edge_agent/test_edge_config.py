@@ -10,7 +10,8 @@ from edge_agent.config import AgentConfig, AgentDataConfig
 
 def valid(**kwargs) -> AgentConfig:
     kwargs.setdefault("data", AgentDataConfig(path="/data/local.npz"))
-    return AgentConfig(agent_id="pi-01", **kwargs)
+    kwargs.setdefault("agent_id", "pi-01")
+    return AgentConfig(**kwargs)
 
 
 def test_valid_configs_pass():
@@ -58,3 +59,28 @@ def test_allocator_defaults_to_compact_and_takes_only_known_settings():
     assert config.allocator == "default"
     with pytest.raises(ConfigError, match="allocator"):
         from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "allocator": "jemalloc"})
+
+
+@pytest.mark.parametrize("agent_id", ["../x", "a/b", "", ".", "..", "x" * 65, "pi 01", "pi+01"])
+def test_an_agent_id_that_is_no_topic_level_or_file_name_is_refused(agent_id):
+    with pytest.raises(ValueError, match="agent_id must be 1 to 64 characters"):
+        valid(agent_id=agent_id).validate()
+
+
+def test_a_federation_that_is_no_topic_level_is_refused():
+    with pytest.raises(ValueError, match="federation must be 1 to 64 characters"):
+        valid(federation="lab/#").validate()
+
+
+def test_a_bad_agent_id_writes_nothing_before_it_is_refused(tmp_path):
+    import torch
+
+    from edge_agent.daemon import EdgeAgent
+    from edge_agent.runner import LocalData
+
+    state = tmp_path / "state"
+    state.mkdir()
+    config = valid(agent_id="../escaped", state_dir=str(state))
+    with pytest.raises(ValueError, match="agent_id"):
+        EdgeAgent(config, LocalData(torch.zeros(2, 1, 8, 8), torch.tensor([0, 1])))
+    assert list(tmp_path.iterdir()) == [state] and not any(state.iterdir())
