@@ -130,6 +130,20 @@ class FedAvgConfig:
 
 
 @dataclass
+class ScreeningConfig:
+    """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true) and ``max_ratio``
+    (default 10), how many times the median change of the round's other updates an update's change may be."""
+
+    enabled: bool = True
+    max_ratio: float = 10.0
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if not self.max_ratio > 1:
+            raise ValueError(f"screening.max_ratio must be above 1, got {self.max_ratio}")
+
+
+@dataclass
 class CoordinatorConfig:
     """Everything the coordinator daemon needs."""
 
@@ -150,6 +164,7 @@ class CoordinatorConfig:
     scalefl: ScaleFLConfig = field(default_factory=ScaleFLConfig)
     fedepth: FeDepthConfig = field(default_factory=FeDepthConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
+    screening: ScreeningConfig = field(default_factory=ScreeningConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     state_dir: str = "runs/coordinator"
     resume: bool = False
@@ -179,4 +194,5 @@ class CoordinatorConfig:
             raise ValueError("round_timeout_s must be positive")
         self.scalefl.validate()
         self.fedepth.validate()
+        self.screening.validate()
         self.fedavg.validate()

@@ -28,6 +28,7 @@ from coordinator.evaluation import Evaluator
 from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
+from coordinator.screening import screen
 from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
 from models import ModelFamily, SubmodelSpec
 from protocol import (
@@ -273,7 +274,7 @@ class Coordinator:
                  ) -> tuple[list[TaskResult], list[TaskOutcome]]:
         """Validate the round's updates: the ones to aggregate, and how every answered task ended."""
         results: list[TaskResult] = []
-        outcomes: list[TaskOutcome] = []
+        answered: list[tuple[Update, TaskRecord]] = []
         for task_id, update in sorted(collector.updates.items()):
             task = collector.tasks[task_id].task
             record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(),
@@ -281,7 +282,6 @@ class Coordinator:
             if update.spec_trained is not None:
                 record.spec_trained = _describe(update.spec_trained)
             records[update.agent_id] = record
-            trained: SubmodelSpec | None = None
             if update.status in AGGREGATED:
                 try:
                     result = self._unpack_update(update, task)
@@ -289,11 +289,23 @@ class Coordinator:
                     record.status, record.reason = "rejected", str(exc)
                     self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=str(exc))
                 else:
-                    trained = result.spec
-                    record.spec_trained = trained.describe()
+                    record.spec_trained = result.spec.describe()
                     results.append(result)
-            outcomes.append(TaskOutcome(task, record.status, trained, dict(update.metrics)))
-        return results, outcomes
+            answered.append((update, record))
+        kept, rejected = screen(results, self._sent, self.config.screening)
+        for result, reason in rejected:
+            record = records[result.task.agent_id]
+            record.status, record.reason = "rejected", reason
+            self.log.warning("update_rejected", agent=result.task.agent_id, reason=reason)
+        trained_by = {result.task.agent_id: result.spec for result in kept}
+        outcomes = [TaskOutcome(collector.tasks[update.task_id].task, record.status,
+                                trained_by.get(update.agent_id), dict(update.metrics))
+                    for update, record in answered]
+        return kept, outcomes
+
+    def _sent(self, result: TaskResult) -> dict[str, torch.Tensor]:
+        """The weights ``result``'s task sent for the keys it trained (the group's state before this round)."""
+        return self.family.extract(self.states[result.task.group], result.spec, keys=result.state.keys())
 
     def _unpack_update(self, update: Update, task: TaskPlan) -> TaskResult:
         """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
