@@ -60,7 +60,12 @@ def _describe(spec: dict[str, object]) -> str:
 
 
 class NoAgentsError(RuntimeError):
-    """No agent came online in time."""
+    """No agent came online in time (before the first round: fewer than ``min_agents``)."""
+
+
+#: Seconds without a new agent status after which the registry counts as settled before the first round: the
+#: broker delivers the retained statuses of the whole fleet in one burst after the subscription.
+REGISTRY_SETTLE_S = 1.0
 
 
 class Coordinator:
@@ -83,6 +88,7 @@ class Coordinator:
                                   dict(config.model.options))
         self.strategy = strategy_for(config, self.dataset, self.family)
         self.registry = FleetRegistry()
+        self._fleet_settled = False  # set once the first round of this process has seen the fleet
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
         self.on_round = on_round
         self.rng = random.Random(config.seed)
@@ -195,7 +201,16 @@ class Coordinator:
     def run_round(self, round_number: int) -> RoundResult:
         """One round: plan (the strategy), dispatch, collect, aggregate (the strategy), evaluate, checkpoint."""
         started = time.monotonic()
-        online = self.registry.wait_for(self.config.min_agents, self.config.wait_for_agents_s)
+        if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
+            online = self.registry.wait_settled(self.config.min_agents, REGISTRY_SETTLE_S,
+                                                self.config.wait_for_agents_s)
+            if len(online) < self.config.min_agents:
+                raise NoAgentsError(f"{len(online)} of the {self.config.min_agents} agents of federation "
+                                    f"'{self.config.federation}' that min_agents asks for came online within "
+                                    f"{self.config.wait_for_agents_s:.0f} s; start more agents or lower min_agents")
+            self._fleet_settled = True
+        else:
+            online = self.registry.wait_for(self.config.min_agents, self.config.wait_for_agents_s)
         if not online:
             raise NoAgentsError(f"no agent of federation '{self.config.federation}' came online within "
                                 f"{self.config.wait_for_agents_s:.0f} s; start agents or check the broker address")

@@ -38,6 +38,7 @@ class FleetRegistry:
     def __init__(self) -> None:
         self._agents: dict[str, AgentRecord] = {}
         self._changed = threading.Condition()
+        self._last_change = time.monotonic()
 
     def on_status(self, status: AgentStatus, now: float | None = None) -> None:
         """Record a status message (the Last Will arrives as state 'offline')."""
@@ -48,6 +49,7 @@ class FleetRegistry:
                 capabilities=status.capabilities,
                 last_seen=time.time() if now is None else now,
             )
+            self._last_change = time.monotonic()
             self._changed.notify_all()
 
     def get(self, agent_id: str) -> AgentRecord | None:
@@ -69,3 +71,17 @@ class FleetRegistry:
                 if len(online) >= count or remaining <= 0:
                     return online
                 self._changed.wait(remaining)
+
+    def wait_settled(self, count: int, quiet: float, timeout: float) -> list[AgentRecord]:
+        """Block until ``count`` agents are online and no status has arrived for ``quiet`` seconds (the retained
+        statuses of the whole fleet are in), or ``timeout`` passes; returns those online."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                online = sorted((a for a in self._agents.values() if a.online), key=lambda a: a.agent_id)
+                now = time.monotonic()
+                calm = now - self._last_change
+                if (len(online) >= count and calm >= quiet) or now >= deadline:
+                    return online
+                wake = deadline if len(online) < count else min(deadline, now + quiet - calm)
+                self._changed.wait(max(0.001, wake - now))

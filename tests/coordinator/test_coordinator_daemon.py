@@ -15,12 +15,12 @@ from common.data import load_dataset
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.collector import DispatchedTask, RoundCollector
 from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig, ScaleFLConfig
-from coordinator.daemon import Coordinator
+from coordinator.daemon import REGISTRY_SETTLE_S, Coordinator, NoAgentsError
 from coordinator.metrics import TaskRecord
 from coordinator.registry import AgentRecord
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec
-from protocol import Capabilities, Update
+from protocol import AgentStatus, Capabilities, Update
 
 
 def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
@@ -307,7 +307,7 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
     cfg.level_assignment = "dynamic"
     coordinator = Coordinator(cfg, dataset=digits)
     agents = [agent_record(f"sim-{i}") for i in range(4)]
-    monkeypatch.setattr(coordinator.registry, "wait_for", lambda count, timeout: agents)
+    monkeypatch.setattr(coordinator.registry, "wait_settled", lambda count, quiet, timeout: agents)
     sent: list[TaskPlan] = []
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
@@ -343,7 +343,7 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
 
 
 def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinator, monkeypatch) -> None:
-    monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
+    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
@@ -355,3 +355,30 @@ def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinato
     assert result.exit_accuracy == {} and result.participants == 0
     assert set(result.level_accuracy) == {"a", "b"}
     assert [(t.status, t.reason) for t in result.tasks] == [("declined", "no memory")]
+
+
+def test_the_first_round_needs_min_agents_and_says_so_when_they_do_not_come(heterofl: Coordinator,
+                                                                           monkeypatch) -> None:
+    heterofl.config.min_agents, heterofl.config.wait_for_agents_s = 3, 0.2
+    heterofl.registry.on_status(AgentStatus("sim-0", "online", agent_record("sim-0").capabilities, 0.0))
+    with pytest.raises(NoAgentsError, match=r"^1 of the 3 agents of federation '.*' that min_agents asks for came "
+                                            r"online within 0 s; start more agents or lower min_agents$"):
+        heterofl.run_round(1)
+
+
+def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heterofl: Coordinator,
+                                                                           monkeypatch) -> None:
+    calls: list[str] = []
+    fleet = [agent_record("sim-0"), agent_record("sim-1")]
+    monkeypatch.setattr(heterofl.registry, "wait_settled",
+                        lambda count, quiet, timeout: calls.append(f"settled {count} {quiet}") or fleet)
+    monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: calls.append("wait_for") or fleet)
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"), 10)
+        return 10
+
+    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    assert heterofl.run_round(1).selected == 2 and heterofl.run_round(2).selected == 2
+    assert calls == [f"settled 1 {REGISTRY_SETTLE_S}", "wait_for"]

@@ -128,3 +128,30 @@ def test_wait_for_ignores_offline_statuses_while_waiting():
     online = registry.wait_for(1, timeout=10.0)
     thread.join()
     assert [r.agent_id for r in online] == ["y"]
+
+
+def test_wait_settled_waits_for_a_quiet_moment_after_the_last_status():
+    registry = FleetRegistry()
+    registry.on_status(status("a"))
+
+    def burst() -> None:  # retained statuses trickling in after the first
+        for name in ("b", "c"):
+            time.sleep(0.1)
+            registry.on_status(status(name))
+
+    thread = threading.Thread(target=burst)
+    thread.start()
+    started = time.monotonic()
+    online = registry.wait_settled(1, quiet=0.3, timeout=10.0)
+    elapsed = time.monotonic() - started
+    thread.join()
+    assert [r.agent_id for r in online] == ["a", "b", "c"]  # not just the first one heard
+    assert 0.3 <= elapsed < 5.0  # at least the quiet period after "c"
+
+
+def test_wait_settled_times_out_with_those_online():
+    registry = FleetRegistry()
+    registry.on_status(status("a"))
+    started = time.monotonic()
+    online = registry.wait_settled(2, quiet=0.05, timeout=0.2)
+    assert [r.agent_id for r in online] == ["a"] and time.monotonic() - started >= 0.2
