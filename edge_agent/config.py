@@ -28,6 +28,27 @@ class AgentDataConfig:
 
 
 @dataclass
+class TaskLimits:
+    """What the agent accepts (the ``limits`` section): a task beyond one is declined with the reason, before any
+    training. ``max_epochs`` (all stages together), ``max_steps`` (optimizer steps over the local data),
+    ``max_deadline_s`` (how far ahead its deadline may lie), ``max_parameters`` (of the sub-model sent) and
+    ``max_task_bytes`` (the encoded task; a larger transfer, or one whose buffer and decoded copy would not fit
+    the memory available now, is refused at its first chunk, before anything is buffered)."""
+
+    max_epochs: int = 1000
+    max_steps: int = 1_000_000
+    max_deadline_s: float = 6 * 3600.0
+    max_parameters: int = 200_000_000
+    max_task_bytes: int = 512 * 2**20
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        values = (self.max_epochs, self.max_steps, self.max_deadline_s, self.max_parameters, self.max_task_bytes)
+        if any(value <= 0 for value in values):
+            raise ValueError("every limits.max_* setting must be positive")
+
+
+@dataclass
 class AgentConfig:
     """Everything one edge agent needs.
 
@@ -51,12 +72,14 @@ class AgentConfig:
     state_dir: str | None = None
     allocator: Literal["compact", "default"] = "compact"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    limits: TaskLimits = field(default_factory=TaskLimits)
 
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. The agent id and the federation are
         checked first: both become topic levels, and the id a directory under ``state_dir``."""
         validate_name(self.agent_id, "agent_id")
         validate_name(self.federation, "federation")
+        self.limits.validate()
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive when set")
         if self.data.path is None and self.data.dataset is None:

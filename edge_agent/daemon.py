@@ -18,7 +18,7 @@ from common import systemd_notify
 from common.logs import get_logger
 from common.mqtt_link import MqttLink, Will
 from edge_agent.config import AgentConfig
-from edge_agent.memory import detect_device_kind, total_memory
+from edge_agent.memory import available_memory, detect_device_kind, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.uplink import Uplink
 from protocol import (
@@ -54,11 +54,12 @@ class EdgeAgent:
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
                                  state_dir=Path(state_dir) / self.agent_id if state_dir else None,
                                  torch_threads=config.torch_threads or max(1, (os.cpu_count() or 1)),
-                                 allocator=config.allocator)
+                                 allocator=config.allocator, limits=config.limits)
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")
-        self.reassembler = Reassembler(max_transfers=8)
+        self.reassembler = Reassembler(max_total_bytes=config.limits.max_task_bytes, max_transfers=8,
+                                       admit=self._admit_task)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._busy = 0
         self._lock = threading.Lock()
@@ -159,6 +160,15 @@ class EdgeAgent:
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _admit_task(self, transfer: str, total: int) -> None:
+        """Refuse a task transfer at its first chunk when buffering it and decoding its weights (about twice its
+        size) would not fit the memory the device has now: nothing of it is buffered."""
+        available = available_memory()
+        if 2 * total > available:
+            raise ProtocolError(f"task transfer {transfer!r} of {total / 2**20:.1f} MiB refused at its first chunk: "
+                                f"buffering and decoding it needs about {2 * total / 2**20:.1f} MiB, "
+                                f"{available / 2**20:.1f} MiB are available")
 
     def _on_task_chunk(self, payload: bytes) -> None:
         complete = self.reassembler.feed(payload, source="coordinator")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -23,6 +24,7 @@ from edge_agent import allocator as heap
 from edge_agent import child, oom
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import Calibration
+from edge_agent.config import TaskLimits
 from edge_agent.copies import CopyStore, read_copies, write_copies
 from edge_agent.memory import available_memory
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, get_family
@@ -142,8 +144,10 @@ class TaskRunner:
         calibration: Calibration | None = None,
         torch_threads: int = 1,
         allocator: str = "compact",
+        limits: TaskLimits | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self.limits = limits or TaskLimits()
         self.data = data
         self.budget_for: BudgetFn = budget if callable(budget) else _constant(budget)
         self.device = device
@@ -233,6 +237,7 @@ class TaskRunner:
         except ValueError as exc:
             raise TaskRejected("failed", f"invalid task: {exc}") from exc
         self._check_weights(family, sent, task)
+        self._check_limits(task, family, sent, plan)
         raw = self.raw_estimates(task.model, candidates)
 
         def corrected(option: Option) -> int:
@@ -368,6 +373,28 @@ class TaskRunner:
                          for number in range(1, len(decomposition.segments) + 1))
         cut = _Cut(decomposition, None, route, tuple(cached), tuple(recomputed), min(needs) if needs else None)
         return cut, Option(spec, replace(plan, schedule=schedule)), max(chosen, key=lambda e: e.total)
+
+    def _check_limits(self, task: Task, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan) -> None:
+        """Decline a task beyond the agent's ``limits`` (epochs, steps, deadline horizon, model size)."""
+        limits = self.limits
+        stages = len(plan.schedule) or (family.num_blocks if task.adaptation is not None
+                                        and task.adaptation.kind == "depthwise" else 1)
+        epochs = sum(stage.epochs for stage in plan.schedule) or plan.epochs * stages
+        steps = epochs * math.ceil(len(self.data.x) / plan.batch_size)
+        ahead = task.deadline - time.time()
+        parameters = family.param_count(sent)
+        if epochs > limits.max_epochs:
+            why = f"it trains {epochs} epochs, more than limits.max_epochs {limits.max_epochs}"
+        elif steps > limits.max_steps:
+            why = f"it takes {steps} steps on the local data, more than limits.max_steps {limits.max_steps}"
+        elif ahead > limits.max_deadline_s:
+            why = (f"its deadline lies {ahead / 3600:.1f} h ahead, more than limits.max_deadline_s "
+                   f"{limits.max_deadline_s:.0f} s")
+        elif parameters > limits.max_parameters:
+            why = f"its model has {parameters} parameters, more than limits.max_parameters {limits.max_parameters}"
+        else:
+            return
+        raise TaskRejected("declined", f"task refused: {why}")
 
     def _check_compatible(self, task: Task, plan: TrainingPlan) -> None:
         if task.model.in_channels != self.data.in_channels:

@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -142,7 +143,8 @@ class Reassembler:
     if ``max_buffered_bytes`` is given, the least recently active transfers are dropped to keep the bytes held
     across all transfers under it. Duplicate chunks are ignored, so QoS 1 redelivery is harmless, and a
     payload sent again in full after completing is returned again (the receiver's handler dedupes).
-    Thread-safe.
+    ``admit(transfer, total)``, when given, is asked before a transfer opens (at whichever of its chunks comes
+    first) and may refuse it by raising ProtocolError: nothing of it is buffered. Thread-safe.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class Reassembler:
         ttl_seconds: float = 600.0,
         *,
         max_buffered_bytes: int | None = None,
+        admit: Callable[[str, int], None] | None = None,
     ) -> None:
         if max_total_bytes < 0 or max_transfers < 1 or ttl_seconds <= 0:
             raise ValueError("max_total_bytes >= 0, max_transfers >= 1 and ttl_seconds > 0 are required")
@@ -161,6 +164,7 @@ class Reassembler:
         self.max_transfers = max_transfers
         self.ttl_seconds = ttl_seconds
         self.max_buffered_bytes = max_buffered_bytes
+        self.admit = admit
         self._open: OrderedDict[tuple[str, str], _Transfer] = OrderedDict()
         self._buffered = 0
         self._lock = threading.Lock()
@@ -186,6 +190,8 @@ class Reassembler:
             self._evict_expired(now)
             transfer = self._open.get(key)
             if transfer is None:
+                if self.admit is not None:
+                    self.admit(part.transfer, part.total)
                 transfer = _Transfer(part.count, part.total, part.sha256, now)
                 self._open[key] = transfer
             elif (transfer.count, transfer.total, transfer.sha256) != (part.count, part.total, part.sha256):

@@ -84,3 +84,11 @@ def test_a_bad_agent_id_writes_nothing_before_it_is_refused(tmp_path):
     with pytest.raises(ValueError, match="agent_id"):
         EdgeAgent(config, LocalData(torch.zeros(2, 1, 8, 8), torch.tensor([0, 1])))
     assert list(tmp_path.iterdir()) == [state] and not any(state.iterdir())
+
+
+@pytest.mark.parametrize("field", ["max_epochs", "max_steps", "max_deadline_s", "max_parameters", "max_task_bytes"])
+def test_limits_must_be_positive(field):
+    from edge_agent.config import TaskLimits
+
+    with pytest.raises(ValueError, match="every limits.max_\\* setting must be positive"):
+        valid(limits=TaskLimits(**{field: 0})).validate()

@@ -669,3 +669,31 @@ def test_depthwise_through_auxiliary_classifiers_trains_whole_through_the_models
     assert update.status == "ok", update.reason
     assert update.spec_trained == SubmodelSpec.full().to_dict()  # the auxiliary classifiers are not trained
     assert set(update.weights) == set(deep_family.trainable_keys(SubmodelSpec.full()))
+
+
+# ---------------------------------------------------------------------------------------------- limits
+@pytest.mark.parametrize(("limits", "task_args", "said"), [
+    ({"max_epochs": 3}, {"epochs": 4}, "task refused: it trains 4 epochs, more than limits.max_epochs 3"),
+    ({"max_steps": 5}, {"epochs": 3}, "task refused: it takes 6 steps on the local data, more than limits.max_steps 5"),
+    ({"max_deadline_s": 60.0}, {"deadline_in": 7200.0},
+     "task refused: its deadline lies 2.0 h ahead, more than limits.max_deadline_s 60 s"),
+    ({"max_parameters": 100}, {}, "task refused: its model has "),
+], ids=["epochs", "steps", "deadline", "parameters"])
+def test_a_task_beyond_the_agents_limits_is_declined_before_training(make_task, make_runner, limits, task_args,
+                                                                     said):
+    from edge_agent.config import TaskLimits
+
+    runner = make_runner(limits=TaskLimits(**limits))  # 16 local samples, batch 8: 2 steps an epoch
+    deadline_in = task_args.pop("deadline_in", 600.0)
+    update = runner.run(make_task(SubmodelSpec.full(), deadline=time.time() + deadline_in, **task_args))
+    assert update.status == "declined" and update.reason.startswith(said), update.reason
+    assert update.weights == {} and runner.child_pid is None
+
+
+def test_depth_wise_epochs_count_once_per_block_against_the_limits(make_deep_task, make_runner, task_plan):
+    from edge_agent.config import TaskLimits
+
+    runner = make_runner(limits=TaskLimits(max_epochs=5))
+    update = runner.run(make_deep_task(SubmodelSpec.full(), plan=task_plan(epochs=2),
+                                       adaptation=Adaptation("depthwise")))
+    assert update.reason == "task refused: it trains 6 epochs, more than limits.max_epochs 5"  # 3 blocks x 2

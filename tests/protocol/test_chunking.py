@@ -319,3 +319,23 @@ def test_mutated_chunks_only_ever_raise_protocol_error() -> None:
             outcomes["none" if result is None else "payload"] += 1
     assert outcomes["error"] > 500
     assert outcomes["none"] > 0
+
+
+def test_admit_is_asked_once_per_transfer_and_may_refuse_it_before_anything_is_buffered() -> None:
+    asked: list[tuple[str, int]] = []
+
+    def admit(transfer: str, total: int) -> None:
+        asked.append((transfer, total))
+        if total > 100:
+            raise ProtocolError(f"transfer {transfer!r} is too big")
+
+    reassembler = Reassembler(admit=admit)
+    big = split_payload(b"x" * 250, "big", chunk_size=100)
+    for chunk in reversed(big):  # whichever chunk comes first opens the transfer
+        with pytest.raises(ProtocolError, match="'big' is too big"):
+            reassembler.feed(chunk)
+        assert reassembler.pending() == 0
+    small = split_payload(b"y" * 90, "small", chunk_size=50)
+    assert reassembler.feed(small[0]) is None
+    assert reassembler.feed(small[1]) == b"y" * 90
+    assert asked == [("big", 250)] * 3 + [("small", 90)]

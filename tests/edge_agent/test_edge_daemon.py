@@ -1,0 +1,53 @@
+"""The agent daemon's handling of incoming task chunks, without a broker: a task transfer that would not fit the
+memory the device has is refused at its first chunk, before anything is buffered."""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from edge_agent import daemon as daemon_module
+from edge_agent.config import AgentConfig, AgentDataConfig
+from edge_agent.daemon import EdgeAgent
+from edge_agent.runner import LocalData
+from protocol import Topics, split_payload
+
+
+def close(agent: EdgeAgent) -> None:
+    """Release what an agent that never started holds (its training executor and runner)."""
+    agent.executor.shutdown(wait=True)
+    agent.runner.close()
+
+
+def test_a_task_too_big_for_the_memory_available_is_refused_at_its_first_chunk(tmp_path, monkeypatch) -> None:
+    config = AgentConfig(agent_id="pi-01", federation="lab", data=AgentDataConfig(dataset="digits"),
+                         state_dir=str(tmp_path))
+    agent = EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+    try:
+        monkeypatch.setattr(daemon_module, "available_memory", lambda: 3 * 2**20)  # 3 MiB left on the device
+        chunks = split_payload(b"\x00" * (2 * 2**20), "r1-pi-01-abc", chunk_size=2**19)  # a 2 MiB task, 4 chunks
+        with structlog.testing.capture_logs() as logs:
+            for chunk in chunks:
+                agent._on_message(Topics("lab").agent_task("pi-01"), chunk)
+        assert agent.reassembler.pending() == 0  # nothing of it was buffered
+        assert agent.rejected_messages == len(chunks)
+        [reason, *_] = [entry["reason"] for entry in logs if entry["event"] == "message_rejected"]
+        assert reason == ("task transfer 'r1-pi-01-abc' of 2.0 MiB refused at its first chunk: buffering and "
+                          "decoding it needs about 4.0 MiB, 3.0 MiB are available")
+    finally:
+        close(agent)
+
+
+def test_a_task_over_max_task_bytes_is_refused_whatever_the_memory(tmp_path) -> None:
+    from edge_agent.config import TaskLimits
+
+    config = AgentConfig(agent_id="pi-01", federation="lab", data=AgentDataConfig(dataset="digits"),
+                         state_dir=str(tmp_path), limits=TaskLimits(max_task_bytes=2**20))
+    agent = EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            agent._on_message(Topics("lab").agent_task("pi-01"), split_payload(b"\x00" * (2**20 + 1), "t1")[0])
+        assert agent.reassembler.pending() == 0
+        assert any("1048577" in entry.get("reason", "") for entry in logs if entry["event"] == "message_rejected")
+    finally:
+        close(agent)
