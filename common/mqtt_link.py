@@ -58,10 +58,22 @@ _NO_CONNACK = "no answer to CONNECT"
 _CONNACK_WAIT_S = 3.0
 # Protocol each broker address last accepted, so that a fleet in one process probes MQTT 5 only once.
 _accepted_protocol: dict[str, int] = {}
+#: MQTT 5 DISCONNECT reason code: another client connected with the same client id (Mosquitto 2.0.11 does not
+#: send it; it closes the connection).
+_SESSION_TAKEN_OVER = 142
+#: A connection the broker drops within this many seconds, this many times in a row, is taken for another client
+#: with the same client id taking the session over each time the two reconnect.
+_SHORT_CONNECTION_S = 5.0
+_TAKEOVERS = 3
 
 
 class MqttLink:
-    """A resilient client: connect, subscribe, dispatch off the network thread, publish."""
+    """A resilient client: connect, subscribe, dispatch off the network thread, publish.
+
+    When the broker hands this client id to another connection (MQTT 5 "Session taken over", or every connection
+    dropped within seconds three times in a row), the link stays down (``taken_over``) and calls ``on_taken_over``
+    once, off the network thread: reconnecting would knock the other off in turn.
+    """
 
     def __init__(
         self,
@@ -73,6 +85,7 @@ class MqttLink:
         will: Will | None = None,
         on_ready: Callable[[], None] | None = None,
         queue_limit: int = 10_000,
+        on_taken_over: Callable[[], None] | None = None,
     ) -> None:
         self.client_id = client_id
         self.broker = broker
@@ -80,6 +93,10 @@ class MqttLink:
         self._handler = handler
         self._will = will
         self._on_ready = on_ready
+        self._on_taken_over = on_taken_over
+        self.taken_over = False
+        self._connected_at = 0.0
+        self._short_drops = 0  # consecutive connections the broker dropped within _SHORT_CONNECTION_S
         self._inbox: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=queue_limit)
         self._client: mqtt.Client | None = None
         self._connack = threading.Event()
@@ -214,6 +231,7 @@ class MqttLink:
                 self._log.warning("mqtt_reconnect_refused", reason=str(reason_code))
             return
         self._connack_reason = "ok"
+        self._connected_at = time.monotonic()
         result, mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
         self._subscribe_mid = mid if result == mqtt.MQTT_ERR_SUCCESS else None
         self._connack.set()
@@ -245,7 +263,24 @@ class MqttLink:
                                     else f"connection closed before CONNACK ({reason_code})")
             self._connack.set()
         elif not self._stopping:
-            self._log.warning("mqtt_disconnected", reason=str(reason_code))
+            lasted = time.monotonic() - self._connected_at
+            self._short_drops = self._short_drops + 1 if lasted < _SHORT_CONNECTION_S else 0
+            if getattr(reason_code, "value", None) == _SESSION_TAKEN_OVER or self._short_drops >= _TAKEOVERS:
+                # Another client connected with this client id (the broker said so, or dropped every connection
+                # within seconds, again and again): reconnecting would knock it off in turn, and the two would
+                # take turns on the broker. Stop instead and say so.
+                self.taken_over = self._stopping = True
+                self._log.error("mqtt_session_taken_over", reason=str(reason_code), short_drops=self._short_drops)
+                threading.Thread(target=self._give_up, args=(client,), name=f"{self.client_id}-taken-over",
+                                 daemon=True).start()
+            else:
+                self._log.warning("mqtt_disconnected", reason=str(reason_code), seconds_connected=round(lasted, 1))
+
+    def _give_up(self, client: mqtt.Client) -> None:
+        """After a session takeover: stop the network loop (off its own thread), then tell the owner."""
+        client.loop_stop()
+        if self._on_taken_over is not None:
+            self._on_taken_over()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         try:

@@ -7,9 +7,11 @@ uplink sender, and a status timer that also feeds the systemd watchdog.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +37,14 @@ from protocol import (
 )
 
 _SEEN_TASKS = 1024
+
+
+class AgentIdInUse(RuntimeError):
+    """Another process is connected as this agent already."""
+
+
+#: Seconds a starting agent waits for its retained status after subscribing to it.
+_RETAINED_WAIT_S = 0.3
 
 
 class EdgeAgent:
@@ -73,6 +83,7 @@ class EdgeAgent:
             handler=self._on_message,
             will=Will(self.topics.agent_status(self.agent_id), encode(self._offline_status())),
             on_ready=self.publish_status,
+            on_taken_over=self._taken_over,
         )
         self.uplink = Uplink(self.agent_id, self.topics.agent_update(self.agent_id),
                              lambda topic, payload: self.link.publish(topic, payload),
@@ -88,22 +99,69 @@ class EdgeAgent:
 
     # --------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
-        """Connect and subscribe; tell systemd we are ready only then."""
+        """Connect and subscribe; tell systemd we are ready only then. Refuses (:class:`AgentIdInUse`) when the
+        broker holds a fresh online status of this agent id: another process is this agent already."""
+        self._refuse_if_online(timeout)
         self.uplink.start()
         self.link.start(timeout)
         self._timer.start()
         systemd_notify.notify("READY=1")
 
     def stop(self) -> None:
-        """Say 'offline' (retained) and disconnect; queued training is abandoned."""
+        """Say 'offline' (retained) and disconnect; queued training is abandoned. (Not 'offline' when another
+        process took this agent id over: the status is that process's now.)"""
         self._stop.set()
         self.uplink.stop()
         if self._own_executor:
             self.executor.shutdown(wait=False, cancel_futures=True)
-        self.link.stop(final=(self.topics.agent_status(self.agent_id), encode(self._offline_status()), True))
+        final = None if self.link.taken_over else (self.topics.agent_status(self.agent_id),
+                                                    encode(self._offline_status()), True)
+        self.link.stop(final=final)
         if self._timer.is_alive():
             self._timer.join(2.0)
         self.runner.close()
+
+    def _refuse_if_online(self, timeout: float) -> None:
+        """Read this agent's retained status through a short-lived connection of its own client id."""
+        seen: list[AgentStatus] = []
+
+        def keep(topic: str, payload: bytes) -> None:
+            with contextlib.suppress(ProtocolError):
+                status = decode(payload, expected=AgentStatus)
+                assert isinstance(status, AgentStatus)
+                seen.append(status)
+
+        probe = MqttLink(client_id=f"fedfit-probe-{self.agent_id}-{uuid.uuid4().hex[:8]}",
+                         broker=self.config.broker, subscriptions=[self.topics.agent_status(self.agent_id)],
+                         handler=keep)
+        try:
+            probe.start(timeout)
+            time.sleep(_RETAINED_WAIT_S)  # the broker sends the retained status right after the subscription
+        finally:
+            probe.stop()
+        fresh = 3 * self.config.status_interval_s
+        for status in seen:
+            age = time.time() - status.sent_at
+            if status.agent_id == self.agent_id and status.state in ("online", "busy") and age < fresh:
+                raise AgentIdInUse(
+                    f"agent '{self.agent_id}' of federation '{self.config.federation}' is online already (its "
+                    f"status is {max(0.0, age):.0f} s old): another process uses this agent_id; stop it or give "
+                    f"this device its own agent_id (a process that died without a word is marked offline by the "
+                    f"broker within its keepalive)")
+
+    @property
+    def taken_over(self) -> bool:
+        """Whether another process connected to the broker as this agent and this one stopped for it."""
+        return self.link.taken_over
+
+    def _taken_over(self) -> None:
+        self.log.error("agent_id_taken_over", message=self.taken_over_message())
+        self.stop()
+
+    def taken_over_message(self) -> str:
+        """The sentence saying why the agent stopped after a takeover."""
+        return (f"another process connected to the broker as agent '{self.agent_id}' of federation "
+                f"'{self.config.federation}', so this one stopped; give every device its own agent_id")
 
     def run_forever(self) -> None:
         """Block until :meth:`stop` is called (from a signal handler, say)."""

@@ -23,13 +23,14 @@ from coordinator.checkpoint import CheckpointError
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import NoAgentsError
 from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
+from edge_agent.daemon import AgentIdInUse
 from fedfit.sim.broker import BrokerStartError
 from fedfit.sim.budgets import scenario_tiers
 from models import FAMILY_NAMES
 
 # Errors a user can cause: reported as one sentence, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
-               ValueError, FileNotFoundError)
+               AgentIdInUse, ValueError, FileNotFoundError)
 
 
 def _budgets(text: str) -> str:
@@ -174,6 +175,9 @@ def _run_agent(args: argparse.Namespace) -> int:
     agent.start()
     _stop_on_signals(agent.stop)
     agent.run_forever()
+    if agent.taken_over:
+        print(f"fedfit agent: error: {agent.taken_over_message()}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,69 @@
+"""Two processes with one agent_id: the newer one refuses to start with one sentence, and an agent whose MQTT
+session is taken over stops instead of knocking the other off in turn. Over mosquitto."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+import pytest
+import torch
+from paho.mqtt.enums import CallbackAPIVersion
+
+from edge_agent.config import AgentConfig, AgentDataConfig
+from edge_agent.daemon import AgentIdInUse, EdgeAgent
+from edge_agent.runner import LocalData
+from fedfit.sim.broker import Broker
+
+pytestmark = [pytest.mark.broker]
+
+
+def make_agent(mosquitto: Broker, federation: str, tmp_path, name: str) -> EdgeAgent:
+    config = AgentConfig(agent_id="twin", federation=federation, data=AgentDataConfig(dataset="digits"),
+                         state_dir=str(tmp_path / name))
+    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
+    return EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+
+
+def test_a_second_process_with_the_same_agent_id_refuses_to_start(mosquitto: Broker, tmp_path) -> None:
+    first = make_agent(mosquitto, "twins", tmp_path, "first")
+    second = make_agent(mosquitto, "twins", tmp_path, "second")
+    first.start()
+    try:
+        with pytest.raises(AgentIdInUse, match=r"^agent 'twin' of federation 'twins' is online already \(its status "
+                                               r"is \d+ s old\): another process uses this agent_id"):
+            second.start()
+        time.sleep(1.0)
+        assert first.link.connected and not first.taken_over  # the first one was never knocked off
+    finally:
+        first.stop()
+    # Once the first one has said 'offline', the id is free again.
+    third = make_agent(mosquitto, "twins", tmp_path, "third")
+    third.start()
+    third.stop()
+
+
+def test_an_agent_whose_session_is_taken_over_stops_instead_of_fighting(mosquitto: Broker, tmp_path) -> None:
+    agent = make_agent(mosquitto, "takeover", tmp_path, "agent")
+    agent.start()
+    intruder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="fedfit-agent-twin", protocol=mqtt.MQTTv5)
+    kicked = threading.Event()
+    intruder.on_disconnect = lambda *_args: kicked.set()
+    try:
+        intruder.connect(mosquitto.host, mosquitto.port)
+        intruder.loop_start()
+        deadline = time.monotonic() + 10
+        while not agent.taken_over and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.taken_over  # after a few rounds of knocking each other off (Mosquitto 2.0 sends no reason)
+        assert agent._stop.wait(5)  # it stopped itself
+        assert "give every device its own agent_id" in agent.taken_over_message()
+        time.sleep(2.0)  # the intruder's reconnect after the agent's last turn
+        kicked.clear()
+        assert not kicked.wait(4.0)  # the agent no longer reconnects to knock the intruder off
+        assert intruder.is_connected()
+    finally:
+        intruder.loop_stop()
+        intruder.disconnect()
+        agent.stop()
