@@ -124,7 +124,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
         config = coordinator_config(options, broker)
         coordinator = Coordinator(config, dataset=dataset,
                                   on_round=print_progress(progress, options.rounds) if progress else None)
-        # FedAvg is the memory-ignoring upper reference: its devices train the full model whatever they have.
+        # FedAvg ignores memory: its devices train its one model (the full one, or fedavg.width) whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
             fixed, variable = full_model_training_memory(coordinator, options.allocator)
