@@ -89,6 +89,7 @@ class Coordinator:
         self.strategy = strategy_for(config, self.dataset, self.family)
         self.registry = FleetRegistry()
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
+        self._round_in_flight = 0  # the round being run (0 between rounds)
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
         self.on_round = on_round
         self.rng = random.Random(config.seed)
@@ -148,7 +149,9 @@ class Coordinator:
         self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline")), True))
 
     def _status(self, state: str) -> CoordinatorStatus:
-        return CoordinatorStatus(self.config.federation, state, self.completed_rounds, time.time())
+        """The retained status: its ``round`` is the round in progress, else the last one completed."""
+        return CoordinatorStatus(self.config.federation, state, self._round_in_flight or self.completed_rounds,
+                                 time.time())
 
     def _announce(self) -> None:
         self.link.publish(self.topics.coordinator_status(), encode(self._status("online")), retain=True)
@@ -182,12 +185,29 @@ class Coordinator:
         assert isinstance(update, Update)
         if update.agent_id != agent_id:
             raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
-        self.link.publish(self.topics.agent_ack(agent_id), encode(Ack(update.task_id, update.round, agent_id)))
         with self._collector_lock:
             collector = self._collector
         verdict = collector.offer(update, len(complete)) if collector is not None else "unknown"
+        reason = self._refusal(collector, update, verdict)
+        # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be.
+        self.link.publish(self.topics.agent_ack(agent_id),
+                          encode(Ack(update.task_id, update.round, agent_id, reason)))
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
-                      status=update.status, verdict=verdict, bytes=len(complete))
+                      status=update.status, verdict=verdict, bytes=len(complete), refused=reason)
+
+    def _refusal(self, collector: RoundCollector | None, update: Update, verdict: str) -> str | None:
+        """Why an update offered to the round in progress will never be aggregated (None: it is stored)."""
+        if verdict == "unknown":
+            current = "no round is in progress" if collector is None else f"round {collector.round} is in progress"
+            return f"unknown task {update.task_id!r} of round {update.round}: {current}"
+        if verdict == "late":
+            return f"round {update.round} closed before the update arrived"
+        if verdict == "accepted" and collector is not None and update.status in AGGREGATED:
+            try:
+                self._unpack_update(update, collector.tasks[update.task_id].task)
+            except ValueError as exc:
+                return f"update rejected: {exc}"
+        return None
 
     # ------------------------------------------------------------------ rounds
     def run(self, rounds: int | None = None) -> list[RoundResult]:
@@ -216,6 +236,8 @@ class Coordinator:
                                 f"{self.config.wait_for_agents_s:.0f} s; start agents or check the broker address")
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
+        self._round_in_flight = round_number
+        self._announce()
         plan = self.strategy.configure_round(round_number, online, self.rng)
         records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in plan.skipped}
         deadline = time.time() + self.config.round_timeout_s
@@ -257,6 +279,8 @@ class Coordinator:
             tasks=[records[agent] for agent in sorted(records)],
         )
         self.metrics.write(result)
+        self._round_in_flight = 0
+        self._announce()
         self.log.info("round_done", round=round_number, global_accuracy=result.global_accuracy,
                       participants=result.participants, seconds=result.seconds)
         if self.on_round is not None:

@@ -213,7 +213,7 @@ class EdgeAgent:
             elif kind == "ack":
                 ack = decode(payload, expected=Ack)
                 assert isinstance(ack, Ack)
-                if not self.uplink.on_ack(ack.task_id):
+                if not self.uplink.on_ack(ack.task_id, ack.reason):
                     self.log.debug("ack_ignored", task=ack.task_id)
         except ProtocolError as exc:
             self.rejected_messages += 1

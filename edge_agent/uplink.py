@@ -23,10 +23,12 @@ class Uplink:
         self._attempts = attempts
         self._outbox: queue.Queue[Update | None] = queue.Queue()
         self._acked: dict[str, threading.Event] = {}
+        self._refusals: dict[str, str] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{agent_id}-uplink", daemon=True)
         self._log = get_logger("uplink", agent=agent_id)
         self.delivered: list[str] = []
+        self.refused: list[str] = []
         self.abandoned: list[str] = []
 
     def start(self) -> None:
@@ -42,12 +44,15 @@ class Uplink:
             self._acked.setdefault(update.task_id, threading.Event())
         self._outbox.put(update)
 
-    def on_ack(self, task_id: str) -> bool:
-        """Record the coordinator's ack; False for an ack of nothing we sent."""
+    def on_ack(self, task_id: str, reason: str | None = None) -> bool:
+        """Record the coordinator's answer (``reason``: why it refused the update for good); either way the update
+        is not sent again. False for an answer about nothing we sent."""
         with self._lock:
             event = self._acked.get(task_id)
-        if event is None:
-            return False
+            if event is None:
+                return False
+            if reason is not None:
+                self._refusals[task_id] = reason
         event.set()
         return True
 
@@ -79,7 +84,11 @@ class Uplink:
         # Outstanding no more before the outcome is recorded: a later ack finds nothing and says so.
         with self._lock:
             self._acked.pop(update.task_id, None)
-        if acked.is_set():
+            refusal = self._refusals.pop(update.task_id, None)
+        if refusal is not None:
+            self.refused.append(update.task_id)
+            self._log.warning("update_refused", task=update.task_id, attempts=attempt, reason=refusal)
+        elif acked.is_set():
             self.delivered.append(update.task_id)
             self._log.info("update_acked", task=update.task_id, attempts=attempt, bytes=len(payload))
         else:

@@ -167,8 +167,9 @@ def read_update(obj: object, limits: Limits) -> Update:
 
 
 def read_ack(obj: object, limits: Limits) -> Ack:
-    r = FieldReader(obj, "ack", limits, Ack, HEADER)
-    return Ack(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0), agent_id=r.name("agent_id"))
+    r = FieldReader(obj, "ack", limits, Ack, HEADER, optional=("reason",))
+    return Ack(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0), agent_id=r.name("agent_id"),
+               reason=r.opt_text("reason"))
 
 
 READERS: dict[str, Callable[[object, Limits], Message]] = {

@@ -40,7 +40,8 @@ class AgentStatus:
 
 @dataclass
 class CoordinatorStatus:
-    """Retained coordinator status; state is "online" or "offline"."""
+    """Retained coordinator status; state is "online" or "offline"; round is the round in progress, else the last
+    one completed."""
 
     federation: str
     state: str
@@ -136,11 +137,16 @@ class Update:
 
 @dataclass
 class Ack:
-    """The coordinator received (and stored) the update of this task."""
+    """The coordinator's answer to the update of this task: stored for aggregation (``reason`` None), or refused
+    for good with the reason (a closed or unknown round, an unknown task, an invalid update). Either way the agent
+    stops sending it."""
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("reason",)
 
     task_id: str
     round: int
     agent_id: str
+    reason: str | None = None
 
 
 Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack

@@ -5,6 +5,7 @@ replaced by hand-made updates."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -382,3 +383,56 @@ def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heter
     monkeypatch.setattr(heterofl, "_dispatch", dispatch)
     assert heterofl.run_round(1).selected == 2 and heterofl.run_round(2).selected == 2
     assert calls == [f"settled 1 {REGISTRY_SETTLE_S}", "wait_for"]
+
+
+def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reason(heterofl: Coordinator,
+                                                                                 monkeypatch) -> None:
+    from coordinator.collector import DispatchedTask, RoundCollector
+    from protocol import Ack, Topics, decode, encode, split_payload
+
+    answers: list[Ack] = []
+    monkeypatch.setattr(heterofl.link, "publish", lambda topic, payload, **_: answers.append(decode(payload)))
+    task = task_for(heterofl, "b")
+    spec = task.spec
+
+    def send(update: Update) -> Ack:
+        for chunk in split_payload(encode(update), f"{update.task_id}.{len(answers)}"):
+            heterofl._on_message(Topics(heterofl.config.federation).agent_update("dev"), chunk)
+        return answers[-1]
+
+    good = update_for(heterofl, spec, task_id="r2-dev-1", agent="dev", status="ok", round_number=2, fill=0.1)
+    assert send(good).reason == "unknown task 'r2-dev-1' of round 2: no round is in progress"
+    heterofl._collector = RoundCollector(2, {"r2-dev-1": DispatchedTask("r2-dev-1", 2, task, time.time() + 60),
+                                             "r2-dev-2": DispatchedTask("r2-dev-2", 2, task, time.time() + 60)})
+    stale = update_for(heterofl, spec, task_id="r1-dev-1", agent="dev", status="ok", round_number=1, fill=0.1)
+    assert send(stale).reason == "unknown task 'r1-dev-1' of round 1: round 2 is in progress"
+    assert send(good) == Ack("r2-dev-1", 2, "dev")  # stored: an ack without a reason
+    assert send(good).reason is None  # sent again: stored already
+    wide = update_for(heterofl, SubmodelSpec.full(), task_id="r2-dev-2", agent="dev", status="ok", round_number=2,
+                      fill=0.1)
+    assert send(wide).reason.startswith("update rejected: agent trained width=1, which is not inside the width=0.5")
+    heterofl._collector.wait(time.time())  # the round closes
+    late = update_for(heterofl, spec, task_id="r2-dev-3", agent="dev", status="ok", round_number=2, fill=0.1)
+    heterofl._collector.tasks["r2-dev-3"] = DispatchedTask("r2-dev-3", 2, task, time.time())
+    assert send(late).reason == "round 2 closed before the update arrived"
+
+
+def test_the_retained_status_carries_the_round_in_progress_then_the_last_completed(heterofl: Coordinator,
+                                                                                   monkeypatch) -> None:
+    from protocol import CoordinatorStatus, decode
+
+    said: list[int] = []
+    monkeypatch.setattr(heterofl.link, "publish", lambda topic, payload, **_: said.append(decode(payload).round)
+                        if isinstance(decode(payload), CoordinatorStatus) else None)
+    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout: [agent_record("sim-0")])
+    monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"), 10)
+        return 10
+
+    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    heterofl.run_round(1)
+    heterofl.run_round(2)
+    assert said == [1, 1, 2, 2]  # round 1 in progress, 1 completed, round 2 in progress, 2 completed

@@ -17,6 +17,7 @@ import torch
 from edge_agent import allocator, child
 from edge_agent.calibration import Calibration
 from edge_agent.child import ChildOutcome, peak_rss_bytes, reset_peak_rss, rss_bytes, run_in_child
+from edge_agent.config import TaskLimits
 from edge_agent.oom import OomCount
 from edge_agent.runner import LocalData
 from models import SubmodelSpec, estimate_plan_memory, get_family
@@ -25,6 +26,7 @@ from protocol import LossTerm, ModelRef, Stage, TrainingPlan, Update, decode, en
 U = SubmodelSpec.uniform
 MIB = 2**20
 LONG = 100_000  # epochs: a task that is still running whenever it gets killed
+ENDLESS = TaskLimits(max_epochs=LONG, max_steps=10**9)  # an agent that accepts such a task
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -299,7 +301,7 @@ def kill_runner_child(runner, kill_when_busy,
 
 def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make_task, make_runner, tmp_path,
                                                                  kill_when_busy):
-    runner = make_runner(budget=2**30)
+    runner = make_runner(budget=2**30, limits=ENDLESS)
     readings = [OomCount("kernel", 7), OomCount("kernel", 8)]  # the kernel counts an OOM kill meanwhile
     runner.oom_kills = lambda: readings.pop(0) if len(readings) > 1 else readings[0]
     watcher, killed = kill_runner_child(runner, kill_when_busy)
@@ -337,7 +339,7 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make
 
 def test_a_child_stopped_by_sigterm_fails_the_task_without_touching_the_calibration(make_task, make_runner,
                                                                                     kill_when_busy):
-    runner = make_runner(budget=2**30)
+    runner = make_runner(budget=2**30, limits=ENDLESS)
     watcher, killed = kill_runner_child(runner, kill_when_busy, signal.SIGTERM)
     update = runner.run(make_task(U(1.0), epochs=LONG))
     watcher.join(10)
@@ -367,7 +369,7 @@ def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, mo
         return real_run_in_child(workdir, 1.0, on_start=on_start)  # instead of the deadline + 30 s
 
     monkeypatch.setattr(child, "run_in_child", quick_timeout)
-    runner = make_runner(budget=2**30)
+    runner = make_runner(budget=2**30, limits=ENDLESS)
     update = runner.run(make_task(U(1.0), epochs=LONG))
     assert update.status == "failed"
     assert "did not finish within 1 s" in update.reason

@@ -150,3 +150,15 @@ def test_sending_same_update_twice_does_not_break_the_uplink(make_uplink):
     time.sleep(0.1)
     uplink.send(update("t-next"))
     assert wait_until(lambda: any(b"t-next" in chunk for _, chunk in publish.calls), timeout=1.0)
+
+
+def test_a_refusal_stops_the_resends_and_is_recorded_apart_from_deliveries(make_uplink):
+    uplink, publish = make_uplink(ack_timeout_s=0.05, attempts=50)
+    u = update()
+    uplink.send(u)
+    assert wait_until(lambda: publish.count() >= 2)
+    assert uplink.on_ack(u.task_id, "round 1 closed before the update arrived") is True
+    assert wait_until(lambda: uplink.refused == [u.task_id])
+    sent = publish.count()
+    time.sleep(0.2)
+    assert publish.count() == sent and uplink.delivered == [] and uplink.abandoned == []
