@@ -27,6 +27,7 @@ from protocol import (
     Ack,
     AgentStatus,
     Capabilities,
+    CoordinatorStatus,
     ProtocolError,
     Reassembler,
     Task,
@@ -76,10 +77,12 @@ class EdgeAgent:
         self._stop = threading.Event()
         self.rejected_messages = 0
         self.tasks_done = 0
+        self.coordinator_state = "unknown"  # as its retained status last said
         self.link = MqttLink(
             client_id=f"fedfit-agent-{self.agent_id}",
             broker=config.broker,
-            subscriptions=[self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id)],
+            subscriptions=[self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id),
+                           self.topics.coordinator_status()],
             handler=self._on_message,
             will=Will(self.topics.agent_status(self.agent_id), encode(self._offline_status())),
             on_ready=self.publish_status,
@@ -205,6 +208,9 @@ class EdgeAgent:
     # ---------------------------------------------------------------- messages
     def _on_message(self, topic: str, payload: bytes) -> None:
         try:
+            if topic == self.topics.coordinator_status():
+                self._on_coordinator_status(payload)
+                return
             _, agent_id, kind = parse_agent_topic(topic)
             if agent_id != self.agent_id:
                 raise ProtocolError(f"message for agent {agent_id!r} reached {self.agent_id!r}")
@@ -218,6 +224,22 @@ class EdgeAgent:
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_coordinator_status(self, payload: bytes) -> None:
+        """Log when the coordinator goes offline and when it comes back (its retained status and Last Will)."""
+        if not payload:
+            return  # a cleared retained status
+        status = decode(payload, expected=CoordinatorStatus)
+        assert isinstance(status, CoordinatorStatus)
+        if status.state == self.coordinator_state:
+            return
+        if status.state == "offline":
+            self.log.warning("coordinator_offline", round=status.round)
+        elif self.coordinator_state == "offline":
+            self.log.info("coordinator_back", round=status.round)
+        else:
+            self.log.info("coordinator_online", round=status.round)
+        self.coordinator_state = status.state
 
     def _admit_task(self, transfer: str, total: int) -> None:
         """Refuse a task transfer at its first chunk when buffering it and decoding its weights (about twice its

@@ -51,3 +51,24 @@ def test_a_task_over_max_task_bytes_is_refused_whatever_the_memory(tmp_path) -> 
         assert any("1048577" in entry.get("reason", "") for entry in logs if entry["event"] == "message_rejected")
     finally:
         close(agent)
+
+
+def test_the_agent_logs_when_the_coordinator_goes_offline_and_comes_back(tmp_path) -> None:
+    import time as clock
+
+    from protocol import CoordinatorStatus, encode
+
+    config = AgentConfig(agent_id="pi-01", federation="lab", data=AgentDataConfig(dataset="digits"),
+                         state_dir=str(tmp_path))
+    agent = EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+    topic = Topics("lab").coordinator_status()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for state, round_number in (("online", 0), ("online", 1), ("offline", 2), ("online", 2), ("online", 3)):
+                agent._on_message(topic, encode(CoordinatorStatus("lab", state, round_number, clock.time())))
+            agent._on_message(topic, b"")  # a cleared retained status says nothing
+        said = [(entry["event"], entry["round"]) for entry in logs if entry["event"].startswith("coordinator_")]
+        assert said == [("coordinator_online", 0), ("coordinator_offline", 2), ("coordinator_back", 2)]
+        assert agent.coordinator_state == "online" and agent.rejected_messages == 0
+    finally:
+        close(agent)
