@@ -46,6 +46,14 @@ class RoundCollector:
             self._done.notify_all()
             return "accepted"
 
+    def unanswered(self, agent_id: str) -> list[DispatchedTask]:
+        """The tasks of ``agent_id`` still waiting for an update (none once the round has closed)."""
+        with self._done:
+            if self._closed:
+                return []
+            return [task for task_id, task in self.tasks.items()
+                    if task.task.agent_id == agent_id and task_id not in self.updates]
+
     def wait(self, deadline: float) -> bool:
         """Block until every task has an update or the wall-clock ``deadline`` passes; then close."""
         with self._done:

@@ -175,7 +175,21 @@ class Coordinator:
         assert isinstance(status, AgentStatus)
         if status.agent_id != agent_id:
             raise ProtocolError(f"status for agent {status.agent_id!r} published on the topic of {agent_id!r}")
-        self.registry.on_status(status)
+        previous = self.registry.on_status(status)
+        back = status.state in ("online", "busy") and status.capabilities is not None
+        if back and previous is not None and not previous.online:
+            self._resend_unanswered(agent_id)
+
+    def _resend_unanswered(self, agent_id: str) -> None:
+        """Send again the tasks of the round in progress that ``agent_id`` has not answered: it came back online
+        (a restart or a reconnect may have lost them; an agent that has one already ignores the copy)."""
+        with self._collector_lock:
+            collector = self._collector
+        if collector is None:
+            return
+        for dispatched in collector.unanswered(agent_id):
+            self._dispatch(dispatched.round, dispatched.task_id, dispatched.task, dispatched.deadline)
+            self.log.info("task_resent", agent=agent_id, task=dispatched.task_id, round=dispatched.round)
 
     def _on_update_chunk(self, agent_id: str, payload: bytes) -> None:
         complete = self.reassembler.feed(payload, source=agent_id)

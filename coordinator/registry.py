@@ -40,9 +40,10 @@ class FleetRegistry:
         self._changed = threading.Condition()
         self._last_change = time.monotonic()
 
-    def on_status(self, status: AgentStatus, now: float | None = None) -> None:
-        """Record a status message (the Last Will arrives as state 'offline')."""
+    def on_status(self, status: AgentStatus, now: float | None = None) -> AgentRecord | None:
+        """Record a status message (the Last Will arrives as state 'offline'); returns the record it replaces."""
         with self._changed:
+            previous = self._agents.get(status.agent_id)
             self._agents[status.agent_id] = AgentRecord(
                 agent_id=status.agent_id,
                 state=status.state,
@@ -51,6 +52,7 @@ class FleetRegistry:
             )
             self._last_change = time.monotonic()
             self._changed.notify_all()
+            return previous
 
     def get(self, agent_id: str) -> AgentRecord | None:
         with self._changed:

@@ -110,3 +110,13 @@ def test_wait_wakes_up_when_last_update_arrives_from_another_thread():
 def test_empty_round_is_complete():
     collector = RoundCollector(1, {})
     assert collector.wait(time.time() + 10) is True
+
+
+def test_unanswered_lists_an_agents_tasks_without_an_update_until_the_round_closes():
+    collector = make_collector(agents=("a0", "a1"))
+    assert [t.task_id for t in collector.unanswered("a0")] == ["t-a0"]
+    assert collector.unanswered("stranger") == []
+    collector.offer(update("a0"), 10)
+    assert collector.unanswered("a0") == [] and [t.task_id for t in collector.unanswered("a1")] == ["t-a1"]
+    collector.wait(time.time())  # closes
+    assert collector.unanswered("a1") == []

@@ -436,3 +436,32 @@ def test_the_retained_status_carries_the_round_in_progress_then_the_last_complet
     heterofl.run_round(1)
     heterofl.run_round(2)
     assert said == [1, 1, 2, 2]  # round 1 in progress, 1 completed, round 2 in progress, 2 completed
+
+
+def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_answered(heterofl: Coordinator,
+                                                                                      monkeypatch) -> None:
+    from coordinator.collector import DispatchedTask, RoundCollector
+    from protocol import Topics, encode
+
+    resent: list[str] = []
+    monkeypatch.setattr(heterofl, "_dispatch", lambda round_number, task_id, planned, deadline: resent.append(task_id))
+    tasks = {name: DispatchedTask(name, 1, task_for(heterofl, "b", agent=agent), time.time() + 60)
+             for name, agent in (("r1-dev-1", "dev"), ("r1-other-1", "other"))}
+    heterofl._collector = RoundCollector(1, tasks)
+    topic = Topics(heterofl.config.federation).agent_status("dev")
+    capabilities = agent_record("dev").capabilities
+
+    def status(state: str) -> None:
+        heterofl._on_message(topic, encode(AgentStatus("dev", state, capabilities if state != "offline" else None,
+                                                       time.time())))
+
+    status("online")
+    status("busy")
+    assert resent == []  # online all along
+    status("offline")  # its Last Will: it crashed or lost the broker
+    status("online")
+    assert resent == ["r1-dev-1"]  # only its own, unanswered task
+    heterofl._collector.offer(update_for(heterofl, tasks["r1-dev-1"].task.spec, task_id="r1-dev-1", agent="dev"), 10)
+    status("offline")
+    status("online")
+    assert resent == ["r1-dev-1"]  # answered: nothing to send again
