@@ -96,6 +96,9 @@ class MqttLink:
         self._on_taken_over = on_taken_over
         self.taken_over = False
         self._connected_at = 0.0
+        self._outage_total = 0.0
+        self._outage_lock = threading.Lock()
+        self._down_since: float | None = None  # monotonic time the ready link lost the broker
         self._short_drops = 0  # consecutive connections the broker dropped within _SHORT_CONNECTION_S
         self._inbox: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=queue_limit)
         self._client: mqtt.Client | None = None
@@ -170,6 +173,12 @@ class MqttLink:
         info = client.publish(topic, payload, qos=qos, retain=retain)
         return info.rc == mqtt.MQTT_ERR_SUCCESS
 
+    def outage_seconds(self) -> float:
+        """Seconds the link has been without the broker since it was first ready (the current outage included)."""
+        with self._outage_lock:
+            current = 0.0 if self._down_since is None else time.monotonic() - self._down_since
+            return self._outage_total + current
+
     @property
     def connected(self) -> bool:
         return self._client is not None and self._client.is_connected()
@@ -232,6 +241,10 @@ class MqttLink:
             return
         self._connack_reason = "ok"
         self._connected_at = time.monotonic()
+        with self._outage_lock:
+            if self._down_since is not None:
+                self._outage_total += self._connected_at - self._down_since
+                self._down_since = None
         result, mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
         self._subscribe_mid = mid if result == mqtt.MQTT_ERR_SUCCESS else None
         self._connack.set()
@@ -263,6 +276,9 @@ class MqttLink:
                                     else f"connection closed before CONNACK ({reason_code})")
             self._connack.set()
         elif not self._stopping:
+            with self._outage_lock:
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
             lasted = time.monotonic() - self._connected_at
             self._short_drops = self._short_drops + 1 if lasted < _SHORT_CONNECTION_S else 0
             if getattr(reason_code, "value", None) == _SESSION_TAKEN_OVER or self._short_drops >= _TAKEOVERS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.strategies import TaskPlan
@@ -54,11 +55,12 @@ class RoundCollector:
             return [task for task_id, task in self.tasks.items()
                     if task.task.agent_id == agent_id and task_id not in self.updates]
 
-    def wait(self, deadline: float) -> bool:
-        """Block until every task has an update or the wall-clock ``deadline`` passes; then close."""
+    def wait(self, deadline: float, extension: Callable[[], float] = lambda: 0.0) -> bool:
+        """Block until every task has an update or the wall-clock ``deadline`` plus ``extension()`` seconds (read
+        as it grows, e.g. a broker outage) passes; then close."""
         with self._done:
             while len(self.updates) < len(self.tasks):
-                remaining = deadline - time.time()
+                remaining = deadline + extension() - time.time()
                 if remaining <= 0:
                     break
                 self._done.wait(min(remaining, 1.0))

@@ -263,7 +263,9 @@ class Coordinator:
         bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items())
         self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(plan.skipped),
                       bytes_down=bytes_down)
-        collector.wait(deadline)
+        outage_before = self.link.outage_seconds()
+        # The deadline moves by any broker outage the coordinator sees meanwhile: updates could not arrive then.
+        collector.wait(deadline, lambda: self.link.outage_seconds() - outage_before)
         with self._collector_lock:
             self._collector = None
         results, outcomes = self._collect(collector, records)

@@ -120,3 +120,17 @@ def test_unanswered_lists_an_agents_tasks_without_an_update_until_the_round_clos
     assert collector.unanswered("a0") == [] and [t.task_id for t in collector.unanswered("a1")] == ["t-a1"]
     collector.wait(time.time())  # closes
     assert collector.unanswered("a1") == []
+
+
+def test_wait_moves_its_deadline_by_the_extension_as_it_grows():
+    collector = make_collector(agents=("a0",))
+    outage = [0.0]
+
+    def late_answer() -> None:
+        time.sleep(0.3)
+        collector.offer(update("a0"), 10)
+
+    threading.Thread(target=late_answer, daemon=True).start()
+    outage[0] = 5.0  # a broker outage pushes the deadline (now + 0.1 s) past the answer
+    assert collector.wait(time.time() + 0.1, lambda: outage[0]) is True
+    assert make_collector(agents=("a1",)).wait(time.time() + 0.1, lambda: 0.0) is False
