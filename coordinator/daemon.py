@@ -25,11 +25,13 @@ from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.collector import DispatchedTask, RoundCollector
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator
+from coordinator.journal import JournaledRound, RoundJournal
 from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
 from coordinator.screening import screen
 from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
+from coordinator.strategies.base import Skip
 from models import ModelFamily, SubmodelSpec
 from protocol import (
     Ack,
@@ -62,6 +64,9 @@ def _describe(spec: dict[str, object]) -> str:
 class NoAgentsError(RuntimeError):
     """No agent came online in time (before the first round: fewer than ``min_agents``)."""
 
+
+#: Seconds a round resumed from the journal waits at least for the updates its agents are still resending.
+RESUME_GRACE_S = 60.0
 
 #: Seconds without a new agent status after which the registry counts as settled before the first round: the
 #: broker delivers the retained statuses of the whole fleet in one burst after the subscription.
@@ -100,6 +105,12 @@ class Coordinator:
         self.completed_rounds = 0
         if config.resume and self.checkpoint_path.exists():
             self._resume()
+        self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
+        self._pending: JournaledRound | None = None
+        if config.resume:
+            pending = self.journal.load()
+            if pending is not None and pending.round == self.completed_rounds + 1:
+                self._pending = pending  # the round in flight when the last run stopped: finish it
         self._evaluator = self._make_evaluator()
         self._collector: RoundCollector | None = None
         self._collector_lock = threading.Lock()
@@ -203,6 +214,12 @@ class Coordinator:
             collector = self._collector
         verdict = collector.offer(update, len(complete)) if collector is not None else "unknown"
         reason = self._refusal(collector, update, verdict)
+        if verdict in ("accepted", "duplicate") and reason is None:
+            try:
+                self.journal.store(update, complete)  # on disk before the ack goes out
+            except OSError as exc:
+                self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
+                return  # no ack: the agent sends it again
         # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be.
         self.link.publish(self.topics.agent_ack(agent_id),
                           encode(Ack(update.task_id, update.round, agent_id, reason)))
@@ -216,7 +233,7 @@ class Coordinator:
             return f"unknown task {update.task_id!r} of round {update.round}: {current}"
         if verdict == "late":
             return f"round {update.round} closed before the update arrived"
-        if verdict == "accepted" and collector is not None and update.status in AGGREGATED:
+        if verdict in ("accepted", "duplicate") and collector is not None and update.status in AGGREGATED:
             try:
                 self._unpack_update(update, collector.tasks[update.task_id].task)
             except ValueError as exc:
@@ -235,6 +252,12 @@ class Coordinator:
     def run_round(self, round_number: int) -> RoundResult:
         """One round: plan (the strategy), dispatch, collect, aggregate (the strategy), evaluate, checkpoint."""
         started = time.monotonic()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.round == round_number:
+            return self._finish_round(round_number, started, pending.tasks, pending.skipped,
+                                      max(pending.deadline, time.time() + min(self.config.round_timeout_s,
+                                                                              RESUME_GRACE_S)),
+                                      pending.updates)
         if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
             online = self.registry.wait_settled(self.config.min_agents, REGISTRY_SETTLE_S,
                                                 self.config.wait_for_agents_s)
@@ -250,19 +273,29 @@ class Coordinator:
                                 f"{self.config.wait_for_agents_s:.0f} s; start agents or check the broker address")
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
-        self._round_in_flight = round_number
-        self._announce()
         plan = self.strategy.configure_round(round_number, online, self.rng)
-        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in plan.skipped}
         deadline = time.time() + self.config.round_timeout_s
         tasks = {self._task_id(round_number, t.agent_id): t for t in plan.tasks}
+        self.journal.begin(round_number, deadline, tasks, plan.skipped)  # before any task goes out
+        return self._finish_round(round_number, started, tasks, plan.skipped, deadline, [])
+
+    def _finish_round(self, round_number: int, started: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
+                      deadline: float, stored: list[tuple[Update, int]]) -> RoundResult:
+        """Dispatch a planned (or journaled) round's tasks, collect, aggregate, evaluate, checkpoint. ``stored``:
+        updates the journal kept from before a restart; their tasks are not sent again."""
+        self._round_in_flight = round_number
+        self._announce()
+        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
         collector = RoundCollector(round_number, {
             task_id: DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()})
+        for update, size in stored:
+            collector.offer(update, size)
         with self._collector_lock:
             self._collector = collector
-        bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items())
-        self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(plan.skipped),
-                      bytes_down=bytes_down)
+        bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items()
+                         if task_id not in collector.updates)
+        self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(skipped),
+                      bytes_down=bytes_down, **({"resumed_with_updates": len(stored)} if stored else {}))
         outage_before = self.link.outage_seconds()
         # The deadline moves by any broker outage the coordinator sees meanwhile: updates could not arrive then.
         collector.wait(deadline, lambda: self.link.outage_seconds() - outage_before)
@@ -280,6 +313,7 @@ class Coordinator:
         accuracies = self._evaluate()
         self.completed_rounds = round_number
         self._checkpoint()
+        self.journal.clear()  # the checkpoint holds the round now
         global_outputs = accuracies.pop("global")
         result = RoundResult(
             round=round_number,
@@ -288,7 +322,7 @@ class Coordinator:
             exit_accuracy={f"exit{i}": acc for i, acc in enumerate(global_outputs, start=1)}
             if len(global_outputs) > 1 else {},
             participants=len(results),
-            selected=len(plan.tasks) + len(plan.skipped),
+            selected=len(tasks) + len(skipped),
             bytes_down=bytes_down,
             bytes_up=sum(collector.update_bytes.values()),
             seconds=round(time.monotonic() - started, 3),

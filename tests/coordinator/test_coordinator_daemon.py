@@ -404,9 +404,11 @@ def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reas
     assert send(good).reason == "unknown task 'r2-dev-1' of round 2: no round is in progress"
     heterofl._collector = RoundCollector(2, {"r2-dev-1": DispatchedTask("r2-dev-1", 2, task, time.time() + 60),
                                              "r2-dev-2": DispatchedTask("r2-dev-2", 2, task, time.time() + 60)})
+    heterofl.journal.begin(2, time.time() + 60, {"r2-dev-1": task, "r2-dev-2": task}, [])
     stale = update_for(heterofl, spec, task_id="r1-dev-1", agent="dev", status="ok", round_number=1, fill=0.1)
     assert send(stale).reason == "unknown task 'r1-dev-1' of round 1: round 2 is in progress"
     assert send(good) == Ack("r2-dev-1", 2, "dev")  # stored: an ack without a reason
+    assert [u.task_id for u, _ in heterofl.journal.load().updates] == ["r2-dev-1"]  # on disk before the ack
     assert send(good).reason is None  # sent again: stored already
     wide = update_for(heterofl, SubmodelSpec.full(), task_id="r2-dev-2", agent="dev", status="ok", round_number=2,
                       fill=0.1)

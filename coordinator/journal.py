@@ -1,0 +1,102 @@
+"""The round in flight, on disk: what a coordinator restarted after a crash needs to finish that same round.
+
+``state_dir/round/`` holds ``round.json`` (the round, its deadline, the skipped agents and, per task, its id,
+level and group) and one ``task-<digest>.msgpack`` per task (the task message without weights: spec, plan,
+adaptation), written before the first task goes out, and one ``update-<digest>.msgpack`` per update stored for
+aggregation (the update message as it arrived), written before that update is acked. Everything is msgpack or
+JSON, each file written atomically; nothing is a pickle. The journal is cleared once the round's checkpoint is
+written; a journal of a round the checkpoint already holds is stale and ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.durable import sync_directory, write_atomic
+from coordinator.strategies.base import Skip, TaskPlan
+from models import SubmodelSpec
+from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
+
+__all__ = ["JournaledRound", "RoundJournal"]
+
+
+@dataclass
+class JournaledRound:
+    """A round read back from the journal: its tasks by id, the skipped agents and the updates stored (with their
+    sizes in bytes)."""
+
+    round: int
+    deadline: float
+    tasks: dict[str, TaskPlan]
+    skipped: list[Skip]
+    updates: list[tuple[Update, int]]
+
+
+def _digest(task_id: str) -> str:
+    return hashlib.sha256(task_id.encode()).hexdigest()[:24]  # a task id is wire data: never a file name
+
+
+class RoundJournal:
+    """Writes and reads the journal of the round in flight in ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: Path, model: ModelRef) -> None:
+        self.directory = directory
+        self.model = model
+
+    def begin(self, round_number: int, deadline: float, tasks: dict[str, TaskPlan], skipped: list[Skip]) -> None:
+        """Record a round's plan (replacing any earlier journal) before its tasks go out."""
+        self.clear()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for task_id, task in tasks.items():
+            message = Task(task_id, round_number, task.agent_id, deadline, self.model, task.spec.to_dict(), None, {},
+                           adaptation=task.adaptation, plan=task.plan)
+            write_atomic(self.directory / f"task-{_digest(task_id)}.msgpack", encode(message))
+        index = {"round": round_number, "deadline": deadline,
+                 "tasks": [{"task_id": task_id, "level": task.level, "group": task.group}
+                           for task_id, task in tasks.items()],
+                 "skipped": [{"agent_id": skip.agent_id, "reason": skip.reason} for skip in skipped]}
+        write_atomic(self.directory / "round.json", json.dumps(index).encode())
+
+    def store(self, update: Update, payload: bytes) -> None:
+        """Keep an update (its message as it arrived) before it is acked."""
+        write_atomic(self.directory / f"update-{_digest(update.task_id)}.msgpack", payload)
+
+    def load(self) -> JournaledRound | None:
+        """The round in the journal, or None when there is none. Raises ValueError for a journal that cannot be
+        read (the message names the file)."""
+        index_path = self.directory / "round.json"
+        if not index_path.exists():
+            return None
+        try:
+            index = json.loads(index_path.read_text())
+            round_number, deadline = int(index["round"]), float(index["deadline"])
+            tasks: dict[str, TaskPlan] = {}
+            for entry in index["tasks"]:
+                task_id = str(entry["task_id"])
+                path = self.directory / f"task-{_digest(task_id)}.msgpack"
+                message = decode(path.read_bytes(), expected=Task)
+                assert isinstance(message, Task)
+                tasks[task_id] = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
+                                          message.training_plan(), str(entry["group"]), message.adaptation)
+            skipped = [Skip(str(entry["agent_id"]), str(entry["reason"])) for entry in index["skipped"]]
+            updates = []
+            for path in sorted(self.directory.glob("update-*.msgpack")):
+                payload = path.read_bytes()
+                update = decode(payload, expected=Update)
+                assert isinstance(update, Update)
+                if update.task_id in tasks:
+                    updates.append((update, len(payload)))
+        except (OSError, KeyError, TypeError, ValueError, ProtocolError) as exc:
+            raise ValueError(f"the round journal in {self.directory} cannot be read ({exc}); move it away to "
+                             f"start the round afresh") from exc
+        return JournaledRound(round_number, deadline, tasks, skipped, updates)
+
+    def clear(self) -> None:
+        """Remove the journal (the round is checkpointed, or a new one begins)."""
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+            sync_directory(self.directory.parent)

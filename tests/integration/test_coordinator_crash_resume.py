@@ -1,0 +1,90 @@
+"""A coordinator killed with SIGKILL while a round's updates come in, started again with ``resume: true``:
+it finishes that same round with the updates it had acked (none lost, none counted twice) and the ones the
+agents send again, and numbers every round once. The coordinator runs as ``fedfit coordinator`` processes, the
+agents in this process, all over mosquitto."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.data import load_dataset, parse_partition, partition_indices
+from edge_agent.config import AgentConfig, AgentDataConfig
+from edge_agent.daemon import EdgeAgent
+from edge_agent.data_source import to_local_data
+from fedfit.sim.broker import Broker
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+AGENTS = ("crash-a", "crash-b", "crash-c")
+
+
+def coordinator_yaml(path: Path, mosquitto: Broker, state_dir: Path) -> Path:
+    config = {
+        "federation": "crash", "broker": {"host": mosquitto.host, "port": mosquitto.port}, "algorithm": "fedavg",
+        "model": {"family": "cnn", "options": {"hidden": [16, 32, 64]}},
+        "data": {"dataset": "digits", "bn_samples": 300}, "recipe": {"epochs": 2, "batch_size": 16, "lr": 0.05},
+        "rounds": 2, "min_agents": len(AGENTS), "wait_for_agents_s": 60, "round_timeout_s": 120,
+        "state_dir": str(state_dir), "resume": True,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_coordinator(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "fedfit.cli", "coordinator", "--config", str(config)],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_killed_coordinator_finishes_the_round_it_was_in_with_every_acked_update(mosquitto: Broker,
+                                                                                  tmp_path: Path) -> None:
+    dataset = load_dataset("digits")
+    shards = partition_indices(dataset.y_train, len(AGENTS), parse_partition("iid"), 0)
+    state_dir = tmp_path / "coordinator"
+    config = coordinator_yaml(tmp_path / "coordinator.yaml", mosquitto, state_dir)
+    log = tmp_path / "coordinator.log"
+    agents = []
+    for index, (name, idx) in enumerate(zip(AGENTS, shards)):
+        agent_config = AgentConfig(agent_id=name, federation="crash", data=AgentDataConfig(dataset="digits"),
+                                   ack_timeout_s=2.0, update_attempts=100, torch_threads=1)
+        agent_config.broker.host, agent_config.broker.port = mosquitto.host, mosquitto.port
+        # Unequal data: the updates come in one after another, so the kill falls between two of them.
+        agents.append(EdgeAgent(agent_config, to_local_data(dataset.x_train[idx][: 150 * (index + 1)],
+                                                            dataset.y_train[idx][: 150 * (index + 1)])))
+    coordinator = start_coordinator(config, log)
+    try:
+        for agent in agents:
+            agent.start()
+        deadline = time.monotonic() + 120
+        while not any(agent.uplink.delivered for agent in agents) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        acked_before = {agent.agent_id: list(agent.uplink.delivered) for agent in agents}
+        assert any(acked_before.values()), "no update was acked before the kill"
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+        assert (state_dir / "round" / "round.json").exists()  # the journal of round 1 survived the kill
+        coordinator = start_coordinator(config, log)
+        assert coordinator.wait(240) == 0, log.read_text()[-3000:]
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+        for agent in agents:
+            agent.stop()
+
+    rows = [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows] == [1, 2]  # each round once
+    first = rows[0]
+    assert first["participants"] == len(AGENTS), first["tasks"]
+    trained = {task["agent"] for task in first["tasks"] if task["status"] == "ok"}
+    acked = {name for name, tasks in acked_before.items() if any(t.startswith("r1-") for t in tasks)}
+    assert acked and acked <= trained  # the updates acked before the kill were aggregated in their round
+    assert not (state_dir / "round").exists()  # the journal goes once the round is checkpointed
+    assert all(agent.uplink.refused == [] and agent.uplink.abandoned == [] for agent in agents)
