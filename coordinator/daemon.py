@@ -261,16 +261,16 @@ class Coordinator:
         if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
             online = self.registry.wait_settled(self.config.min_agents, REGISTRY_SETTLE_S,
                                                 self.config.wait_for_agents_s)
-            if len(online) < self.config.min_agents:
+            if online and len(online) < self.config.min_agents:
                 raise NoAgentsError(f"{len(online)} of the {self.config.min_agents} agents of federation "
                                     f"'{self.config.federation}' that min_agents asks for came online within "
-                                    f"{self.config.wait_for_agents_s:.0f} s; start more agents or lower min_agents")
-            self._fleet_settled = True
+                                    f"{self.config.wait_for_agents_s:g} s; start more agents or lower min_agents")
+            self._fleet_settled = bool(online)
         else:
             online = self.registry.wait_for(self.config.min_agents, self.config.wait_for_agents_s)
         if not online:
             raise NoAgentsError(f"no agent of federation '{self.config.federation}' came online within "
-                                f"{self.config.wait_for_agents_s:.0f} s; start agents or check the broker address")
+                                f"{self.config.wait_for_agents_s:g} s; start agents or check the broker address")
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
         plan = self.strategy.configure_round(round_number, online, self.rng)

@@ -361,9 +361,11 @@ def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinato
 def test_the_first_round_needs_min_agents_and_says_so_when_they_do_not_come(heterofl: Coordinator,
                                                                            monkeypatch) -> None:
     heterofl.config.min_agents, heterofl.config.wait_for_agents_s = 3, 0.2
+    with pytest.raises(NoAgentsError, match=r"^no agent of federation '.*' came online within 0.2 s; start agents"):
+        heterofl.run_round(1)
     heterofl.registry.on_status(AgentStatus("sim-0", "online", agent_record("sim-0").capabilities, 0.0))
     with pytest.raises(NoAgentsError, match=r"^1 of the 3 agents of federation '.*' that min_agents asks for came "
-                                            r"online within 0 s; start more agents or lower min_agents$"):
+                                            r"online within 0.2 s; start more agents or lower min_agents$"):
         heterofl.run_round(1)
 
 
