@@ -339,6 +339,8 @@ class TaskRunner:
         for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
             decomposition = cut_segments(lambda a, b: corrected(raw_cost(a, b)), blocks, budget)
             if not decomposition.segments:  # every block was tried alone: their estimates are known
+                if budget < available:  # a block fits alone, but not with the other segments' classifiers
+                    return _Cut(decomposition, None, route), None, raw_cost(0, 1)
                 smallest = min(corrected(raw_cost(b, b + 1)) for b in range(blocks))
                 return _Cut(decomposition, smallest, route), None, raw_cost(0, 1)
             spec = spec_for(decomposition.segments)
