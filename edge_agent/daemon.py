@@ -125,7 +125,7 @@ class EdgeAgent:
         self.runner.close()
 
     def _refuse_if_online(self, timeout: float) -> None:
-        """Read this agent's retained status through a short-lived connection of its own client id."""
+        """Read this agent's retained status through a short-lived probe connection (a client id of its own)."""
         seen: list[AgentStatus] = []
 
         def keep(topic: str, payload: bytes) -> None:
