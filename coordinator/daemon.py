@@ -65,6 +65,10 @@ class NoAgentsError(RuntimeError):
     """No agent came online in time (before the first round: fewer than ``min_agents``)."""
 
 
+#: An online status of one agent id from another process within this many seconds of the last one means two
+#: processes use the id (a restart says 'offline' first, or its Last Will does).
+TWO_INSTANCES_WINDOW_S = 120.0
+
 #: Seconds a round resumed from the journal waits at least for the updates its agents are still resending.
 RESUME_GRACE_S = 60.0
 
@@ -187,6 +191,12 @@ class Coordinator:
         if status.agent_id != agent_id:
             raise ProtocolError(f"status for agent {status.agent_id!r} published on the topic of {agent_id!r}")
         previous = self.registry.on_status(status)
+        if (previous is not None and previous.online and status.state in ("online", "busy")
+                and previous.instance and status.instance and previous.instance != status.instance
+                and time.time() - previous.last_seen < TWO_INSTANCES_WINDOW_S):
+            self.log.warning("agent_id_two_instances", agent=agent_id, instances=[previous.instance, status.instance],
+                             message=f"agent '{agent_id}' reports from two processes; give every device its own "
+                                     f"agent_id")
         back = status.state in ("online", "busy") and status.capabilities is not None
         if back and previous is not None and not previous.online:
             self._resend_unanswered(agent_id)

@@ -17,6 +17,7 @@ class AgentRecord:
     state: str
     capabilities: Capabilities | None
     last_seen: float
+    instance: str = ""
 
     @property
     def online(self) -> bool:
@@ -49,6 +50,7 @@ class FleetRegistry:
                 state=status.state,
                 capabilities=status.capabilities,
                 last_seen=time.time() if now is None else now,
+                instance=status.instance,
             )
             self._last_change = time.monotonic()
             self._changed.notify_all()

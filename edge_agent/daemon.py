@@ -56,6 +56,7 @@ class EdgeAgent:
         config.validate()
         self.config = config
         self.agent_id = config.agent_id
+        self.instance = uuid.uuid4().hex[:12]  # this process, in every status it publishes
         self.topics = Topics(config.federation)
         self.data = data
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
@@ -184,10 +185,10 @@ class EdgeAgent:
             num_samples=len(self.data.y),
             labels=list(self.data.labels),
         )
-        return AgentStatus(self.agent_id, state, capabilities, time.time())
+        return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)
 
     def _offline_status(self) -> AgentStatus:
-        return AgentStatus(self.agent_id, "offline", None, time.time())
+        return AgentStatus(self.agent_id, "offline", None, time.time(), self.instance)
 
     def publish_status(self) -> None:
         """Publish the retained status (called on every (re)connect, on a timer and around tasks)."""

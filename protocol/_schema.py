@@ -112,12 +112,13 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
 
 
 def read_agent_status(obj: object, limits: Limits) -> AgentStatus:
-    r = FieldReader(obj, "status", limits, AgentStatus, HEADER)
+    r = FieldReader(obj, "status", limits, AgentStatus, HEADER, optional=("instance",))
     return AgentStatus(
         agent_id=r.name("agent_id"),
         state=r.text("state", AGENT_STATES),
         capabilities=r.opt_nested("capabilities", read_capabilities),
         sent_at=r.number("sent_at"),
+        instance=r.opt_text("instance") or "",
     )
 
 

@@ -51,9 +51,11 @@ def encode(message: Message) -> bytes:
         raise ProtocolError(f"cannot encode {type(message).__name__}: not a top-level protocol message")
     try:
         body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": kind}
+        later = getattr(message, "OMITTED_AT_DEFAULT", ())  # fields older readers lack stay off at their default
         for field in fields(message):
-            if field.name != "weights":
-                body[field.name] = plain(getattr(message, field.name))
+            value = getattr(message, field.name)
+            if field.name != "weights" and not (field.name in later and value == field.default):
+                body[field.name] = plain(value)
         weights = getattr(message, "weights", None)
         if weights is not None:
             body["weights"] = {}

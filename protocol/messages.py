@@ -30,12 +30,17 @@ class Capabilities:
 
 @dataclass
 class AgentStatus:
-    """Retained agent status; state is "online", "busy" or "offline" (the Last Will has no capabilities)."""
+    """Retained agent status; state is "online", "busy" or "offline" (the Last Will has no capabilities).
+    ``instance`` names the agent process (random per start; empty from agents that predate it), so that one id
+    reporting from two processes shows."""
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("instance",)
 
     agent_id: str
     state: str
     capabilities: Capabilities | None
     sent_at: float
+    instance: str = ""
 
 
 @dataclass

@@ -469,3 +469,26 @@ def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_an
     status("offline")
     status("online")
     assert resent == ["r1-dev-1"]  # answered: nothing to send again
+
+
+def test_one_agent_id_reporting_from_two_processes_is_warned_about(heterofl: Coordinator) -> None:
+    import structlog
+
+    from protocol import Topics, encode
+
+    topic = Topics(heterofl.config.federation).agent_status("dev")
+    capabilities = agent_record("dev").capabilities
+
+    def status(state: str, instance: str) -> None:
+        heterofl._on_message(topic, encode(AgentStatus("dev", state, capabilities if state != "offline" else None,
+                                                       time.time(), instance)))
+
+    with structlog.testing.capture_logs() as logs:
+        status("online", "first")
+        status("busy", "first")
+        status("offline", "first")  # a restart says 'offline' first: no warning
+        status("online", "second")
+        status("online", "third")  # a second process while the other is online
+    warned = [entry for entry in logs if entry["event"] == "agent_id_two_instances"]
+    assert [entry["instances"] for entry in warned] == [["second", "third"]]
+    assert "give every device its own agent_id" in warned[0]["message"]

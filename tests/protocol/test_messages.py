@@ -188,7 +188,7 @@ LISTED = ("loss", "schedule", "candidates")
 """Lists of nested dataclass maps."""
 MAY_LACK = {"plan", "adaptation", "adaptation.candidates", "adaptation.rates"}
 """Fields added after a message's first version: an older sender leaves them out (see test_plan)."""
-MAY_LACK_IN = {("ack", "reason")}
+MAY_LACK_IN = {("ack", "reason"), ("status", "instance")}
 """The same, for one message type (an update's reason is as old as the update)."""
 
 
@@ -332,3 +332,17 @@ def test_field_names_are_the_contract() -> None:
         "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights",
         "metrics", "reason",
     ]  # fmt: skip
+
+
+def test_status_instance_and_ack_reason_stay_off_the_wire_at_their_defaults() -> None:
+    import msgpack
+
+    from protocol import Ack, AgentStatus, decode, encode
+
+    old_status = AgentStatus("pi-01", "offline", None, 5.0)
+    assert "instance" not in msgpack.unpackb(encode(old_status))
+    status = AgentStatus("pi-01", "offline", None, 5.0, "a1b2c3")
+    assert decode(encode(status)) == status and decode(encode(old_status)).instance == ""
+    assert "reason" not in msgpack.unpackb(encode(Ack("t-1", 1, "pi-01")))
+    refused = Ack("t-1", 1, "pi-01", "round 1 closed before the update arrived")
+    assert decode(encode(refused)) == refused
