@@ -12,6 +12,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from common.durable import sync_directory
+
 FORMAT = "fedfit-checkpoint-v1"
 
 
@@ -32,11 +34,7 @@ def save_checkpoint(path: str | Path, states: Mapping[str, Mapping[str, torch.Te
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    sync_directory(path.parent)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:

@@ -4,7 +4,7 @@
 level and group) and one ``task-<digest>.msgpack`` per task (the task message without weights: spec, plan,
 adaptation), written before the first task goes out, and one ``update-<digest>.msgpack`` per update stored for
 aggregation (the update message as it arrived), written before that update is acked. Everything is msgpack or
-JSON, each file written atomically; nothing is a pickle. The journal is cleared once the round's checkpoint is
+JSON, each file written atomically. The journal is cleared once the round's checkpoint is
 written; a journal of a round the checkpoint already holds is stale and ignored.
 """
 

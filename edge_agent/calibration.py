@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from pathlib import Path
+
+from common.durable import write_atomic
 
 # A single measurement moves the factor at most this far (noise in a small run must not freeze the device).
 MIN_RATIO, MAX_RATIO = 0.5, 3.0
@@ -97,6 +98,4 @@ class Calibration:
             data = {"ratios": self.ratios, "floor": self.floor}
         with self._save_lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(data).encode())

@@ -203,13 +203,15 @@ def test_without_a_path_nothing_is_written(tmp_path, monkeypatch):
 def test_concurrent_observes_do_not_fail(tmp_path, monkeypatch):
     """The class says it is thread-safe: widen the window between writing the temp file and renaming it, so
     that unsynchronised saves would rename one temp file twice (FileNotFoundError)."""
-    real_replace = calibration_module.os.replace
+    from common import durable  # where the calibration's atomic write renames
+
+    real_replace = durable.os.replace
 
     def replace_together(src, dst):
         time.sleep(0.2)
         real_replace(src, dst)
 
-    monkeypatch.setattr(calibration_module.os, "replace", replace_together)
+    monkeypatch.setattr(durable.os, "replace", replace_together)
     calibration = Calibration(tmp_path / "calibration.json")
     errors: list[BaseException] = []
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
+from common.data import Dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
+from edge_agent.config import AgentConfig, AgentDataConfig
+from edge_agent.daemon import EdgeAgent
+from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker, find_mosquitto, start_mosquitto
 
 
@@ -38,3 +42,12 @@ def tiny_config(**overrides: object) -> CoordinatorConfig:
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
+
+
+def digits_fleet(dataset: Dataset, names: Sequence[str], config: CoordinatorConfig) -> list[EdgeAgent]:
+    """Agents named ``names`` of ``config``'s federation and broker, each with an IID shard of ``dataset``."""
+    shards = partition_indices(dataset.y_train, len(names), parse_partition("iid"), 0)
+    return [EdgeAgent(AgentConfig(agent_id=name, federation=config.federation, broker=config.broker,
+                                  data=AgentDataConfig(dataset="digits")),
+                      to_local_data(dataset.x_train[idx], dataset.y_train[idx]))
+            for name, idx in zip(names, shards)]

@@ -10,15 +10,12 @@ import pytest
 import structlog
 from paho.mqtt.enums import CallbackAPIVersion
 
-from common.data import load_dataset, parse_partition, partition_indices
+from common.data import load_dataset
 from coordinator.daemon import Coordinator
-from edge_agent.config import AgentConfig, AgentDataConfig
-from edge_agent.daemon import EdgeAgent
-from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker
 from protocol import Reassembler, Task, Topics, Update, decode, encode, split_payload
 
-from .conftest import tiny_config
+from .conftest import digits_fleet, tiny_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -33,7 +30,6 @@ def forge(task: Task) -> Update:
 
 def test_a_forged_update_is_screened_out_and_the_federation_trains_on(mosquitto: Broker, tmp_path) -> None:
     dataset = load_dataset("digits")
-    shards = partition_indices(dataset.y_train, len(AGENTS), parse_partition("iid"), 0)
     topics = Topics("forged")
     config = tiny_config(federation="forged", rounds=2, min_agents=len(AGENTS), state_dir=str(tmp_path),
                          algorithm="fedavg")
@@ -55,10 +51,7 @@ def test_a_forged_update_is_screened_out_and_the_federation_trains_on(mosquitto:
     attacker.on_message = on_message
     with structlog.testing.capture_logs() as logs:
         coordinator = Coordinator(config, dataset=dataset)
-        agents = [EdgeAgent(AgentConfig(agent_id=agent_id, federation="forged", broker=config.broker,
-                                        data=AgentDataConfig(dataset="digits")),
-                            to_local_data(dataset.x_train[idx], dataset.y_train[idx]))
-                  for agent_id, idx in zip(AGENTS, shards)]
+        agents = digits_fleet(dataset, AGENTS, config)
         subscribed = threading.Event()
         attacker.on_subscribe = lambda *_args: subscribed.set()
         attacker.connect(mosquitto.host, mosquitto.port)

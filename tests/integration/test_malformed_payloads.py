@@ -15,11 +15,8 @@ import structlog
 import torch
 from paho.mqtt.enums import CallbackAPIVersion
 
-from common.data import load_dataset, parse_partition, partition_indices
+from common.data import load_dataset
 from coordinator.daemon import Coordinator
-from edge_agent.config import AgentConfig, AgentDataConfig
-from edge_agent.daemon import EdgeAgent
-from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker
 from protocol import (
     Ack,
@@ -33,7 +30,7 @@ from protocol import (
     split_payload,
 )
 
-from .conftest import tiny_config
+from .conftest import digits_fleet, tiny_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -79,7 +76,6 @@ def hostile_payloads(rng: random.Random) -> list[bytes]:
 
 def test_garbage_everywhere_is_rejected_and_federation_completes(mosquitto: Broker, tmp_path) -> None:
     dataset = load_dataset("digits")
-    shards = partition_indices(dataset.y_train, len(AGENTS), parse_partition("iid"), 0)
     topics = Topics("hostile")
     config = tiny_config(federation="hostile", rounds=2, min_agents=len(AGENTS), state_dir=str(tmp_path))
     config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
@@ -90,10 +86,7 @@ def test_garbage_everywhere_is_rejected_and_federation_completes(mosquitto: Brok
 
     with structlog.testing.capture_logs() as logs:
         coordinator = Coordinator(config, dataset=dataset)
-        agents = [EdgeAgent(AgentConfig(agent_id=agent_id, federation="hostile", broker=config.broker,
-                                        data=AgentDataConfig(dataset="digits")),
-                            to_local_data(dataset.x_train[idx], dataset.y_train[idx]))
-                  for agent_id, idx in zip(AGENTS, shards)]
+        agents = digits_fleet(dataset, AGENTS, config)
         attacker = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="attacker")
         attacker.connect(mosquitto.host, mosquitto.port)
         attacker.loop_start()
