@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,16 +33,56 @@ class BrokerUnavailable(ConnectionError):
 
 @dataclass
 class BrokerConfig:
-    """Where the MQTT broker listens and how to log in: the ``broker`` section of both daemons' configs."""
+    """Where the MQTT broker listens and how to log in: the ``broker`` section of both daemons' configs.
+
+    ``tls`` encrypts the connection and checks the broker's certificate against ``ca_file`` (the system's
+    certificate authorities when None) and its host name. The password is given inline or, better, in
+    ``password_file`` (its first line), which only the daemon's user can read.
+    """
 
     host: str = "127.0.0.1"
     port: int = 1883
     username: str | None = None
     password: str | None = None
+    password_file: str | None = None
+    tls: bool = False
+    ca_file: str | None = None
     keepalive: int = 30
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def secured(self) -> bool:
+        """TLS and a login: what every connection outside a quick local try should have."""
+        return self.tls and self.username is not None
+
+    def validate(self) -> None:
+        """Cross-field checks; raises ValueError with one clear sentence. (The files are read on connecting,
+        where a missing one is a BrokerUnavailable that names it.)"""
+        if not 0 < self.port < 65536:
+            raise ValueError(f"broker.port must be in 1..65535, got {self.port}")
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("broker: give either 'password' or 'password_file', not both")
+        if (self.password is not None or self.password_file is not None) and self.username is None:
+            raise ValueError("broker: a password needs a 'username' (a device's is its agent id)")
+        if self.ca_file is not None and not self.tls:
+            raise ValueError("broker.ca_file is set but broker.tls is false; set 'tls: true' to use it")
+        if self.keepalive < 5:
+            raise ValueError(f"broker.keepalive must be at least 5 s, got {self.keepalive}")
+
+    def login(self) -> tuple[str, str | None] | None:
+        """(username, password) to log in with, the password read from ``password_file`` when given; None when
+        the configuration has no username. Raises BrokerUnavailable when the password file cannot be read."""
+        if self.username is None:
+            return None
+        if self.password_file is None:
+            return self.username, self.password
+        try:
+            with open(self.password_file, encoding="utf-8") as file:
+                return self.username, file.readline().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BrokerUnavailable(f"cannot read broker.password_file {self.password_file!r} ({exc})") from exc
 
 
 @dataclass(frozen=True)
@@ -56,8 +97,11 @@ class Will:
 _UNSUPPORTED_PROTOCOL = "Unsupported protocol version"
 _NO_CONNACK = "no answer to CONNECT"
 _CONNACK_WAIT_S = 3.0
+_TLS_FAILED = "TLS: "
 # Protocol each broker address last accepted, so that a fleet in one process probes MQTT 5 only once.
 _accepted_protocol: dict[str, int] = {}
+# Broker addresses this process has warned about connecting to without TLS or login (once each).
+_warned_insecure: set[str] = set()
 #: MQTT 5 DISCONNECT reason code: another client connected with the same client id (Mosquitto 2.0.11 does not
 #: send it; it closes the connection).
 _SESSION_TAKEN_OVER = 142
@@ -115,6 +159,13 @@ class MqttLink:
     # ----------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
         """Connect (MQTT 5, else 3.1.1), subscribe and wait until the subscriptions are acknowledged."""
+        if not self.broker.secured and str(self.broker) not in _warned_insecure:
+            _warned_insecure.add(str(self.broker))
+            self._log.warning("mqtt_insecure", broker=str(self.broker), tls=self.broker.tls,
+                              login=self.broker.username is not None,
+                              message="no TLS or no login: anyone who can reach the broker can read and forge this "
+                                      "federation's messages; use it only for quick local tries (fedfit broker init "
+                                      "makes a secured one)")
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"{self.client_id}-dispatch",
                                             daemon=True)
         self._dispatcher.start()
@@ -139,11 +190,17 @@ class MqttLink:
                 if outcome not in (_UNSUPPORTED_PROTOCOL, _NO_CONNACK):
                     break  # a protocol downgrade would not help
             if "Not authorized" in last_error or "Bad user name or password" in last_error:
-                raise BrokerUnavailable(f"the MQTT broker at {self.broker} refused client '{self.client_id}': "
-                                        f"{last_error}; check the username and password")
+                raise BrokerUnavailable(f"the MQTT broker at {self.broker} refused client '{self.client_id}' "
+                                        f"(user {self.broker.username!r}): {last_error}; check the username and "
+                                        f"password")
+            if last_error.startswith(_TLS_FAILED):
+                raise BrokerUnavailable(f"the TLS handshake with the MQTT broker at {self.broker} failed "
+                                        f"({last_error[len(_TLS_FAILED):]}); check broker.ca_file and that the "
+                                        f"broker's certificate names {self.broker.host!r}")
             if time.monotonic() + delay > deadline:
+                hint = "" if self.broker.tls else "; if the broker takes only TLS there, set broker.tls: true"
                 raise BrokerUnavailable(f"cannot reach the MQTT broker at {self.broker} ({last_error}); check "
-                                        f"that it is running and that host and port are right")
+                                        f"that it is running and that host and port are right{hint}")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -192,8 +249,15 @@ class MqttLink:
         else:
             client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv311,
                                  clean_session=True)
-        if self.broker.username is not None:
-            client.username_pw_set(self.broker.username, self.broker.password)
+        login = self.broker.login()
+        if login is not None:
+            client.username_pw_set(*login)
+        if self.broker.tls:
+            try:
+                client.tls_set(ca_certs=self.broker.ca_file, cert_reqs=ssl.CERT_REQUIRED)
+            except (OSError, ssl.SSLError) as exc:
+                raise BrokerUnavailable(f"cannot use broker.ca_file {self.broker.ca_file!r} "
+                                        f"({exc.strerror or exc})") from exc
         if self._will is not None:
             client.will_set(self._will.topic, self._will.payload, qos=1, retain=self._will.retain)
         client.on_connect = self._on_connect
@@ -206,6 +270,9 @@ class MqttLink:
         self._client = client
         try:
             client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive)
+        except ssl.SSLError as exc:
+            self._client = None
+            return f"{_TLS_FAILED}{exc.reason or exc}"
         except (OSError, ValueError) as exc:
             self._client = None
             return str(exc) or type(exc).__name__

@@ -192,6 +192,7 @@ class CoordinatorConfig:
             raise ValueError("data.bn_samples must be at least 1")
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s must be positive")
+        self.broker.validate()
         self.scalefl.validate()
         self.fedepth.validate()
         self.screening.validate()

@@ -80,6 +80,7 @@ class AgentConfig:
         validate_name(self.agent_id, "agent_id")
         validate_name(self.federation, "federation")
         self.limits.validate()
+        self.broker.validate()
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive when set")
         if self.data.path is None and self.data.dataset is None:

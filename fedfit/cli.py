@@ -1,5 +1,5 @@
-"""The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, ``sim`` for broker-based local runs, and
-``plan`` to see what a strategy would hand each device tier before deploying."""
+"""The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, ``sim`` for broker-based local runs, ``plan``
+to see what a strategy would hand each device tier before deploying, and ``broker`` to secure the fleet's broker."""
 
 from __future__ import annotations
 
@@ -24,13 +24,15 @@ from coordinator.config import CoordinatorConfig
 from coordinator.daemon import NoAgentsError
 from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
 from edge_agent.daemon import AgentIdInUse
+from fedfit import broker_command
+from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
 from fedfit.sim.budgets import scenario_tiers
 from models import FAMILY_NAMES
 
 # Errors a user can cause: reported as one sentence, without a traceback.
 USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
-               AgentIdInUse, ValueError, FileNotFoundError)
+               AgentIdInUse, BrokerSetupError, PkiError, ValueError, FileNotFoundError)
 
 
 def _budgets(text: str) -> str:
@@ -64,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--federation", default="sim", help="federation name (one MQTT topic level)")
     sim.add_argument("--broker", default=None, metavar="HOST:PORT",
-                     help="use this broker instead of starting one on a free loopback port")
+                     help="use this broker (anonymous clients allowed) instead of starting a secured one on a free "
+                          "loopback port")
+    sim.add_argument("--insecure-broker", action="store_true",
+                     help="start the broker without TLS, logins and ACL (a quick local try; anyone on this machine "
+                          "could join)")
     sim.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
     sim.add_argument("--config", default=None, metavar="FILE",
                      help="coordinator YAML whose settings (recipe, levels, model options, ...) the run starts from")
@@ -84,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--state-dir", default=None, help="where checkpoints and metrics go (default runs/sim-NAME)")
     sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
                                                      "and errors to stderr)")
+
+    broker_command.add_parser(sub)
 
     plan = sub.add_parser("plan", help="print the levels or pool a strategy would use, before deploying")
     plan.add_argument("--config", default=None, metavar="FILE",
@@ -194,12 +202,13 @@ def _run_sim(args: argparse.Namespace) -> int:
     base = _load(CoordinatorConfig, args.config, args.overrides)
     options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                          partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
-                         broker=args.broker, workers=args.workers, budgets=args.budgets,
+                         broker=args.broker, secure_broker=not args.insecure_broker, workers=args.workers, budgets=args.budgets,
                          budget_variance=args.budget_variance, allocator=args.allocator, base=base,
                          state_dir=args.state_dir)
     outcome = run_simulation(options)
+    broker = outcome.report["broker"]
     print(f"{args.algorithm} | {args.agents} agents | {args.dataset} {args.partition} | {args.model} | broker "
-          f"{outcome.report['broker']['kind']} {outcome.report['broker']['version']}")
+          f"{broker['kind']} {broker['version']} " + ("(TLS, logins, ACL)" if broker["secured"] else "(UNSECURED)"))
     print(format_table(outcome.rounds))
     if args.report:
         write_report(outcome.report, args.report)
@@ -253,7 +262,8 @@ def _tier_rows(strategy: Any, scenario: str) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedfit`` console command."""
     args = _parser().parse_args(argv)
-    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "plan": _run_plan}
+    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "plan": _run_plan,
+               "broker": broker_command.run}
     try:
         return runners[args.command](args)
     except USER_ERRORS as exc:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything `make demo` and `make test` need on a fresh Debian-like machine:
-# system packages (mosquitto, dataset-fashion-mnist) when apt-get is available, and the .venv.
+# system packages (mosquitto, openssl, dataset-fashion-mnist) when apt-get is available, and the .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,7 @@ TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 
 want=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || want+=(mosquitto)
+command -v openssl >/dev/null 2>&1 || want+=(openssl)  # makes the secured broker's TLS certificates
 [ -d /usr/share/datasets/fashion-mnist ] || want+=(dataset-fashion-mnist)
 if [ ${#want[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
@@ -20,7 +21,7 @@ if [ ${#want[@]} -gt 0 ]; then
            "dataset stand in)" >&2
     fi
   else
-    echo "setup: no apt-get here; install mosquitto and dataset-fashion-mnist yourself for the full demo" >&2
+    echo "setup: no apt-get here; install mosquitto, openssl and dataset-fashion-mnist yourself for the full demo" >&2
   fi
 fi
 # The init script may start a system-wide mosquitto on port 1883; FedFit starts its own on a free port.

@@ -9,16 +9,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from common.mqtt_link import BrokerConfig
+from fedfit.secure_broker import BrokerDirectory, BrokerSettings
 
 BrokerKind = Literal["mosquitto", "amqtt", "external"]
 
@@ -66,13 +76,47 @@ def mosquitto_version(binary: str) -> str:
 
 @dataclass
 class Broker:
-    """A running broker; ``stop()`` ends it (a no-op for an external one)."""
+    """A running broker; ``stop()`` ends it (a no-op for an external one).
+
+    A secured one (``directory`` set: TLS, logins, ACL) gives each client its own login through
+    :meth:`client_config`, adding it to the running broker when it is new.
+    """
 
     kind: BrokerKind
     version: str
     host: str
     port: int
+    directory: BrokerDirectory | None = None
     _stop: Any = field(default=None, repr=False)
+    _reload: Any = field(default=None, repr=False)
+
+    @property
+    def secured(self) -> bool:
+        return self.directory is not None
+
+    def client_config(self, name: str) -> BrokerConfig:
+        """The ``broker`` section for the client logging in as ``name`` (an agent id, or the coordinator's
+        username); on an unsecured broker, just host and port."""
+        if self.directory is None:
+            return BrokerConfig(host=self.host, port=self.port)
+        self.add_logins([name])
+        return self.directory.client_config(name, host=self.host)
+
+    def coordinator_config(self) -> BrokerConfig:
+        """The ``broker`` section of the coordinator (its own login on a secured broker)."""
+        return self.client_config(self.directory.settings.coordinator if self.directory else "coordinator")
+
+    def add_logins(self, names: Sequence[str]) -> None:
+        """Give every new name in ``names`` a login, and wait until the running broker accepts them."""
+        if self.directory is None:
+            return
+        known = set(self.directory.logins())
+        new = [name for name in dict.fromkeys(names) if name not in known]
+        for name in new:
+            self.directory.add_login(name)
+        if new and self._reload is not None:
+            self._reload()
+            wait_for_login(self.directory.client_config(new[-1], host=self.host), timeout=10.0)
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -88,8 +132,54 @@ def external_broker(address: str) -> Broker:
     return Broker(kind="external", version="unknown", host=host, port=int(port_text))
 
 
-def start_mosquitto(binary: str | None = None, attempts: int = 3) -> Broker:
-    """Start mosquitto on a free loopback port with a throw-away configuration."""
+def _try_login(config: BrokerConfig) -> str:
+    """One connection with ``config``'s login: "ok", or why the broker did not take it."""
+    answered = threading.Event()
+    outcome: list[str] = []
+
+    def on_connect(client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        outcome.append("ok" if not reason.is_failure else str(reason))
+        answered.set()
+
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedfit-login-check-{os.getpid()}",
+                         protocol=mqtt.MQTTv311)
+    login = config.login()
+    if login is not None:
+        client.username_pw_set(*login)
+    if config.tls:
+        client.tls_set(ca_certs=config.ca_file)
+    client.on_connect = on_connect
+    try:
+        client.connect(config.host, config.port, keepalive=10)
+        client.loop_start()
+        answered.wait(2.0)
+    except OSError as exc:
+        outcome.append(str(exc))
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return outcome[0] if outcome else "no answer"
+
+
+def wait_for_login(config: BrokerConfig, timeout: float) -> None:
+    """Wait until the broker accepts ``config``'s login (after a reload that added it); BrokerStartError if not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = _try_login(config)
+        if outcome == "ok":
+            return
+        if time.monotonic() >= deadline:
+            raise BrokerStartError(f"the broker at {config} did not accept login {config.username!r} within "
+                                   f"{timeout:.0f} s ({outcome})")
+        time.sleep(0.05)
+
+
+def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation: str | None = None) -> Broker:
+    """Start mosquitto on a free loopback port with a throw-away configuration.
+
+    With ``federation``, the broker is secured as ``fedfit broker init`` would make it for that federation (TLS,
+    no anonymous clients, one login per client, the ACL); without, anyone may connect and do anything.
+    """
     binary = binary or find_mosquitto()
     if binary is None:
         raise BrokerStartError("mosquitto is not installed (apt-get install mosquitto)")
@@ -98,14 +188,22 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3) -> Broker:
     last_output = ""
     for _ in range(attempts):
         port = free_port()
-        conf = workdir / "mosquitto.conf"
-        conf.write_text(
-            f"listener {port} 127.0.0.1\n"
-            "allow_anonymous true\n"
-            "persistence false\n"
-            "max_queued_messages 100000\n"
-            "max_inflight_messages 100\n"
-        )
+        directory: BrokerDirectory | None = None
+        if federation is not None:
+            shutil.rmtree(workdir / "secured", ignore_errors=True)
+            directory = BrokerDirectory.init(workdir / "secured", BrokerSettings(
+                federation=federation, hosts=["127.0.0.1", "localhost"], port=port, bind="127.0.0.1",
+                persistence=False, user=pwd.getpwuid(os.geteuid()).pw_name))
+            conf = directory.conf
+        else:
+            conf = workdir / "mosquitto.conf"
+            conf.write_text(
+                f"listener {port} 127.0.0.1\n"
+                "allow_anonymous true\n"
+                "persistence false\n"
+                "max_queued_messages 100000\n"
+                "max_inflight_messages 100\n"
+            )
         log_path = workdir / "mosquitto.log"
         log_file = log_path.open("wb")
         process = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
@@ -121,7 +219,11 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3) -> Broker:
                 log_file.close()
                 shutil.rmtree(workdir, ignore_errors=True)
 
-            return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, _stop=stop)
+            def reload(process: subprocess.Popen[bytes] = process) -> None:
+                process.send_signal(signal.SIGHUP)  # mosquitto reads its password file and ACL again
+
+            return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, directory=directory,
+                          _stop=stop, _reload=reload)
         process.kill()
         process.wait(5)
         log_file.close()
@@ -182,11 +284,12 @@ def start_amqtt(attempts: int = 3) -> Broker:
     raise BrokerStartError(f"the embedded amqtt broker did not start after {attempts} tries")
 
 
-def start_broker(prefer: Literal["auto", "mosquitto", "amqtt"] = "auto") -> Broker:
-    """Start a loopback broker: mosquitto when installed (or asked for), else the embedded amqtt."""
+def start_broker(prefer: Literal["auto", "mosquitto", "amqtt"] = "auto", *, federation: str | None = None) -> Broker:
+    """Start a loopback broker: mosquitto when installed (or asked for), secured for ``federation`` when given;
+    else the embedded amqtt, which is never secured."""
     if prefer == "amqtt":
         return start_amqtt()
     binary = find_mosquitto()
     if binary is not None or prefer == "mosquitto":
-        return start_mosquitto(binary)
+        return start_mosquitto(binary, federation=federation)
     return start_amqtt()

@@ -16,7 +16,6 @@ from typing import IO, Any
 import torch
 
 from common.data import load_dataset, parse_partition, partition_indices
-from common.mqtt_link import BrokerConfig
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import RoundResult
@@ -42,6 +41,7 @@ class SimOptions:
     seed: int = 0
     federation: str = "sim"
     broker: str | None = None
+    secure_broker: bool = True  # the broker started here: TLS, a login per client and the ACL; False: anonymous
     workers: int = 1
     budgets: str = "tiers"
     budget_variance: float = 10.0
@@ -82,7 +82,8 @@ def coordinator_config(options: SimOptions, broker: Broker) -> CoordinatorConfig
     return replace(
         base,
         federation=options.federation,
-        broker=replace(base.broker, host=broker.host, port=broker.port),
+        broker=(broker.coordinator_config() if broker.secured
+                else replace(base.broker, host=broker.host, port=broker.port)),
         algorithm=options.algorithm,  # type: ignore[arg-type]
         model=replace(base.model, family=options.model),  # type: ignore[arg-type]
         data=replace(base.data, dataset=options.dataset),
@@ -116,7 +117,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
     threads = max(1, (os.cpu_count() or 1) // options.workers)
     torch.set_num_threads(threads)
-    broker = external_broker(options.broker) if options.broker else start_broker()
+    broker = (external_broker(options.broker) if options.broker
+              else start_broker(federation=options.federation if options.secure_broker else None))
     agents: list[EdgeAgent] = []
     pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="sim-train")
     coordinator: Coordinator | None = None
@@ -131,13 +133,14 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
             schedules = list(device_budgets(options.budgets, options.agents, variable, options.seed,
                                             options.budget_variance, fixed_bytes=fixed))
         coordinator.start()
-        broker_config = BrokerConfig(host=broker.host, port=broker.port)
+        broker.add_logins([agent_id(index) for index in range(options.agents)])
         for index, indices in enumerate(shards):
             data_config = AgentDataConfig(dataset=options.dataset, partition=options.partition,
                                           num_shards=options.agents, shard=index, seed=options.seed)
             schedule = schedules[index]
             agents.append(EdgeAgent(
-                AgentConfig(agent_id=agent_id(index), federation=options.federation, broker=broker_config,
+                AgentConfig(agent_id=agent_id(index), federation=options.federation,
+                            broker=broker.client_config(agent_id(index)),
                             device_kind=schedule.tier.name if schedule else "simulated",
                             budget_bytes=schedule(0) if schedule else None, data=data_config,
                             torch_threads=threads, state_dir=str(Path(config.state_dir) / "agents"),
@@ -158,7 +161,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
                     "device_tiers": [s.tier.name if s else None for s in schedules],
                     "allocator": options.allocator}
-        report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings)
+        report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings,
+                              secured=broker.secured)
         return SimOutcome(rounds, report, rejected)
     finally:
         for agent in agents:

@@ -10,12 +10,12 @@ from coordinator.metrics import RoundResult
 
 
 def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: list[RoundResult],
-                 settings: dict[str, Any]) -> dict[str, Any]:
+                 settings: dict[str, Any], *, secured: bool = False) -> dict[str, Any]:
     """The report: algorithm, broker, one entry per round, every task (its memory figures, the peak of each
     depth-wise stage, the copies it trained, what was sent and trained, and why), and the settings used."""
     return {
         "algorithm": algorithm,
-        "broker": {"kind": broker_kind, "version": broker_version},
+        "broker": {"kind": broker_kind, "version": broker_version, "secured": secured},
         "rounds": [
             {
                 "round": r.round,

@@ -1,9 +1,11 @@
-"""Integration fixtures: a real mosquitto on a free loopback port, and a tiny fast configuration."""
+"""Integration fixtures: a real mosquitto on a free loopback port (secured as `fedfit broker init` makes it, or
+open to anonymous clients for the MQTT link's own tests), and a tiny fast configuration."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -15,18 +17,50 @@ from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker, find_mosquitto, start_mosquitto
 
 
-@pytest.fixture
-def mosquitto() -> Iterator[Broker]:
-    """A fresh mosquitto per test; missing mosquitto fails loudly (CI installs it) unless allowed to skip."""
+def _require_mosquitto() -> None:
+    """Missing mosquitto fails loudly (CI installs it) unless allowed to skip."""
     if find_mosquitto() is None:
         if os.environ.get("FEDFIT_ALLOW_NO_MOSQUITTO") == "1":
             pytest.skip("mosquitto is not installed")
         pytest.fail("mosquitto is not installed: run `make test` (it installs it) or apt-get install mosquitto")
+
+
+@pytest.fixture
+def mosquitto() -> Iterator[Broker]:
+    """A fresh mosquitto per test that lets anonymous clients do anything: for the MQTT link's own tests."""
+    _require_mosquitto()
     broker = start_mosquitto()
     try:
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def mosquitto_installed() -> None:
+    """For tests whose simulator starts its own mosquitto: fail loudly (or skip) when there is none."""
+    _require_mosquitto()
+
+
+SecuredBroker = Callable[[str], Broker]
+
+
+@pytest.fixture
+def secured_mosquitto() -> Iterator[SecuredBroker]:
+    """Starts, for a federation, a fresh mosquitto secured as `fedfit broker init` makes it: TLS only, no anonymous
+    clients, a login per client (``broker.client_config(name)`` adds one) and the ACL."""
+    _require_mosquitto()
+    started: list[Broker] = []
+
+    def start(federation: str) -> Broker:
+        started.append(start_mosquitto(federation=federation))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for broker in started:
+            broker.stop()
 
 
 def tiny_config(**overrides: object) -> CoordinatorConfig:
@@ -44,10 +78,17 @@ def tiny_config(**overrides: object) -> CoordinatorConfig:
     return config
 
 
-def digits_fleet(dataset: Dataset, names: Sequence[str], config: CoordinatorConfig) -> list[EdgeAgent]:
-    """Agents named ``names`` of ``config``'s federation and broker, each with an IID shard of ``dataset``."""
+def on_broker(config: CoordinatorConfig, broker: Broker) -> CoordinatorConfig:
+    """``config`` logging in to ``broker`` as the coordinator."""
+    return replace(config, broker=broker.coordinator_config())
+
+
+def digits_fleet(dataset: Dataset, names: Sequence[str], config: CoordinatorConfig, broker: Broker) -> list[EdgeAgent]:
+    """Agents named ``names`` of ``config``'s federation, each with its own login to ``broker`` and an IID shard of
+    ``dataset``."""
     shards = partition_indices(dataset.y_train, len(names), parse_partition("iid"), 0)
-    return [EdgeAgent(AgentConfig(agent_id=name, federation=config.federation, broker=config.broker,
+    broker.add_logins(names)
+    return [EdgeAgent(AgentConfig(agent_id=name, federation=config.federation, broker=broker.client_config(name),
                                   data=AgentDataConfig(dataset="digits")),
                       to_local_data(dataset.x_train[idx], dataset.y_train[idx]))
             for name, idx in zip(names, shards)]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,16 @@ from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker
 
+from .conftest import SecuredBroker
+
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 AGENTS = ("crash-a", "crash-b", "crash-c")
 
 
-def coordinator_yaml(path: Path, mosquitto: Broker, state_dir: Path) -> Path:
+def coordinator_yaml(path: Path, broker: Broker, state_dir: Path) -> Path:
     config = {
-        "federation": "crash", "broker": {"host": mosquitto.host, "port": mosquitto.port}, "algorithm": "fedavg",
+        "federation": "crash", "broker": asdict(broker.coordinator_config()), "algorithm": "fedavg",
         "model": {"family": "cnn", "options": {"hidden": [16, 32, 64]}},
         "data": {"dataset": "digits", "bn_samples": 300}, "recipe": {"epochs": 2, "batch_size": 16, "lr": 0.05},
         "rounds": 2, "min_agents": len(AGENTS), "wait_for_agents_s": 60, "round_timeout_s": 120,
@@ -44,8 +47,9 @@ def start_coordinator(config: Path, log: Path) -> subprocess.Popen[bytes]:
                             stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_a_killed_coordinator_finishes_the_round_it_was_in_with_every_acked_update(mosquitto: Broker,
+def test_a_killed_coordinator_finishes_the_round_it_was_in_with_every_acked_update(secured_mosquitto: SecuredBroker,
                                                                                   tmp_path: Path) -> None:
+    mosquitto = secured_mosquitto("crash")
     dataset = load_dataset("digits")
     shards = partition_indices(dataset.y_train, len(AGENTS), parse_partition("iid"), 0)
     state_dir = tmp_path / "coordinator"
@@ -54,8 +58,8 @@ def test_a_killed_coordinator_finishes_the_round_it_was_in_with_every_acked_upda
     agents = []
     for index, (name, idx) in enumerate(zip(AGENTS, shards)):
         agent_config = AgentConfig(agent_id=name, federation="crash", data=AgentDataConfig(dataset="digits"),
-                                   ack_timeout_s=2.0, update_attempts=100, torch_threads=1)
-        agent_config.broker.host, agent_config.broker.port = mosquitto.host, mosquitto.port
+                                   ack_timeout_s=2.0, update_attempts=100, torch_threads=1,
+                                   broker=mosquitto.client_config(name))
         # Unequal data: the updates come in one after another, so the kill falls between two of them.
         agents.append(EdgeAgent(agent_config, to_local_data(dataset.x_train[idx][: 150 * (index + 1)],
                                                             dataset.y_train[idx][: 150 * (index + 1)])))

@@ -16,17 +16,19 @@ from edge_agent.daemon import AgentIdInUse, EdgeAgent
 from edge_agent.runner import LocalData
 from fedfit.sim.broker import Broker
 
+from .conftest import SecuredBroker
+
 pytestmark = [pytest.mark.broker]
 
 
-def make_agent(mosquitto: Broker, federation: str, tmp_path, name: str) -> EdgeAgent:
+def make_agent(broker: Broker, federation: str, tmp_path, name: str) -> EdgeAgent:
     config = AgentConfig(agent_id="twin", federation=federation, data=AgentDataConfig(dataset="digits"),
-                         state_dir=str(tmp_path / name))
-    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
+                         state_dir=str(tmp_path / name), broker=broker.client_config("twin"))
     return EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
 
 
-def test_a_second_process_with_the_same_agent_id_refuses_to_start(mosquitto: Broker, tmp_path) -> None:
+def test_a_second_process_with_the_same_agent_id_refuses_to_start(secured_mosquitto: SecuredBroker, tmp_path) -> None:
+    mosquitto = secured_mosquitto("twins")
     first = make_agent(mosquitto, "twins", tmp_path, "first")
     second = make_agent(mosquitto, "twins", tmp_path, "second")
     first.start()
@@ -44,10 +46,16 @@ def test_a_second_process_with_the_same_agent_id_refuses_to_start(mosquitto: Bro
     third.stop()
 
 
-def test_an_agent_whose_session_is_taken_over_stops_instead_of_fighting(mosquitto: Broker, tmp_path) -> None:
+def test_an_agent_whose_session_is_taken_over_stops_instead_of_fighting(secured_mosquitto: SecuredBroker,
+                                                                          tmp_path) -> None:
+    mosquitto = secured_mosquitto("takeover")
     agent = make_agent(mosquitto, "takeover", tmp_path, "agent")
     agent.start()
+    # A clone of the device (its login and its agent_id, e.g. a copied SD card) connects with the same client id.
     intruder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="fedfit-agent-twin", protocol=mqtt.MQTTv5)
+    twin = mosquitto.client_config("twin")
+    intruder.username_pw_set(*twin.login())
+    intruder.tls_set(ca_certs=twin.ca_file)
     kicked = threading.Event()
     intruder.on_disconnect = lambda *_args: kicked.set()
     try:

@@ -9,19 +9,19 @@ import pytest
 
 from common.data import load_dataset
 from coordinator.daemon import Coordinator
-from fedfit.sim.broker import Broker
 
-from .conftest import digits_fleet, tiny_config
+from .conftest import SecuredBroker, digits_fleet, on_broker, tiny_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def test_the_first_round_gives_a_task_to_every_agent_already_online(mosquitto: Broker, tmp_path) -> None:
+def test_the_first_round_gives_a_task_to_every_agent_already_online(secured_mosquitto: SecuredBroker, tmp_path) -> None:
     dataset = load_dataset("digits")
     names = [f"early-{i}" for i in range(5)]
-    config = tiny_config(federation="settle", rounds=1, min_agents=1, state_dir=str(tmp_path), algorithm="fedavg")
-    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
-    agents = digits_fleet(dataset, names, config)
+    broker = secured_mosquitto("settle")
+    config = on_broker(tiny_config(federation="settle", rounds=1, min_agents=1, state_dir=str(tmp_path),
+                                   algorithm="fedavg"), broker)
+    agents = digits_fleet(dataset, names, config, broker)
     coordinator = Coordinator(config, dataset=dataset)
     try:
         for agent in agents:

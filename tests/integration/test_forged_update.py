@@ -1,5 +1,6 @@
-"""An outsider who reads a device's task and answers first with its weights times -50: the coordinator screens the
-update out with a reason, and the global model trains on as without it. End to end over mosquitto."""
+"""A compromised device (its own login, from a second connection) reads its task and answers first with the
+weights times -50: the coordinator screens the update out with a reason, and the global model trains on as without
+it. End to end over a secured mosquitto."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from common.data import load_dataset
 from coordinator.daemon import Coordinator
-from fedfit.sim.broker import Broker
 from protocol import Reassembler, Task, Topics, Update, decode, encode, split_payload
 
-from .conftest import digits_fleet, tiny_config
+from .conftest import SecuredBroker, digits_fleet, on_broker, tiny_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -28,15 +28,19 @@ def forge(task: Task) -> Update:
                   {key: value * -50 for key, value in task.weights.items()}, {}, None)
 
 
-def test_a_forged_update_is_screened_out_and_the_federation_trains_on(mosquitto: Broker, tmp_path) -> None:
+def test_a_forged_update_is_screened_out_and_the_federation_trains_on(secured_mosquitto: SecuredBroker,
+                                                                       tmp_path) -> None:
     dataset = load_dataset("digits")
     topics = Topics("forged")
-    config = tiny_config(federation="forged", rounds=2, min_agents=len(AGENTS), state_dir=str(tmp_path),
-                         algorithm="fedavg")
-    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
+    broker = secured_mosquitto("forged")
+    config = on_broker(tiny_config(federation="forged", rounds=2, min_agents=len(AGENTS), state_dir=str(tmp_path),
+                                   algorithm="fedavg"), broker)
     forged: list[str] = []
     reassembler = Reassembler()
+    stolen = broker.client_config("victim")  # the victim's own login, copied off the device
     attacker = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="attacker")
+    attacker.username_pw_set(*stolen.login())
+    attacker.tls_set(ca_certs=stolen.ca_file)
 
     def on_message(_client, _userdata, message) -> None:
         payload = reassembler.feed(message.payload, message.topic)
@@ -51,10 +55,10 @@ def test_a_forged_update_is_screened_out_and_the_federation_trains_on(mosquitto:
     attacker.on_message = on_message
     with structlog.testing.capture_logs() as logs:
         coordinator = Coordinator(config, dataset=dataset)
-        agents = digits_fleet(dataset, AGENTS, config)
+        agents = digits_fleet(dataset, AGENTS, config, broker)
         subscribed = threading.Event()
         attacker.on_subscribe = lambda *_args: subscribed.set()
-        attacker.connect(mosquitto.host, mosquitto.port)
+        attacker.connect(broker.host, broker.port)
         attacker.subscribe(topics.agent_task("victim"), qos=1)
         attacker.loop_start()
         assert subscribed.wait(10)

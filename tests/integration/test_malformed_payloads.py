@@ -1,5 +1,6 @@
-"""Hostile traffic on every topic the coordinator and the agents subscribe to: each bad payload is rejected
-with a logged reason, neither process crashes, and the federation completes."""
+"""Hostile traffic on every topic the coordinator and the agents subscribe to, from stolen logins (the
+coordinator's and each device's; the broker's ACL drops what a login may not publish): each bad payload that gets
+through is rejected with a logged reason, neither process crashes, and the federation completes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from common.data import load_dataset
 from coordinator.daemon import Coordinator
-from fedfit.sim.broker import Broker
 from protocol import (
     Ack,
     AgentStatus,
@@ -30,7 +30,7 @@ from protocol import (
     split_payload,
 )
 
-from .conftest import digits_fleet, tiny_config
+from .conftest import SecuredBroker, digits_fleet, on_broker, tiny_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -74,11 +74,12 @@ def hostile_payloads(rng: random.Random) -> list[bytes]:
     return payloads
 
 
-def test_garbage_everywhere_is_rejected_and_federation_completes(mosquitto: Broker, tmp_path) -> None:
+def test_garbage_everywhere_is_rejected_and_federation_completes(secured_mosquitto: SecuredBroker, tmp_path) -> None:
     dataset = load_dataset("digits")
     topics = Topics("hostile")
-    config = tiny_config(federation="hostile", rounds=2, min_agents=len(AGENTS), state_dir=str(tmp_path))
-    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
+    broker = secured_mosquitto("hostile")
+    config = on_broker(tiny_config(federation="hostile", rounds=2, min_agents=len(AGENTS), state_dir=str(tmp_path)),
+                       broker)
     targets = [topics.coordinator_status(), topics.agent_status("ghost")]
     for agent_id in AGENTS:
         targets += [topics.agent_task(agent_id), topics.agent_ack(agent_id), topics.agent_update(agent_id),
@@ -86,10 +87,15 @@ def test_garbage_everywhere_is_rejected_and_federation_completes(mosquitto: Brok
 
     with structlog.testing.capture_logs() as logs:
         coordinator = Coordinator(config, dataset=dataset)
-        agents = digits_fleet(dataset, AGENTS, config)
-        attacker = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="attacker")
-        attacker.connect(mosquitto.host, mosquitto.port)
-        attacker.loop_start()
+        agents = digits_fleet(dataset, AGENTS, config, broker)
+        attackers = []
+        for index, login in enumerate([broker.coordinator_config(), *(broker.client_config(a) for a in AGENTS)]):
+            attacker = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"attacker-{index}")
+            attacker.username_pw_set(*login.login())
+            attacker.tls_set(ca_certs=login.ca_file)
+            attacker.connect(broker.host, broker.port)
+            attacker.loop_start()
+            attackers.append(attacker)
         stop = threading.Event()
 
         def attack() -> None:
@@ -97,7 +103,8 @@ def test_garbage_everywhere_is_rejected_and_federation_completes(mosquitto: Brok
             while not stop.is_set():
                 for payload in hostile_payloads(rng):
                     for topic in targets:
-                        attacker.publish(topic, payload, qos=1)
+                        for attacker in attackers:
+                            attacker.publish(topic, payload, qos=1)
                 stop.wait(0.3)
 
         try:
@@ -109,8 +116,9 @@ def test_garbage_everywhere_is_rejected_and_federation_completes(mosquitto: Brok
             results = coordinator.run()
         finally:
             stop.set()
-            attacker.loop_stop()
-            attacker.disconnect()
+            for attacker in attackers:
+                attacker.loop_stop()
+                attacker.disconnect()
             for agent in agents:
                 agent.stop()
             coordinator.stop()

@@ -1,4 +1,5 @@
-"""End to end: whole federations over a real mosquitto, through the simulator and the command line."""
+"""End to end: whole federations over a real mosquitto, through the simulator and the command line. The simulator
+starts its own mosquitto, secured as `fedfit broker init` makes it (TLS, a login per agent, the ACL)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import FeDepthConfig
-from fedfit.sim.broker import Broker
 from fedfit.sim.harness import SimOptions, run_simulation
 
 from .conftest import tiny_config
@@ -18,16 +18,17 @@ from .conftest import tiny_config
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def simulate(broker: Broker, tmp_path: Path, algorithm: str, partition: str = "iid", agents: int = 5,
-             rounds: int = 2):
+def simulate(tmp_path: Path, algorithm: str, partition: str = "iid", agents: int = 5, rounds: int = 2):
     options = SimOptions(algorithm=algorithm, agents=agents, rounds=rounds, dataset="digits", partition=partition,
-                         seed=1, federation=f"e2e-{algorithm}", broker=f"{broker.host}:{broker.port}",
-                         base=tiny_config(), state_dir=str(tmp_path / algorithm))
-    return run_simulation(options, progress=None)
+                         seed=1, federation=f"e2e-{algorithm}", base=tiny_config(),
+                         state_dir=str(tmp_path / algorithm))
+    outcome = run_simulation(options, progress=None)
+    assert outcome.report["broker"]["kind"] == "mosquitto" and outcome.report["broker"]["secured"]
+    return outcome
 
 
-def test_heterofl_fedavg_decoupled_complete_and_heterofl_sends_less(mosquitto: Broker, tmp_path: Path) -> None:
-    outcomes = {name: simulate(mosquitto, tmp_path, name) for name in ("heterofl", "fedavg", "decoupled")}
+def test_heterofl_fedavg_decoupled_complete_and_heterofl_sends_less(mosquitto_installed: None, tmp_path: Path) -> None:
+    outcomes = {name: simulate(tmp_path, name) for name in ("heterofl", "fedavg", "decoupled")}
     for name, outcome in outcomes.items():
         rounds = outcome.report["rounds"]
         assert [r["round"] for r in rounds] == [1, 2], name
@@ -52,8 +53,8 @@ def test_heterofl_fedavg_decoupled_complete_and_heterofl_sends_less(mosquitto: B
     assert set(outcomes["decoupled"].report["rounds"][0]["level_accuracy"]) == {"a", "b", "c"}
 
 
-def test_non_iid_shards_use_masked_cross_entropy(mosquitto: Broker, tmp_path: Path) -> None:
-    outcome = simulate(mosquitto, tmp_path, "heterofl", partition="shards:2", agents=5, rounds=2)
+def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_path: Path) -> None:
+    outcome = simulate(tmp_path, "heterofl", partition="shards:2", agents=5, rounds=2)
     rounds = outcome.report["rounds"]
     assert len(rounds) == 2 and all(r["participants"] == 5 for r in rounds)
     assert 0.0 <= rounds[-1]["global_accuracy"] <= 1.0
@@ -61,7 +62,7 @@ def test_non_iid_shards_use_masked_cross_entropy(mosquitto: Broker, tmp_path: Pa
     assert all(t["status"] == "ok" for t in outcome.report["tasks"])
 
 
-def test_command_line_sim_writes_report(mosquitto: Broker, tmp_path: Path) -> None:
+def test_command_line_sim_writes_report(mosquitto_installed: None, tmp_path: Path) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text("model: {family: cnn, options: {hidden: [8, 16]}}\n"
                       "data: {bn_samples: 300}\nrecipe: {epochs: 1, batch_size: 16}\nlevels: [1.0, 0.5]\n")
@@ -69,15 +70,16 @@ def test_command_line_sim_writes_report(mosquitto: Broker, tmp_path: Path) -> No
     result = subprocess.run(
         [sys.executable, "-m", "fedfit.cli", "sim", "--algorithm", "heterofl", "--agents", "3", "--rounds", "1",
          "--dataset", "digits", "--partition", "iid", "--seed", "0", "--federation", "cli-test",
-         "--broker", f"{mosquitto.host}:{mosquitto.port}", "--config", str(config), "--report", str(report),
+         "--config", str(config), "--report", str(report),
          "--budgets", "uniform", "--allocator", "default",
          "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     assert "global" in result.stdout and "lvl a" in result.stdout
+    assert "(TLS, logins, ACL)" in result.stdout
     data = json.loads(report.read_text())
     assert data["algorithm"] == "heterofl"
-    assert data["broker"] == {"kind": "external", "version": "unknown"}
+    assert data["broker"]["kind"] == "mosquitto" and data["broker"]["secured"] is True
     first = data["rounds"][0]
     assert set(first) >= {"round", "global_accuracy", "level_accuracy", "participants", "bytes_down", "bytes_up",
                           "seconds"}
@@ -87,8 +89,8 @@ def test_command_line_sim_writes_report(mosquitto: Broker, tmp_path: Path) -> No
     assert {t["status"] for t in data["tasks"]} == {"ok"}
 
 
-def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto: Broker, tmp_path: Path) -> None:
-    outcome = simulate(mosquitto, tmp_path, "scalefl", agents=6, rounds=2)
+def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto_installed: None, tmp_path: Path) -> None:
+    outcome = simulate(tmp_path, "scalefl", agents=6, rounds=2)
     report = outcome.report
     levels = report["settings"]["levels"]
     assert levels == ["4", "3", "2", "1"]
@@ -107,11 +109,11 @@ def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto: Broker
     assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
 
 
-def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto: Broker, tmp_path: Path) -> None:
+def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto_installed: None, tmp_path: Path) -> None:
     # Budgets as shares of the full CNN's training memory: 30% holds no block alone, 70% holds each block (not
     # two together: depth-wise in three segments), 200% holds two copies (m-FeDepth).
     options = SimOptions(algorithm="fedepth", agents=6, rounds=2, dataset="digits", partition="iid", seed=1,
-                         federation="e2e-fedepth", broker=f"{mosquitto.host}:{mosquitto.port}", base=tiny_config(),
+                         federation="e2e-fedepth", base=tiny_config(),
                          state_dir=str(tmp_path / "fedepth"), budgets="fractions:0.3,0.7,2")
     report = run_simulation(options, progress=None).report
     tasks = report["tasks"]
@@ -137,13 +139,13 @@ def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto: Brok
     assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
 
 
-def test_fedepth_through_auxiliary_classifiers_end_to_end(mosquitto: Broker, tmp_path: Path) -> None:
+def test_fedepth_through_auxiliary_classifiers_end_to_end(mosquitto_installed: None, tmp_path: Path) -> None:
     # 70% of the full CNN's training memory trains depth-wise, each segment through the auxiliary classifier
     # after it; 150% trains the whole model through its own head (one copy: m-FeDepth off).
     base = tiny_config()
     base.fedepth = FeDepthConfig(max_copies=1, route="exit")
     options = SimOptions(algorithm="fedepth", agents=4, rounds=2, dataset="digits", partition="iid", seed=2,
-                         federation="e2e-fedepth-exits", broker=f"{mosquitto.host}:{mosquitto.port}", base=base,
+                         federation="e2e-fedepth-exits", base=base,
                          state_dir=str(tmp_path / "fedepth-exits"), budgets="fractions:0.7,1.5")
     report = run_simulation(options, progress=None).report
     tasks = report["tasks"]

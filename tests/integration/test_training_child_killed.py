@@ -17,19 +17,20 @@ from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from fedfit.sim.broker import Broker
 
-from .conftest import tiny_config
+from .conftest import SecuredBroker, on_broker, tiny_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def test_sigkilled_child_is_a_failed_task_and_the_agent_carries_on(mosquitto: Broker, tmp_path: Path) -> None:
+def test_sigkilled_child_is_a_failed_task_and_the_agent_carries_on(secured_mosquitto: SecuredBroker,
+                                                                  tmp_path: Path) -> None:
     dataset = load_dataset("digits")
-    config = tiny_config(federation="kill", rounds=2, min_agents=1, state_dir=str(tmp_path / "coordinator"))
-    config.broker.host, config.broker.port = mosquitto.host, mosquitto.port
+    broker = secured_mosquitto("kill")
+    config = on_broker(tiny_config(federation="kill", rounds=2, min_agents=1, state_dir=str(tmp_path / "coordinator")),
+                       broker)
     coordinator = Coordinator(config, dataset=dataset)
-    agent = EdgeAgent(AgentConfig(agent_id="victim", federation="kill", broker=config.broker,
+    agent = EdgeAgent(AgentConfig(agent_id="victim", federation="kill", broker=broker.client_config("victim"),
                                   data=AgentDataConfig(dataset="digits"), torch_threads=1,
                                   state_dir=str(tmp_path / "agent")),
                       to_local_data(dataset.x_train, dataset.y_train))
