@@ -89,6 +89,7 @@ class Broker:
     directory: BrokerDirectory | None = None
     _stop: Any = field(default=None, repr=False)
     _reload: Any = field(default=None, repr=False)
+    _restart: Any = field(default=None, repr=False)
 
     @property
     def secured(self) -> bool:
@@ -117,6 +118,13 @@ class Broker:
         if new and self._reload is not None:
             self._reload()
             wait_for_login(self.directory.client_config(new[-1], host=self.host), timeout=10.0)
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop the broker, leave it down ``down_s`` seconds, and start it again on the same port (the clients'
+        sessions are gone; with persistence off, so are retained messages). Only a mosquitto started here."""
+        if self._restart is None:
+            raise BrokerStartError(f"a {self.kind} broker cannot be restarted from here")
+        self._restart(down_s)
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -208,22 +216,33 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation:
         log_file = log_path.open("wb")
         process = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
         if wait_for_port("127.0.0.1", port, 10.0):
+            running = [process]  # the one process now; a restart replaces it
 
-            def stop(process: subprocess.Popen[bytes] = process, log_file: Any = log_file) -> None:
-                process.terminate()
+            def terminate() -> None:
+                running[0].terminate()
                 try:
-                    process.wait(5)
+                    running[0].wait(5)
                 except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(5)
+                    running[0].kill()
+                    running[0].wait(5)
+
+            def stop(log_file: Any = log_file) -> None:
+                terminate()
                 log_file.close()
                 shutil.rmtree(workdir, ignore_errors=True)
 
-            def reload(process: subprocess.Popen[bytes] = process) -> None:
-                process.send_signal(signal.SIGHUP)  # mosquitto reads its password file and ACL again
+            def reload() -> None:
+                running[0].send_signal(signal.SIGHUP)  # mosquitto reads its password file and ACL again
+
+            def restart(down_s: float, conf: Path = conf, log_file: Any = log_file, port: int = port) -> None:
+                terminate()
+                time.sleep(down_s)
+                running[0] = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
+                if not wait_for_port("127.0.0.1", port, 10.0):
+                    raise BrokerStartError(f"mosquitto did not listen again on port {port} after a restart")
 
             return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, directory=directory,
-                          _stop=stop, _reload=reload)
+                          _stop=stop, _reload=reload, _restart=restart)
         process.kill()
         process.wait(5)
         log_file.close()

@@ -15,9 +15,9 @@ def sample_rounds() -> list[RoundResult]:
 
 
 def test_report_has_the_documented_shape(tmp_path: Path) -> None:
-    report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {"agents": 3})
+    report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {"agents": 3}, secured=True)
     assert report["algorithm"] == "heterofl"
-    assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11"}
+    assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11", "secured": True}
     assert report["rounds"] == [{"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
                                  "exit_accuracy": {}, "participants": 2, "bytes_down": 2_000_000,
                                  "bytes_up": 1_500_000, "seconds": 4.25}]

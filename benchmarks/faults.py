@@ -1,0 +1,449 @@
+"""Fault injection on a whole federation over a secured mosquitto (TLS, a login per device, the ACL).
+
+The coordinator and every agent run as their own ``fedfit`` processes, as on real machines; this script is the
+attacker, the power cut and the operator. It runs the federation once clean and once under faults, then prints,
+for each fault, what happened, the updates acked / lost / counted twice in the rounds it touched, and the rounds
+completed, and compares the final accuracy with the clean run's:
+
+- attacks: an anonymous client, a device publishing on another's topics, a stolen device login answering that
+  device's task first with its weights times -50, garbage on every topic from stolen logins;
+- kill -9 of 30% of the agents mid-round (restarted 2 s later, as systemd would);
+- a broker restart mid-round;
+- kill -9 of the coordinator ``--coordinator-kills`` times (default 10) at random moments, each restarted with
+  ``resume: true``.
+
+An update counts as acked when its agent logged ``update_acked``; as lost when it was acked but its task is not
+among the round's aggregated ones; as counted twice when a round is recorded twice or one agent's update twice
+in a round. Run: ``.venv/bin/python benchmarks/faults.py`` (about 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import paho.mqtt.client as mqtt
+import yaml
+from paho.mqtt.enums import CallbackAPIVersion
+
+from common.mqtt_link import BrokerConfig
+from fedfit.sim.broker import Broker, start_mosquitto
+from protocol import Reassembler, Task, Topics, Update, decode, encode, split_payload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Fault:
+    """One line of the printout."""
+
+    name: str
+    happened: str = ""
+    rounds: tuple[int, int] | None = None  # first and last round it touched
+
+
+@dataclass
+class Run:
+    """A federation's processes and files."""
+
+    workdir: Path
+    broker: Broker
+    federation: str
+    agents: list[str]
+    coordinator_config: Path
+    agent_configs: dict[str, Path]
+    coordinator: subprocess.Popen[bytes] | None = None
+    agent_processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / "coordinator"
+
+    def start_coordinator(self) -> None:
+        self.coordinator = _daemon("coordinator", self.coordinator_config, self.workdir / "coordinator.log")
+
+    def start_agent(self, name: str) -> None:
+        self.agent_processes[name] = _daemon("agent", self.agent_configs[name], self.workdir / f"{name}.log")
+
+    def rounds_done(self) -> list[dict[str, Any]]:
+        path = self.state_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def round_in_flight(self) -> int | None:
+        """The round the coordinator's journal holds (None between rounds)."""
+        try:
+            return int(json.loads((self.state_dir / "round" / "round.json").read_text())["round"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def stop(self) -> None:
+        for process in [self.coordinator, *self.agent_processes.values()]:
+            if process is not None and process.poll() is None:
+                process.terminate()
+        for process in [self.coordinator, *self.agent_processes.values()]:
+            if process is not None:
+                try:
+                    process.wait(20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def _daemon(kind: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "fedfit.cli", kind, "--config", str(config)],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def setup(workdir: Path, federation: str, agents: int, rounds: int, algorithm: str, seed: int) -> Run:
+    """A secured broker, the coordinator's and every agent's configuration (nothing started but the broker)."""
+    broker = start_mosquitto(federation=federation)
+    names = [f"dev-{i:02d}" for i in range(agents)]
+    broker.add_logins(names)
+    coordinator = {
+        "federation": federation, "broker": asdict(broker.coordinator_config()), "algorithm": algorithm,
+        "model": {"family": "cnn", "options": {"hidden": [16, 32, 64]}},
+        "data": {"dataset": "digits", "bn_samples": 300}, "recipe": {"epochs": 2, "batch_size": 16, "lr": 0.05},
+        "levels": [1.0, 0.5, 0.25], "rounds": rounds, "min_agents": agents, "wait_for_agents_s": 180,
+        "round_timeout_s": 180, "state_dir": str(workdir / "coordinator"), "resume": True, "seed": seed,
+    }
+    coordinator_config = workdir / "coordinator.yaml"
+    coordinator_config.write_text(yaml.safe_dump(coordinator))
+    agent_configs = {}
+    for index, name in enumerate(names):
+        config = {"agent_id": name, "federation": federation, "broker": asdict(broker.client_config(name)),
+                  "data": {"dataset": "digits", "partition": "iid", "num_shards": agents, "shard": index,
+                           "seed": seed},
+                  "torch_threads": 1, "ack_timeout_s": 3, "update_attempts": 200, "status_interval_s": 5,
+                  "state_dir": str(workdir / "agents" / name)}
+        agent_configs[name] = workdir / f"{name}.yaml"
+        agent_configs[name].write_text(yaml.safe_dump(config))
+    return Run(workdir, broker, federation, names, coordinator_config, agent_configs)
+
+
+def events(log: Path, *names: str) -> list[dict[str, Any]]:
+    """The JSON log lines of ``log`` whose event is one of ``names``."""
+    found = []
+    if not log.exists():
+        return found
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("event") in names:
+                found.append(entry)
+    return found
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def wait_mid_round(run: Run, rng: random.Random, after_round: int, timeout: float = 300) -> int:
+    """Wait for a round later than ``after_round`` to be in flight, then a random moment into it; its number."""
+    wait_until(lambda: (run.round_in_flight() or 0) > after_round, timeout, f"a round after {after_round}")
+    time.sleep(rng.uniform(0.5, 4.0))
+    return run.round_in_flight() or after_round + 1
+
+
+# ------------------------------------------------------------------------------------------------- attackers
+class Client:
+    """A raw MQTT 5 client (a login, or none) that records its PUBACKs."""
+
+    def __init__(self, broker: Broker, config: BrokerConfig | None, client_id: str) -> None:
+        self.connack = ""
+        self.acks: dict[int, str] = {}
+        self._answered = threading.Event()
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        ca = broker.directory.ca_file if broker.directory else None
+        if config is not None and config.login() is not None:
+            self.client.username_pw_set(*config.login())  # type: ignore[misc]
+        self.client.tls_set(ca_certs=str(ca))
+        self.client.on_connect = self._on_connect
+        self.client.on_publish = lambda _c, _u, mid, reason, _p: self.acks.__setitem__(mid, str(reason))
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+        self._answered.wait(5)
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        self.connack = str(reason)
+        self._answered.set()
+
+    def publish(self, topic: str, payload: bytes) -> str:
+        info = self.client.publish(topic, payload, qos=1)
+        deadline = time.monotonic() + 5
+        while info.mid not in self.acks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.acks.get(info.mid, "no PUBACK")
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def garbage(rng: random.Random) -> list[bytes]:
+    """Payloads no daemon should accept: random bytes, a truncated message, a future version, a lying chunk."""
+    valid = encode(Update("r1-x-0000", 1, "x", "ok", {"width": 1.0}, 1, [0], {}, {}, None))
+    return [b"", bytes(rng.getrandbits(8) for _ in range(256)), valid[: len(valid) // 2],
+            msgpack.packb({"v": 99, "type": "ack", "task_id": "a", "round": 1, "agent_id": "x"}),
+            msgpack.packb({"v": 1, "type": "chunk", "transfer": "t", "seq": 0, "count": 1, "total": 3,
+                           "sha256": "0" * 64, "data": b"abc"}),
+            *split_payload(b"\xc1" * 64, f"junk-{rng.getrandbits(32)}")]
+
+
+def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Event) -> None:
+    """Every attack in one round: anonymous, cross-device, a forged update from a stolen login, garbage."""
+    topics = Topics(run.federation)
+    broker = run.broker
+    anonymous = Client(broker, None, "stranger")
+    anonymous.close()
+    plain = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="stranger-plain", protocol=mqtt.MQTTv311)
+    try:
+        plain.connect(broker.host, broker.port)
+        plain.loop_start()
+        time.sleep(1.0)
+        plain_outcome = "connected" if plain.is_connected() else "connection closed by the broker (it speaks TLS only)"
+        plain.loop_stop()
+    except OSError as exc:
+        plain_outcome = f"refused ({exc})"
+    faults.append(Fault("anonymous client", f"TLS without login: {anonymous.connack}; plain TCP: {plain_outcome}"))
+
+    a, b = run.agents[0], run.agents[1]
+    device = Client(broker, broker.client_config(a), f"{a}-rogue")
+    answers = [device.publish(topic, b"forged") for topic in
+               (topics.agent_update(b), topics.agent_status(b), topics.agent_task(b), topics.agent_ack(b),
+                topics.coordinator_status())]
+    faults.append(Fault(f"{a} publishes on {b}'s and the coordinator's topics",
+                        f"broker answered {', '.join(sorted(set(answers)))} to {len(answers)} publishes"))
+
+    victim = run.agents[2]
+    forged: list[str] = []
+    reassembler = Reassembler()
+    thief = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{victim}-thief", protocol=mqtt.MQTTv5)
+    thief.username_pw_set(*broker.client_config(victim).login())  # type: ignore[misc]
+    thief.tls_set(ca_certs=str(broker.directory.ca_file))  # type: ignore[union-attr]
+
+    def on_task(_client: Any, _userdata: Any, message: Any) -> None:
+        payload = reassembler.feed(message.payload, "coordinator")
+        if payload is None or forged:
+            return
+        task = decode(payload, expected=Task)
+        assert isinstance(task, Task)
+        update = Update(task.task_id, task.round, victim, "ok", task.spec, 500, list(range(10)),
+                        {key: value * -50 for key, value in task.weights.items()}, {}, None)
+        for chunk in split_payload(encode(update), f"forged-{task.task_id}"):
+            thief.publish(topics.agent_update(victim), chunk, qos=1)
+        forged.append(task.task_id)
+
+    thief.on_message = on_task
+    thief.connect(broker.host, broker.port)
+    thief.subscribe(topics.agent_task(victim), qos=1)
+    thief.loop_start()
+    senders = [Client(broker, broker.coordinator_config(), "stolen-coordinator"),
+               *(Client(broker, broker.client_config(name), f"{name}-stolen") for name in run.agents)]
+    targets = [topics.coordinator_status()] + [getattr(topics, f"agent_{kind}")(name) for name in run.agents
+                                                for kind in ("task", "ack", "update", "status")]
+    sent = refused = 0
+    while not stop.is_set():
+        for payload in garbage(rng):
+            for topic in targets:
+                for sender in senders:
+                    answer = sender.publish(topic, payload)
+                    sent += 1
+                    refused += answer == "Not authorized"
+        stop.wait(1.0)
+    for client in [*senders, device]:
+        client.close()
+    thief.loop_stop()
+    thief.disconnect()
+    rejected = events(run.workdir / "coordinator.log", "update_rejected")
+    screened = [e for e in rejected if e.get("agent") == victim]
+    faults.append(Fault(f"stolen login of {victim} answers its task first, weights x -50",
+                        f"forged {len(forged)} update(s); coordinator: "
+                        + ("; ".join(e["reason"] for e in screened) if screened else "NOT REJECTED")))
+    coordinator_rejects = len(events(run.workdir / "coordinator.log", "message_rejected"))
+    agent_rejects = sum(len(events(run.workdir / f"{name}.log", "message_rejected")) for name in run.agents)
+    crashes = sum(len(events(run.workdir / f"{name}.log", "message_handler_failed")) for name in run.agents) + len(
+        events(run.workdir / "coordinator.log", "message_handler_failed"))
+    faults.append(Fault("garbage on every topic from stolen logins",
+                        f"{sent} publishes, {refused} refused by the ACL; the rest rejected with a reason by the "
+                        f"coordinator ({coordinator_rejects}) and the agents ({agent_rejects}); {crashes} handler "
+                        f"crashes"))
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+def account(run: Run, first: int, last: int) -> str:
+    """Acked, lost and double-counted updates of rounds ``first``..``last``, and the rounds recorded."""
+    rows = [row for row in run.rounds_done() if first <= row["round"] <= last]
+    recorded = [row["round"] for row in rows]
+    aggregated: dict[int, list[str]] = {}
+    for row in rows:
+        aggregated.setdefault(row["round"], []).extend(
+            t["agent"] for t in row["tasks"] if t["status"] in ("ok", "adapted"))
+    acked = set()
+    for name in run.agents:
+        for entry in events(run.workdir / f"{name}.log", "update_acked"):
+            round_number = int(entry["task"].split("-")[0][1:])
+            if first <= round_number <= last:
+                acked.add((round_number, name))
+    lost = [pair for pair in acked if pair[1] not in aggregated.get(pair[0], [])]
+    double = sum(len(agents) - len(set(agents)) for agents in aggregated.values()) + len(recorded) - len(
+        set(recorded))
+    participants_off = [row["round"] for row in rows
+                        if row["participants"] != len(set(aggregated.get(row["round"], [])))]
+    return (f"acked {len(acked)}, lost {len(lost)}, double-counted {double + len(participants_off)}; "
+            f"rounds {first}-{last} recorded {recorded}")
+
+
+def run_federation(run: Run, inject: Callable[[Run], list[Fault]] | None, rounds: int,
+                   timeout: float) -> tuple[list[Fault], list[dict[str, Any]]]:
+    """Start the coordinator and the agents, inject the faults, wait for the last round; faults and rounds."""
+    run.start_coordinator()
+    for name in run.agents:
+        run.start_agent(name)
+    faults = inject(run) if inject is not None else []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if run.coordinator is not None and run.coordinator.poll() is not None:
+            break
+        time.sleep(0.5)
+    code = run.coordinator.poll() if run.coordinator is not None else None
+    rows = run.rounds_done()
+    if code != 0 or [row["round"] for row in rows] != list(range(1, rounds + 1)):
+        tail = (run.workdir / "coordinator.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the federation did not complete (coordinator exit {code}, rounds "
+                           f"{[row['round'] for row in rows]}):\n{tail}")
+    return faults, rows
+
+
+def injector(rng: random.Random, kills: int, agent_share: float) -> Callable[[Run], list[Fault]]:
+    def inject(run: Run) -> list[Fault]:
+        faults: list[Fault] = []
+        # 1. Attacks, through round 1.
+        stop = threading.Event()
+        wait_until(lambda: run.round_in_flight() == 1, 300, "round 1")
+        attacker = threading.Thread(target=attack, args=(run, rng, faults, stop), daemon=True)
+        attacker.start()
+        wait_until(lambda: len(run.rounds_done()) >= 1, 300, "round 1 to end")
+        stop.set()
+        attacker.join(60)
+        for fault in faults:
+            fault.rounds = (1, 1)
+
+        # 2. kill -9 of 30% of the agents mid-round; systemd would restart them.
+        round_number = wait_mid_round(run, rng, 1)
+        victims = rng.sample(run.agents, max(1, round(agent_share * len(run.agents))))
+        for name in victims:
+            run.agent_processes[name].send_signal(signal.SIGKILL)
+        time.sleep(2.0)
+        for name in victims:
+            run.agent_processes[name].wait(10)
+            run.start_agent(name)
+        wait_until(lambda: len(run.rounds_done()) >= round_number, 300, f"round {round_number} to end")
+        resent = len([e for e in events(run.workdir / "coordinator.log", "task_resent")
+                      if e.get("round") == round_number])
+        faults.append(Fault(f"kill -9 of {len(victims)} of {len(run.agents)} agents ({', '.join(victims)})",
+                            f"in round {round_number}, restarted 2 s later; {resent} task(s) re-sent to them",
+                            (round_number, round_number)))
+
+        # 3. Broker restart mid-round.
+        round_number = wait_mid_round(run, rng, round_number)
+        down = rng.uniform(1.0, 4.0)
+        run.broker.restart(down)
+        wait_until(lambda: len(run.rounds_done()) >= round_number, 300, f"round {round_number} to end")
+        faults.append(Fault("broker restart", f"in round {round_number}, down {down:.1f} s",
+                            (round_number, round_number)))
+
+        # 4. kill -9 of the coordinator, again and again, at random moments; each restart resumes.
+        first = round_number + 1
+        moments = []
+        for _ in range(kills):
+            time.sleep(rng.uniform(1.0, 12.0))
+            moments.append(run.round_in_flight())
+            assert run.coordinator is not None
+            run.coordinator.send_signal(signal.SIGKILL)
+            run.coordinator.wait(10)
+            time.sleep(rng.uniform(0.0, 2.0))
+            run.start_coordinator()
+        faults.append(Fault(f"kill -9 of the coordinator x{kills}",
+                            "rounds in flight at the kills: " + ", ".join("between rounds" if m is None else str(m)
+                                                                          for m in moments),
+                            (first, -1)))
+        return faults
+
+    return inject
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--algorithm", default="heterofl")
+    parser.add_argument("--coordinator-kills", type=int, default=10)
+    parser.add_argument("--agent-share", type=float, default=0.3, help="share of the agents killed mid-round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-clean", action="store_true", help="no clean run to compare accuracy with")
+    parser.add_argument("--workdir", default=None, help="keep logs and state here (default: a temp dir)")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedfit-faults-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    timeout = 120.0 * args.rounds + 60.0 * args.coordinator_kills
+    clean_accuracy = None
+    if not args.skip_clean:
+        (workdir / "clean").mkdir(exist_ok=True)
+        run = setup(workdir / "clean", "faults-clean", args.agents, args.rounds, args.algorithm, args.seed)
+        started = time.monotonic()
+        try:
+            _, rows = run_federation(run, None, args.rounds, timeout)
+        finally:
+            run.stop()
+            run.broker.stop()
+        clean_accuracy = [row["global_accuracy"] for row in rows]
+        print(f"clean run: {args.rounds} rounds in {time.monotonic() - started:.0f} s, global accuracy "
+              + " ".join(f"{a:.4f}" for a in clean_accuracy), flush=True)
+    (workdir / "faults").mkdir(exist_ok=True)
+    run = setup(workdir / "faults", "faults", args.agents, args.rounds, args.algorithm, args.seed)
+    started = time.monotonic()
+    try:
+        faults, rows = run_federation(run, injector(random.Random(args.seed), args.coordinator_kills,
+                                                     args.agent_share), args.rounds, timeout)
+    finally:
+        run.stop()
+        run.broker.stop()
+    print(f"faults run: {args.rounds} rounds in {time.monotonic() - started:.0f} s, logs in {workdir / 'faults'}")
+    print(f"{'fault':<58} what happened / updates / rounds")
+    for fault in faults:
+        print(f"{fault.name:<58} {fault.happened}")
+        if fault.rounds is not None:
+            last = args.rounds if fault.rounds[1] == -1 else fault.rounds[1]
+            print(f"{'':<58} {account(run, fault.rounds[0], last)}")
+    print(f"{'whole federation':<58} {account(run, 1, args.rounds)}; completed: "
+          f"{[row['round'] for row in rows] == list(range(1, args.rounds + 1))}")
+    accuracy = [row["global_accuracy"] for row in rows]
+    print("global accuracy under faults: " + " ".join(f"{a:.4f}" for a in accuracy))
+    if clean_accuracy is not None:
+        print(f"final accuracy: clean {clean_accuracy[-1]:.4f}, under faults {accuracy[-1]:.4f} "
+              f"(difference {accuracy[-1] - clean_accuracy[-1]:+.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
