@@ -41,7 +41,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from common.mqtt_link import BrokerConfig
 from fedfit.sim.broker import Broker, start_mosquitto
-from protocol import Reassembler, Task, Topics, Update, decode, encode, split_payload
+from protocol import ProtocolError, Reassembler, Task, Topics, Update, decode, encode, split_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,7 +209,43 @@ def garbage(rng: random.Random) -> list[bytes]:
             *split_payload(b"\xc1" * 64, f"junk-{rng.getrandbits(32)}")]
 
 
-def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Event) -> None:
+class Thief:
+    """Holds ``victim``'s stolen login and answers its next task first, with the weights sent times -50."""
+
+    def __init__(self, run: Run, victim: str) -> None:
+        self.victim = victim
+        self.forged: list[str] = []
+        self.topics = Topics(run.federation)
+        self._reassembler = Reassembler()
+        broker = run.broker
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{victim}-thief", protocol=mqtt.MQTTv5)
+        self.client.username_pw_set(*broker.client_config(victim).login())  # type: ignore[misc]
+        self.client.tls_set(ca_certs=str(broker.directory.ca_file))  # type: ignore[union-attr]
+        self.client.on_message = self._on_task
+        self.client.connect(broker.host, broker.port)
+        self.client.subscribe(self.topics.agent_task(victim), qos=1)
+        self.client.loop_start()
+
+    def _on_task(self, _client: Any, _userdata: Any, message: Any) -> None:
+        try:
+            payload = self._reassembler.feed(message.payload, "coordinator")
+            task = decode(payload, expected=Task) if payload is not None and not self.forged else None
+        except ProtocolError:
+            return  # the garbage the other attackers send on this topic
+        if not isinstance(task, Task):
+            return
+        update = Update(task.task_id, task.round, self.victim, "ok", task.spec, 500, list(range(10)),
+                        {key: value * -50 for key, value in task.weights.items()}, {}, None)
+        for chunk in split_payload(encode(update), f"forged-{task.task_id}"):
+            self.client.publish(self.topics.agent_update(self.victim), chunk, qos=1)
+        self.forged.append(task.task_id)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Event, thief: Thief) -> None:
     """Every attack in one round: anonymous, cross-device, a forged update from a stolen login, garbage."""
     topics = Topics(run.federation)
     broker = run.broker
@@ -234,29 +270,6 @@ def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Ev
     faults.append(Fault(f"{a} publishes on {b}'s and the coordinator's topics",
                         f"broker answered {', '.join(sorted(set(answers)))} to {len(answers)} publishes"))
 
-    victim = run.agents[2]
-    forged: list[str] = []
-    reassembler = Reassembler()
-    thief = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{victim}-thief", protocol=mqtt.MQTTv5)
-    thief.username_pw_set(*broker.client_config(victim).login())  # type: ignore[misc]
-    thief.tls_set(ca_certs=str(broker.directory.ca_file))  # type: ignore[union-attr]
-
-    def on_task(_client: Any, _userdata: Any, message: Any) -> None:
-        payload = reassembler.feed(message.payload, "coordinator")
-        if payload is None or forged:
-            return
-        task = decode(payload, expected=Task)
-        assert isinstance(task, Task)
-        update = Update(task.task_id, task.round, victim, "ok", task.spec, 500, list(range(10)),
-                        {key: value * -50 for key, value in task.weights.items()}, {}, None)
-        for chunk in split_payload(encode(update), f"forged-{task.task_id}"):
-            thief.publish(topics.agent_update(victim), chunk, qos=1)
-        forged.append(task.task_id)
-
-    thief.on_message = on_task
-    thief.connect(broker.host, broker.port)
-    thief.subscribe(topics.agent_task(victim), qos=1)
-    thief.loop_start()
     senders = [Client(broker, broker.coordinator_config(), "stolen-coordinator"),
                *(Client(broker, broker.client_config(name), f"{name}-stolen") for name in run.agents)]
     targets = [topics.coordinator_status()] + [getattr(topics, f"agent_{kind}")(name) for name in run.agents
@@ -266,18 +279,20 @@ def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Ev
         for payload in garbage(rng):
             for topic in targets:
                 for sender in senders:
+                    if stop.is_set():
+                        break
                     answer = sender.publish(topic, payload)
                     sent += 1
                     refused += answer == "Not authorized"
-        stop.wait(1.0)
+        stop.wait(0.5)
     for client in [*senders, device]:
         client.close()
-    thief.loop_stop()
-    thief.disconnect()
+    thief.close()
+    victim = thief.victim
     rejected = events(run.workdir / "coordinator.log", "update_rejected")
     screened = [e for e in rejected if e.get("agent") == victim]
     faults.append(Fault(f"stolen login of {victim} answers its task first, weights x -50",
-                        f"forged {len(forged)} update(s); coordinator: "
+                        f"forged {len(thief.forged)} update(s); coordinator: "
                         + ("; ".join(e["reason"] for e in screened) if screened else "NOT REJECTED")))
     coordinator_rejects = len(events(run.workdir / "coordinator.log", "message_rejected"))
     agent_rejects = sum(len(events(run.workdir / f"{name}.log", "message_rejected")) for name in run.agents)
@@ -309,8 +324,11 @@ def account(run: Run, first: int, last: int) -> str:
         set(recorded))
     participants_off = [row["round"] for row in rows
                         if row["participants"] != len(set(aggregated.get(row["round"], [])))]
-    return (f"acked {len(acked)}, lost {len(lost)}, double-counted {double + len(participants_off)}; "
-            f"rounds {first}-{last} recorded {recorded}")
+    refused = [entry for name in run.agents for entry in events(run.workdir / f"{name}.log", "update_refused")
+               if first <= int(entry["task"].split("-")[0][1:]) <= last]
+    return (f"acked {len(acked)}, lost {len(lost)}, double-counted {double + len(participants_off)}, refused with "
+            f"a reason {len(refused)}" + "".join(f" ({e['reason'][:60]}...)" for e in refused[:2])
+            + f"; rounds {first}-{last} recorded {recorded}")
 
 
 def run_federation(run: Run, inject: Callable[[Run], list[Fault]] | None, rounds: int,
@@ -334,19 +352,21 @@ def run_federation(run: Run, inject: Callable[[Run], list[Fault]] | None, rounds
     return faults, rows
 
 
-def injector(rng: random.Random, kills: int, agent_share: float) -> Callable[[Run], list[Fault]]:
+def injector(rng: random.Random, kills: int, agent_share: float, total_rounds: int) -> Callable[[Run], list[Fault]]:
+    """The faults, one after another: attacks in round 1, then agent kills, a broker restart, coordinator kills."""
+
     def inject(run: Run) -> list[Fault]:
         faults: list[Fault] = []
-        # 1. Attacks, through round 1.
+        # 1. Attacks, through round 1 (the thief listens before the first task goes out).
+        thief = Thief(run, run.agents[2])
         stop = threading.Event()
         wait_until(lambda: run.round_in_flight() == 1, 300, "round 1")
-        attacker = threading.Thread(target=attack, args=(run, rng, faults, stop), daemon=True)
+        attacker = threading.Thread(target=attack, args=(run, rng, faults, stop, thief), daemon=True)
         attacker.start()
         wait_until(lambda: len(run.rounds_done()) >= 1, 300, "round 1 to end")
         stop.set()
         attacker.join(60)
-        for fault in faults:
-            fault.rounds = (1, 1)
+        faults[-1].rounds = (1, 1)  # the attacks' accounting, printed once under the last of them
 
         # 2. kill -9 of 30% of the agents mid-round; systemd would restart them.
         round_number = wait_mid_round(run, rng, 1)
@@ -374,16 +394,18 @@ def injector(rng: random.Random, kills: int, agent_share: float) -> Callable[[Ru
 
         # 4. kill -9 of the coordinator, again and again, at random moments; each restart resumes.
         first = round_number + 1
-        moments = []
+        moments: list[int | None] = []
         for _ in range(kills):
-            time.sleep(rng.uniform(1.0, 12.0))
+            time.sleep(rng.uniform(2.0, 10.0))
+            if len(run.rounds_done()) >= total_rounds:
+                break  # the federation is over: no more moments to kill it at
             moments.append(run.round_in_flight())
             assert run.coordinator is not None
             run.coordinator.send_signal(signal.SIGKILL)
             run.coordinator.wait(10)
             time.sleep(rng.uniform(0.0, 2.0))
             run.start_coordinator()
-        faults.append(Fault(f"kill -9 of the coordinator x{kills}",
+        faults.append(Fault(f"kill -9 of the coordinator x{len(moments)}",
                             "rounds in flight at the kills: " + ", ".join("between rounds" if m is None else str(m)
                                                                           for m in moments),
                             (first, -1)))
@@ -395,7 +417,7 @@ def injector(rng: random.Random, kills: int, agent_share: float) -> Callable[[Ru
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--algorithm", default="heterofl")
     parser.add_argument("--coordinator-kills", type=int, default=10)
     parser.add_argument("--agent-share", type=float, default=0.3, help="share of the agents killed mid-round")
@@ -424,7 +446,7 @@ def main() -> int:
     started = time.monotonic()
     try:
         faults, rows = run_federation(run, injector(random.Random(args.seed), args.coordinator_kills,
-                                                     args.agent_share), args.rounds, timeout)
+                                                     args.agent_share, args.rounds), args.rounds, timeout)
     finally:
         run.stop()
         run.broker.stop()

@@ -29,21 +29,26 @@ class RoundCollector:
         self.tasks = tasks
         self.updates: dict[str, Update] = {}
         self.update_bytes: dict[str, int] = {}
+        self._digests: dict[str, str] = {}
         self._closed = False
         self._done = threading.Condition()
 
-    def offer(self, update: Update, size: int) -> str:
-        """Take an update: returns "accepted", "duplicate", "late" or "unknown"."""
+    def offer(self, update: Update, size: int, digest: str = "") -> str:
+        """Take an update: returns "accepted", "duplicate" (the same message again: a resend), "conflict" (another
+        update for a task that has one: not used), "late" or "unknown". ``digest`` fingerprints the message as it
+        arrived (e.g. its sha256); without one, any second update for a task is a duplicate."""
         with self._done:
             task = self.tasks.get(update.task_id)
             if task is None or update.round != self.round or task.task.agent_id != update.agent_id:
                 return "unknown"
             if update.task_id in self.updates:
-                return "duplicate"
+                first = self._digests.get(update.task_id, "")
+                return "conflict" if digest and first and digest != first else "duplicate"
             if self._closed:
                 return "late"
             self.updates[update.task_id] = update
             self.update_bytes[update.task_id] = size
+            self._digests[update.task_id] = digest
             self._done.notify_all()
             return "accepted"
 

@@ -222,7 +222,8 @@ class Coordinator:
             raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
         with self._collector_lock:
             collector = self._collector
-        verdict = collector.offer(update, len(complete)) if collector is not None else "unknown"
+        digest = hashlib.sha256(complete).hexdigest()
+        verdict = collector.offer(update, len(complete), digest) if collector is not None else "unknown"
         reason = self._refusal(collector, update, verdict)
         if verdict in ("accepted", "duplicate") and reason is None:
             try:
@@ -243,6 +244,9 @@ class Coordinator:
             return f"unknown task {update.task_id!r} of round {update.round}: {current}"
         if verdict == "late":
             return f"round {update.round} closed before the update arrived"
+        if verdict == "conflict":
+            return (f"another update for task {update.task_id!r} arrived first and is the one kept (is this device's "
+                    f"login used elsewhere?)")
         if verdict in ("accepted", "duplicate") and collector is not None and update.status in AGGREGATED:
             try:
                 self._unpack_update(update, collector.tasks[update.task_id].task)
@@ -290,7 +294,7 @@ class Coordinator:
         return self._finish_round(round_number, started, tasks, plan.skipped, deadline, [])
 
     def _finish_round(self, round_number: int, started: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
-                      deadline: float, stored: list[tuple[Update, int]]) -> RoundResult:
+                      deadline: float, stored: list[tuple[Update, int, str]]) -> RoundResult:
         """Dispatch a planned (or journaled) round's tasks, collect, aggregate, evaluate, checkpoint. ``stored``:
         updates the journal kept from before a restart; their tasks are not sent again."""
         self._round_in_flight = round_number
@@ -298,8 +302,8 @@ class Coordinator:
         records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
         collector = RoundCollector(round_number, {
             task_id: DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()})
-        for update, size in stored:
-            collector.offer(update, size)
+        for update, size, digest in stored:
+            collector.offer(update, size, digest)
         with self._collector_lock:
             self._collector = collector
         bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items()

@@ -27,13 +27,13 @@ __all__ = ["JournaledRound", "RoundJournal"]
 @dataclass
 class JournaledRound:
     """A round read back from the journal: its tasks by id, the skipped agents and the updates stored (with their
-    sizes in bytes)."""
+    sizes in bytes and the sha256 of the message as it arrived)."""
 
     round: int
     deadline: float
     tasks: dict[str, TaskPlan]
     skipped: list[Skip]
-    updates: list[tuple[Update, int]]
+    updates: list[tuple[Update, int, str]]
 
 
 def _digest(task_id: str) -> str:
@@ -89,7 +89,7 @@ class RoundJournal:
                 update = decode(payload, expected=Update)
                 assert isinstance(update, Update)
                 if update.task_id in tasks:
-                    updates.append((update, len(payload)))
+                    updates.append((update, len(payload), hashlib.sha256(payload).hexdigest()))
         except (OSError, KeyError, TypeError, ValueError, ProtocolError) as exc:
             raise ValueError(f"the round journal in {self.directory} cannot be read ({exc}); move it away to "
                              f"start the round afresh") from exc

@@ -182,6 +182,42 @@ def wait_for_login(config: BrokerConfig, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@dataclass
+class _MosquittoProcess:
+    """The mosquitto process of a broker started here (a restart replaces it), its log and its directory."""
+
+    binary: str
+    conf: Path
+    port: int
+    log_file: Any
+    workdir: Path
+    process: subprocess.Popen[bytes]
+
+    def _terminate(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+    def stop(self) -> None:
+        self._terminate()
+        self.log_file.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def reload(self) -> None:
+        self.process.send_signal(signal.SIGHUP)  # mosquitto reads its password file and ACL again
+
+    def restart(self, down_s: float) -> None:
+        self._terminate()
+        time.sleep(down_s)
+        self.process = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=self.log_file,
+                                        stderr=subprocess.STDOUT)
+        if not wait_for_port("127.0.0.1", self.port, 10.0):
+            raise BrokerStartError(f"mosquitto did not listen again on port {self.port} after a restart")
+
+
 def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation: str | None = None) -> Broker:
     """Start mosquitto on a free loopback port with a throw-away configuration.
 
@@ -216,33 +252,9 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation:
         log_file = log_path.open("wb")
         process = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
         if wait_for_port("127.0.0.1", port, 10.0):
-            running = [process]  # the one process now; a restart replaces it
-
-            def terminate() -> None:
-                running[0].terminate()
-                try:
-                    running[0].wait(5)
-                except subprocess.TimeoutExpired:
-                    running[0].kill()
-                    running[0].wait(5)
-
-            def stop(log_file: Any = log_file) -> None:
-                terminate()
-                log_file.close()
-                shutil.rmtree(workdir, ignore_errors=True)
-
-            def reload() -> None:
-                running[0].send_signal(signal.SIGHUP)  # mosquitto reads its password file and ACL again
-
-            def restart(down_s: float, conf: Path = conf, log_file: Any = log_file, port: int = port) -> None:
-                terminate()
-                time.sleep(down_s)
-                running[0] = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
-                if not wait_for_port("127.0.0.1", port, 10.0):
-                    raise BrokerStartError(f"mosquitto did not listen again on port {port} after a restart")
-
+            running = _MosquittoProcess(binary, conf, port, log_file, workdir, process)
             return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, directory=directory,
-                          _stop=stop, _reload=reload, _restart=restart)
+                          _stop=running.stop, _reload=running.reload, _restart=running.restart)
         process.kill()
         process.wait(5)
         log_file.close()

@@ -53,6 +53,15 @@ def test_second_copy_is_a_duplicate_and_keeps_the_first():
     assert collector.updates["t-a0"] is first and collector.update_bytes["t-a0"] == 10
 
 
+def test_a_resend_is_a_duplicate_a_different_second_update_a_conflict():
+    collector = make_collector()
+    first = update("a0")
+    assert collector.offer(first, 10, "d1") == "accepted"
+    assert collector.offer(update("a0"), 10, "d1") == "duplicate"  # the same message again
+    assert collector.offer(update("a0", status="failed"), 10, "d2") == "conflict"  # another one for the task
+    assert collector.updates["t-a0"] is first
+
+
 def test_unknown_task_wrong_agent_or_wrong_round():
     collector = make_collector()
     assert collector.offer(update("a0", task_id="t-other"), 1) == "unknown"

@@ -410,8 +410,10 @@ def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reas
     stale = update_for(heterofl, spec, task_id="r1-dev-1", agent="dev", status="ok", round_number=1, fill=0.1)
     assert send(stale).reason == "unknown task 'r1-dev-1' of round 1: round 2 is in progress"
     assert send(good) == Ack("r2-dev-1", 2, "dev")  # stored: an ack without a reason
-    assert [u.task_id for u, _ in heterofl.journal.load().updates] == ["r2-dev-1"]  # on disk before the ack
+    assert [u.task_id for u, _, _ in heterofl.journal.load().updates] == ["r2-dev-1"]  # on disk before the ack
     assert send(good).reason is None  # sent again: stored already
+    other = update_for(heterofl, spec, task_id="r2-dev-1", agent="dev", status="ok", round_number=2, fill=0.2)
+    assert send(other).reason.startswith("another update for task 'r2-dev-1' arrived first and is the one kept")
     wide = update_for(heterofl, SubmodelSpec.full(), task_id="r2-dev-2", agent="dev", status="ok", round_number=2,
                       fill=0.1)
     assert send(wide).reason.startswith("update rejected: agent trained width=1, which is not inside the width=0.5")

@@ -3,6 +3,8 @@ crash, cleared once the round is checkpointed; a damaged journal is one sentence
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -37,8 +39,9 @@ def test_a_journaled_round_reads_back_whole(tmp_path) -> None:
     assert back is not None and (back.round, back.deadline) == (3, 1234.5)
     assert back.tasks == tasks()
     assert back.skipped == [Skip("c", "no budget reported")]
-    [(update_back, size)] = back.updates
+    [(update_back, size, digest)] = back.updates
     assert update_back.task_id == "r3-b-1" and size == len(encode(stored))
+    assert digest == hashlib.sha256(encode(stored)).hexdigest()
     assert update_back.weights["w"].tolist() == [1.0, 1.0, 1.0]
 
 

@@ -205,3 +205,11 @@ def test_a_task_or_update_under_the_wrong_id_is_rejected(secured_mosquitto: Secu
     assert "update from agent 'pi-02' published on the topic of 'pi-01'" in reasons, reasons
     assert "task addressed to 'pi-02' arrived at 'pi-01'" in reasons, reasons
     assert agent.tasks_done == 0
+
+
+def test_a_broker_started_here_restarts_on_its_port_with_its_logins(secured_mosquitto: SecuredBroker) -> None:
+    broker = secured_mosquitto("lab")
+    device = broker.client_config("pi-01")
+    broker.restart(down_s=0.5)
+    wait_for_login(device, timeout=10)  # same port, same files: the device logs in again
+    assert "Not authorized" in refusal(replace(device, username="pi-02"))
