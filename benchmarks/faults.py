@@ -14,7 +14,7 @@ completed, and compares the final accuracy with the clean run's:
 
 An update counts as acked when its agent logged ``update_acked``; as lost when it was acked but its task is not
 among the round's aggregated ones; as counted twice when a round is recorded twice or one agent's update twice
-in a round. Run: ``.venv/bin/python benchmarks/faults.py`` (about 10 minutes on 2 cores).
+in a round. Run: ``.venv/bin/python benchmarks/faults.py`` (about 5 minutes on 2 cores).
 """
 
 from __future__ import annotations
