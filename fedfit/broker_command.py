@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from common.mqtt_link import BrokerConfig
-from fedfit.secure_broker import DEFAULT_PORT, BrokerDirectory, BrokerSettings
+from fedfit.secure_broker import DEFAULT_PORT, BrokerDirectory, BrokerSettings, BrokerSetupError
 
 _RELOAD = "reload the running broker to apply it: systemctl reload mosquitto (or kill -HUP its process)"
 
@@ -60,6 +60,15 @@ def _section(config: BrokerConfig, device_dir: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Carry out ``fedfit broker ACTION``; errors are BrokerSetupError or PkiError (one sentence each)."""
+    try:
+        return _run(args)
+    except OSError as exc:  # a directory that is a file, not writable, a full disk...
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise BrokerSetupError(f"cannot write the broker's files in {args.dir}: {exc.strerror or exc}"
+                               f"{where}") from exc
+
+
+def _run(args: argparse.Namespace) -> int:
     path = Path(args.dir)
     if args.action == "init":
         settings = BrokerSettings(federation=args.federation, hosts=args.hosts or ["localhost", "127.0.0.1"],

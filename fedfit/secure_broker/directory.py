@@ -111,8 +111,7 @@ class BrokerDirectory:
         write_atomic(directory.conf, directory.mosquitto_conf().encode(), mode=0o640)
         if settings.persistence:
             (path / "data").mkdir(exist_ok=True)
-        directory.add_login(settings.coordinator, role="coordinator")
-        directory.share_with_broker()
+        directory.add_login(settings.coordinator, role="coordinator")  # also shares the files read with the broker
         write_atomic(path / "broker.yaml", yaml.safe_dump(asdict(settings), sort_keys=False).encode())
         return directory
 

@@ -184,6 +184,11 @@ def test_broker_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "has no login here" in capsys.readouterr().err
     assert main(["broker", "add-device", str(tmp_path / "nowhere"), "pi-01"]) == 2
     assert "no broker made by `fedfit broker init`" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["broker", "init", str(afile / "broker"), "--federation", "lab"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the broker's files in {afile / 'broker'}: Not a directory" in err and "Traceback" not in err
 
 
 @needs_openssl
