@@ -22,9 +22,11 @@ import ctypes
 import ctypes.util
 from functools import cache
 
-from models.memory import CPU_ALLOCATORS
+__all__ = ["ALLOCATORS", "COMPACT_MMAP_THRESHOLD", "compact_supported", "configure", "resolve", "settle"]
 
-__all__ = ["COMPACT_MMAP_THRESHOLD", "compact_supported", "configure", "resolve", "settle"]
+#: The settings, as the estimator knows them (``models.memory.CPU_ALLOCATORS``; spelt out here because the agent
+#: process, which resolves the setting, imports nothing of ``models``, and with it no torch).
+ALLOCATORS = ("compact", "default")
 
 #: Blocks at least this large (one page) are mapped and unmapped individually in ``"compact"`` mode.
 COMPACT_MMAP_THRESHOLD = 4 * 1024
@@ -53,8 +55,8 @@ def compact_supported() -> bool:
 
 def resolve(requested: str) -> str:
     """The allocator a training child here will really run: ``requested``, or ``"default"`` without glibc."""
-    if requested not in CPU_ALLOCATORS:
-        raise ValueError(f"allocator must be one of {', '.join(CPU_ALLOCATORS)}, got {requested!r}.")
+    if requested not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {requested!r}.")
     return requested if requested == "default" or compact_supported() else "default"
 
 

@@ -24,6 +24,11 @@ from common.durable import write_atomic
 MIN_RATIO, MAX_RATIO = 0.5, 3.0
 
 
+def corrected(raw_estimate: int, overhead: int, factor: float) -> int:
+    """``raw_estimate`` with its model-dependent part (``raw_estimate - overhead``) times ``factor``."""
+    return overhead + int((raw_estimate - overhead) * factor)
+
+
 class Calibration:
     """Thread-safe calibration factor with an optional JSON file behind it."""
 
@@ -51,7 +56,7 @@ class Calibration:
 
     def corrected(self, raw_estimate: int, overhead: int = 0) -> int:
         """The raw estimate with its model-dependent part (``raw_estimate - overhead``) times the factor."""
-        return overhead + int((raw_estimate - overhead) * self.factor)
+        return corrected(raw_estimate, overhead, self.factor)
 
     def observe(self, raw_estimate: int, measured_peak: int, overhead: int = 0) -> None:
         """Learn from a completed run (ignored when the model-dependent part is under 10% of the estimate or

@@ -1,83 +1,45 @@
-"""Training in a child process, so that an out-of-memory kill or a crash takes down the child, not the agent.
+"""The training child: trains one task in a process of its own, so that an out-of-memory kill or a crash takes
+down the child, not the agent.
 
-Children come from a multiprocessing *forkserver* that has already imported this module, and with it torch
-and the models (the agent stays warm, unlike per-message processes that re-import torch every round). The
-server also runs one tiny training step (``child_warmup``) so that torch's one-time initialisation (the lazy
-import behind the first optimizer, kernel set-up) is shared by every child instead of inflating each measured
-peak; it starts no threads that would make forking unsafe (one intra-op thread). Nothing crosses the process
-boundary pickled: the parent writes the task (protocol msgpack) and a small JSON plan into a work directory,
-the child reads its data from an ``.npz`` written once by the agent (``allow_pickle=False``), and answers with
-an encoded update or an error text.
+It is forked from the agent's training forkserver (``edge_agent.forkserver``), which has already imported this
+module, and with it torch and the models, and run one tiny training step (``child_warmup``) so that torch's
+one-time initialisation (the lazy import behind the first optimizer, kernel set-up) is shared by every child
+instead of inflating each measured peak; the server starts no threads that would make forking unsafe (one
+intra-op thread). Nothing crosses the process boundary pickled: the agent writes the task (protocol msgpack) and
+a :class:`~edge_agent.workdir.TrainingRequest` (JSON) into a work directory, the child reads its data from an
+``.npz`` written once by the agent (``allow_pickle=False``), and answers with an encoded update or an error text.
 
-The child first sets up its heap as the plan says (``edge_agent.allocator``; the estimate was made for the
-same setting). The task file holds exactly the weights of the spec to train (the runner cuts an adapted spec
-out of the received one beforehand), so every child runs the same code after its baseline. Before the baseline
-it maps that code and creates its per-shape runtime objects with one step of a throwaway copy on one batch,
-and trims the heap (:func:`warm_up_training`). It measures its own peak: the resident-set high-water mark is
-reset (``/proc/self/clear_refs``) right before the model is built, so ``peak - baseline`` is what training
+The child first sets up its heap as the request says (``edge_agent.allocator``; the estimate was made for the
+same setting). The task file holds exactly the weights of the spec to train (the decision child cut an adapted
+spec out of the received one beforehand), so every child runs the same code after its baseline. Before the
+baseline it maps that code and creates its per-shape runtime objects with one step of a throwaway copy on one
+batch, and trims the heap (:func:`warm_up_training`). It measures its own peak: the resident-set high-water mark
+is reset (``/proc/self/clear_refs``) right before the model is built, so ``peak - baseline`` is what training
 allocated (model, gradients, optimizer state, activations, workspace, and small runtime structures,
-``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is used instead.
-
-Training-memory estimates are made in children of the same forkserver too (:func:`estimate_in_child`).
+``models.memory.CPU_RUNTIME_BYTES``); on CUDA the allocator's peak is used instead. A plan with several copies
+(m-FeDepth) loads the device's own auxiliary copies from its store and saves them back once trained.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import os
 import resource
-import signal
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from edge_agent import allocator as heap
-from edge_agent.copies import read_copies, write_copies
-from models import (
-    FamilyNet,
-    MemoryEstimate,
-    ModelFamily,
-    SubmodelSpec,
-    estimate_plan_memory,
-    get_family,
-    train,
-)
+from edge_agent.copies import CopyStore
+from edge_agent.workdir import ERROR_FILE, TASK_FILE, UPDATE_FILE, TrainingRequest
+from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
 from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode
-
-TASK_FILE = "task.msgpack"
-PLAN_FILE = "plan.json"
-UPDATE_FILE = "update.msgpack"
-#: The auxiliary copies of a plan with ``copies`` > 1 (edge_agent.copies), before and after training.
-COPIES_FILE = "copies.safetensors"
-TRAINED_COPIES_FILE = "copies-trained.safetensors"
-ERROR_FILE = "error.txt"
-#: How far the measured CPU peak of identical tasks moves between runs (the smallest ``benchmarks/memory.py``
-#: rows: about 0.3 MB between invocations; two agents of one simulation training the same sub-MB task: 0.37 and
-#: 0.73 MB); the calibration does not learn from tasks that are small against it.
-CPU_PEAK_RESOLUTION_BYTES = 300_000
-
-_context: Any = None
-
-
-def process_context() -> Any:
-    """The forkserver context (preloading torch and the trainer), or spawn where fork is unavailable."""
-    global _context
-    if _context is None:
-        if "forkserver" in multiprocessing.get_all_start_methods():
-            forkserver = multiprocessing.get_context("forkserver")
-            forkserver.set_forkserver_preload(["edge_agent.child", "edge_agent.child_warmup"])
-            _context = forkserver
-        else:
-            _context = multiprocessing.get_context("spawn")
-    return _context
 
 
 def rss_bytes() -> int:
@@ -106,77 +68,6 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@dataclass(frozen=True)
-class ChildOutcome:
-    """How a training child ended: the encoded update, or why there is none."""
-
-    update: bytes | None
-    exitcode: int | None
-    error: str | None
-    timed_out: bool = False
-    out_of_memory: bool | None = None
-    """For a child killed by SIGKILL (not for its deadline): whether the kernel counted an OOM kill meanwhile
-    (None: not known; see :mod:`edge_agent.oom`)."""
-
-    @property
-    def killed_by(self) -> str | None:
-        """The signal's name when the child was killed by one."""
-        if self.exitcode is not None and self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return f"signal {-self.exitcode}"
-        return None
-
-
-def run_in_child(workdir: Path, timeout: float, on_start: Any = None) -> ChildOutcome:
-    """Run :func:`child_main` on ``workdir`` in a child process and wait at most ``timeout`` seconds."""
-    process = process_context().Process(target=child_main, args=(str(workdir),), daemon=True)
-    process.start()
-    if on_start is not None:
-        on_start(process.pid)
-    process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join(10)
-        return ChildOutcome(None, process.exitcode, f"training did not finish within {timeout:.0f} s",
-                            timed_out=True)
-    update_path, error_path = workdir / UPDATE_FILE, workdir / ERROR_FILE
-    if process.exitcode == 0 and update_path.exists():
-        return ChildOutcome(update_path.read_bytes(), 0, None)
-    error = error_path.read_text(errors="replace")[-2000:] if error_path.exists() else None
-    return ChildOutcome(None, process.exitcode, error)
-
-
-def estimate_in_child(model: ModelRef, options: list[tuple[SubmodelSpec, TrainingPlan]], *,
-                      input_size: tuple[int, int], device: str, allocator: str,
-                      samples: int = 0) -> list[MemoryEstimate]:
-    """Training-memory estimates of running each (spec, plan) (``models.memory.estimate_plan_memory``), made in
-    a child of the forkserver.
-
-    The estimator's first use in a process imports what meta tensors need (about 160 MB of RSS, see
-    ``models.memory``); the forkserver has paid that, so a child adds about 25 MB for a moment and the agent
-    process does not grow at all. Specs and plans cross as their plain wire forms. ``samples`` is the local data's
-    size (what a stage's buffer of frozen outputs holds).
-    """
-    arguments = (model.family, model.num_classes, model.in_channels, dict(model.options),
-                 [(spec.to_dict(), plan.to_dict()) for spec, plan in options], tuple(input_size), device, allocator,
-                 samples)
-    with process_context().Pool(1) as pool:
-        parts = pool.apply(_estimate, arguments)
-    return [MemoryEstimate(**part) for part in parts]
-
-
-def _estimate(family_name: str, num_classes: int, in_channels: int, options: dict[str, Any],
-              pairs: list[tuple[dict[str, Any], dict[str, Any]]], input_size: tuple[int, int], device: str,
-              allocator: str, samples: int) -> list[dict[str, Any]]:
-    family = get_family(family_name, num_classes, in_channels, **options)
-    estimates = [estimate_plan_memory(family, SubmodelSpec.from_dict(spec), TrainingPlan.from_dict(plan),
-                                      input_size=input_size, device=device, allocator=allocator, samples=samples)
-                 for spec, plan in pairs]
-    return [{key: value for key, value in e.as_dict().items() if key != "total"} for e in estimates]
 
 
 def child_main(workdir_text: str) -> None:
@@ -238,12 +129,13 @@ def _peak_above(device: str, baseline: int) -> int:
     return max(0, peak_rss_bytes() - baseline)
 
 
-def _load_copies(workdir: Path, family: ModelFamily, spec: SubmodelSpec, count: int) -> list[FamilyNet]:
-    """The plan's further copies (``count - 1`` models), from the weights the runner wrote."""
-    if count == 1:
+def _load_copies(store: CopyStore, model_ref: ModelRef, family: ModelFamily, spec: SubmodelSpec,
+                 plan: TrainingPlan) -> list[FamilyNet]:
+    """The plan's further copies (``copies - 1`` models): the device's stored ones, new ones where it has none."""
+    if plan.copies == 1:
         return []
     models = []
-    for state in read_copies(workdir / COPIES_FILE, count - 1, family.state_keys(spec)):
+    for state in store.load(model_ref, family, spec, plan.copies - 1, plan.seed):
         copy = family.build(spec, track_bn_stats=False)
         copy.load_state_dict({key: torch.from_numpy(value) for key, value in state.items()}, strict=True)
         models.append(copy)
@@ -251,30 +143,31 @@ def _load_copies(workdir: Path, family: ModelFamily, spec: SubmodelSpec, count: 
 
 
 def _train(workdir: Path) -> None:
-    plan = json.loads((workdir / PLAN_FILE).read_text())
-    torch.set_num_threads(int(plan["torch_threads"]))
-    if plan["device"] != "cuda":
-        heap.configure(plan["allocator"])
+    request = TrainingRequest.read(workdir)
+    torch.set_num_threads(request.torch_threads)
+    if request.device != "cuda":
+        heap.configure(request.allocator)
     task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
     assert isinstance(task, Task)
-    with np.load(plan["data_path"], allow_pickle=False) as archive:
+    with np.load(request.data_path, allow_pickle=False) as archive:
         x = torch.from_numpy(np.array(archive["x"], dtype=np.float32))
         y = torch.from_numpy(np.array(archive["y"], dtype=np.int64))
     family = get_family(task.model.family, task.model.num_classes, task.model.in_channels, **task.model.options)
-    spec = SubmodelSpec.from_dict(plan["spec"])
-    device = plan["device"]
-    if plan["spec"] != task.spec:
-        raise ValueError(f"the plan says {plan['spec']}, the task holds weights for {task.spec}")
+    spec = SubmodelSpec.from_dict(request.spec)
+    device = request.device
+    if request.spec != task.spec:
+        raise ValueError(f"the plan says {request.spec}, the task holds weights for {task.spec}")
     training = task.training_plan()
     weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
-    warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, plan["labels"],
-                     task.model.num_classes, device, plan["allocator"])
+    warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, request.labels,
+                     task.model.num_classes, device, request.allocator)
     baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
     _reset_peak(device)
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict(weights, strict=True)
     del weights
-    copies = _load_copies(workdir, family, spec, training.copies)
+    store = CopyStore(Path(request.copies_dir))
+    copies = _load_copies(store, task.model, family, spec, training)
     peaks: list[int] = [_peak_above(device, baseline)]  # building and loading the model
 
     def on_stage(_index: int, phase: str) -> None:
@@ -284,20 +177,26 @@ def _train(workdir: Path) -> None:
         else:
             peaks.append(_peak_above(device, baseline))
 
-    result = train(model, spec, x, y, training, labels=plan["labels"], num_classes=task.model.num_classes,
+    result = train(model, spec, x, y, training, labels=request.labels, num_classes=task.model.num_classes,
                    device=device, on_stage=on_stage, copies=copies)
     peak = max(peaks)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
     metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
                "stages": float(result.stages), "peak_bytes": float(peak)}
-    if copies:  # the device's auxiliary copies go back to the runner, which keeps them for the next round
+    if copies:  # the device keeps its auxiliary copies for the next round; only the first model is uploaded
         metrics["copies"] = float(training.copies)
-        write_copies(workdir / TRAINED_COPIES_FILE, [
+        store.save(task.model, spec, [
             {key: weights[key].detach().cpu().numpy().astype(np.float32) for key in family.state_keys(spec)}
             for weights in (copy.state_dict() for copy in copies)])
     if spec.segments is not None:  # depth-wise: the peak of every stage, in order
         metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
-    update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y),
-                    [int(v) for v in plan["labels"]], state, metrics, None)
+    update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y), list(request.labels),
+                    state, metrics, None)
     (workdir / UPDATE_FILE).write_bytes(encode(update))
+
+
+def cuda_probe_main(workdir_text: str) -> None:
+    """Entry point of a child that only tells whether torch sees a CUDA device (``cuda.json``)."""
+    (Path(workdir_text) / "cuda.json").write_text(json.dumps({"available": bool(torch.cuda.is_available())}))
+    os._exit(0)

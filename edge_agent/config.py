@@ -55,7 +55,9 @@ class AgentConfig:
     ``state_dir`` holds the calibration and the training children's scratch files (default: a temporary
     directory; under systemd, ``$STATE_DIRECTORY``). ``torch_threads`` is what each training child uses.
     ``allocator`` is how a CPU training child manages its heap (``edge_agent.allocator``): ``compact`` (peaks
-    lower and predictable, steps slower) or glibc's ``default``.
+    lower and predictable, steps slower) or glibc's ``default``. ``forkserver`` is when the training forkserver
+    (the process that holds torch, ``edge_agent.forkserver``) starts: at the ``first-task`` (an idle agent stays
+    small) or at ``start-up`` (the first task starts sooner; a broken torch install shows at once).
     """
 
     agent_id: str
@@ -71,6 +73,7 @@ class AgentConfig:
     torch_threads: int | None = None
     state_dir: str | None = None
     allocator: Literal["compact", "default"] = "compact"
+    forkserver: Literal["first-task", "start-up"] = "first-task"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: TaskLimits = field(default_factory=TaskLimits)
 

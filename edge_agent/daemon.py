@@ -19,6 +19,7 @@ from pathlib import Path
 from common import systemd_notify
 from common.logs import get_logger
 from common.mqtt_link import MqttLink, Will
+from edge_agent import forkserver
 from edge_agent.config import AgentConfig
 from edge_agent.memory import available_memory, detect_device_kind, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
@@ -58,7 +59,7 @@ class EdgeAgent:
         self.agent_id = config.agent_id
         self.instance = uuid.uuid4().hex[:12]  # this process, in every status it publishes
         self.topics = Topics(config.federation)
-        self.data = data
+        self.data = data.shape()  # the runner writes the data for the training children; the agent keeps no copy
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
         self._last_round = 0
@@ -95,10 +96,8 @@ class EdgeAgent:
         self._timer = threading.Thread(target=self._status_loop, name=f"{self.agent_id}-status", daemon=True)
 
     def _torch_device(self) -> str:
-        if self.config.device == "auto":
-            import torch
-
-            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.config.device == "auto":  # torch is asked in the training forkserver, which starts for it
+            return "cuda" if forkserver.cuda_available() else "cpu"
         return self.config.device
 
     # --------------------------------------------------------------- lifecycle
@@ -106,6 +105,8 @@ class EdgeAgent:
         """Connect and subscribe; tell systemd we are ready only then. Refuses (:class:`AgentIdInUse`) when the
         broker holds a fresh online status of this agent id: another process is this agent already."""
         self._refuse_if_online(timeout)
+        if self.config.forkserver == "start-up":
+            forkserver.start()
         self.uplink.start()
         self.link.start(timeout)
         self._timer.start()
@@ -182,7 +183,7 @@ class EdgeAgent:
             memory_total=total_memory(),
             memory_available=self.runner.available(self._last_round),
             budget_bytes=budget,
-            num_samples=len(self.data.y),
+            num_samples=self.data.samples,
             labels=list(self.data.labels),
         )
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)

@@ -4,7 +4,6 @@ shard of a known dataset (simulations and demos)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from common.data import load_dataset, load_local_data, parse_partition, partition_indices
 from edge_agent.config import AgentDataConfig
@@ -12,8 +11,8 @@ from edge_agent.runner import LocalData
 
 
 def to_local_data(x: np.ndarray, y: np.ndarray) -> LocalData:
-    """Copy numpy arrays into torch tensors owned by the agent."""
-    return LocalData(torch.tensor(np.asarray(x, dtype=np.float32)), torch.tensor(np.asarray(y), dtype=torch.long))
+    """The agent's data from numpy arrays (float32 samples, int64 labels; copied where the types differ)."""
+    return LocalData(np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int64))
 
 
 def load_agent_data(config: AgentDataConfig) -> LocalData:

@@ -1,11 +1,16 @@
-"""What memory the device really has: min(psutil available, own cgroup v2 headroom, configured budget).
+"""What memory the device really has: min(psutil available, own cgroup v2 headroom, configured budget), and on
+a discrete GPU its free memory.
 
 psutil alone ignores cgroup limits (systemd's MemoryMax=, containers); a Raspberry Pi kernel may have the
-memory cgroup disabled, in which case there is simply no cgroup limit to read.
+memory cgroup disabled, in which case there is simply no cgroup limit to read. The agent process holds no torch,
+so a GPU's free memory comes from NVIDIA's management library (NVML) through ctypes; a Jetson has none and needs
+none (its GPU shares the system memory psutil reports).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import platform
 from pathlib import Path
 
@@ -73,3 +78,36 @@ def detect_device_kind() -> str:
     if "Jetson" in model or "NVIDIA" in model:
         return "jetson"
     return f"generic-{platform.machine() or 'unknown'}"
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _visible_gpu_index() -> int:
+    """The NVML index of the GPU torch uses first: the first of ``CUDA_VISIBLE_DEVICES`` when it is a number."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+def gpu_free_memory(library: str = "libnvidia-ml.so.1") -> int | None:
+    """Free memory of the GPU training runs on, from NVML; None where there is no NVML or no such GPU."""
+    try:
+        nvml = ctypes.CDLL(library)
+    except OSError:
+        return None
+    handle = ctypes.c_void_p()
+    memory = _NvmlMemory()
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        try:
+            if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(_visible_gpu_index()), ctypes.byref(handle)) != 0:
+                return None
+            if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
+                return None
+            return int(memory.free)
+        finally:
+            nvml.nvmlShutdown()
+    except AttributeError:  # a library of that name without these functions
+        return None

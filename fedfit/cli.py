@@ -1,5 +1,9 @@
 """The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, ``sim`` for broker-based local runs, ``plan``
-to see what a strategy would hand each device tier before deploying, and ``broker`` to secure the fleet's broker."""
+to see what a strategy would hand each device tier before deploying, and ``broker`` to secure the fleet's broker.
+
+``fedfit agent`` imports nothing that pulls in torch (the coordinator, the models): the agent process stays small
+and leaves torch to its training forkserver. The other commands import what they need when they run.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -19,20 +23,28 @@ from common.config import ConfigError, from_mapping, load_yaml
 from common.data import DATASET_NAMES, DatasetError
 from common.logs import configure_logging
 from common.mqtt_link import BrokerUnavailable
-from coordinator.checkpoint import CheckpointError
-from coordinator.config import CoordinatorConfig
-from coordinator.daemon import NoAgentsError
-from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
 from edge_agent.daemon import AgentIdInUse
 from fedfit import broker_command
 from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
 from fedfit.sim.budgets import scenario_tiers
-from models import FAMILY_NAMES
 
-# Errors a user can cause: reported as one sentence, without a traceback.
-USER_ERRORS = (ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, CheckpointError, NoAgentsError,
-               AgentIdInUse, BrokerSetupError, PkiError, ValueError, FileNotFoundError)
+# Errors a user can cause: reported as one sentence, without a traceback (the coordinator's join them when the
+# command needs the coordinator: see _user_errors).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, AgentIdInUse, BrokerSetupError, PkiError,
+    ValueError, FileNotFoundError)
+#: Commands that need neither the coordinator nor the models (nor, with them, torch).
+LIGHT_COMMANDS = ("agent", "broker")
+
+
+def _user_errors(command: str) -> tuple[type[BaseException], ...]:
+    if command in LIGHT_COMMANDS:
+        return USER_ERRORS
+    from coordinator.checkpoint import CheckpointError
+    from coordinator.daemon import NoAgentsError
+
+    return (*USER_ERRORS, CheckpointError, NoAgentsError)
 
 
 def _budgets(text: str) -> str:
@@ -44,17 +56,24 @@ def _budgets(text: str) -> str:
     return text
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(light: bool = False) -> argparse.ArgumentParser:
+    """The command line; ``light``: only the commands of :data:`LIGHT_COMMANDS` (the rest import torch)."""
     parser = argparse.ArgumentParser(prog="fedfit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    coord = sub.add_parser("coordinator", help="run the coordinator daemon")
-    coord.add_argument("--config", required=True, help="YAML file with the coordinator configuration")
-    coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     agent = sub.add_parser("agent", help="run an edge agent daemon")
     agent.add_argument("--config", required=True, help="YAML file with the agent configuration")
     agent.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    broker_command.add_parser(sub)
+    if light:
+        return parser
+
+    from coordinator.strategies import ALGORITHM_NAMES
+    from models import FAMILY_NAMES
+
+    coord = sub.add_parser("coordinator", help="run the coordinator daemon")
+    coord.add_argument("--config", required=True, help="YAML file with the coordinator configuration")
+    coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     sim = sub.add_parser("sim", help="run a whole federation on this machine over a real MQTT broker")
     sim.add_argument("--algorithm", choices=ALGORITHM_NAMES, default="heterofl")
@@ -91,8 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
                                                      "and errors to stderr)")
 
-    broker_command.add_parser(sub)
-
     plan = sub.add_parser("plan", help="print the levels or pool a strategy would use, before deploying")
     plan.add_argument("--config", default=None, metavar="FILE",
                       help="coordinator YAML (algorithm, model, recipe, method settings); flags override it")
@@ -128,18 +145,28 @@ def _override(mapping: dict[str, Any], assignment: str) -> None:
     target[last] = value
 
 
-def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = ()) -> Any:
+def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = (),
+          check: Callable[[Any], None] | None = None) -> Any:
+    """The configuration of ``cls`` from ``path`` with ``overrides``, validated (and ``check``-ed)."""
     mapping = load_yaml(path) if path else {}
     for assignment in overrides:
         _override(mapping, assignment)
     config = from_mapping(cls, mapping, where="")
     try:
         config.validate()
-        if isinstance(config, CoordinatorConfig):
-            check_algorithm(config.algorithm)
+        if check is not None:
+            check(config)
     except ValueError as exc:
         raise ConfigError(f"{path or 'the configuration'}: {exc}") from exc
     return config
+
+
+def _load_coordinator(path: str | None, overrides: Sequence[str] = ()) -> Any:
+    """A coordinator configuration whose algorithm is known."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.strategies import check_algorithm
+
+    return _load(CoordinatorConfig, path, overrides, lambda config: check_algorithm(config.algorithm))
 
 
 def _stop_on_signals(stop: Any) -> None:
@@ -155,7 +182,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     from coordinator.daemon import Coordinator
 
     configure_logging(args.log_level)
-    config = _load(CoordinatorConfig, args.config)
+    config = _load_coordinator(args.config)
     coordinator = Coordinator(config)
     coordinator.start()
     systemd_notify.notify("READY=1")
@@ -175,10 +202,6 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     config = _load(AgentConfig, args.config)
     configure_logging(args.log_level or config.log_level)
-    if config.torch_threads:
-        import torch
-
-        torch.set_num_threads(config.torch_threads)
     agent = EdgeAgent(config, load_agent_data(config.data))
     agent.start()
     _stop_on_signals(agent.stop)
@@ -199,7 +222,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         configure_logging("info", log_stream)
     else:
         configure_logging("warning", sys.stderr)
-    base = _load(CoordinatorConfig, args.config, args.overrides)
+    base = _load_coordinator(args.config, args.overrides)
     options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                          partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
                          broker=args.broker, secure_broker=not args.insecure_broker, workers=args.workers, budgets=args.budgets,
@@ -223,7 +246,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from coordinator.planning import strategy_for
     from fedfit.plan_table import format_plan
 
-    config = _load(CoordinatorConfig, args.config, args.overrides)
+    config = _load_coordinator(args.config, args.overrides)
     config = replace(config, algorithm=args.algorithm or config.algorithm,
                      model=replace(config.model, family=args.model or config.model.family),
                      data=replace(config.data, dataset=args.dataset or config.data.dataset))
@@ -261,12 +284,13 @@ def _tier_rows(strategy: Any, scenario: str) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedfit`` console command."""
-    args = _parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = _parser(light=arguments[:1] in (["agent"], ["broker"])).parse_args(arguments)
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "plan": _run_plan,
                "broker": broker_command.run}
     try:
         return runners[args.command](args)
-    except USER_ERRORS as exc:
+    except _user_errors(args.command) as exc:
         print(f"fedfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

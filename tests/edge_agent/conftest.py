@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from edge_agent.decision import Decider
 from edge_agent.runner import LocalData, TaskRunner
+from edge_agent.workdir import DecisionRequest
 from models import ModelFamily, SubmodelSpec, get_family
 from protocol import Adaptation, LossTerm, ModelRef, OptimizerSettings, Recipe, Stage, Task, TrainingPlan
 
@@ -146,6 +148,18 @@ def make_runner(tmp_path: Path) -> Iterator[Callable[..., TaskRunner]]:
     yield make
     for runner in runners:
         runner.close()
+
+
+@pytest.fixture(scope="session")
+def decider_for() -> Callable[..., Decider]:
+    """``decider_for(runner, round_number=1)``: the :class:`Decider` a decision child of ``runner`` would run (its
+    device, heap, memory available, calibration factor, data and limits), in this process, knowing no estimates."""
+
+    def make(runner: TaskRunner, round_number: int = 1) -> Decider:
+        return Decider(DecisionRequest(runner.device, runner.allocator, runner.available(round_number),
+                                       runner.calibration.factor, runner.data, runner.limits))
+
+    return make
 
 
 def cpu_seconds(pid: int) -> float:

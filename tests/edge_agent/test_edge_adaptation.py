@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from coordinator.strategies.scalefl import self_distillation_loss
-from edge_agent import runner as runner_module
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
-from models import SubmodelSpec
+from edge_agent.decision import Decider, estimate_key, size_text
+from edge_agent.workdir import DecisionRequest
+from models import MemoryEstimate, SubmodelSpec
 from protocol import Adaptation, Candidate, Stage, TrainingPlan
 
 U = SubmodelSpec.uniform
@@ -210,8 +211,14 @@ def test_choose_without_candidates():
 
 
 # ---------------------------------------------------------------------------------------------- runner
+def raw(runner, model_ref, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
+    """The estimate a decision of ``runner`` makes for ``spec`` and ``plan``."""
+    return Decider(DecisionRequest(runner.device, runner.allocator, runner.available(1), runner.calibration.factor,
+                                   runner.data)).raw_estimate(model_ref, spec, plan)
+
+
 def corrected(runner, model_ref, spec: SubmodelSpec, plan: TrainingPlan) -> int:
-    estimate = runner.raw_estimate(model_ref, spec, plan)
+    estimate = raw(runner, model_ref, spec, plan)
     return runner.calibration.corrected(estimate.total, estimate.overhead)
 
 
@@ -245,7 +252,7 @@ def test_runner_adapts_to_the_largest_level_that_fits(family, model_ref, make_ta
         assert np.isfinite(array).all()
     assert update.weights["conv1.weight"].shape[0] == 1  # 4 channels at width 0.25
     assert update.metrics["estimated_bytes"] == estimates[0.25]
-    assert update.metrics["raw_estimate_bytes"] == runner.raw_estimate(model_ref, U(0.25), plan).total
+    assert update.metrics["raw_estimate_bytes"] == raw(runner, model_ref, U(0.25), plan).total
     assert update.metrics["budget_bytes"] == budget
     assert update.metrics["calibration"] == pytest.approx(1.10)
     assert update.metrics["peak_bytes"] > 0
@@ -285,7 +292,7 @@ def test_runner_adapts_a_sub_model_it_received_to_a_smaller_one(family, model_re
 
 @pytest.mark.parametrize("target", ["L2", "L1"])
 def test_runner_trains_the_first_scalefl_candidate_that_fits(deep_family, deep_ref, make_deep_task, make_runner,
-                                                           monkeypatch, scalefl, target):
+                                                           decider_for, scalefl, target):
     chosen = {"L2": L2, "L1": L1}[target]
     probe = make_runner(name="probe")
     needs = {spec: corrected(probe, deep_ref, spec, scalefl[spec]) for spec in (L3, L2, L1)}
@@ -295,19 +302,11 @@ def test_runner_trains_the_first_scalefl_candidate_that_fits(deep_family, deep_r
 
     task = make_deep_task(L3, plan=scalefl[L3], adaptation=ladder((L2, scalefl[L2]), (L1, scalefl[L1])))
     runner = make_runner(budget=budget)
-    trained_tasks = []
-    train_in_child = runner._train_in_child
-
-    def recording(task, spec, plan):
-        trained_tasks.append((task, spec))
-        return train_in_child(task, spec, plan)
-
-    monkeypatch.setattr(runner, "_train_in_child", recording)
     update = runner.run(task)
 
     assert update.status == "adapted", update.reason
     assert update.spec_trained == chosen.to_dict()
-    assert update.reason == f"adapted {L3.describe()} -> {chosen.describe()} to fit {runner_module._size(budget)}"
+    assert update.reason == f"adapted {L3.describe()} -> {chosen.describe()} to fit {size_text(budget)}"
     # exactly the candidate's trainable tensors, at its shapes (a depth cut: no final head, its own exits)
     shapes = deep_family.shapes(chosen, track_bn_stats=False)
     assert list(update.weights) == list(deep_family.trainable_keys(chosen))
@@ -317,12 +316,12 @@ def test_runner_trains_the_first_scalefl_candidate_that_fits(deep_family, deep_r
         assert array.shape == shapes[key], key
         assert np.isfinite(array).all()
     assert update.metrics["estimated_bytes"] == needs[chosen]
-    assert update.metrics["raw_estimate_bytes"] == runner.raw_estimate(deep_ref, chosen, scalefl[chosen]).total
+    assert update.metrics["raw_estimate_bytes"] == raw(runner, deep_ref, chosen, scalefl[chosen]).total
 
-    # The child got the task re-written for the candidate: its spec, its plan with the task's seed, no recipe,
-    # no hint, and the weights cut out of those received.
-    [(written, spec)] = trained_tasks
-    assert spec == chosen and written.spec == chosen.to_dict()
+    # The decision re-wrote the task for the candidate: its spec, its plan with the task's seed, no recipe, no
+    # hint, and the weights cut out of those received; the training child trained that.
+    decision, written = decider_for(runner).decide(task)
+    assert decision.status == "adapted" and decision.spec == chosen.to_dict() == written.spec
     assert written.plan == replace(scalefl[chosen], seed=scalefl[L3].seed) != scalefl[chosen]
     assert written.recipe is None and written.adaptation is None
     assert list(written.weights) == list(deep_family.state_keys(chosen))
@@ -334,7 +333,7 @@ def test_runner_trains_the_first_scalefl_candidate_that_fits(deep_family, deep_r
 
 
 def test_runner_never_chooses_a_candidate_not_nested_in_the_sent_spec(deep_family, deep_ref, make_deep_task,
-                                                                      make_runner, monkeypatch, scalefl, task_plan):
+                                                                      make_runner, decider_for, scalefl, task_plan):
     # Sent level 2; the ladder offers the larger level 3, a full-width block (not nested either, but tiny with
     # its batch of 2) and then level 1. Only level 1 may be trained.
     wide = SubmodelSpec(width=1.0, rounding="floor", depth=1, exits=(0,))
@@ -345,21 +344,17 @@ def test_runner_never_chooses_a_candidate_not_nested_in_the_sent_spec(deep_famil
     budget = (max(needs[L1], needs[wide]) + needs[L2]) // 2
     assert needs[wide] <= budget and needs[L1] <= budget < needs[L2]  # the wide block would fit
 
-    estimated: list[list[SubmodelSpec]] = []
-    estimate_in_child = runner_module.child.estimate_in_child
-
-    def recording(model, pairs, **kwargs):
-        estimated.append([spec for spec, _ in pairs])
-        return estimate_in_child(model, pairs, **kwargs)
-
-    monkeypatch.setattr(runner_module.child, "estimate_in_child", recording)
     runner = make_runner(budget=budget)
     hint = ladder((L3, scalefl[L3]), (wide, wide_plan), (L1, scalefl[L1]))
     update = runner.run(make_deep_task(L2, plan=scalefl[L2], adaptation=hint))
     assert update.status == "adapted", update.reason
     assert update.spec_trained == L1.to_dict()
     assert set(update.weights) == set(deep_family.trainable_keys(L1))
-    assert estimated == [[L2, L1]]  # the others were not even estimated
+    decider = decider_for(runner)
+    decider.decide(make_deep_task(L2, plan=scalefl[L2], adaptation=hint))
+    # the others were not even estimated
+    assert list(decider.made) == [estimate_key(deep_ref, Option(L2, scalefl[L2])),
+                                  estimate_key(deep_ref, Option(L1, replace(scalefl[L1], seed=scalefl[L2].seed)))]
 
     # With only candidates that are not nested, nothing but the sent spec is tried: declined.
     declined = runner.run(make_deep_task(L2, plan=scalefl[L2], task_id="r1-agent-0002",

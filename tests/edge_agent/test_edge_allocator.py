@@ -76,3 +76,9 @@ def test_settle_validates_the_setting_and_needs_no_glibc(monkeypatch):
         allocator.settle("tcmalloc")
     monkeypatch.setattr(allocator, "_libc", lambda: None)
     allocator.settle("default")  # nothing to trim with, nothing raised
+
+
+def test_the_agent_knows_the_settings_the_estimator_knows():
+    from models.memory import CPU_ALLOCATORS
+
+    assert allocator.ALLOCATORS == CPU_ALLOCATORS

@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import allocator, child
+from edge_agent import allocator, child, forkserver
 from edge_agent.calibration import Calibration
-from edge_agent.child import ChildOutcome, peak_rss_bytes, reset_peak_rss, rss_bytes, run_in_child
+from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edge_agent.config import TaskLimits
+from edge_agent.forkserver import ChildOutcome
+from edge_agent.forkserver import run_training as run_in_child
 from edge_agent.oom import OomCount
 from edge_agent.runner import LocalData
+from edge_agent.workdir import PLAN_FILE, TASK_FILE, UPDATE_FILE
 from models import SubmodelSpec, estimate_plan_memory, get_family
 from protocol import LossTerm, ModelRef, Stage, TrainingPlan, Update, decode, encode
 
@@ -34,12 +37,13 @@ def write_workdir(directory: Path, task, data, spec: SubmodelSpec | None = None,
     """A task work directory the way the runner writes it: task.msgpack, plan.json and the data .npz."""
     directory.mkdir(parents=True)
     data_path = directory.parent / f"{directory.name}-data.npz"
-    np.savez(data_path, x=data.x.numpy(), y=data.y.numpy())
-    (directory / child.TASK_FILE).write_bytes(encode(task))
+    np.savez(data_path, x=data.x, y=data.y)
+    (directory / TASK_FILE).write_bytes(encode(task))
     plan = {"spec": (spec or U(0.5)).to_dict(), "device": "cpu", "labels": data.labels,
-            "data_path": str(data_path), "torch_threads": 1, "allocator": "compact"}
+            "data_path": str(data_path), "copies_dir": str(directory.parent / f"{directory.name}-copies"),
+            "torch_threads": 1, "allocator": "compact"}
     plan.update(plan_overrides)
-    (directory / child.PLAN_FILE).write_text(json.dumps(plan))
+    (directory / PLAN_FILE).write_text(json.dumps(plan))
     return directory
 
 
@@ -100,7 +104,7 @@ def test_run_in_child_returns_an_encoded_update(trained):
     assert outcome.error is None, outcome.error
     assert (outcome.exitcode, outcome.killed_by) == (0, None)
     assert len(started) == 1 and started[0] != os.getpid()
-    assert outcome.update == (workdir / child.UPDATE_FILE).read_bytes()
+    assert outcome.update == (workdir / UPDATE_FILE).read_bytes()
     update = decode(outcome.update, expected=Update)
     assert isinstance(update, Update)
     assert (update.task_id, update.round, update.agent_id, update.status) == (task.task_id, 1, "agent", "ok")
@@ -173,7 +177,7 @@ def test_a_child_killed_with_sigkill_has_no_update(make_task, workdir_for, kill_
     assert killed == [True]  # it was killed while working, not after finishing
     assert outcome == ChildOutcome(update=None, exitcode=-signal.SIGKILL, error=None)
     assert outcome.killed_by == "SIGKILL"
-    assert not (workdir / child.UPDATE_FILE).exists()
+    assert not (workdir / UPDATE_FILE).exists()
     assert time.monotonic() - started < 60
 
 
@@ -185,11 +189,11 @@ def test_a_broken_plan_gives_exit_code_1_and_the_error(make_task, workdir_for, t
         expected = ["FileNotFoundError", str(missing)]
     elif breakage == "plan missing":
         workdir = workdir_for(make_task())
-        (workdir / child.PLAN_FILE).unlink()
-        expected = ["FileNotFoundError", child.PLAN_FILE]
+        (workdir / PLAN_FILE).unlink()
+        expected = ["FileNotFoundError", PLAN_FILE]
     else:
         workdir = workdir_for(make_task())
-        (workdir / child.TASK_FILE).write_bytes(b"\x00 not msgpack")
+        (workdir / TASK_FILE).write_bytes(b"\x00 not msgpack")
         expected = ["ProtocolError"]
     outcome = run_in_child(workdir, 60)
     assert outcome.update is None
@@ -198,7 +202,7 @@ def test_a_broken_plan_gives_exit_code_1_and_the_error(make_task, workdir_for, t
     first_line = outcome.error.splitlines()[0]
     for text in expected:
         assert text in first_line, outcome.error
-    assert not (workdir / child.UPDATE_FILE).exists()
+    assert not (workdir / UPDATE_FILE).exists()
 
 
 def test_a_timeout_kills_the_child_and_says_so(make_task, workdir_for):
@@ -299,8 +303,8 @@ def kill_runner_child(runner, kill_when_busy,
     return watcher, killed
 
 
-def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make_task, make_runner, tmp_path,
-                                                                 kill_when_busy):
+def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make_task, make_runner, decider_for,
+                                                                 tmp_path, kill_when_busy):
     runner = make_runner(budget=2**30, limits=ENDLESS)
     readings = [OomCount("kernel", 7), OomCount("kernel", 8)]  # the kernel counts an OOM kill meanwhile
     runner.oom_kills = lambda: readings.pop(0) if len(readings) > 1 else readings[0]
@@ -318,7 +322,7 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make
     assert not (tmp_path / "agent" / "tasks" / "r1-agent-0001").exists()
 
     # The OOM kill says the real need was above what was available: the floor rises (at most doubling).
-    estimate = runner.raw_estimate(model_ref, U(1.0), task.plan)
+    estimate = decider_for(runner).raw_estimate(model_ref, U(1.0), task.plan)
     assert failed.metrics["raw_estimate_bytes"] == estimate.total
     expected = Calibration()
     expected.observe_failure(estimate.total, int(failed.metrics["budget_bytes"]), estimate.overhead)
@@ -363,12 +367,12 @@ def test_a_crashing_child_fails_the_task_with_its_error(make_task, make_runner, 
 
 
 def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, monkeypatch):
-    real_run_in_child = child.run_in_child
+    real_run_training = forkserver.run_training
 
     def quick_timeout(workdir, timeout, on_start=None):
-        return real_run_in_child(workdir, 1.0, on_start=on_start)  # instead of the deadline + 30 s
+        return real_run_training(workdir, 1.0, on_start=on_start)  # instead of the deadline + 30 s
 
-    monkeypatch.setattr(child, "run_in_child", quick_timeout)
+    monkeypatch.setattr(forkserver, "run_training", quick_timeout)
     runner = make_runner(budget=2**30, limits=ENDLESS)
     update = runner.run(make_task(U(1.0), epochs=LONG))
     assert update.status == "failed"

@@ -61,6 +61,14 @@ def test_allocator_defaults_to_compact_and_takes_only_known_settings():
         from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "allocator": "jemalloc"})
 
 
+def test_the_forkserver_starts_at_the_first_task_unless_told_otherwise():
+    assert valid().forkserver == "first-task"
+    config = from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "forkserver": "start-up"})
+    assert config.forkserver == "start-up"
+    with pytest.raises(ConfigError, match="forkserver"):
+        from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "forkserver": "never"})
+
+
 @pytest.mark.parametrize("agent_id", ["../x", "a/b", "", ".", "..", "x" * 65, "pi 01", "pi+01"])
 def test_an_agent_id_that_is_no_topic_level_or_file_name_is_refused(agent_id):
     with pytest.raises(ValueError, match="agent_id must be 1 to 64 characters"):

@@ -64,7 +64,7 @@ def test_a_device_with_room_trains_the_plans_copies_and_keeps_the_others(family,
     assert update.metrics["copies"] == 3.0
     assert "trained 3 of up to 3 copies with mutual distillation" in update.reason
     assert set(update.weights) == set(family.trainable_keys(SubmodelSpec.full()))  # one model is uploaded
-    path = runner.copies.path(task.model, SubmodelSpec.full())
+    path = CopyStore(runner.copies_dir).path(task.model, SubmodelSpec.full())
     kept = read_copies(path, 2, family.state_keys(SubmodelSpec.full()))
     fresh = CopyStore(tmp_path / "fresh").load(task.model, family, SubmodelSpec.full(), 2, seed=plan.seed)
     assert not np.array_equal(kept[0]["conv1.weight"], fresh[0]["conv1.weight"])  # trained, then kept

@@ -130,3 +130,17 @@ def test_available_reads_own_cgroup_when_no_dir_given(tmp_path, fake_psutil, mon
 def test_total_memory_from_psutil(fake_psutil):
     fake_psutil(available=1, total=2 * 2**30)
     assert total_memory() == 2 * 2**30
+
+
+def test_gpu_free_memory_is_none_without_nvml():
+    assert memory.gpu_free_memory("libno-such-nvml.so.1") is None
+    assert memory.gpu_free_memory("libc.so.6") is None  # a library without NVML's functions
+
+
+def test_the_visible_gpu_is_the_first_of_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert memory._visible_gpu_index() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f1c")  # a UUID: NVML's index cannot be told from it
+    assert memory._visible_gpu_index() == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert memory._visible_gpu_index() == 0

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import child
+from edge_agent import forkserver
 from edge_agent import runner as runner_module
 from edge_agent.adaptation import Option
 from edge_agent.calibration import Calibration
+from edge_agent.decision import Decider, estimate_key
 from edge_agent.runner import LocalData, TaskRejected, TaskRunner
-from models import SubmodelSpec, estimate_plan_memory, get_family
+from edge_agent.workdir import DataShape
+from models import MemoryEstimate, SubmodelSpec, estimate_plan_memory, get_family
 from protocol import (
     Adaptation,
     Candidate,
@@ -119,54 +121,66 @@ def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, ma
     assert decoded.status == "ok" and decoded.metrics == metrics
 
 
-def test_raw_estimate_matches_family_memory_model(family, model_ref, make_runner, task_plan):
-    runner = make_runner()
+def test_raw_estimate_matches_family_memory_model(family, model_ref, make_runner, decider_for, task_plan):
+    decider = decider_for(make_runner())
     spec = SubmodelSpec.uniform(0.5)
-    with_momentum = runner.raw_estimate(model_ref, spec, task_plan(momentum=0.9))
+    with_momentum = decider.raw_estimate(model_ref, spec, task_plan(momentum=0.9))
     assert with_momentum == raw_estimate(family, spec, task_plan(momentum=0.9))
-    without = runner.raw_estimate(model_ref, spec, task_plan(momentum=0.0))
+    without = decider.raw_estimate(model_ref, spec, task_plan(momentum=0.0))
     assert without == raw_estimate(family, spec, task_plan(momentum=0.0))
     assert without.optimizer_state == 0 < with_momentum.optimizer_state
     assert without.total < with_momentum.total
 
 
-def recording_estimates(monkeypatch) -> list[list[tuple[SubmodelSpec, TrainingPlan]]]:
-    """Record the (spec, plan) pairs of every estimator child the runner starts."""
-    made: list[list[tuple[SubmodelSpec, TrainingPlan]]] = []
-    estimate_in_child = runner_module.child.estimate_in_child
-
-    def recording(model, pairs, **kwargs):
-        made.append(list(pairs))
-        return estimate_in_child(model, pairs, **kwargs)
-
-    monkeypatch.setattr(runner_module.child, "estimate_in_child", recording)
-    return made
-
-
-def test_estimates_are_made_in_a_child_once_per_spec_and_plan(family, model_ref, make_runner, monkeypatch,
-                                                              task_plan):
-    runner = make_runner()
-    made = recording_estimates(monkeypatch)
+def test_a_decision_estimates_each_spec_and_plan_once(family, model_ref, make_runner, decider_for, task_plan):
+    decider = decider_for(make_runner())
     plan = task_plan()
     half, quarter = Option(SubmodelSpec.uniform(0.5), plan), Option(SubmodelSpec.uniform(0.25), plan)
-    first = runner.raw_estimates(model_ref, [half, quarter, half])
+    first = decider.raw_estimates(model_ref, [half, quarter, half])
     assert first == {half: raw_estimate(family, half.spec, plan), quarter: raw_estimate(family, quarter.spec, plan)}
-    assert runner.raw_estimates(model_ref, [quarter]) == {quarter: first[quarter]}
-    assert made == [[(half.spec, plan), (quarter.spec, plan)]]  # one child for both, nothing again for a pair
+    assert decider.raw_estimates(model_ref, [quarter]) == {quarter: first[quarter]}
+    assert sorted(decider.made) == sorted({estimate_key(model_ref, half), estimate_key(model_ref, quarter)})
     bigger_batch = task_plan(batch_size=16)
-    assert runner.raw_estimate(model_ref, half.spec, bigger_batch) == raw_estimate(family, half.spec, bigger_batch)
-    assert made[1:] == [[(half.spec, bigger_batch)]]  # another batch size is another estimate
+    assert decider.raw_estimate(model_ref, half.spec, bigger_batch) == raw_estimate(family, half.spec, bigger_batch)
+    assert len(decider.made) == 3  # another batch size is another estimate
     # another model is another estimate, even for the same (spec, plan)
     other = ModelRef("cnn", 10, 1, {"hidden": [4, 4]})
-    runner.raw_estimate(other, half.spec, plan)
-    assert len(made) == 3
+    decider.raw_estimate(other, half.spec, plan)
+    assert len(decider.made) == 4
+    assert estimate_key(model_ref, half) == estimate_key(model_ref, replace(half, plan=replace(plan, seed=9)))
 
 
-def test_family_is_cached_per_model_ref(make_runner):
+def test_a_decision_uses_the_estimates_it_is_given_instead_of_estimating(model_ref, make_runner, decider_for,
+                                                                         task_plan):
     runner = make_runner()
+    option = Option(SubmodelSpec.uniform(0.5), task_plan())
+    known = MemoryEstimate(1, 2, 3, 4, 5, 6)
+    request = replace(decider_for(runner).request, known={estimate_key(model_ref, option): {
+        key: value for key, value in known.as_dict().items() if key != "total"}})
+    decider = Decider(request)
+    assert decider.raw_estimate(model_ref, option.spec, option.plan) == known
+    assert decider.made == {}
+
+
+def test_the_runner_remembers_the_estimates_its_decisions_made(family, model_ref, make_task, make_runner,
+                                                               task_plan):
+    runner = make_runner()
+    spec = SubmodelSpec.uniform(0.5)
+    assert runner.run(make_task(spec)).status == "ok"
+    key = estimate_key(model_ref, Option(spec, task_plan()))
+    assert MemoryEstimate(**runner._estimates[key]) == raw_estimate(family, spec, task_plan())
+    remembered = runner.remembered_estimates
+    # The next round's task asks for nothing new; its update reports the remembered estimate.
+    update = runner.run(make_task(spec, task_id="r2-agent-0001", round_number=2))
+    assert update.metrics["raw_estimate_bytes"] == raw_estimate(family, spec, task_plan()).total
+    assert runner.remembered_estimates == remembered
+
+
+def test_family_is_cached_per_model_ref(make_runner, decider_for):
+    decider = decider_for(make_runner())
     ref = ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)})
-    assert runner.family_for(ref) is runner.family_for(ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)}))
-    assert runner.family_for(ref) is not runner.family_for(ModelRef("cnn", 10, 1, {"hidden": [4, 4]}))
+    assert decider.family_for(ref) is decider.family_for(ModelRef("cnn", 10, 1, {"hidden": list(HIDDEN)}))
+    assert decider.family_for(ref) is not decider.family_for(ModelRef("cnn", 10, 1, {"hidden": [4, 4]}))
 
 
 def test_available_uses_the_budget_for_the_round(make_runner):
@@ -187,11 +201,11 @@ def test_state_dir_holds_the_data_file_and_calibration(make_runner, tmp_path):
     assert runner.state_dir == tmp_path / "agent"
     assert runner.data_path == tmp_path / "agent" / "local-data.npz"
     with np.load(runner.data_path, allow_pickle=False) as archive:
-        np.testing.assert_array_equal(archive["x"], data.x.numpy())
-        np.testing.assert_array_equal(archive["y"], data.y.numpy())
+        np.testing.assert_array_equal(archive["x"], data.x)
+        np.testing.assert_array_equal(archive["y"], data.y)
     assert runner.calibration.path == tmp_path / "agent" / "calibration-cpu-compact.json"
     # CPU peaks move by a fraction of a MB between identical runs: tasks that small do not calibrate.
-    assert runner.calibration.resolution == child.CPU_PEAK_RESOLUTION_BYTES > 0
+    assert runner.calibration.resolution == forkserver.CPU_PEAK_RESOLUTION_BYTES > 0
     runner.close()
     assert runner.data_path.exists()  # close() leaves a state_dir it was given alone
 
@@ -203,14 +217,14 @@ def test_runner_loads_the_calibration_learnt_before(make_runner, tmp_path):
 
 
 @pytest.mark.parametrize("allocator", ["compact", "default"])
-def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_runner, tmp_path, task_plan,
-                                                        allocator):
+def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_runner, decider_for, tmp_path,
+                                                        task_plan, allocator):
     runner = make_runner(allocator=allocator)
     assert runner.allocator == allocator  # glibc here: "compact" is available
     spec = SubmodelSpec.uniform(0.5)
     expected = estimate_plan_memory(family, spec, task_plan(), input_size=runner.data.image_size,
                                     allocator=allocator)
-    assert runner.raw_estimate(model_ref, spec, task_plan()) == expected
+    assert decider_for(runner).raw_estimate(model_ref, spec, task_plan()) == expected
     other = "default" if allocator == "compact" else "compact"
     assert expected != raw_estimate(family, spec, task_plan(), allocator=other)  # the setting matters
     # A factor learnt under one heap setting says nothing about the other: one file per setting.
@@ -438,15 +452,14 @@ def test_a_depth_wise_task_uploads_only_the_trained_blocks_and_the_head(deep_fam
     (SubmodelSpec(width=0.5), (Stage(),),
      "the plan schedules depth-wise stages, but the spec trains the whole model at once."),
 ], ids=["too many stages", "too few segments", "no segments"])
-def test_fails_on_a_schedule_that_does_not_match_the_segments(make_deep_task, make_runner, monkeypatch, task_plan,
-                                                              spec, schedule, detail):
-    made = recording_estimates(monkeypatch)
+def test_fails_on_a_schedule_that_does_not_match_the_segments(make_deep_task, make_runner, task_plan, spec, schedule,
+                                                              detail):
     runner = make_runner()
     update = runner.run(make_deep_task(spec, plan=task_plan(schedule=schedule)))
     assert update.status == "failed"
     assert update.reason == f"invalid task: {detail}"
     assert update.weights == {} and update.spec_trained is None
-    assert made == []  # refused before anything was estimated or trained
+    assert runner.remembered_estimates == 0  # refused before anything was estimated or trained
     assert (runner.calibration.ratios, runner.calibration.floor) == ([], 0.0)
 
 
@@ -489,7 +502,7 @@ def test_a_kd_term_alone_moves_exactly_the_weights_between_its_outputs(deep_fami
 
 
 def test_estimates_with_exits_and_kd_terms_are_cached_per_spec_and_plan_without_seed(
-        deep_family, deep_ref, make_deep_task, make_runner, monkeypatch, task_plan):
+        deep_family, deep_ref, make_deep_task, make_runner, decider_for, task_plan):
     spec = SubmodelSpec(width=0.5, rounding="floor", depth=2, exits=(0, 1))
     kd = (LossTerm.ce(output=0, weight=1 / 6), LossTerm.ce(output=1, weight=2 / 6),
           LossTerm.kd(0, 1, weight=0.5 / 6, tau=3.0))
@@ -498,28 +511,30 @@ def test_estimates_with_exits_and_kd_terms_are_cached_per_spec_and_plan_without_
     ce_only = task_plan(loss=kd[:2], seed=1)
     assert estimate_plan_memory(deep_family, spec, ce_only, input_size=(8, 8)) != expected  # the kd term counts
 
-    made = recording_estimates(monkeypatch)
     runner = make_runner()
+    decider = decider_for(runner)
     first, again = Option(spec, plan), Option(spec, replace(plan, seed=2))
-    assert runner.raw_estimates(deep_ref, [first, again]) == {first: expected, again: expected}
-    # one estimator child, one (spec, plan) for both seeds
-    assert [[(s, replace(p, seed=0)) for s, p in pairs] for pairs in made] == [[(spec, replace(plan, seed=0))]]
-    assert runner.raw_estimate(deep_ref, spec, replace(plan, seed=7)) == expected
-    assert len(made) == 1
+    assert decider.raw_estimates(deep_ref, [first, again]) == {first: expected, again: expected}
+    assert list(decider.made) == [estimate_key(deep_ref, first)]  # one (spec, plan) for both seeds
+    assert decider.raw_estimate(deep_ref, spec, replace(plan, seed=7)) == expected
+    assert len(decider.made) == 1
 
     # Anything else about the plan or the spec is another estimate.
     others = [(spec, ce_only), (spec, task_plan(loss=kd[:2] + (replace(kd[2], tau=1.0),))),
               (spec, task_plan(loss=kd, batch_size=4)), (SubmodelSpec(width=0.25, rounding="floor", depth=2,
                                                                       exits=(0, 1)), plan)]
     for other_spec, other_plan in others:
-        runner.raw_estimate(deep_ref, other_spec, other_plan)
-    assert made[1:] == [[(other_spec, other_plan)] for other_spec, other_plan in others]
+        decider.raw_estimate(deep_ref, other_spec, other_plan)
+    assert list(decider.made)[1:] == [estimate_key(deep_ref, Option(*pair)) for pair in others]
 
-    # A task for the same spec and plan with another seed is served without another estimate.
+    # The runner's tasks for the same spec and plan with another seed are served from one estimate.
     update = runner.run(make_deep_task(spec, plan=replace(plan, seed=11)))
     assert update.status == "ok", update.reason
     assert update.metrics["raw_estimate_bytes"] == expected.total
-    assert len(made) == 1 + len(others)
+    assert list(runner._estimates) == [estimate_key(deep_ref, first)]
+    update = runner.run(make_deep_task(spec, plan=replace(plan, seed=12), task_id="r2-agent-0001", round_number=2))
+    assert update.status == "ok" and update.metrics["raw_estimate_bytes"] == expected.total
+    assert list(runner._estimates) == [estimate_key(deep_ref, first)]
 
 
 # ---------------------------------------------------------------------------------------------- LocalData
@@ -545,6 +560,13 @@ def test_local_data_properties():
     data = LocalData(torch.zeros(3, 2, 6, 5), torch.tensor([4, 1, 4]))
     assert data.labels == [1, 4]
     assert data.image_size == (6, 5) and data.in_channels == 2
+    assert data.x.dtype == np.float32 and data.y.dtype == np.int64  # numpy: the agent process holds no torch
+    assert data.shape() == DataShape(3, (1, 4), 2, (6, 5))
+
+
+def test_the_runner_keeps_the_datas_shape_not_the_data(make_runner):
+    runner = make_runner(LocalData(np.zeros((3, 1, 8, 8), np.float32), np.array([0, 1, 1])))
+    assert runner.data == DataShape(3, (0, 1), 1, (8, 8))
 
 
 

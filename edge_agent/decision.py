@@ -1,0 +1,342 @@
+"""The decision child: what this device trains for a task, decided BEFORE training, in a forkserver child.
+
+It checks the task against the model family (spec, weights, plan, the agent's limits), asks the estimator for
+the peak training memory of each option the task allows (``edge_agent.adaptation``), corrects it with the
+device's calibration factor and takes the first that fits the memory available; a FeDepth task that fits nowhere
+whole is decomposed into blocks trained one after another (:meth:`Decider.depthwise`). It writes a
+:class:`~edge_agent.workdir.Decision` and, when the device trains something other than what it was sent, the
+task to train (weights cut out of the received ones, plan chosen). The agent process, which imports no torch,
+reads that and starts the training child (``edge_agent.forkserver``).
+
+The estimator's first use in a process imports what meta tensors need (about 160 MB of RSS, see
+``models.memory``); the forkserver has paid that, so a decision child adds about 25 MB for a moment and the agent
+process does not grow at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
+from edge_agent.calibration import corrected as calibrated
+from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest
+from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
+from models.depthwise import Decomposition, cut_segments
+from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
+
+
+class TaskRejected(Exception):
+    """The task cannot be served; ``status`` is "declined" (not affordable, too late) or "failed"."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def size_text(count: int) -> str:
+    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count / 2**10:.1f} KiB"
+
+
+def _numbers(numbers: tuple[int, ...]) -> str:
+    """``" 2"`` or ``"s 2, 3"``: the tail of "stage" for a list of stage numbers."""
+    return f" {numbers[0]}" if len(numbers) == 1 else "s " + ", ".join(map(str, numbers))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A depth-wise decomposition and, when nothing fits, the calibrated estimate of the cheapest single block.
+
+    ``route`` is how each segment reaches a classifier; ``cached`` the stages (1-based) that buffer their frozen
+    blocks' outputs, ``recomputed`` those that run them every batch, and ``buffer_needs`` the least a recomputed
+    stage's buffered run would need (None when a stage runs one epoch: buffering saves nothing).
+    """
+
+    decomposition: Decomposition
+    smallest: int | None = None
+    route: str = "skip"
+    cached: tuple[int, ...] = ()
+    recomputed: tuple[int, ...] = ()
+    buffer_needs: int | None = None
+
+    def describe(self) -> str:
+        """E.g. ``"blocks 0 | 1-3 | 4-8 via the skip path; frozen blocks recomputed every batch in stages 2, 3
+        (one epoch a stage)"``."""
+        text = f"blocks {self.decomposition.describe()} via " + (
+            "auxiliary classifiers" if self.route == "exit" else "the skip path")
+        if self.cached:
+            text += f"; frozen blocks' outputs buffered in stage{_numbers(self.cached)}"
+        if self.recomputed:
+            why = ("one epoch a stage" if self.buffer_needs is None
+                   else f"buffering needs {size_text(self.buffer_needs)}")
+            text += f"; frozen blocks recomputed every batch in stage{_numbers(self.recomputed)} ({why})"
+        return text
+
+
+def estimate_key(model: ModelRef, option: Option) -> str:
+    """How an estimate is remembered: the model, the spec and the plan without its seed (which plays no part)."""
+    return json.dumps([model.family, model.num_classes, model.in_channels, model.options, option.spec.to_dict(),
+                       replace(option.plan, seed=0).to_dict()], sort_keys=True, default=str)
+
+
+def _parts(estimate: MemoryEstimate) -> dict[str, Any]:
+    """An estimate's parts as plain data (what :class:`MemoryEstimate` is built from)."""
+    return {key: value for key, value in estimate.as_dict().items() if key != "total"}
+
+
+class Decider:
+    """Decides for one task on this device, from a :class:`~edge_agent.workdir.DecisionRequest`."""
+
+    def __init__(self, request: DecisionRequest) -> None:
+        self.request = request
+        self._estimates: dict[str, MemoryEstimate] = {key: MemoryEstimate(**parts)
+                                                      for key, parts in request.known.items()}
+        #: The raw estimates this decision made (the agent remembers them for the next).
+        self.made: dict[str, dict[str, Any]] = {}
+        self._families: dict[str, ModelFamily] = {}
+
+    def family_for(self, ref: ModelRef) -> ModelFamily:
+        key = json.dumps([ref.family, ref.num_classes, ref.in_channels, ref.options], sort_keys=True, default=str)
+        if key not in self._families:
+            self._families[key] = get_family(ref.family, ref.num_classes, ref.in_channels, **ref.options)
+        return self._families[key]
+
+    def corrected(self, estimate: MemoryEstimate) -> int:
+        """The raw estimate corrected by the device's calibration factor."""
+        return calibrated(estimate.total, estimate.overhead, self.request.factor)
+
+    def raw_estimates(self, model: ModelRef, candidates: list[Option]) -> dict[Option, MemoryEstimate]:
+        """The estimator's predictions of peak training memory for each (spec, plan) on this device (with their
+        parts), for the options not estimated before; remembered (the seed plays no part)."""
+        family = self.family_for(model)
+        found = {}
+        for option in candidates:
+            key = estimate_key(model, option)
+            if key not in self._estimates:
+                estimate = estimate_plan_memory(family, option.spec, option.plan,
+                                                input_size=self.request.data.image_size, device=self.request.device,
+                                                allocator=self.request.allocator, samples=self.request.data.samples)
+                self._estimates[key] = estimate
+                self.made[key] = _parts(estimate)
+            found[option] = self._estimates[key]
+        return found
+
+    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
+        """The estimator's prediction for one spec and plan (see :meth:`raw_estimates`)."""
+        option = Option(spec, plan)
+        return self.raw_estimates(model, [option])[option]
+
+    # ------------------------------------------------------------------ decide
+    def decide(self, task: Task) -> tuple[Decision, Task | None]:
+        """The decision, and the task to train when it differs from ``task`` (adapted spec or plan)."""
+        try:
+            return self._decide(task)
+        except TaskRejected as exc:
+            return Decision(exc.status, exc.reason, estimates=self.made), None
+
+    def _decide(self, task: Task) -> tuple[Decision, Task | None]:
+        family = self.family_for(task.model)
+        plan = task.training_plan()
+        try:
+            sent = family.validate_spec(SubmodelSpec.from_dict(task.spec))
+            candidates = options(family, sent, plan, task.adaptation)
+        except ValueError as exc:
+            raise TaskRejected("failed", f"invalid task: {exc}") from exc
+        self._check_weights(family, sent, task)
+        self._check_limits(task, family, sent, plan)
+        raw = self.raw_estimates(task.model, candidates)
+        available = self.request.available
+        choice = choose(candidates, lambda option: self.corrected(raw[option]), available)
+        cut: Cut | None = None
+        depthwise = task.adaptation is not None and task.adaptation.kind == "depthwise"
+        whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
+        if choice.option is None and task.adaptation is not None and depthwise:
+            cut, option, segment_estimate = self.depthwise(task.model, family, sent, replace(plan, copies=1),
+                                                           task.adaptation.route, available)
+            if option is not None:
+                raw[option] = segment_estimate
+                needed = self.corrected(segment_estimate)
+                choice = Choice(option, needed, (*choice.tried, (option.describe(), needed)))
+        if choice.option is None:
+            tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
+            raise TaskRejected("declined", f"nothing fits the {size_text(available)} available (estimated: {tried}"
+                                           + (f"; no block fits alone, the smallest needs {size_text(cut.smallest)}"
+                                              if cut is not None and cut.smallest is not None else "")
+                                           + ("; no cut fits with its auxiliary classifiers"
+                                              if cut is not None and cut.smallest is None else "") + ")")
+        spec, chosen_plan = choice.option.spec, choice.option.plan
+        estimate = raw[choice.option]
+        adapted: Task | None = None
+        if spec == sent and chosen_plan != plan:
+            adapted = replace(task, recipe=None, plan=chosen_plan, adaptation=None)
+        elif spec != sent:
+            try:
+                adapted = replace(task, spec=spec.to_dict(), recipe=None, plan=chosen_plan, adaptation=None,
+                                  weights=cut_nested(task.weights, family.index_map(spec), family.state_keys(spec)))
+            except ValueError as exc:
+                raise TaskRejected("failed", f"cannot adapt: {exc}") from exc
+        reason: str | None = None
+        metrics: dict[str, float] = {}
+        if cut is not None and spec.segments is not None:
+            reason = f"trained depth-wise, {cut.describe()}, to fit {size_text(available)}"
+            metrics["cached_stages"] = float(len(cut.cached))
+        elif spec not in (sent, whole):
+            reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {size_text(available)}"
+        elif plan.copies > 1 and chosen_plan.copies > 1:
+            reason = (f"trained {chosen_plan.copies} of up to {plan.copies} copies with mutual distillation, "
+                      f"uploaded the first, to fit {size_text(available)}")
+        elif plan.copies > 1:
+            reason = (f"trained 1 of up to {plan.copies} copies (no mutual distillation: a second copy does not fit "
+                      f"{size_text(available)})")
+        decision = Decision("ok" if spec in (sent, whole) else "adapted", reason, spec.to_dict(),
+                            raw_total=estimate.total, raw_overhead=estimate.overhead, estimate=choice.estimate,
+                            metrics=metrics, estimates=self.made)
+        return decision, adapted
+
+    def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
+                  available: int) -> tuple[Cut, Option | None, MemoryEstimate]:
+        """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
+
+        The (calibrated) estimate of training each candidate segment (its blocks, its classifier reached through
+        ``route``, the frozen blocks before it) at the plan's batch size decides; the segments starting at a block
+        are estimated together, when the cut first needs one of them, and remembered. The cut's spec carries the
+        auxiliary classifier of every segment (route ``"exit"``), whose weights all its stages hold: when they
+        push a stage over, the cut is made again for that much less. A stage after the first buffers its frozen
+        blocks' outputs when it runs more than one epoch and the buffer fits too. Returns the cut, the option to
+        train (None when nothing fits) and its raw estimate (its costliest stage).
+        """
+        blocks = sent.depth or family.num_blocks
+        starts: set[int] = set()
+
+        def spec_for(segments: tuple[tuple[int, int], ...]) -> SubmodelSpec:
+            ends = tuple(stop - 1 for _, stop in segments if stop < blocks) if route == "exit" else ()
+            return replace(sent, segments=segments, exits=ends)
+
+        def staged(count: int, cache: bool = False) -> TrainingPlan:
+            return replace(plan, schedule=(Stage(plan.epochs, route, cache),) * count)
+
+        def raw_cost(start: int, stop: int) -> MemoryEstimate:
+            if start not in starts:  # every segment from this block at once
+                starts.add(start)
+                self.raw_estimates(model, [Option(spec_for(((start, end),)), staged(1))
+                                           for end in range(start + 1, blocks + 1)])
+            return self.raw_estimate(model, spec_for(((start, stop),)), staged(1))
+
+        budget = available
+        for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
+            decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget)
+            if not decomposition.segments:  # every block was tried alone: their estimates are known
+                if budget < available:  # a block fits alone, but not with the other segments' classifiers
+                    return Cut(decomposition, None, route), None, raw_cost(0, 1)
+                smallest = min(self.corrected(raw_cost(b, b + 1)) for b in range(blocks))
+                return Cut(decomposition, smallest, route), None, raw_cost(0, 1)
+            spec = spec_for(decomposition.segments)
+            each = [Option(replace(spec, segments=(segment,)), staged(1)) for segment in decomposition.segments]
+            buffered = [Option(replace(spec, segments=(segment,)), staged(1, cache=True))
+                        for segment in decomposition.segments if segment[0] > 0 and plan.epochs > 1]
+            made = self.raw_estimates(model, each + buffered)
+            worst = max(self.corrected(made[option]) for option in each)
+            if worst <= available:
+                break
+            budget -= worst - available
+        else:
+            return Cut(Decomposition((), ()), None, route), None, raw_cost(0, 1)
+        chosen: list[MemoryEstimate] = []
+        cached: list[int] = []
+        recomputed: list[int] = []
+        needs: list[int] = []
+        for number, (option, segment) in enumerate(zip(each, decomposition.segments), start=1):
+            estimate = made[option]
+            if segment[0] > 0 and plan.epochs > 1:
+                with_buffer = made[replace(option, plan=staged(1, cache=True))]
+                if self.corrected(with_buffer) <= available:
+                    estimate = with_buffer
+                    cached.append(number)
+                else:
+                    recomputed.append(number)
+                    needs.append(self.corrected(with_buffer))
+            elif segment[0] > 0:
+                recomputed.append(number)
+            chosen.append(estimate)
+        schedule = tuple(Stage(plan.epochs, route, number in cached)
+                         for number in range(1, len(decomposition.segments) + 1))
+        cut = Cut(decomposition, None, route, tuple(cached), tuple(recomputed), min(needs) if needs else None)
+        return cut, Option(spec, replace(plan, schedule=schedule)), max(chosen, key=lambda e: e.total)
+
+    def _check_limits(self, task: Task, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan) -> None:
+        """Decline a task beyond the agent's ``limits`` (epochs, steps, deadline horizon, model size)."""
+        limits = self.request.limits
+        stages = len(plan.schedule) or (family.num_blocks if task.adaptation is not None
+                                        and task.adaptation.kind == "depthwise" else 1)
+        epochs = sum(stage.epochs for stage in plan.schedule) or plan.epochs * stages
+        steps = epochs * math.ceil(self.request.data.samples / plan.batch_size)
+        ahead = task.deadline - time.time()
+        parameters = family.param_count(sent)
+        if epochs > limits.max_epochs:
+            why = f"it trains {epochs} epochs, more than limits.max_epochs {limits.max_epochs}"
+        elif steps > limits.max_steps:
+            why = f"it takes {steps} steps on the local data, more than limits.max_steps {limits.max_steps}"
+        elif ahead > limits.max_deadline_s:
+            why = (f"its deadline lies {ahead / 3600:.1f} h ahead, more than limits.max_deadline_s "
+                   f"{limits.max_deadline_s:.0f} s")
+        elif parameters > limits.max_parameters:
+            why = f"its model has {parameters} parameters, more than limits.max_parameters {limits.max_parameters}"
+        else:
+            return
+        raise TaskRejected("declined", f"task refused: {why}")
+
+    @staticmethod
+    def _check_weights(family: ModelFamily, spec: SubmodelSpec, task: Task) -> None:
+        shapes = {key: tuple(len(idx) for idx in index) for key, index in family.index_map(spec).items()}
+        expected = set(family.state_keys(spec))
+        if set(task.weights) != expected:
+            missing = sorted(expected - set(task.weights))[:3]
+            extra = sorted(set(task.weights) - expected)[:3]
+            raise TaskRejected("failed", f"task weights do not fit the spec (missing {missing}, unexpected {extra})")
+        for key, array in task.weights.items():
+            if tuple(array.shape) != shapes[key]:
+                raise TaskRejected("failed", f"tensor {key!r} has shape {tuple(array.shape)}, the spec needs "
+                                             f"{shapes[key]}")
+
+
+def decide_in_workdir(workdir: Path) -> Decision:
+    """Read the request and the task of ``workdir``, decide, write the decision (and the task to train)."""
+    request = DecisionRequest.read(workdir)
+    try:
+        task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
+    except ProtocolError as exc:
+        decision = Decision("failed", f"invalid task: {exc}")
+    else:
+        assert isinstance(task, Task)
+        try:
+            decision, adapted = Decider(request).decide(task)
+        except Exception as exc:  # noqa: BLE001 - an unknown family, a broken model option: the task fails
+            decision, adapted = Decision("failed", f"{type(exc).__name__}: {exc}"), None
+        if adapted is not None:
+            (workdir / TASK_FILE).write_bytes(encode(adapted))
+    decision.write(workdir)
+    return decision
+
+
+def decide_main(workdir_text: str) -> None:
+    """Entry point of the decision child: decide, or write the error and exit 1."""
+    workdir = Path(workdir_text)
+    try:
+        decide_in_workdir(workdir)
+    except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
+        (workdir / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)

@@ -1,0 +1,156 @@
+"""The agent's training forkserver and the children it forks: where torch lives.
+
+The agent process itself imports no torch (MQTT, msgpack and numpy only: tens of MB instead of hundreds). A
+multiprocessing *forkserver* imports torch, the models, the estimator and the trainer once (``PRELOAD``) and runs
+one tiny training step (``edge_agent.child_warmup``), so every child it forks starts warm: the decision child
+(``edge_agent.decision``: checks, estimates, adaptation) and the training child (``edge_agent.child``). It starts
+when the first child is asked for, or at once with :func:`start` (the agent's ``forkserver: start-up``).
+
+A child gets its work directory (``edge_agent.workdir``) and nothing else: its target is named by module and
+function (:func:`_enter`), so this module never imports the code the child runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import signal
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision
+
+#: Modules the forkserver imports before forking anything.
+PRELOAD = ["edge_agent.child", "edge_agent.decision", "edge_agent.child_warmup"]
+#: How far the measured CPU peak of identical tasks moves between runs (the smallest ``benchmarks/memory.py``
+#: rows: about 0.3 MB between invocations; two agents of one simulation training the same sub-MB task: 0.37 and
+#: 0.73 MB); the calibration does not learn from tasks that are small against it.
+CPU_PEAK_RESOLUTION_BYTES = 300_000
+
+_context: Any = None
+
+
+def process_context() -> Any:
+    """The forkserver context (preloading torch and the trainer), or spawn where fork is unavailable."""
+    global _context
+    if _context is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            forkserver = multiprocessing.get_context("forkserver")
+            forkserver.set_forkserver_preload(PRELOAD)
+            _context = forkserver
+        else:
+            _context = multiprocessing.get_context("spawn")
+    return _context
+
+
+def start() -> None:
+    """Start the forkserver now (it imports torch and warms up) instead of at the first child."""
+    if process_context().get_start_method() == "forkserver":
+        multiprocessing.forkserver.ensure_running()
+
+
+def _enter(module: str, function: str, workdir: str) -> None:
+    """A child's target: ``module.function(workdir)``, imported in the child (preloaded by the forkserver)."""
+    getattr(importlib.import_module(module), function)(workdir)
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a child ended: its exit code (negative: the signal) and whether it was stopped for its time limit."""
+
+    exitcode: int | None
+    timed_out: bool = False
+
+    @property
+    def killed_by(self) -> str | None:
+        """The signal's name when the child was killed by one."""
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return None
+
+
+def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> Exit:
+    """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s."""
+    module, _, function = entry.partition(":")
+    process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
+    process.start()
+    if on_start is not None:
+        on_start(process.pid)
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(10)
+        return Exit(process.exitcode, timed_out=True)
+    return Exit(process.exitcode)
+
+
+def error_text(workdir: Path) -> str | None:
+    """The last 2,000 characters of what a failed child wrote into ``error.txt``."""
+    path = workdir / ERROR_FILE
+    return path.read_text(errors="replace")[-2000:] if path.exists() else None
+
+
+@dataclass(frozen=True)
+class ChildOutcome:
+    """How a training child ended: the encoded update, or why there is none."""
+
+    update: bytes | None
+    exitcode: int | None
+    error: str | None
+    timed_out: bool = False
+    out_of_memory: bool | None = None
+    """For a child killed by SIGKILL (not for its deadline): whether the kernel counted an OOM kill meanwhile
+    (None: not known; see :mod:`edge_agent.oom`)."""
+
+    @property
+    def killed_by(self) -> str | None:
+        """The signal's name when the child was killed by one."""
+        return Exit(self.exitcode).killed_by
+
+
+def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> ChildOutcome:
+    """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds."""
+    end = run_child("edge_agent.child:child_main", workdir, timeout, on_start)
+    if end.timed_out:
+        return ChildOutcome(None, end.exitcode, f"training did not finish within {timeout:.0f} s", timed_out=True)
+    update_path = workdir / UPDATE_FILE
+    if end.exitcode == 0 and update_path.exists():
+        return ChildOutcome(update_path.read_bytes(), 0, None)
+    return ChildOutcome(None, end.exitcode, error_text(workdir))
+
+
+class DecisionFailed(Exception):
+    """The decision child died, overran or answered nothing readable; the message says which."""
+
+
+def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> Decision:
+    """Decide what to train for the task of ``workdir`` (``edge_agent.decision``) in a child."""
+    end = run_child("edge_agent.decision:decide_main", workdir, timeout, on_start)
+    if end.timed_out:
+        raise DecisionFailed(f"deciding what to train did not finish within {timeout:.0f} s")
+    if end.exitcode != 0 or not (workdir / DECISION_FILE).exists():
+        why = f"killed by {end.killed_by}" if end.killed_by else f"exit code {end.exitcode}"
+        detail = (error_text(workdir) or "").strip().splitlines()[:1]
+        raise DecisionFailed(f"the deciding process failed ({why})" + (f": {detail[0]}" if detail else ""))
+    try:
+        return Decision.read(workdir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DecisionFailed(f"the deciding process answered garbage: {exc}") from None
+
+
+def cuda_available(timeout: float = 120.0) -> bool:
+    """Whether torch sees a CUDA device, asked in a forkserver child (which starts the forkserver)."""
+    with tempfile.TemporaryDirectory(prefix="fedfit-cuda-") as workdir:
+        end = run_child("edge_agent.child:cuda_probe_main", Path(workdir), timeout)
+        answer = Path(workdir) / "cuda.json"
+        if end.exitcode != 0 or not answer.exists():
+            raise RuntimeError(f"could not ask torch whether CUDA is available ({error_text(Path(workdir))})")
+        return bool(json.loads(answer.read_text())["available"])

@@ -1,0 +1,148 @@
+"""A task's work directory: the files the agent process and the children it starts exchange.
+
+The agent process holds no torch (``edge_agent.forkserver``); for each task it writes the received task and a
+:class:`DecisionRequest` here, a *decision child* answers with a :class:`Decision` (and, when it adapted the task,
+the task to train in its place), then the agent writes a :class:`TrainingRequest` and a *training child* answers
+with an encoded update or an error text. Tasks and updates are protocol msgpack, the rest JSON: nothing here is
+pickled. Every name in this module is torch-free, so both sides import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_agent.config import TaskLimits
+
+TASK_FILE = "task.msgpack"
+DECISION_REQUEST_FILE = "decide.json"
+DECISION_FILE = "decision.json"
+PLAN_FILE = "plan.json"
+UPDATE_FILE = "update.msgpack"
+ERROR_FILE = "error.txt"
+
+#: Statuses a decision may carry: train (``ok``, ``adapted``) or answer without training.
+TRAIN_STATUSES = ("ok", "adapted")
+ANSWER_STATUSES = ("declined", "failed")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise TypeError(f"{path.name} holds {type(data).__name__}, not an object")
+    return data
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What the decision needs to know of the local data, without the data: its size, labels and image shape."""
+
+    samples: int
+    labels: tuple[int, ...]
+    in_channels: int
+    image_size: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class DecisionRequest:
+    """What the agent tells the decision child besides the task.
+
+    ``available`` is the memory training may use now, ``factor`` the calibration's current factor (the decision
+    compares ``overhead + (raw - overhead) * factor`` with ``available``), ``known`` the raw estimates the agent
+    remembers from earlier decisions (keyed by :func:`edge_agent.decision.estimate_key`).
+    """
+
+    device: str
+    allocator: str
+    available: int
+    factor: float
+    data: DataShape
+    limits: TaskLimits = field(default_factory=TaskLimits)
+    known: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def write(self, workdir: Path) -> None:
+        _write_json(workdir / DECISION_REQUEST_FILE, asdict(self))
+
+    @classmethod
+    def read(cls, workdir: Path) -> DecisionRequest:
+        raw = _read_json(workdir / DECISION_REQUEST_FILE)
+        data = raw["data"]
+        return cls(device=str(raw["device"]), allocator=str(raw["allocator"]), available=int(raw["available"]),
+                   factor=float(raw["factor"]),
+                   data=DataShape(int(data["samples"]), tuple(int(v) for v in data["labels"]),
+                                  int(data["in_channels"]), (int(data["image_size"][0]), int(data["image_size"][1]))),
+                   limits=TaskLimits(**raw["limits"]),
+                   known={str(k): dict(parts) for k, parts in raw["known"].items()})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the decision child decided for a task.
+
+    ``status`` ``ok`` or ``adapted``: train ``spec`` (the task file now holds the task to train, its weights cut
+    and its plan chosen); ``declined`` or ``failed``: answer with ``reason`` and train nothing. ``raw_total`` and
+    ``raw_overhead`` are the estimator's prediction for what is trained (the calibration learns from them),
+    ``estimate`` its calibrated value, ``metrics`` what the update reports besides, ``estimates`` the raw
+    estimates this decision made (the agent remembers them for the next).
+    """
+
+    status: str
+    reason: str | None = None
+    spec: dict[str, Any] | None = None
+    raw_total: int = 0
+    raw_overhead: int = 0
+    estimate: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    estimates: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in TRAIN_STATUSES + ANSWER_STATUSES:
+            raise ValueError(f"a decision's status is one of {TRAIN_STATUSES + ANSWER_STATUSES}, got {self.status!r}")
+        if self.status in TRAIN_STATUSES and self.spec is None:
+            raise ValueError("a decision to train names the spec")
+
+    @property
+    def trains(self) -> bool:
+        return self.status in TRAIN_STATUSES
+
+    def write(self, workdir: Path) -> None:
+        _write_json(workdir / DECISION_FILE, asdict(self))
+
+    @classmethod
+    def read(cls, workdir: Path) -> Decision:
+        raw = _read_json(workdir / DECISION_FILE)
+        return cls(status=str(raw["status"]), reason=raw.get("reason"), spec=raw.get("spec"),
+                   raw_total=int(raw.get("raw_total", 0)), raw_overhead=int(raw.get("raw_overhead", 0)),
+                   estimate=int(raw.get("estimate", 0)),
+                   metrics={str(k): float(v) for k, v in raw.get("metrics", {}).items()},
+                   estimates={str(k): dict(parts) for k, parts in raw.get("estimates", {}).items()})
+
+
+@dataclass(frozen=True)
+class TrainingRequest:
+    """What the training child needs besides the task: the spec to build (it must be the task's), where the data
+    and the device's own auxiliary copies (m-FeDepth, ``edge_agent.copies``) live, and how to run."""
+
+    spec: dict[str, Any]
+    device: str
+    labels: list[int]
+    data_path: str
+    copies_dir: str
+    torch_threads: int
+    allocator: str
+
+    def write(self, workdir: Path) -> None:
+        _write_json(workdir / PLAN_FILE, asdict(self))
+
+    @classmethod
+    def read(cls, workdir: Path) -> TrainingRequest:
+        raw = _read_json(workdir / PLAN_FILE)
+        return cls(spec=dict(raw["spec"]), device=str(raw["device"]), labels=[int(v) for v in raw["labels"]],
+                   data_path=str(raw["data_path"]), copies_dir=str(raw["copies_dir"]),
+                   torch_threads=int(raw["torch_threads"]), allocator=str(raw["allocator"]))

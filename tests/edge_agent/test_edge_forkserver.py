@@ -1,0 +1,168 @@
+"""The agent's forkserver: the decision child, the CUDA probe, starting early, and an agent process without
+torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from edge_agent import forkserver
+from edge_agent.config import TaskLimits
+from edge_agent.decision import decide_in_workdir
+from edge_agent.forkserver import DecisionFailed, Exit, run_decision
+from edge_agent.workdir import DECISION_FILE, TASK_FILE, DataShape, Decision, DecisionRequest
+from models import SubmodelSpec
+from protocol import Adaptation, Task, decode, encode
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = DataShape(16, tuple(range(10)), 1, (8, 8))
+
+
+def write_request(workdir: Path, task: Task, available: int = 2**30, **kwargs) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / TASK_FILE).write_bytes(encode(task))
+    DecisionRequest("cpu", "compact", available, 1.10, DATA, **kwargs).write(workdir)
+    return workdir
+
+
+def test_a_decision_child_decides_and_writes_the_adapted_task(tmp_path, make_task, family, decider_for,
+                                                              make_runner):
+    task = make_task(SubmodelSpec.uniform(1.0), adaptation=Adaptation("width-levels", rates=[1.0, 0.5, 0.25]))
+    runner = make_runner(budget=10**12)
+    full = decider_for(runner).raw_estimate(task.model, SubmodelSpec.uniform(1.0), task.plan)
+    workdir = write_request(tmp_path / "work", task, available=full.total)  # the calibrated estimate does not fit
+    pids: list[int] = []
+    decision = run_decision(workdir, 60, on_start=pids.append)
+    assert decision.status == "adapted" and decision.spec == {"width": 0.5}, decision
+    assert decision.reason.startswith("adapted width=1 -> width=0.5 to fit ")
+    assert decision.raw_total > 0 and decision.estimate <= full.total
+    assert len(decision.estimates) == 3  # every level the task allows was estimated, and handed back
+    written = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
+    assert written.spec == {"width": 0.5} and written.adaptation is None
+    assert set(written.weights) == set(family.state_keys(SubmodelSpec.uniform(0.5)))
+    assert pids and not Path(f"/proc/{pids[0]}").exists()  # the child is gone
+
+
+def test_a_decision_that_trains_what_was_sent_leaves_the_task_alone(tmp_path, make_task):
+    task = make_task()
+    workdir = write_request(tmp_path / "work", task)
+    decision = run_decision(workdir, 60)
+    assert (decision.status, decision.reason, decision.spec) == ("ok", None, task.spec)
+    assert (workdir / TASK_FILE).read_bytes() == encode(task)
+
+
+def test_a_decision_declines_over_the_limits_and_fails_an_unknown_family(tmp_path, make_task):
+    over = run_decision(write_request(tmp_path / "a", make_task(epochs=5), limits=TaskLimits(max_epochs=2)), 60)
+    assert over == Decision("declined", "task refused: it trains 5 epochs, more than limits.max_epochs 2")
+    task = make_task()
+    unknown = Task(**{**task.__dict__, "model": type(task.model)("transformer", 10, 1, {})})
+    failed = decide_in_workdir(write_request(tmp_path / "b", unknown))
+    assert failed.status == "failed" and failed.reason.startswith("ValueError: ")
+    garbage = tmp_path / "c"
+    write_request(garbage, task)
+    (garbage / TASK_FILE).write_bytes(b"\x00 not msgpack")
+    assert decide_in_workdir(garbage).reason.startswith("invalid task: ")
+
+
+def test_a_decision_child_that_fails_is_one_sentence(tmp_path, make_task):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / TASK_FILE).write_bytes(encode(make_task()))  # no request: the child cannot decide
+    with pytest.raises(DecisionFailed, match=r"^the deciding process failed \(exit code 1\): FileNotFoundError"):
+        run_decision(workdir, 60)
+
+
+def test_a_decision_child_answering_garbage_is_refused(tmp_path, make_task, monkeypatch):
+    workdir = write_request(tmp_path / "work", make_task())
+
+    def child_writes_garbage(entry, workdir, timeout, on_start=None):
+        (workdir / DECISION_FILE).write_text('{"status": "perhaps"}')
+        return Exit(0)
+
+    monkeypatch.setattr(forkserver, "run_child", child_writes_garbage)
+    with pytest.raises(DecisionFailed, match="answered garbage: a decision's status is one of"):
+        run_decision(workdir, 60)
+    monkeypatch.setattr(forkserver, "run_child", lambda *args, **kwargs: Exit(None, timed_out=True))
+    with pytest.raises(DecisionFailed, match="did not finish within 60 s"):
+        run_decision(workdir, 60)
+    monkeypatch.setattr(forkserver, "run_child", lambda *args, **kwargs: Exit(-9))
+    with pytest.raises(DecisionFailed, match=r"failed \(killed by SIGKILL\)"):
+        run_decision(workdir, 60)
+
+
+def test_a_failed_decision_child_fails_the_task(make_task, make_runner, monkeypatch):
+    monkeypatch.setattr(forkserver, "run_child", lambda *args, **kwargs: Exit(-9))
+    update = make_runner().run(make_task())
+    assert update.status == "failed"
+    assert update.reason == "the deciding process failed (killed by SIGKILL)"
+
+
+def test_cuda_is_asked_in_a_child():
+    import torch
+
+    assert forkserver.cuda_available() is torch.cuda.is_available()
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_agent_process_imports_no_torch():
+    """Everything the ``fedfit agent`` process imports, and the command itself, leave torch to the forkserver."""
+    out = run_python("""
+        import sys
+        import edge_agent.daemon, edge_agent.runner, edge_agent.data_source, edge_agent.forkserver
+        from fedfit.cli import main
+        code = main(["agent", "--config", "/nonexistent/agent.yaml"])
+        print(code, sorted(name for name in ("torch", "torchvision", "models", "coordinator") if name in sys.modules))
+    """)
+    assert out.strip() == "2 []"
+
+
+def test_start_brings_the_forkserver_up_with_torch_while_the_caller_has_none():
+    out = run_python("""
+        import json, sys, time
+        import psutil
+        from edge_agent import forkserver
+
+        if __name__ == "__main__":
+            forkserver.start()
+            servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "libtorch" not in open(f"/proc/{servers[0].pid}/maps").read():
+                time.sleep(0.2)
+            print(json.dumps([len(servers), "libtorch" in open(f"/proc/{servers[0].pid}/maps").read(),
+                              "torch" in sys.modules]))
+    """)
+    assert json.loads(out) == [1, True, False]
+
+
+def test_an_agent_configured_to_start_its_forkserver_early_does(monkeypatch):
+    from edge_agent.config import AgentConfig, AgentDataConfig
+    from edge_agent.daemon import EdgeAgent
+    from edge_agent.runner import LocalData
+
+    started: list[float] = []
+    monkeypatch.setattr(forkserver, "start", lambda: started.append(time.monotonic()))
+    import numpy as np
+
+    for when, expected in (("first-task", 0), ("start-up", 1)):
+        agent = EdgeAgent(AgentConfig(agent_id="a", data=AgentDataConfig(dataset="digits"), forkserver=when),
+                          LocalData(np.zeros((2, 1, 8, 8), np.float32), np.array([0, 1])))
+        monkeypatch.setattr(agent, "_refuse_if_online", lambda timeout: None)
+        monkeypatch.setattr(agent.link, "start", lambda timeout: None)
+        monkeypatch.setattr(agent.uplink, "start", lambda: None)
+        monkeypatch.setattr(agent, "_timer", type("T", (), {"start": lambda self: None,
+                                                            "is_alive": lambda self: False})())
+        agent.start()
+        assert len(started) == expected
+        agent.runner.close()
