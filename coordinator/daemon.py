@@ -367,7 +367,7 @@ class Coordinator:
                     adaptation=planned.adaptation, plan=self._seeded(planned.plan, round_number, planned.agent_id))
         payload = encode(task)
         topic = self.topics.agent_task(planned.agent_id)
-        chunks = split_payload(payload, task_id)
+        chunks = split_payload(payload, task_id, round_number=round_number)  # the round: see TransferRefused
         for chunk in chunks:
             self.link.publish(topic, chunk)
         return sum(len(chunk) for chunk in chunks)

@@ -21,7 +21,7 @@ from common.logs import get_logger
 from common.mqtt_link import MqttLink, Will
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig
-from edge_agent.memory import available_memory, detect_device_kind, total_memory
+from edge_agent.memory import available_memory, detect_device_kind, size_text, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.uplink import Uplink
 from protocol import (
@@ -33,6 +33,8 @@ from protocol import (
     Reassembler,
     Task,
     Topics,
+    TransferRefused,
+    Update,
     decode,
     encode,
     parse_agent_topic,
@@ -244,16 +246,24 @@ class EdgeAgent:
         self.coordinator_state = status.state
 
     def _admit_task(self, transfer: str, total: int) -> None:
-        """Refuse a task transfer at its first chunk when buffering it and decoding its weights (about twice its
-        size) would not fit the memory the device has now: nothing of it is buffered."""
+        """Refuse a task transfer at its first chunk when it is larger than ``limits.max_task_bytes``, or when
+        buffering it and decoding its weights (about twice its size) would not fit the memory the device has
+        now: nothing of it is buffered."""
+        limit = self.config.limits.max_task_bytes
+        if total > limit:
+            raise ProtocolError(f"task refused at its first chunk: it is {size_text(total)}, more than "
+                                f"limits.max_task_bytes {size_text(limit)}")
         available = available_memory()
         if 2 * total > available:
-            raise ProtocolError(f"task transfer {transfer!r} of {total / 2**20:.1f} MiB refused at its first chunk: "
-                                f"buffering and decoding it needs about {2 * total / 2**20:.1f} MiB, "
-                                f"{available / 2**20:.1f} MiB are available")
+            raise ProtocolError(f"task refused at its first chunk: buffering and decoding its {size_text(total)} "
+                                f"needs about {size_text(2 * total)}, {size_text(available)} are available")
 
     def _on_task_chunk(self, payload: bytes) -> None:
-        complete = self.reassembler.feed(payload, source="coordinator")
+        try:
+            complete = self.reassembler.feed(payload, source="coordinator")
+        except TransferRefused as refused:
+            self._decline_refused(refused)
+            return
         if complete is None:
             return
         task = decode(complete, expected=Task)
@@ -272,6 +282,24 @@ class EdgeAgent:
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
         self.executor.submit(self._serve, task)
+
+    def _decline_refused(self, refused: TransferRefused) -> None:
+        """Answer a task refused at its first chunk with a ``declined`` update, when its chunks name the round
+        (the transfer id is the task id); from a coordinator that names none, only log it."""
+        self.rejected_messages += 1
+        if refused.round is None:
+            self.log.warning("task_refused", transfer=refused.transfer, reason=refused.reason,
+                             answered=False, why_not="its chunks do not say the round")
+            return
+        with self._lock:
+            if refused.transfer in self._seen:
+                return
+            self._seen[refused.transfer] = None
+        self.log.warning("task_refused", task=refused.transfer, round=refused.round, reason=refused.reason,
+                         answered=True)
+        self.uplink.send(Update(task_id=refused.transfer, round=refused.round, agent_id=self.agent_id,
+                                status="declined", spec_trained=None, num_samples=self.data.samples,
+                                labels=list(self.data.labels), weights={}, metrics={}, reason=refused.reason))
 
     def _serve(self, task: Task) -> None:
         try:

@@ -27,6 +27,7 @@ from typing import Any
 
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
+from edge_agent.memory import size_text
 from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments
@@ -40,14 +41,6 @@ class TaskRejected(Exception):
         super().__init__(reason)
         self.status = status
         self.reason = reason
-
-
-def size_text(count: int) -> str:
-    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count / 2**10:.1f} KiB"
 
 
 def _numbers(numbers: tuple[int, ...]) -> str:

@@ -60,6 +60,14 @@ def available_memory(budget_bytes: int | None = None, cgroup_dir: Path | None = 
     return min(candidates)
 
 
+def size_text(count: int) -> str:
+    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count / 2**10:.1f} KiB"
+
+
 def total_memory() -> int:
     """Physical memory of the device in bytes."""
     return int(psutil.virtual_memory().total)

@@ -9,7 +9,7 @@ A task says how to train as data: a versioned `TrainingPlan` (`protocol.plan`) a
 Topics live under ``fedfit/v1/<federation>/`` (see `Topics`).
 """
 
-from protocol.chunking import CHUNK_SIZE, Reassembler, split_payload
+from protocol.chunking import CHUNK_SIZE, Reassembler, TransferRefused, split_payload
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -53,6 +53,7 @@ __all__ = [
     "Task",
     "Topics",
     "TrainingPlan",
+    "TransferRefused",
     "Update",
     "decode",
     "decode_tensor",

@@ -2,7 +2,9 @@
 
 Mosquitto 2.1 caps packets at 2,000,000 bytes by default, so tasks and updates travel as chunks. Each chunk is
 a msgpack map ``{"v": 1, "type": "chunk", "transfer": id, "seq": i, "count": n, "total": payload size,
-"sha256": hex digest of the whole payload, "data": bytes}``.
+"sha256": hex digest of the whole payload, "data": bytes}``, and optionally ``"round": r``: the round of the task
+it carries, so that a receiver refusing the transfer at its first chunk can answer the task (its transfer id is
+the task id) without having seen the task itself.
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ class _ChunkFields:
     total: int
     sha256: str
     data: bytes
+    round: int | None = None
+
+
+class TransferRefused(ProtocolError):
+    """The receiver refused a transfer when it opened (its size is over the limit, or ``admit`` said no).
+
+    Carries the ``transfer`` id and the ``round`` its chunks declare (None from senders that declare none), so
+    the receiver can answer the refused task; the transfer's later chunks are dropped without a word.
+    """
+
+    def __init__(self, reason: str, transfer: str, round_number: int | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.transfer = transfer
+        self.round = round_number
 
 
 @dataclass
@@ -52,14 +69,19 @@ class _Transfer:
 
 
 def split_payload(
-    payload: bytes | bytearray | memoryview, transfer_id: str, chunk_size: int = CHUNK_SIZE
+    payload: bytes | bytearray | memoryview, transfer_id: str, chunk_size: int = CHUNK_SIZE,
+    *, round_number: int | None = None,
 ) -> list[bytes]:
     """Split a payload into encoded chunks of at most ``chunk_size`` data bytes each (plus a small header).
 
     ``transfer_id`` (1..128 chars of ``[A-Za-z0-9_.:-]``) must be unique per payload from one sender;
-    an empty payload still yields one chunk.
+    an empty payload still yields one chunk. ``round_number``: the round of the task the payload is, declared in
+    every chunk's header (see :class:`TransferRefused`).
     """
     validate_task_id(transfer_id, "transfer id")
+    if round_number is not None and (isinstance(round_number, bool) or not isinstance(round_number, int)
+                                     or round_number < 0):
+        raise ValueError(f"round_number must be a non-negative int, got {round_number!r}")
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -74,6 +96,7 @@ def split_payload(
         "count": count,
         "total": len(data),
         "sha256": digest,
+        **({"round": round_number} if round_number is not None else {}),
     }
     return [
         msgpack.packb(
@@ -84,19 +107,19 @@ def split_payload(
     ]
 
 
-def _parse_chunk(chunk: object, max_total_bytes: int) -> _ChunkFields:
+def _parse_chunk(chunk: object, max_chunk_bytes: int) -> _ChunkFields:
+    """The fields of one chunk whose data is at most ``max_chunk_bytes`` (the message is in memory already: this
+    bounds what decoding it may allocate); the transfer's total is checked when it opens."""
     if not isinstance(chunk, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"chunk must be bytes, got {shown(chunk)}")
-    if len(chunk) > max_total_bytes + _HEADER_ALLOWANCE:
-        raise ProtocolError(
-            f"chunk is {len(chunk)} bytes, larger than any transfer may be ({max_total_bytes})"
-        )
+    if len(chunk) > max_chunk_bytes + _HEADER_ALLOWANCE:
+        raise ProtocolError(f"chunk is {len(chunk)} bytes, larger than any chunk may be ({max_chunk_bytes})")
     try:
         obj = msgpack.unpackb(
             chunk,
             raw=False,
             strict_map_key=True,
-            max_bin_len=max_total_bytes,
+            max_bin_len=max_chunk_bytes,
             max_str_len=256,
             max_array_len=16,
             max_map_len=16,
@@ -106,7 +129,7 @@ def _parse_chunk(chunk: object, max_total_bytes: int) -> _ChunkFields:
         raise ProtocolError(f"chunk is not valid msgpack ({reason_of(exc)})") from None
     if isinstance(obj, dict) and obj.get("type") != "chunk":
         raise ProtocolError(f"payload is not a chunk (type {shown(obj.get('type'))})")
-    r = FieldReader(obj, "chunk", _CHUNK_LIMITS, _ChunkFields, ("v", "type"))
+    r = FieldReader(obj, "chunk", _CHUNK_LIMITS, _ChunkFields, ("v", "type"), optional=("round",))
     version = r.raw("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -114,8 +137,7 @@ def _parse_chunk(chunk: object, max_total_bytes: int) -> _ChunkFields:
         )
     transfer = r.task_id("transfer")
     total = r.integer("total", minimum=0)
-    if total > max_total_bytes:
-        raise ProtocolError(f"transfer of {total} bytes is over the limit of {max_total_bytes}")
+    round_number = r.opt_integer("round", minimum=0)
     count = r.integer("count", minimum=1)
     if count > max(total, 1):
         raise ProtocolError(f"transfer of {total} bytes cannot have {count} chunks")
@@ -132,7 +154,7 @@ def _parse_chunk(chunk: object, max_total_bytes: int) -> _ChunkFields:
     largest = total - (count - 1)
     if not smallest <= len(data) <= largest:
         raise ProtocolError(f"chunk of {len(data)} bytes is impossible in {count} chunks of {total} bytes")
-    return _ChunkFields(transfer, seq, count, total, sha256, data)
+    return _ChunkFields(transfer, seq, count, total, sha256, data, round_number)
 
 
 class Reassembler:
@@ -144,7 +166,9 @@ class Reassembler:
     across all transfers under it. Duplicate chunks are ignored, so QoS 1 redelivery is harmless, and a
     payload sent again in full after completing is returned again (the receiver's handler dedupes).
     ``admit(transfer, total)``, when given, is asked before a transfer opens (at whichever of its chunks comes
-    first) and may refuse it by raising ProtocolError: nothing of it is buffered. Thread-safe.
+    first) and may refuse it by raising ProtocolError; a transfer over ``max_total_bytes`` is refused too. A
+    refused transfer raises :class:`TransferRefused` once, buffers nothing, and its later chunks are dropped
+    without a word (remembered for ``ttl_seconds``, the latest ``max_transfers`` * 16 refusals). Thread-safe.
     """
 
     def __init__(
@@ -166,6 +190,7 @@ class Reassembler:
         self.max_buffered_bytes = max_buffered_bytes
         self.admit = admit
         self._open: OrderedDict[tuple[str, str], _Transfer] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._buffered = 0
         self._lock = threading.Lock()
 
@@ -181,17 +206,21 @@ class Reassembler:
 
         ``source`` separates senders (e.g. the agent id or topic); ``now`` defaults to ``time.monotonic()``.
         Raises ProtocolError for a malformed chunk, one inconsistent with earlier chunks of its transfer, or
-        a completed payload whose sha256 does not match (that transfer is dropped).
+        a completed payload whose sha256 does not match (that transfer is dropped); :class:`TransferRefused` at
+        the first chunk of a transfer refused (returns None for its later chunks).
         """
-        part = _parse_chunk(chunk, self.max_total_bytes)
+        # A chunk of the senders' usual size is read even when the limit is lower, so that its transfer can be
+        # refused with a reason (and its round) instead of dropped unread.
+        part = _parse_chunk(chunk, max(self.max_total_bytes, CHUNK_SIZE))
         now = time.monotonic() if now is None else now
         key = (source, part.transfer)
         with self._lock:
             self._evict_expired(now)
             transfer = self._open.get(key)
             if transfer is None:
-                if self.admit is not None:
-                    self.admit(part.transfer, part.total)
+                if key in self._refused:
+                    return None
+                self._admit(key, part, now)
                 transfer = _Transfer(part.count, part.total, part.sha256, now)
                 self._open[key] = transfer
             elif (transfer.count, transfer.total, transfer.sha256) != (part.count, part.total, part.sha256):
@@ -210,6 +239,19 @@ class Reassembler:
         if hashlib.sha256(payload).hexdigest() != transfer.sha256:
             raise ProtocolError(f"transfer {part.transfer!r} does not match its sha256; dropped it")
         return payload
+
+    def _admit(self, key: tuple[str, str], part: _ChunkFields, now: float) -> None:
+        """Open the transfer of ``part`` or refuse it (lock held): ``admit`` first, then the size limit."""
+        try:
+            if self.admit is not None:
+                self.admit(part.transfer, part.total)
+            if part.total > self.max_total_bytes:
+                raise ProtocolError(f"transfer of {part.total} bytes is over the limit of {self.max_total_bytes}")
+        except ProtocolError as exc:
+            self._refused[key] = now
+            while len(self._refused) > 16 * self.max_transfers:
+                self._refused.popitem(last=False)
+            raise TransferRefused(str(exc), part.transfer, part.round) from None
 
     def _store(self, key: tuple[str, str], transfer: _Transfer, part: _ChunkFields) -> bool:
         """Add a chunk to its transfer (lock held); True once the transfer is complete."""
@@ -248,6 +290,8 @@ class Reassembler:
         expired = [key for key, t in self._open.items() if now - t.last_seen > self.ttl_seconds]
         for key in expired:
             self._drop(key)
+        while self._refused and now - next(iter(self._refused.values())) > self.ttl_seconds:
+            self._refused.popitem(last=False)
 
     def _enforce_bounds(self, keep: tuple[str, str]) -> None:
         """Drop the least recently active transfers (never ``keep``) until the bounds hold."""

@@ -15,7 +15,8 @@ import torch
 
 from coordinator.strategies.scalefl import self_distillation_loss
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
-from edge_agent.decision import Decider, estimate_key, size_text
+from edge_agent.decision import Decider, estimate_key
+from edge_agent.memory import size_text
 from edge_agent.workdir import DecisionRequest
 from models import MemoryEstimate, SubmodelSpec
 from protocol import Adaptation, Candidate, Stage, TrainingPlan

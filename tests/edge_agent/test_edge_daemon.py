@@ -1,5 +1,5 @@
-"""The agent daemon's handling of incoming task chunks, without a broker: a task transfer that would not fit the
-memory the device has is refused at its first chunk, before anything is buffered."""
+"""The agent daemon's handling of incoming task chunks, without a broker: a task transfer over its size limit or
+the memory the device has is refused at its first chunk, before anything is buffered, and answered ``declined``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from edge_agent import daemon as daemon_module
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.runner import LocalData
-from protocol import Topics, split_payload
+from protocol import Topics, Update, split_payload
 
 
 def close(agent: EdgeAgent) -> None:
@@ -19,36 +19,69 @@ def close(agent: EdgeAgent) -> None:
     agent.runner.close()
 
 
-def test_a_task_too_big_for_the_memory_available_is_refused_at_its_first_chunk(tmp_path, monkeypatch) -> None:
+def test_a_task_too_big_for_the_memory_available_is_declined_at_its_first_chunk(tmp_path, monkeypatch) -> None:
     config = AgentConfig(agent_id="pi-01", federation="lab", data=AgentDataConfig(dataset="digits"),
                          state_dir=str(tmp_path))
     agent = EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+    sent: list[Update] = []
     try:
         monkeypatch.setattr(daemon_module, "available_memory", lambda: 3 * 2**20)  # 3 MiB left on the device
-        chunks = split_payload(b"\x00" * (2 * 2**20), "r1-pi-01-abc", chunk_size=2**19)  # a 2 MiB task, 4 chunks
+        monkeypatch.setattr(agent.uplink, "send", sent.append)
+        # a 2 MiB task of round 4, 4 chunks, delivered twice (QoS 1 redelivery)
+        chunks = split_payload(b"\x00" * (2 * 2**20), "r4-pi-01-abc", chunk_size=2**19, round_number=4)
         with structlog.testing.capture_logs() as logs:
-            for chunk in chunks:
+            for chunk in chunks + chunks:
                 agent._on_message(Topics("lab").agent_task("pi-01"), chunk)
         assert agent.reassembler.pending() == 0  # nothing of it was buffered
-        assert agent.rejected_messages == len(chunks)
-        [reason, *_] = [entry["reason"] for entry in logs if entry["event"] == "message_rejected"]
-        assert reason == ("task transfer 'r1-pi-01-abc' of 2.0 MiB refused at its first chunk: buffering and "
-                          "decoding it needs about 4.0 MiB, 3.0 MiB are available")
+        reason = ("task refused at its first chunk: buffering and decoding its 2.0 MiB needs about 4.0 MiB, 3.0 MiB "
+                  "are available")
+        [refusal] = [entry for entry in logs if entry["event"] == "task_refused"]  # once, not once per chunk
+        assert (refusal["task"], refusal["round"], refusal["reason"], refusal["answered"]) == (
+            "r4-pi-01-abc", 4, reason, True)
+        assert not [entry for entry in logs if entry["event"] == "message_rejected"]
+        # The coordinator hears why, once: a declined update for the task the transfer carried.
+        [update] = sent
+        assert (update.task_id, update.round, update.agent_id, update.status, update.reason) == (
+            "r4-pi-01-abc", 4, "pi-01", "declined", reason)
+        assert update.weights == {} and update.spec_trained is None and update.num_samples == 4
+        assert agent.rejected_messages == 1
     finally:
         close(agent)
 
 
-def test_a_task_over_max_task_bytes_is_refused_whatever_the_memory(tmp_path) -> None:
+def test_a_task_over_max_task_bytes_is_declined_whatever_the_memory(tmp_path, monkeypatch) -> None:
     from edge_agent.config import TaskLimits
 
     config = AgentConfig(agent_id="pi-01", federation="lab", data=AgentDataConfig(dataset="digits"),
                          state_dir=str(tmp_path), limits=TaskLimits(max_task_bytes=2**20))
     agent = EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+    sent: list[Update] = []
+    monkeypatch.setattr(agent.uplink, "send", sent.append)
     try:
-        with structlog.testing.capture_logs() as logs:
-            agent._on_message(Topics("lab").agent_task("pi-01"), split_payload(b"\x00" * (2**20 + 1), "t1")[0])
+        agent._on_message(Topics("lab").agent_task("pi-01"),
+                          split_payload(b"\x00" * (2**20 + 2**19), "r1-pi-01-x", round_number=1)[0])
         assert agent.reassembler.pending() == 0
-        assert any("1048577" in entry.get("reason", "") for entry in logs if entry["event"] == "message_rejected")
+        [update] = sent
+        assert update.status == "declined" and update.reason == (
+            "task refused at its first chunk: it is 1.5 MiB, more than limits.max_task_bytes 1.0 MiB")
+    finally:
+        close(agent)
+
+
+def test_a_refused_task_whose_chunks_name_no_round_is_only_logged(tmp_path, monkeypatch) -> None:
+    from edge_agent.config import TaskLimits
+
+    config = AgentConfig(agent_id="pi-01", federation="lab", data=AgentDataConfig(dataset="digits"),
+                         state_dir=str(tmp_path), limits=TaskLimits(max_task_bytes=2**20))
+    agent = EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
+    sent: list[Update] = []
+    monkeypatch.setattr(agent.uplink, "send", sent.append)
+    try:
+        with structlog.testing.capture_logs() as logs:  # an older coordinator: its chunks declare no round
+            agent._on_message(Topics("lab").agent_task("pi-01"), split_payload(b"\x00" * (2**20 + 1), "t1")[0])
+        [refusal] = [entry for entry in logs if entry["event"] == "task_refused"]
+        assert refusal["answered"] is False and refusal["transfer"] == "t1"
+        assert sent == []
     finally:
         close(agent)
 

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol import CHUNK_SIZE, ProtocolError, Reassembler, split_payload
+from protocol import CHUNK_SIZE, ProtocolError, Reassembler, TransferRefused, split_payload
 
 
 def unpack(chunk: bytes) -> dict[str, Any]:
@@ -213,9 +213,10 @@ def test_chunk_sizes_that_overflow_the_total_drop_the_transfer() -> None:
 
 def test_oversize_total_is_rejected() -> None:
     reassembler = Reassembler(max_total_bytes=100)
-    with pytest.raises(ProtocolError, match="over the limit of 100"):
+    with pytest.raises(TransferRefused, match="over the limit of 100"):
         reassembler.feed(split_payload(b"x" * 101, "t", 50)[0])
-    assert reassembler.feed(split_payload(b"x" * 100, "t", 100)[0]) == b"x" * 100
+    assert reassembler.feed(split_payload(b"x" * 101, "t", 50)[1]) is None  # refused once, then dropped quietly
+    assert reassembler.feed(split_payload(b"x" * 100, "u", 100)[0]) == b"x" * 100
     huge = pack(chunk_map(total=2**40, count=2**21, sha256="0" * 64))
     with pytest.raises(ProtocolError, match="over the limit"):
         Reassembler().feed(huge)
@@ -330,12 +331,42 @@ def test_admit_is_asked_once_per_transfer_and_may_refuse_it_before_anything_is_b
             raise ProtocolError(f"transfer {transfer!r} is too big")
 
     reassembler = Reassembler(admit=admit)
-    big = split_payload(b"x" * 250, "big", chunk_size=100)
-    for chunk in reversed(big):  # whichever chunk comes first opens the transfer
-        with pytest.raises(ProtocolError, match="'big' is too big"):
-            reassembler.feed(chunk)
-        assert reassembler.pending() == 0
+    big = split_payload(b"x" * 250, "big", chunk_size=100, round_number=7)
+    with pytest.raises(TransferRefused, match="'big' is too big") as refused:  # whichever chunk comes first
+        reassembler.feed(big[2])
+    assert (refused.value.transfer, refused.value.round, refused.value.reason) == ("big", 7, "transfer 'big' is too big")
+    for chunk in big[:2]:  # the refused transfer's later chunks are dropped without asking again
+        assert reassembler.feed(chunk) is None
+    assert reassembler.pending() == 0
     small = split_payload(b"y" * 90, "small", chunk_size=50)
     assert reassembler.feed(small[0]) is None
     assert reassembler.feed(small[1]) == b"y" * 90
-    assert asked == [("big", 250)] * 3 + [("small", 90)]
+    assert asked == [("big", 250), ("small", 90)]
+    # Another sender's transfer of the same id is another transfer: asked again.
+    with pytest.raises(TransferRefused) as other:
+        reassembler.feed(split_payload(b"x" * 250, "big", chunk_size=100)[0], source="elsewhere")
+    assert other.value.round is None  # its chunks declare no round
+
+
+def test_a_refusal_is_forgotten_after_the_ttl() -> None:
+    reassembler = Reassembler(max_total_bytes=100, ttl_seconds=10.0)
+    chunks = split_payload(b"x" * 150, "t", 100)
+    with pytest.raises(TransferRefused):
+        reassembler.feed(chunks[0], now=0.0)
+    assert reassembler.feed(chunks[1], now=5.0) is None
+    with pytest.raises(TransferRefused):
+        reassembler.feed(chunks[1], now=20.0)
+
+
+def test_chunks_may_declare_the_round_of_their_task() -> None:
+    chunks = split_payload(b"z" * 30, "r3-pi-1", chunk_size=10, round_number=3)
+    assert all(msgpack.unpackb(chunk)["round"] == 3 for chunk in chunks)
+    assert "round" not in msgpack.unpackb(split_payload(b"z", "t")[0])  # optional: older receivers still read it
+    reassembler = Reassembler()
+    assert [reassembler.feed(chunk) for chunk in chunks] == [None, None, b"z" * 30]
+    with pytest.raises(ValueError, match="round_number must be a non-negative int"):
+        split_payload(b"z", "t", round_number=-1)
+    with pytest.raises(ProtocolError, match="chunk.round must be >= 0"):
+        Reassembler().feed(pack(chunk_map(round=-2)))
+    with pytest.raises(ProtocolError, match="chunk.round must be an integer"):
+        Reassembler().feed(pack(chunk_map(round="3")))

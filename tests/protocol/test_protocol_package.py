@@ -15,7 +15,7 @@ EXPORTS = {
     "ProtocolError", "Topics", "validate_name", "parse_agent_topic", "Limits", "DEFAULT_LIMITS",
     "PROTOCOL_VERSION", "Capabilities", "AgentStatus", "CoordinatorStatus", "ModelRef", "Recipe", "Task",
     "Update", "Ack", "Message", "encode", "decode", "encode_tensor", "decode_tensor", "split_payload",
-    "Reassembler", "CHUNK_SIZE", "PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage",
+    "Reassembler", "TransferRefused", "CHUNK_SIZE", "PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage",
     "Adaptation", "Candidate",
 }  # fmt: skip
 
