@@ -196,12 +196,14 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
+    from edge_agent import allocator
     from edge_agent.config import AgentConfig
     from edge_agent.daemon import EdgeAgent
     from edge_agent.data_source import load_agent_data
 
     config = _load(AgentConfig, args.config)
     configure_logging(args.log_level or config.log_level)
+    allocator.configure_agent_process()  # what a task's messages needed goes back to the device afterwards
     agent = EdgeAgent(config, load_agent_data(config.data))
     agent.start()
     _stop_on_signals(agent.stop)

@@ -82,3 +82,38 @@ def test_the_agent_knows_the_settings_the_estimator_knows():
     from models.memory import CPU_ALLOCATORS
 
     assert allocator.ALLOCATORS == CPU_ALLOCATORS
+
+
+RETAINED = """
+    import sys
+
+    import numpy as np
+    import psutil
+
+    from edge_agent import allocator
+
+    if sys.argv[1] == "configured":
+        assert allocator.configure_agent_process()
+    process = psutil.Process()
+    before = process.memory_info().rss
+    big = np.ones(30 * 2**20, np.uint8)  # a task's weights: mapped, and freed
+    del big
+    parts = [np.ones(900 * 2**10, np.uint8) for _ in range(40)]  # then its chunks
+    del parts
+    print((process.memory_info().rss - before) // 2**20)
+"""
+
+
+@pytest.mark.skipif(not allocator.compact_supported(), reason="needs glibc's mallopt")
+def test_the_agent_process_gives_freed_task_memory_back():
+    """glibc's default keeps what the chunks needed after a large block raised its thresholds; the agent's
+    setting gives it back."""
+
+    def retained(mode: str) -> int:
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(RETAINED), mode], capture_output=True,
+                                text=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout)
+
+    assert retained("glibc default") >= 20  # MiB kept: the case the setting exists for
+    assert retained("configured") <= 4
