@@ -28,19 +28,11 @@ from typing import Any
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
-from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest
+from edge_agent.runner import TaskRejected
+from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest, model_key
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments
 from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
-
-
-class TaskRejected(Exception):
-    """The task cannot be served; ``status`` is "declined" (not affordable, too late) or "failed"."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 def _numbers(numbers: tuple[int, ...]) -> str:
@@ -80,8 +72,8 @@ class Cut:
 
 def estimate_key(model: ModelRef, option: Option) -> str:
     """How an estimate is remembered: the model, the spec and the plan without its seed (which plays no part)."""
-    return json.dumps([model.family, model.num_classes, model.in_channels, model.options, option.spec.to_dict(),
-                       replace(option.plan, seed=0).to_dict()], sort_keys=True, default=str)
+    return json.dumps([model_key(model), option.spec.to_dict(), replace(option.plan, seed=0).to_dict()],
+                      sort_keys=True)
 
 
 def _parts(estimate: MemoryEstimate) -> dict[str, Any]:
@@ -101,7 +93,7 @@ class Decider:
         self._families: dict[str, ModelFamily] = {}
 
     def family_for(self, ref: ModelRef) -> ModelFamily:
-        key = json.dumps([ref.family, ref.num_classes, ref.in_channels, ref.options], sort_keys=True, default=str)
+        key = model_key(ref)
         if key not in self._families:
             self._families[key] = get_family(ref.family, ref.num_classes, ref.in_channels, **ref.options)
         return self._families[key]

@@ -14,6 +14,7 @@ import hashlib
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,13 +28,15 @@ from edge_agent.calibration import Calibration
 from edge_agent.config import TaskLimits
 from edge_agent.forkserver import ChildOutcome, DecisionFailed
 from edge_agent.memory import available_memory, gpu_free_memory
-from edge_agent.workdir import TASK_FILE, DataShape, Decision, DecisionRequest, TrainingRequest
-from protocol import ProtocolError, Task, Update, decode, encode
+from edge_agent.workdir import TASK_FILE, DataShape, Decision, DecisionRequest, TrainingRequest, model_key
+from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
 DEADLINE_GRACE_S = 30.0
-#: Raw estimates the runner remembers between tasks (a FeDepth cut of a 9-block model makes about 50).
-ESTIMATES_KEPT = 4096
+#: Raw estimates the runner remembers between tasks, per model (a FeDepth cut of a 9-block model makes about
+#: 60), and the models it remembers them for.
+ESTIMATES_KEPT = 1024
+MODELS_KEPT = 4
 
 
 @dataclass
@@ -134,7 +137,8 @@ class TaskRunner:
         np.savez(self.data_path, x=data.x, y=data.y)
         #: The device's own auxiliary copies (m-FeDepth), kept between rounds by the training children.
         self.copies_dir = self.state_dir / "copies"
-        self._estimates: dict[str, dict[str, Any]] = {}
+        #: Raw estimates of earlier decisions, per model (:func:`edge_agent.workdir.model_key`), oldest first.
+        self._estimates: OrderedDict[str, OrderedDict[str, dict[str, Any]]] = OrderedDict()
         self.child_pid: int | None = None
         #: Reads the OOM-kill counter that tells the OOM killer's SIGKILL from any other (:mod:`edge_agent.oom`).
         self.oom_kills: Callable[[], oom.OomCount | None] = oom.oom_kills
@@ -166,7 +170,21 @@ class TaskRunner:
     @property
     def remembered_estimates(self) -> int:
         """How many raw estimates the runner keeps from earlier decisions."""
-        return len(self._estimates)
+        return sum(len(known) for known in self._estimates.values())
+
+    def estimates_of(self, model: ModelRef) -> dict[str, dict[str, Any]]:
+        """The raw estimates remembered for ``model``, by estimate key."""
+        return dict(self._estimates.get(model_key(model), {}))
+
+    def _remember(self, model: ModelRef, made: dict[str, dict[str, Any]]) -> None:
+        key = model_key(model)
+        known = self._estimates.setdefault(key, OrderedDict())
+        self._estimates.move_to_end(key)
+        known.update(made)
+        while len(known) > ESTIMATES_KEPT:  # the oldest go first
+            known.popitem(last=False)
+        while len(self._estimates) > MODELS_KEPT:
+            self._estimates.popitem(last=False)
 
     # --------------------------------------------------------------- internals
     def _serve(self, task: Task) -> Update:
@@ -193,14 +211,12 @@ class TaskRunner:
     def _decide(self, task: Task, workdir: Path, available: int) -> Decision:
         """What to train, decided in a decision child (``edge_agent.decision``) from the task and this device."""
         DecisionRequest(self.device, self.allocator, available, self.calibration.factor, self.data, self.limits,
-                        dict(self._estimates)).write(workdir)
+                        self.estimates_of(task.model)).write(workdir)
         try:
             decision = forkserver.run_decision(workdir, self._timeout(task))
         except DecisionFailed as exc:
             raise TaskRejected("failed", str(exc)) from None
-        self._estimates.update(decision.estimates)
-        while len(self._estimates) > ESTIMATES_KEPT:  # the oldest go first
-            del self._estimates[next(iter(self._estimates))]
+        self._remember(task.model, decision.estimates)
         return decision
 
     def _train(self, task: Task, workdir: Path, decision: Decision, available: int) -> Update:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.config import TaskLimits
+from protocol import ModelRef
 
 TASK_FILE = "task.msgpack"
 DECISION_REQUEST_FILE = "decide.json"
@@ -26,6 +27,13 @@ ERROR_FILE = "error.txt"
 #: Statuses a decision may carry: train (``ok``, ``adapted``) or answer without training.
 TRAIN_STATUSES = ("ok", "adapted")
 ANSWER_STATUSES = ("declined", "failed")
+
+
+def model_key(model: ModelRef) -> str:
+    """A model's identity as text: its family, classes, input channels and options (the estimates of one model
+    are remembered together)."""
+    return json.dumps([model.family, model.num_classes, model.in_channels, model.options], sort_keys=True,
+                      default=str)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -55,7 +63,7 @@ class DecisionRequest:
 
     ``available`` is the memory training may use now, ``factor`` the calibration's current factor (the decision
     compares ``overhead + (raw - overhead) * factor`` with ``available``), ``known`` the raw estimates the agent
-    remembers from earlier decisions (keyed by :func:`edge_agent.decision.estimate_key`).
+    remembers from earlier decisions of the task's model (keyed by :func:`edge_agent.decision.estimate_key`).
     """
 
     device: str

@@ -168,12 +168,19 @@ def test_the_runner_remembers_the_estimates_its_decisions_made(family, model_ref
     spec = SubmodelSpec.uniform(0.5)
     assert runner.run(make_task(spec)).status == "ok"
     key = estimate_key(model_ref, Option(spec, task_plan()))
-    assert MemoryEstimate(**runner._estimates[key]) == raw_estimate(family, spec, task_plan())
+    assert MemoryEstimate(**runner.estimates_of(model_ref)[key]) == raw_estimate(family, spec, task_plan())
     remembered = runner.remembered_estimates
     # The next round's task asks for nothing new; its update reports the remembered estimate.
     update = runner.run(make_task(spec, task_id="r2-agent-0001", round_number=2))
     assert update.metrics["raw_estimate_bytes"] == raw_estimate(family, spec, task_plan()).total
     assert runner.remembered_estimates == remembered
+    # Another model's decisions get only that model's estimates; the runner keeps a few models' worth.
+    other = ModelRef("cnn", 10, 1, {"hidden": [4, 4]})
+    assert runner.estimates_of(other) == {}
+    for index in range(runner_module.MODELS_KEPT):
+        runner._remember(ModelRef("cnn", 10, 1, {"hidden": [4, index + 10]}), {f"k{index}": {"parameters": 1}})
+    assert runner.estimates_of(model_ref) == {}  # the least recently used model was forgotten
+    assert runner.remembered_estimates == runner_module.MODELS_KEPT
 
 
 def test_family_is_cached_per_model_ref(make_runner, decider_for):
@@ -531,10 +538,10 @@ def test_estimates_with_exits_and_kd_terms_are_cached_per_spec_and_plan_without_
     update = runner.run(make_deep_task(spec, plan=replace(plan, seed=11)))
     assert update.status == "ok", update.reason
     assert update.metrics["raw_estimate_bytes"] == expected.total
-    assert list(runner._estimates) == [estimate_key(deep_ref, first)]
+    assert list(runner.estimates_of(deep_ref)) == [estimate_key(deep_ref, first)]
     update = runner.run(make_deep_task(spec, plan=replace(plan, seed=12), task_id="r2-agent-0001", round_number=2))
     assert update.status == "ok" and update.metrics["raw_estimate_bytes"] == expected.total
-    assert list(runner._estimates) == [estimate_key(deep_ref, first)]
+    assert list(runner.estimates_of(deep_ref)) == [estimate_key(deep_ref, first)]
 
 
 # ---------------------------------------------------------------------------------------------- LocalData
