@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from functools import cache
 from pathlib import Path
 
 import psutil
@@ -98,11 +99,18 @@ def _visible_gpu_index() -> int:
     return int(first) if first.isdigit() else 0
 
 
+@cache
+def _load(library: str) -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(library)
+    except OSError:
+        return None
+
+
 def gpu_free_memory(library: str = "libnvidia-ml.so.1") -> int | None:
     """Free memory of the GPU training runs on, from NVML; None where there is no NVML or no such GPU."""
-    try:
-        nvml = ctypes.CDLL(library)
-    except OSError:
+    nvml = _load(library)
+    if nvml is None:
         return None
     handle = ctypes.c_void_p()
     memory = _NvmlMemory()
