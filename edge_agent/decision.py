@@ -28,8 +28,7 @@ from typing import Any
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
-from edge_agent.runner import TaskRejected
-from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest, model_key
+from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments
 from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode

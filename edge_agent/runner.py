@@ -25,11 +25,21 @@ import numpy as np
 from edge_agent import allocator as heap
 from edge_agent import forkserver, oom
 from edge_agent.calibration import Calibration
-from edge_agent.config import TaskLimits
 from edge_agent.forkserver import ChildOutcome, DecisionFailed
+from edge_agent.limits import TaskLimits
 from edge_agent.memory import available_memory, gpu_free_memory
-from edge_agent.workdir import TASK_FILE, DataShape, Decision, DecisionRequest, TrainingRequest, model_key
+from edge_agent.workdir import (
+    TASK_FILE,
+    DataShape,
+    Decision,
+    DecisionRequest,
+    TaskRejected,
+    TrainingRequest,
+    model_key,
+)
 from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
+
+__all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
 DEADLINE_GRACE_S = 30.0
@@ -69,15 +79,6 @@ class LocalData:
     def shape(self) -> DataShape:
         """What the decision needs to know of the data: size, labels, channels and image size."""
         return DataShape(len(self.y), tuple(self.labels), self.in_channels, self.image_size)
-
-
-class TaskRejected(Exception):
-    """The task cannot be served; ``status`` is "declined" (not affordable, too late) or "failed"."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 BudgetFn = Callable[[int], "int | None"]

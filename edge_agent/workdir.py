@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_agent.config import TaskLimits
+from edge_agent.limits import TaskLimits
 from protocol import ModelRef
 
 TASK_FILE = "task.msgpack"
@@ -27,6 +27,15 @@ ERROR_FILE = "error.txt"
 #: Statuses a decision may carry: train (``ok``, ``adapted``) or answer without training.
 TRAIN_STATUSES = ("ok", "adapted")
 ANSWER_STATUSES = ("declined", "failed")
+
+
+class TaskRejected(Exception):
+    """The task cannot be served; ``status`` is "declined" (not affordable, too late) or "failed"."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
 
 
 def model_key(model: ModelRef) -> str:

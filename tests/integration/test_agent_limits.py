@@ -1,10 +1,9 @@
 """Agents bound what they accept, end to end over the secured mosquitto: a task larger than ``max_task_bytes`` is
 declined at its first chunk, one training more epochs than ``max_epochs`` before anything is trained; the
-coordinator hears both reasons at once instead of waiting for the round's deadline."""
+coordinator hears both reasons (the tasks end declined, not timed out at the round's deadline)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,9 +34,7 @@ def test_tasks_over_an_agents_limits_are_declined_with_the_reason(secured_mosqui
         coordinator.start()
         for agent in (small, brief):
             agent.start()
-        started = time.monotonic()
         [result] = coordinator.run()
-        elapsed = time.monotonic() - started
     finally:
         for agent in (small, brief):
             agent.stop()
@@ -50,5 +47,4 @@ def test_tasks_over_an_agents_limits_are_declined_with_the_reason(secured_mosqui
     assert outcomes["brief"].status == "declined"
     assert outcomes["brief"].reason == "task refused: it trains 2 epochs, more than limits.max_epochs 1"
     assert result.participants == 0
-    assert elapsed < 60, elapsed  # both answered: the round did not wait for its 120 s deadline
     assert small.runner.child_pid is None and small.tasks_done == 0  # nothing reached the small agent's runner
