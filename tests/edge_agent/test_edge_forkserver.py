@@ -10,12 +10,15 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edge_agent import forkserver
-from edge_agent.config import TaskLimits
+from edge_agent.config import AgentConfig, AgentDataConfig, TaskLimits
+from edge_agent.daemon import EdgeAgent
 from edge_agent.decision import decide_in_workdir
 from edge_agent.forkserver import DecisionFailed, Exit, run_decision
+from edge_agent.runner import LocalData
 from edge_agent.workdir import DECISION_FILE, TASK_FILE, DataShape, Decision, DecisionRequest
 from models import SubmodelSpec
 from protocol import Adaptation, Task, decode, encode
@@ -147,14 +150,8 @@ def test_start_brings_the_forkserver_up_with_torch_while_the_caller_has_none():
 
 
 def test_an_agent_configured_to_start_its_forkserver_early_does(monkeypatch):
-    from edge_agent.config import AgentConfig, AgentDataConfig
-    from edge_agent.daemon import EdgeAgent
-    from edge_agent.runner import LocalData
-
     started: list[float] = []
     monkeypatch.setattr(forkserver, "start", lambda: started.append(time.monotonic()))
-    import numpy as np
-
     for when, expected in (("first-task", 0), ("start-up", 1)):
         agent = EdgeAgent(AgentConfig(agent_id="a", data=AgentDataConfig(dataset="digits"), forkserver=when),
                           LocalData(np.zeros((2, 1, 8, 8), np.float32), np.array([0, 1])))
@@ -166,3 +163,16 @@ def test_an_agent_configured_to_start_its_forkserver_early_does(monkeypatch):
         agent.start()
         assert len(started) == expected
         agent.runner.close()
+
+
+def test_the_forkserver_preloads_no_mqtt_client_or_logging():
+    """Every object the server holds is a page a child may copy: its preloads leave the agent's plumbing out."""
+    out = run_python("""
+        import sys
+        from edge_agent.forkserver import PRELOAD
+        for name in PRELOAD:
+            __import__(name)
+        print(sorted(name for name in ("paho", "structlog", "yaml", "edge_agent.config", "edge_agent.daemon")
+                     if name in sys.modules))
+    """)
+    assert out.strip() == "[]"
