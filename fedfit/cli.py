@@ -58,7 +58,7 @@ def _budgets(text: str) -> str:
 
 def _parser(light: bool = False) -> argparse.ArgumentParser:
     """The command line; ``light``: only the commands of :data:`LIGHT_COMMANDS` (the rest import torch)."""
-    parser = argparse.ArgumentParser(prog="fedfit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fedfit", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     agent = sub.add_parser("agent", help="run an edge agent daemon")
@@ -287,7 +287,7 @@ def _tier_rows(strategy: Any, scenario: str) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedfit`` console command."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    args = _parser(light=arguments[:1] in (["agent"], ["broker"])).parse_args(arguments)
+    args = _parser(light=bool(arguments) and arguments[0] in LIGHT_COMMANDS).parse_args(arguments)
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "plan": _run_plan,
                "broker": broker_command.run}
     try:
