@@ -16,7 +16,7 @@ class TaskLimits:
     training. ``max_epochs`` (all stages together), ``max_steps`` (optimizer steps over the local data),
     ``max_deadline_s`` (how far ahead its deadline may lie), ``max_parameters`` (of the sub-model sent) and
     ``max_task_bytes`` (the encoded task; a larger transfer, or one whose buffer and decoded copy would not fit
-    the memory available now, is refused at its first chunk, before anything is buffered)."""
+    the memory available now, is declined at its first chunk, before anything is buffered)."""
 
     max_epochs: int = 1000
     max_steps: int = 1_000_000
