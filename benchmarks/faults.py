@@ -39,8 +39,8 @@ import paho.mqtt.client as mqtt
 import yaml
 from paho.mqtt.enums import CallbackAPIVersion
 
-from common.mqtt_link import BrokerConfig
 from fedfit.sim.broker import Broker, start_mosquitto
+from fedfit.sim.raw_client import RawClient
 from protocol import ProtocolError, Reassembler, Task, Topics, Update, decode, encode, split_payload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,40 +165,6 @@ def wait_mid_round(run: Run, rng: random.Random, after_round: int, timeout: floa
 
 
 # ------------------------------------------------------------------------------------------------- attackers
-class Client:
-    """A raw MQTT 5 client (a login, or none) that records its PUBACKs."""
-
-    def __init__(self, broker: Broker, config: BrokerConfig | None, client_id: str) -> None:
-        self.connack = ""
-        self.acks: dict[int, str] = {}
-        self._answered = threading.Event()
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-        ca = broker.directory.ca_file if broker.directory else None
-        if config is not None and config.login() is not None:
-            self.client.username_pw_set(*config.login())  # type: ignore[misc]
-        self.client.tls_set(ca_certs=str(ca))
-        self.client.on_connect = self._on_connect
-        self.client.on_publish = lambda _c, _u, mid, reason, _p: self.acks.__setitem__(mid, str(reason))
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        self._answered.wait(5)
-
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
-        self.connack = str(reason)
-        self._answered.set()
-
-    def publish(self, topic: str, payload: bytes) -> str:
-        info = self.client.publish(topic, payload, qos=1)
-        deadline = time.monotonic() + 5
-        while info.mid not in self.acks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.acks.get(info.mid, "no PUBACK")
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
-
-
 def garbage(rng: random.Random) -> list[bytes]:
     """Payloads no daemon should accept: random bytes, a truncated message, a future version, a lying chunk."""
     valid = encode(Update("r1-x-0000", 1, "x", "ok", {"width": 1.0}, 1, [0], {}, {}, None))
@@ -217,18 +183,13 @@ class Thief:
         self.forged: list[str] = []
         self.topics = Topics(run.federation)
         self._reassembler = Reassembler()
-        broker = run.broker
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{victim}-thief", protocol=mqtt.MQTTv5)
-        self.client.username_pw_set(*broker.client_config(victim).login())  # type: ignore[misc]
-        self.client.tls_set(ca_certs=str(broker.directory.ca_file))  # type: ignore[union-attr]
-        self.client.on_message = self._on_task
-        self.client.connect(broker.host, broker.port)
-        self.client.subscribe(self.topics.agent_task(victim), qos=1)
-        self.client.loop_start()
+        self.client = RawClient.for_config(run.broker.client_config(victim), f"{victim}-thief",
+                                           on_message=self._on_task)
+        self.client.subscribe(self.topics.agent_task(victim))
 
-    def _on_task(self, _client: Any, _userdata: Any, message: Any) -> None:
+    def _on_task(self, _topic: str, message: bytes) -> None:
         try:
-            payload = self._reassembler.feed(message.payload, "coordinator")
+            payload = self._reassembler.feed(message, "coordinator")
             task = decode(payload, expected=Task) if payload is not None and not self.forged else None
         except ProtocolError:
             return  # the garbage the other attackers send on this topic
@@ -237,19 +198,19 @@ class Thief:
         update = Update(task.task_id, task.round, self.victim, "ok", task.spec, 500, list(range(10)),
                         {key: value * -50 for key, value in task.weights.items()}, {}, None)
         for chunk in split_payload(encode(update), f"forged-{task.task_id}"):
-            self.client.publish(self.topics.agent_update(self.victim), chunk, qos=1)
+            self.client.publish(self.topics.agent_update(self.victim), chunk, wait=False)  # paho's thread: no PUBACK
         self.forged.append(task.task_id)
 
     def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
+        self.client.close()
 
 
 def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Event, thief: Thief) -> None:
     """Every attack in one round: anonymous, cross-device, a forged update from a stolen login, garbage."""
     topics = Topics(run.federation)
     broker = run.broker
-    anonymous = Client(broker, None, "stranger")
+    ca_file = str(broker.directory.ca_file) if broker.directory else None
+    anonymous = RawClient(broker.host, broker.port, "stranger", ca_file=ca_file)
     anonymous.close()
     plain = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="stranger-plain", protocol=mqtt.MQTTv311)
     try:
@@ -263,15 +224,15 @@ def attack(run: Run, rng: random.Random, faults: list[Fault], stop: threading.Ev
     faults.append(Fault("anonymous client", f"TLS without login: {anonymous.connack}; plain TCP: {plain_outcome}"))
 
     a, b = run.agents[0], run.agents[1]
-    device = Client(broker, broker.client_config(a), f"{a}-rogue")
+    device = RawClient.for_config(broker.client_config(a), f"{a}-rogue")
     answers = [device.publish(topic, b"forged") for topic in
                (topics.agent_update(b), topics.agent_status(b), topics.agent_task(b), topics.agent_ack(b),
                 topics.coordinator_status())]
     faults.append(Fault(f"{a} publishes on {b}'s and the coordinator's topics",
                         f"broker answered {', '.join(sorted(set(answers)))} to {len(answers)} publishes"))
 
-    senders = [Client(broker, broker.coordinator_config(), "stolen-coordinator"),
-               *(Client(broker, broker.client_config(name), f"{name}-stolen") for name in run.agents)]
+    senders = [RawClient.for_config(broker.coordinator_config(), "stolen-coordinator"),
+               *(RawClient.for_config(broker.client_config(name), f"{name}-stolen") for name in run.agents)]
     targets = [topics.coordinator_status()] + [getattr(topics, f"agent_{kind}")(name) for name in run.agents
                                                 for kind in ("task", "ack", "update", "status")]
     sent = refused = 0

@@ -9,18 +9,15 @@ import os
 import pwd
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import paho.mqtt.client as mqtt
 import pytest
 import structlog
 import torch
-from paho.mqtt.enums import CallbackAPIVersion
 
 from common.data import load_dataset
 from common.mqtt_link import BrokerConfig, BrokerUnavailable, MqttLink
@@ -31,6 +28,7 @@ from edge_agent.runner import LocalData
 from fedfit.cli import main
 from fedfit.secure_broker import BrokerDirectory
 from fedfit.sim.broker import find_mosquitto, free_port, wait_for_login, wait_for_port
+from fedfit.sim.raw_client import RawClient
 from protocol import ModelRef, Recipe, Task, Topics, Update, encode, split_payload
 
 from .conftest import SecuredBroker, on_broker, tiny_config
@@ -40,44 +38,11 @@ pytestmark = [pytest.mark.broker]
 TOPICS = Topics("lab")
 
 
-class Client:
-    """A raw MQTT 5 client with a login, that records what it receives and the broker's answer to each publish."""
-
-    def __init__(self, config: BrokerConfig, client_id: str) -> None:
-        self.received: list[tuple[str, bytes]] = []
-        self.acks: dict[int, str] = {}
-        self._connected = threading.Event()
-        self._subscribed = threading.Event()
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-        login = config.login()
-        if login is not None:
-            self.client.username_pw_set(*login)
-        if config.tls:
-            self.client.tls_set(ca_certs=config.ca_file)
-        self.client.on_connect = lambda *_args: self._connected.set()
-        self.client.on_subscribe = lambda *_args: self._subscribed.set()
-        self.client.on_message = lambda _c, _u, message: self.received.append((message.topic, message.payload))
-        self.client.on_publish = lambda _c, _u, mid, reason, _p: self.acks.__setitem__(mid, str(reason))
-        self.client.connect(config.host, config.port)
-        self.client.loop_start()
-        assert self._connected.wait(5)
-
-    def subscribe(self, *topics: str) -> None:
-        self._subscribed.clear()
-        self.client.subscribe([(topic, 1) for topic in topics])
-        assert self._subscribed.wait(5)
-
-    def publish(self, topic: str, payload: bytes) -> str:
-        """The broker's PUBACK reason ("Success" or "Not authorized")."""
-        info = self.client.publish(topic, payload, qos=1)
-        deadline = time.monotonic() + 5
-        while info.mid not in self.acks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.acks.get(info.mid, "no PUBACK")
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
+def connected(config: BrokerConfig, client_id: str) -> RawClient:
+    """A raw MQTT 5 client logging in as ``config`` says, connected."""
+    client = RawClient.for_config(config, client_id)
+    assert client.connack == "Success", client.connack
+    return client
 
 
 def refusal(config: BrokerConfig) -> str:
@@ -135,11 +100,11 @@ def test_strangers_wrong_passwords_and_wrong_certificates_are_refused(broker_dir
 
 def test_every_device_is_pinned_to_its_own_topics(broker_dir) -> None:
     directory, pid = broker_dir
-    coordinator = Client(directory.client_config("coordinator", host="127.0.0.1"), "coordinator")
-    alice = Client(directory.client_config("pi-01", host="127.0.0.1"), "pi-01")
+    coordinator = connected(directory.client_config("coordinator", host="127.0.0.1"), "coordinator")
+    alice = connected(directory.client_config("pi-01", host="127.0.0.1"), "pi-01")
     try:
-        coordinator.subscribe(TOPICS.all_agent_updates(), TOPICS.all_agent_status())
-        alice.subscribe(TOPICS.agent_task("pi-01"), TOPICS.agent_task("pi-02"), TOPICS.agent_ack("pi-02"),
+        assert coordinator.subscribe(TOPICS.all_agent_updates(), TOPICS.all_agent_status())
+        assert alice.subscribe(TOPICS.agent_task("pi-01"), TOPICS.agent_task("pi-02"), TOPICS.agent_ack("pi-02"),
                         TOPICS.all_agent_updates())
         # What a device may publish: its own status and update. Not another's, not a task, not the coordinator's.
         assert alice.publish(TOPICS.agent_update("pi-01"), b"mine") == "Success"
@@ -182,8 +147,8 @@ def test_a_task_or_update_under_the_wrong_id_is_rejected(secured_mosquitto: Secu
         coordinator = Coordinator(config, dataset=load_dataset("digits"))
         coordinator.start()
         agent.start()
-        stolen_device = Client(broker.client_config("pi-01"), "thief-device")
-        stolen_coordinator = Client(broker.coordinator_config(), "thief-coordinator")
+        stolen_device = connected(broker.client_config("pi-01"), "thief-device")
+        stolen_coordinator = connected(broker.coordinator_config(), "thief-coordinator")
         try:
             update = Update("r1-pi-02-0000", 1, "pi-02", "ok", {"width": 1.0}, 5, [0],
                             {"w": np.zeros(2, dtype=np.float32)}, {}, None)
