@@ -26,8 +26,6 @@ import gc
 import json
 import os
 import resource
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 
 from edge_agent import allocator as heap
 from edge_agent.copies import CopyStore
-from edge_agent.workdir import ERROR_FILE, TASK_FILE, UPDATE_FILE, TrainingRequest
+from edge_agent.workdir import TASK_FILE, UPDATE_FILE, TrainingRequest
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
 from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode
 
@@ -68,18 +66,6 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def child_main(workdir_text: str) -> None:
-    """Entry point of the training child: read task, plan and data; train; write the update or the error."""
-    workdir = Path(workdir_text)
-    try:
-        _train(workdir)
-    except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
-        (workdir / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
-        sys.stderr.flush()
-        os._exit(1)
-    os._exit(0)
 
 
 def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor,
@@ -142,7 +128,8 @@ def _load_copies(store: CopyStore, model_ref: ModelRef, family: ModelFamily, spe
     return models
 
 
-def _train(workdir: Path) -> None:
+def train_in_workdir(workdir: Path) -> None:
+    """The training child's work: read task, request and data; train; write the update."""
     request = TrainingRequest.read(workdir)
     torch.set_num_threads(request.torch_threads)
     if request.device != "cuda":
@@ -196,7 +183,6 @@ def _train(workdir: Path) -> None:
     (workdir / UPDATE_FILE).write_bytes(encode(update))
 
 
-def cuda_probe_main(workdir_text: str) -> None:
-    """Entry point of a child that only tells whether torch sees a CUDA device (``cuda.json``)."""
-    (Path(workdir_text) / "cuda.json").write_text(json.dumps({"available": bool(torch.cuda.is_available())}))
-    os._exit(0)
+def probe_cuda(workdir: Path) -> None:
+    """A child's work that only tells whether torch sees a CUDA device (``cuda.json``)."""
+    (workdir / "cuda.json").write_text(json.dumps({"available": bool(torch.cuda.is_available())}))

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ from typing import Any
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
-from edge_agent.workdir import ERROR_FILE, TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
+from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments
 from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
@@ -312,15 +309,3 @@ def decide_in_workdir(workdir: Path) -> Decision:
             (workdir / TASK_FILE).write_bytes(encode(adapted))
     decision.write(workdir)
     return decision
-
-
-def decide_main(workdir_text: str) -> None:
-    """Entry point of the decision child: decide, or write the error and exit 1."""
-    workdir = Path(workdir_text)
-    try:
-        decide_in_workdir(workdir)
-    except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
-        (workdir / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
-        sys.stderr.flush()
-        os._exit(1)
-    os._exit(0)

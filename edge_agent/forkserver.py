@@ -16,8 +16,11 @@ import importlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import signal
+import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +58,17 @@ def start() -> None:
 
 
 def _enter(module: str, function: str, workdir: str) -> None:
-    """A child's target: ``module.function(workdir)``, imported in the child (preloaded by the forkserver)."""
-    getattr(importlib.import_module(module), function)(workdir)
+    """A child's target: ``module.function(Path(workdir))``, imported in the child (preloaded by the forkserver).
+
+    Whatever it raises is written to the work directory's ``error.txt`` (the first line says what) and the child
+    exits 1; otherwise it exits 0, without running the server's inherited exit handlers."""
+    try:
+        getattr(importlib.import_module(module), function)(Path(workdir))
+    except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
+        (Path(workdir) / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,7 @@ class ChildOutcome:
 
 def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> ChildOutcome:
     """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds."""
-    end = run_child("edge_agent.child:child_main", workdir, timeout, on_start)
+    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start)
     if end.timed_out:
         return ChildOutcome(None, end.exitcode, f"training did not finish within {timeout:.0f} s", timed_out=True)
     update_path = workdir / UPDATE_FILE
@@ -133,7 +145,7 @@ class DecisionFailed(Exception):
 
 def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> Decision:
     """Decide what to train for the task of ``workdir`` (``edge_agent.decision``) in a child."""
-    end = run_child("edge_agent.decision:decide_main", workdir, timeout, on_start)
+    end = run_child("edge_agent.decision:decide_in_workdir", workdir, timeout, on_start)
     if end.timed_out:
         raise DecisionFailed(f"deciding what to train did not finish within {timeout:.0f} s")
     if end.exitcode != 0 or not (workdir / DECISION_FILE).exists():
@@ -149,7 +161,7 @@ def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] 
 def cuda_available(timeout: float = 120.0) -> bool:
     """Whether torch sees a CUDA device, asked in a forkserver child (which starts the forkserver)."""
     with tempfile.TemporaryDirectory(prefix="fedfit-cuda-") as workdir:
-        end = run_child("edge_agent.child:cuda_probe_main", Path(workdir), timeout)
+        end = run_child("edge_agent.child:probe_cuda", Path(workdir), timeout)
         answer = Path(workdir) / "cuda.json"
         if end.exitcode != 0 or not answer.exists():
             raise RuntimeError(f"could not ask torch whether CUDA is available ({error_text(Path(workdir))})")
