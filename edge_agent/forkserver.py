@@ -158,11 +158,17 @@ def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] 
         raise DecisionFailed(f"the deciding process answered garbage: {exc}") from None
 
 
+class TorchUnavailable(RuntimeError):
+    """A forkserver child could not answer a question about torch (torch missing or broken, say)."""
+
+
 def cuda_available(timeout: float = 120.0) -> bool:
-    """Whether torch sees a CUDA device, asked in a forkserver child (which starts the forkserver)."""
+    """Whether torch sees a CUDA device, asked in a forkserver child (which starts the forkserver); raises
+    :class:`TorchUnavailable` with the child's error when it cannot say."""
     with tempfile.TemporaryDirectory(prefix="fedfit-cuda-") as workdir:
         end = run_child("edge_agent.child:probe_cuda", Path(workdir), timeout)
         answer = Path(workdir) / "cuda.json"
         if end.exitcode != 0 or not answer.exists():
-            raise RuntimeError(f"could not ask torch whether CUDA is available ({error_text(Path(workdir))})")
+            detail = (error_text(Path(workdir)) or f"exit code {end.exitcode}").strip().splitlines()[0]
+            raise TorchUnavailable(f"device: auto could not ask torch whether CUDA is available: {detail}")
         return bool(json.loads(answer.read_text())["available"])

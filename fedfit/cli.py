@@ -24,6 +24,7 @@ from common.data import DATASET_NAMES, DatasetError
 from common.logs import configure_logging
 from common.mqtt_link import BrokerUnavailable
 from edge_agent.daemon import AgentIdInUse
+from edge_agent.forkserver import TorchUnavailable
 from fedfit import broker_command
 from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
@@ -32,8 +33,8 @@ from fedfit.sim.budgets import scenario_tiers
 # Errors a user can cause: reported as one sentence, without a traceback (the coordinator's join them when the
 # command needs the coordinator: see _user_errors).
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, AgentIdInUse, BrokerSetupError, PkiError,
-    ValueError, FileNotFoundError)
+    ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, AgentIdInUse, TorchUnavailable, BrokerSetupError,
+    PkiError, ValueError, FileNotFoundError)
 #: Commands that need neither the coordinator nor the models (nor, with them, torch).
 LIGHT_COMMANDS = ("agent", "broker")
 

@@ -176,3 +176,14 @@ def test_the_forkserver_preloads_no_mqtt_client_or_logging():
                      if name in sys.modules))
     """)
     assert out.strip() == "[]"
+
+
+def test_a_cuda_probe_that_cannot_answer_is_one_sentence(monkeypatch):
+    def child_fails(entry, workdir, timeout, on_start=None):
+        (workdir / "error.txt").write_text("ModuleNotFoundError: No module named 'torch'\nTraceback ...")
+        return Exit(1)
+
+    monkeypatch.setattr(forkserver, "run_child", child_fails)
+    with pytest.raises(forkserver.TorchUnavailable, match=r"^device: auto could not ask torch whether CUDA is "
+                                                          r"available: ModuleNotFoundError: No module named 'torch'$"):
+        forkserver.cuda_available()
