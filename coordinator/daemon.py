@@ -118,6 +118,14 @@ class Coordinator:
         self._evaluator = self._make_evaluator()
         self._collector: RoundCollector | None = None
         self._collector_lock = threading.Lock()
+        self._pending_deadline = 0.0
+        if self._pending is not None:
+            # The journaled round takes the updates its agents resend from the first message on: were it opened
+            # only when run() gets to it, an update arriving before would be refused for good and lost.
+            self._pending_deadline = max(self._pending.deadline, time.time() + min(self.config.round_timeout_s,
+                                                                                   RESUME_GRACE_S))
+            self._collector = self._open_collector(self._pending.round, self._pending.tasks, self._pending_deadline,
+                                                   self._pending.updates)
         self.rejected_messages = 0
         self.link = MqttLink(
             client_id=f"fedfit-coordinator-{config.federation}",
@@ -268,10 +276,11 @@ class Coordinator:
         started = time.monotonic()
         pending, self._pending = self._pending, None
         if pending is not None and pending.round == round_number:
-            return self._finish_round(round_number, started, pending.tasks, pending.skipped,
-                                      max(pending.deadline, time.time() + min(self.config.round_timeout_s,
-                                                                              RESUME_GRACE_S)),
-                                      pending.updates)
+            with self._collector_lock:
+                resumed = self._collector
+            assert resumed is not None and resumed.round == round_number
+            return self._finish_round(round_number, started, pending.tasks, pending.skipped, self._pending_deadline,
+                                      resumed)
         if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
             online = self.registry.wait_settled(self.config.min_agents, REGISTRY_SETTLE_S,
                                                 self.config.wait_for_agents_s)
@@ -291,25 +300,33 @@ class Coordinator:
         deadline = time.time() + self.config.round_timeout_s
         tasks = {self._task_id(round_number, t.agent_id): t for t in plan.tasks}
         self.journal.begin(round_number, deadline, tasks, plan.skipped)  # before any task goes out
-        return self._finish_round(round_number, started, tasks, plan.skipped, deadline, [])
+        collector = self._open_collector(round_number, tasks, deadline, [])
+        return self._finish_round(round_number, started, tasks, plan.skipped, deadline, collector)
 
-    def _finish_round(self, round_number: int, started: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
-                      deadline: float, stored: list[tuple[Update, int, str]]) -> RoundResult:
-        """Dispatch a planned (or journaled) round's tasks, collect, aggregate, evaluate, checkpoint. ``stored``:
-        updates the journal kept from before a restart; their tasks are not sent again."""
-        self._round_in_flight = round_number
-        self._announce()
-        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
+    def _open_collector(self, round_number: int, tasks: dict[str, TaskPlan], deadline: float,
+                        stored: list[tuple[Update, int, str]]) -> RoundCollector:
+        """Open the round's collection: from now on its updates are stored and acked. ``stored``: updates the
+        journal kept from before a restart (their tasks are not sent again)."""
         collector = RoundCollector(round_number, {
             task_id: DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()})
         for update, size, digest in stored:
             collector.offer(update, size, digest)
         with self._collector_lock:
             self._collector = collector
+        return collector
+
+    def _finish_round(self, round_number: int, started: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
+                      deadline: float, collector: RoundCollector) -> RoundResult:
+        """Dispatch the tasks of a planned (or journaled) round that have no update yet, collect, aggregate,
+        evaluate, checkpoint."""
+        self._round_in_flight = round_number
+        self._announce()
+        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
+        stored = len(collector.updates)
         bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items()
                          if task_id not in collector.updates)
         self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(skipped),
-                      bytes_down=bytes_down, **({"resumed_with_updates": len(stored)} if stored else {}))
+                      bytes_down=bytes_down, **({"resumed_with_updates": stored} if stored else {}))
         outage_before = self.link.outage_seconds()
         # The deadline moves by any broker outage the coordinator sees meanwhile: updates could not arrive then.
         collector.wait(deadline, lambda: self.link.outage_seconds() - outage_before)

@@ -423,6 +423,30 @@ def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reas
     assert send(late).reason == "round 2 closed before the update arrived"
 
 
+def test_a_journaled_round_takes_resent_updates_before_it_runs(tmp_path: Path, digits, monkeypatch) -> None:
+    """A coordinator restarted after a crash answers the updates its agents resend for the journaled round from
+    its first message on, not only once run() gets to the round (they would be refused for good and lost)."""
+    from protocol import Ack, Topics, decode, encode, split_payload
+
+    crashed = Coordinator(config(tmp_path), dataset=digits)
+    task = task_for(crashed, "b")
+    crashed.journal.begin(1, time.time() + 60, {"r1-dev-1": task, "r1-dev-2": task}, [])
+    restarted = Coordinator(config(tmp_path, resume=True), dataset=digits)
+    answers: list[Ack] = []
+    monkeypatch.setattr(restarted.link, "publish", lambda topic, payload, **_: answers.append(decode(payload)))
+    update = update_for(restarted, task.spec, task_id="r1-dev-1", agent="dev", round_number=1, fill=0.1)
+    for chunk in split_payload(encode(update), "r1-dev-1.1"):
+        restarted._on_message(Topics(restarted.config.federation).agent_update("dev"), chunk)
+    assert answers == [Ack("r1-dev-1", 1, "dev")]  # stored: acked without a reason
+    assert [u.task_id for u, _, _ in restarted.journal.load().updates] == ["r1-dev-1"]
+    sent: list[str] = []
+    monkeypatch.setattr(restarted, "_dispatch", lambda round_number, task_id, *_: sent.append(task_id) or 0)
+    monkeypatch.setattr(restarted, "_pending_deadline", time.time() + 0.5)
+    result = restarted.run_round(1)
+    assert sent == ["r1-dev-2"]  # the answered task is not sent again
+    assert result.participants == 1  # and the update taken before it ran was aggregated
+
+
 def test_the_retained_status_carries_the_round_in_progress_then_the_last_completed(heterofl: Coordinator,
                                                                                    monkeypatch) -> None:
     from protocol import CoordinatorStatus, decode
