@@ -113,6 +113,10 @@ def test_any_other_sigkill_fails_the_task_without_touching_the_calibration(make_
 
 
 # --------------------------------------------------------------------------------------- a real OOM kill
+JAIL_BATCH = 4096  # samples, all in one step: about 21 MiB mapped afresh per step
+JAIL_EPOCHS = 200  # steps of about 0.12 s here: the jail lands long before the end
+
+
 def _v1_memory_dir() -> Path | None:
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
@@ -174,8 +178,13 @@ def _read(path: Path) -> str:
 
 @pytest.mark.slow
 def test_a_child_killed_by_the_oom_killer_is_out_of_memory_and_teaches_the_calibration(
-        make_task, make_runner, memory_jail):
-    runner = make_runner(budget=2**30)
+        make_task, make_runner, memory_jail, local_data):
+    # Moving a process into a cgroup moves none of its pages: only what it maps afterwards is charged there. So
+    # every step must map far more than the jail holds, wherever in training the jail lands. The compact heap maps
+    # each tensor afresh; one step of a 4,096-sample batch peaks at about 21 MiB (the tiny default task at 0.07
+    # MiB let a child jailed a moment late train to the end within 8 MiB).
+    runner = make_runner(local_data(n=JAIL_BATCH), budget=2**30)
+    assert runner.allocator == "compact"
     jailed: list[int] = []
 
     def watch() -> None:
@@ -189,7 +198,7 @@ def test_a_child_killed_by_the_oom_killer_is_out_of_memory_and_teaches_the_calib
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    update = runner.run(make_task(U(1.0), epochs=LONG))
+    update = runner.run(make_task(U(1.0), epochs=JAIL_EPOCHS, batch_size=JAIL_BATCH))
     watcher.join(10)
     assert jailed and jailed[0] != os.getpid()
     assert update.status == "failed"
