@@ -79,7 +79,7 @@ def test_a_forged_update_is_screened_out_and_the_federation_trains_on(secured_mo
         victim = next(t for t in result.tasks if t.agent == "victim")
         assert victim.status == "rejected", victim
         assert victim.reason.startswith("update rejected: its change (rms "), victim.reason
-        assert result.participants == 2
+        assert result.participants == 2, [(t.agent, t.status, t.reason) for t in result.tasks]
     rejected = [entry for entry in logs if entry["event"] == "update_rejected"]
     assert len(rejected) == 2 and all("times the median" in entry["reason"] for entry in rejected)
     assert results[-1].global_accuracy > 0.8, [r.global_accuracy for r in results]
