@@ -115,8 +115,9 @@ class EdgeAgent:
         systemd_notify.notify("READY=1")
 
     def stop(self) -> None:
-        """Say 'offline' (retained) and disconnect; queued training is abandoned. (Not 'offline' when another
-        process took this agent id over: the status is that process's now.)"""
+        """Say 'offline' (retained) and disconnect; queued tasks are abandoned and the one in training loses its
+        child (killed, not left training). (Not 'offline' when another process took this agent id over: the status
+        is that process's now.)"""
         self._stop.set()
         self.uplink.stop()
         if self._own_executor:

@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ PRELOAD = ["edge_agent.child", "edge_agent.decision", "edge_agent.child_warmup"]
 #: rows: about 0.3 MB between invocations; two agents of one simulation training the same sub-MB task: 0.37 and
 #: 0.73 MB); the calibration does not learn from tasks that are small against it.
 CPU_PEAK_RESOLUTION_BYTES = 300_000
+#: How often a waiting caller looks at its ``cancel`` event (seconds).
+CANCEL_POLL_S = 0.1
 
 _context: Any = None
 
@@ -73,10 +77,12 @@ def _enter(module: str, function: str, workdir: str) -> None:
 
 @dataclass(frozen=True)
 class Exit:
-    """How a child ended: its exit code (negative: the signal) and whether it was stopped for its time limit."""
+    """How a child ended: its exit code (negative: the signal), and whether it was stopped for its time limit or
+    because its caller cancelled it."""
 
     exitcode: int | None
     timed_out: bool = False
+    cancelled: bool = False
 
     @property
     def killed_by(self) -> str | None:
@@ -89,18 +95,24 @@ class Exit:
         return None
 
 
-def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> Exit:
-    """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s."""
+def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
+              cancel: threading.Event | None = None) -> Exit:
+    """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
+    or as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`)."""
     module, _, function = entry.partition(":")
     process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
     process.start()
     if on_start is not None:
         on_start(process.pid)
-    process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join(10)
-        return Exit(process.exitcode, timed_out=True)
+    deadline = time.monotonic() + timeout
+    while process.is_alive():
+        remaining = deadline - time.monotonic()
+        cancelled = cancel is not None and cancel.is_set()
+        if cancelled or remaining <= 0:
+            process.kill()
+            process.join(10)
+            return Exit(process.exitcode, timed_out=not cancelled, cancelled=cancelled)
+        process.join(remaining if cancel is None else min(remaining, CANCEL_POLL_S))
     return Exit(process.exitcode)
 
 
@@ -118,6 +130,7 @@ class ChildOutcome:
     exitcode: int | None
     error: str | None
     timed_out: bool = False
+    cancelled: bool = False
     out_of_memory: bool | None = None
     """For a child killed by SIGKILL (not for its deadline): whether the kernel counted an OOM kill meanwhile
     (None: not known; see :mod:`edge_agent.oom`)."""
@@ -128,9 +141,13 @@ class ChildOutcome:
         return Exit(self.exitcode).killed_by
 
 
-def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> ChildOutcome:
-    """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds."""
-    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start)
+def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
+                 cancel: threading.Event | None = None) -> ChildOutcome:
+    """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds, or
+    until ``cancel`` is set."""
+    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start, cancel)
+    if end.cancelled:
+        return ChildOutcome(None, end.exitcode, "training was cancelled", cancelled=True)
     if end.timed_out:
         return ChildOutcome(None, end.exitcode, f"training did not finish within {timeout:.0f} s", timed_out=True)
     update_path = workdir / UPDATE_FILE
@@ -143,9 +160,13 @@ class DecisionFailed(Exception):
     """The decision child died, overran or answered nothing readable; the message says which."""
 
 
-def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None) -> Decision:
-    """Decide what to train for the task of ``workdir`` (``edge_agent.decision``) in a child."""
-    end = run_child("edge_agent.decision:decide_in_workdir", workdir, timeout, on_start)
+def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
+                 cancel: threading.Event | None = None) -> Decision:
+    """Decide what to train for the task of ``workdir`` (``edge_agent.decision``) in a child (killed when
+    ``cancel`` is set)."""
+    end = run_child("edge_agent.decision:decide_in_workdir", workdir, timeout, on_start, cancel)
+    if end.cancelled:
+        raise DecisionFailed("deciding what to train was cancelled")
     if end.timed_out:
         raise DecisionFailed(f"deciding what to train did not finish within {timeout:.0f} s")
     if end.exitcode != 0 or not (workdir / DECISION_FILE).exists():

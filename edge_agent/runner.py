@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,6 +44,8 @@ __all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
 
 # Seconds a training child gets beyond the task's deadline before it is stopped (its update would be late).
 DEADLINE_GRACE_S = 30.0
+#: How long closing waits for the task being served to end once its child is killed.
+CLOSE_WAIT_S = 15.0
 #: Raw estimates the runner remembers between tasks, per model (a FeDepth cut of a 9-block model makes about
 #: 60), and the models it remembers them for.
 ESTIMATES_KEPT = 1024
@@ -140,20 +143,32 @@ class TaskRunner:
         self.copies_dir = self.state_dir / "copies"
         #: Raw estimates of earlier decisions, per model (:func:`edge_agent.workdir.model_key`), oldest first.
         self._estimates: OrderedDict[str, OrderedDict[str, dict[str, Any]]] = OrderedDict()
+        #: The training child running now, if any.
         self.child_pid: int | None = None
+        self._closing = threading.Event()
+        self._busy = threading.Lock()
         #: Reads the OOM-kill counter that tells the OOM killer's SIGKILL from any other (:mod:`edge_agent.oom`).
         self.oom_kills: Callable[[], oom.OomCount | None] = oom.oom_kills
 
-    def close(self) -> None:
-        """Remove what the runner wrote when it chose the directory itself."""
-        if self._own_state_dir:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Stop serving: a task being served loses its child (killed) and is answered ``failed``, later tasks are
+        declined. Waits up to ``timeout`` s for that task to end, then removes what the runner wrote when it chose
+        the directory itself."""
+        self._closing.set()
+        idle = self._busy.acquire(timeout=timeout)
+        try:
+            if self._own_state_dir:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+        finally:
+            if idle:
+                self._busy.release()
 
     # ------------------------------------------------------------------ public
     def run(self, task: Task) -> Update:
         """Run ``task``; any failure becomes an update with status declined/failed and the reason."""
         try:
-            return self._serve(task)
+            with self._busy:
+                return self._serve(task)
         except TaskRejected as exc:
             return self._answer(task, exc.status, reason=exc.reason)
         except Exception as exc:  # noqa: BLE001 - the agent outlives any task
@@ -189,6 +204,8 @@ class TaskRunner:
 
     # --------------------------------------------------------------- internals
     def _serve(self, task: Task) -> Update:
+        if self._closing.is_set():
+            raise TaskRejected("declined", "the agent is stopping")
         if time.time() > task.deadline:
             raise TaskRejected("declined", "the task's deadline passed before training could start")
         self._check_compatible(task)
@@ -214,7 +231,7 @@ class TaskRunner:
         DecisionRequest(self.device, self.allocator, available, self.calibration.factor, self.data, self.limits,
                         self.estimates_of(task.model)).write(workdir)
         try:
-            decision = forkserver.run_decision(workdir, self._timeout(task))
+            decision = forkserver.run_decision(workdir, self._timeout(task), cancel=self._closing)
         except DecisionFailed as exc:
             raise TaskRejected("failed", str(exc)) from None
         self._remember(task.model, decision.estimates)
@@ -228,9 +245,13 @@ class TaskRunner:
                         str(self.copies_dir), self.torch_threads, self.allocator).write(workdir)
         before = self.oom_kills()
         try:
-            outcome = forkserver.run_training(workdir, self._timeout(task), on_start=self._started)
+            outcome = forkserver.run_training(workdir, self._timeout(task), on_start=self._started,
+                                              cancel=self._closing)
         finally:
             self.child_pid = None
+        if outcome.cancelled:
+            return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
+                                reason="the agent stopped while training")
         if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
             outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
         if outcome.update is None:

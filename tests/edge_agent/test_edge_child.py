@@ -369,8 +369,8 @@ def test_a_crashing_child_fails_the_task_with_its_error(make_task, make_runner, 
 def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, monkeypatch):
     real_run_training = forkserver.run_training
 
-    def quick_timeout(workdir, timeout, on_start=None):
-        return real_run_training(workdir, 1.0, on_start=on_start)  # instead of the deadline + 30 s
+    def quick_timeout(workdir, timeout, on_start=None, cancel=None):
+        return real_run_training(workdir, 1.0, on_start=on_start, cancel=cancel)  # instead of the deadline + 30 s
 
     monkeypatch.setattr(forkserver, "run_training", quick_timeout)
     runner = make_runner(budget=2**30, limits=ENDLESS)

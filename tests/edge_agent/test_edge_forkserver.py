@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -81,10 +82,17 @@ def test_a_decision_child_that_fails_is_one_sentence(tmp_path, make_task):
         run_decision(workdir, 60)
 
 
+def test_a_cancelled_decision_child_is_killed_and_said_so(tmp_path, make_task):
+    cancel = threading.Event()
+    cancel.set()  # the agent is stopping: the child is killed at the first look
+    with pytest.raises(DecisionFailed, match="^deciding what to train was cancelled$"):
+        run_decision(write_request(tmp_path, make_task()), 60, cancel=cancel)
+
+
 def test_a_decision_child_answering_garbage_is_refused(tmp_path, make_task, monkeypatch):
     workdir = write_request(tmp_path / "work", make_task())
 
-    def child_writes_garbage(entry, workdir, timeout, on_start=None):
+    def child_writes_garbage(entry, workdir, timeout, on_start=None, cancel=None):
         (workdir / DECISION_FILE).write_text('{"status": "perhaps"}')
         return Exit(0)
 

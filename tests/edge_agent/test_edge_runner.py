@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from dataclasses import replace
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from edge_agent import runner as runner_module
 from edge_agent.adaptation import Option
 from edge_agent.calibration import Calibration
 from edge_agent.decision import Decider, estimate_key
+from edge_agent.limits import TaskLimits
 from edge_agent.runner import LocalData, TaskRejected, TaskRunner
 from edge_agent.workdir import DataShape
 from models import MemoryEstimate, SubmodelSpec, estimate_plan_memory, get_family
@@ -256,6 +259,28 @@ def test_close_removes_a_temporary_state_dir():
     finally:
         runner.close()
     assert not state_dir.exists()
+
+
+def test_closing_kills_the_training_child_answers_failed_and_then_removes_the_state_dir(make_task, local_data):
+    runner = TaskRunner("agent", local_data(), 2**30, limits=TaskLimits(max_epochs=10**5, max_steps=10**9))
+    state_dir = runner.state_dir
+    answers: list = []
+    serving = threading.Thread(target=lambda: answers.append(runner.run(make_task(SubmodelSpec.full(), epochs=10**5))))
+    serving.start()
+    deadline = time.monotonic() + 60
+    while runner.child_pid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = runner.child_pid
+    assert child is not None
+    runner.close()  # returns once the task has ended: its child killed, its work directory gone
+    assert answers and not state_dir.exists()
+    serving.join(10)
+    update = answers[0]
+    assert (update.status, update.reason) == ("failed", "the agent stopped while training")
+    assert not psutil.pid_exists(child)  # killed and reaped, not left training in a removed directory
+    assert runner.calibration.floor == 0.0  # a kill for stopping says nothing about memory
+    late = runner.run(make_task())
+    assert (late.status, late.reason) == ("declined", "the agent is stopping")
 
 
 # ---------------------------------------------------------------------------------------------- declined
@@ -710,8 +735,6 @@ def test_depthwise_through_auxiliary_classifiers_trains_whole_through_the_models
 ], ids=["epochs", "steps", "deadline", "parameters"])
 def test_a_task_beyond_the_agents_limits_is_declined_before_training(make_task, make_runner, limits, task_args,
                                                                      said):
-    from edge_agent.config import TaskLimits
-
     runner = make_runner(limits=TaskLimits(**limits))  # 16 local samples, batch 8: 2 steps an epoch
     deadline_in = task_args.pop("deadline_in", 600.0)
     update = runner.run(make_task(SubmodelSpec.full(), deadline=time.time() + deadline_in, **task_args))
