@@ -273,9 +273,9 @@ def test_closing_kills_the_training_child_answers_failed_and_then_removes_the_st
     child = runner.child_pid
     assert child is not None
     runner.close()  # returns once the task has ended: its child killed, its work directory gone
-    assert answers and not state_dir.exists()
+    assert not state_dir.exists()
     serving.join(10)
-    update = answers[0]
+    [update] = answers
     assert (update.status, update.reason) == ("failed", "the agent stopped while training")
     assert not psutil.pid_exists(child)  # killed and reaped, not left training in a removed directory
     assert runner.calibration.floor == 0.0  # a kill for stopping says nothing about memory
