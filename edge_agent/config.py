@@ -39,7 +39,7 @@ class AgentConfig:
     ``allocator`` is how a CPU training child manages its heap (``edge_agent.allocator``): ``compact`` (peaks
     lower and predictable, steps slower) or glibc's ``default``. ``forkserver`` is when the training forkserver
     (the process that holds torch, ``edge_agent.forkserver``) starts: at the ``first-task`` (an idle agent stays
-    small) or at ``start-up`` (the first task starts sooner; a broken torch install shows at once).
+    small) or at ``start-up`` (the first task starts sooner).
     """
 
     agent_id: str

@@ -272,12 +272,9 @@ class EdgeAgent:
         if task.agent_id != self.agent_id:
             raise ProtocolError(f"task addressed to {task.agent_id!r} arrived at {self.agent_id!r}")
         with self._lock:
-            if task.task_id in self._seen:
+            if not self._first_sight(task.task_id):
                 self.log.info("duplicate_task_ignored", task=task.task_id)
                 return
-            self._seen[task.task_id] = None
-            while len(self._seen) > _SEEN_TASKS:
-                self._seen.popitem(last=False)
             self._busy += 1
             self._last_round = max(self._last_round, task.round)
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
@@ -293,14 +290,22 @@ class EdgeAgent:
                              answered=False, why_not="its chunks do not say the round")
             return
         with self._lock:
-            if refused.transfer in self._seen:
+            if not self._first_sight(refused.transfer):
                 return
-            self._seen[refused.transfer] = None
         self.log.warning("task_refused", task=refused.transfer, round=refused.round, reason=refused.reason,
                          answered=True)
         self.uplink.send(Update(task_id=refused.transfer, round=refused.round, agent_id=self.agent_id,
                                 status="declined", spec_trained=None, num_samples=self.data.samples,
                                 labels=list(self.data.labels), weights={}, metrics={}, reason=refused.reason))
+
+    def _first_sight(self, task_id: str) -> bool:
+        """Whether ``task_id`` is new (lock held); remembers it among the last ``_SEEN_TASKS``."""
+        if task_id in self._seen:
+            return False
+        self._seen[task_id] = None
+        while len(self._seen) > _SEEN_TASKS:
+            self._seen.popitem(last=False)
+        return True
 
     def _serve(self, task: Task) -> None:
         try:

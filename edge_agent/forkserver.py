@@ -95,13 +95,22 @@ class Exit:
         return None
 
 
+class TorchUnavailable(RuntimeError):
+    """The forkserver could not start, or a child of it could not answer a question about torch (torch missing
+    or broken, say)."""
+
+
 def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
               cancel: threading.Event | None = None) -> Exit:
     """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
     or as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`)."""
     module, _, function = entry.partition(":")
     process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
-    process.start()
+    try:
+        process.start()
+    except (EOFError, OSError) as exc:  # the server died importing PRELOAD (a broken torch, say)
+        raise TorchUnavailable(f"the training forkserver could not start ({type(exc).__name__}: {exc}); it "
+                               f"imports torch and the trainer, and its error is on this process's stderr") from None
     if on_start is not None:
         on_start(process.pid)
     deadline = time.monotonic() + timeout
@@ -179,15 +188,14 @@ def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] 
         raise DecisionFailed(f"the deciding process answered garbage: {exc}") from None
 
 
-class TorchUnavailable(RuntimeError):
-    """A forkserver child could not answer a question about torch (torch missing or broken, say)."""
-
-
 def cuda_available(timeout: float = 120.0) -> bool:
     """Whether torch sees a CUDA device, asked in a forkserver child (which starts the forkserver); raises
     :class:`TorchUnavailable` with the child's error when it cannot say."""
     with tempfile.TemporaryDirectory(prefix="fedfit-cuda-") as workdir:
-        end = run_child("edge_agent.child:probe_cuda", Path(workdir), timeout)
+        try:
+            end = run_child("edge_agent.child:probe_cuda", Path(workdir), timeout)
+        except TorchUnavailable as exc:
+            raise TorchUnavailable(f"device: auto could not ask torch whether CUDA is available: {exc}") from None
         answer = Path(workdir) / "cuda.json"
         if end.exitcode != 0 or not answer.exists():
             detail = (error_text(Path(workdir)) or f"exit code {end.exitcode}").strip().splitlines()[0]

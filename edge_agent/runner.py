@@ -153,15 +153,15 @@ class TaskRunner:
     def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Stop serving: a task being served loses its child (killed) and is answered ``failed``, later tasks are
         declined. Waits up to ``timeout`` s for that task to end, then removes what the runner wrote when it chose
-        the directory itself."""
+        the directory itself (left in place when the task has not ended: a child may still be writing there)."""
         self._closing.set()
-        idle = self._busy.acquire(timeout=timeout)
+        if not self._busy.acquire(timeout=timeout):
+            return
         try:
             if self._own_state_dir:
                 shutil.rmtree(self.state_dir, ignore_errors=True)
         finally:
-            if idle:
-                self._busy.release()
+            self._busy.release()
 
     # ------------------------------------------------------------------ public
     def run(self, task: Task) -> Update:

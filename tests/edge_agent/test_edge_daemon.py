@@ -71,6 +71,15 @@ def test_a_task_over_max_task_bytes_is_declined_whatever_the_memory(make_agent) 
         "task refused at its first chunk: it is 1.5 MiB, more than limits.max_task_bytes 1.0 MiB")
 
 
+def test_refused_tasks_are_remembered_among_the_last_tasks_seen_only(make_agent, monkeypatch) -> None:
+    monkeypatch.setattr(daemon_module, "_SEEN_TASKS", 2)
+    agent, sent = make_agent(limits=TaskLimits(max_task_bytes=2**20))
+    for n in range(5):  # a run of refused tasks, each answered once
+        agent._on_message(TASKS, split_payload(b"\x00" * (2**20 + 1), f"r{n}-pi-01-x", round_number=n)[0])
+    assert [update.task_id for update in sent] == [f"r{n}-pi-01-x" for n in range(5)]
+    assert list(agent._seen) == ["r3-pi-01-x", "r4-pi-01-x"]
+
+
 def test_a_refused_task_whose_chunks_name_no_round_is_only_logged(make_agent) -> None:
     agent, sent = make_agent(limits=TaskLimits(max_task_bytes=2**20))
     with structlog.testing.capture_logs() as logs:  # an older coordinator: its chunks declare no round

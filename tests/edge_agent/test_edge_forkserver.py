@@ -195,3 +195,26 @@ def test_a_cuda_probe_that_cannot_answer_is_one_sentence(monkeypatch):
     with pytest.raises(forkserver.TorchUnavailable, match=r"^device: auto could not ask torch whether CUDA is "
                                                           r"available: ModuleNotFoundError: No module named 'torch'$"):
         forkserver.cuda_available()
+
+
+def test_a_forkserver_that_cannot_start_is_one_sentence(tmp_path):
+    """A preload that fails other than by ImportError (a broken libtorch, say) kills the server as it starts."""
+    (tmp_path / "broken_torch.py").write_text('raise OSError("libtorch_cpu.so: cannot open shared object file")\n')
+    out = run_python(f"""
+        import os, tempfile
+        from pathlib import Path
+        os.environ["PYTHONPATH"] = {str(tmp_path)!r}  # the forkserver's own interpreter finds it there
+        from edge_agent import forkserver
+        forkserver.PRELOAD = [*forkserver.PRELOAD, "broken_torch"]
+
+        if __name__ == "__main__":
+            for ask in (lambda: forkserver.run_child("edge_agent.child:probe_cuda", Path(tempfile.mkdtemp()), 60),
+                        forkserver.cuda_available):
+                try:
+                    ask()
+                except forkserver.TorchUnavailable as exc:
+                    print(exc)
+    """)
+    said = ("the training forkserver could not start (EOFError: unexpected EOF); it imports torch and the trainer, "
+            "and its error is on this process's stderr")
+    assert out.splitlines() == [said, f"device: auto could not ask torch whether CUDA is available: {said}"]
