@@ -86,9 +86,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.action == "add-device":
         secret = directory.add_login(args.name, rotate=args.rotate)
         print(f"{'new password for' if args.rotate else 'login for'} {args.name!r} in {secret}; {_RELOAD}")
+        if args.name == directory.settings.coordinator:
+            print(f"give {secret} to the coordinator (only to it): its broker section is unchanged")
+            return 0
         print(f"copy {directory.ca_file} and {secret} to the device (only to it), and put in its agent.yaml:")
         print(f"agent_id: {args.name}\nfederation: {directory.settings.federation}")
         print(_section(directory.client_config(args.name), args.device_dir))
+        print(f"# under the shipped systemd unit, install {secret.name} as /etc/fedfit/broker.password and set\n"
+              f"# password_file: /run/credentials/fedfit-agent.service/broker-password (see examples/agent.yaml)")
     elif args.action == "remove-device":
         directory.remove_login(args.name)
         print(f"removed {args.name!r}; {_RELOAD}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import pwd
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from fedfit.secure_broker.passwords import (
     read_password_file,
     write_password_file,
 )
-from fedfit.secure_broker.pki import make_ca, make_server_certificate
+from fedfit.secure_broker.pki import make_ca, make_server_certificate, subject_alt_names
 from protocol import validate_name
 
 DEFAULT_PORT = 8883  # MQTT over TLS
@@ -63,6 +65,12 @@ class BrokerSettings:
             raise BrokerSetupError(f"the port must be in 1..65535, got {self.port}")
         if not self.hosts:
             raise BrokerSetupError("give at least one host name or address the devices connect to")
+        try:  # before anything is written: these go into the certificate and mosquitto.conf
+            subject_alt_names(self.hosts)
+            if self.bind is not None:
+                subject_alt_names([self.bind])
+        except ValueError as exc:
+            raise BrokerSetupError(str(exc)) from None
 
 
 class BrokerDirectory:
@@ -98,21 +106,33 @@ class BrokerDirectory:
     def init(cls, path: Path, settings: BrokerSettings) -> BrokerDirectory:
         """Make a new directory: CA, server certificate, ACL, configuration and the coordinator's login."""
         settings.validate()
+        if settings.user is not None:
+            try:
+                pwd.getpwnam(settings.user)
+            except KeyError:
+                raise BrokerSetupError(f"there is no user {settings.user!r} here for mosquitto to run as") from None
         path = path.resolve()
         if (path / "broker.yaml").exists():
             raise BrokerSetupError(f"{path} already holds a broker's files; add devices with "
                                    f"`fedfit broker add-device {path} NAME`, or choose another directory")
-        (path / "clients").mkdir(parents=True, exist_ok=True)
-        os.chmod(path / "clients", 0o700)
-        directory = cls(path, settings)
-        ca = make_ca(path, f"FedFit CA {settings.federation}")
-        make_server_certificate(path, ca, settings.hosts)
-        write_atomic(directory.acl_file, acl_text(settings.federation, settings.coordinator).encode(), mode=0o640)
-        write_atomic(directory.conf, directory.mosquitto_conf().encode(), mode=0o640)
-        if settings.persistence:
-            (path / "data").mkdir(exist_ok=True)
-        directory.add_login(settings.coordinator, role="coordinator")  # also shares the files read with the broker
-        write_atomic(path / "broker.yaml", yaml.safe_dump(asdict(settings), sort_keys=False).encode())
+        made = not path.exists()
+        try:
+            (path / "clients").mkdir(parents=True, exist_ok=True)
+            os.chmod(path / "clients", 0o700)
+            directory = cls(path, settings)
+            ca = make_ca(path, f"FedFit CA {settings.federation}")
+            make_server_certificate(path, ca, settings.hosts)
+            write_atomic(directory.acl_file, acl_text(settings.federation, settings.coordinator).encode(),
+                         mode=0o640)
+            write_atomic(directory.conf, directory.mosquitto_conf().encode(), mode=0o640)
+            if settings.persistence:
+                (path / "data").mkdir(exist_ok=True)
+            directory.add_login(settings.coordinator, role="coordinator")  # also shares the broker's files with it
+            write_atomic(path / "broker.yaml", yaml.safe_dump(asdict(settings), sort_keys=False).encode())
+        except BaseException:
+            if made:  # no half-made broker (a CA key without broker.yaml) stays behind
+                shutil.rmtree(path, ignore_errors=True)
+            raise
         return directory
 
     @classmethod
@@ -177,14 +197,16 @@ class BrokerDirectory:
     def add_login(self, name: str, *, role: str = "device", rotate: bool = False) -> Path:
         """Give ``name`` a new random password; returns the file holding it. A device's name is its agent id.
 
-        Refuses an existing login unless ``rotate`` (which replaces its password), and a device named like the
-        coordinator. The running broker reads the change on SIGHUP (``systemctl reload mosquitto``)."""
+        Refuses an existing login unless ``rotate`` (which replaces its password; the coordinator's too), and a
+        new device named like the coordinator. The running broker reads the change on SIGHUP (``systemctl reload
+        mosquitto``)."""
         try:
             validate_name(name, "device name" if role == "device" else "coordinator username")
         except ValueError as exc:
             raise BrokerSetupError(str(exc)) from None
-        if role == "device" and name == self.settings.coordinator:
-            raise BrokerSetupError(f"{name!r} is the coordinator's username; give the device another name")
+        if role == "device" and name == self.settings.coordinator and not rotate:
+            raise BrokerSetupError(f"{name!r} is the coordinator's username; give the device another name (or pass "
+                                   f"--rotate to give the coordinator a new password)")
         entries = read_password_file(self.password_file)
         if name in entries and not rotate:
             raise BrokerSetupError(f"{name!r} already has a login; pass --rotate to give it a new password")

@@ -28,7 +28,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from common.mqtt_link import BrokerConfig
-from fedfit.secure_broker import BrokerDirectory, BrokerSettings
+from fedfit.secure_broker import BrokerDirectory, BrokerSettings, BrokerSetupError, PkiError
 
 BrokerKind = Literal["mosquitto", "amqtt", "external"]
 
@@ -235,9 +235,14 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation:
         directory: BrokerDirectory | None = None
         if federation is not None:
             shutil.rmtree(workdir / "secured", ignore_errors=True)
-            directory = BrokerDirectory.init(workdir / "secured", BrokerSettings(
-                federation=federation, hosts=["127.0.0.1", "localhost"], port=port, bind="127.0.0.1",
-                persistence=False, user=pwd.getpwuid(os.geteuid()).pw_name))
+            try:
+                directory = BrokerDirectory.init(workdir / "secured", BrokerSettings(
+                    federation=federation, hosts=["127.0.0.1", "localhost"], port=port, bind="127.0.0.1",
+                    persistence=False, user=pwd.getpwuid(os.geteuid()).pw_name))
+            except (BrokerSetupError, PkiError) as exc:
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise BrokerStartError(f"cannot secure the broker: {exc} (--insecure-broker runs one without TLS "
+                                       f"and logins)") from None
             conf = directory.conf
         else:
             conf = workdir / "mosquitto.conf"

@@ -132,8 +132,14 @@ def test_logins_add_rotate_remove(tmp_path: Path) -> None:
     config = directory.client_config("pi-01")
     assert (config.username, config.tls, config.port, config.host) == ("pi-01", True, 8883, "localhost")
     assert config.login() == ("pi-01", second) and config.ca_file == str(directory.ca_file)
-    with pytest.raises(BrokerSetupError, match="coordinator's username"):
+    with pytest.raises(BrokerSetupError, match="coordinator's username; .* pass --rotate to give the coordinator"):
         directory.add_login("coordinator")
+    coordinator = directory.client_password_file("coordinator")
+    old_password = coordinator.read_text().strip()
+    directory.add_login("coordinator", rotate=True)  # the coordinator's password can be rotated too
+    new_password = coordinator.read_text().strip()
+    assert new_password != old_password
+    assert check_password(new_password, read_password_file(directory.password_file)["coordinator"])
     with pytest.raises(BrokerSetupError, match="device name must be"):
         directory.add_login("../x")
     directory.remove_login("pi-01")
@@ -154,9 +160,16 @@ def test_open_and_settings_errors(tmp_path: Path) -> None:
         BrokerDirectory.open(tmp_path)
     for settings, message in ((BrokerSettings(federation="a b"), "federation"),
                               (BrokerSettings(federation="lab", port=0), "port"),
-                              (BrokerSettings(federation="lab", hosts=[]), "at least one host")):
+                              (BrokerSettings(federation="lab", hosts=[]), "at least one host"),
+                              (BrokerSettings(federation="lab", hosts=["broker.lan", "bad host"]),
+                               "'bad host' is not a host name or an IP address"),
+                              (BrokerSettings(federation="lab", bind="0.0.0.0\nallow_anonymous true"),
+                               "is not a host name or an IP address"),
+                              (BrokerSettings(federation="lab", user="no-such-user-here"),
+                               "there is no user 'no-such-user-here' here")):
         with pytest.raises(BrokerSetupError, match=message):
             BrokerDirectory.init(tmp_path / "x", settings)
+        assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
 @needs_openssl
@@ -199,5 +212,6 @@ def test_missing_openssl_is_one_sentence_and_blocks_no_later_init(tmp_path: Path
     monkeypatch.setenv("PATH", str(tmp_path))  # no openssl on it
     assert main(["broker", "init", str(tmp_path / "b"), "--federation", "lab"]) == 2
     assert "the 'openssl' command is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()  # the directory init made is gone again, no half-made broker in it
     monkeypatch.setenv("PATH", path)
     assert main(["broker", "init", str(tmp_path / "b"), "--federation", "lab"]) == 0
