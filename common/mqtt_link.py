@@ -270,7 +270,10 @@ class MqttLink:
         self._client = client
         try:
             client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive)
-        except ssl.SSLError as exc:
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError) as exc:
+            self._client = None  # the broker went away mid-handshake (restarting, overloaded): worth another try
+            return f"the TLS handshake was cut off: {exc}"
+        except ssl.SSLError as exc:  # the certificate, or a listener without TLS: no retry mends that
             self._client = None
             return f"{_TLS_FAILED}{exc.reason or exc}"
         except (OSError, ValueError) as exc:
