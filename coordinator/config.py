@@ -34,7 +34,12 @@ class DataConfig:
 
 @dataclass
 class RecipeConfig:
-    """Local training hyperparameters sent to every agent with its task."""
+    """Local training hyperparameters sent to every agent with its task.
+
+    ``masked_ce``: HeteroFL's masked cross-entropy (the logits of classes absent from a device's data are set to 0;
+    a no-op where a device holds every class). Left out (null), each method follows its paper: on for HeteroFL,
+    off for the others; true or false applies it to every method.
+    """
 
     epochs: int = 1
     batch_size: int = 32
@@ -42,7 +47,7 @@ class RecipeConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     clip_norm: float | None = 1.0
-    masked_ce: bool = False
+    masked_ce: bool | None = None
 
 
 @dataclass
@@ -57,8 +62,9 @@ class ScaleFLConfig:
     ``tau``, ``beta``: the self-distillation temperature and weight of Eq. 5 (paper: 3 and 0.1 for vision).
     ``kd_warmup``: share of the rounds trained without distillation (reference code: 0.25; paper: 0).
     ``detach_teacher``: stop the distillation gradient through the last exit (reference code: no).
-    ``normalization``: the weights of Eq. 5, ``paper`` (``i / (l (l + 1))``) or ``reference`` (twice that, the
-    weights summing to 1 as in the reference code).
+    ``normalization``: the weights of Eq. 5, ``reference`` (the default: ``2 i / (l (l + 1))``, summing to 1 as
+    in the reference code, so a level-``l`` device steps as far as any other device at the same learning rate) or
+    ``paper`` (Eq. 5 as printed, ``i / (l (l + 1))``: the weights sum to 1/2, halving every ScaleFL step).
     """
 
     ratios: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
@@ -69,7 +75,7 @@ class ScaleFLConfig:
     beta: float = 0.1
     kd_warmup: float = 0.0
     detach_teacher: bool = False
-    normalization: Literal["paper", "reference"] = "paper"
+    normalization: Literal["paper", "reference"] = "reference"
 
     def tolerances(self) -> list[float]:
         """eps_l for every level."""
@@ -100,18 +106,24 @@ class FeDepthConfig:
     (m-FeDepth; 1 switches it off). ``mutual_weight``: the weight of the mutual KL terms. ``route``: how a
     depth-wise segment's output reaches a classifier, ``skip`` (the paper's skip connection to the final head) or
     ``exit`` (an auxiliary classifier after every block, the model's early-exit heads: ``model.options.exit_convs``
-    sets their size).
+    sets their size). ``min_micro_batch``: a block that a device cannot train alone at the recipe's batch size
+    trains in micro-batches (the batch halved until it fits, gradients accumulated up to the batch) of no fewer
+    samples than this; below it the block is skipped (partial training). 0: no micro-batches.
     """
 
     max_copies: int = 2
     mutual_weight: float = 1.0
     route: str = "skip"
+    min_micro_batch: int = 8
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
         if not 1 <= self.max_copies <= MAX_COPIES or self.mutual_weight < 0:
             raise ValueError(f"fedepth.max_copies must be between 1 and {MAX_COPIES} and fedepth.mutual_weight "
                              "non-negative")
+        if self.min_micro_batch == 1 or self.min_micro_batch < 0:
+            raise ValueError(f"fedepth.min_micro_batch must be 0 (no micro-batches) or at least 2 (batch "
+                             f"normalisation needs two samples), got {self.min_micro_batch}")
         if self.route not in ROUTES:
             raise ValueError(f"fedepth.route must be one of {', '.join(ROUTES)}, got {self.route!r}")
 
@@ -131,16 +143,20 @@ class FedAvgConfig:
 
 @dataclass
 class ScreeningConfig:
-    """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true) and ``max_ratio``
-    (default 10), how many times the median change of the round's other updates an update's change may be."""
+    """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true); ``max_ratio``
+    (default 10), how many times the median change per step of the round's other updates of the same trained spec
+    an update's may be; ``min_peers`` (default 2), how many such updates that comparison needs."""
 
     enabled: bool = True
     max_ratio: float = 10.0
+    min_peers: int = 2
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
         if not self.max_ratio > 1:
             raise ValueError(f"screening.max_ratio must be above 1, got {self.max_ratio}")
+        if self.min_peers < 1:
+            raise ValueError(f"screening.min_peers must be at least 1, got {self.min_peers}")
 
 
 @dataclass

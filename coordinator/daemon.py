@@ -11,8 +11,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,18 @@ class NoAgentsError(RuntimeError):
     """No agent came online in time (before the first round: fewer than ``min_agents``)."""
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What the coordinator is doing, for a live display: ``phase`` "fleet" (waiting for ``expected`` agents
+    before the first round, ``done`` online) or "round" (round ``round``, ``done`` of its ``expected`` updates
+    in)."""
+
+    phase: str
+    round: int
+    done: int
+    expected: int
+
+
 #: An online status of one agent id from another process within this many seconds of the last one means two
 #: processes use the id (a restart says 'offline' first, or its Last Will does).
 TWO_INSTANCES_WINDOW_S = 120.0
@@ -86,6 +98,7 @@ class Coordinator:
         *,
         dataset: Dataset | None = None,
         on_round: Callable[[RoundResult], None] | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -101,6 +114,7 @@ class Coordinator:
         self._round_in_flight = 0  # the round being run (0 between rounds)
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
         self.on_round = on_round
+        self.on_progress = on_progress
         self.rng = random.Random(config.seed)
         self.state_dir = Path(config.state_dir)
         self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
@@ -232,6 +246,8 @@ class Coordinator:
             collector = self._collector
         digest = hashlib.sha256(complete).hexdigest()
         verdict = collector.offer(update, len(complete), digest) if collector is not None else "unknown"
+        if verdict == "accepted" and collector is not None:
+            self._progress("round", collector.round, len(collector.updates), len(collector.tasks))
         reason = self._refusal(collector, update, verdict)
         if verdict in ("accepted", "duplicate") and reason is None:
             try:
@@ -282,8 +298,9 @@ class Coordinator:
             return self._finish_round(round_number, started, pending.tasks, pending.skipped, self._pending_deadline,
                                       resumed)
         if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
-            online = self.registry.wait_settled(self.config.min_agents, REGISTRY_SETTLE_S,
-                                                self.config.wait_for_agents_s)
+            online = self.registry.wait_settled(
+                self.config.min_agents, REGISTRY_SETTLE_S, self.config.wait_for_agents_s,
+                lambda count: self._progress("fleet", round_number, count, self.config.min_agents))
             if online and len(online) < self.config.min_agents:
                 raise NoAgentsError(f"{len(online)} of the {self.config.min_agents} agents of federation "
                                     f"'{self.config.federation}' that min_agents asks for came online within "
@@ -325,6 +342,7 @@ class Coordinator:
         stored = len(collector.updates)
         bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items()
                          if task_id not in collector.updates)
+        self._progress("round", round_number, len(collector.updates), len(tasks))
         self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(skipped),
                       bytes_down=bytes_down, **({"resumed_with_updates": stored} if stored else {}))
         outage_before = self.link.outage_seconds()
@@ -338,6 +356,7 @@ class Coordinator:
                 records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
                                                     reason="no update by deadline")
                 outcomes.append(TaskOutcome(task, "missing", None, {}))
+        trained_levels, trained_exits = self._trained(results)
         if results:
             self.states = self.strategy.aggregate(round_number, results, self.states)
         self.strategy.observe(round_number, outcomes)
@@ -358,6 +377,8 @@ class Coordinator:
             bytes_up=sum(collector.update_bytes.values()),
             seconds=round(time.monotonic() - started, 3),
             tasks=[records[agent] for agent in sorted(records)],
+            trained_levels=trained_levels,
+            trained_exits=[f"exit{i}" for i in trained_exits] if len(global_outputs) > 1 else [],
         )
         self.metrics.write(result)
         self._round_in_flight = 0
@@ -367,6 +388,15 @@ class Coordinator:
         if self.on_round is not None:
             self.on_round(result)
         return result
+
+    def _progress(self, phase: str, round_number: int, done: int, expected: int) -> None:
+        """Tell the live display (``on_progress``); whatever it raises is logged, never the round's business."""
+        if self.on_progress is None:
+            return
+        try:
+            self.on_progress(Progress(phase, round_number, done, expected))
+        except Exception as exc:  # noqa: BLE001 - a display must not stop a round
+            self.log.warning("progress_display_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _task_id(self, round_number: int, agent_id: str) -> str:
         return f"r{round_number}-{agent_id}-{uuid.uuid4().hex[:8]}"
@@ -412,16 +442,41 @@ class Coordinator:
                     record.spec_trained = result.spec.describe()
                     results.append(result)
             answered.append((update, record))
-        kept, rejected = screen(results, self._sent, self.config.screening)
+        kept, rejected, changes = screen(results, self._sent, self.config.screening)
+        for result, change in zip(results, changes):
+            records[result.task.agent_id].screening = change.as_dict()
+        refused = {result.task.agent_id: reason for result, reason in rejected}
         for result, reason in rejected:
             record = records[result.task.agent_id]
             record.status, record.reason = "rejected", reason
             self.log.warning("update_rejected", agent=result.task.agent_id, reason=reason)
+        self._send_verdicts(collector, results, refused)
         trained_by = {result.task.agent_id: result.spec for result in kept}
         outcomes = [TaskOutcome(collector.tasks[update.task_id].task, record.status,
                                 trained_by.get(update.agent_id), dict(update.metrics))
                     for update, record in answered]
         return kept, outcomes
+
+    def _send_verdicts(self, collector: RoundCollector, results: list[TaskResult], refused: dict[str, str]) -> None:
+        """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
+        task_ids = {update.agent_id: task_id for task_id, update in collector.updates.items()}
+        for result in results:
+            agent = result.task.agent_id
+            reason = refused.get(agent)
+            self.link.publish(self.topics.agent_ack(agent), encode(Ack(
+                task_ids[agent], collector.round, agent, reason, "rejected" if reason else "aggregated")))
+
+    def _trained(self, results: Sequence[TaskResult]) -> tuple[list[str], list[int]]:
+        """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the
+        global model (1-based, depth order: its exits, then its final head) some update's tensors reached."""
+        targets = self.strategy.eval_targets()
+        levels = sorted(name for name, target in targets.items()
+                        if name != "global" and any(result.spec == target.spec for result in results))
+        global_spec = targets["global"].spec
+        heads = [set(self.family.head_keys(block)) for block in (*sorted(global_spec.exits), None)]
+        exits = [number for number, keys in enumerate(heads, start=1)
+                 if any(keys & set(result.state) for result in results)]
+        return levels, exits
 
     def _sent(self, result: TaskResult) -> dict[str, torch.Tensor]:
         """The weights ``result``'s task sent for the keys it trained (the group's state before this round)."""

@@ -20,6 +20,8 @@ class TaskRecord:
     reason: str | None = None
     num_samples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: What screening measured of an update it saw (:meth:`coordinator.screening.Change.as_dict`).
+    screening: dict[str, float] = field(default_factory=dict)
 
     def memory(self, name: str) -> int | None:
         """A memory figure the agent reported (budget_bytes, estimated_bytes, peak_bytes), if any."""
@@ -49,6 +51,10 @@ class RoundResult:
     seconds: float
     tasks: list[TaskRecord] = field(default_factory=list)
     exit_accuracy: dict[str, float] = field(default_factory=dict)
+    #: The levels some aggregated update trained as such this round (the others are slices others trained).
+    trained_levels: list[str] = field(default_factory=list)
+    #: The outputs of the global model (``exit<i>``) whose head some aggregated update trained this round.
+    trained_exits: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

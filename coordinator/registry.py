@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol import AgentStatus, Capabilities
@@ -76,13 +77,19 @@ class FleetRegistry:
                     return online
                 self._changed.wait(remaining)
 
-    def wait_settled(self, count: int, quiet: float, timeout: float) -> list[AgentRecord]:
+    def wait_settled(self, count: int, quiet: float, timeout: float,
+                     on_change: Callable[[int], None] | None = None) -> list[AgentRecord]:
         """Block until ``count`` agents are online and no status has arrived for ``quiet`` seconds (the retained
-        statuses of the whole fleet are in), or ``timeout`` passes; returns those online."""
+        statuses of the whole fleet are in), or ``timeout`` passes; returns those online. ``on_change(online)`` is
+        called (lock held: it must not block) whenever the number online changes, and once at the start."""
         deadline = time.monotonic() + timeout
+        seen = -1
         with self._changed:
             while True:
                 online = sorted((a for a in self._agents.values() if a.online), key=lambda a: a.agent_id)
+                if on_change is not None and len(online) != seen:
+                    seen = len(online)
+                    on_change(seen)
                 now = time.monotonic()
                 calm = now - self._last_change
                 if (len(online) >= count and calm >= quiet) or now >= deadline:

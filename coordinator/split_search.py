@@ -61,17 +61,21 @@ def search_split(
     step: float = 0.01,
     above: Split | None = None,
     allowed_blocks: Sequence[int] | None = None,
+    exhaustive: bool = False,
 ) -> Split:
     """The most balanced split whose cost is within ``tolerance`` of ``target * full_cost`` (Eq. 1).
 
     Parameters
     ----------
     cost:
-        ``cost(blocks, s_w)``: cost of the model cut after ``blocks`` blocks at width ``s_w``. It must not
-        decrease as the width or the depth grows (parameters, FLOPs and training memory do not), which lets the
-        search skip most of the grid: it starts at the depth where the balanced diagonal ``s_w = s_d`` crosses the
-        target, bisects widths, and moves away from that depth only while a split as balanced as the best so far
-        can still exist. The result is the one an exhaustive grid search finds.
+        ``cost(blocks, s_w)``: cost of the model cut after ``blocks`` blocks at width ``s_w``. Unless
+        ``exhaustive``, it must not decrease as the width grows at a fixed depth (parameters, FLOPs and training
+        memory do not, by construction: every tensor of the same graph grows with its channels); nothing is
+        assumed across depths (the training memory of a cut model with its exit need not grow with the depth:
+        an exit after a high-resolution block can cost more than a deeper one). Every depth is visited, the
+        depths nearest the one where the balanced diagonal ``s_w = s_d`` meets the target first, and at each
+        the feasible widths are found by bisection within the window that could still beat the best split so
+        far. The result is the one an exhaustive grid search finds.
     num_blocks:
         ``N``, the body blocks of the full model.
     full_cost, target, tolerance:
@@ -83,6 +87,8 @@ def search_split(
         level's exits (Eq. 3-4: the level-``j`` model has the exits of every level ``i <= j``).
     allowed_blocks:
         The block counts a split may keep (default all ``1..N``); e.g. those after which an exit may sit.
+    exhaustive:
+        Evaluate every width of the window at every depth: for a cost that may decrease as the width grows.
 
     Ties on ``|s_d - s_w|`` go to the cost nearest the target, then to the deeper split. Raises
     :class:`NoSplitError` when nothing on the grid meets the tolerance.
@@ -108,38 +114,40 @@ def search_split(
 
     best: tuple[tuple[float, float, int], Split] | None = None
 
-    def visit(blocks: int) -> str:
-        """Update ``best`` with this depth's most balanced feasible width; say whether the feasible widths lie
-        wholly below ("low") or above ("high") the window that could still beat it."""
+    def visit(blocks: int) -> None:
+        """Update ``best`` with this depth's most balanced feasible width, looking only at the widths that could
+        still beat it."""
         nonlocal best
         first, last = depths[blocks][0], depths[blocks][-1]
         reach = len(grid) if best is None else round(best[0][0] / step)
         lo, hi = max(0, first - reach), min(len(grid) - 1, last + reach)
-        if at(blocks, lo) > high:
-            return "low"
-        if at(blocks, hi) < low:
-            return "high"
-        start = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) >= low)
-        stop = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) > high) - 1
+        if exhaustive:
+            feasible = [i for i in range(lo, hi + 1) if low <= at(blocks, i) <= high]
+        else:
+            if at(blocks, lo) > high or at(blocks, hi) < low:
+                return
+            start = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) >= low)
+            stop = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) > high) - 1
+            feasible = list(range(start, stop + 1))
+        if not feasible:
+            return
         for s_d in depths[blocks]:
-            if start > stop:
-                break
-            nearest = min(max(s_d, start), stop)
-            value = at(blocks, nearest)
-            key = (round(abs(grid[s_d] - grid[nearest]), 9), abs(value / goal - 1.0), -blocks)
-            if best is None or key < best[0]:
-                best = (key, Split(grid[s_d], grid[nearest], blocks, value, value / full_cost))
-        return "inside"
+            nearest = min(feasible, key=lambda i: (abs(i - s_d), -i)) if exhaustive else min(
+                max(s_d, feasible[0]), feasible[-1])
+            candidates = [nearest]
+            if exhaustive:  # equally balanced widths on both sides: the one nearer the goal wins below
+                candidates += [i for i in feasible if abs(i - s_d) == abs(nearest - s_d) and i != nearest]
+            for index in candidates:
+                value = at(blocks, index)
+                key = (round(abs(grid[s_d] - grid[index]), 9), abs(value / goal - 1.0), -blocks)
+                if best is None or key < best[0]:
+                    best = (key, Split(grid[s_d], grid[index], blocks, value, value / full_cost))
 
-    # The depth where the diagonal crosses the target: its cost grows with the depth.
+    # Nearest first the depth where the diagonal crosses the target (for costs that grow with the depth too),
+    # so that the best split found early narrows the window of the others; every depth is visited.
     crossing = _bisect(len(order), lambda i: at(order[i], depths[order[i]][len(depths[order[i]]) // 2]) >= goal)
-    for direction in (range(crossing, len(order)), range(crossing - 1, -1, -1)):
-        for i in direction:
-            where = visit(order[i])
-            # Deeper splits only move the feasible widths down and the balanced window up, shallower ones the
-            # other way: once out of reach, the rest of that direction is too.
-            if (where == "low" and direction.step > 0) or (where == "high" and direction.step < 0):
-                break
+    for i in sorted(range(len(order)), key=lambda i: abs(i - crossing + 0.5)):
+        visit(order[i])
     if best is None:
         raise NoSplitError(f"no split on the {step:g} grid has a cost within {tolerance:.0%} of {target:g} of the "
                            f"global model's")
@@ -235,11 +243,12 @@ class _CostModel:
 
 def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequence[float], *,
                   cost: str | Callable[[SubmodelSpec], float] = "params", input_size: tuple[int, int] = (28, 28),
-                  step: float = 0.01, max_rounds: int = 10) -> list[LevelSplit]:
+                  step: float = 0.01, max_rounds: int = 10, exhaustive: bool = False) -> list[LevelSplit]:
     """ScaleFL's levels for ``family``: one split per target ratio (smallest first, the last 1: the full model).
 
-    ``cost`` is ``"params"``, ``"flops"`` (per sample at ``input_size``) or any function of a spec that grows
-    with its width (e.g. the estimated training memory of the level that spec would be).
+    ``cost`` is ``"params"``, ``"flops"`` (per sample at ``input_size``) or any function of a spec that does not
+    fall as its width grows (e.g. the estimated training memory of the level that spec would be; nothing is
+    assumed across depths); ``exhaustive`` for one that may (see :func:`search_split`).
 
     ``cost(M)`` is the global model as the top level trains it, early exits included, so every level's ratio is
     of the same model; since the exits depend on the splits, the search repeats until the exits settle
@@ -271,7 +280,7 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
                 return costs(blocks, s_w, _with_exit(lower, blocks, n))
 
             split = search_split(level_cost, n, full, target, tolerance, step=step, above=previous,
-                                 allowed_blocks=allowed)
+                                 allowed_blocks=allowed, exhaustive=exhaustive)
             found = list(_with_exit(lower, split.blocks, n))
             spec = split_spec(family, split.blocks, split.s_w, found)
             levels.append(LevelSplit(target, tolerance, split, spec))

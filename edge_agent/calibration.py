@@ -20,6 +20,8 @@ from pathlib import Path
 
 from common.durable import write_atomic
 
+#: The factor before any measurement: a 10% margin over the raw estimate (see the module docstring).
+INITIAL_FACTOR = 1.10
 # A single measurement moves the factor at most this far (noise in a small run must not freeze the device).
 MIN_RATIO, MAX_RATIO = 0.5, 3.0
 
@@ -32,11 +34,13 @@ def corrected(raw_estimate: int, overhead: int, factor: float) -> int:
 class Calibration:
     """Thread-safe calibration factor with an optional JSON file behind it."""
 
-    def __init__(self, path: str | Path | None = None, initial: float = 1.10, margin: float = 1.05,
-                 window: int = 20, resolution: int = 0) -> None:
+    def __init__(self, path: str | Path | None = None, initial: float = INITIAL_FACTOR, margin: float = 1.05,
+                 window: int = 20, resolution: int = 0, label: str | None = None) -> None:
         """``resolution``: how far the measured peak of identical runs moves (bytes); a run whose
-        model-dependent part is under ten times that teaches nothing, since its ratio would be mostly noise."""
+        model-dependent part is under ten times that teaches nothing, since its ratio would be mostly noise.
+        ``label`` says in the file what the calibration is of (e.g. the model)."""
         self.path = Path(path) if path is not None else None
+        self.label = label
         self.initial = initial
         self.margin = margin
         self.window = window
@@ -100,7 +104,9 @@ class Calibration:
         if self.path is None:
             return
         with self._lock:
-            data = {"ratios": self.ratios, "floor": self.floor}
+            data: dict[str, object] = {"ratios": self.ratios, "floor": self.floor}
+            if self.label is not None:
+                data["of"] = self.label
         with self._save_lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, json.dumps(data).encode())

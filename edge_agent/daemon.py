@@ -80,6 +80,8 @@ class EdgeAgent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.rejected_messages = 0
+        #: Updates the coordinator stored but its screening rejected, by task id, with the reason.
+        self.rejected_updates: dict[str, str] = {}
         self.tasks_done = 0
         self.coordinator_state = "unknown"  # as its retained status last said
         self.link = MqttLink(
@@ -224,11 +226,22 @@ class EdgeAgent:
             elif kind == "ack":
                 ack = decode(payload, expected=Ack)
                 assert isinstance(ack, Ack)
-                if not self.uplink.on_ack(ack.task_id, ack.reason):
+                if ack.verdict is not None:
+                    self._on_verdict(ack)
+                elif not self.uplink.on_ack(ack.task_id, ack.reason):
                     self.log.debug("ack_ignored", task=ack.task_id)
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_verdict(self, ack: Ack) -> None:
+        """What the coordinator's screening made of a stored update: aggregated, or rejected with the reason (kept
+        in :attr:`rejected_updates`)."""
+        if ack.verdict == "rejected":
+            self.rejected_updates[ack.task_id] = ack.reason or ""
+            self.log.warning("update_rejected_by_coordinator", task=ack.task_id, round=ack.round, reason=ack.reason)
+        else:
+            self.log.info("update_aggregated", task=ack.task_id, round=ack.round)
 
     def _on_coordinator_status(self, payload: bytes) -> None:
         """Log when the coordinator goes offline and when it comes back (its retained status and Last Will)."""

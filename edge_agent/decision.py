@@ -27,7 +27,7 @@ from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
 from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
-from models.depthwise import Decomposition, cut_segments
+from models.depthwise import Decomposition, cut_segments, micro_batch_ladder
 from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
 
 
@@ -43,6 +43,7 @@ class Cut:
     ``route`` is how each segment reaches a classifier; ``cached`` the stages (1-based) that buffer their frozen
     blocks' outputs, ``recomputed`` those that run them every batch, and ``buffer_needs`` the least a recomputed
     stage's buffered run would need (None when a stage runs one epoch: buffering saves nothing).
+    ``smallest_micro`` is the micro-batch ``smallest`` was estimated at (0: the whole batch).
     """
 
     decomposition: Decomposition
@@ -51,6 +52,7 @@ class Cut:
     cached: tuple[int, ...] = ()
     recomputed: tuple[int, ...] = ()
     buffer_needs: int | None = None
+    smallest_micro: int = 0
 
     def describe(self) -> str:
         """E.g. ``"blocks 0 | 1-3 | 4-8 via the skip path; frozen blocks recomputed every batch in stages 2, 3
@@ -145,7 +147,8 @@ class Decider:
         whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
         if choice.option is None and task.adaptation is not None and depthwise:
             cut, option, segment_estimate = self.depthwise(task.model, family, sent, replace(plan, copies=1),
-                                                           task.adaptation.route, available)
+                                                           task.adaptation.route, available,
+                                                           task.adaptation.min_micro_batch)
             if option is not None:
                 raw[option] = segment_estimate
                 needed = self.corrected(segment_estimate)
@@ -154,6 +157,8 @@ class Decider:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"nothing fits the {size_text(available)} available (estimated: {tried}"
                                            + (f"; no block fits alone, the smallest needs {size_text(cut.smallest)}"
+                                              + (f" in micro-batches of {cut.smallest_micro}" if cut.smallest_micro
+                                                 else "")
                                               if cut is not None and cut.smallest is not None else "")
                                            + ("; no cut fits with its auxiliary classifiers"
                                               if cut is not None and cut.smallest is None else "") + ")")
@@ -173,6 +178,8 @@ class Decider:
         if cut is not None and spec.segments is not None:
             reason = f"trained depth-wise, {cut.describe()}, to fit {size_text(available)}"
             metrics["cached_stages"] = float(len(cut.cached))
+            metrics["micro_batched_stages"] = float(sum(1 for m in cut.decomposition.micro_batches if m))
+            metrics["skipped_blocks"] = float(len(cut.decomposition.skipped))
         elif spec not in (sent, whole):
             reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {size_text(available)}"
         elif plan.copies > 1 and chosen_plan.copies > 1:
@@ -187,46 +194,56 @@ class Decider:
         return decision, adapted
 
     def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
-                  available: int) -> tuple[Cut, Option | None, MemoryEstimate]:
+                  available: int, min_micro_batch: int = 0) -> tuple[Cut, Option | None, MemoryEstimate]:
         """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
 
         The (calibrated) estimate of training each candidate segment (its blocks, its classifier reached through
         ``route``, the frozen blocks before it) at the plan's batch size decides; the segments starting at a block
-        are estimated together, when the cut first needs one of them, and remembered. The cut's spec carries the
-        auxiliary classifier of every segment (route ``"exit"``), whose weights all its stages hold: when they
-        push a stage over, the cut is made again for that much less. A stage after the first buffers its frozen
-        blocks' outputs when it runs more than one epoch and the buffer fits too. Returns the cut, the option to
-        train (None when nothing fits) and its raw estimate (its costliest stage).
+        are estimated together, when the cut first needs one of them, and remembered. A block that fits alone at
+        no batch size trains in micro-batches, the largest of the plan's batch halved again and again down to
+        ``min_micro_batch`` at which it fits (none when that is 0), with gradients accumulated up to the batch;
+        only a block that fits at none of them is skipped. The cut's spec carries the auxiliary classifier of every
+        segment (route ``"exit"``), whose weights all its stages hold: when they push a stage over, the cut is made
+        again for that much less. A stage after the first buffers its frozen blocks' outputs when it runs more than
+        one epoch and the buffer fits too. Returns the cut, the option to train (None when nothing fits) and its
+        raw estimate (its costliest stage).
         """
         blocks = sent.depth or family.num_blocks
         starts: set[int] = set()
+        ladder = micro_batch_ladder(plan.batch_size, min_micro_batch)
 
         def spec_for(segments: tuple[tuple[int, int], ...]) -> SubmodelSpec:
             ends = tuple(stop - 1 for _, stop in segments if stop < blocks) if route == "exit" else ()
             return replace(sent, segments=segments, exits=ends)
 
-        def staged(count: int, cache: bool = False) -> TrainingPlan:
-            return replace(plan, schedule=(Stage(plan.epochs, route, cache),) * count)
+        def staged(count: int, cache: bool = False, micro: int = 0) -> TrainingPlan:
+            return replace(plan, schedule=(Stage(plan.epochs, route, cache, micro),) * count)
 
-        def raw_cost(start: int, stop: int) -> MemoryEstimate:
-            if start not in starts:  # every segment from this block at once
+        def raw_cost(start: int, stop: int, micro: int = 0) -> MemoryEstimate:
+            if not micro and start not in starts:  # every segment from this block at once
                 starts.add(start)
                 self.raw_estimates(model, [Option(spec_for(((start, end),)), staged(1))
                                            for end in range(start + 1, blocks + 1)])
-            return self.raw_estimate(model, spec_for(((start, stop),)), staged(1))
+            return self.raw_estimate(model, spec_for(((start, stop),)), staged(1, micro=micro))
 
         budget = available
         for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
-            decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget)
+            decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget,
+                                         micro_cost=lambda a, b, m: self.corrected(raw_cost(a, b, m)),
+                                         micro_batches=ladder)
             if not decomposition.segments:  # every block was tried alone: their estimates are known
                 if budget < available:  # a block fits alone, but not with the other segments' classifiers
                     return Cut(decomposition, None, route), None, raw_cost(0, 1)
-                smallest = min(self.corrected(raw_cost(b, b + 1)) for b in range(blocks))
-                return Cut(decomposition, smallest, route), None, raw_cost(0, 1)
+                least = ladder[-1] if ladder else 0
+                smallest = min(self.corrected(raw_cost(b, b + 1, least)) for b in range(blocks))
+                return Cut(decomposition, smallest, route, smallest_micro=least), None, raw_cost(0, 1)
             spec = spec_for(decomposition.segments)
-            each = [Option(replace(spec, segments=(segment,)), staged(1)) for segment in decomposition.segments]
-            buffered = [Option(replace(spec, segments=(segment,)), staged(1, cache=True))
-                        for segment in decomposition.segments if segment[0] > 0 and plan.epochs > 1]
+            micros = [decomposition.micro_batch(i) for i in range(len(decomposition.segments))]
+            each = [Option(replace(spec, segments=(segment,)), staged(1, micro=micro))
+                    for segment, micro in zip(decomposition.segments, micros)]
+            buffered = [Option(replace(spec, segments=(segment,)), staged(1, cache=True, micro=micro))
+                        for segment, micro in zip(decomposition.segments, micros)
+                        if segment[0] > 0 and plan.epochs > 1]
             made = self.raw_estimates(model, each + buffered)
             worst = max(self.corrected(made[option]) for option in each)
             if worst <= available:
@@ -238,10 +255,10 @@ class Decider:
         cached: list[int] = []
         recomputed: list[int] = []
         needs: list[int] = []
-        for number, (option, segment) in enumerate(zip(each, decomposition.segments), start=1):
+        for number, (option, segment, micro) in enumerate(zip(each, decomposition.segments, micros), start=1):
             estimate = made[option]
             if segment[0] > 0 and plan.epochs > 1:
-                with_buffer = made[replace(option, plan=staged(1, cache=True))]
+                with_buffer = made[replace(option, plan=staged(1, cache=True, micro=micro))]
                 if self.corrected(with_buffer) <= available:
                     estimate = with_buffer
                     cached.append(number)
@@ -251,7 +268,7 @@ class Decider:
             elif segment[0] > 0:
                 recomputed.append(number)
             chosen.append(estimate)
-        schedule = tuple(Stage(plan.epochs, route, number in cached)
+        schedule = tuple(Stage(plan.epochs, route, number in cached, micros[number - 1])
                          for number in range(1, len(decomposition.segments) + 1))
         cut = Cut(decomposition, None, route, tuple(cached), tuple(recomputed), min(needs) if needs else None)
         return cut, Option(spec, replace(plan, schedule=schedule)), max(chosen, key=lambda e: e.total)

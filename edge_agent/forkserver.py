@@ -108,9 +108,10 @@ def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int
     process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
     try:
         process.start()
-    except (EOFError, OSError) as exc:  # the server died importing PRELOAD (a broken torch, say)
-        raise TorchUnavailable(f"the training forkserver could not start ({type(exc).__name__}: {exc}); it "
-                               f"imports torch and the trainer, and its error is on this process's stderr") from None
+    except (EOFError, OSError):  # the server died importing PRELOAD (a broken torch, say)
+        # (EOFError while it dies, ConnectionRefusedError once it is gone: which one is a matter of timing.)
+        raise TorchUnavailable("the training forkserver could not start; it imports torch and the trainer, and "
+                               "its error is on this process's stderr") from None
     if on_start is not None:
         on_start(process.pid)
     deadline = time.monotonic() + timeout

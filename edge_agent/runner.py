@@ -11,6 +11,7 @@ itself carries on.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 import threading
@@ -132,11 +133,11 @@ class TaskRunner:
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(
             prefix=f"fedfit-{agent_id}-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        # One calibration per way of running: a factor learnt under one allocator is wrong for the other.
-        runtime = "cuda" if device == "cuda" else f"cpu-{self.allocator}"
-        self.calibration = calibration if calibration is not None else Calibration(
-            self.state_dir / f"calibration-{runtime}.json",
-            resolution=0 if device == "cuda" else forkserver.CPU_PEAK_RESOLUTION_BYTES)
+        #: How this device runs (the device, and on CPU the heap): a calibration learnt one way says nothing of another.
+        self.runtime = "cuda" if device == "cuda" else f"cpu-{self.allocator}"
+        self._given_calibration = calibration
+        self._calibrations: dict[str, Calibration] = {}
+        self._last_model: ModelRef | None = None
         self.data_path = self.state_dir / "local-data.npz"
         np.savez(self.data_path, x=data.x, y=data.y)
         #: The device's own auxiliary copies (m-FeDepth), kept between rounds by the training children.
@@ -183,6 +184,28 @@ class TaskRunner:
                 free = min(free, gpu)
         return free
 
+    def calibration_for(self, model: ModelRef) -> Calibration:
+        """The calibration of ``model`` on this device: one per model (family and options, classes, channels), input
+        size, heap and device, each in its own file, so that what one model teaches never scales another's
+        estimates (the one given to the runner, if any, serves every model)."""
+        if self._given_calibration is not None:
+            return self._given_calibration
+        key = json.dumps([model_key(model), list(self.data.image_size), self.runtime])
+        if key not in self._calibrations:
+            digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+            self._calibrations[key] = Calibration(
+                self.state_dir / f"calibration-{self.runtime}-{digest}.json", label=key,
+                resolution=0 if self.device == "cuda" else forkserver.CPU_PEAK_RESOLUTION_BYTES)
+        return self._calibrations[key]
+
+    @property
+    def calibration(self) -> Calibration:
+        """The calibration of the model served last (before any task: the given one, or a fresh one that no file
+        backs)."""
+        if self._last_model is not None or self._given_calibration is not None:
+            return self.calibration_for(self._last_model)  # type: ignore[arg-type]
+        return Calibration(resolution=0 if self.device == "cuda" else forkserver.CPU_PEAK_RESOLUTION_BYTES)
+
     @property
     def remembered_estimates(self) -> int:
         """How many raw estimates the runner keeps from earlier decisions."""
@@ -209,6 +232,7 @@ class TaskRunner:
         if time.time() > task.deadline:
             raise TaskRejected("declined", "the task's deadline passed before training could start")
         self._check_compatible(task)
+        self._last_model = task.model
         # Named by a digest: a task id is wire data and must never become a path ("..", say).
         workdir = self.state_dir / "tasks" / hashlib.sha256(task.task_id.encode()).hexdigest()[:24]
         shutil.rmtree(workdir, ignore_errors=True)
@@ -228,7 +252,8 @@ class TaskRunner:
 
     def _decide(self, task: Task, workdir: Path, available: int) -> Decision:
         """What to train, decided in a decision child (``edge_agent.decision``) from the task and this device."""
-        DecisionRequest(self.device, self.allocator, available, self.calibration.factor, self.data, self.limits,
+        DecisionRequest(self.device, self.allocator, available, self.calibration_for(task.model).factor, self.data,
+                        self.limits,
                         self.estimates_of(task.model)).write(workdir)
         try:
             decision = forkserver.run_decision(workdir, self._timeout(task), cancel=self._closing)
@@ -240,7 +265,7 @@ class TaskRunner:
     def _train(self, task: Task, workdir: Path, decision: Decision, available: int) -> Update:
         assert decision.spec is not None
         memory = {"estimated_bytes": float(decision.estimate), "raw_estimate_bytes": float(decision.raw_total),
-                  "budget_bytes": float(available), "calibration": self.calibration.factor}
+                  "budget_bytes": float(available), "calibration": self.calibration_for(task.model).factor}
         TrainingRequest(decision.spec, self.device, list(self.data.labels), str(self.data_path),
                         str(self.copies_dir), self.torch_threads, self.allocator).write(workdir)
         before = self.oom_kills()
@@ -256,7 +281,8 @@ class TaskRunner:
             outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
         if outcome.update is None:
             if outcome.out_of_memory:  # only the OOM killer's kills say the estimate was too low
-                self.calibration.observe_failure(decision.raw_total, available, decision.raw_overhead)
+                self.calibration_for(task.model).observe_failure(decision.raw_total, available,
+                                                                 decision.raw_overhead)
             why = _killed(outcome) if outcome.killed_by else f"training process failed (exit code {outcome.exitcode})"
             detail = (outcome.error or "").strip().splitlines()[:1]
             return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
@@ -266,7 +292,8 @@ class TaskRunner:
         except ProtocolError as exc:
             return self._answer(task, "failed", metrics=memory, reason=f"training child answered garbage: {exc}")
         assert isinstance(update, Update)
-        self.calibration.observe(decision.raw_total, int(update.metrics.get("peak_bytes", 0)), decision.raw_overhead)
+        self.calibration_for(task.model).observe(decision.raw_total, int(update.metrics.get("peak_bytes", 0)),
+                                                 decision.raw_overhead)
         update.status = decision.status
         update.reason = decision.reason
         update.metrics.update(memory)

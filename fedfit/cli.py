@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -26,9 +25,10 @@ from common.mqtt_link import BrokerUnavailable
 from edge_agent.daemon import AgentIdInUse
 from edge_agent.forkserver import TorchUnavailable
 from fedfit import broker_command
+from fedfit.run_command import budgets_type
 from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
-from fedfit.sim.budgets import scenario_tiers
+from fedfit.version import version_string
 
 # Errors a user can cause: reported as one sentence, without a traceback (the coordinator's join them when the
 # command needs the coordinator: see _user_errors).
@@ -48,82 +48,62 @@ def _user_errors(command: str) -> tuple[type[BaseException], ...]:
     return (*USER_ERRORS, CheckpointError, NoAgentsError)
 
 
-def _budgets(text: str) -> str:
-    """argparse type of ``--budgets``: a known scenario or ``fractions:A,B,...``."""
-    try:
-        scenario_tiers(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def _parser(light: bool = False) -> argparse.ArgumentParser:
     """The command line; ``light``: only the commands of :data:`LIGHT_COMMANDS` (the rest import torch)."""
     parser = argparse.ArgumentParser(prog="fedfit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=version_string())
     sub = parser.add_subparsers(dest="command", required=True)
 
     agent = sub.add_parser("agent", help="run an edge agent daemon")
     agent.add_argument("--config", required=True, help="YAML file with the agent configuration")
-    agent.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    agent.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                       help="default: the config's log_level")
     broker_command.add_parser(sub)
     if light:
         return parser
 
     from coordinator.strategies import ALGORITHM_NAMES
+    from fedfit.run_command import add_run_arguments
     from models import FAMILY_NAMES
 
     coord = sub.add_parser("coordinator", help="run the coordinator daemon")
     coord.add_argument("--config", required=True, help="YAML file with the coordinator configuration")
-    coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="default: info")
 
-    sim = sub.add_parser("sim", help="run a whole federation on this machine over a real MQTT broker")
-    sim.add_argument("--algorithm", choices=ALGORITHM_NAMES, default="heterofl")
-    sim.add_argument("--agents", type=int, default=8, help="number of simulated edge agents")
-    sim.add_argument("--rounds", type=int, default=5)
-    sim.add_argument("--dataset", choices=DATASET_NAMES, default="fashion-mnist")
-    sim.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N (labels per agent)")
-    sim.add_argument("--model", choices=FAMILY_NAMES, default="cnn")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--federation", default="sim", help="federation name (one MQTT topic level)")
-    sim.add_argument("--broker", default=None, metavar="HOST:PORT",
-                     help="use this broker (anonymous clients allowed) instead of starting a secured one on a free "
-                          "loopback port")
-    sim.add_argument("--insecure-broker", action="store_true",
-                     help="start the broker without TLS, logins and ACL (a quick local try; anyone on this machine "
-                          "could join)")
-    sim.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
-    sim.add_argument("--config", default=None, metavar="FILE",
-                     help="coordinator YAML whose settings (recipe, levels, model options, ...) the run starts from")
-    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                     help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
-    sim.add_argument("--budgets", type=_budgets, default="tiers",
-                     help="device memory budgets as shares of the full model's training memory: uniform (all 110%%), "
-                          "tiers (weak/medium/strong 40/30/30%% with 35/60/110%%), tiers-fluctuating (r = r_M - |u|), "
-                          "FeDepth's fair {1/6,1/3,1/2,1}, lack {1/8,1/6,1/2,1}, surplus {1/6,1/3,1/2,2}, or "
-                          "fractions:A,B,... (a quarter, third... of the fleet each)")
-    sim.add_argument("--budget-variance", type=float, default=10.0,
-                     help="sigma^2 of the per-round fluctuation u, in percentage points squared")
-    sim.add_argument("--allocator", choices=("compact", "default"), default="compact",
-                     help="heap of the agents' training processes: compact (lower, predictable peaks; slower "
-                          "steps) or glibc's default; budgets are relative to the full model's need under it")
-    sim.add_argument("--workers", type=int, default=1, help="training processes run at once across the fleet")
-    sim.add_argument("--state-dir", default=None, help="where checkpoints and metrics go (default runs/sim-NAME)")
-    sim.add_argument("--log-file", default=None, help="write the daemons' JSON logs here (default: warnings "
-                                                     "and errors to stderr)")
+    sim = sub.add_parser("sim", help="run a whole federation on this machine over a real MQTT broker",
+                         description="Run a whole federation on this machine over a real MQTT broker; the run gets a "
+                                     "directory of its own (report, CSV, summary, plots).")
+    add_run_arguments(sim, ALGORITHM_NAMES, FAMILY_NAMES, compare=False)
+
+    compare = sub.add_parser("compare", help="run several algorithms on the same fleet (or read runs) and compare",
+                             description="Run several algorithms on the same fleet, data partition, budgets and seed "
+                                         "(--algorithms), or read existing run directories, and write one comparison: "
+                                         "a table, a PNG and a self-contained HTML page.")
+    compare.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories of `fedfit sim` to compare")
+    compare.add_argument("--algorithms", default=None, metavar="A,B,...",
+                         help=f"the algorithms to run, comma-separated, of {', '.join(ALGORITHM_NAMES)} (fedavg runs "
+                              "at the smallest width every device can train unless fedavg.width is set)")
+    compare.add_argument("--out", default=None, metavar="DIR",
+                         help="where the comparison (and the runs) go (default: a new runs/<time>-compare/)")
+    add_run_arguments(compare, ALGORITHM_NAMES, FAMILY_NAMES, compare=True)
 
     plan = sub.add_parser("plan", help="print the levels or pool a strategy would use, before deploying")
     plan.add_argument("--config", default=None, metavar="FILE",
                       help="coordinator YAML (algorithm, model, recipe, method settings); flags override it")
-    plan.add_argument("--algorithm", choices=ALGORITHM_NAMES, default=None)
-    plan.add_argument("--model", choices=FAMILY_NAMES, default=None)
+    plan.add_argument("--algorithm", choices=ALGORITHM_NAMES, default=None,
+                      help="default: the config's, else heterofl")
+    plan.add_argument("--model", choices=FAMILY_NAMES, default=None, help="default: the config's, else cnn")
     plan.add_argument("--dataset", choices=DATASET_NAMES, default=None,
-                      help="sets the classes, input channels and image size (default: the config's data.dataset)")
+                      help="sets the classes, input channels and image size (default: the config's data.dataset, "
+                           "else auto: fashion-mnist when installed, else digits)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                       help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
-    plan.add_argument("--budgets", type=_budgets, default=None,
-                      help="also show what each device tier of this budget scenario would train (see sim --budgets)")
+    plan.add_argument("--budgets", type=budgets_type, default=None,
+                      help="also show each device tier of this budget scenario (see sim --budgets): its bytes and "
+                           "what every method would hand it")
     plan.add_argument("--json", action="store_true",
-                      help="print JSON: a list of the levels (with --budgets: {\"levels\": [...], \"tiers\": [...]})")
+                      help='print JSON: {"levels": [...], "tiers": [...]} (tiers empty without --budgets)')
     return parser
 
 
@@ -146,12 +126,18 @@ def _override(mapping: dict[str, Any], assignment: str) -> None:
     target[last] = value
 
 
-def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = (),
-          check: Callable[[Any], None] | None = None) -> Any:
-    """The configuration of ``cls`` from ``path`` with ``overrides``, validated (and ``check``-ed)."""
+def _mapping(path: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The configuration file's mapping with ``overrides`` applied (not yet validated)."""
     mapping = load_yaml(path) if path else {}
     for assignment in overrides:
         _override(mapping, assignment)
+    return mapping
+
+
+def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = (),
+          check: Callable[[Any], None] | None = None) -> Any:
+    """The configuration of ``cls`` from ``path`` with ``overrides``, validated (and ``check``-ed)."""
+    mapping = _mapping(path, overrides)
     config = from_mapping(cls, mapping, where="")
     try:
         config.validate()
@@ -168,6 +154,11 @@ def _load_coordinator(path: str | None, overrides: Sequence[str] = ()) -> Any:
     from coordinator.strategies import check_algorithm
 
     return _load(CoordinatorConfig, path, overrides, lambda config: check_algorithm(config.algorithm))
+
+
+def _coordinator_settings(path: str | None, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Any]:
+    """The mapping the file and ``overrides`` give (what they set) and the validated configuration."""
+    return _mapping(path, overrides), _load_coordinator(path, overrides)
 
 
 def _stop_on_signals(stop: Any) -> None:
@@ -216,30 +207,15 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from fedfit.sim.harness import SimOptions, run_simulation
-    from fedfit.sim.report import format_table, write_report
+    from fedfit.run_command import run_sim
 
-    if args.log_file:
-        Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
-        log_stream = open(args.log_file, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
-        configure_logging("info", log_stream)
-    else:
-        configure_logging("warning", sys.stderr)
-    base = _load_coordinator(args.config, args.overrides)
-    options = SimOptions(algorithm=args.algorithm, agents=args.agents, rounds=args.rounds, dataset=args.dataset,
-                         partition=args.partition, model=args.model, seed=args.seed, federation=args.federation,
-                         broker=args.broker, secure_broker=not args.insecure_broker, workers=args.workers, budgets=args.budgets,
-                         budget_variance=args.budget_variance, allocator=args.allocator, base=base,
-                         state_dir=args.state_dir)
-    outcome = run_simulation(options)
-    broker = outcome.report["broker"]
-    print(f"{args.algorithm} | {args.agents} agents | {args.dataset} {args.partition} | {args.model} | broker "
-          f"{broker['kind']} {broker['version']} " + ("(TLS, logins, ACL)" if broker["secured"] else "(UNSECURED)"))
-    print(format_table(outcome.rounds))
-    if args.report:
-        write_report(outcome.report, args.report)
-        print(f"report written to {args.report}")
-    return 0
+    return run_sim(args, _coordinator_settings)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from fedfit.run_command import run_compare
+
+    return run_compare(args, _coordinator_settings)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -247,50 +223,43 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from common.data import load_dataset
     from coordinator.planning import strategy_for
-    from fedfit.plan_table import format_plan
+    from fedfit.plan_table import format_plan, format_tiers, tier_rows
 
-    config = _load_coordinator(args.config, args.overrides)
+    mapping, config = _coordinator_settings(args.config, args.overrides)
     config = replace(config, algorithm=args.algorithm or config.algorithm,
                      model=replace(config.model, family=args.model or config.model.family),
                      data=replace(config.data, dataset=args.dataset or config.data.dataset))
-    config.validate()
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     dataset = load_dataset(config.data.dataset, config.data.root)
     strategy = strategy_for(config, dataset)
     rows = strategy.describe()
-    tiers = _tier_rows(strategy, args.budgets) if args.budgets else None
+    fedavg_set = "width" in mapping.get("fedavg", {}) if isinstance(mapping.get("fedavg"), dict) else False
+    tiers = tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set) if args.budgets else []
     if args.json:
-        print(json.dumps(rows if tiers is None else {"levels": rows, "tiers": tiers}, indent=2))
+        print(json.dumps({"levels": rows, "tiers": tiers}, indent=2))
     else:
         print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
               f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
               f"batch {config.recipe.batch_size} (compact heap, this CPU)")
         print(format_plan(rows))
-        if tiers is not None:
-            print(f"\ndevice tiers of --budgets {args.budgets} (shares of the full model's training memory):")
-            print(format_plan(tiers))
+        if args.budgets:
+            print(f"\ndevice tiers of --budgets {args.budgets}, and what each method would hand them:")
+            print(format_tiers(tiers))
     return 0
-
-
-def _tier_rows(strategy: Any, scenario: str) -> list[dict[str, Any]]:
-    """What each tier of ``scenario`` would train: budgets are the fixed overhead plus the tier's share of the
-    model-dependent training memory of the strategy's largest task, as in ``fedfit sim``."""
-    from fedfit.sim.budgets import tier_budget
-
-    spec, plan = strategy.largest_task()
-    estimate = strategy.context.training_memory(spec, plan)
-    rows = []
-    for tier in scenario_tiers(scenario):
-        budget = tier_budget(tier, estimate.total - estimate.overhead, estimate.overhead)
-        rows.append({"tier": tier.name, "budget_bytes": budget, **strategy.plan_for_budget(budget)})
-    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedfit`` console command."""
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments in (["--version"], ["-V"]):  # without importing torch
+        print(version_string())
+        return 0
     args = _parser(light=bool(arguments) and arguments[0] in LIGHT_COMMANDS).parse_args(arguments)
-    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "plan": _run_plan,
-               "broker": broker_command.run}
+    runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "compare": _run_compare,
+               "plan": _run_plan, "broker": broker_command.run}
     try:
         return runners[args.command](args)
     except _user_errors(args.command) as exc:

@@ -1,34 +1,106 @@
-"""The table ``fedfit plan`` prints: one row per level or pool model."""
+"""What ``fedfit plan`` prints: one row per level or pool model, and with ``--budgets`` one row per device tier
+saying what every method would hand it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-_FIRST = ("name", "tier", "budget_bytes", "trains", "segments", "spec", "params", "flops", "train_bytes")
+_FIRST = ("name", "tier", "budget_bytes", "trains", "segments", "spec", "params", "macs", "train_bytes")
+
+
+def count_text(value: float) -> str:
+    """A count in the unit that reads best: ``812``, ``61.5 K``, ``1.73 M``, ``2.5 G``."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:g}"
+
+
+def bytes_text(value: float) -> str:
+    """Bytes in KiB, MiB or GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value / 2**10:.1f} KiB"
 
 
 def _cell(key: str, value: Any) -> str:
     if isinstance(value, list):
         return " ".join(_cell(key, item) for item in value)
     if key.endswith("_bytes"):
-        return f"{value / 2**20:.1f} MiB"
-    if key in ("params", "flops"):
-        return f"{value / 1e6:.3f} M"
+        return bytes_text(value)
+    if key in ("params", "macs"):
+        return count_text(value)
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
 
 
+def _align(table: list[list[str]], left: Sequence[int]) -> str:
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_plan(rows: Sequence[dict[str, Any]]) -> str:
-    """Aligned columns: name (or tier), spec, parameters, FLOPs, training memory, then the strategy's own
-    figures."""
+    """Aligned columns: name (or tier), spec, parameters, multiply-accumulates per sample, training memory, then
+    the strategy's own figures."""
     keys = [k for k in _FIRST if any(k in row for row in rows)]
     keys += [k for row in rows for k in row if k not in keys]
     keys = list(dict.fromkeys(keys))
     table = [keys] + [[_cell(k, row[k]) if k in row else "-" for k in keys] for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(keys))]
-    lines = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-             for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _align(table, left=(1,))
+
+
+def tier_cell(entry: dict[str, Any]) -> str:
+    """What one method hands a tier, in a few words (``plan_for_budget``'s answer)."""
+    parts = [str(entry.get("trains", "-"))]
+    if "segments" in entry:
+        parts.append(entry["segments"])
+    elif entry.get("spec") and entry.get("spec") != entry.get("trains"):
+        parts.append(f"({entry['spec']})")
+    if entry.get("fits") is False:
+        parts.append("[does not fit]")
+    return " ".join(parts)
+
+
+def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False) -> list[dict[str, Any]]:
+    """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
+    and what each method would hand it (FedAvg at the smallest width the scenario's weakest devices can train,
+    unless ``fedavg.width`` is set, as ``fedfit compare`` runs it)."""
+    from coordinator.planning import strategy_for
+    from coordinator.strategies import ALGORITHM_NAMES
+    from coordinator.strategies.base import base_plan
+    from fedfit.sim.budgets import BudgetAnchor, scenario_tiers, smallest_width
+    from models import get_family
+
+    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
+    anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size)
+    strategies = {}
+    for name in ALGORITHM_NAMES:
+        method = replace(config, algorithm=name)
+        if name == "fedavg" and not fedavg_width_set:
+            width = smallest_width(scenario) or min(config.levels)
+            method = replace(method, fedavg=replace(config.fedavg, width=width))
+        strategies[name] = strategy_for(method, dataset, family)
+    rows = []
+    for tier in scenario_tiers(scenario):
+        budget = anchor.tier_bytes(tier)
+        rows.append({"tier": tier.name, "budget_bytes": budget,
+                     "methods": {name: strategy.plan_for_budget(budget) for name, strategy in strategies.items()}})
+    return rows
+
+
+def format_tiers(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per tier: its budget and, per method, what it would be handed."""
+    if not rows:
+        return ""
+    methods = list(rows[0]["methods"])
+    table = [["tier", "budget", *methods]]
+    table += [[row["tier"], bytes_text(row["budget_bytes"]), *(tier_cell(row["methods"][name]) for name in methods)]
+              for row in rows]
+    return _align(table, left=range(2, 2 + len(methods)))

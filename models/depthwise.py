@@ -28,7 +28,8 @@ from torch.nn import functional as F
 
 from models.net import FamilyNet
 
-__all__ = ["Decomposition", "SegmentModel", "cut_by_block_costs", "cut_segments", "frozen_outputs", "output_shape"]
+__all__ = ["Decomposition", "SegmentModel", "cut_by_block_costs", "cut_segments", "frozen_outputs",
+           "micro_batch_ladder", "output_shape"]
 
 
 def output_shape(model: FamilyNet, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -139,40 +140,80 @@ def frozen_outputs(model: FamilyNet, stop: int, x: torch.Tensor, batch_size: int
 class Decomposition:
     """How a body of blocks is trained under a memory budget (FeDepth): ``skipped`` blocks are not trained at all
     (partial training: they do not fit even alone), ``segments`` are the consecutive block ranges trained one
-    after another, input side first."""
+    after another, input side first, and ``micro_batches`` the micro-batch of each (0: whole batches; empty: all
+    whole)."""
 
     segments: tuple[tuple[int, int], ...]
     skipped: tuple[int, ...]
+    micro_batches: tuple[int, ...] = ()
+
+    def micro_batch(self, index: int) -> int:
+        """The micro-batch segment ``index`` trains in (0: whole batches)."""
+        return self.micro_batches[index] if self.micro_batches else 0
 
     def describe(self) -> str:
-        """E.g. ``"0 | 1 | 2-3 | 4-8"`` (block numbers, 0-based), skipped blocks noted."""
-        parts = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in self.segments]
+        """E.g. ``"0 (micro-batches of 8) | 1 | 2-3 | 4-8"`` (block numbers, 0-based), skipped blocks noted."""
+        parts = []
+        for index, (a, b) in enumerate(self.segments):
+            micro = self.micro_batch(index)
+            parts.append((f"{a}" if b - a == 1 else f"{a}-{b - 1}") + (f" (micro-batches of {micro})" if micro else ""))
         text = " | ".join(parts) or "nothing"
         return f"{text} (skipped {', '.join(map(str, self.skipped))})" if self.skipped else text
 
 
-def cut_segments(cost: Callable[[int, int], float], num_blocks: int, budget: float) -> Decomposition:
+def micro_batch_ladder(batch_size: int, floor: int) -> list[int]:
+    """The micro-batches a block that does not fit at ``batch_size`` may train in: the batch halved again and
+    again, largest first, down to ``floor`` samples (none when ``floor`` is below 2)."""
+    ladder: list[int] = []
+    size = batch_size // 2
+    while floor >= 2 and size >= floor:
+        ladder.append(size)
+        size //= 2
+    return ladder
+
+
+def cut_segments(cost: Callable[[int, int], float], num_blocks: int, budget: float, *,
+                 micro_cost: Callable[[int, int, int], float] | None = None,
+                 micro_batches: Sequence[int] = ()) -> Decomposition:
     """The fewest consecutive segments of blocks ``0..num_blocks-1`` whose training each fits ``budget``.
 
-    ``cost(start, stop)`` is the memory of training blocks ``start..stop-1`` together (and the head); it must not
-    shrink when a segment grows. Starting at the input side, each segment is extended while it fits (greedy, which
-    gives the fewest segments for such costs); a block that does not fit even alone is skipped (partial
-    training) and the next segment starts after it.
+    ``cost(start, stop)`` is the memory of training blocks ``start..stop-1`` together (and the head) at the plan's
+    batch size; it must not shrink when a segment grows. Starting at the input side, each segment is extended while
+    it fits (greedy, which gives the fewest segments for such costs).
+
+    A block that does not fit alone trains in micro-batches: the largest of ``micro_batches`` (tried in order,
+    largest first) at which it fits, ``micro_cost(start, stop, micro)`` being the memory then; its segment takes
+    the next blocks while they fit at that micro-batch and do not fit alone at the whole batch (micro-batches only
+    where they are needed). A block that fits at none of them is skipped (partial training) and the next segment
+    starts after it.
     """
     segments: list[tuple[int, int]] = []
+    micros: list[int] = []
     skipped: list[int] = []
     start = 0
     while start < num_blocks:
-        if cost(start, start + 1) > budget:
+        if cost(start, start + 1) <= budget:
+            stop = start + 1
+            while stop < num_blocks and cost(start, stop + 1) <= budget:
+                stop += 1
+            segments.append((start, stop))
+            micros.append(0)
+            start = stop
+            continue
+        micro = next((m for m in micro_batches if micro_cost is not None and micro_cost(start, start + 1, m) <= budget),
+                     0)
+        if not micro:
             skipped.append(start)
             start += 1
             continue
+        assert micro_cost is not None
         stop = start + 1
-        while stop < num_blocks and cost(start, stop + 1) <= budget:
+        while stop < num_blocks and cost(stop, stop + 1) > budget and micro_cost(start, stop + 1, micro) <= budget:
             stop += 1
         segments.append((start, stop))
+        micros.append(micro)
         start = stop
-    return Decomposition(tuple(segments), tuple(skipped))
+    return Decomposition(tuple(segments), tuple(skipped), tuple(micros) if any(micros) else ())
 
 
 def cut_by_block_costs(costs: Sequence[float], budget: float) -> Decomposition:

@@ -432,6 +432,13 @@ class ModelFamily(abc.ABC):
                     keys.append(f"{d.name}.bias")
         return tuple(keys)
 
+    def head_keys(self, exit_block: int | None = None) -> tuple[str, ...]:
+        """The trainable state keys of one output's head: the early exit after block ``exit_block``, or the final
+        head (None)."""
+        layers = [d for d in self._layers
+                  if d.exit == exit_block and (exit_block is not None or d.block is None)]
+        return tuple(self._shapes(layers, self._groups, False))
+
     def is_nested(self, inner: SubmodelSpec | None, outer: SubmodelSpec | None) -> bool:
         """Whether every tensor of ``inner`` lies inside ``outer``'s (same keys or fewer, each a prefix at most as
         large), and ``inner`` trains nothing ``outer`` does not. The coordinator refuses an update whose trained

@@ -143,7 +143,7 @@ from models.depthwise import SegmentModel
 from models.family import ModelFamily
 from models.spec import SubmodelSpec
 from models.training import backward_step, stages
-from protocol.plan import LossTerm, TrainingPlan
+from protocol.plan import LossTerm, Stage, TrainingPlan
 
 __all__ = [
     "CPU_ALLOCATORS",
@@ -251,6 +251,7 @@ def _trace(
     segment: tuple[int, int] | None,
     route: str,
     copies: int = 1,
+    accumulate: bool = False,
 ) -> _Trace:
     granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
     with torch.device("meta"):
@@ -286,6 +287,8 @@ def _trace(
                 marks["activations"] = max(marks.get("activations", 0), tracker.live)
 
             value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded)
+            if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
+                value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded)
             activations = marks["activations"]
             after_backward = tracker.live
             del value, inputs, targets, mask
@@ -400,6 +403,7 @@ def estimate_training_memory(
     route: str = "skip",
     copies: int = 1,
     cache_samples: int = 0,
+    accumulate: bool = False,
 ) -> MemoryEstimate:
     """Estimate the peak memory of training ``family`` at ``spec`` (see the module docstring).
 
@@ -430,6 +434,9 @@ def estimate_training_memory(
     cache_samples:
         With a ``segment`` after block 0: the frozen blocks' outputs for this many samples are buffered for the
         stage (``Stage.cache``); their bytes are the estimate's ``cache``. 0: recomputed every batch.
+    accumulate:
+        ``batch_size`` is a micro-batch whose gradients accumulate with others' before the optimizer steps
+        (``Stage.micro_batch``): two passes are traced, the second beside the gradients of the first.
 
     Results are cached per family and arguments. The first call in a process takes about a second (torch loads
     its meta kernels, see the module docstring for the memory this costs); later ones take about 40 ms for the
@@ -455,17 +462,19 @@ def estimate_training_memory(
     if segment is None and spec.segments is not None:
         estimates = [estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
                                               optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
-                                              loss=terms, segment=seg, route="skip") for seg in spec.segments]
+                                              loss=terms, segment=seg, route="skip", accumulate=accumulate)
+                     for seg in spec.segments]
         return max(estimates, key=lambda e: e.total)
+    accumulate = bool(accumulate)
     key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
-           route, copies)
+           route, copies, accumulate)
     with _lock:
         cached = _cache.get(family, {}).get(key)
     if cached is not None:
         known, per_sample = cached
         return _with_cache(known, per_sample, cache_samples, segment)
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
-        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies)
+        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies, accumulate)
     gradients = sum(trace.trainable)
     state = optimizer_slots * gradients
     step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)
@@ -512,16 +521,22 @@ def estimate_plan_memory(
     allocator: str = "compact",
     samples: int = 0,
 ) -> MemoryEstimate:
-    """The estimated peak of running ``plan`` on ``spec``: its batch size, its optimizer (SGD with momentum
-    keeps one state tensor per parameter), its loss, and each of its stages; the most expensive stage counts.
-    ``samples``: the local data's size, which the buffer of a stage with ``cache`` holds."""
+    """The estimated peak of running ``plan`` on ``spec``: its batch size (a stage's micro-batches, with their
+    accumulated gradients), its optimizer (SGD with momentum keeps one state tensor per parameter), its loss, and
+    each of its stages; the most expensive stage counts. ``samples``: the local data's size, which the buffer of a
+    stage with ``cache`` holds."""
     spec = family.validate_spec(spec)
     slots = 1 if plan.optimizer.momentum > 0 else 0
+
+    def batch_of(stage: Stage) -> int:
+        return stage.micro_batch if 2 <= stage.micro_batch < plan.batch_size else plan.batch_size
+
     estimates = [
-        estimate_training_memory(family, spec, batch_size=plan.batch_size, input_size=input_size,
+        estimate_training_memory(family, spec, batch_size=batch_of(stage), input_size=input_size,
                                  optimizer_slots=slots, device=device, allocator=allocator, loss=plan.loss,
                                  segment=segment, route=stage.route, copies=plan.copies,
-                                 cache_samples=samples if stage.cache else 0)
+                                 cache_samples=samples if stage.cache else 0,
+                                 accumulate=batch_of(stage) < plan.batch_size)
         for segment, stage in stages(spec, plan)
     ]
     return max(estimates, key=lambda e: e.total)

@@ -9,7 +9,9 @@ spec with segments, one per segment in order (:class:`models.depthwise.SegmentMo
 ``plan.schedule`` entry's epochs. Every stage makes its own SGD optimizer over the parameters it trains, so
 momentum does not leak from one segment into the next, and starts from the weights the previous stage left. A
 stage with ``cache`` runs its frozen blocks once over the local data at its start and trains from their
-buffered outputs (:func:`models.depthwise.frozen_outputs`); the batches are drawn as without it.
+buffered outputs (:func:`models.depthwise.frozen_outputs`); the batches are drawn as without it. A stage with
+``micro_batch`` runs every batch in even micro-batches (:func:`micro_batches`), each backpropagating its loss
+times its share of the batch, and steps once per batch on the accumulated gradient.
 
 A plan with ``copies`` M > 1 trains M models of the spec side by side (whole, never depth-wise). Every batch
 first runs through the other copies without autograd (their predictions before this step), then each copy in
@@ -125,9 +127,10 @@ def forward_loss(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, te
 
 def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
                   mask: torch.Tensor | None = None, copies: Sequence[nn.Module] = (),
-                  after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+                  after_forward: Callable[[], None] | None = None, scale: float = 1.0) -> torch.Tensor:
     """Forward and backward of one batch, gradients accumulated, no optimizer step: the part of a training step
     the estimator traces too (``after_forward`` is called after every forward pass, before its backward).
+    ``scale`` multiplies the loss that is backpropagated (a micro-batch's share of its batch), not the one returned.
 
     With further ``copies`` of the model, each copy's loss is taken towards the others' predictions (see the
     module docstring); the result is the detached sum of the losses (the caller checks it is finite before it
@@ -148,11 +151,23 @@ def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
         del outputs  # what backward needs the graph keeps; the rest goes before backward runs
         if after_forward is not None:
             after_forward()
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
     assert total is not None
     return total
+
+
+def micro_batches(batch: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
+    """``batch`` (sample indices) split evenly into micro-batches of at most ``micro_batch`` samples (0, or not
+    below the batch: the batch itself); a trailing single sample joins the one before (batch normalisation needs
+    two), which only ``micro_batch`` 2 can leave."""
+    if micro_batch < 2 or len(batch) <= micro_batch:
+        return [batch]
+    chunks = list(torch.tensor_split(batch, math.ceil(len(batch) / micro_batch)))
+    if len(chunks[-1]) < 2:
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    return chunks
 
 
 def stages(spec: SubmodelSpec, plan: TrainingPlan) -> list[tuple[tuple[int, int] | None, Stage]]:
@@ -218,7 +233,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
         try:
             if cached:
                 assert segment is not None
-                inputs_of = frozen_outputs(model, segment[0], x, plan.batch_size, device)
+                inputs_of = frozen_outputs(model, segment[0], x, stage.micro_batch or plan.batch_size, device)
             # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
             groups = [[p for p in m.parameters() if p.requires_grad] for m in (model, *copies)]
             params = [p for group in groups for p in group]
@@ -230,9 +245,14 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     batch = order[start:start + plan.batch_size]
                     if len(batch) < 2:
                         continue  # a last batch of one sample: batch-statistics BN cannot normalise it
-                    inputs, targets = inputs_of[batch].to(device), y[batch].to(device)
                     optimizer.zero_grad(set_to_none=True)
-                    loss = backward_step(net, inputs, targets, plan.loss, mask, copies)
+                    loss = torch.zeros(())
+                    for part in micro_batches(batch, stage.micro_batch):
+                        share = len(part) / len(batch)
+                        inputs, targets = inputs_of[part].to(device), y[part].to(device)
+                        loss = loss + backward_step(net, inputs, targets, plan.loss, mask, copies,
+                                                    scale=share).cpu() * share
+                        del inputs, targets
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {steps}")
                     if settings.clip_norm is not None:

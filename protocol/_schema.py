@@ -14,6 +14,7 @@ from protocol.messages import (
     COORDINATOR_STATES,
     PROTOCOL_VERSION,
     UPDATE_STATUSES,
+    VERDICTS,
     Ack,
     Adaptation,
     AgentStatus,
@@ -85,12 +86,16 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
     if isinstance(obj, dict) and "kind" in obj and obj["kind"] not in ADAPTATION_KINDS:
         raise ProtocolError(f"{where}.kind: unknown adaptation kind {shown(obj.get('kind'))}; this side knows "
                             f"{', '.join(ADAPTATION_KINDS)} (upgrade it to run this task)")
-    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates", "route"))
+    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates", "route", "min_micro_batch"))
     kind = r.text("kind", ADAPTATION_KINDS)
     route = "skip" if r.raw("route") is None else r.text("route", ROUTES)
     if route != "skip" and kind != "depthwise":
         raise ProtocolError(f"{r.label('route')}: only a 'depthwise' adaptation has a route, got {route!r} with "
                             f"{kind!r}")
+    micro = r.opt_integer("min_micro_batch", minimum=0) or 0
+    if micro == 1 or (micro and kind != "depthwise"):
+        raise ProtocolError(f"{r.label('min_micro_batch')}: only a 'depthwise' adaptation takes one, and it is 0 or "
+                            f"at least 2, got {micro} with {kind!r}")
     raw_candidates = r.raw("candidates")
     raw_candidates = [] if raw_candidates is None else raw_candidates
     if not isinstance(raw_candidates, list) or len(raw_candidates) > MAX_CANDIDATES:
@@ -108,7 +113,7 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
         raise ProtocolError(f"{where}: a 'ladder' adaptation needs at least one candidate")
     if kind == "width-levels" and not rates:
         raise ProtocolError(f"{where}: a 'width-levels' adaptation needs 'rates'")
-    return Adaptation(kind=kind, candidates=candidates, rates=rates, route=route)
+    return Adaptation(kind=kind, candidates=candidates, rates=rates, route=route, min_micro_batch=micro)
 
 
 def read_agent_status(obj: object, limits: Limits) -> AgentStatus:
@@ -168,9 +173,12 @@ def read_update(obj: object, limits: Limits) -> Update:
 
 
 def read_ack(obj: object, limits: Limits) -> Ack:
-    r = FieldReader(obj, "ack", limits, Ack, HEADER, optional=("reason",))
-    return Ack(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0), agent_id=r.name("agent_id"),
-               reason=r.opt_text("reason"))
+    r = FieldReader(obj, "ack", limits, Ack, HEADER, optional=("reason", "verdict"))
+    ack = Ack(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0), agent_id=r.name("agent_id"),
+              reason=r.opt_text("reason"), verdict=None if r.raw("verdict") is None else r.text("verdict", VERDICTS))
+    if ack.verdict == "rejected" and ack.reason is None:
+        raise ProtocolError("ack: a 'rejected' verdict needs its 'reason'")
+    return ack
 
 
 READERS: dict[str, Callable[[object, Limits], Message]] = {

@@ -84,16 +84,19 @@ class Adaptation:
     depth-wise, in the fewest consecutive segments of blocks that each fit what it has, skipping the blocks that
     fit nowhere (partial training); ``route`` says how a segment's output reaches a classifier (``ROUTES``:
     ``"skip"``, the skip connection to the final head, or ``"exit"``, the auxiliary classifier after the
-    segment, which the sent spec must carry). ``"width-levels"``: the hint of coordinators that predate ladders,
+    segment, which the sent spec must carry); a block that does not fit alone at the plan's batch size trains in
+    micro-batches (:attr:`Stage.micro_batch`) of at least ``min_micro_batch`` samples (0: never), and is skipped
+    only when even those do not fit. ``"width-levels"``: the hint of coordinators that predate ladders,
     HeteroFL's uniform width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
     """
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("route",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("route", "min_micro_batch")
 
     kind: str
     candidates: list[Candidate] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     route: str = "skip"
+    min_micro_batch: int = 0
 
 
 @dataclass
@@ -144,14 +147,23 @@ class Update:
 class Ack:
     """The coordinator's answer to the update of this task: stored for aggregation (``reason`` None), or refused
     for good with the reason (a closed or unknown round, an unknown task, an invalid update). Either way the agent
-    stops sending it."""
+    stops sending it.
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("reason",)
+    ``verdict`` is set on a second answer, sent once the round's updates are screened (:data:`VERDICTS`): the
+    stored update was ``aggregated``, or ``rejected`` with the reason. Without it, the answer is the first one.
+    """
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("reason", "verdict")
 
     task_id: str
     round: int
     agent_id: str
     reason: str | None = None
+    verdict: str | None = None
+
+
+#: What the coordinator's screening made of a stored update (:attr:`Ack.verdict`).
+VERDICTS: tuple[str, ...] = ("aggregated", "rejected")
 
 
 Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack

@@ -124,13 +124,20 @@ class Stage:
     their outputs are reused for all its epochs (FeDepth's buffered activations), instead of running again for
     every batch. It saves compute from the second epoch on and costs memory for the whole data's activations;
     the agent sets it when that fits.
+
+    ``micro_batch``: when above 1 and below the plan's batch size, every batch is split evenly into micro-batches
+    of at most this many samples (a trailing single sample joins the one before), each run forward and backward
+    with its loss scaled by its share of the batch, the gradients accumulated, and one optimizer step per batch:
+    the gradient of the whole batch (but batch normalisation sees each micro-batch's statistics), at the memory
+    of a micro-batch. 0: whole batches. The agent sets it for blocks that do not fit at the batch size.
     """
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("cache",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("cache", "micro_batch")
 
     epochs: int = 1
     route: str = "skip"
     cache: bool = False
+    micro_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,9 +236,13 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
 
 
 def _read_stage(obj: object, where: str, limits: Limits) -> Stage:
-    r = FieldReader(obj, where, limits, Stage, optional=("cache",))
+    r = FieldReader(obj, where, limits, Stage, optional=("cache", "micro_batch"))
+    micro = r.opt_integer("micro_batch", minimum=0)
+    if micro == 1:
+        raise ProtocolError(f"{r.label('micro_batch')} must be 0 (whole batches) or at least 2: batch "
+                            "normalisation needs two samples")
     return Stage(epochs=r.integer("epochs", minimum=1), route=r.text("route", ROUTES),
-                 cache=r.raw("cache") is not None and r.boolean("cache"))
+                 cache=r.raw("cache") is not None and r.boolean("cache"), micro_batch=micro or 0)
 
 
 def _read_list(value: object, where: str, most: int) -> list[object]:

@@ -194,6 +194,9 @@ def load_dataset(name: str, root: str | Path | None = None) -> Dataset:
         For an unknown name, or Fashion-MNIST files that are missing or malformed.
     """
     key = name.strip().lower()
+    if root is not None and not Path(root).expanduser().is_dir():
+        raise DatasetError(f"data.root {str(root)!r} is not a folder: fix the path, or leave data.root out to use "
+                           f"the system's copy of the data")
     if key == "auto":
         key = "fashion-mnist" if find_fashion_mnist(root) is not None else "digits"
     if key not in DATASET_NAMES:

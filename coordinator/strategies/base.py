@@ -106,14 +106,14 @@ class EvalTarget:
     store_bn: bool = False
 
 
-def base_plan(recipe: RecipeConfig, loss: Sequence[LossTerm] | None = None) -> TrainingPlan:
-    """The training plan of the configured recipe: SGD, its epochs and batch size, plain (or masked) CE unless
-    ``loss`` says otherwise. The seed is set per task by the daemon."""
+def base_plan(recipe: RecipeConfig, loss: Sequence[LossTerm] | None = None, *, masked: bool = False) -> TrainingPlan:
+    """The training plan of the configured recipe: SGD, its epochs and batch size, plain (``masked``: masked) CE
+    unless ``loss`` says otherwise. The seed is set per task by the daemon."""
     return TrainingPlan(
         optimizer=OptimizerSettings("sgd", recipe.lr, recipe.momentum, recipe.weight_decay, recipe.clip_norm),
         epochs=recipe.epochs,
         batch_size=recipe.batch_size,
-        loss=tuple(loss) if loss is not None else (LossTerm.ce(masked=recipe.masked_ce),),
+        loss=tuple(loss) if loss is not None else (LossTerm.ce(masked=masked),),
     )
 
 
@@ -149,11 +149,24 @@ class Strategy(ABC):
     """The server half of a method (see the module docstring)."""
 
     name: ClassVar[str] = ""
+    #: Whether the method's paper trains with masked cross-entropy (``recipe.masked_ce`` left out follows it).
+    masked_ce_by_default: ClassVar[bool] = False
 
     def __init__(self, context: StrategyContext) -> None:
         self.context = context
         self.family = context.family
         self.config = context.config
+
+    @property
+    def masked_ce(self) -> bool:
+        """Whether this run's cross-entropy terms mask absent classes: ``recipe.masked_ce``, else the method's
+        default."""
+        configured = self.config.recipe.masked_ce
+        return self.masked_ce_by_default if configured is None else configured
+
+    def recipe_plan(self, loss: Sequence[LossTerm] | None = None) -> TrainingPlan:
+        """:func:`base_plan` of the configured recipe, masked as :attr:`masked_ce` says."""
+        return base_plan(self.config.recipe, loss, masked=self.masked_ce)
 
     # ------------------------------------------------------------------ setup
     def global_spec(self) -> SubmodelSpec:
@@ -167,11 +180,6 @@ class Strategy(ABC):
     def training_cost(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
         """Estimated peak bytes of training ``spec`` with ``plan`` on an agent: what its reported budget must hold."""
         return self.context.training_memory(spec, plan).total
-
-    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
-        """The most demanding (spec, plan) this strategy hands out: what "the full model's training memory" means
-        for it (simulated devices' budgets are shares of it)."""
-        return self.global_spec(), base_plan(self.config.recipe)
 
     def initial_states(self, seed: int) -> dict[str, State]:
         """Initial weights of every group: the global spec built with ``seed`` (BN statistics included)."""

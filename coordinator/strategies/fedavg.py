@@ -12,7 +12,6 @@ from coordinator.registry import AgentRecord
 from coordinator.strategies.base import EvalTarget
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
-from protocol import TrainingPlan
 
 
 class FedAvg(LevelStrategy):
@@ -27,12 +26,6 @@ class FedAvg(LevelStrategy):
 
     def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
         return self.levels[0]
-
-    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
-        """The full model, whatever ``fedavg.width``: budgets are shares of the full model's training memory for
-        every algorithm, so that one fleet means the same devices (FedAvg x 1/6's own model is not "the full
-        model")."""
-        return SubmodelSpec.full(), self.level_plan(self.levels[0], 1)
 
     def plan_for_budget(self, budget: int) -> dict[str, Any]:
         """The one model, whatever the budget (FedAvg ignores memory), and whether it would fit."""

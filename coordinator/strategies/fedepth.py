@@ -24,7 +24,7 @@ from coordinator.registry import AgentRecord
 from coordinator.strategies.base import EvalTarget, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
-from models.depthwise import cut_segments
+from models.depthwise import cut_segments, micro_batch_ladder
 from protocol import Adaptation, LossTerm, Stage, TrainingPlan
 
 __all__ = ["FeDepth"]
@@ -47,12 +47,12 @@ class FeDepth(LevelStrategy):
         return self.levels[0]  # the device decides how to fit it
 
     def ladder(self, level: Level, round_number: int) -> Adaptation | None:
-        return Adaptation("depthwise", route=self.config.fedepth.route)
+        settings = self.config.fedepth
+        return Adaptation("depthwise", route=settings.route, min_micro_batch=settings.min_micro_batch)
 
-    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
-        """The full model trained whole, once (one copy, no auxiliary classifiers): what budgets are fractions of."""
-        _, plan = super().largest_task()
-        return SubmodelSpec.full(), replace(plan, copies=1)
+    def whole_once(self) -> tuple[SubmodelSpec, TrainingPlan]:
+        """The full model trained whole, once (one copy, no auxiliary classifiers)."""
+        return SubmodelSpec.full(), self.recipe_plan()
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
         """The recipe's plan, with up to ``fedepth.max_copies`` copies and their mutual distillation term (a
@@ -72,12 +72,12 @@ class FeDepth(LevelStrategy):
         return {"global": EvalTarget("global", self.global_spec(), store_bn=True)}
 
     def describe(self) -> list[dict[str, Any]]:
-        """The one model every device gets, with the memory of training it whole once (what budgets are shares
-        of) and, when m-FeDepth is on, with all its copies."""
-        spec, plan = self.largest_task()
+        """The one model every device gets, with the memory of training it whole once and, when m-FeDepth is on,
+        with all its copies."""
+        spec, plan = self.whole_once()
         row: dict[str, Any] = {"name": "full", "spec": self.global_spec().describe(),
                                "params": self.family.param_count(self.global_spec()),
-                               "flops": self.family.flops(spec, self.context.input_size),
+                               "macs": self.family.flops(spec, self.context.input_size),
                                "train_bytes": self.training_cost(spec, plan)}
         copies = self.config.fedepth.max_copies
         if copies > 1:
@@ -98,15 +98,17 @@ class FeDepth(LevelStrategy):
             return {"trains": "whole", "train_bytes": whole}
         blocks = self.family.num_blocks
         route = self.config.fedepth.route
-        staged = replace(plan, schedule=(Stage(plan.epochs, route),))
+        ladder = micro_batch_ladder(plan.batch_size, self.config.fedepth.min_micro_batch)
 
-        def cost(start: int, stop: int) -> float:
+        def cost(start: int, stop: int, micro: int = 0) -> float:
             exits = (stop - 1,) if route == "exit" and stop < blocks else ()
+            staged = replace(plan, schedule=(Stage(plan.epochs, route, micro_batch=micro),))
             return float(self.training_cost(SubmodelSpec(exits=exits, segments=((start, stop),)), staged))
 
-        cut = cut_segments(cost, blocks, budget)
+        cut = cut_segments(cost, blocks, budget, micro_cost=cost, micro_batches=ladder)
         if not cut.segments:
-            return {"trains": "nothing", "smallest_block_bytes": int(min(cost(b, b + 1) for b in range(blocks)))}
+            least = ladder[-1] if ladder else 0
+            return {"trains": "nothing", "smallest_block_bytes": int(min(cost(b, b + 1, least) for b in range(blocks)))}
         return {"trains": "depth-wise" + (" via auxiliary classifiers" if route == "exit" else ""),
                 "segments": cut.describe(),
-                "train_bytes": [int(cost(*segment)) for segment in cut.segments]}
+                "train_bytes": [int(cost(*segment, cut.micro_batch(i))) for i, segment in enumerate(cut.segments)]}

@@ -11,6 +11,7 @@ class HeteroFL(LevelStrategy):
     one global model. An agent short of memory falls to the next smaller level that fits."""
 
     name = "heterofl"
+    masked_ce_by_default = True  # the paper's non-IID setting; a no-op on a device that holds every class
 
     def make_levels(self) -> list[Level]:
         return width_levels(self.config.levels)

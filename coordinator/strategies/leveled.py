@@ -16,10 +16,8 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyContext,
     TaskPlan,
-    base_plan,
     select_fraction,
 )
-from models import SubmodelSpec
 from protocol import Adaptation, Candidate, TrainingPlan
 
 
@@ -49,10 +47,7 @@ class LevelStrategy(Strategy):
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
         """How a level is trained in a round (default: the configured recipe)."""
-        return base_plan(self.config.recipe)
-
-    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
-        return self.levels[0].spec, self.level_plan(self.levels[0], 1)
+        return self.recipe_plan()
 
     def group_of(self, level: Level) -> str:
         """The model state a level's agents train and are aggregated into."""
@@ -110,5 +105,5 @@ class LevelStrategy(Strategy):
         plan of the last round, e.g. distilling after a warm-up), and the level's own figures."""
         size = self.context.input_size
         return [{"name": level.name, "spec": level.spec.describe(), "params": self.family.param_count(level.spec),
-                 "flops": self.family.flops(level.spec, size), "train_bytes": self.cost(level, self.config.rounds),
+                 "macs": self.family.flops(level.spec, size), "train_bytes": self.cost(level, self.config.rounds),
                  **level.info} for level in self.levels]

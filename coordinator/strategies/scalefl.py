@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from coordinator.levels import Level
 from coordinator.split_search import NoSplitError, search_levels
-from coordinator.strategies.base import StrategyContext, base_plan
+from coordinator.strategies.base import StrategyContext
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
 from protocol import LossTerm, TrainingPlan
@@ -95,18 +95,13 @@ class ScaleFL(LevelStrategy):
 
     def _plan(self, outputs: int, *, distill: bool) -> TrainingPlan:
         settings = self.settings
-        return base_plan(self.config.recipe, self_distillation_loss(
+        return self.recipe_plan(self_distillation_loss(
             outputs, beta=settings.beta, tau=settings.tau, distill=distill, detach_teacher=settings.detach_teacher,
-            masked=self.config.recipe.masked_ce, normalization=settings.normalization))
+            masked=self.masked_ce, normalization=settings.normalization))
 
     def global_spec(self) -> SubmodelSpec:
         """The full model with every level's exit."""
         return self.levels[0].spec
-
-    def largest_task(self) -> tuple[SubmodelSpec, TrainingPlan]:
-        """The top level with its distilling plan (the heaviest it is handed, whatever the KD warm-up)."""
-        top = self.levels[0]
-        return top.spec, self._plan(self.family.num_outputs(top.spec), distill=True)
 
     def distilling(self, round_number: int) -> bool:
         """Whether the round's plans distil (off for the first ``kd_warmup`` share of the rounds)."""

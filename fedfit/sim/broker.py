@@ -207,14 +207,36 @@ class _MosquittoProcess:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def reload(self) -> None:
+        if self.process.poll() is not None:
+            raise BrokerStartError(f"mosquitto on port {self.port} is not running (exit code {self.process.returncode}); "
+                                   f"its log ends: {self.log_tail()}")
         self.process.send_signal(signal.SIGHUP)  # mosquitto reads its password file and ACL again
+
+    def log_tail(self) -> str:
+        """The end of mosquitto's log, for an error message."""
+        self.log_file.flush()
+        return (self.workdir / "mosquitto.log").read_text(errors="replace")[-500:].strip()
+
+    def wait_running(self, since: int, timeout: float = 10.0) -> bool:
+        """Wait until mosquitto's log says it runs (after byte ``since`` of the log): only then has it set up its
+        signal handlers, so that a reload's SIGHUP is not taken for a request to exit."""
+        path = self.workdir / "mosquitto.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with path.open("rb") as handle:
+                handle.seek(since)
+                if b" running" in handle.read():
+                    return True
+            time.sleep(0.02)
+        return False
 
     def restart(self, down_s: float) -> None:
         self._terminate()
         time.sleep(down_s)
+        since = (self.workdir / "mosquitto.log").stat().st_size
         self.process = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=self.log_file,
                                         stderr=subprocess.STDOUT)
-        if not wait_for_port("127.0.0.1", self.port, 10.0):
+        if not wait_for_port("127.0.0.1", self.port, 10.0) or not self.wait_running(since):
             raise BrokerStartError(f"mosquitto did not listen again on port {self.port} after a restart")
 
 
@@ -256,8 +278,8 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation:
         log_path = workdir / "mosquitto.log"
         log_file = log_path.open("wb")
         process = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
-        if wait_for_port("127.0.0.1", port, 10.0):
-            running = _MosquittoProcess(binary, conf, port, log_file, workdir, process)
+        running = _MosquittoProcess(binary, conf, port, log_file, workdir, process)
+        if wait_for_port("127.0.0.1", port, 10.0) and running.wait_running(0):
             return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, directory=directory,
                           _stop=running.stop, _reload=running.reload, _restart=running.restart)
         process.kill()

@@ -1,44 +1,103 @@
-"""Memory budgets of simulated devices, as fractions of the full model's training memory.
+"""Memory budgets of simulated devices, in the papers' terms, with one anchor for every method.
 
-A budget is the runtime's fixed overhead (the memory any torch training run takes, whatever the model) plus
-the percentage of the model-dependent part (parameters, gradients, optimizer state, activations, workspace)
-of training the full model. Without the fixed part, a 35% device could not even start the runtime, which is
-not what FlexFL's percentages of the model size describe.
+The anchor is the full model trained with plain cross-entropy at the recipe's batch size, without exits, under the
+agents' allocator (:class:`BudgetAnchor`): the same for every strategy, so that "the same fleet" means the same
+devices whatever method runs on it. A strategy whose largest task costs more (ScaleFL's exits and distillation)
+must fit inside these budgets.
 
-- ``uniform``: every device can just train the full model (110%).
-- ``tiers``: weak / medium / strong devices, 40 / 30 / 30% of the fleet, with 35 / 60 / 110% (FlexFL's setting).
-- ``tiers-fluctuating``: the same tiers, and every round each device has r = r_M - |u|, u ~ N(0, sigma^2)
-  percentage points (FlexFL: sigma^2 in {5, 8, 10}); the coordinator only learns the new figure from the
-  device's next status, so the device must adapt at task time.
-- FeDepth's scenarios, a quarter of the fleet each: ``fair`` {1/6, 1/3, 1/2, 1}, ``lack`` {1/8, 1/6, 1/2, 1}
-  (the weakest quarter can train only part of the model), ``surplus`` {1/6, 1/3, 1/2, 2} (the richest can hold
-  two copies); ``fractions:A,B,...`` any such list, one equal share of the fleet per fraction.
+Two kinds of tier:
+
+- **Width tiers** (``widths:A,B,...``; FeDepth's scenarios ``fair`` {1/6, 1/3, 1/2, 1}, ``lack`` {1/8, 1/6,
+  1/2, 1} and ``surplus`` {1/6, 1/3, 1/2, 2} are aliases, a quarter of the fleet each): a device of tier r < 1
+  can train the r-width model of the family (uniform width r, plain cross-entropy, the recipe's batch size) and
+  no more, as FeDepth defines its tiers. Its budget is the estimate of that training with the agent's initial
+  calibration margin and the runtime's fixed overhead included, exactly what the agent's own check asks for, so
+  the device admits that model. r = 1 admits the full model; r > 1 holds r times the full model's training
+  memory (its model-dependent part, with the margin): room for m-FeDepth's copies.
+- **Share tiers** (``uniform``, ``tiers``, ``tiers-fluctuating``, ``fractions:A,B,...``): the fixed overhead plus a
+  share of the full model's model-dependent training memory as estimated (no margin): ``uniform`` 110% for all;
+  ``tiers`` weak / medium / strong, 40 / 30 / 30% of the fleet, with 35 / 60 / 110% (FlexFL's setting);
+  ``tiers-fluctuating`` the same, and every round each device has r = r_M - |u|, u ~ N(0, sigma^2) percentage
+  points (FlexFL: sigma^2 in {5, 8, 10}; the coordinator learns the new figure from the device's next status, so
+  the device adapts at task time); ``fractions:A,B,...`` one equal share of the fleet per fraction.
+
+Real memory has parts that do not shrink with width (the input batch, the classifier's rows, page-sized blocks),
+so the r-width model needs more than r times the full model's memory: a width tier is not the fraction r.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-#: The named scenarios (``fractions:A,B,...`` is accepted too, see :func:`scenario_tiers`).
+from edge_agent.calibration import INITIAL_FACTOR, corrected
+from protocol import LossTerm, TrainingPlan
+
+if TYPE_CHECKING:  # the models (and torch) load only where an anchor is estimated: `fedfit agent` parses no budget
+    from models import ModelFamily, SubmodelSpec
+
+#: The named scenarios (``widths:A,B,...`` and ``fractions:A,B,...`` are accepted too, see :func:`scenario_tiers`).
 BUDGET_SCENARIOS = ("uniform", "tiers", "tiers-fluctuating", "fair", "lack", "surplus")
-_FEDEPTH = {"fair": (1 / 6, 1 / 3, 1 / 2, 1.0), "lack": (1 / 8, 1 / 6, 1 / 2, 1.0),
-            "surplus": (1 / 6, 1 / 3, 1 / 2, 2.0)}
+#: FeDepth's scenarios (Memory budgets paragraph): the width each quarter of the fleet can train.
+FEDEPTH_SCENARIOS = {"fair": (1 / 6, 1 / 3, 1 / 2, 1.0), "lack": (1 / 8, 1 / 6, 1 / 2, 1.0),
+                     "surplus": (1 / 6, 1 / 3, 1 / 2, 2.0)}
 
 
 @dataclass(frozen=True)
 class Tier:
-    """A class of devices: its share of the fleet and its memory as a percentage of the full model's."""
+    """A class of devices and its share of the fleet: either ``width`` (it can train the r-width model; r > 1:
+    r times the full model's memory) or ``percent`` (a share of the full model's training memory)."""
 
     name: str
     share: float
-    percent: float
+    percent: float | None = None
+    width: float | None = None
 
 
-DEFAULT_TIERS = (Tier("weak", 0.4, 35.0), Tier("medium", 0.3, 60.0), Tier("strong", 0.3, 110.0))
-UNIFORM_TIER = Tier("uniform", 1.0, 110.0)
+DEFAULT_TIERS = (Tier("weak", 0.4, percent=35.0), Tier("medium", 0.3, percent=60.0),
+                 Tier("strong", 0.3, percent=110.0))
+UNIFORM_TIER = Tier("uniform", 1.0, percent=110.0)
+
+
+@dataclass(frozen=True)
+class BudgetAnchor:
+    """What budgets are measured against (bytes): the runtime's fixed ``overhead``, the model-dependent part of
+    the full model's estimated training memory (``full_bytes``), the agents' initial calibration ``margin``, and
+    ``width_bytes(r)``, the model-dependent part for the r-width model."""
+
+    overhead: int
+    full_bytes: int
+    width_bytes: Callable[[float], int]
+    margin: float = INITIAL_FACTOR
+
+    @classmethod
+    def estimate(cls, family: ModelFamily, plan: TrainingPlan, *, input_size: tuple[int, int],
+                 allocator: str = "compact", margin: float = INITIAL_FACTOR) -> BudgetAnchor:
+        """The anchor of ``family`` trained with ``plan``'s optimizer and batch size (its loss replaced by plain
+        cross-entropy, one copy, no stages) on ``input_size`` images under ``allocator``."""
+        from models import SubmodelSpec, estimate_plan_memory
+
+        plan = replace(plan, loss=(LossTerm.ce(),), copies=1, schedule=())
+
+        def variable(spec: SubmodelSpec) -> tuple[int, int]:
+            estimate = estimate_plan_memory(family, spec, plan, input_size=input_size, allocator=allocator)
+            return estimate.overhead, estimate.total - estimate.overhead
+
+        overhead, full = variable(SubmodelSpec.full())
+        return cls(overhead, full, lambda width: variable(SubmodelSpec.uniform(width))[1], margin)
+
+    def tier_bytes(self, tier: Tier, shortfall: float = 0.0) -> int:
+        """The budget of a device of ``tier``; ``shortfall``: percentage points it lacks this round (share tiers
+        only)."""
+        if tier.width is not None:
+            if tier.width < 1:
+                return corrected(self.overhead + self.width_bytes(tier.width), self.overhead, self.margin)
+            return self.overhead + int(tier.width * self.full_bytes * self.margin)
+        assert tier.percent is not None
+        return self.overhead + max(1, int(self.full_bytes * (tier.percent - shortfall) / 100.0))
 
 
 def assign_tiers(count: int, tiers: Sequence[Tier], seed: int) -> list[Tier]:
@@ -58,72 +117,72 @@ class DeviceBudget:
     """One simulated device's memory budget per round."""
 
     tier: Tier
-    full_model_bytes: int
+    anchor: BudgetAnchor
     variance: float
     seed: int
-    fixed_bytes: int = 0
 
     def __call__(self, round_number: int) -> int:
-        tier = self.tier
-        if self.variance > 0:
-            rng = random.Random(f"{self.seed}:{round_number}")
-            tier = Tier(tier.name, tier.share, tier.percent - abs(rng.gauss(0.0, math.sqrt(self.variance))))
-        return tier_budget(tier, self.full_model_bytes, self.fixed_bytes)
+        shortfall = 0.0
+        if self.variance > 0 and self.tier.percent is not None:
+            shortfall = abs(random.Random(f"{self.seed}:{round_number}").gauss(0.0, math.sqrt(self.variance)))
+        return self.anchor.tier_bytes(self.tier, shortfall)
 
 
-def _fraction_name(value: float) -> str:
-    for denominator in (1, 2, 3, 4, 6, 8):
+def fraction_name(value: float) -> str:
+    """``1/6``, ``0.3`` or ``2``: a fraction as the scenarios write it."""
+    for denominator in (1, 2, 3, 4, 6, 8, 16):
         if abs(value * denominator - round(value * denominator)) < 1e-9:
             numerator = round(value * denominator)
             return f"{numerator}" if denominator == 1 else f"{numerator}/{denominator}"
     return f"{value:g}"
 
 
-def parse_fractions(text: str) -> tuple[float, ...]:
-    """The fractions of ``fractions:A,B,...`` (numbers or ``p/q``), each positive; ValueError otherwise."""
+def parse_fractions(text: str, option: str = "fractions") -> tuple[float, ...]:
+    """The numbers of ``fractions:A,B,...`` or ``widths:A,B,...`` (decimals or ``p/q``), each positive;
+    ValueError (one sentence) otherwise."""
     values: list[float] = []
     for part in text.split(","):
         try:
             numerator, _, denominator = part.strip().partition("/")
             value = float(numerator) / float(denominator) if denominator else float(numerator)
-        except ValueError:
+        except (ValueError, ZeroDivisionError):
             value = math.nan
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"--budgets fractions must be positive numbers or p/q, e.g. fractions:1/6,1/3,1/2,1; "
-                             f"got {part.strip()!r}")
+            raise ValueError(f"--budgets {option}: needs positive numbers or p/q with q > 0, e.g. "
+                             f"{option}:1/6,1/3,1/2,1; got {part.strip()!r}")
         values.append(value)
     return tuple(values)
 
 
 def scenario_tiers(scenario: str) -> list[Tier]:
-    """The tiers of a scenario (each with its share of the fleet and percentage); ValueError for an unknown one."""
+    """The tiers of a scenario (each with its share of the fleet); ValueError (one sentence) for an unknown one."""
     if scenario == "uniform":
         return [UNIFORM_TIER]
     if scenario in ("tiers", "tiers-fluctuating"):
         return list(DEFAULT_TIERS)
-    if scenario in _FEDEPTH or scenario.startswith("fractions:"):
-        fractions = _FEDEPTH.get(scenario) or parse_fractions(scenario.partition(":")[2])
-        return [Tier(f"r={_fraction_name(f)}", 1 / len(fractions), 100.0 * f) for f in fractions]
-    raise ValueError(f"--budgets must be one of {', '.join(BUDGET_SCENARIOS)} or fractions:A,B,..., got {scenario!r}")
+    kind, _, listed = scenario.partition(":")
+    if scenario in FEDEPTH_SCENARIOS or kind == "widths":
+        widths = FEDEPTH_SCENARIOS.get(scenario) or parse_fractions(listed, "widths")
+        return [Tier(f"r={fraction_name(w)}", 1 / len(widths), width=w) for w in widths]
+    if kind == "fractions":
+        fractions = parse_fractions(listed)
+        return [Tier(f"{fraction_name(f)} of full", 1 / len(fractions), percent=100.0 * f) for f in fractions]
+    raise ValueError(f"--budgets must be one of {', '.join(BUDGET_SCENARIOS)}, widths:A,B,... or fractions:A,B,..., "
+                     f"got {scenario!r}")
 
 
-def tier_budget(tier: Tier, full_model_bytes: int, fixed_bytes: int = 0) -> int:
-    """The memory of a device of ``tier`` when the full model's model-dependent training memory is
-    ``full_model_bytes``: the fixed overhead plus the tier's percentage of it."""
-    return fixed_bytes + max(1, int(full_model_bytes * tier.percent / 100.0))
+def smallest_width(scenario: str) -> float | None:
+    """The narrowest width every device of a width scenario can train (FedAvg x min r); None for share tiers."""
+    widths = [tier.width for tier in scenario_tiers(scenario) if tier.width is not None]
+    return min(min(widths), 1.0) if widths else None
 
 
-def device_budgets(scenario: str, count: int, full_model_bytes: int, seed: int,
-                   variance: float = 10.0, fixed_bytes: int = 0) -> list[DeviceBudget]:
-    """Budget schedules for ``count`` devices under ``scenario``; ValueError for an unknown one.
-
-    ``full_model_bytes`` is the model-dependent training memory of the full model (the 100% point),
-    ``fixed_bytes`` the runtime overhead every device has on top.
-    """
+def device_budgets(scenario: str, count: int, anchor: BudgetAnchor, seed: int,
+                   variance: float = 10.0) -> list[DeviceBudget]:
+    """Budget schedules for ``count`` devices under ``scenario``; ValueError for an unknown one."""
     tiers_of_scenario = scenario_tiers(scenario)
     if variance < 0:
         raise ValueError(f"the budget variance must be non-negative, got {variance}")
     tiers = assign_tiers(count, tiers_of_scenario, seed)
     fluctuation = variance if scenario == "tiers-fluctuating" else 0.0
-    return [DeviceBudget(tier, full_model_bytes, fluctuation, seed * 100_003 + index, fixed_bytes)
-            for index, tier in enumerate(tiers)]
+    return [DeviceBudget(tier, anchor, fluctuation, seed * 100_003 + index) for index, tier in enumerate(tiers)]

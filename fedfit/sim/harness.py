@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,18 +21,25 @@ from common.data import load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import RoundResult
+from coordinator.strategies.base import base_plan
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker, external_broker, start_broker
-from fedfit.sim.budgets import DeviceBudget, device_budgets
+from fedfit.sim.budgets import BudgetAnchor, DeviceBudget, device_budgets
+from fedfit.sim.progress import ProgressPrinter
 from fedfit.sim.report import build_report
-from models import estimate_plan_memory
+from fedfit.sim.rundir import claim_run_dir, new_run_dir, write_run_outputs
+from fedfit.version import version_string
 
 
 @dataclass
 class SimOptions:
-    """What to simulate; the defaults of everything not given come from ``base`` (a coordinator config)."""
+    """What to simulate; the defaults of everything not given come from ``base`` (a coordinator config).
+
+    ``state_dir`` is the run's directory (it must not hold a run already; default: a new
+    ``<runs_root>/<time>-<algorithm>/``); ``overrides`` and ``command`` are recorded in the report.
+    """
 
     algorithm: str = "heterofl"
     agents: int = 8
@@ -48,15 +57,19 @@ class SimOptions:
     allocator: str = "compact"
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
+    runs_root: str = "runs"
+    overrides: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)
 
 
 @dataclass
 class SimOutcome:
-    """Results of a simulation and the report built from them."""
+    """Results of a simulation, the report built from them and the run's directory."""
 
     rounds: list[RoundResult]
     report: dict[str, Any]
     rejected_messages: int
+    run_dir: Path
 
 
 def agent_id(index: int) -> str:
@@ -64,21 +77,25 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def full_model_training_memory(coordinator: Coordinator, allocator: str = "compact") -> tuple[int, int]:
-    """(fixed runtime overhead, model-dependent part) of the training memory of the most demanding task the
-    coordinator's strategy hands out (the full model; ScaleFL's with every exit), for agents running
-    ``allocator``: the budgets' 0% and 100% points."""
-    spec, plan = coordinator.strategy.largest_task()
-    estimate = estimate_plan_memory(coordinator.family, spec, plan, input_size=coordinator.dataset.image_size,
-                                    allocator=allocator)
-    return estimate.overhead, estimate.total - estimate.overhead
+def budget_anchor(coordinator: Coordinator, allocator: str = "compact") -> BudgetAnchor:
+    """What the fleet's budgets are measured against (the same for every algorithm): the full model of the
+    coordinator's family trained with plain cross-entropy at its recipe's batch size, by agents running
+    ``allocator``."""
+    return BudgetAnchor.estimate(coordinator.family, base_plan(coordinator.config.recipe),
+                                 input_size=coordinator.dataset.image_size, allocator=allocator)
 
 
-def coordinator_config(options: SimOptions, broker: Broker) -> CoordinatorConfig:
+def prepare_run_dir(options: SimOptions) -> Path:
+    """The run's directory: ``options.state_dir`` (refused when it holds a run) or a new one under
+    ``options.runs_root``."""
+    if options.state_dir:
+        return claim_run_dir(options.state_dir)
+    return new_run_dir(options.runs_root, options.algorithm)
+
+
+def coordinator_config(options: SimOptions, broker: Broker, run_dir: Path) -> CoordinatorConfig:
     """The coordinator configuration for this simulation."""
     base = options.base
-    partition = parse_partition(options.partition)
-    recipe = replace(base.recipe, masked_ce=base.recipe.masked_ce or partition.kind != "iid")
     return replace(
         base,
         federation=options.federation,
@@ -87,34 +104,38 @@ def coordinator_config(options: SimOptions, broker: Broker) -> CoordinatorConfig
         algorithm=options.algorithm,  # type: ignore[arg-type]
         model=replace(base.model, family=options.model),  # type: ignore[arg-type]
         data=replace(base.data, dataset=options.dataset),
-        recipe=recipe,
         rounds=options.rounds,
         min_agents=options.agents,
         seed=options.seed,
-        state_dir=options.state_dir or os.path.join("runs", f"sim-{options.federation}"),
+        state_dir=str(run_dir),
+        resume=False,
     )
 
 
-def print_progress(stream: IO[str], total: int) -> Any:
-    """A callback printing one line per finished round."""
-
-    def on_round(result: RoundResult) -> None:
-        levels = " ".join(f"{name}={acc:.3f}" for name, acc in sorted(result.level_accuracy.items()))
-        exits = " ".join(f"{name}={acc:.3f}" for name, acc in result.exit_accuracy.items())
-        stream.write(f"round {result.round}/{total}: global {result.global_accuracy:.4f} [{levels}] "
-                     + (f"exits [{exits}] " if exits else "") +
-                     f"agents {result.participants}/{result.selected} {result.seconds:.1f}s\n")
-        stream.flush()
-
-    return on_round
+def _public(config: CoordinatorConfig) -> dict[str, Any]:
+    """The resolved configuration as the report keeps it (the broker's address and security, no secrets)."""
+    data = asdict(config)
+    broker = data.pop("broker")
+    data["broker"] = {"host": broker["host"], "port": broker["port"], "tls": broker["tls"],
+                      "login": broker["username"] is not None}
+    return data
 
 
-def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -> SimOutcome:
-    """Start broker, coordinator and fleet; run the rounds; stop everything; return the results."""
+def _utc(moment: float) -> str:
+    return datetime.fromtimestamp(moment, timezone.utc).isoformat(timespec="seconds")
+
+
+def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *, label: str = "",
+                   run_dir: Path | None = None) -> SimOutcome:
+    """Start broker, coordinator and fleet; run the rounds; stop everything; write the run's directory (report,
+    CSV, summary, plots) and return the results. ``progress``: where the live display goes (None: nowhere);
+    ``label`` prefixes its lines; ``run_dir``: one :func:`prepare_run_dir` made already."""
     if options.agents < 1 or options.rounds < 1 or options.workers < 1:
         raise ValueError("--agents, --rounds and --workers must be at least 1")
+    started = time.time()
     dataset = load_dataset(options.dataset, options.base.data.root)
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
+    run_dir = run_dir or prepare_run_dir(options)
     threads = max(1, (os.cpu_count() or 1) // options.workers)
     torch.set_num_threads(threads)
     broker = (external_broker(options.broker) if options.broker
@@ -122,16 +143,17 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
     agents: list[EdgeAgent] = []
     pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="sim-train")
     coordinator: Coordinator | None = None
+    printer = ProgressPrinter(progress, options.rounds, label) if progress is not None else None
     try:
-        config = coordinator_config(options, broker)
-        coordinator = Coordinator(config, dataset=dataset,
-                                  on_round=print_progress(progress, options.rounds) if progress else None)
+        config = coordinator_config(options, broker, run_dir)
+        coordinator = Coordinator(config, dataset=dataset, on_round=printer.on_round if printer else None,
+                                  on_progress=printer)
         # FedAvg ignores memory: its devices train its one model (the full one, or fedavg.width) whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
-            fixed, variable = full_model_training_memory(coordinator, options.allocator)
-            schedules = list(device_budgets(options.budgets, options.agents, variable, options.seed,
-                                            options.budget_variance, fixed_bytes=fixed))
+            schedules = list(device_budgets(options.budgets, options.agents,
+                                            budget_anchor(coordinator, options.allocator), options.seed,
+                                            options.budget_variance))
         coordinator.start()
         broker.add_logins([agent_id(index) for index in range(options.agents)])
         for index, indices in enumerate(shards):
@@ -143,15 +165,16 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
                             broker=broker.client_config(agent_id(index)),
                             device_kind=schedule.tier.name if schedule else "simulated",
                             budget_bytes=schedule(0) if schedule else None, data=data_config,
-                            torch_threads=threads, state_dir=str(Path(config.state_dir) / "agents"),
+                            torch_threads=threads, state_dir=str(run_dir / "agents"),
                             allocator=options.allocator),  # type: ignore[arg-type]
                 to_local_data(dataset.x_train[indices], dataset.y_train[indices]),
                 executor=pool, budget_schedule=schedule,
             ))
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="sim-connect") as connector:
-            for started in [connector.submit(agent.start) for agent in agents]:
-                started.result()  # re-raises a connection failure
+            for started_agent in [connector.submit(agent.start) for agent in agents]:
+                started_agent.result()  # re-raises a connection failure
         rounds = coordinator.run()
+        ended = time.time()
         rejected = coordinator.rejected_messages + sum(agent.rejected_messages for agent in agents)
         settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
                     "partition": options.partition, "model": options.model, "seed": options.seed,
@@ -160,10 +183,15 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
                     "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
                     "device_tiers": [s.tier.name if s else None for s in schedules],
-                    "allocator": options.allocator}
+                    "allocator": options.allocator, "masked_ce": coordinator.strategy.masked_ce}
+        run = {"version": version_string(), "started_at": _utc(started), "ended_at": _utc(ended),
+               "wall_seconds": round(ended - started, 3), "directory": str(run_dir), "config": _public(config),
+               "overrides": list(options.overrides), "command": list(options.command)}
+        tiers = {agent_id(index): (s.tier.name if s else None) for index, s in enumerate(schedules)}
         report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings,
-                              secured=broker.secured)
-        return SimOutcome(rounds, report, rejected)
+                              secured=broker.secured, run=run, tiers=tiers)
+        write_run_outputs(report, run_dir)
+        return SimOutcome(rounds, report, rejected, run_dir)
     finally:
         for agent in agents:
             agent.stop()
@@ -171,4 +199,3 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr) -
             coordinator.stop()
         pool.shutdown(wait=False, cancel_futures=True)
         broker.stop()
-

@@ -1,42 +1,110 @@
-"""The simulator's outputs: the JSON report and the table printed at the end."""
+"""The simulator's report: one JSON document holding everything needed to read a run later, and the table printed
+at the end."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from coordinator.metrics import RoundResult
+from coordinator.metrics import RoundResult, TaskRecord
+
+#: Task statuses in the order reports count them.
+STATUSES = ("ok", "adapted", "declined", "failed", "rejected", "skipped", "missing")
+
+
+def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:
+    budget, peak = task.memory("budget_bytes"), task.memory("peak_bytes")
+    metrics = task.metrics
+    return {
+        "round": round_number, "agent": task.agent, "level": task.level, "status": task.status,
+        "budget_bytes": budget, "estimated_bytes": task.memory("estimated_bytes"), "peak_bytes": peak,
+        "over_budget": None if budget is None or peak is None else peak > budget,
+        "stage_peak_bytes": task.stage_peaks(),
+        "copies": task.memory("copies") or (1 if task.spec_trained else None),
+        "micro_batched_stages": task.memory("micro_batched_stages"),
+        "skipped_blocks": task.memory("skipped_blocks"),
+        "loss": metrics.get("loss"), "steps": task.memory("steps"), "seconds": metrics.get("seconds"),
+        "spec_sent": task.spec_sent, "spec_trained": task.spec_trained, "reason": task.reason,
+        "screening": dict(task.screening),
+    }
+
+
+def _round(r: RoundResult) -> dict[str, Any]:
+    return {
+        "round": r.round,
+        "global_accuracy": r.global_accuracy,
+        "level_accuracy": r.level_accuracy,
+        "exit_accuracy": r.exit_accuracy,
+        "trained_levels": list(r.trained_levels),
+        "trained_exits": list(r.trained_exits),
+        "participants": r.participants,
+        "selected": r.selected,
+        "bytes_down": r.bytes_down,
+        "bytes_up": r.bytes_up,
+        "seconds": r.seconds,
+    }
+
+
+def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
+              wall_seconds: float | None = None) -> dict[str, Any]:
+    """The run in a few figures: final and best global accuracy, the final mean over levels, tasks by status,
+    tasks over budget, traffic and time."""
+    if not rounds:
+        return {"rounds": 0}
+    final = rounds[-1]
+    best = max(rounds, key=lambda r: r["global_accuracy"])
+    levels = final["level_accuracy"]
+    statuses = Counter(task["status"] for task in tasks)
+    return {
+        "rounds": len(rounds),
+        "final_global_accuracy": final["global_accuracy"],
+        "best_global_accuracy": best["global_accuracy"],
+        "best_round": best["round"],
+        "final_level_average": sum(levels.values()) / len(levels) if levels else final["global_accuracy"],
+        "tasks": {status: statuses.get(status, 0) for status in STATUSES},
+        "trained": statuses.get("ok", 0) + statuses.get("adapted", 0),
+        "over_budget": sum(1 for task in tasks if task.get("over_budget")),
+        "micro_batched": sum(1 for task in tasks if task.get("micro_batched_stages")),
+        "partial": sum(1 for task in tasks if task.get("skipped_blocks")),
+        "bytes_down": sum(r["bytes_down"] for r in rounds),
+        "bytes_up": sum(r["bytes_up"] for r in rounds),
+        "bytes_per_round": sum(r["bytes_down"] + r["bytes_up"] for r in rounds) / len(rounds),
+        "round_seconds": sum(r["seconds"] for r in rounds) / len(rounds),
+        "wall_seconds": wall_seconds,
+    }
+
+
+def per_agent(tasks: list[dict[str, Any]], tiers: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+    """Each agent's tier, how its tasks ended (refusals included) and how many peaked over its budget."""
+    agents: dict[str, dict[str, Any]] = {}
+    for agent in sorted({*tiers, *(task["agent"] for task in tasks)}):
+        own = [task for task in tasks if task["agent"] == agent]
+        counts = Counter(task["status"] for task in own)
+        agents[agent] = {"tier": tiers.get(agent), **{status: counts.get(status, 0) for status in STATUSES},
+                         "over_budget": sum(1 for task in own if task.get("over_budget"))}
+    return agents
 
 
 def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: list[RoundResult],
-                 settings: dict[str, Any], *, secured: bool = False) -> dict[str, Any]:
-    """The report: algorithm, broker, one entry per round, every task (its memory figures, the peak of each
-    depth-wise stage, the copies it trained, what was sent and trained, and why), and the settings used."""
+                 settings: dict[str, Any], *, secured: bool = False, run: dict[str, Any] | None = None,
+                 tiers: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """The report: algorithm, broker, one entry per round (which levels and exits some device trained), every
+    task (its memory figures, the peak of each depth-wise stage, the copies, micro-batches and skipped blocks,
+    loss, screening figures, what was sent and trained, and why), each agent's outcomes, a summary, the settings
+    used and ``run`` (version, times, resolved configuration, overrides, command line)."""
+    round_entries = [_round(r) for r in rounds]
+    tasks = [_task(r.round, t) for r in rounds for t in r.tasks]
+    run = dict(run or {})
     return {
         "algorithm": algorithm,
         "broker": {"kind": broker_kind, "version": broker_version, "secured": secured},
-        "rounds": [
-            {
-                "round": r.round,
-                "global_accuracy": r.global_accuracy,
-                "level_accuracy": r.level_accuracy,
-                "exit_accuracy": r.exit_accuracy,
-                "participants": r.participants,
-                "bytes_down": r.bytes_down,
-                "bytes_up": r.bytes_up,
-                "seconds": r.seconds,
-            }
-            for r in rounds
-        ],
-        "tasks": [
-            {"round": r.round, "agent": t.agent, "level": t.level, "status": t.status,
-             "budget_bytes": t.memory("budget_bytes"), "estimated_bytes": t.memory("estimated_bytes"),
-             "peak_bytes": t.memory("peak_bytes"), "stage_peak_bytes": t.stage_peaks(),
-             "copies": t.memory("copies") or (1 if t.spec_trained else None), "spec_sent": t.spec_sent,
-             "spec_trained": t.spec_trained, "reason": t.reason}
-            for r in rounds for t in r.tasks
-        ],
+        "run": run,
+        "summary": summarize(round_entries, tasks, run.get("wall_seconds")),
+        "rounds": round_entries,
+        "tasks": tasks,
+        "agents": per_agent(tasks, tiers or {}),
         "settings": settings,
     }
 
@@ -48,20 +116,51 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
     target.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def format_table(rounds: list[RoundResult]) -> str:
-    """A plain-text table: accuracy overall, per level and per exit, traffic and time per round."""
-    levels = sorted({name for r in rounds for name in r.level_accuracy})
-    exits = sorted({name for r in rounds for name in r.exit_accuracy}, key=lambda name: (len(name), name))
+def read_report(path: str | Path) -> dict[str, Any]:
+    """A report written by :func:`write_report`; ValueError (one sentence) for anything else."""
+    target = Path(path)
+    try:
+        report = json.loads(target.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{target} does not exist: give a run directory of `fedfit sim` (it holds report.json)") \
+            from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{target} is not a FedFit report ({exc})") from None
+    if not isinstance(report, dict) or not {"algorithm", "rounds", "tasks"} <= set(report):
+        raise ValueError(f"{target} is not a FedFit report (it lacks algorithm, rounds or tasks)")
+    return report
+
+
+def format_table(rounds: list[dict[str, Any]]) -> str:
+    """A plain-text table: accuracy overall, per level and per exit (``*``: no device trained that level or exit
+    this round, its figure is of the slice others trained), traffic and time per round."""
+    levels = sorted({name for r in rounds for name in r["level_accuracy"]})
+    exits = sorted({name for r in rounds for name in r["exit_accuracy"]}, key=lambda name: (len(name), name))
     header = (["round", "global"] + [f"lvl {name}" for name in levels] + list(exits)
               + ["agents", "MB down", "MB up", "seconds"])
     rows = [header]
+    marked = False
+
+    def cell(values: dict[str, float], trained: list[str], name: str) -> str:
+        nonlocal marked
+        if name not in values:
+            return "-"
+        untrained = name not in trained
+        marked |= untrained
+        return f"{values[name]:.4f}" + ("*" if untrained else " ")
+
     for r in rounds:
-        rows.append([str(r.round), f"{r.global_accuracy:.4f}"]
-                    + [f"{r.level_accuracy[name]:.4f}" if name in r.level_accuracy else "-" for name in levels]
-                    + [f"{r.exit_accuracy[name]:.4f}" if name in r.exit_accuracy else "-" for name in exits]
-                    + [f"{r.participants}/{r.selected}", f"{r.bytes_down / 1e6:.2f}", f"{r.bytes_up / 1e6:.2f}",
-                       f"{r.seconds:.1f}"])
+        rows.append([str(r["round"]), f"{r['global_accuracy']:.4f}"]
+                    + [cell(r["level_accuracy"], r.get("trained_levels", list(r["level_accuracy"])), name)
+                       for name in levels]
+                    + [cell(r["exit_accuracy"], r.get("trained_exits", list(r["exit_accuracy"])), name)
+                       for name in exits]
+                    + [f"{r['participants']}/{r.get('selected', r['participants'])}", f"{r['bytes_down'] / 1e6:.2f}",
+                       f"{r['bytes_up'] / 1e6:.2f}", f"{r['seconds']:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    if marked:
+        lines.append("* no device trained this level (or exit) itself this round: its figure is the slice of the "
+                     "global model that others trained")
     return "\n".join(lines)

@@ -87,6 +87,7 @@ def test_unknown_name_lists_valid_names() -> None:
 
 @pytest.mark.usefixtures("no_system_fashion")
 def test_fashion_not_found_message(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
     with pytest.raises(DatasetError) as info:
         load_dataset("fashion-mnist", root=tmp_path / "data")
     msg = str(info.value)
@@ -95,6 +96,12 @@ def test_fashion_not_found_message(tmp_path: Path) -> None:
     assert str(tmp_path / "no-system-dataset") in msg
     assert "dataset-fashion-mnist" in msg
     assert "--dataset digits" in msg
+
+
+@pytest.mark.parametrize("name", ["fashion-mnist", "digits", "auto"])
+def test_a_data_root_that_is_not_a_folder_is_one_sentence(tmp_path: Path, name: str) -> None:
+    with pytest.raises(DatasetError, match="data.root '.*absent' is not a folder: fix the path"):
+        load_dataset(name, root=tmp_path / "absent")
 
 
 @pytest.mark.usefixtures("no_system_fashion")

@@ -15,7 +15,14 @@ import torch
 from common.data import load_dataset
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.collector import DispatchedTask, RoundCollector
-from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig, ScaleFLConfig
+from coordinator.config import (
+    CoordinatorConfig,
+    DataConfig,
+    ModelConfig,
+    RecipeConfig,
+    ScaleFLConfig,
+    ScreeningConfig,
+)
 from coordinator.daemon import REGISTRY_SETTLE_S, Coordinator, NoAgentsError
 from coordinator.metrics import TaskRecord
 from coordinator.registry import AgentRecord
@@ -25,9 +32,12 @@ from protocol import AgentStatus, Capabilities, Update
 
 
 def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
+    # Hand-made updates are far from anything a plan could train: screening (tests/coordinator/test_screening.py
+    # and the integration tests) is off here.
     cfg = CoordinatorConfig(model=ModelConfig(family="cnn", options={"hidden": [4, 8]}),
                             data=DataConfig(dataset="digits", bn_samples=50, eval_samples=50),
-                            recipe=RecipeConfig(batch_size=8), levels=[1.0, 0.5], state_dir=str(tmp_path))
+                            recipe=RecipeConfig(batch_size=8), levels=[1.0, 0.5], state_dir=str(tmp_path),
+                            screening=ScreeningConfig(enabled=False))
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -308,7 +318,7 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
     cfg.level_assignment = "dynamic"
     coordinator = Coordinator(cfg, dataset=digits)
     agents = [agent_record(f"sim-{i}") for i in range(4)]
-    monkeypatch.setattr(coordinator.registry, "wait_settled", lambda count, quiet, timeout: agents)
+    monkeypatch.setattr(coordinator.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: agents)
     sent: list[TaskPlan] = []
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
@@ -344,7 +354,7 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
 
 
 def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinator, monkeypatch) -> None:
-    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout: [agent_record("sim-0")])
+    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
@@ -374,7 +384,7 @@ def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heter
     calls: list[str] = []
     fleet = [agent_record("sim-0"), agent_record("sim-1")]
     monkeypatch.setattr(heterofl.registry, "wait_settled",
-                        lambda count, quiet, timeout: calls.append(f"settled {count} {quiet}") or fleet)
+                        lambda count, quiet, timeout, on_change=None: calls.append(f"settled {count} {quiet}") or fleet)
     monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: calls.append("wait_for") or fleet)
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
@@ -454,7 +464,7 @@ def test_the_retained_status_carries_the_round_in_progress_then_the_last_complet
     said: list[int] = []
     monkeypatch.setattr(heterofl.link, "publish", lambda topic, payload, **_: said.append(decode(payload).round)
                         if isinstance(decode(payload), CoordinatorStatus) else None)
-    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout: [agent_record("sim-0")])
+    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
     monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordinator.aggregation import grid
-from coordinator.config import HETEROFL_RATES, CoordinatorConfig, FedAvgConfig, ModelConfig
+from coordinator.config import HETEROFL_RATES, CoordinatorConfig, FedAvgConfig, ModelConfig, RecipeConfig
 from coordinator.levels import width_levels
 from coordinator.strategies import (
     ALGORITHM_NAMES,
@@ -57,7 +57,8 @@ def ladder_below(name: str, cfg: CoordinatorConfig) -> Adaptation | None:
     below = LEVELS[[level.name for level in LEVELS].index(name) + 1:]
     if not below:
         return None
-    return Adaptation("ladder", [Candidate(level.spec.to_dict(), base_plan(cfg.recipe)) for level in below])
+    return Adaptation("ladder", [Candidate(level.spec.to_dict(), base_plan(cfg.recipe, masked=True))
+                                 for level in below])
 
 
 # ---------------------------------------------------------------------------------------------- HeteroFL
@@ -73,7 +74,7 @@ def test_heterofl_fix_gives_largest_level_fitting_each_budget(make, make_agent):
     for task in plan.tasks:
         assert task.spec == BY_NAME[task.level].spec
         assert task.group == "global"
-        assert task.plan == base_plan(strategy.config.recipe)
+        assert task.plan == base_plan(strategy.config.recipe, masked=True)  # HeteroFL's default
         assert task.adaptation == ladder_below(task.level, strategy.config)
 
 
@@ -187,16 +188,16 @@ def test_heterofl_groups_and_eval_targets(make):
         assert targets[level.name].store_bn is False
 
 
-def test_heterofl_largest_task_and_describe(make):
+def test_heterofl_masks_by_default_and_describes_its_levels(make):
     strategy = make("heterofl")
-    spec, plan = strategy.largest_task()
-    assert spec == SubmodelSpec.uniform(1.0) and plan == base_plan(strategy.config.recipe)
+    assert strategy.masked_ce and strategy.level_plan(strategy.levels[0], 1) == base_plan(strategy.config.recipe,
+                                                                                         masked=True)
     rows = strategy.describe()
     assert [row["name"] for row in rows] == ["a", "b", "c", "d", "e"]
     for row, level in zip(rows, LEVELS):
         assert row["spec"] == level.spec.describe()
         assert row["params"] == strategy.family.param_count(level.spec)
-        assert row["flops"] == strategy.family.flops(level.spec, (8, 8))
+        assert row["macs"] == strategy.family.flops(level.spec, (8, 8))
         assert row["train_bytes"] == int(level.spec.width * 1000)
         assert row["rate"] == level.info["rate"]
     assert rows[0]["params"] > rows[1]["params"] > rows[4]["params"]
@@ -307,17 +308,15 @@ def test_fedavg_eval_targets_are_full_model_only(make):
     assert set(targets) == {"global", "a"}
     assert all(t.group == "global" and t.spec.is_full for t in targets.values())
     assert targets["global"].store_bn and not targets["a"].store_bn
-    spec, plan = strategy.largest_task()
-    assert spec.is_full and plan == base_plan(strategy.config.recipe)
 
 
-def test_fedavg_at_a_thin_width_measures_budgets_against_the_full_model(make):
+def test_fedavg_at_a_thin_width_trains_it_whatever_the_budget(make):
     strategy = make("fedavg", fedavg=FedAvgConfig(width=0.25))
     assert strategy.levels[0].spec == SubmodelSpec.uniform(0.25)
-    spec, plan = strategy.largest_task()  # budgets are shares of this: the same fleet as the other algorithms
-    assert spec.is_full and plan == base_plan(strategy.config.recipe)
-    tier = strategy.plan_for_budget(strategy.training_cost(spec, plan) // 2)
+    full = strategy.training_cost(SubmodelSpec.full(), base_plan(strategy.config.recipe))
+    tier = strategy.plan_for_budget(full // 2)
     assert tier["spec"] == "width=0.25" and tier["fits"] is True
+    assert strategy.plan_for_budget(1)["fits"] is False
 
 
 # ---------------------------------------------------------------------------------------------- Decoupled
@@ -359,10 +358,13 @@ def test_decoupled_eval_targets_use_level_groups_and_global_is_level_a(make):
         assert targets[level.name].spec == level.spec
 
 
-def test_decoupled_largest_task_is_level_a(make):
-    strategy = make("decoupled")
-    spec, plan = strategy.largest_task()
-    assert spec == BY_NAME["a"].spec and spec.is_full and plan == base_plan(strategy.config.recipe)
+@pytest.mark.parametrize(("name", "masked"), [("heterofl", True), ("fedavg", False), ("decoupled", False)])
+def test_masked_cross_entropy_follows_each_paper_unless_configured(make, name, masked):
+    assert make(name).masked_ce is masked
+    assert make(name).level_plan(make(name).levels[0], 1).uses_masked_ce is masked
+    for configured in (True, False):
+        strategy = make(name, recipe=RecipeConfig(masked_ce=configured))
+        assert strategy.level_plan(strategy.levels[0], 1).uses_masked_ce is configured
 
 
 # ---------------------------------------------------------------------------------------------- state

@@ -222,7 +222,9 @@ def test_level_plans_have_as_many_outputs_as_the_level_model(strategy):
             assert plan.outputs_needed() == count
             assert sorted(t.output for t in plan.loss if t.kind == "ce") == list(range(count))
             assert all(t.teacher == count - 1 for t in plan.loss if t.kind == "kd")
-            assert plan.loss == self_distillation_loss(count, beta=BETA, tau=TAU, distill=round_number > 2)
+            assert plan.loss == self_distillation_loss(count, beta=BETA, tau=TAU, distill=round_number > 2,
+                                                       normalization="reference")  # the default: weights sum to 1
+            assert sum(t.weight for t in plan.loss if t.kind == "ce") == pytest.approx(1.0)
             assert (plan.epochs, plan.batch_size, plan.optimizer.lr) == (1, 8, strategy.config.recipe.lr)
 
 
@@ -280,24 +282,22 @@ def test_describe_rows_for_fedfit_plan(strategy):
     rows = strategy.describe()
     assert [row["name"] for row in rows] == ["3", "2", "1"]
     for row, level in zip(rows, strategy.levels):
-        assert {"name", "spec", "params", "flops", "train_bytes", "s_d", "s_w"} <= set(row)
+        assert {"name", "spec", "params", "macs", "train_bytes", "s_d", "s_w"} <= set(row)
         assert row["spec"] == level.spec.describe()
         assert row["params"] == strategy.family.param_count(level.spec)
-        assert row["flops"] == strategy.family.flops(level.spec, (8, 8))
+        assert row["macs"] == strategy.family.flops(level.spec, (8, 8))
         # The plan of the last round: distilling, after the KD warm-up of the first rounds.
         assert row["train_bytes"] == strategy.cost(level, strategy.config.rounds) >= strategy.cost(level, 1)
         assert (row["s_d"], row["s_w"]) == (level.info["s_d"], level.info["s_w"])
     assert rows[0]["s_d"] == rows[0]["s_w"] == 1.0
 
 
-def test_largest_task_is_the_global_model_with_its_distilling_plan(strategy):
-    # The most demanding task ScaleFL hands out: the full model with every exit, trained with Eq. 5 including
-    # the KD terms (handed out from round 3 on; they cost memory), even though round 1 does not distil.
-    spec, plan = strategy.largest_task()
-    assert spec == strategy.global_spec()
-    assert plan == strategy.level_plan(strategy.levels[0], ROUNDS)
-    assert strategy.training_cost(spec, plan) == max(strategy.cost(strategy.levels[0], r)
-                                                     for r in range(1, ROUNDS + 1))
+def test_the_top_level_is_the_global_model_and_costs_most_with_its_distilling_plan(strategy):
+    # The full model with every exit, trained with Eq. 5 including the KD terms (handed out from round 3 on;
+    # they cost memory), even though round 1 does not distil.
+    top = strategy.levels[0]
+    assert top.spec == strategy.global_spec()
+    assert strategy.cost(top, ROUNDS) == max(strategy.cost(top, r) for r in range(1, ROUNDS + 1))
 
 
 def test_state_is_empty(strategy):
@@ -388,7 +388,8 @@ def test_memory_cost_leaves_the_fixed_overhead_out_and_plans_with_distillation()
     assert seen
     for spec, plan in seen:  # the split search's costs: each spec trained as a level, with distillation
         count = len(spec.exits) + (spec.depth is None)
-        assert plan.loss == self_distillation_loss(count, beta=BETA, tau=TAU, distill=True)
+        assert plan.loss == self_distillation_loss(count, beta=BETA, tau=TAU, distill=True,
+                                                   normalization="reference")
     # Budgets are compared with the whole estimate, overhead included.
     assert made.cost(made.levels[0]) == family.param_count(made.levels[0].spec) * 16 + 10**9
 

@@ -1,4 +1,5 @@
-"""Screening updates before aggregation: non-finite and outsized changes are rejected with a reason."""
+"""Screening updates before aggregation: the plan's reach (a bound no honest run exceeds, checked against real
+training runs), like-with-like comparison per trained spec, non-finite weights."""
 
 from __future__ import annotations
 
@@ -8,18 +9,22 @@ import pytest
 import torch
 
 from coordinator.config import ScreeningConfig
-from coordinator.screening import change_of, screen
+from coordinator.screening import change_of, plan_steps, screen
 from coordinator.strategies import TaskPlan, TaskResult
-from models import SubmodelSpec
-from protocol import TrainingPlan
+from models import SubmodelSpec, get_family, train
+from protocol import Adaptation, Candidate, OptimizerSettings, TrainingPlan
 
-SENT = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+SENT = {"w": torch.ones(4, 4), "b": torch.zeros(4)}  # norm 4
+PLAN = TrainingPlan(optimizer=OptimizerSettings(lr=0.01, momentum=0.9, weight_decay=0.0, clip_norm=1.0), epochs=1,
+                    batch_size=10)  # 10 samples: one step, reach 0.01 / 0.1 = 0.1 = the bound (no weight decay)
 
 
-def result(agent: str, delta: float, keys: tuple[str, ...] = ("w", "b")) -> TaskResult:
-    task = TaskPlan(agent, "a", SubmodelSpec.full(), TrainingPlan(), "global")
-    state = {key: SENT[key] + delta for key in keys}
-    return TaskResult(task, SubmodelSpec.full(), state, {}, 10, [0])
+def result(agent: str, delta: float, *, spec: SubmodelSpec | None = None, samples: int = 10,
+           plan: TrainingPlan = PLAN, adaptation: Adaptation | None = None) -> TaskResult:
+    """An update that moved every element of ``w`` by ``delta`` (norm 4 |delta|)."""
+    spec = spec or SubmodelSpec.full()
+    task = TaskPlan(agent, "a", SubmodelSpec.full(), plan, "global", adaptation)
+    return TaskResult(task, spec, {"w": SENT["w"] + delta, "b": SENT["b"].clone()}, {}, samples, [0])
 
 
 def sent_of(_result: TaskResult) -> dict[str, torch.Tensor]:
@@ -30,54 +35,121 @@ def names(results: list[TaskResult]) -> list[str]:
     return [r.task.agent_id for r in results]
 
 
-def test_change_is_the_root_mean_square_over_the_trained_elements() -> None:
-    assert change_of({"w": torch.full((4, 4), 3.0)}, SENT) == pytest.approx(3.0)
-    mixed = {"w": torch.zeros(4, 4), "b": torch.full((4,), 2.0)}  # 4 of 20 elements moved by 2
-    assert change_of(mixed, SENT) == pytest.approx(math.sqrt(16 / 20))
-    assert math.isnan(change_of({"b": torch.tensor([0.0, math.nan, 0.0, 0.0])}, SENT))
+def test_change_reach_and_bound_by_hand() -> None:
+    change = change_of({"w": SENT["w"] + 0.01, "b": SENT["b"]}, SENT, PLAN, steps=3)
+    assert change.norm == pytest.approx(0.04) and change.steps == 3
+    assert change.reach == pytest.approx(0.3) and change.bound == pytest.approx(0.3)  # lr T / (1 - beta) * clip
+    assert change.score == pytest.approx(0.04 / 0.3)
+    decayed = TrainingPlan(optimizer=OptimizerSettings(lr=0.01, momentum=0.9, weight_decay=0.5, clip_norm=1.0))
+    # B = reach (clip + wd (|sent| + B)) with reach 0.3: B = 0.3 (1 + 0.5 * 4) / (1 - 0.15)
+    assert change_of(SENT, SENT, decayed, steps=3).bound == pytest.approx(0.3 * 3 / 0.85)
+    unclipped = TrainingPlan(optimizer=OptimizerSettings(clip_norm=None))
+    assert change_of(SENT, SENT, unclipped, steps=3).bound is None
+    assert math.isnan(change_of({"w": SENT["w"] * math.nan}, SENT, PLAN, steps=1).norm)
 
 
-def test_ordinary_updates_all_pass() -> None:
-    results = [result("a", 0.01), result("b", 0.03), result("c", 0.02), result("d", 0.05, keys=("b",))]
-    kept, rejected = screen(results, sent_of, ScreeningConfig())
-    assert names(kept) == ["a", "b", "c", "d"] and rejected == []
+def test_plan_steps_count_every_batch_of_every_epoch() -> None:
+    assert plan_steps(epochs=2, batch_size=32, samples=100) == 8
+    assert plan_steps(epochs=1, batch_size=32, samples=0) == 1
 
 
-def test_a_scaled_update_is_rejected_with_its_ratio() -> None:
-    results = [result("a", 0.01), result("b", 0.02), result("evil", -1.0), result("c", 0.015)]
-    kept, rejected = screen(results, sent_of, ScreeningConfig(max_ratio=10))
-    assert names(kept) == ["a", "b", "c"]
+@pytest.mark.parametrize(("spec", "clip"), [(SubmodelSpec.full(), 1.0), (SubmodelSpec.uniform(0.25), 1.0),
+                                            (SubmodelSpec(segments=((0, 1), (1, 3))), 0.5),
+                                            (SubmodelSpec(depth=2, exits=(0, 1)), 1.0)])
+def test_no_real_training_run_moves_its_weights_beyond_the_bound(spec: SubmodelSpec, clip: float) -> None:
+    # A learning rate far too large, momentum, weight decay and random labels: the run moves as far as it can.
+    family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
+    plan = TrainingPlan(optimizer=OptimizerSettings(lr=0.5, momentum=0.9, weight_decay=5e-3, clip_norm=clip),
+                        epochs=3, batch_size=8, seed=1)
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    sent = {key: value.clone() for key, value in model.state_dict().items()}
+    x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 10, (20,))
+    run = train(model, spec, x, y, plan, labels=list(range(10)), num_classes=10)
+    keys = family.trainable_keys(spec)
+    trained = {key: model.state_dict()[key] for key in keys}
+    stages = len(spec.segments) if spec.segments else 1
+    steps = plan_steps(plan.epochs * stages, plan.batch_size, len(x))
+    assert run.steps <= steps
+    change = change_of(trained, {key: sent[key] for key in keys}, plan, steps)
+    assert change.bound is not None and 0 < change.norm <= change.bound
+
+
+def test_the_forged_update_of_the_fault_benchmark_exceeds_the_plan_reach() -> None:
+    forged = TaskResult(TaskPlan("evil", "a", SubmodelSpec.full(), PLAN, "global"), SubmodelSpec.full(),
+                        {key: value * -50 for key, value in SENT.items()}, {}, 10, [0])
+    kept, rejected, _ = screen([result("a", 0.001), forged], sent_of, ScreeningConfig())
+    assert names(kept) == ["a"]
     [(bad, reason)] = rejected
-    assert bad.task.agent_id == "evil"
-    assert reason.startswith("update rejected: its change (rms 1) is 66.7 times the median of the round's other "
-                             "updates (0.015), above screening.max_ratio 10")
+    assert bad is forged
+    assert reason == ("update rejected: its change (norm 204) is 2040.0 times the most its training plan can move "
+                      "the weights (0.1: 1 steps at lr 0.01, momentum 0.9, gradients clipped to 1)")
+
+
+def test_alone_the_bound_still_applies() -> None:
+    kept, rejected, changes = screen([result("a", 0.05)], sent_of, ScreeningConfig())  # norm 0.2 > 0.1
+    assert kept == [] and "the most its training plan can move the weights" in rejected[0][1]
+    assert changes[0].as_dict() == {"norm": pytest.approx(0.2), "steps": 1.0, "per_step": pytest.approx(2.0),
+                                    "bound": pytest.approx(0.1)}
+
+
+def test_more_samples_widen_the_reach() -> None:
+    # 0.2 is twice what one step can do, and well within 3 steps' reach.
+    assert screen([result("a", 0.05, samples=30)], sent_of, ScreeningConfig())[1] == []
+
+
+def test_a_stage_per_segment_and_the_adaptation_candidates_count() -> None:
+    depthwise = result("d", 0.05, spec=SubmodelSpec(segments=((0, 1), (1, 2), (2, 3))))
+    assert screen([depthwise], sent_of, ScreeningConfig())[1] == []  # 3 stages: reach 0.3 >= 0.2
+    longer = TrainingPlan(optimizer=PLAN.optimizer, epochs=3, batch_size=10)
+    ladder = Adaptation("ladder", [Candidate(SubmodelSpec.uniform(0.5).to_dict(), longer)])
+    assert screen([result("l", 0.05, adaptation=ladder)], sent_of, ScreeningConfig())[1] == []
+
+
+def test_like_with_like_the_median_of_the_same_spec_is_the_yardstick() -> None:
+    loose = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.9, clip_norm=1.0), batch_size=10)
+    thin = SubmodelSpec.uniform(0.25)
+    results = [result("f1", 0.001, plan=loose), result("f2", 0.0012, plan=loose), result("f3", 0.0011, plan=loose),
+               # a thin slice moves much further than the full models: not their outlier, it has no peer
+               result("t1", 0.1, spec=thin, plan=loose),
+               # an outsized full-width update among full-width peers is
+               result("f4", 0.02, plan=loose)]
+    kept, rejected, _ = screen(results, sent_of, ScreeningConfig(max_ratio=10))
+    assert names(kept) == ["f1", "f2", "f3", "t1"]
+    [(bad, reason)] = rejected
+    assert bad.task.agent_id == "f4"
+    assert reason.startswith("update rejected: its change per step (0.008) is 18.2 times the median of the round's "
+                             "3 other updates of width=1 (0.00044), above screening.max_ratio 10")
+
+
+def test_too_few_peers_no_comparison() -> None:
+    loose = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.9, clip_norm=1.0), batch_size=10)
+    pair = [result("a", 0.001, plan=loose), result("b", 0.05, plan=loose)]
+    assert screen(pair, sent_of, ScreeningConfig())[1] == []  # one peer each: min_peers is 2
+    assert names(screen(pair, sent_of, ScreeningConfig(min_peers=1))[0]) == ["a"]
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_update_is_rejected_and_does_not_count_for_the_others(value: float) -> None:
-    results = [result("a", 0.01), result("bad", value), result("b", 0.012)]
-    kept, rejected = screen(results, sent_of, ScreeningConfig())
+    loose = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.9, clip_norm=1.0), batch_size=10)
+    results = [result("a", 0.001, plan=loose), result("bad", value, plan=loose), result("b", 0.0012, plan=loose)]
+    kept, rejected, _ = screen(results, sent_of, ScreeningConfig(min_peers=1))
     assert names(kept) == ["a", "b"]
     assert [(r.task.agent_id, why) for r, why in rejected] == [("bad", "update rejected: its weights are not finite")]
 
 
-def test_alone_or_beside_unchanged_updates_only_finiteness_is_checked() -> None:
-    assert names(screen([result("a", 5.0)], sent_of, ScreeningConfig())[0]) == ["a"]
-    kept, _ = screen([result("a", 5.0), result("idle", 0.0)], sent_of, ScreeningConfig())
-    assert names(kept) == ["a", "idle"]  # the median of the others is 0: no ratio to take
-
-
-def test_two_updates_the_outsized_one_goes() -> None:
-    kept, rejected = screen([result("honest", 0.02), result("evil", 3.0)], sent_of, ScreeningConfig())
-    assert names(kept) == ["honest"] and [r.task.agent_id for r, _ in rejected] == ["evil"]
-
-
-def test_disabled_screening_keeps_everything() -> None:
+def test_disabled_screening_keeps_everything_and_still_measures() -> None:
     results = [result("a", 0.01), result("bad", math.nan)]
-    assert screen(results, sent_of, ScreeningConfig(enabled=False)) == (results, [])
+    kept, rejected, changes = screen(results, sent_of, ScreeningConfig(enabled=False))
+    assert kept == results and rejected == [] and len(changes) == 2
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5, -3.0])
 def test_max_ratio_must_be_above_one(ratio: float) -> None:
     with pytest.raises(ValueError, match="screening.max_ratio must be above 1"):
         ScreeningConfig(max_ratio=ratio).validate()
+
+
+def test_min_peers_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="screening.min_peers must be at least 1"):
+        ScreeningConfig(min_peers=0).validate()

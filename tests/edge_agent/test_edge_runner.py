@@ -205,7 +205,7 @@ def test_available_uses_the_budget_for_the_round(make_runner):
     assert seen == [3]
 
 
-def test_state_dir_holds_the_data_file_and_calibration(make_runner, tmp_path):
+def test_state_dir_holds_the_data_file_and_calibration(make_runner, model_ref, tmp_path):
     data = LocalData(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 1]))
     runner = make_runner(data)
     assert runner.state_dir == tmp_path / "agent"
@@ -213,17 +213,27 @@ def test_state_dir_holds_the_data_file_and_calibration(make_runner, tmp_path):
     with np.load(runner.data_path, allow_pickle=False) as archive:
         np.testing.assert_array_equal(archive["x"], data.x)
         np.testing.assert_array_equal(archive["y"], data.y)
-    assert runner.calibration.path == tmp_path / "agent" / "calibration-cpu-compact.json"
+    calibration = runner.calibration_for(model_ref)
+    assert calibration.path is not None and calibration.path.parent == tmp_path / "agent"
+    assert calibration.path.name.startswith("calibration-cpu-compact-")
     # CPU peaks move by a fraction of a MB between identical runs: tasks that small do not calibrate.
-    assert runner.calibration.resolution == forkserver.CPU_PEAK_RESOLUTION_BYTES > 0
+    assert calibration.resolution == forkserver.CPU_PEAK_RESOLUTION_BYTES > 0
     runner.close()
     assert runner.data_path.exists()  # close() leaves a state_dir it was given alone
 
 
-def test_runner_loads_the_calibration_learnt_before(make_runner, tmp_path):
-    Calibration(tmp_path / "agent" / "calibration-cpu-compact.json").observe(1000, 3000)
+def test_runner_loads_the_calibration_learnt_before(make_runner, model_ref):
+    make_runner(name="first").calibration_for(model_ref).observe(10_000_000, 30_000_000)
+    assert make_runner(name="first").calibration_for(model_ref).factor == pytest.approx(3.0 * 1.05)
+
+
+def test_each_model_has_a_calibration_of_its_own(make_runner, model_ref, deep_ref):
     runner = make_runner()
-    assert runner.calibration.factor == pytest.approx(3.0 * 1.05)
+    runner.calibration_for(model_ref).observe(10_000_000, 5_000_000)  # a model measured at half its estimate
+    assert runner.calibration_for(model_ref).factor == pytest.approx(0.5 * 1.05)
+    other = runner.calibration_for(deep_ref)
+    assert other.factor == pytest.approx(1.10) and other.path != runner.calibration_for(model_ref).path
+    assert json.loads(runner.calibration_for(model_ref).path.read_text())["of"].startswith('["[\\"cnn\\"')
 
 
 @pytest.mark.parametrize("allocator", ["compact", "default"])
@@ -238,7 +248,7 @@ def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_
     other = "default" if allocator == "compact" else "compact"
     assert expected != raw_estimate(family, spec, task_plan(), allocator=other)  # the setting matters
     # A factor learnt under one heap setting says nothing about the other: one file per setting.
-    assert runner.calibration.path == tmp_path / "agent" / f"calibration-cpu-{allocator}.json"
+    assert runner.calibration_for(model_ref).path.name.startswith(f"calibration-cpu-{allocator}-")
 
 
 def test_runner_rejects_an_unknown_allocator(make_runner):
@@ -417,7 +427,7 @@ def test_failed_and_declined_updates_do_not_touch_the_calibration(make_task, mak
     runner.run(make_task())  # declined
     runner.run(make_task(spec_dict={"width": 2.0}))  # failed
     assert (runner.calibration.ratios, runner.calibration.floor) == ([], 0.0)
-    assert not (tmp_path / "agent" / "calibration-cpu-compact.json").exists()
+    assert not list((tmp_path / "agent").glob("calibration-*.json"))
 
 
 def test_task_rejected_carries_status_and_reason():
@@ -428,11 +438,12 @@ def test_task_rejected_carries_status_and_reason():
 def test_task_id_dot_dot_does_not_delete_the_agents_state(make_task, make_runner):
     task = decode(encode(make_task(task_id="..")))  # the protocol accepts '..' as a task id
     runner = make_runner()
-    runner.calibration.observe(10_000_000, 20_000_000)  # a task large enough to learn from: the file exists
+    calibration = runner.calibration_for(task.model)
+    calibration.observe(10_000_000, 20_000_000)  # a task large enough to learn from: the file exists
     for _ in range(2):  # the first one leaves state_dir/tasks behind, as every task does
         runner.run(task)
     assert runner.data_path.exists()
-    assert runner.calibration.path is not None and runner.calibration.path.exists()
+    assert calibration.path is not None and calibration.path.exists()
 
 
 # ---------------------------------------------------------------------------------------------- plans
@@ -636,19 +647,48 @@ def test_depthwise_cuts_the_fewest_segments_that_fit(deep_family, make_deep_task
     assert update.metrics["estimated_bytes"] <= budget
 
 
-def test_depthwise_skips_the_input_side_blocks_that_fit_nowhere(deep_family, make_deep_task, make_runner,
-                                                                 task_plan):
+#: A three-block CNN whose first block (16 channels at full resolution) is far dearer to train than the two after
+#: it (4 channels at a quarter and a sixteenth of the pixels), whatever the CPU's oneDNN blocking pads 4 channels to.
+WIDE_FIRST = (16, 4, 4)
+
+
+def wide_first_task(make_task, plan, adaptation: Adaptation):
+    family = get_family("cnn", 10, 1, hidden=WIDE_FIRST)
+    return family, make_task(SubmodelSpec.full(), of=family, model=ModelRef("cnn", 10, 1, {"hidden": list(WIDE_FIRST)}),
+                             plan=plan, adaptation=adaptation)
+
+
+def test_depthwise_skips_the_input_side_blocks_that_fit_nowhere(make_task, make_runner, task_plan):
     plan = task_plan()
-    cost = {(a, b): corrected_cost(deep_family, SubmodelSpec(segments=((a, b),)), plan)
-            for a in range(3) for b in range(a + 1, 4)}
-    assert cost[(0, 1)] > cost[(1, 3)]  # the first block (full resolution) is the dearest
-    budget = (cost[(0, 1)] + cost[(1, 3)]) // 2
-    update = make_runner(budget=budget).run(
-        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    family, task = wide_first_task(make_task, plan, Adaptation("depthwise"))  # no micro-batches
+    cost = {(a, b): corrected_cost(family, SubmodelSpec(segments=((a, b),)), plan) for a, b in ((0, 1), (1, 3))}
+    budget = cost[(0, 1)] - 1
+    assert cost[(1, 3)] <= budget  # blocks 1-2 together cost less than block 0 alone
+    update = make_runner(budget=budget).run(task)
     assert update.status == "adapted", update.reason
     assert update.spec_trained == SubmodelSpec(segments=((1, 3),)).to_dict()
-    assert "(skipped 0)" in update.reason
+    assert "(skipped 0)" in update.reason and update.metrics["skipped_blocks"] == 1.0
     assert "conv1.weight" not in update.weights and "conv2.weight" in update.weights  # skipped: not uploaded
+
+
+def test_depthwise_trains_a_block_that_fits_nowhere_whole_in_micro_batches(make_task, make_runner, task_plan):
+    plan = task_plan()  # batch 8: micro-batches of 4, then 2
+    family, task = wide_first_task(make_task, plan, Adaptation("depthwise", min_micro_batch=2))
+    whole = corrected_cost(family, SubmodelSpec(segments=((0, 1),)), plan)
+    budget = whole - 1
+    micro = {m: corrected_cost(family, SubmodelSpec(segments=((0, 1),)), replace(plan, schedule=(
+        Stage(micro_batch=m),))) for m in (4, 2)}
+    assert micro[2] <= micro[4] <= budget  # half the batch's activations fit where the whole batch's did not
+    update = make_runner(budget=budget).run(task)
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == SubmodelSpec(segments=((0, 1), (1, 3))).to_dict()
+    assert "blocks 0 (micro-batches of 4) | 1-2 via the skip path" in update.reason
+    assert update.metrics["micro_batched_stages"] == 1.0 and update.metrics["skipped_blocks"] == 0.0
+    assert update.metrics["estimated_bytes"] <= budget
+    assert "conv1.weight" in update.weights  # every block trained and uploaded
+    # A floor above the batch's half leaves no micro-batch to try: the block is skipped as before.
+    _, floored = wide_first_task(make_task, plan, Adaptation("depthwise", min_micro_batch=5))
+    assert "(skipped 0)" in make_runner(budget=budget, name="floored").run(floored).reason
 
 
 def test_depthwise_declines_when_no_block_fits_alone(deep_family, make_deep_task, make_runner, task_plan):

@@ -82,11 +82,13 @@ def test_plan_prints_scalefl_levels_as_json(capsys: pytest.CaptureFixture[str]) 
                  "--set", "scalefl.cost=params", "--json"])
     out = capsys.readouterr().out
     assert code == 0
-    rows = json.loads(out)
+    plan = json.loads(out)
+    assert plan["tiers"] == []  # one shape with or without --budgets
+    rows = plan["levels"]
     assert [row["name"] for row in rows] == ["4", "3", "2", "1"]
     for row, target in zip(rows, (1.0, 0.5, 0.25, 0.125)):
-        assert {"name", "spec", "params", "flops", "train_bytes", "s_d", "s_w"} <= set(row)
-        assert row["params"] > 0 and row["flops"] > 0 and row["train_bytes"] > 0
+        assert {"name", "spec", "params", "macs", "train_bytes", "s_d", "s_w"} <= set(row)
+        assert row["params"] > 0 and row["macs"] > 0 and row["train_bytes"] > 0
         # Eq. 1: the level's parameters are within 10% of its share of the global model's.
         assert abs(row["params"] / rows[0]["params"] / target - 1) <= 0.1 + 1e-9, row
     assert rows[0]["s_d"] == rows[0]["s_w"] == 1.0

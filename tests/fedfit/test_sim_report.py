@@ -1,60 +1,117 @@
+"""The simulator's report: its shape, the summary and per-agent counts, the table (untrained levels marked), and
+reading a report back."""
+
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import pytest
+
 from coordinator.metrics import RoundResult, TaskRecord
-from fedfit.sim.report import build_report, format_table, write_report
+from fedfit.sim.report import build_report, format_table, read_report, summarize, write_report
 
 
 def sample_rounds() -> list[RoundResult]:
     return [RoundResult(round=1, global_accuracy=0.8125, level_accuracy={"a": 0.8125, "b": 0.75}, participants=2,
                         selected=3, bytes_down=2_000_000, bytes_up=1_500_000, seconds=4.25,
-                        tasks=[TaskRecord("sim-000", "a", "ok", "width=1"),
-                               TaskRecord("sim-001", "b", "declined", "width=0.5", reason="too big")])]
+                        tasks=[TaskRecord("sim-000", "a", "ok", "width=1", num_samples=10,
+                                          metrics={"loss": 0.5, "steps": 3.0, "seconds": 1.5, "peak_bytes": 90.0,
+                                                   "budget_bytes": 100.0, "estimated_bytes": 95.0},
+                                          screening={"norm": 1.0, "bound": 2.0}),
+                               TaskRecord("sim-001", "b", "declined", "width=0.5", reason="too big")],
+                        trained_levels=["a"]),
+            RoundResult(round=2, global_accuracy=0.875, level_accuracy={"a": 0.875, "b": 0.8}, participants=2,
+                        selected=2, bytes_down=2_000_000, bytes_up=1_000_000, seconds=3.75,
+                        tasks=[TaskRecord("sim-000", "a", "ok", "width=1",
+                                          metrics={"peak_bytes": 120.0, "budget_bytes": 100.0}),
+                               TaskRecord("sim-001", "b", "rejected", "width=0.5", reason="update rejected: ...")],
+                        trained_levels=["a", "b"])]
 
 
 def test_report_has_the_documented_shape(tmp_path: Path) -> None:
-    report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {"agents": 3}, secured=True)
-    assert report["algorithm"] == "heterofl"
+    run = {"version": "fedfit 0.1.0", "wall_seconds": 12.5, "config": {"algorithm": "heterofl"}}
+    report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {"agents": 2}, secured=True, run=run,
+                          tiers={"sim-000": "r=1", "sim-001": "r=1/2"})
+    assert list(report) == ["algorithm", "broker", "run", "summary", "rounds", "tasks", "agents", "settings"]
     assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11", "secured": True}
-    assert report["rounds"] == [{"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
-                                 "exit_accuracy": {}, "participants": 2, "bytes_down": 2_000_000,
-                                 "bytes_up": 1_500_000, "seconds": 4.25}]
-    assert [t["status"] for t in report["tasks"]] == ["ok", "declined"]
+    assert report["run"] == run
+    assert report["rounds"][0] == {"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
+                                   "exit_accuracy": {}, "trained_levels": ["a"], "trained_exits": [],
+                                   "participants": 2, "selected": 3, "bytes_down": 2_000_000, "bytes_up": 1_500_000,
+                                   "seconds": 4.25}
+    first = report["tasks"][0]
+    assert (first["loss"], first["steps"], first["seconds"]) == (0.5, 3, 1.5)
+    assert first["over_budget"] is False and first["screening"] == {"norm": 1.0, "bound": 2.0}
+    assert report["tasks"][1]["over_budget"] is None  # declined: no peak
+    assert report["tasks"][2]["over_budget"] is True
+    assert report["agents"]["sim-001"] == {"tier": "r=1/2", "ok": 0, "adapted": 0, "declined": 1, "failed": 0,
+                                           "rejected": 1, "skipped": 0, "missing": 0, "over_budget": 0}
+    assert report["agents"]["sim-000"]["ok"] == 2 and report["agents"]["sim-000"]["over_budget"] == 1
     path = tmp_path / "out" / "r.json"
     write_report(report, path)
-    assert json.loads(path.read_text()) == report
+    assert read_report(path) == report
 
 
-def test_table_lists_levels_and_traffic() -> None:
-    table = format_table(sample_rounds())
-    header, rule, row = table.splitlines()
+def test_summary_of_a_run() -> None:
+    report = build_report("heterofl", "mosquitto", "2", sample_rounds(), {}, run={"wall_seconds": 9.0})
+    summary = report["summary"]
+    assert summary["final_global_accuracy"] == 0.875 and summary["best_global_accuracy"] == 0.875
+    assert summary["best_round"] == 2 and summary["final_level_average"] == pytest.approx((0.875 + 0.8) / 2)
+    assert summary["tasks"]["ok"] == 2 and summary["tasks"]["rejected"] == 1 and summary["trained"] == 2
+    assert summary["over_budget"] == 1
+    assert summary["bytes_down"] == 4_000_000 and summary["bytes_per_round"] == pytest.approx(3_250_000)
+    assert summary["round_seconds"] == pytest.approx(4.0) and summary["wall_seconds"] == 9.0
+    assert summarize([], []) == {"rounds": 0}
+
+
+def test_table_lists_levels_and_traffic_and_marks_levels_nobody_trained() -> None:
+    report = build_report("heterofl", "mosquitto", "2", sample_rounds(), {})
+    lines = format_table(report["rounds"]).splitlines()
+    header, rule, first, second, note = lines
     assert header.split() == ["round", "global", "lvl", "a", "lvl", "b", "agents", "MB", "down", "MB", "up",
                               "seconds"]
     assert set(rule.replace(" ", "")) == {"-"}
-    assert row.split() == ["1", "0.8125", "0.8125", "0.7500", "2/3", "2.00", "1.50", "4.2"]
+    assert first.split() == ["1", "0.8125", "0.8125", "0.7500*", "2/3", "2.00", "1.50", "4.2"]
+    assert second.split() == ["2", "0.8750", "0.8750", "0.8000", "2/2", "2.00", "1.00", "3.8"]
+    assert note.startswith("* no device trained this level")
 
 
 def test_report_and_table_show_every_exit_in_depth_order() -> None:
     rounds = [RoundResult(round=1, global_accuracy=0.9, level_accuracy={"1": 0.5, "2": 0.9}, participants=2,
                           selected=2, bytes_down=10, bytes_up=10, seconds=1.0,
-                          exit_accuracy={"exit1": 0.5, "exit2": 0.7, "exit10": 0.9})]
+                          exit_accuracy={"exit1": 0.5, "exit2": 0.7, "exit10": 0.9}, trained_levels=["1", "2"],
+                          trained_exits=["exit1", "exit2", "exit10"])]
     report = build_report("scalefl", "mosquitto", "2.0.11", rounds, {})
     assert report["rounds"][0]["exit_accuracy"] == {"exit1": 0.5, "exit2": 0.7, "exit10": 0.9}
-    header = format_table(rounds).splitlines()[0].split()
+    table = format_table(report["rounds"])
+    header = table.splitlines()[0].split()
     assert header[header.index("exit1"):header.index("exit10") + 1] == ["exit1", "exit2", "exit10"]
+    assert "*" not in table  # everything was trained
 
 
-def test_report_shows_each_depth_wise_stage_peak_and_the_copies_trained() -> None:
+def test_report_shows_each_depth_wise_stage_peak_micro_batches_and_the_copies_trained() -> None:
     depthwise = TaskRecord("sim-002", "full", "adapted", "width=1", "width=1 segments=3:5,5:9",
                            "trained depth-wise, blocks 3-4 | 5-8 (skipped 0, 1, 2), to fit 12.9 MiB", 10,
-                           {"peak_bytes": 12.0e6, "stage_peak_bytes.0": 11.5e6, "stage_peak_bytes.1": 12.0e6})
+                           {"peak_bytes": 12.0e6, "stage_peak_bytes.0": 11.5e6, "stage_peak_bytes.1": 12.0e6,
+                            "micro_batched_stages": 1.0, "skipped_blocks": 3.0})
     mutual = TaskRecord("sim-003", "full", "ok", "width=1", "width=1", "trained 2 of up to 2 copies", 10,
                         {"peak_bytes": 40.0e6, "copies": 2.0})
     rounds = [RoundResult(round=1, global_accuracy=0.5, level_accuracy={}, participants=2, selected=2,
                           bytes_down=1, bytes_up=1, seconds=1.0, tasks=[depthwise, mutual])]
-    first, second = build_report("fedepth", "mosquitto", "2", rounds, {})["tasks"]
+    report = build_report("fedepth", "mosquitto", "2", rounds, {})
+    first, second = report["tasks"]
     assert first["stage_peak_bytes"] == [11_500_000, 12_000_000] and first["copies"] == 1
+    assert first["micro_batched_stages"] == 1 and first["skipped_blocks"] == 3
     assert "skipped 0, 1, 2" in first["reason"] and first["spec_trained"] == "width=1 segments=3:5,5:9"
     assert second["stage_peak_bytes"] == [] and second["copies"] == 2
+    assert report["summary"]["micro_batched"] == 1 and report["summary"]["partial"] == 1
+
+
+@pytest.mark.parametrize(("content", "said"), [(None, "does not exist"), ("not json", "is not a FedFit report"),
+                                               ('{"rounds": []}', "lacks algorithm, rounds or tasks")])
+def test_reading_something_else_is_one_sentence(tmp_path: Path, content: str | None, said: str) -> None:
+    path = tmp_path / "report.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=said):
+        read_report(path)

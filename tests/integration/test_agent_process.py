@@ -84,6 +84,7 @@ def test_a_real_agent_trains_with_torch_only_in_its_forkserver(secured_mosquitto
         [server] = forkservers(agent.pid)
         assert maps_torch(server.pid)
         assert agent.poll() is None
+        wait_for_log(log, "update_acked", '"component": "uplink"')  # the ack is on its way when the round ends
     finally:
         coordinator.stop()
         agent.terminate()

@@ -5,6 +5,7 @@ it. End to end over a secured mosquitto."""
 from __future__ import annotations
 
 import threading
+import time
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -67,6 +68,10 @@ def test_a_forged_update_is_screened_out_and_the_federation_trains_on(secured_mo
             for agent in agents:
                 agent.start()
             results = coordinator.run()
+            victim_agent = next(agent for agent in agents if agent.agent_id == "victim")
+            deadline = time.monotonic() + 30  # the last round's verdict is on its way
+            while len(victim_agent.rejected_updates) < len(forged) and time.monotonic() < deadline:
+                time.sleep(0.05)
         finally:
             attacker.loop_stop()
             attacker.disconnect()
@@ -78,8 +83,13 @@ def test_a_forged_update_is_screened_out_and_the_federation_trains_on(secured_mo
     for result in results:
         victim = next(t for t in result.tasks if t.agent == "victim")
         assert victim.status == "rejected", victim
-        assert victim.reason.startswith("update rejected: its change (rms "), victim.reason
+        assert victim.reason.startswith("update rejected: its change (norm "), victim.reason
         assert result.participants == 2, [(t.agent, t.status, t.reason) for t in result.tasks]
     rejected = [entry for entry in logs if entry["event"] == "update_rejected"]
-    assert len(rejected) == 2 and all("times the median" in entry["reason"] for entry in rejected)
+    assert len(rejected) == 2 and all("the most its training plan can move the weights" in entry["reason"]
+                                      for entry in rejected)
+    # The verdict reached the device whose task it answered (the ack after screening carries it).
+    assert set(victim_agent.rejected_updates) == set(forged)
+    told = [e for e in logs if e["event"] == "update_rejected_by_coordinator" and e.get("agent") == "victim"]
+    assert len(told) == 2 and all("the most its training plan" in e["reason"] for e in told)
     assert results[-1].global_accuracy > 0.8, [r.global_accuracy for r in results]

@@ -18,9 +18,10 @@ from .conftest import tiny_config
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def simulate(tmp_path: Path, algorithm: str, partition: str = "iid", agents: int = 5, rounds: int = 2):
+def simulate(tmp_path: Path, algorithm: str, partition: str = "iid", agents: int = 5, rounds: int = 2,
+             budgets: str = "tiers"):
     options = SimOptions(algorithm=algorithm, agents=agents, rounds=rounds, dataset="digits", partition=partition,
-                         seed=1, federation=f"e2e-{algorithm}", base=tiny_config(),
+                         seed=1, federation=f"e2e-{algorithm}", base=tiny_config(), budgets=budgets,
                          state_dir=str(tmp_path / algorithm))
     outcome = run_simulation(options, progress=None)
     assert outcome.report["broker"]["kind"] == "mosquitto" and outcome.report["broker"]["secured"]
@@ -35,6 +36,9 @@ def test_heterofl_fedavg_decoupled_complete_and_heterofl_sends_less(mosquitto_in
         assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rounds), name
         assert (tmp_path / name / "checkpoint.safetensors").exists()
         assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 2
+        for output in ("report.json", "metrics.csv", "summary.txt", "accuracy.png", "traffic.png"):
+            assert (tmp_path / name / output).exists(), output
+        assert list((tmp_path / name / "agents").glob("sim-*/local-data.npz"))  # the agents' state is the run's
         for task in outcome.report["tasks"]:
             assert task["status"] in ("ok", "adapted", "declined"), task
             assert task["status"] != "declined" or "available" in task["reason"], task
@@ -62,35 +66,53 @@ def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_
     assert all(t["status"] == "ok" for t in outcome.report["tasks"])
 
 
-def test_command_line_sim_writes_report(mosquitto_installed: None, tmp_path: Path) -> None:
-    config = tmp_path / "tiny.yaml"
-    config.write_text("model: {family: cnn, options: {hidden: [8, 16]}}\n"
-                      "data: {bn_samples: 300}\nrecipe: {epochs: 1, batch_size: 16}\nlevels: [1.0, 0.5]\n")
+def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_directory(mosquitto_installed: None,
+                                                                                   tmp_path: Path) -> None:
+    config = tmp_path / "scalefl.yaml"
+    config.write_text("algorithm: scalefl\nrounds: 3\nseed: 7\n"
+                      "model: {family: resnet20, options: {hidden: [8, 16, 32], exit_convs: 1}}\n"
+                      "data: {bn_samples: 300}\nrecipe: {epochs: 1, batch_size: 16}\n")
     report = tmp_path / "r.json"
+    run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "fedfit.cli", "sim", "--algorithm", "heterofl", "--agents", "3", "--rounds", "1",
-         "--dataset", "digits", "--partition", "iid", "--seed", "0", "--federation", "cli-test",
-         "--config", str(config), "--report", str(report),
-         "--budgets", "uniform", "--allocator", "default",
-         "--state-dir", str(tmp_path / "state")],
+        [sys.executable, "-m", "fedfit.cli", "sim", "--config", str(config), "--agents", "3", "--dataset", "digits",
+         "--federation", "cli-test", "--report", str(report), "--budgets", "fractions:1.5", "--allocator", "default",
+         "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
-    assert "global" in result.stdout and "lvl a" in result.stdout
-    assert "(TLS, logins, ACL)" in result.stdout
+    assert result.stdout.startswith("scalefl | 3 agents | digits iid | resnet20 | budgets fractions:1.5 | broker ")
+    assert "(TLS, logins, ACL)" in result.stdout and "exit1" in result.stdout
+    assert f"run directory: {run_dir}" in result.stderr and "round 3/3: global" in result.stderr
     data = json.loads(report.read_text())
-    assert data["algorithm"] == "heterofl"
+    assert data == json.loads((run_dir / "report.json").read_text())
+    assert data["algorithm"] == "scalefl" and len(data["rounds"]) == 3
+    assert (data["settings"]["model"], data["settings"]["seed"], data["settings"]["rounds"]) == ("resnet20", 7, 3)
+    assert data["run"]["config"]["algorithm"] == "scalefl" and data["run"]["config"]["rounds"] == 3
+    assert sorted(data["run"]["overrides"]) == sorted(["--agents 3", "--dataset digits", "--federation cli-test",
+                                                       "--run-dir " + str(run_dir), "--budgets fractions:1.5",
+                                                       "--allocator default"])
+    assert data["run"]["version"].startswith("fedfit ") and data["run"]["wall_seconds"] > 0
     assert data["broker"]["kind"] == "mosquitto" and data["broker"]["secured"] is True
     first = data["rounds"][0]
-    assert set(first) >= {"round", "global_accuracy", "level_accuracy", "participants", "bytes_down", "bytes_up",
-                          "seconds"}
+    assert set(first) >= {"round", "global_accuracy", "level_accuracy", "exit_accuracy", "trained_levels",
+                          "participants", "bytes_down", "bytes_up", "seconds"}
     assert first["participants"] == 3
     # The agents ran glibc's default heap, and their budgets are relative to the full model's need under it.
     assert data["settings"]["allocator"] == "default"
-    assert {t["status"] for t in data["tasks"]} == {"ok"}
+    assert {t["status"] for t in data["tasks"]} <= {"ok", "adapted"}
+    assert all(t["loss"] is not None for t in data["tasks"])
+    for output in ("metrics.csv", "summary.txt", "accuracy.png", "traffic.png", "daemons.log"):
+        assert (run_dir / output).exists(), output
+    # A second run into the same directory is refused: nothing of the first is lost.
+    again = subprocess.run([sys.executable, "-m", "fedfit.cli", "sim", "--config", str(config), "--run-dir",
+                            str(run_dir)], capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 2 and "holds a run already" in again.stderr
 
 
 def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto_installed: None, tmp_path: Path) -> None:
-    outcome = simulate(tmp_path, "scalefl", agents=6, rounds=2)
+    # The top level (the full model with every exit, distilling) costs more than the plain full model that
+    # budgets are shares of: a third of the fleet gets room for it.
+    outcome = simulate(tmp_path, "scalefl", agents=6, rounds=2, budgets="fractions:0.4,0.7,1.5")
     report = outcome.report
     levels = report["settings"]["levels"]
     assert levels == ["4", "3", "2", "1"]
@@ -106,6 +128,7 @@ def test_scalefl_levels_exits_and_self_distillation_end_to_end(mosquitto_install
     # Devices of different tiers train different levels: at least two levels take part.
     assert len({t["level"] for t in trained}) >= 2, report["tasks"]
     assert any("exits=" in (t["spec_trained"] or "") for t in trained)
+    assert all("4" in entry["trained_levels"] for entry in report["rounds"]), report["tasks"]
     assert report["rounds"][-1]["global_accuracy"] > 0.4, report["rounds"]
 
 

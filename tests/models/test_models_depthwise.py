@@ -10,7 +10,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, get_family
-from models.depthwise import cut_by_block_costs, cut_segments, frozen_outputs, output_shape
+from models.depthwise import (
+    Decomposition,
+    cut_by_block_costs,
+    cut_segments,
+    frozen_outputs,
+    micro_batch_ladder,
+    output_shape,
+)
 
 Case = tuple[ModelFamily, tuple[int, int]]
 
@@ -264,3 +271,58 @@ def test_segment_on_buffered_inputs_matches_the_recomputed_segment(case: Case) -
     recomputed = SegmentModel(model, 2, 3, tuple(x.shape))(x)
     buffered = SegmentModel(model, 2, 3, tuple(x.shape), frozen_input=True)(frozen_outputs(model, 2, x, 4))
     torch.testing.assert_close(buffered, recomputed)
+
+
+# ---------------------------------------------------------------------------------------------- micro-batches
+BLOCKS = [6.0, 2.0, 1.0, 5.0, 1.0]  # at a batch of 32; a micro-batch of m costs m / 32 of that
+
+
+def micro_cost(start: int, stop: int, micro: int) -> float:
+    return sum(BLOCKS[start:stop]) * micro / 32
+
+
+def whole_cost(start: int, stop: int) -> float:
+    return sum(BLOCKS[start:stop])
+
+
+def test_blocks_that_fit_nowhere_whole_train_in_the_largest_micro_batches_that_fit() -> None:
+    cut = cut_segments(whole_cost, 5, 4.0, micro_cost=micro_cost, micro_batches=(16, 8, 4))
+    # Block 0 (6) and block 3 (5) fit only at 16; the blocks after them fit whole, so they start a segment.
+    assert cut == Decomposition(((0, 1), (1, 3), (3, 4), (4, 5)), (), (16, 0, 16, 0))
+    assert cut.describe() == "0 (micro-batches of 16) | 1-2 | 3 (micro-batches of 16) | 4"
+    assert cut.micro_batch(1) == 0 and cut.micro_batch(2) == 16
+
+
+def test_a_micro_batched_segment_takes_the_next_blocks_that_need_micro_batches_too() -> None:
+    # Budget 2.4: block 0 fits alone at 8 (1.5), block 1 (2.5) needs micro-batches too and fits beside it at 8
+    # (8.5 * 8 / 32 = 2.125); block 2 fits whole and starts its own segment.
+    blocks = [6.0, 2.5, 1.0]
+
+    def cost(start: int, stop: int, micro: int = 32) -> float:
+        return sum(blocks[start:stop]) * micro / 32
+
+    cut = cut_segments(cost, 3, 2.4, micro_cost=cost, micro_batches=(16, 8, 4))
+    assert cut == Decomposition(((0, 2), (2, 3)), (), (8, 0))
+
+
+def test_the_largest_micro_batch_comes_before_the_fewest_segments() -> None:
+    # Budget 1.5: block 0 fits at 8 but not beside block 1 at 8, which fits alone at 16: two segments, each at
+    # the largest micro-batch it fits in, rather than one at 4.
+    cut = cut_segments(whole_cost, 5, 1.5, micro_cost=micro_cost, micro_batches=(16, 8, 4))
+    assert cut == Decomposition(((0, 1), (1, 2), (2, 3), (3, 4), (4, 5)), (), (8, 16, 0, 8, 0))
+
+
+def test_a_block_that_fits_in_no_micro_batch_is_skipped() -> None:
+    cut = cut_segments(whole_cost, 5, 0.6, micro_cost=micro_cost, micro_batches=(16, 8, 4))
+    assert cut.skipped == (0, 3) and cut.segments == ((1, 2), (2, 3), (4, 5)) and cut.micro_batches == (8, 16, 16)
+    assert cut.describe() == "1 (micro-batches of 8) | 2 (micro-batches of 16) | 4 (micro-batches of 16) (skipped 0, 3)"
+
+
+def test_without_micro_batches_nothing_changes() -> None:
+    assert cut_segments(whole_cost, 5, 4.0) == Decomposition(((1, 3), (4, 5)), (0, 3))
+
+
+@pytest.mark.parametrize(("batch", "floor", "ladder"), [(32, 8, [16, 8]), (32, 2, [16, 8, 4, 2]), (32, 0, []),
+                                                        (32, 17, []), (10, 2, [5, 2]), (8, 4, [4])])
+def test_the_micro_batch_ladder_halves_the_batch_down_to_the_floor(batch: int, floor: int, ladder: list[int]) -> None:
+    assert micro_batch_ladder(batch, floor) == ladder

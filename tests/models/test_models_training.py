@@ -11,7 +11,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models import FamilyNet, ModelFamily, SegmentModel, SubmodelSpec, TrainResult, get_family
+from models import (
+    FamilyNet,
+    ModelFamily,
+    SegmentModel,
+    SubmodelSpec,
+    TrainResult,
+    estimate_plan_memory,
+    get_family,
+)
 from models.training import (
     backward_step,
     check_plan,
@@ -19,6 +27,7 @@ from models.training import (
     label_mask,
     loss_of,
     masked_cross_entropy,
+    micro_batches,
     stages,
     train,
 )
@@ -627,3 +636,66 @@ def test_a_buffered_stage_trains_as_the_recomputed_one_when_a_batch_holds_all_th
     assert _Recorder.made == [(0, 1, "skip"), (1, n, "skip"), (0, 1, "skip"), (1, n, "skip", "buffered")]
     for key, value in trained[False].items():
         torch.testing.assert_close(trained[True][key], value, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------- micro-batches
+@pytest.mark.parametrize(("size", "micro", "expected"), [
+    (32, 0, [32]), (32, 32, [32]), (32, 64, [32]), (32, 16, [16, 16]), (32, 12, [11, 11, 10]), (9, 4, [3, 3, 3]),
+    (5, 4, [3, 2]), (3, 2, [3]), (7, 2, [2, 2, 3]),
+])  # fmt: skip
+def test_micro_batches_split_a_batch_evenly_and_never_leave_one_sample(size: int, micro: int,
+                                                                       expected: list[int]) -> None:
+    batch = torch.arange(size)
+    parts = micro_batches(batch, micro)
+    assert [len(part) for part in parts] == expected
+    torch.testing.assert_close(torch.cat(parts), batch)
+
+
+def test_accumulated_micro_batches_give_the_batch_gradient_where_their_statistics_are_the_batchs() -> None:
+    # Two identical halves: each micro-batch has the batch's BN statistics, so the scaled, accumulated gradients
+    # are the whole batch's.
+    x, y = separable_data(4)
+    x, y = torch.cat([x, x]), torch.cat([y, y])
+    whole, micro = tiny_model(), tiny_model()
+    whole.train()
+    micro.train()
+    backward_step(whole, x, y, (LossTerm.ce(),))
+    for part in (slice(0, 4), slice(4, 8)):
+        backward_step(micro, x[part], y[part], (LossTerm.ce(),), scale=0.5)
+    for (name, a), b in zip(whole.named_parameters(), micro.parameters()):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_a_micro_batched_stage_steps_once_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    family = get_family("cnn", 2, 1, hidden=(4, 8))
+    spec = SubmodelSpec(segments=((0, 1), (1, 2)))
+    x, y = separable_data(32)
+    seen: list[int] = []
+    real = backward_step
+
+    def counting(net, inputs, *args, **kwargs):
+        seen.append(len(inputs))
+        return real(net, inputs, *args, **kwargs)
+
+    monkeypatch.setattr("models.training.backward_step", counting)
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    result = train(model, spec, x, y, plan(batch_size=16, schedule=(Stage(micro_batch=4), Stage())),
+                   labels=[0, 1], num_classes=2)
+    assert result.steps == 4 and result.samples == 64  # two batches a stage, whatever the micro-batches
+    assert seen == [4] * 8 + [16] * 2 and math.isfinite(result.loss)
+
+
+def test_a_micro_batched_stage_is_estimated_at_its_micro_batch_with_the_gradients_beside() -> None:
+    family = get_family("cnn", 10, 1, hidden=(8, 16))
+    spec = SubmodelSpec(segments=((0, 1),))
+
+    def estimate(stage: Stage, batch_size: int = 64):
+        return estimate_plan_memory(family, spec, plan(batch_size=batch_size, schedule=(stage,)), input_size=(28, 28))
+
+    whole, micro, alone = estimate(Stage()), estimate(Stage(micro_batch=16)), estimate(Stage(), batch_size=16)
+    assert micro.activations < whole.activations and micro.total < whole.total  # activations scale with the batch
+    assert micro.parameters == whole.parameters and micro.gradients == whole.gradients
+    assert micro.total >= alone.total  # a micro-batch of 16 costs at least a batch of 16: the gradients stay
+    assert estimate(Stage(micro_batch=64)) == whole  # not below the batch: whole batches

@@ -30,6 +30,7 @@ from protocol import (
     encode,
     encode_tensor,
 )
+from protocol._plain import plain
 from protocol._reader import FieldReader
 
 from .conftest import CANDIDATE_PLAN, SAMPLE_PLAN, SEGMENT_PLAN, make_old_task, pack, wire_of
@@ -164,8 +165,8 @@ def test_plan_field_names_are_the_contract() -> None:
     assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies"]
     assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
     assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher"]
-    assert names(Stage) == ["epochs", "route", "cache"]
-    assert names(Adaptation) == ["kind", "candidates", "rates", "route"]
+    assert names(Stage) == ["epochs", "route", "cache", "micro_batch"]
+    assert names(Adaptation) == ["kind", "candidates", "rates", "route", "min_micro_batch"]
     assert names(Candidate) == ["spec", "plan"]
     assert names(Recipe) == [
         "epochs", "batch_size", "lr", "momentum", "weight_decay", "clip_norm", "masked_ce", "seed",
@@ -475,10 +476,11 @@ def _wire_value(value: object) -> object:
     """Message values as msgpack primitives, written independently of the codec (and without its checks)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Fields added later stay off the wire at their default (see test_copies_stay_off_the_wire_at_their_...).
-        later = {TrainingPlan: ("copies", 1), Stage: ("cache", False), Adaptation: ("route", "skip")}
-        name, default = later.get(type(value), ("", None))
+        later = {TrainingPlan: {"copies": 1}, Stage: {"cache": False, "micro_batch": 0},
+                 Adaptation: {"route": "skip", "min_micro_batch": 0}}
+        omitted = later.get(type(value), {})
         return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if not (f.name == name and getattr(value, f.name) == default)}
+                if not (f.name in omitted and getattr(value, f.name) == omitted[f.name])}
     if isinstance(value, dict):
         return {key: _wire_value(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -720,3 +722,37 @@ def test_stage_cache_and_adaptation_route_stay_off_the_wire_at_their_defaults() 
     assert cached.to_dict()["schedule"] == [{"epochs": 2, "route": "exit", "cache": True}]
     assert TrainingPlan.from_dict(cached.to_dict()) == cached
     assert TrainingPlan.from_dict(TrainingPlan(schedule=(Stage(),)).to_dict()).schedule[0].cache is False
+
+
+def test_micro_batches_stay_off_the_wire_at_their_defaults_and_round_trip() -> None:
+    assert "micro_batch" not in TrainingPlan(schedule=(Stage(2),)).to_dict()["schedule"][0]
+    micro = TrainingPlan(batch_size=32, schedule=(Stage(1, micro_batch=8), Stage(1)))
+    assert micro.to_dict()["schedule"][0] == {"epochs": 1, "route": "skip", "micro_batch": 8}
+    assert TrainingPlan.from_dict(micro.to_dict()) == micro
+    depthwise = Adaptation("depthwise", min_micro_batch=4)
+    assert plain(Adaptation("depthwise")) == {"kind": "depthwise", "candidates": [], "rates": []}
+    assert plain(depthwise)["min_micro_batch"] == 4
+
+
+@pytest.mark.parametrize(("where", "value", "said"), [
+    ("plan.schedule.0.micro_batch", 1, "task.plan.schedule[0].micro_batch must be 0 (whole batches) or at least 2"),
+    ("plan.schedule.0.micro_batch", -4, "task.plan.schedule[0].micro_batch must be >= 0"),
+    ("plan.schedule.0.micro_batch", "8", "task.plan.schedule[0].micro_batch"),
+])  # fmt: skip
+def test_a_bad_micro_batch_is_one_protocol_error(where: str, value: object, said: str,
+                                                 messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])
+    _put(where, value)(wire)
+    assert said in _rejection(pack(wire))
+
+
+@pytest.mark.parametrize(("adaptation", "said"), [
+    ({"kind": "depthwise", "min_micro_batch": 1}, "is 0 or at least 2, got 1"),
+    ({"kind": "none", "min_micro_batch": 4}, "only a 'depthwise' adaptation takes one"),
+])  # fmt: skip
+def test_a_bad_micro_batch_floor_is_one_protocol_error(adaptation: dict, said: str,
+                                                       messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])
+    wire["adaptation"] = adaptation
+    reason = _rejection(pack(wire))
+    assert "task.adaptation.min_micro_batch" in reason and said in reason

@@ -1,0 +1,248 @@
+"""``fedfit sim`` and ``fedfit compare``: run a federation (or several, on the same fleet) on this machine.
+
+A setting comes from its flag when the flag is given, else from ``--config``/``--set`` when they set it, else from
+the default shown in ``--help``: a configuration naming scalefl, 20 rounds and resnet20 runs exactly that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError
+from common.data import DATASET_NAMES
+from common.logs import configure_logging
+from fedfit.sim.budgets import BUDGET_SCENARIOS, scenario_tiers, smallest_width
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A flag that may also come from the coordinator configuration (at ``path``) and its default."""
+
+    flag: str
+    path: tuple[str, ...] | None
+    default: Any
+
+
+#: The settings a flag, the configuration or the default may give, by ``SimOptions`` field.
+SETTINGS = {
+    "algorithm": Setting("--algorithm", ("algorithm",), "heterofl"),
+    "rounds": Setting("--rounds", ("rounds",), 5),
+    "seed": Setting("--seed", ("seed",), 0),
+    "model": Setting("--model", ("model", "family"), "cnn"),
+    "dataset": Setting("--dataset", ("data", "dataset"), "fashion-mnist"),
+    "federation": Setting("--federation", ("federation",), "sim"),
+    "state_dir": Setting("--run-dir", ("state_dir",), None),
+    "agents": Setting("--agents", None, 8),
+    "partition": Setting("--partition", None, "iid"),
+    "budgets": Setting("--budgets", None, "tiers"),
+    "budget_variance": Setting("--budget-variance", None, 10.0),
+    "allocator": Setting("--allocator", None, "compact"),
+    "workers": Setting("--workers", None, 1),
+}
+
+
+def budgets_type(text: str) -> str:
+    """argparse type of ``--budgets``: a known scenario, ``widths:A,B,...`` or ``fractions:A,B,...``."""
+    try:
+        scenario_tiers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence[str],
+                      family_names: Sequence[str], *, compare: bool) -> None:
+    """The flags ``sim`` and ``compare`` share (``compare`` takes ``--algorithms`` instead of ``--algorithm``)."""
+    def default(name: str) -> str:
+        setting = SETTINGS[name]
+        return (f" (default: the config's, else {setting.default})" if setting.path
+                else f" (default: {setting.default})")
+
+    if not compare:
+        parser.add_argument("--algorithm", choices=algorithm_names, default=None,
+                            help="the method" + default("algorithm"))
+    parser.add_argument("--agents", type=_positive, default=None, help="number of simulated edge agents"
+                        + default("agents"))
+    parser.add_argument("--rounds", type=_positive, default=None, help="rounds" + default("rounds"))
+    parser.add_argument("--dataset", choices=DATASET_NAMES, default=None, help="the data" + default("dataset"))
+    parser.add_argument("--partition", default=None,
+                        help="iid, dirichlet:ALPHA or shards:N (labels per agent)" + default("partition"))
+    parser.add_argument("--model", choices=family_names, default=None, help="model family" + default("model"))
+    parser.add_argument("--seed", type=int, default=None, help="seed of data, budgets and weights" + default("seed"))
+    parser.add_argument("--federation", default=None, help="federation name (one MQTT topic level)"
+                        + default("federation"))
+    parser.add_argument("--broker", default=None, metavar="HOST:PORT",
+                        help="use this broker (anonymous clients allowed) instead of starting a secured one on a free "
+                             "loopback port")
+    parser.add_argument("--insecure-broker", action="store_true",
+                        help="start the broker without TLS, logins and ACL (a quick local try; anyone on this machine "
+                             "could join)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="coordinator YAML the run starts from (algorithm, model, recipe, levels, method settings, "
+                             "rounds, seed...); flags given override it")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override one coordinator setting, e.g. --set scalefl.cost=params (repeatable)")
+    parser.add_argument("--budgets", type=budgets_type, default=None,
+                        help=f"device memory budgets: {', '.join(BUDGET_SCENARIOS)}, widths:A,B,... (each tier can "
+                             "train the r-width model; fair/lack/surplus are FeDepth's lists) or fractions:A,B,... "
+                             "(shares of the full model's training memory); see the README" + default("budgets"))
+    parser.add_argument("--budget-variance", type=float, default=None,
+                        help="sigma^2 of the per-round fluctuation of tiers-fluctuating, in percentage points squared"
+                             + default("budget_variance"))
+    parser.add_argument("--allocator", choices=("compact", "default"), default=None,
+                        help="heap of the agents' training processes: compact (lower, predictable peaks; slower "
+                             "steps) or glibc's default" + default("allocator"))
+    parser.add_argument("--workers", type=_positive, default=None,
+                        help="training processes run at once across the fleet" + default("workers"))
+    parser.add_argument("--log-file", default=None,
+                        help="write the daemons' JSON logs here (default: daemons.log in the run's directory)")
+    if not compare:
+        parser.add_argument("--run-dir", "--state-dir", default=None, dest="run_dir",
+                            help="the run's directory, which must not hold a run already (default: the config's "
+                                 "state_dir, else a new runs/<time>-<algorithm>/)")
+        parser.add_argument("--report", default=None, metavar="FILE",
+                            help="also write the JSON report here (it is always in the run's directory)")
+
+
+def _present(mapping: dict[str, Any], path: tuple[str, ...]) -> bool:
+    node: Any = mapping
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _config_value(config: Any, path: tuple[str, ...]) -> Any:
+    value = config
+    for key in path:
+        value = getattr(value, key)
+    return value
+
+
+def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> tuple[dict[str, Any], list[str]]:
+    """The value of every :data:`SETTINGS` entry (flag, else configuration, else default) and the flags that
+    were given (for the report)."""
+    values: dict[str, Any] = {}
+    given: list[str] = []
+    for name, setting in SETTINGS.items():
+        dest = "run_dir" if name == "state_dir" else name
+        flag_value = getattr(args, dest, None)
+        if flag_value is not None:
+            values[name] = flag_value
+            given.append(f"{setting.flag} {flag_value}")
+        elif setting.path is not None and _present(mapping, setting.path):
+            values[name] = _config_value(config, setting.path)
+        else:
+            values[name] = setting.default
+    return values, given
+
+
+Loader = Callable[[str | None, Sequence[str]], tuple[dict[str, Any], Any]]
+
+
+def _load(args: argparse.Namespace, load: Loader) -> tuple[dict[str, Any], Any]:
+    """The mapping ``--config`` and ``--set`` give (what they set) and the coordinator configuration."""
+    return load(args.config, args.overrides)
+
+
+def _logging(args: argparse.Namespace, run_dir: Path) -> None:
+    path = Path(args.log_file) if args.log_file else run_dir / "daemons.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+    configure_logging("info", stream)
+
+
+def _options(values: dict[str, Any], args: argparse.Namespace, base: Any, given: list[str], **changes: Any) -> Any:
+    from fedfit.sim.harness import SimOptions
+
+    options = SimOptions(**values, broker=args.broker, secure_broker=not args.insecure_broker, base=base,
+                         overrides=[*given, *(f"--set {item}" for item in args.overrides)],
+                         command=["fedfit", *sys.argv[1:]])
+    return replace(options, **changes)
+
+
+def _heading(options: Any, report: dict[str, Any]) -> str:
+    broker = report["broker"]
+    return (f"{options.algorithm} | {options.agents} agents | {report['settings']['dataset']} {options.partition} | "
+            f"{options.model} | budgets {options.budgets} | broker {broker['kind']} {broker['version']} "
+            + ("(TLS, logins, ACL)" if broker["secured"] else "(UNSECURED)"))
+
+
+def run_sim(args: argparse.Namespace, load: Loader) -> int:
+    """``fedfit sim``: one run; prints its table and where its directory is."""
+    from fedfit.sim.harness import prepare_run_dir, run_simulation
+    from fedfit.sim.report import format_table, write_report
+
+    mapping, base = _load(args, load)
+    values, given = resolve(args, mapping, base)
+    options = _options(values, args, base, given)
+    run_dir = prepare_run_dir(options)
+    _logging(args, run_dir)
+    print(f"run directory: {run_dir}", file=sys.stderr, flush=True)
+    outcome = run_simulation(options, run_dir=run_dir)
+    print(_heading(options, outcome.report))
+    print(format_table(outcome.report["rounds"]))
+    if args.report:
+        write_report(outcome.report, args.report)
+        print(f"report written to {args.report}")
+    print(f"results in {run_dir}: report.json, metrics.csv, summary.txt, accuracy.png, traffic.png")
+    return 0
+
+
+def run_compare(args: argparse.Namespace, load: Loader) -> int:
+    """``fedfit compare``: run each of ``--algorithms`` on the same fleet, or read the runs given, and write the
+    comparison."""
+    from fedfit.sim.compare import write_comparison
+    from fedfit.sim.harness import run_simulation
+    from fedfit.sim.report import read_report
+    from fedfit.sim.rundir import REPORT_FILE, claim_run_dir, new_run_dir
+
+    if args.runs and args.algorithms:
+        raise ConfigError("fedfit compare takes either run directories or --algorithms, not both")
+    if not args.runs and not args.algorithms:
+        raise ConfigError("fedfit compare needs --algorithms A,B,... (to run them) or run directories (to read them)")
+    if args.runs:
+        reports = [read_report(Path(run) / REPORT_FILE if Path(run).is_dir() else Path(run)) for run in args.runs]
+        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
+    else:
+        from coordinator.strategies import check_algorithm
+
+        algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+        for name in algorithms:
+            check_algorithm(name)
+        if len(set(algorithms)) != len(algorithms):
+            raise ConfigError(f"--algorithms names one more than once: {args.algorithms}")
+        mapping, base = _load(args, load)
+        values, given = resolve(args, mapping, base)
+        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
+        _logging(args, out)
+        reports = []
+        for name in algorithms:
+            run_base = base
+            if name == "fedavg" and not _present(mapping, ("fedavg", "width")):
+                # FedAvg at the smallest width every device can train: FeDepth's and HeteroFL's baseline.
+                width = smallest_width(values["budgets"]) or min(base.levels)
+                run_base = replace(base, fedavg=replace(base.fedavg, width=width))
+            options = _options({**values, "algorithm": name, "state_dir": str(out / name)}, args, run_base, given)
+            print(f"{name}: running in {out / name}", file=sys.stderr, flush=True)
+            reports.append(run_simulation(options, label=name).report)
+    paths = write_comparison(reports, out)
+    print(paths["txt"].read_text(encoding="utf-8").rstrip())
+    print(f"comparison in {out}: comparison.txt, comparison.png, comparison.html, comparison.json")
+    return 0

@@ -1,0 +1,179 @@
+"""Comparing runs: one row per method, its curves beside the others', as text, PNG and a self-contained HTML page.
+
+A comparison reads the reports of runs on the same fleet (the same agents, data partition, budgets and seed; it
+says where they differ). Each row is one method: global accuracy (final and best), each level's or exit's at the
+end, the mean over levels, tasks trained / declined / failed / rejected / over budget, traffic per round and wall
+time, and the baselines the method's paper compares with.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedfit.sim.budgets import fraction_name
+from fedfit.sim.plots import plot_comparison
+from fedfit.sim.progress import duration_text
+
+#: What each method's paper compares it with (the baselines FedFit runs are named as ``fedfit compare`` takes them).
+PAPER_BASELINES = {
+    "heterofl": "each level alone, e.g. the smallest for all (fedavg at that width)",
+    "scalefl": "fedavg (level 1 for all), decoupled, heterofl",
+    "fedepth": "fedavg x1/6 (the smallest width), heterofl (and SplitMix, DepthFL)",
+    "fedavg": "the memory-ignoring reference (width 1) or the smallest width for all",
+    "decoupled": "a separate model per level, never aggregated across levels",
+    "flexfl": "heterofl, scalefl",
+    "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
+}
+#: Settings that must agree for runs to be on the same fleet.
+FLEET_KEYS = ("agents", "dataset", "partition", "model", "seed", "budgets", "allocator")
+
+
+def method_name(report: dict[str, Any]) -> str:
+    """The algorithm, with FedAvg's width when it is not 1 (``fedavg x1/6``)."""
+    name = report["algorithm"]
+    if name == "fedavg":
+        width = report.get("run", {}).get("config", {}).get("fedavg", {}).get("width", 1.0)
+        if width != 1.0:
+            name += f" x{fraction_name(width)}"
+    return name
+
+
+def fleet_differences(reports: Sequence[dict[str, Any]]) -> list[str]:
+    """The fleet settings in which the runs differ (each as ``key: a / b / ...``)."""
+    found = []
+    for key in FLEET_KEYS:
+        values = [str(report.get("settings", {}).get(key)) for report in reports]
+        if len(set(values)) > 1:
+            found.append(f"{key}: {' / '.join(values)}")
+    return found
+
+
+def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run (see the module docstring)."""
+    rows = []
+    for report in reports:
+        summary = report.get("summary", {})
+        final = report["rounds"][-1] if report["rounds"] else {"level_accuracy": {}, "exit_accuracy": {}}
+        tasks = summary.get("tasks", {})
+        rows.append({
+            "method": method_name(report),
+            "global": summary.get("final_global_accuracy"),
+            "best_global": summary.get("best_global_accuracy"),
+            "level_average": summary.get("final_level_average"),
+            "levels": dict(sorted(final["level_accuracy"].items())),
+            "exits": dict(final["exit_accuracy"]),
+            "trained": summary.get("trained", 0),
+            "declined": tasks.get("declined", 0) + tasks.get("skipped", 0),
+            "failed": tasks.get("failed", 0) + tasks.get("missing", 0),
+            "rejected": tasks.get("rejected", 0),
+            "over_budget": summary.get("over_budget", 0),
+            "micro_batched": summary.get("micro_batched", 0),
+            "partial": summary.get("partial", 0),
+            "mb_per_round": (summary.get("bytes_per_round") or 0) / 1e6,
+            "wall_seconds": summary.get("wall_seconds"),
+            "paper_baselines": PAPER_BASELINES.get(report["algorithm"], ""),
+            "run": report.get("run", {}).get("directory"),
+        })
+    return rows
+
+
+def _accuracy(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _outputs(row: dict[str, Any]) -> str:
+    parts = [f"{name} {value:.3f}" for name, value in row["levels"].items()]
+    parts += [f"{name} {value:.3f}" for name, value in row["exits"].items()]
+    return " ".join(parts) or "-"
+
+
+_COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "trained", "declined", "failed",
+            "rejected", "over budget", "MB/round", "wall time")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    wall = row["wall_seconds"]
+    return [row["method"], _accuracy(row["global"]), _accuracy(row["best_global"]), _accuracy(row["level_average"]),
+            _outputs(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
+            str(row["over_budget"]), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
+
+
+def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as aligned text, then each method's paper baselines."""
+    table = [list(_COLUMNS)] + [_cells(row) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) if i in (0, 4) else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines += [f"{row['method']}: its paper compares with {row['paper_baselines']}" for row in rows
+              if row["paper_baselines"]]
+    return "\n".join(lines)
+
+
+def _heading(reports: Sequence[dict[str, Any]]) -> str:
+    settings = reports[0].get("settings", {})
+    return (f"{settings.get('agents', '?')} agents | {settings.get('dataset', '?')} {settings.get('partition', '')} | "
+            f"{settings.get('model', '?')} | budgets {settings.get('budgets', '?')} | seed {settings.get('seed', '?')} "
+            f"| {len(reports[0]['rounds'])} rounds")
+
+
+def comparison_html(reports: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], png: Path) -> str:
+    """A self-contained page: the heading, the table, the paper baselines and the plot (embedded)."""
+    image = base64.b64encode(png.read_bytes()).decode("ascii")
+    header = "".join(f"<th>{html.escape(name)}</th>" for name in _COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _cells(row)) + "</tr>"
+                   for row in rows)
+    notes = "".join(f"<li><b>{html.escape(row['method'])}</b>: its paper compares with "
+                    f"{html.escape(row['paper_baselines'])}</li>" for row in rows if row["paper_baselines"])
+    differences = fleet_differences(reports)
+    warning = ("<p class='warn'>The runs are not on the same fleet: " + html.escape("; ".join(differences)) + "</p>"
+               if differences else "")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>FedFit comparison</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
+td:first-child, td:nth-child(5), th {{ text-align: left; }}
+.warn {{ color: #a00; }}
+img {{ max-width: 100%; }}
+</style></head><body>
+<h1>FedFit comparison</h1>
+<p>{html.escape(_heading(reports))}</p>
+{warning}
+<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>
+<p>Accuracy on the test set at the last round (best: the best round's). Declined counts tasks refused or skipped for
+memory, failed those that crashed or missed the deadline, rejected those the coordinator's screening refused; over
+budget counts tasks whose measured peak exceeded the device's budget.</p>
+<ul>{notes}</ul>
+<img alt="accuracy and traffic per round" src="data:image/png;base64,{image}">
+</body></html>
+"""
+
+
+def write_comparison(reports: Sequence[dict[str, Any]], directory: Path) -> dict[str, Path]:
+    """Write ``comparison.txt``, ``comparison.json``, ``comparison.png`` and ``comparison.html`` into
+    ``directory``; returns their paths by kind."""
+    if not reports:
+        raise ValueError("a comparison needs at least one run")
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = comparison_rows(reports)
+    differences = fleet_differences(reports)
+    text = _heading(reports) + "\n"
+    if differences:
+        text += "NOT THE SAME FLEET: " + "; ".join(differences) + "\n"
+    text += "\n" + comparison_table(rows) + "\n"
+    paths = {"txt": directory / "comparison.txt", "json": directory / "comparison.json",
+             "png": directory / "comparison.png", "html": directory / "comparison.html"}
+    paths["txt"].write_text(text, encoding="utf-8")
+    paths["json"].write_text(json.dumps({"heading": _heading(reports), "differences": differences, "rows": rows},
+                                        indent=2) + "\n", encoding="utf-8")
+    plot_comparison(reports, [row["method"] for row in rows], paths["png"])
+    paths["html"].write_text(comparison_html(reports, rows, paths["png"]), encoding="utf-8")
+    return paths

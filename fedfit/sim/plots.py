@@ -1,0 +1,107 @@
+"""Plots of runs (matplotlib, Agg: no display needed): accuracy per round of the global model, of each level and
+exit, and bytes per round; and the curves of several runs side by side. A round in which no device trained a level
+(or exit) itself is drawn as a hollow marker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+
+_DPI = 110
+
+
+def _series(ax: Axes, rounds: list[dict[str, Any]], key: str, name: str, trained_key: str, label: str,
+            style: str = "-") -> None:
+    """One level's (or exit's) accuracy per round; rounds where nobody trained it itself are hollow."""
+    points = [(r["round"], r[key][name], name in r.get(trained_key, [name])) for r in rounds if name in r[key]]
+    if not points:
+        return
+    line, = ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label, linewidth=1.2)
+    colour = line.get_color()
+    for number, value, trained in points:
+        ax.plot(number, value, "o", markersize=4, color=colour, markerfacecolor=colour if trained else "white")
+
+
+def accuracy_axes(ax: Axes, report: dict[str, Any], title: str) -> None:
+    """Global accuracy (bold), each level (thin) and each exit (dashed) per round on ``ax``."""
+    rounds = report["rounds"]
+    numbers = [r["round"] for r in rounds]
+    ax.plot(numbers, [r["global_accuracy"] for r in rounds], "k-o", linewidth=2.2, markersize=4, label="global")
+    for name in sorted({n for r in rounds for n in r["level_accuracy"]}):
+        _series(ax, rounds, "level_accuracy", name, "trained_levels", f"level {name}")
+    for name in sorted({n for r in rounds for n in r["exit_accuracy"]}, key=lambda n: (len(n), n)):
+        _series(ax, rounds, "exit_accuracy", name, "trained_exits", name, "--")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_xticks(numbers)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+
+
+def plot_run(report: dict[str, Any], directory: Path) -> list[Path]:
+    """``accuracy.png`` and ``traffic.png`` of one run in ``directory``; returns their paths."""
+    settings = report.get("settings", {})
+    title = (f"{report['algorithm']} | {settings.get('model', '?')} | {settings.get('dataset', '?')} "
+             f"{settings.get('partition', '')} | budgets {settings.get('budgets', '?')}")
+    figure, ax = plt.subplots(figsize=(7, 4.5))
+    accuracy_axes(ax, report, title + "\n(hollow: no device trained that level itself in that round)")
+    figure.tight_layout()
+    accuracy = directory / "accuracy.png"
+    figure.savefig(accuracy, dpi=_DPI)
+    plt.close(figure)
+
+    rounds = report["rounds"]
+    numbers = [r["round"] for r in rounds]
+    figure, ax = plt.subplots(figsize=(7, 3.5))
+    down = [r["bytes_down"] / 1e6 for r in rounds]
+    ax.bar(numbers, down, label="down (tasks)")
+    ax.bar(numbers, [r["bytes_up"] / 1e6 for r in rounds], bottom=down, label="up (updates)")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel("MB per round")
+    ax.set_xticks(numbers)
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    traffic = directory / "traffic.png"
+    figure.savefig(traffic, dpi=_DPI)
+    plt.close(figure)
+    return [accuracy, traffic]
+
+
+def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], path: Path) -> Path:
+    """The runs side by side in one PNG: global accuracy per round of every run, its mean over levels, and its
+    bytes per round; below, each run's own accuracy plot."""
+    rows = 1 + -(-len(reports) // 3)
+    figure = plt.figure(figsize=(15.6, 3.8 * rows))
+    grid = figure.add_gridspec(rows, 3)
+    overview = [figure.add_subplot(grid[0, i]) for i in range(3)]
+    for report, name in zip(reports, names):
+        rounds = report["rounds"]
+        numbers = [r["round"] for r in rounds]
+        overview[0].plot(numbers, [r["global_accuracy"] for r in rounds], "-o", markersize=4, label=name)
+        overview[1].plot(numbers, [sum(r["level_accuracy"].values()) / len(r["level_accuracy"])
+                                   if r["level_accuracy"] else r["global_accuracy"] for r in rounds],
+                         "-o", markersize=4, label=name)
+        overview[2].plot(numbers, [(r["bytes_down"] + r["bytes_up"]) / 1e6 for r in rounds], "-o", markersize=4,
+                         label=name)
+    for ax, title, unit in zip(overview, ("global model", "mean over levels", "traffic"),
+                               ("test accuracy", "test accuracy", "MB per round")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("round")
+        ax.set_ylabel(unit)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for index, (report, name) in enumerate(zip(reports, names)):
+        accuracy_axes(figure.add_subplot(grid[1 + index // 3, index % 3]), report, name)
+    figure.tight_layout()
+    figure.savefig(path, dpi=_DPI)
+    plt.close(figure)
+    return path

@@ -1,0 +1,134 @@
+"""Every run has a directory of its own: the report, the metrics as CSV, a summary, the plots, and the state the
+run made (the coordinator's checkpoint and metrics, the agents' calibrations). Nothing one run learns leaks into
+another, and a second run never overwrites or appends to a first.
+
+Layout of ``runs/<time>-<algorithm>/`` (a comparison puts one such directory per algorithm under its own)::
+
+    report.json      everything needed to read the run later (see fedfit.sim.report)
+    metrics.csv      one row per round: accuracies, which levels were trained, traffic, time
+    summary.txt      the final table, best and final accuracy, tasks by status, traffic, wall time
+    accuracy.png     accuracy per round of the global model, each level and each exit
+    traffic.png      bytes down and up per round
+    daemons.log      the coordinator's and agents' JSON logs (unless --log-file says otherwise)
+    checkpoint.safetensors, metrics.jsonl, agents/   the coordinator's and the agents' state
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+from fedfit.sim.plots import plot_run
+from fedfit.sim.progress import duration_text
+from fedfit.sim.report import STATUSES, format_table, write_report
+
+#: Files that say a directory holds a run already.
+RUN_MARKERS = ("report.json", "checkpoint.safetensors", "metrics.jsonl")
+REPORT_FILE = "report.json"
+
+
+def new_run_dir(root: str | Path, label: str, now: float | None = None) -> Path:
+    """A fresh ``root/<YYYYmmdd-HHMMSS>-<label>`` (``-2``, ``-3``... when that exists), created."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    base = Path(root) / f"{stamp}-{label}"
+    path, number = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            number += 1
+            path = base.with_name(f"{base.name}-{number}")
+
+
+def claim_run_dir(path: str | Path) -> Path:
+    """``path`` as a run's directory: created, or empty of any earlier run; ValueError (one sentence) when it
+    holds one already."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} is a file, not a directory: give another --run-dir")
+    found = [name for name in RUN_MARKERS if (target / name).exists()]
+    if found:
+        raise ValueError(f"{target} holds a run already ({', '.join(found)}): give another --run-dir, or leave it "
+                         f"out for a new directory under runs/")
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def metrics_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per round: global accuracy, each level's and exit's, which of them no device trained, traffic."""
+    rounds = report["rounds"]
+    levels = sorted({name for r in rounds for name in r["level_accuracy"]})
+    exits = sorted({name for r in rounds for name in r["exit_accuracy"]}, key=lambda name: (len(name), name))
+    rows = []
+    for r in rounds:
+        row: dict[str, Any] = {"round": r["round"], "global_accuracy": r["global_accuracy"]}
+        row.update({f"level_{name}": r["level_accuracy"].get(name, "") for name in levels})
+        row.update({name: r["exit_accuracy"].get(name, "") for name in exits})
+        untrained = [name for name in levels if name in r["level_accuracy"] and name not in r.get("trained_levels", [])]
+        untrained += [name for name in exits if name in r["exit_accuracy"] and name not in r.get("trained_exits", [])]
+        row.update({"untrained": " ".join(untrained), "participants": r["participants"],
+                    "selected": r.get("selected", r["participants"]), "bytes_down": r["bytes_down"],
+                    "bytes_up": r["bytes_up"], "seconds": r["seconds"]})
+        rows.append(row)
+    return rows
+
+
+def write_metrics_csv(report: dict[str, Any], path: Path) -> None:
+    """``metrics.csv``: :func:`metrics_rows`."""
+    rows = metrics_rows(report)
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        if rows:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    """What ``summary.txt`` says: the run's settings, its final table and its figures."""
+    settings = report.get("settings", {})
+    summary = report.get("summary", {})
+    run = report.get("run", {})
+    heading = (f"{report['algorithm']} | {settings.get('agents', '?')} agents | {settings.get('dataset', '?')} "
+               f"{settings.get('partition', '')} | {settings.get('model', '?')} | budgets "
+               f"{settings.get('budgets', '?')} | seed {settings.get('seed', '?')}")
+    lines = [heading]
+    if run.get("version"):
+        lines.append(f"{run['version']}, started {run.get('started_at', '?')}, ended {run.get('ended_at', '?')}")
+    lines += ["", format_table(report["rounds"]), ""]
+    if summary.get("rounds"):
+        lines.append(f"global accuracy: final {summary['final_global_accuracy']:.4f}, best "
+                     f"{summary['best_global_accuracy']:.4f} (round {summary['best_round']}); mean over levels at the "
+                     f"end {summary['final_level_average']:.4f}")
+        tasks = summary["tasks"]
+        lines.append("tasks: " + ", ".join(f"{tasks[status]} {status}" for status in STATUSES if tasks.get(status))
+                     + f"; {summary['over_budget']} peaked over their budget"
+                     + (f"; {summary['micro_batched']} trained in micro-batches" if summary.get("micro_batched") else "")
+                     + (f"; {summary['partial']} partial" if summary.get("partial") else ""))
+        lines.append(f"traffic: {summary['bytes_down'] / 1e6:.1f} MB down, {summary['bytes_up'] / 1e6:.1f} MB up "
+                     f"({summary['bytes_per_round'] / 1e6:.2f} MB a round)")
+        wall = summary.get("wall_seconds")
+        lines.append(f"time: {summary['round_seconds']:.1f} s a round" + (
+            f", {duration_text(wall)} in all" if wall is not None else ""))
+    refusals = {agent: entry for agent, entry in report.get("agents", {}).items()
+                if entry.get("rejected") or entry.get("declined") or entry.get("failed")}
+    if refusals:
+        lines.append("refused or failed, per agent: " + "; ".join(
+            f"{agent} ({entry.get('tier') or '-'}): " + ", ".join(
+                f"{entry[s]} {s}" for s in ("declined", "failed", "rejected") if entry.get(s))
+            for agent, entry in refusals.items()))
+    return "\n".join(lines) + "\n"
+
+
+def write_run_outputs(report: dict[str, Any], directory: Path) -> list[Path]:
+    """Write the report and what is read from it (CSV, summary, plots) into ``directory``; returns the paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_report(report, directory / REPORT_FILE)
+    write_metrics_csv(report, directory / "metrics.csv")
+    (directory / "summary.txt").write_text(summary_text(report), encoding="utf-8")
+    written = [directory / REPORT_FILE, directory / "metrics.csv", directory / "summary.txt"]
+    if report["rounds"]:
+        written += plot_run(report, directory)
+    return written

@@ -1,0 +1,89 @@
+"""``fedfit sim`` and ``compare`` settings: a flag given wins, else what the configuration sets, else the default."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig, ModelConfig
+from coordinator.strategies import ALGORITHM_NAMES
+from fedfit.cli import _coordinator_settings, main
+from fedfit.run_command import SETTINGS, add_run_arguments, resolve
+from models import FAMILY_NAMES
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser, ALGORITHM_NAMES, FAMILY_NAMES, compare=False)
+    return parser.parse_args(list(flags))
+
+
+def test_the_configuration_is_honoured_where_no_flag_is_given(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("algorithm: scalefl\nrounds: 20\nseed: 7\nmodel: {family: resnet20}\n"
+                      f"state_dir: {tmp_path / 'run'}\n")
+    args = parse("--config", str(config))
+    mapping, loaded = _coordinator_settings(args.config, args.overrides)
+    values, given = resolve(args, mapping, loaded)
+    assert (values["algorithm"], values["rounds"], values["seed"], values["model"]) == ("scalefl", 20, 7, "resnet20")
+    assert values["state_dir"] == str(tmp_path / "run") and values["dataset"] == "fashion-mnist"
+    assert given == []
+
+
+def test_flags_given_win_and_are_recorded(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("algorithm: scalefl\nrounds: 20\n")
+    args = parse("--config", str(config), "--rounds", "3", "--algorithm", "fedepth", "--set", "seed=5")
+    mapping, loaded = _coordinator_settings(args.config, args.overrides)
+    values, given = resolve(args, mapping, loaded)
+    assert (values["algorithm"], values["rounds"], values["seed"]) == ("fedepth", 3, 5)  # --set counts as config
+    assert given == ["--algorithm fedepth", "--rounds 3"]
+
+
+def test_without_configuration_the_defaults() -> None:
+    values, given = resolve(parse(), {}, CoordinatorConfig())
+    assert values == {name: setting.default for name, setting in SETTINGS.items()}
+    assert given == []
+    # a configuration that leaves a key out does not impose its own default (e.g. rounds: 10, federation)
+    values, _ = resolve(parse(), {"model": {"options": {}}}, CoordinatorConfig(model=ModelConfig("cnn")))
+    assert values["rounds"] == 5 and values["federation"] == "sim"
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: the config's, else heterofl)" in text and "(default: 8)" in text
+    assert "(default: tiers)" in text
+
+
+def test_version_without_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("fedfit 0.1.0")
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["sim", "--rounds", "0"], "--rounds: must be at least 1"),
+    (["sim", "--budgets", "fractions:1/0"], "needs positive numbers or p/q with q > 0"),
+    (["compare"], "needs --algorithms"),
+    (["compare", "runs/a", "--algorithms", "heterofl"], "either run directories or --algorithms"),
+    (["compare", "--algorithms", "heterofl,nope"], "unknown algorithm 'nope'"),
+    (["compare", "--algorithms", "heterofl,heterofl"], "names one more than once"),
+])  # fmt: skip
+def test_user_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str],
+                                      said: str) -> None:
+    out = ["--out", str(tmp_path / "cmp")] if flags[0] == "compare" else []
+    try:
+        code = main([*flags, *out])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "Traceback" not in err
+
+
+def test_compare_reads_runs_that_are_not_there(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["compare", str(tmp_path / "nothing"), "--out", str(tmp_path / "cmp")])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not exist: give a run directory" in err

@@ -1,0 +1,75 @@
+"""Comparisons of runs: one row per method, the paper's baselines, fleet differences said, PNG and HTML."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator.metrics import RoundResult, TaskRecord
+from fedfit.sim.compare import comparison_rows, fleet_differences, method_name, write_comparison
+from fedfit.sim.report import build_report
+
+
+def run(algorithm: str, accuracy: float, *, width: float = 1.0, seed: int = 0) -> dict:
+    rounds = [RoundResult(round=n, global_accuracy=accuracy * n / 2, level_accuracy={"a": accuracy * n / 2},
+                          participants=2, selected=2, bytes_down=2_000_000, bytes_up=2_000_000, seconds=1.0,
+                          tasks=[TaskRecord("sim-000", "a", "ok", "width=1", metrics={"peak_bytes": 5.0,
+                                                                                      "budget_bytes": 4.0}),
+                                 TaskRecord("sim-001", "a", "rejected", "width=1", reason="update rejected")],
+                          trained_levels=["a"])
+              for n in (1, 2)]
+    settings = {"agents": 2, "dataset": "digits", "partition": "iid", "model": "cnn", "seed": seed,
+                "budgets": "fair", "allocator": "compact"}
+    return build_report(algorithm, "mosquitto", "2", rounds, settings,
+                        run={"wall_seconds": 30.0, "config": {"fedavg": {"width": width}}, "directory": "x"})
+
+
+def test_rows_of_a_comparison() -> None:
+    rows = comparison_rows([run("fedepth", 0.6), run("fedavg", 0.4, width=1 / 6)])
+    assert [row["method"] for row in rows] == ["fedepth", "fedavg x1/6"]
+    first = rows[0]
+    assert first["global"] == pytest.approx(0.6) and first["best_global"] == pytest.approx(0.6)
+    assert first["levels"] == {"a": pytest.approx(0.6)}
+    assert (first["trained"], first["declined"], first["rejected"], first["over_budget"]) == (2, 0, 2, 2)
+    assert first["mb_per_round"] == pytest.approx(4.0) and first["wall_seconds"] == 30.0
+    assert "fedavg x1/6" in first["paper_baselines"] and "heterofl" in first["paper_baselines"]
+
+
+def test_method_names() -> None:
+    assert method_name(run("fedavg", 0.5)) == "fedavg"
+    assert method_name(run("fedavg", 0.5, width=0.125)) == "fedavg x1/8"
+    assert method_name(run("heterofl", 0.5)) == "heterofl"
+
+
+def test_runs_on_different_fleets_are_said_so(tmp_path: Path) -> None:
+    reports = [run("heterofl", 0.5), run("fedepth", 0.6, seed=1)]
+    assert fleet_differences(reports) == ["seed: 0 / 1"]
+    paths = write_comparison(reports, tmp_path)
+    assert "NOT THE SAME FLEET: seed: 0 / 1" in paths["txt"].read_text()
+    assert "not on the same fleet" in paths["html"].read_text()
+
+
+def test_the_comparison_files(tmp_path: Path) -> None:
+    paths = write_comparison([run("heterofl", 0.5), run("fedepth", 0.6), run("fedavg", 0.4, width=1 / 6)], tmp_path)
+    text = paths["txt"].read_text()
+    lines = text.splitlines()
+    assert lines[0] == "2 agents | digits iid | cnn | budgets fair | seed 0 | 2 rounds"
+    header = next(line for line in lines if line.startswith("method"))
+    assert header.split()[:4] == ["method", "global", "best", "level"]
+    assert any(line.startswith("fedavg x1/6") for line in lines)
+    assert "fedepth: its paper compares with fedavg x1/6" in text
+    data = json.loads(paths["json"].read_text())
+    assert [row["method"] for row in data["rows"]] == ["heterofl", "fedepth", "fedavg x1/6"]
+    page = paths["html"].read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<td>fedepth</td>" in page
+    embedded = page.split('src="data:image/png;base64,')[1].split('"')[0]
+    assert base64.b64decode(embedded) == paths["png"].read_bytes()  # self-contained: the plot is in the page
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_comparison_needs_a_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one run"):
+        write_comparison([], tmp_path)
