@@ -23,12 +23,12 @@ from coordinator.config import (
     ScaleFLConfig,
     ScreeningConfig,
 )
-from coordinator.daemon import REGISTRY_SETTLE_S, Coordinator, NoAgentsError
-from coordinator.metrics import TaskRecord
+from coordinator.daemon import REGISTRY_SETTLE_S, Coordinator, NoAgentsError, Progress
+from coordinator.metrics import RoundResult, TaskRecord
 from coordinator.registry import AgentRecord
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec
-from protocol import AgentStatus, Capabilities, Update
+from protocol import Ack, AgentStatus, Capabilities, Update, decode
 
 
 def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
@@ -331,10 +331,15 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
         return 10
 
     monkeypatch.setattr(coordinator, "_dispatch", dispatch)
-    seen = []
+    published: list[tuple[str, bytes]] = []
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: published.append((topic, payload)))
+    seen: list[RoundResult] = []
+    progress: list[Progress] = []
     coordinator.on_round = seen.append
+    coordinator.on_progress = progress.append
     result = coordinator.run_round(1)
     assert seen == [result]
+    assert progress == [Progress("round", 1, 4, 4)]  # every update was in when the dispatch ended
     assert len(sent) == 4 and result.selected == 4 and result.participants == 3
     assert (result.bytes_down, result.bytes_up) == (40, 4000)
     outputs = len(coordinator.strategy.global_spec().exits) + 1
@@ -344,6 +349,15 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
     assert result.level_accuracy["3"] == result.global_accuracy
     assert [(t.agent, t.status) for t in result.tasks] == [
         ("sim-0", "ok"), ("sim-1", "ok"), ("sim-2", "ok"), ("sim-3", "failed")]
+    # The levels some update trained as such, and the outputs whose heads an update reached.
+    trained = sorted({planned.level for planned in sent if planned.agent_id != "sim-3"})
+    assert result.trained_levels == trained
+    assert "exit1" in result.trained_exits  # every level holds the first exit
+    assert (f"exit{outputs}" in result.trained_exits) is ("3" in trained)  # the final head: the top level's
+    # After screening, each device whose update was stored hears the verdict (a failed task is not aggregated).
+    verdicts = [decode(payload, expected=Ack) for topic, payload in published if topic.endswith("/ack")]
+    assert sorted((ack.agent_id, ack.verdict, ack.reason) for ack in verdicts) == [
+        ("sim-0", "aggregated", None), ("sim-1", "aggregated", None), ("sim-2", "aggregated", None)]
     # Aggregated: the first conv's leading channel (held by every level) is the updates' 0.5.
     assert torch.all(coordinator.states["global"]["conv1.weight"][0] == 0.5)
     states, meta = load_checkpoint(coordinator.checkpoint_path)
@@ -354,7 +368,8 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
 
 
 def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinator, monkeypatch) -> None:
-    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
+    monkeypatch.setattr(heterofl.registry, "wait_settled",
+                        lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
@@ -384,7 +399,8 @@ def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heter
     calls: list[str] = []
     fleet = [agent_record("sim-0"), agent_record("sim-1")]
     monkeypatch.setattr(heterofl.registry, "wait_settled",
-                        lambda count, quiet, timeout, on_change=None: calls.append(f"settled {count} {quiet}") or fleet)
+                        lambda count, quiet, timeout, on_change=None: calls.append(f"settled {count} {quiet}")
+                        or fleet)
     monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: calls.append("wait_for") or fleet)
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
@@ -464,7 +480,8 @@ def test_the_retained_status_carries_the_round_in_progress_then_the_last_complet
     said: list[int] = []
     monkeypatch.setattr(heterofl.link, "publish", lambda topic, payload, **_: said.append(decode(payload).round)
                         if isinstance(decode(payload), CoordinatorStatus) else None)
-    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
+    monkeypatch.setattr(heterofl.registry, "wait_settled",
+                        lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
     monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:

@@ -142,11 +142,14 @@ def test_wait_settled_waits_for_a_quiet_moment_after_the_last_status():
     thread = threading.Thread(target=burst)
     thread.start()
     started = time.monotonic()
-    online = registry.wait_settled(1, quiet=0.3, timeout=10.0)
+    counts: list[int] = []
+    online = registry.wait_settled(1, quiet=0.3, timeout=10.0, on_change=counts.append)
     elapsed = time.monotonic() - started
     thread.join()
     assert [r.agent_id for r in online] == ["a", "b", "c"]  # not just the first one heard
     assert 0.3 <= elapsed < 5.0  # at least the quiet period after "c"
+    # Said at the start and when the number online changed (a busy machine may wake once for two statuses).
+    assert counts[0] == 1 and counts[-1] == 3 and counts == sorted(set(counts))
 
 
 def test_wait_settled_times_out_with_those_online():

@@ -14,7 +14,7 @@ from edge_agent import daemon as daemon_module
 from edge_agent.config import AgentConfig, AgentDataConfig, TaskLimits
 from edge_agent.daemon import EdgeAgent
 from edge_agent.runner import LocalData
-from protocol import CoordinatorStatus, Topics, Update, encode, split_payload
+from protocol import Ack, CoordinatorStatus, Topics, Update, encode, split_payload
 
 TASKS = Topics("lab").agent_task("pi-01")
 
@@ -99,3 +99,15 @@ def test_the_agent_logs_when_the_coordinator_goes_offline_and_comes_back(make_ag
     said = [(entry["event"], entry["round"]) for entry in logs if entry["event"].startswith("coordinator_")]
     assert said == [("coordinator_online", 0), ("coordinator_offline", 2), ("coordinator_back", 2)]
     assert agent.coordinator_state == "online" and agent.rejected_messages == 0
+
+
+def test_the_screening_verdict_is_logged_and_a_rejection_kept_with_its_reason(make_agent) -> None:
+    agent, _ = make_agent()
+    acks = Topics("lab").agent_ack("pi-01")
+    with structlog.testing.capture_logs() as logs:
+        agent._on_message(acks, encode(Ack("r1-pi-01-a", 1, "pi-01", None, "aggregated")))
+        agent._on_message(acks, encode(Ack("r2-pi-01-b", 2, "pi-01", "update rejected: too far", "rejected")))
+    assert agent.rejected_updates == {"r2-pi-01-b": "update rejected: too far"}
+    events = [(entry["event"], entry.get("reason")) for entry in logs]
+    assert events == [("update_aggregated", None), ("update_rejected_by_coordinator", "update rejected: too far")]
+    assert agent.rejected_messages == 0  # a verdict about an update no longer outstanding is no stray ack

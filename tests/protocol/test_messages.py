@@ -346,3 +346,17 @@ def test_status_instance_and_ack_reason_stay_off_the_wire_at_their_defaults() ->
     assert "reason" not in msgpack.unpackb(encode(Ack("t-1", 1, "pi-01")))
     refused = Ack("t-1", 1, "pi-01", "round 1 closed before the update arrived")
     assert decode(encode(refused)) == refused
+
+
+def test_an_ack_after_screening_carries_the_verdict_and_older_acks_carry_none() -> None:
+    import msgpack
+
+    from protocol import ProtocolError, decode, encode
+
+    assert "verdict" not in msgpack.unpackb(encode(Ack("t-1", 1, "pi-01")))
+    for ack in (Ack("t-1", 1, "pi-01", None, "aggregated"), Ack("t-1", 1, "pi-01", "update rejected: x", "rejected")):
+        assert decode(encode(ack)) == ack
+    wire = msgpack.unpackb(encode(Ack("t-1", 1, "pi-01", None, "aggregated")))
+    for verdict, said in (("rejected", "a 'rejected' verdict needs its 'reason'"), ("maybe", "verdict")):
+        with pytest.raises(ProtocolError, match=said):
+            decode(msgpack.packb({**wire, "verdict": verdict}))
