@@ -4,7 +4,8 @@ Run as ``.venv/bin/python benchmarks/memory.py`` (a benchmark, not a test: it pr
 number). For each model family, several sub-model specs and batch sizes, depth-wise rows (FeDepth: a spec with
 segments, trained one after another with the blocks before each frozen; the measured peak is the child's
 highest stage peak, the estimate that of the costliest stage) for the CNN, PreResNet-18 and PreResNet-20 (some
-with two epochs a stage training from buffered frozen outputs, one through auxiliary classifiers), rows
+with two epochs a stage training from buffered frozen outputs, one through auxiliary classifiers, some in
+micro-batches with accumulated gradients), rows
 of several copies trained with mutual distillation (m-FeDepth) and a few early-exit rows (ScaleFL levels trained
 with self-distillation), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
 measured peak, their ratio and the milliseconds per training step; the last line is ``worst ratio: X`` (the
@@ -51,6 +52,7 @@ class Row:
     copies: int = 1  # models trained side by side with mutual distillation
     route: str = "skip"  # depth-wise: how a segment reaches a classifier ("exit": the exits after segments)
     buffered: bool = False  # depth-wise: two epochs a stage, the frozen blocks' outputs buffered (Stage.cache)
+    micro: int = 0  # depth-wise: micro-batches of this many samples, gradients accumulated (Stage.micro_batch)
 
     @property
     def scalefl(self) -> bool:
@@ -75,13 +77,13 @@ class Row:
         loss = self_distillation_loss(outputs, beta=0.1, tau=3.0) if self.scalefl else (LossTerm.ce(),)
         if self.copies > 1:
             loss = (*loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
-        schedule = tuple(Stage(self.epochs, self.route, self.buffered) for _ in self.segments or ())
+        schedule = tuple(Stage(self.epochs, self.route, self.buffered, self.micro) for _ in self.segments or ())
         return TrainingPlan(optimizer=OptimizerSettings("sgd", 0.01, 0.9, 5e-4, 1.0), epochs=self.epochs,
                             batch_size=self.batch_size, loss=loss, copies=self.copies, schedule=schedule)
 
     def label(self) -> str:
         return (self.spec().describe() + (f" x{self.copies} copies" if self.copies > 1 else "")
-                + (" buffered" if self.buffered else ""))
+                + (" buffered" if self.buffered else "") + (f" micro {self.micro}" if self.micro else ""))
 
 
 def rows() -> list[Row]:
@@ -104,6 +106,9 @@ def rows() -> list[Row]:
         Row("cnn", 1, (28, 28), 1, 32, segments=((0, 1), (1, 3)), buffered=True),
         Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 3), (3, 5), (5, 9)), buffered=True),
         Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 3), (3, 9)), exits=(2,), route="exit"),
+        Row("cnn", 1, (28, 28), 1, 128, segments=((0, 1),), micro=32),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 1),), micro=16),
+        Row("preresnet20", 1, (28, 28), 1, 32, segments=((0, 3), (3, 9)), micro=8),
         Row("cnn", 1, (28, 28), 1, 32, copies=2),
         Row("preresnet20", 1, (28, 28), 1, 32, copies=2),
         Row("cnn", 1, (28, 28), 0.76, 32, exits=(0, 2), depth=3),
@@ -194,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
                     if len(spec.segments) == 1:
                         break
                     stage = estimate_training_memory(
-                        family, spec, batch_size=row.batch_size, input_size=row.image_size, device=device,
-                        allocator=allocator, segment=segment, route=row.route,
-                        cache_samples=samples if row.buffered else 0).total
+                        family, spec, batch_size=row.micro or row.batch_size, input_size=row.image_size,
+                        device=device, allocator=allocator, segment=segment, route=row.route,
+                        cache_samples=samples if row.buffered else 0, accumulate=bool(row.micro)).total
                     stage_measured = metrics[f"stage_peak_bytes.{index}"]
                     print(f"{'':6s} {'':12s} {'  stage ' + str(index) + ': blocks ' + str(segment):34s} "
                           f"{'':5s} {stage / MB:12.2f} {stage_measured / MB:12.2f} {stage / stage_measured:6.3f}",

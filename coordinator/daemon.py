@@ -123,6 +123,9 @@ class Coordinator:
         self.completed_rounds = 0
         if config.resume and self.checkpoint_path.exists():
             self._resume()
+        elif self.checkpoint_path.exists():
+            raise ValueError(f"state_dir {self.state_dir} holds an earlier run (checkpoint.safetensors): set resume: "
+                             f"true to continue it, or give this run another state_dir")
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
         self._pending: JournaledRound | None = None
         if config.resume:

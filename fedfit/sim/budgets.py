@@ -21,6 +21,11 @@ Two kinds of tier:
   points (FlexFL: sigma^2 in {5, 8, 10}; the coordinator learns the new figure from the device's next status, so
   the device adapts at task time); ``fractions:A,B,...`` one equal share of the fleet per fraction.
 
+Every budget is rounded up to a whole number of :data:`BUDGET_GRANULE` (64 KiB). A measured CPU peak moves by about
+0.3 MB between identical runs, so a budget finer than that means nothing; what the rounding buys is that a method
+whose task differs from the anchor's by a buffer of logits (HeteroFL's masked cross-entropy: a few KB) trains what
+its tier names, while the next width up, megabytes away, still does not fit.
+
 Real memory has parts that do not shrink with width (the input batch, the classifier's rows, page-sized blocks),
 so the r-width model needs more than r times the full model's memory: a width tier is not the fraction r.
 """
@@ -39,6 +44,8 @@ from protocol import LossTerm, TrainingPlan
 if TYPE_CHECKING:  # the models (and torch) load only where an anchor is estimated: `fedfit agent` parses no budget
     from models import ModelFamily, SubmodelSpec
 
+#: Budgets are whole multiples of this (see the module docstring).
+BUDGET_GRANULE = 64 * 1024
 #: The named scenarios (``widths:A,B,...`` and ``fractions:A,B,...`` are accepted too, see :func:`scenario_tiers`).
 BUDGET_SCENARIOS = ("uniform", "tiers", "tiers-fluctuating", "fair", "lack", "surplus")
 #: FeDepth's scenarios (Memory budgets paragraph): the width each quarter of the fleet can train.
@@ -90,14 +97,17 @@ class BudgetAnchor:
         return cls(overhead, full, lambda width: variable(SubmodelSpec.uniform(width))[1], margin)
 
     def tier_bytes(self, tier: Tier, shortfall: float = 0.0) -> int:
-        """The budget of a device of ``tier``; ``shortfall``: percentage points it lacks this round (share tiers
-        only)."""
+        """The budget of a device of ``tier``, in whole :data:`BUDGET_GRANULE`; ``shortfall``: percentage points
+        it lacks this round (share tiers only)."""
         if tier.width is not None:
             if tier.width < 1:
-                return corrected(self.overhead + self.width_bytes(tier.width), self.overhead, self.margin)
-            return self.overhead + int(tier.width * self.full_bytes * self.margin)
-        assert tier.percent is not None
-        return self.overhead + max(1, int(self.full_bytes * (tier.percent - shortfall) / 100.0))
+                exact = corrected(self.overhead + self.width_bytes(tier.width), self.overhead, self.margin)
+            else:
+                exact = self.overhead + int(tier.width * self.full_bytes * self.margin)
+        else:
+            assert tier.percent is not None
+            exact = self.overhead + max(1, int(self.full_bytes * (tier.percent - shortfall) / 100.0))
+        return -(-exact // BUDGET_GRANULE) * BUDGET_GRANULE
 
 
 def assign_tiers(count: int, tiers: Sequence[Tier], seed: int) -> list[Tier]:

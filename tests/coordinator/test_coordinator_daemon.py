@@ -99,8 +99,11 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path, digits) -> None:
     resumed = Coordinator(config(tmp_path, resume=True), dataset=digits)
     assert resumed.completed_rounds == 3
     torch.testing.assert_close(resumed.states["global"]["classifier.bias"], marked["classifier.bias"])
-    fresh = Coordinator(config(tmp_path, resume=False), dataset=digits)
-    assert fresh.completed_rounds == 0
+    # Without resume, a state_dir holding a run is refused: its checkpoint is not overwritten.
+    with pytest.raises(ValueError, match="holds an earlier run .checkpoint.safetensors.: set resume: true to continue"):
+        Coordinator(config(tmp_path, resume=False), dataset=digits)
+    assert load_checkpoint(first.checkpoint_path)[1]["round"] == 3
+    assert Coordinator(config(tmp_path / "other", resume=False), dataset=digits).completed_rounds == 0
 
 
 def test_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path: Path, digits) -> None:

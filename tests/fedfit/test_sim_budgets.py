@@ -9,6 +9,7 @@ from coordinator.config import RecipeConfig
 from coordinator.strategies.base import base_plan
 from edge_agent.calibration import INITIAL_FACTOR, Calibration
 from fedfit.sim.budgets import (
+    BUDGET_GRANULE,
     BudgetAnchor,
     DeviceBudget,
     Tier,
@@ -20,12 +21,17 @@ from fedfit.sim.budgets import (
     smallest_width,
 )
 from models import SubmodelSpec, estimate_plan_memory, get_family
-from protocol import LossTerm
+from protocol import LossTerm, TrainingPlan
 
 
 def fake_anchor() -> BudgetAnchor:
-    """Overhead 1000, the full model 10 000, the r-width model 10 000 r + 500 (a part that does not shrink)."""
-    return BudgetAnchor(1000, 10_000, lambda width: int(10_000 * width) + 500, margin=1.1)
+    """Overhead 1000, the full model 1 000 000, the r-width model 1 000 000 r + 50 000 (a part that does not
+    shrink)."""
+    return BudgetAnchor(1000, 1_000_000, lambda width: int(1_000_000 * width) + 50_000, margin=1.1)
+
+
+def granules(exact: int) -> int:
+    return -(-exact // BUDGET_GRANULE) * BUDGET_GRANULE
 
 
 def test_fedepths_scenarios_are_width_tiers_of_a_quarter_each() -> None:
@@ -65,29 +71,34 @@ def test_fraction_names() -> None:
 
 def test_width_tier_budgets_by_hand() -> None:
     anchor = fake_anchor()
-    # r < 1: the r-width model's own need, with the margin and the overhead: what the agent's check asks for.
-    assert anchor.tier_bytes(Tier("r=1/4", 1.0, width=0.25)) == 1000 + int((2500 + 500) * 1.1)
-    assert anchor.tier_bytes(Tier("r=1", 1.0, width=1.0)) == 1000 + int(10_000 * 1.1)
-    assert anchor.tier_bytes(Tier("r=2", 1.0, width=2.0)) == 1000 + int(20_000 * 1.1)  # room for two copies
-    assert anchor.tier_bytes(Tier("35%", 1.0, percent=35.0)) == 1000 + 3500  # shares: no margin
-    assert anchor.tier_bytes(Tier("35%", 1.0, percent=35.0), shortfall=5.0) == 1000 + 3000
+    # r < 1: the r-width model's own need, with the margin and the overhead: what the agent's check asks for,
+    # rounded up to whole granules.
+    assert anchor.tier_bytes(Tier("r=1/4", 1.0, width=0.25)) == granules(1000 + int((250_000 + 50_000) * 1.1))
+    assert anchor.tier_bytes(Tier("r=1", 1.0, width=1.0)) == granules(1000 + int(1_000_000 * 1.1))
+    assert anchor.tier_bytes(Tier("r=2", 1.0, width=2.0)) == granules(1000 + int(2_000_000 * 1.1))  # two copies
+    assert anchor.tier_bytes(Tier("35%", 1.0, percent=35.0)) == granules(1000 + 350_000)  # shares: no margin
+    assert anchor.tier_bytes(Tier("35%", 1.0, percent=35.0), shortfall=5.0) == granules(1000 + 300_000)
+    assert all(anchor.tier_bytes(tier) % BUDGET_GRANULE == 0 for tier in scenario_tiers("surplus"))
 
 
 def test_a_width_tier_admits_exactly_its_width_model_through_the_agents_check() -> None:
-    family = get_family("cnn", 10, 1, hidden=(8, 16, 32))
-    plan = base_plan(RecipeConfig(batch_size=16))
+    family = get_family("cnn", 10, 1, hidden=(32, 64, 128))
+    plan = base_plan(RecipeConfig(batch_size=32))
     anchor = BudgetAnchor.estimate(family, plan, input_size=(28, 28))
     agent = Calibration()  # a device's factor before it has measured anything
     assert agent.factor == anchor.margin == INITIAL_FACTOR
 
-    def need(width: float) -> int:  # what the agent asks for to train the width model (plain cross-entropy)
-        estimate = estimate_plan_memory(family, SubmodelSpec.uniform(width), plan, input_size=(28, 28))
+    def need(width: float, loss_plan: TrainingPlan = plan) -> int:  # what the agent asks for the width model
+        estimate = estimate_plan_memory(family, SubmodelSpec.uniform(width), loss_plan, input_size=(28, 28))
         return agent.corrected(estimate.total, estimate.overhead)
 
+    masked = base_plan(RecipeConfig(batch_size=32), masked=True)  # HeteroFL's loss: a few KB of logits more
     for width, wider in ((1 / 8, 1 / 4), (1 / 6, 1 / 4), (1 / 3, 1 / 2), (1 / 2, 1.0)):
         budget = anchor.tier_bytes(Tier("r", 1.0, width=width))
         assert need(width) <= budget < need(wider)  # its width, and no more
+        assert need(width, masked) <= budget
     assert need(1.0) <= anchor.tier_bytes(Tier("r=1", 1.0, width=1.0))
+    assert need(1.0, masked) <= anchor.tier_bytes(Tier("r=1", 1.0, width=1.0))
 
 
 def test_every_method_is_measured_against_plain_cross_entropy_of_the_full_model() -> None:
