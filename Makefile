@@ -12,7 +12,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/fedfit sim --algorithm heterofl --agents 8 --rounds 5 --dataset fashion-mnist \
-		--partition iid --seed 0 --report runs/demo-report.json
+		--partition iid --seed 0
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
