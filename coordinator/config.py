@@ -49,6 +49,17 @@ class RecipeConfig:
     clip_norm: float | None = 1.0
     masked_ce: bool | None = None
 
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if self.epochs < 1 or self.batch_size < 2:
+            raise ValueError("recipe.epochs must be at least 1 and recipe.batch_size at least 2 (static BN "
+                             "normalises with batch statistics)")
+        if not self.lr > 0 or not 0 <= self.momentum < 1 or self.weight_decay < 0:
+            raise ValueError(f"recipe.lr must be positive, recipe.momentum in [0, 1) and recipe.weight_decay "
+                             f"non-negative, got {self.lr}, {self.momentum} and {self.weight_decay}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"recipe.clip_norm must be positive or null, got {self.clip_norm}")
+
 
 @dataclass
 class ScaleFLConfig:
@@ -209,6 +220,7 @@ class CoordinatorConfig:
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s must be positive")
         self.broker.validate()
+        self.recipe.validate()
         self.scalefl.validate()
         self.fedepth.validate()
         self.screening.validate()

@@ -69,7 +69,7 @@ class NoAgentsError(RuntimeError):
 class Progress:
     """What the coordinator is doing, for a live display: ``phase`` "fleet" (waiting for ``expected`` agents
     before the first round, ``done`` online) or "round" (round ``round``, ``done`` of its ``expected`` updates
-    in)."""
+    in). ``on_progress`` gets these on the round's thread and on the one handling messages: it must not block."""
 
     phase: str
     round: int
@@ -249,6 +249,8 @@ class Coordinator:
             collector = self._collector
         digest = hashlib.sha256(complete).hexdigest()
         verdict = collector.offer(update, len(complete), digest) if collector is not None else "unknown"
+        # (The round may close and screen it before its first ack below goes out; its verdict ack settles the
+        # device either way.)
         if verdict == "accepted" and collector is not None:
             self._progress("round", collector.round, len(collector.updates), len(collector.tasks))
         reason = self._refusal(collector, update, verdict)
@@ -353,7 +355,7 @@ class Coordinator:
         collector.wait(deadline, lambda: self.link.outage_seconds() - outage_before)
         with self._collector_lock:
             self._collector = None
-        results, outcomes = self._collect(collector, records)
+        results, outcomes, verdicts = self._collect(collector, records)
         for task_id, task in tasks.items():
             if task_id not in collector.updates:
                 records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
@@ -362,6 +364,7 @@ class Coordinator:
         trained_levels, trained_exits = self._trained(results)
         if results:
             self.states = self.strategy.aggregate(round_number, results, self.states)
+        self._send_verdicts(collector, verdicts)  # only now: an update said aggregated is
         self.strategy.observe(round_number, outcomes)
         accuracies = self._evaluate()
         self.completed_rounds = round_number
@@ -424,8 +427,9 @@ class Coordinator:
 
     # ------------------------------------------------------------- collection
     def _collect(self, collector: RoundCollector, records: dict[str, TaskRecord]
-                 ) -> tuple[list[TaskResult], list[TaskOutcome]]:
-        """Validate the round's updates: the ones to aggregate, and how every answered task ended."""
+                 ) -> tuple[list[TaskResult], list[TaskOutcome], dict[str, str | None]]:
+        """Validate and screen the round's updates: the ones to aggregate, how every answered task ended, and the
+        screening's verdict on each valid update (by agent: None when it is aggregated, else the reason)."""
         results: list[TaskResult] = []
         answered: list[tuple[Update, TaskRecord]] = []
         for task_id, update in sorted(collector.updates.items()):
@@ -453,19 +457,17 @@ class Coordinator:
             record = records[result.task.agent_id]
             record.status, record.reason = "rejected", reason
             self.log.warning("update_rejected", agent=result.task.agent_id, reason=reason)
-        self._send_verdicts(collector, results, refused)
+        verdicts = {result.task.agent_id: refused.get(result.task.agent_id) for result in results}
         trained_by = {result.task.agent_id: result.spec for result in kept}
         outcomes = [TaskOutcome(collector.tasks[update.task_id].task, record.status,
                                 trained_by.get(update.agent_id), dict(update.metrics))
                     for update, record in answered]
-        return kept, outcomes
+        return kept, outcomes, verdicts
 
-    def _send_verdicts(self, collector: RoundCollector, results: list[TaskResult], refused: dict[str, str]) -> None:
+    def _send_verdicts(self, collector: RoundCollector, verdicts: dict[str, str | None]) -> None:
         """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
         task_ids = {update.agent_id: task_id for task_id, update in collector.updates.items()}
-        for result in results:
-            agent = result.task.agent_id
-            reason = refused.get(agent)
+        for agent, reason in sorted(verdicts.items()):
             self.link.publish(self.topics.agent_ack(agent), encode(Ack(
                 task_ids[agent], collector.round, agent, reason, "rejected" if reason else "aggregated")))
 

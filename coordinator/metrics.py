@@ -21,7 +21,7 @@ class TaskRecord:
     num_samples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     #: What screening measured of an update it saw (:meth:`coordinator.screening.Change.as_dict`).
-    screening: dict[str, float] = field(default_factory=dict)
+    screening: dict[str, float | None] = field(default_factory=dict)
 
     def memory(self, name: str) -> int | None:
         """A memory figure the agent reported (budget_bytes, estimated_bytes, peak_bytes), if any."""

@@ -8,14 +8,17 @@ construction:
 1. **The plan's reach** (by construction, never an honest update). Every optimizer step of the training-plan
    interpreter clips the gradient to ``clip_norm`` and adds weight decay, and momentum ``beta`` sums the past
    steps with weights ``beta^k``; so ``T`` steps at learning rate ``lr`` move the weights by at most
-   ``B = lr T (clip + wd W) / (1 - beta)``, ``W`` bounding the weights' norm (``|sent| + B``, solved for ``B``).
-   ``T`` counts the batches of every stage the device trained (its samples, the plan's epochs and batch size;
-   micro-batches accumulate into one step). An update whose change exceeds ``B`` is rejected whatever the rest
-   of the round did. Without ``clip_norm`` there is no such bound and only rule 2 applies.
-2. **Like with like.** The change divided by the plan's reach ``lr T / (1 - beta)`` (the mean effective gradient
-   norm: steps and learning rate taken out) is compared with the median of the other updates of the same trained
-   spec in the round; one above ``max_ratio`` times that median is rejected. Updates of other specs (another
-   width, depth, exit or segment) are never the yardstick, and the rule needs at least ``min_peers`` of them.
+   ``B = lr R (clip + wd W)``, with ``R = sum_t (1 - beta^t) / (1 - beta)`` over the steps of each stage (every
+   stage starts a fresh optimizer, so its momentum builds up from nothing) and ``W`` bounding the weights' norm
+   (``|sent| + B``, solved for ``B``). The steps count the batches of every stage the device trained (its
+   samples, the plan's epochs and batch size; micro-batches accumulate into one step), under the most permissive
+   plan its task allowed. An update whose change exceeds ``B`` is rejected whatever the rest of the round did.
+   Without ``clip_norm`` there is no such bound and only rule 2 applies.
+2. **Like with like.** The change divided by the plan's reach ``lr R`` (the mean effective gradient norm: steps,
+   learning rate and momentum taken out) is compared with the median of the other updates of the same trained
+   spec in the round that passed rule 1; one above ``max_ratio`` times that median is rejected. Updates of other
+   specs (another width, depth, exit or segment) are never the yardstick, and the rule needs at least
+   ``min_peers`` of them.
 
 What this does not protect against: an update inside its plan's reach and under the ratio (a poisoned direction
 of ordinary size: a backdoor, flipped labels), several colluding devices (they move the median), a device that
@@ -36,7 +39,7 @@ from coordinator.config import ScreeningConfig
 from coordinator.strategies.base import TaskResult
 from protocol import TrainingPlan
 
-__all__ = ["Change", "change_of", "plan_steps", "screen"]
+__all__ = ["Change", "change_of", "change_of_result", "momentum_reach", "plan_steps", "screen"]
 
 
 def _norm(tensors: Mapping[str, torch.Tensor], minus: Mapping[str, torch.Tensor] | None = None) -> float:
@@ -53,13 +56,21 @@ def plan_steps(epochs: int, batch_size: int, samples: int) -> int:
     return epochs * math.ceil(max(1, samples) / batch_size)
 
 
+def momentum_reach(steps: int, momentum: float) -> float:
+    """How far ``steps`` steps of SGD with ``momentum`` (a fresh buffer, as every stage's optimizer starts with)
+    can move the weights per unit of learning rate and gradient norm: ``sum_t (1 - beta^t) / (1 - beta)``."""
+    if momentum == 0.0:
+        return float(steps)
+    return (steps - momentum * (1.0 - momentum ** steps) / (1.0 - momentum)) / (1.0 - momentum)
+
+
 @dataclass(frozen=True)
 class Change:
     """How far an update moved its weights, and how far its plan could move them.
 
     ``norm``: ``|trained - sent|`` (inf or nan when not finite); ``steps``: the most optimizer steps its plan
-    takes on the device's samples; ``reach``: ``lr steps / (1 - beta)``; ``bound``: the most an honest run can
-    move them (None without gradient clipping).
+    takes on the device's samples; ``reach``: ``lr`` times :func:`momentum_reach` summed over the stages;
+    ``bound``: the most an honest run can move them (None without gradient clipping).
     """
 
     norm: float
@@ -72,37 +83,46 @@ class Change:
         """The change per unit of reach: the mean effective gradient norm of the run."""
         return self.norm / self.reach if self.reach > 0 else math.inf
 
-    def as_dict(self) -> dict[str, float]:
-        """``norm``, ``steps``, ``per_step`` (:attr:`score`) and, with gradient clipping, ``bound``."""
-        return {"norm": self.norm, "steps": float(self.steps), "per_step": self.score,
-                **({"bound": self.bound} if self.bound is not None else {})}
+    def as_dict(self) -> dict[str, float | None]:
+        """``norm``, ``steps``, ``per_step`` (:attr:`score`) and ``bound`` (None without gradient clipping); a
+        value that is not finite is None (standard JSON has no NaN)."""
+        values = {"norm": self.norm, "steps": float(self.steps), "per_step": self.score, "bound": self.bound}
+        return {key: value if value is not None and math.isfinite(value) else None for key, value in values.items()}
 
 
 def change_of(trained: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor], plan: TrainingPlan,
-              steps: int) -> Change:
-    """The :class:`Change` of an update that trained ``steps`` steps of ``plan`` from ``sent``."""
+              stage_steps: Sequence[int]) -> Change:
+    """The :class:`Change` of an update that trained stages of ``stage_steps`` steps each with ``plan``'s
+    optimizer from ``sent``."""
     norm = _norm(trained, sent)
     settings = plan.optimizer
-    damping = 1.0 - settings.momentum
-    reach = settings.lr * steps / damping
+    reach = settings.lr * sum(momentum_reach(steps, settings.momentum) for steps in stage_steps)
     bound: float | None = None
     if settings.clip_norm is not None:
         decay = reach * settings.weight_decay
         # B = reach (clip + wd (|sent| + B))  =>  B (1 - reach wd) = reach (clip + wd |sent|)
         bound = math.inf if decay >= 1 else reach * (settings.clip_norm + settings.weight_decay * _norm(sent)) / (
             1.0 - decay)
-    return Change(norm, steps, reach, bound)
+    return Change(norm, sum(stage_steps), reach, bound)
 
 
-def _steps_of(result: TaskResult) -> int:
-    """The most steps the device may have run: the plan sent or any of its adaptation's candidates, every stage
-    of the trained spec (a depth-wise stage runs the plan's epochs)."""
+def _stage_steps(result: TaskResult, plan: TrainingPlan) -> list[int]:
+    """The most steps of each stage the device may have run with ``plan`` on the spec it trained: one stage per
+    segment (the plan's epochs each, or its schedule's when that fits the segments), else one."""
+    count = len(result.spec.segments) if result.spec.segments is not None else 1
+    epochs = ([stage.epochs for stage in plan.schedule] if len(plan.schedule) == count
+              else [plan.epochs] * count)
+    return [plan_steps(e, plan.batch_size, result.num_samples) for e in epochs]
+
+
+def change_of_result(result: TaskResult, sent: Mapping[str, torch.Tensor]) -> Change:
+    """The :class:`Change` of a validated update, against the most permissive of the plans its task allowed (the
+    plan sent, or any of its adaptation's candidates)."""
     plans = [result.task.plan]
     if result.task.adaptation is not None:
         plans += [candidate.plan for candidate in result.task.adaptation.candidates]
-    stages = len(result.spec.segments) if result.spec.segments is not None else 1
-    return max(plan_steps(sum(stage.epochs for stage in plan.schedule) or plan.epochs * stages, plan.batch_size,
-                          result.num_samples) for plan in plans)
+    changes = [change_of(result.state, sent, plan, _stage_steps(result, plan)) for plan in plans]
+    return max(changes, key=lambda c: (math.inf if c.bound is None else c.bound, c.reach))
 
 
 def screen(results: Sequence[TaskResult], sent_of: Callable[[TaskResult], Mapping[str, torch.Tensor]],
@@ -110,13 +130,14 @@ def screen(results: Sequence[TaskResult], sent_of: Callable[[TaskResult], Mappin
     """Split ``results`` into those to aggregate and those rejected, with the reason (see the module docstring),
     and give every result's :class:`Change` (in order). ``sent_of(result)`` gives the weights its task sent, for
     the keys it trained."""
-    changes = [change_of(result.state, sent_of(result), result.task.plan, _steps_of(result)) for result in results]
+    changes = [change_of_result(result, sent_of(result)) for result in results]
     if not config.enabled:
         return list(results), [], changes
+    first = [_beyond_reach(result, change) for result, change in zip(results, changes)]
     kept: list[TaskResult] = []
     rejected: list[tuple[TaskResult, str]] = []
-    for index, (result, change) in enumerate(zip(results, changes)):
-        reason = _verdict(index, results, changes, config)
+    for index, result in enumerate(results):
+        reason = first[index] or _outlier(index, results, changes, first, config)
         if reason is None:
             kept.append(result)
         else:
@@ -124,20 +145,25 @@ def screen(results: Sequence[TaskResult], sent_of: Callable[[TaskResult], Mappin
     return kept, rejected, changes
 
 
-def _verdict(index: int, results: Sequence[TaskResult], changes: Sequence[Change],
-             config: ScreeningConfig) -> str | None:
-    """Why update ``index`` is rejected, or None."""
-    change = changes[index]
+def _beyond_reach(result: TaskResult, change: Change) -> str | None:
+    """Rule 1: why no honest run of the plan makes this update (non-finite, or beyond the plan's reach)."""
     if not math.isfinite(change.norm):
         return "update rejected: its weights are not finite"
     if change.bound is not None and change.norm > change.bound:
-        optimizer = results[index].task.plan.optimizer
+        optimizer = result.task.plan.optimizer
         return (f"update rejected: its change (norm {change.norm:.3g}) is {change.norm / change.bound:.1f} times "
                 f"the most its training plan can move the weights ({change.bound:.3g}: {change.steps} steps at lr "
                 f"{optimizer.lr:g}, momentum {optimizer.momentum:g}, gradients clipped to {optimizer.clip_norm:g})")
+    return None
+
+
+def _outlier(index: int, results: Sequence[TaskResult], changes: Sequence[Change], first: Sequence[str | None],
+             config: ScreeningConfig) -> str | None:
+    """Rule 2: why update ``index`` is an outlier among the other updates of its trained spec that passed rule 1."""
+    change = changes[index]
     spec = results[index].spec
-    peers = [other.score for j, (other, result) in enumerate(zip(changes, results))
-             if j != index and result.spec == spec and math.isfinite(other.norm)]
+    peers = [changes[j].score for j, result in enumerate(results)
+             if j != index and result.spec == spec and first[j] is None]
     if len(peers) < config.min_peers:
         return None
     median = statistics.median(peers)

@@ -80,8 +80,8 @@ class EdgeAgent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.rejected_messages = 0
-        #: Updates the coordinator stored but its screening rejected, by task id, with the reason.
-        self.rejected_updates: dict[str, str] = {}
+        #: Updates the coordinator stored but its screening rejected, by task id, with the reason (the latest).
+        self.rejected_updates: OrderedDict[str, str] = OrderedDict()
         self.tasks_done = 0
         self.coordinator_state = "unknown"  # as its retained status last said
         self.link = MqttLink(
@@ -235,10 +235,15 @@ class EdgeAgent:
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
 
     def _on_verdict(self, ack: Ack) -> None:
-        """What the coordinator's screening made of a stored update: aggregated, or rejected with the reason (kept
-        in :attr:`rejected_updates`)."""
+        """What the coordinator's screening made of a stored update: aggregated, or rejected with the reason (the
+        last :data:`_SEEN_TASKS` kept in :attr:`rejected_updates`). It settles the update too, should its first
+        ack have been lost: the round is over, sending it again would only be refused."""
+        self.uplink.on_ack(ack.task_id, ack.reason if ack.verdict == "rejected" else None)
         if ack.verdict == "rejected":
-            self.rejected_updates[ack.task_id] = ack.reason or ""
+            with self._lock:
+                self.rejected_updates[ack.task_id] = ack.reason or ""
+                while len(self.rejected_updates) > _SEEN_TASKS:
+                    self.rejected_updates.popitem(last=False)
             self.log.warning("update_rejected_by_coordinator", task=ack.task_id, round=ack.round, reason=ack.reason)
         else:
             self.log.info("update_aggregated", task=ack.task_id, round=ack.round)

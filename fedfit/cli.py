@@ -48,10 +48,22 @@ def _user_errors(command: str) -> tuple[type[BaseException], ...]:
     return (*USER_ERRORS, CheckpointError, NoAgentsError)
 
 
+class _Version(argparse.Action):
+    """``--version``: asks git for the revision only when it is used."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(version_string())
+        parser.exit()
+
+
 def _parser(light: bool = False) -> argparse.ArgumentParser:
     """The command line; ``light``: only the commands of :data:`LIGHT_COMMANDS` (the rest import torch)."""
     parser = argparse.ArgumentParser(prog="fedfit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=version_string())
+    parser.add_argument("-V", "--version", action=_Version, help="print FedFit's version (and git revision) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     agent = sub.add_parser("agent", help="run an edge agent daemon")
@@ -258,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(version_string())
         return 0
     args = _parser(light=bool(arguments) and arguments[0] in LIGHT_COMMANDS).parse_args(arguments)
+    args.argv = arguments  # the command line as given, for the run's report
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "compare": _run_compare,
                "plan": _run_plan, "broker": broker_command.run}
     try:

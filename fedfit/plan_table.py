@@ -70,12 +70,12 @@ def tier_cell(entry: dict[str, Any]) -> str:
 
 def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False) -> list[dict[str, Any]]:
     """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
-    and what each method would hand it (FedAvg at the smallest width the scenario's weakest devices can train,
+    and what each method would hand it (FedAvg at the widest width the scenario's weakest devices can train,
     unless ``fedavg.width`` is set, as ``fedfit compare`` runs it)."""
     from coordinator.planning import strategy_for
     from coordinator.strategies import ALGORITHM_NAMES
     from coordinator.strategies.base import base_plan
-    from fedfit.sim.budgets import BudgetAnchor, scenario_tiers, smallest_width
+    from fedfit.sim.budgets import BudgetAnchor, scenario_tiers, width_for_all
     from models import get_family
 
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
@@ -84,7 +84,7 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
     for name in ALGORITHM_NAMES:
         method = replace(config, algorithm=name)
         if name == "fedavg" and not fedavg_width_set:
-            width = smallest_width(scenario) or min(config.levels)
+            width = width_for_all(scenario, anchor, config.levels)
             method = replace(method, fedavg=replace(config.fedavg, width=width))
         strategies[name] = strategy_for(method, dataset, family)
     rows = []

@@ -16,7 +16,7 @@ from typing import Any
 from common.config import ConfigError
 from common.data import DATASET_NAMES
 from common.logs import configure_logging
-from fedfit.sim.budgets import BUDGET_SCENARIOS, scenario_tiers, smallest_width
+from fedfit.sim.budgets import BUDGET_SCENARIOS, scenario_tiers
 
 
 @dataclass(frozen=True)
@@ -162,10 +162,26 @@ def _load(args: argparse.Namespace, load: Loader) -> tuple[dict[str, Any], Any]:
 
 
 def _logging(args: argparse.Namespace, run_dir: Path) -> None:
+    """The daemons' JSON logs go to ``--log-file`` or the run's ``daemons.log``."""
     path = Path(args.log_file) if args.log_file else run_dir / "daemons.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
     configure_logging("info", stream)
+
+
+def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any]) -> Any:
+    """Everything a run can refuse at its start, checked before its directory is made; returns the dataset."""
+    from common.data import load_dataset, parse_partition
+    from protocol import validate_name
+
+    parse_partition(values["partition"])
+    validate_name(values["federation"], "--federation")
+    if values["budget_variance"] < 0:
+        raise ValueError(f"--budget-variance must be non-negative, got {values['budget_variance']}")
+    if values["state_dir"] is not None and _present(mapping, ("state_dir",)) and base.resume:
+        raise ValueError(f"the configuration's state_dir {values['state_dir']} belongs to a coordinator that resumes "
+                         f"(resume: true): give the simulation its own --run-dir")
+    return load_dataset(values["dataset"], base.data.root)
 
 
 def _options(values: dict[str, Any], args: argparse.Namespace, base: Any, given: list[str], **changes: Any) -> Any:
@@ -173,7 +189,7 @@ def _options(values: dict[str, Any], args: argparse.Namespace, base: Any, given:
 
     options = SimOptions(**values, broker=args.broker, secure_broker=not args.insecure_broker, base=base,
                          overrides=[*given, *(f"--set {item}" for item in args.overrides)],
-                         command=["fedfit", *sys.argv[1:]])
+                         command=["fedfit", *getattr(args, "argv", sys.argv[1:])])
     return replace(options, **changes)
 
 
@@ -191,6 +207,7 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
 
     mapping, base = _load(args, load)
     values, given = resolve(args, mapping, base)
+    _checked(values, base, mapping)
     options = _options(values, args, base, given)
     run_dir = prepare_run_dir(options)
     _logging(args, run_dir)
@@ -201,8 +218,22 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
     if args.report:
         write_report(outcome.report, args.report)
         print(f"report written to {args.report}")
-    print(f"results in {run_dir}: report.json, metrics.csv, summary.txt, accuracy.png, traffic.png")
+    written = [name for name in ("report.json", "metrics.csv", "summary.txt", "accuracy.png", "traffic.png")
+               if (run_dir / name).exists()]
+    print(f"results in {run_dir}: {', '.join(written)}")
     return 0
+
+
+def _fedavg_width(values: dict[str, Any], base: Any, dataset: Any) -> float:
+    """FedAvg's width in a comparison: the widest every device of the scenario can train (its smallest tier)."""
+    from coordinator.strategies.base import base_plan
+    from fedfit.sim.budgets import BudgetAnchor, width_for_all
+    from models import get_family
+
+    family = get_family(values["model"], dataset.num_classes, dataset.in_channels, **base.model.options)
+    anchor = BudgetAnchor.estimate(family, base_plan(base.recipe), input_size=dataset.image_size,
+                                   allocator=values["allocator"])
+    return width_for_all(values["budgets"], anchor, base.levels)
 
 
 def run_compare(args: argparse.Namespace, load: Loader) -> int:
@@ -230,18 +261,29 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
             raise ConfigError(f"--algorithms names one more than once: {args.algorithms}")
         mapping, base = _load(args, load)
         values, given = resolve(args, mapping, base)
+        dataset = _checked({**values, "state_dir": None}, base, mapping)
+        fedavg_base = base
+        if "fedavg" in algorithms and not _present(mapping, ("fedavg", "width")):
+            # FedAvg at the widest width every device can train: FeDepth's and HeteroFL's baseline.
+            fedavg_base = replace(base, fedavg=replace(base.fedavg, width=_fedavg_width(values, base, dataset)))
         out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
-        _logging(args, out)
         reports = []
         for name in algorithms:
-            run_base = base
-            if name == "fedavg" and not _present(mapping, ("fedavg", "width")):
-                # FedAvg at the smallest width every device can train: FeDepth's and HeteroFL's baseline.
-                width = smallest_width(values["budgets"]) or min(base.levels)
-                run_base = replace(base, fedavg=replace(base.fedavg, width=width))
-            options = _options({**values, "algorithm": name, "state_dir": str(out / name)}, args, run_base, given)
-            print(f"{name}: running in {out / name}", file=sys.stderr, flush=True)
-            reports.append(run_simulation(options, label=name).report)
+            run_dir = claim_run_dir(out / name)
+            if not args.log_file:
+                _logging(args, run_dir)
+            elif not reports:
+                _logging(args, out)
+            options = _options({**values, "algorithm": name, "state_dir": str(run_dir)}, args,
+                               fedavg_base if name == "fedavg" else base, given)
+            print(f"{name}: running in {run_dir}", file=sys.stderr, flush=True)
+            try:
+                reports.append(run_simulation(options, label=name, run_dir=run_dir).report)
+            except Exception:
+                if reports:  # what finished is compared: a failure late in a long comparison keeps the rest
+                    write_comparison(reports, out)
+                    print(f"{name} failed; the comparison of the runs before it is in {out}", file=sys.stderr)
+                raise
     paths = write_comparison(reports, out)
     print(paths["txt"].read_text(encoding="utf-8").rstrip())
     print(f"comparison in {out}: comparison.txt, comparison.png, comparison.html, comparison.json")

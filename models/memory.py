@@ -142,8 +142,8 @@ from models.conv_workspace import convolution_workspace
 from models.depthwise import SegmentModel
 from models.family import ModelFamily
 from models.spec import SubmodelSpec
-from models.training import backward_step, stages
-from protocol.plan import LossTerm, Stage, TrainingPlan
+from models.training import backward_step, micro_batch_size, stages
+from protocol.plan import LossTerm, TrainingPlan
 
 __all__ = [
     "CPU_ALLOCATORS",
@@ -528,15 +528,12 @@ def estimate_plan_memory(
     spec = family.validate_spec(spec)
     slots = 1 if plan.optimizer.momentum > 0 else 0
 
-    def batch_of(stage: Stage) -> int:
-        return stage.micro_batch if 2 <= stage.micro_batch < plan.batch_size else plan.batch_size
-
     estimates = [
-        estimate_training_memory(family, spec, batch_size=batch_of(stage), input_size=input_size,
-                                 optimizer_slots=slots, device=device, allocator=allocator, loss=plan.loss,
-                                 segment=segment, route=stage.route, copies=plan.copies,
+        estimate_training_memory(family, spec, batch_size=micro_batch_size(stage, plan.batch_size),
+                                 input_size=input_size, optimizer_slots=slots, device=device, allocator=allocator,
+                                 loss=plan.loss, segment=segment, route=stage.route, copies=plan.copies,
                                  cache_samples=samples if stage.cache else 0,
-                                 accumulate=batch_of(stage) < plan.batch_size)
+                                 accumulate=micro_batch_size(stage, plan.batch_size) < plan.batch_size)
         for segment, stage in stages(spec, plan)
     ]
     return max(estimates, key=lambda e: e.total)

@@ -158,16 +158,21 @@ def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
     return total
 
 
+def micro_batch_size(stage: Stage, batch_size: int) -> int:
+    """The micro-batch a stage runs in: its ``micro_batch`` when that is at least 2 and below ``batch_size``,
+    else the whole batch (the estimator traces the same)."""
+    return stage.micro_batch if 2 <= stage.micro_batch < batch_size else batch_size
+
+
 def micro_batches(batch: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
     """``batch`` (sample indices) split evenly into micro-batches of at most ``micro_batch`` samples (0, or not
-    below the batch: the batch itself); a trailing single sample joins the one before (batch normalisation needs
-    two), which only ``micro_batch`` 2 can leave."""
+    below the batch: the batch itself). None is larger than ``micro_batch``; a trailing single sample, which only
+    ``micro_batch`` 2 with an odd batch leaves, is left out of the step (batch normalisation needs two samples),
+    as :func:`train` leaves out a last batch of one."""
     if micro_batch < 2 or len(batch) <= micro_batch:
         return [batch]
     chunks = list(torch.tensor_split(batch, math.ceil(len(batch) / micro_batch)))
-    if len(chunks[-1]) < 2:
-        chunks[-2:] = [torch.cat(chunks[-2:])]
-    return chunks
+    return chunks[:-1] if len(chunks[-1]) < 2 else chunks
 
 
 def stages(spec: SubmodelSpec, plan: TrainingPlan) -> list[tuple[tuple[int, int] | None, Stage]]:
@@ -233,7 +238,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
         try:
             if cached:
                 assert segment is not None
-                inputs_of = frozen_outputs(model, segment[0], x, stage.micro_batch or plan.batch_size, device)
+                inputs_of = frozen_outputs(model, segment[0], x, micro_batch_size(stage, plan.batch_size), device)
             # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
             groups = [[p for p in m.parameters() if p.requires_grad] for m in (model, *copies)]
             params = [p for group in groups for p in group]
@@ -246,21 +251,24 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     if len(batch) < 2:
                         continue  # a last batch of one sample: batch-statistics BN cannot normalise it
                     optimizer.zero_grad(set_to_none=True)
-                    loss = torch.zeros(())
-                    for part in micro_batches(batch, stage.micro_batch):
-                        share = len(part) / len(batch)
+                    parts = micro_batches(batch, micro_batch_size(stage, plan.batch_size))
+                    used = sum(len(part) for part in parts)
+                    loss: torch.Tensor | None = None
+                    for part in parts:
+                        share = len(part) / used
                         inputs, targets = inputs_of[part].to(device), y[part].to(device)
-                        loss = loss + backward_step(net, inputs, targets, plan.loss, mask, copies,
-                                                    scale=share).cpu() * share
+                        step = backward_step(net, inputs, targets, plan.loss, mask, copies, scale=share) * share
+                        loss = step if loss is None else loss + step
                         del inputs, targets
+                    assert loss is not None
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {steps}")
                     if settings.clip_norm is not None:
                         for group in groups:
                             nn.utils.clip_grad_norm_(group, settings.clip_norm)
                     optimizer.step()
-                    total_loss += loss.item() / plan.copies * len(batch)
-                    seen += len(batch)
+                    total_loss += loss.item() / plan.copies * used
+                    seen += used
                     steps += 1
         finally:
             # The stage's gradients and optimizer state go with it: the next stage freezes these parameters.

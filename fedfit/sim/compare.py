@@ -30,7 +30,7 @@ PAPER_BASELINES = {
     "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
 }
 #: Settings that must agree for runs to be on the same fleet.
-FLEET_KEYS = ("agents", "dataset", "partition", "model", "seed", "budgets", "allocator")
+FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "allocator")
 
 
 def method_name(report: dict[str, Any]) -> str:
@@ -60,6 +60,8 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         summary = report.get("summary", {})
         final = report["rounds"][-1] if report["rounds"] else {"level_accuracy": {}, "exit_accuracy": {}}
         tasks = summary.get("tasks", {})
+        untrained = [name for name in final["level_accuracy"] if name not in final.get("trained_levels", [name])]
+        untrained += [name for name in final["exit_accuracy"] if name not in final.get("trained_exits", [name])]
         rows.append({
             "method": method_name(report),
             "global": summary.get("final_global_accuracy"),
@@ -67,6 +69,7 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "level_average": summary.get("final_level_average"),
             "levels": dict(sorted(final["level_accuracy"].items())),
             "exits": dict(final["exit_accuracy"]),
+            "untrained": untrained,
             "trained": summary.get("trained", 0),
             "declined": tasks.get("declined", 0) + tasks.get("skipped", 0),
             "failed": tasks.get("failed", 0) + tasks.get("missing", 0),
@@ -87,8 +90,10 @@ def _accuracy(value: float | None) -> str:
 
 
 def _outputs(row: dict[str, Any]) -> str:
-    parts = [f"{name} {value:.3f}" for name, value in row["levels"].items()]
-    parts += [f"{name} {value:.3f}" for name, value in row["exits"].items()]
+    """Each level's and exit's accuracy at the end, ``*`` where no device trained it itself in the last round."""
+    marked = set(row.get("untrained", ()))
+    parts = [f"{name} {value:.3f}" + ("*" if name in marked else "")
+             for name, value in (*row["levels"].items(), *row["exits"].items())]
     return " ".join(parts) or "-"
 
 
@@ -111,6 +116,8 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
              for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
+    if any(row.get("untrained") for row in rows):
+        lines.append("* no device trained that level (or exit) itself in the last round")
     lines += [f"{row['method']}: its paper compares with {row['paper_baselines']}" for row in rows
               if row["paper_baselines"]]
     return "\n".join(lines)
@@ -118,9 +125,10 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def _heading(reports: Sequence[dict[str, Any]]) -> str:
     settings = reports[0].get("settings", {})
+    rounds = len(reports[0]["rounds"])
     return (f"{settings.get('agents', '?')} agents | {settings.get('dataset', '?')} {settings.get('partition', '')} | "
             f"{settings.get('model', '?')} | budgets {settings.get('budgets', '?')} | seed {settings.get('seed', '?')} "
-            f"| {len(reports[0]['rounds'])} rounds")
+            f"| {rounds} round{'' if rounds == 1 else 's'}")
 
 
 def comparison_html(reports: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], png: Path) -> str:

@@ -8,11 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure  # drawn by Agg on save, without pyplot: nothing global changes
 
 _DPI = 110
 
@@ -51,16 +48,17 @@ def plot_run(report: dict[str, Any], directory: Path) -> list[Path]:
     settings = report.get("settings", {})
     title = (f"{report['algorithm']} | {settings.get('model', '?')} | {settings.get('dataset', '?')} "
              f"{settings.get('partition', '')} | budgets {settings.get('budgets', '?')}")
-    figure, ax = plt.subplots(figsize=(7, 4.5))
+    figure = Figure(figsize=(7, 4.5))
+    ax = figure.subplots()
     accuracy_axes(ax, report, title + "\n(hollow: no device trained that level itself in that round)")
     figure.tight_layout()
     accuracy = directory / "accuracy.png"
     figure.savefig(accuracy, dpi=_DPI)
-    plt.close(figure)
 
     rounds = report["rounds"]
     numbers = [r["round"] for r in rounds]
-    figure, ax = plt.subplots(figsize=(7, 3.5))
+    figure = Figure(figsize=(7, 3.5))
+    ax = figure.subplots()
     down = [r["bytes_down"] / 1e6 for r in rounds]
     ax.bar(numbers, down, label="down (tasks)")
     ax.bar(numbers, [r["bytes_up"] / 1e6 for r in rounds], bottom=down, label="up (updates)")
@@ -72,7 +70,6 @@ def plot_run(report: dict[str, Any], directory: Path) -> list[Path]:
     figure.tight_layout()
     traffic = directory / "traffic.png"
     figure.savefig(traffic, dpi=_DPI)
-    plt.close(figure)
     return [accuracy, traffic]
 
 
@@ -80,7 +77,7 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
     """The runs side by side in one PNG: global accuracy per round of every run, its mean over levels, and its
     bytes per round; below, each run's own accuracy plot."""
     rows = 1 + -(-len(reports) // 3)
-    figure = plt.figure(figsize=(15.6, 3.8 * rows))
+    figure = Figure(figsize=(15.6, 3.8 * rows))
     grid = figure.add_gridspec(rows, 3)
     overview = [figure.add_subplot(grid[0, i]) for i in range(3)]
     for report, name in zip(reports, names):
@@ -103,5 +100,4 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
         accuracy_axes(figure.add_subplot(grid[1 + index // 3, index % 3]), report, name)
     figure.tight_layout()
     figure.savefig(path, dpi=_DPI)
-    plt.close(figure)
     return path

@@ -4,6 +4,7 @@ at the end."""
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,23 @@ def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: 
     }
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as None (standard JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    return value
+
+
 def write_report(report: dict[str, Any], path: str | Path) -> None:
-    """Write the report as JSON (creating the parent folder)."""
+    """Write the report as standard JSON (a non-finite number as null), creating the parent folder."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    target.write_text(json.dumps(_json_safe(report), indent=2, sort_keys=False, allow_nan=False) + "\n",
+                      encoding="utf-8")
 
 
 def read_report(path: str | Path) -> dict[str, Any]:

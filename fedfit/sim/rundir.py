@@ -44,16 +44,22 @@ def new_run_dir(root: str | Path, label: str, now: float | None = None) -> Path:
 
 
 def claim_run_dir(path: str | Path) -> Path:
-    """``path`` as a run's directory: created, or empty of any earlier run; ValueError (one sentence) when it
-    holds one already."""
+    """``path`` as a run's (or comparison's) directory: created, or an empty one; ValueError (one sentence) when it
+    holds anything (an earlier run, a comparison, an interrupted run's calibrations) or cannot be made."""
     target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{target} is a file, not a directory: give another --run-dir")
-    found = [name for name in RUN_MARKERS if (target / name).exists()]
-    if found:
-        raise ValueError(f"{target} holds a run already ({', '.join(found)}): give another --run-dir, or leave it "
-                         f"out for a new directory under runs/")
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        if target.exists() and not target.is_dir():
+            raise ValueError(f"{target} is a file, not a directory: give another --run-dir")
+        if target.is_dir():
+            found = sorted(entry.name for entry in target.iterdir())
+            if found:
+                what = "a run" if any(name in found for name in RUN_MARKERS) else "files"
+                raise ValueError(f"{target} holds {what} already ({', '.join(found[:4])}"
+                                 f"{', ...' if len(found) > 4 else ''}): give a new or empty directory, or leave it "
+                                 f"out for a new one under runs/")
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot use {target} for a run: {exc.strerror or exc}") from None
     return target
 
 
@@ -67,8 +73,9 @@ def metrics_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"round": r["round"], "global_accuracy": r["global_accuracy"]}
         row.update({f"level_{name}": r["level_accuracy"].get(name, "") for name in levels})
         row.update({name: r["exit_accuracy"].get(name, "") for name in exits})
-        untrained = [name for name in levels if name in r["level_accuracy"] and name not in r.get("trained_levels", [])]
-        untrained += [name for name in exits if name in r["exit_accuracy"] and name not in r.get("trained_exits", [])]
+        trained = set(r.get("trained_levels", levels)) | set(r.get("trained_exits", exits))
+        untrained = [name for name in (*levels, *exits)
+                     if name in {**r["level_accuracy"], **r["exit_accuracy"]} and name not in trained]
         row.update({"untrained": " ".join(untrained), "participants": r["participants"],
                     "selected": r.get("selected", r["participants"]), "bytes_down": r["bytes_down"],
                     "bytes_up": r["bytes_up"], "seconds": r["seconds"]})
@@ -103,7 +110,8 @@ def summary_text(report: dict[str, Any]) -> str:
                      f"{summary['best_global_accuracy']:.4f} (round {summary['best_round']}); mean over levels at the "
                      f"end {summary['final_level_average']:.4f}")
         tasks = summary["tasks"]
-        lines.append("tasks: " + ", ".join(f"{tasks[status]} {status}" for status in STATUSES if tasks.get(status))
+        lines.append("tasks: " + (", ".join(f"{tasks[status]} {status}" for status in STATUSES if tasks.get(status))
+                                  or "none")
                      + f"; {summary['over_budget']} peaked over their budget"
                      + (f"; {summary['micro_batched']} trained in micro-batches" if summary.get("micro_batched") else "")
                      + (f"; {summary['partial']} partial" if summary.get("partial") else ""))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from common.config import ConfigError, from_mapping
@@ -152,3 +154,15 @@ def test_scalefl_validate(kwargs, match):
         ScaleFLConfig(**kwargs).validate()
     with pytest.raises(ValueError, match=match.replace(".", r"\.")):
         CoordinatorConfig(scalefl=ScaleFLConfig(**kwargs)).validate()
+
+
+@pytest.mark.parametrize(("recipe", "said"), [
+    ({"lr": 0.0}, "recipe.lr must be positive"), ({"momentum": 1.0}, "recipe.momentum in [0, 1)"),
+    ({"weight_decay": -1.0}, "weight_decay"), ({"clip_norm": 0.0}, "recipe.clip_norm must be positive or null"),
+    ({"batch_size": 1}, "recipe.batch_size at least 2"), ({"epochs": 0}, "recipe.epochs must be at least 1"),
+])  # fmt: skip
+def test_a_recipe_no_agent_could_run_is_one_sentence(recipe: dict, said: str) -> None:
+    from coordinator.config import CoordinatorConfig, RecipeConfig
+
+    with pytest.raises(ValueError, match=re.escape(said)):
+        CoordinatorConfig(recipe=RecipeConfig(**recipe)).validate()

@@ -262,7 +262,8 @@ def test_collect_sorts_updates_into_results_and_outcomes(scalefl: Coordinator) -
     for update in offers:
         assert collector.offer(update, 100) == "accepted"
     records: dict[str, TaskRecord] = {}
-    results, outcomes = scalefl._collect(collector, records)
+    results, outcomes, verdicts = scalefl._collect(collector, records)
+    assert verdicts == {"adapted": None, "ok": None}  # screening is off here: both aggregated
     assert [(r.task.agent_id, r.spec) for r in results] == [("adapted", spec["2"]), ("ok", spec["3"])]
     by_agent = {o.task.agent_id: o for o in outcomes}
     assert set(by_agent) == {"ok", "adapted", "wide", "declined", "failed"}  # "silent" is the round's business

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from coordinator.config import ScreeningConfig
-from coordinator.screening import change_of, plan_steps, screen
+from coordinator.screening import change_of, momentum_reach, plan_steps, screen
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec, get_family, train
 from protocol import Adaptation, Candidate, OptimizerSettings, TrainingPlan
 
 SENT = {"w": torch.ones(4, 4), "b": torch.zeros(4)}  # norm 4
-PLAN = TrainingPlan(optimizer=OptimizerSettings(lr=0.01, momentum=0.9, weight_decay=0.0, clip_norm=1.0), epochs=1,
-                    batch_size=10)  # 10 samples: one step, reach 0.01 / 0.1 = 0.1 = the bound (no weight decay)
+PLAN = TrainingPlan(optimizer=OptimizerSettings(lr=0.1, momentum=0.0, weight_decay=0.0, clip_norm=1.0), epochs=1,
+                    batch_size=10)  # 10 samples: one step, reach 0.1 = the bound (no momentum, no weight decay)
+LOOSE = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.0, clip_norm=1.0), batch_size=10)
 
 
 def result(agent: str, delta: float, *, spec: SubmodelSpec | None = None, samples: int = 10,
@@ -35,17 +36,29 @@ def names(results: list[TaskResult]) -> list[str]:
     return [r.task.agent_id for r in results]
 
 
+def test_momentum_builds_up_from_nothing_in_every_stage() -> None:
+    assert momentum_reach(5, 0.0) == 5.0
+    assert momentum_reach(1, 0.9) == pytest.approx(1.0)  # the first step: the gradient alone
+    assert momentum_reach(2, 0.9) == pytest.approx(1.0 + 1.9)
+    assert momentum_reach(3, 0.9) == pytest.approx(1.0 + 1.9 + 2.71)
+    assert momentum_reach(1000, 0.9) < 1000 / (1 - 0.9)  # never the full 1 / (1 - beta) from the start
+
+
 def test_change_reach_and_bound_by_hand() -> None:
-    change = change_of({"w": SENT["w"] + 0.01, "b": SENT["b"]}, SENT, PLAN, steps=3)
+    change = change_of({"w": SENT["w"] + 0.01, "b": SENT["b"]}, SENT, PLAN, [3])
     assert change.norm == pytest.approx(0.04) and change.steps == 3
-    assert change.reach == pytest.approx(0.3) and change.bound == pytest.approx(0.3)  # lr T / (1 - beta) * clip
+    assert change.reach == pytest.approx(0.3) and change.bound == pytest.approx(0.3)  # lr R clip
     assert change.score == pytest.approx(0.04 / 0.3)
-    decayed = TrainingPlan(optimizer=OptimizerSettings(lr=0.01, momentum=0.9, weight_decay=0.5, clip_norm=1.0))
+    assert change_of(SENT, SENT, PLAN, [2, 1]).reach == pytest.approx(0.3)  # stages add up
+    with_momentum = TrainingPlan(optimizer=OptimizerSettings(lr=0.1, momentum=0.9, weight_decay=0.0, clip_norm=1.0))
+    assert change_of(SENT, SENT, with_momentum, [2]).reach == pytest.approx(0.1 * 2.9)
+    decayed = TrainingPlan(optimizer=OptimizerSettings(lr=0.1, momentum=0.0, weight_decay=0.5, clip_norm=1.0))
     # B = reach (clip + wd (|sent| + B)) with reach 0.3: B = 0.3 (1 + 0.5 * 4) / (1 - 0.15)
-    assert change_of(SENT, SENT, decayed, steps=3).bound == pytest.approx(0.3 * 3 / 0.85)
+    assert change_of(SENT, SENT, decayed, [3]).bound == pytest.approx(0.3 * 3 / 0.85)
     unclipped = TrainingPlan(optimizer=OptimizerSettings(clip_norm=None))
-    assert change_of(SENT, SENT, unclipped, steps=3).bound is None
-    assert math.isnan(change_of({"w": SENT["w"] * math.nan}, SENT, PLAN, steps=1).norm)
+    assert change_of(SENT, SENT, unclipped, [3]).bound is None
+    broken = change_of({"w": SENT["w"] * math.nan}, SENT, PLAN, [1])
+    assert math.isnan(broken.norm) and broken.as_dict()["norm"] is None  # standard JSON: no NaN
 
 
 def test_plan_steps_count_every_batch_of_every_epoch() -> None:
@@ -69,9 +82,9 @@ def test_no_real_training_run_moves_its_weights_beyond_the_bound(spec: SubmodelS
     keys = family.trainable_keys(spec)
     trained = {key: model.state_dict()[key] for key in keys}
     stages = len(spec.segments) if spec.segments else 1
-    steps = plan_steps(plan.epochs * stages, plan.batch_size, len(x))
-    assert run.steps <= steps
-    change = change_of(trained, {key: sent[key] for key in keys}, plan, steps)
+    steps = plan_steps(plan.epochs, plan.batch_size, len(x))
+    assert run.steps <= steps * stages
+    change = change_of(trained, {key: sent[key] for key in keys}, plan, [steps] * stages)
     assert change.bound is not None and 0 < change.norm <= change.bound
 
 
@@ -83,7 +96,7 @@ def test_the_forged_update_of_the_fault_benchmark_exceeds_the_plan_reach() -> No
     [(bad, reason)] = rejected
     assert bad is forged
     assert reason == ("update rejected: its change (norm 204) is 2040.0 times the most its training plan can move "
-                      "the weights (0.1: 1 steps at lr 0.01, momentum 0.9, gradients clipped to 1)")
+                      "the weights (0.1: 1 steps at lr 0.1, momentum 0, gradients clipped to 1)")
 
 
 def test_alone_the_bound_still_applies() -> None:
@@ -107,7 +120,7 @@ def test_a_stage_per_segment_and_the_adaptation_candidates_count() -> None:
 
 
 def test_like_with_like_the_median_of_the_same_spec_is_the_yardstick() -> None:
-    loose = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.9, clip_norm=1.0), batch_size=10)
+    loose = LOOSE
     thin = SubmodelSpec.uniform(0.25)
     results = [result("f1", 0.001, plan=loose), result("f2", 0.0012, plan=loose), result("f3", 0.0011, plan=loose),
                # a thin slice moves much further than the full models: not their outlier, it has no peer
@@ -118,12 +131,22 @@ def test_like_with_like_the_median_of_the_same_spec_is_the_yardstick() -> None:
     assert names(kept) == ["f1", "f2", "f3", "t1"]
     [(bad, reason)] = rejected
     assert bad.task.agent_id == "f4"
-    assert reason.startswith("update rejected: its change per step (0.008) is 18.2 times the median of the round's "
-                             "3 other updates of width=1 (0.00044), above screening.max_ratio 10")
+    assert reason.startswith("update rejected: its change per step (0.08) is 18.2 times the median of the round's "
+                             "3 other updates of width=1 (0.0044), above screening.max_ratio 10")
+
+
+def test_an_update_beyond_its_reach_is_no_yardstick_for_the_others() -> None:
+    # Blunt forgeries (beyond the reach) and a moderate one: were the blunt ones in the median, it would sit
+    # between them and the honest, and the moderate one would pass.
+    results = [result("h1", 0.001, plan=LOOSE), result("h2", 0.0012, plan=LOOSE), result("blunt1", 10.0, plan=LOOSE),
+               result("blunt2", 11.0, plan=LOOSE), result("sly", 0.05, plan=LOOSE)]
+    kept, rejected, _ = screen(results, sent_of, ScreeningConfig(max_ratio=10))
+    assert names(kept) == ["h1", "h2"]
+    assert [r.task.agent_id for r, _ in rejected] == ["blunt1", "blunt2", "sly"]
 
 
 def test_too_few_peers_no_comparison() -> None:
-    loose = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.9, clip_norm=1.0), batch_size=10)
+    loose = LOOSE
     pair = [result("a", 0.001, plan=loose), result("b", 0.05, plan=loose)]
     assert screen(pair, sent_of, ScreeningConfig())[1] == []  # one peer each: min_peers is 2
     assert names(screen(pair, sent_of, ScreeningConfig(min_peers=1))[0]) == ["a"]
@@ -131,7 +154,7 @@ def test_too_few_peers_no_comparison() -> None:
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_update_is_rejected_and_does_not_count_for_the_others(value: float) -> None:
-    loose = TrainingPlan(optimizer=OptimizerSettings(lr=1.0, momentum=0.9, clip_norm=1.0), batch_size=10)
+    loose = LOOSE
     results = [result("a", 0.001, plan=loose), result("bad", value, plan=loose), result("b", 0.0012, plan=loose)]
     kept, rejected, _ = screen(results, sent_of, ScreeningConfig(min_peers=1))
     assert names(kept) == ["a", "b"]

@@ -33,15 +33,20 @@ def test_new_run_dirs_never_collide(tmp_path: Path) -> None:
     assert first.name.endswith("-heterofl") and second.name == first.name + "-2"
 
 
-def test_a_directory_holding_a_run_is_refused(tmp_path: Path) -> None:
+def test_a_directory_holding_anything_is_refused(tmp_path: Path) -> None:
     assert claim_run_dir(tmp_path / "fresh").is_dir()
     assert claim_run_dir(tmp_path / "fresh") == tmp_path / "fresh"  # empty: fine
     (tmp_path / "fresh" / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="holds a run already \\(metrics.jsonl\\): give another --run-dir"):
+    with pytest.raises(ValueError, match="holds a run already \\(metrics.jsonl\\): give a new or empty"):
         claim_run_dir(tmp_path / "fresh")
+    (tmp_path / "interrupted" / "agents").mkdir(parents=True)  # calibrations of a run stopped early
+    with pytest.raises(ValueError, match="holds files already \\(agents\\)"):
+        claim_run_dir(tmp_path / "interrupted")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a directory"):
         claim_run_dir(tmp_path / "file")
+    with pytest.raises(ValueError, match="cannot use .*file/sub for a run"):
+        claim_run_dir(tmp_path / "file" / "sub")
 
 
 def test_outputs_of_a_run(tmp_path: Path) -> None:
