@@ -28,8 +28,9 @@ def add_parser(sub: Any) -> None:
                       help="a host name or address the devices connect to, named in the broker's certificate "
                            "(repeatable; default: localhost and 127.0.0.1)")
     init.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TLS listener port (default {DEFAULT_PORT})")
-    init.add_argument("--bind", default=None, metavar="ADDRESS", help="listen on this address only")
-    init.add_argument("--coordinator", default="coordinator", help="the coordinator's username")
+    init.add_argument("--bind", default=None, metavar="ADDRESS",
+                      help="listen on this address only (default: every address)")
+    init.add_argument("--coordinator", default="coordinator", help="the coordinator's username (default: coordinator)")
     init.add_argument("--no-persistence", action="store_true", help="keep no retained messages across restarts")
     init.add_argument("--user", default=None,
                       help="the user mosquitto switches to when started as root (default: its own, mosquitto); "

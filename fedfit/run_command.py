@@ -18,6 +18,9 @@ from common.data import DATASET_NAMES
 from common.logs import configure_logging
 from fedfit.sim.budgets import BUDGET_SCENARIOS, scenario_tiers
 
+#: Reads ``--config`` with ``--set``: the mapping they give (what they set) and the validated coordinator config.
+Loader = Callable[[str | None, Sequence[str]], tuple[dict[str, Any], Any]]
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -151,9 +154,6 @@ def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> t
         else:
             values[name] = setting.default
     return values, given
-
-
-Loader = Callable[[str | None, Sequence[str]], tuple[dict[str, Any], Any]]
 
 
 def _load(args: argparse.Namespace, load: Loader) -> tuple[dict[str, Any], Any]:
