@@ -156,9 +156,20 @@ def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> t
     return values, given
 
 
+#: A simulation's round deadline unless the configuration sets ``round_timeout_s``: its agents take turns on this
+#: machine's cores (``--workers`` at a time), so a round lasts as long as the fleet's training one after another
+#: (an hour or more for PreResNet-20 on Fashion-MNIST on two cores), far beyond a real fleet's 600 s. Below the
+#: agents' own ``limits.max_deadline_s`` (6 h).
+SIM_ROUND_TIMEOUT_S = 4 * 3600.0
+
+
 def _load(args: argparse.Namespace, load: Loader) -> tuple[dict[str, Any], Any]:
-    """The mapping ``--config`` and ``--set`` give (what they set) and the coordinator configuration."""
-    return load(args.config, args.overrides)
+    """The mapping ``--config`` and ``--set`` give (what they set) and the coordinator configuration, with a
+    simulation's round deadline where they set none."""
+    mapping, config = load(args.config, args.overrides)
+    if not _present(mapping, ("round_timeout_s",)):
+        config = replace(config, round_timeout_s=SIM_ROUND_TIMEOUT_S)
+    return mapping, config
 
 
 def _logging(args: argparse.Namespace, run_dir: Path) -> None:

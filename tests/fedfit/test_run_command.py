@@ -87,3 +87,13 @@ def test_compare_reads_runs_that_are_not_there(capsys: pytest.CaptureFixture[str
     code = main(["compare", str(tmp_path / "nothing"), "--out", str(tmp_path / "cmp")])
     err = capsys.readouterr().err
     assert code == 2 and "does not exist: give a run directory" in err
+
+
+def test_a_simulation_waits_for_its_fleet_training_one_device_after_another(tmp_path: Path) -> None:
+    from fedfit.run_command import SIM_ROUND_TIMEOUT_S, _load
+
+    args = parse()
+    assert _load(args, _coordinator_settings)[1].round_timeout_s == SIM_ROUND_TIMEOUT_S > 600
+    config = tmp_path / "c.yaml"
+    config.write_text("round_timeout_s: 90\n")
+    assert _load(parse("--config", str(config)), _coordinator_settings)[1].round_timeout_s == 90
