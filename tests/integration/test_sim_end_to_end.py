@@ -154,8 +154,9 @@ def test_fedepth_depth_wise_partial_and_mutual_copies_end_to_end(mosquitto_insta
         assert "in micro-batches of 8" in task["reason"]  # even the smallest micro-batch was tried
     for task in by_tier["0.7 of full"]:
         assert task["status"] == "adapted" and task["reason"].startswith("trained depth-wise, blocks "), task
-        segments = task["spec_trained"].partition("segments=")[2].split(",")
-        assert segments and [int(s.split(":")[0]) for s in segments][0] == 0  # no block skipped here
+        segments = [tuple(map(int, part.split(":"))) for part in task["spec_trained"].partition("segments=")[2].split(",")]
+        bounds = [bound for segment in segments for bound in segment]
+        assert bounds[0] == 0 and bounds[-1] == 3 and bounds[1:-1:2] == bounds[2:-1:2], task  # every block, in order
         assert len(task["stage_peak_bytes"]) == len(segments) and task["peak_bytes"] == max(task["stage_peak_bytes"])
         # Two epochs a stage: the reason says whether each later stage buffers its frozen blocks' outputs or runs
         # them every batch.
