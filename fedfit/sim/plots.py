@@ -89,10 +89,12 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
                          "-o", markersize=4, label=name)
         overview[2].plot(numbers, [(r["bytes_down"] + r["bytes_up"]) / 1e6 for r in rounds], "-o", markersize=4,
                          label=name)
+    rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
     for ax, title, unit in zip(overview, ("global model", "mean over levels", "traffic"),
                                ("test accuracy", "test accuracy", "MB per round")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")
+        ax.set_xticks(rounds)
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
