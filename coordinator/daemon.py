@@ -364,12 +364,12 @@ class Coordinator:
         trained_levels, trained_exits = self._trained(results)
         if results:
             self.states = self.strategy.aggregate(round_number, results, self.states)
-        self._send_verdicts(collector, verdicts)  # only now: an update said aggregated is
         self.strategy.observe(round_number, outcomes)
         accuracies = self._evaluate()
         self.completed_rounds = round_number
         self._checkpoint()
         self.journal.clear()  # the checkpoint holds the round now
+        self._send_verdicts(collector, verdicts)  # only now: an update said aggregated is, for good
         global_outputs = accuracies.pop("global")
         result = RoundResult(
             round=round_number,
@@ -468,8 +468,11 @@ class Coordinator:
         """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
         task_ids = {update.agent_id: task_id for task_id, update in collector.updates.items()}
         for agent, reason in sorted(verdicts.items()):
-            self.link.publish(self.topics.agent_ack(agent), encode(Ack(
-                task_ids[agent], collector.round, agent, reason, "rejected" if reason else "aggregated")))
+            try:  # best effort: the round is stored already, and the device's uplink settled at the first ack
+                self.link.publish(self.topics.agent_ack(agent), encode(Ack(
+                    task_ids[agent], collector.round, agent, reason, "rejected" if reason else "aggregated")))
+            except Exception as exc:  # noqa: BLE001 - one device's verdict never ends the round
+                self.log.warning("verdict_not_sent", agent=agent, round=collector.round, error=str(exc))
 
     def _trained(self, results: Sequence[TaskResult]) -> tuple[list[str], list[int]]:
         """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the

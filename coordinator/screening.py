@@ -12,13 +12,17 @@ construction:
    stage starts a fresh optimizer, so its momentum builds up from nothing) and ``W`` bounding the weights' norm
    (``|sent| + B``, solved for ``B``). The steps count the batches of every stage the device trained (its
    samples, the plan's epochs and batch size; micro-batches accumulate into one step), under the most permissive
-   plan its task allowed. An update whose change exceeds ``B`` is rejected whatever the rest of the round did.
-   Without ``clip_norm`` there is no such bound and only rule 2 applies.
-2. **Like with like.** The change divided by the plan's reach ``lr R`` (the mean effective gradient norm: steps,
-   learning rate and momentum taken out) is compared with the median of the other updates of the same trained
-   spec in the round that passed rule 1; one above ``max_ratio`` times that median is rejected. Updates of other
-   specs (another width, depth, exit or segment) are never the yardstick, and the rule needs at least
-   ``min_peers`` of them.
+   plan its task allowed. An update whose change exceeds ``B`` (by more than :data:`REACH_TOLERANCE`: a single
+   clipped step without weight decay uses its whole reach, and float32 rounding lands it a few parts per million
+   above) is rejected whatever the rest of the round did. Without ``clip_norm`` there is no such bound and only
+   rule 2 applies.
+2. **Like with like.** An update is compared with the other updates of the same trained spec in the round that
+   passed rule 1, on two figures: its change, and its change divided by the plan's reach ``lr R`` (the mean
+   effective gradient norm: steps, learning rate and momentum taken out). It is rejected only when both exceed
+   ``max_ratio`` times the peers' medians: the change per step alone would make a device with little data an
+   outlier (an honest change grows more slowly than its steps: 24 samples scored 15 times 800 samples' figure at
+   15 epochs), the change alone a device with much data. Updates of other specs (another width, depth, exit or
+   segment) are never the yardstick, and the rule needs at least ``min_peers`` of them.
 
 What this does not protect against: an update inside its plan's reach and under the ratio (a poisoned direction
 of ordinary size: a backdoor, flipped labels), several colluding devices (they move the median), a device that
@@ -39,7 +43,10 @@ from coordinator.config import ScreeningConfig
 from coordinator.strategies.base import TaskResult
 from protocol import TrainingPlan
 
-__all__ = ["Change", "change_of", "change_of_result", "momentum_reach", "plan_steps", "screen"]
+__all__ = ["REACH_TOLERANCE", "Change", "change_of", "change_of_result", "momentum_reach", "plan_steps", "screen"]
+
+#: How far above the plan's reach a change may measure before rule 1 rejects it (relative): rounding only.
+REACH_TOLERANCE = 1e-3
 
 
 def _norm(tensors: Mapping[str, torch.Tensor], minus: Mapping[str, torch.Tensor] | None = None) -> float:
@@ -149,7 +156,7 @@ def _beyond_reach(result: TaskResult, change: Change) -> str | None:
     """Rule 1: why no honest run of the plan makes this update (non-finite, or beyond the plan's reach)."""
     if not math.isfinite(change.norm):
         return "update rejected: its weights are not finite"
-    if change.bound is not None and change.norm > change.bound:
+    if change.bound is not None and change.norm > change.bound * (1 + REACH_TOLERANCE):
         optimizer = result.task.plan.optimizer
         return (f"update rejected: its change (norm {change.norm:.3g}) is {change.norm / change.bound:.1f} times "
                 f"the most its training plan can move the weights ({change.bound:.3g}: {change.steps} steps at lr "
@@ -162,13 +169,16 @@ def _outlier(index: int, results: Sequence[TaskResult], changes: Sequence[Change
     """Rule 2: why update ``index`` is an outlier among the other updates of its trained spec that passed rule 1."""
     change = changes[index]
     spec = results[index].spec
-    peers = [changes[j].score for j, result in enumerate(results)
+    peers = [changes[j] for j, result in enumerate(results)
              if j != index and result.spec == spec and first[j] is None]
     if len(peers) < config.min_peers:
         return None
-    median = statistics.median(peers)
-    if median > 0 and change.score > config.max_ratio * median:
-        return (f"update rejected: its change per step ({change.score:.3g}) is {change.score / median:.1f} times "
-                f"the median of the round's {len(peers)} other updates of {spec.describe()} ({median:.3g}), above "
+    per_step = statistics.median(peer.score for peer in peers)
+    total = statistics.median(peer.norm for peer in peers)
+    if per_step > 0 and total > 0 and change.score > config.max_ratio * per_step and \
+            change.norm > config.max_ratio * total:
+        return (f"update rejected: its change per step ({change.score:.3g}) is {change.score / per_step:.1f} times "
+                f"and its change ({change.norm:.3g}) {change.norm / total:.1f} times the medians of the round's "
+                f"{len(peers)} other updates of {spec.describe()} ({per_step:.3g}, {total:.3g}), both above "
                 f"screening.max_ratio {config.max_ratio:g}")
     return None

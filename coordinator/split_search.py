@@ -69,13 +69,15 @@ def search_split(
     ----------
     cost:
         ``cost(blocks, s_w)``: cost of the model cut after ``blocks`` blocks at width ``s_w``. Unless
-        ``exhaustive``, it must not decrease as the width grows at a fixed depth (parameters, FLOPs and training
-        memory do not, by construction: every tensor of the same graph grows with its channels); nothing is
-        assumed across depths (the training memory of a cut model with its exit need not grow with the depth:
-        an exit after a high-resolution block can cost more than a deeper one). Every depth is visited, the
-        depths nearest the one where the balanced diagonal ``s_w = s_d`` meets the target first, and at each
-        the feasible widths are found by bisection within the window that could still beat the best split so
-        far. The result is the one an exhaustive grid search finds.
+        ``exhaustive``, it is expected not to decrease as the width grows at a fixed depth (parameters, FLOPs and
+        training memory do not, by construction: every tensor of the same graph grows with its channels);
+        nothing is assumed across depths (the training memory of a cut model with its exit need not grow with
+        the depth: an exit after a high-resolution block can cost more than a deeper one). Every depth is
+        visited, the depths nearest the one where the balanced diagonal ``s_w = s_d`` meets the target first,
+        and at each the feasible widths are found by bisection within the window that could still beat the best
+        split so far; a depth where the widths bisection looked at show the cost falling is scanned whole. The
+        result is the one an exhaustive grid search finds (for a cost that falls between the widths bisection
+        looked at, ``exhaustive`` guarantees it).
     num_blocks:
         ``N``, the body blocks of the full model.
     full_cost, target, tolerance:
@@ -121,21 +123,25 @@ def search_split(
         first, last = depths[blocks][0], depths[blocks][-1]
         reach = len(grid) if best is None else round(best[0][0] / step)
         lo, hi = max(0, first - reach), min(len(grid) - 1, last + reach)
-        if exhaustive:
-            feasible = [i for i in range(lo, hi + 1) if low <= at(blocks, i) <= high]
-        else:
+        scan = exhaustive or at(blocks, lo) > at(blocks, hi)
+        if not scan:
             if at(blocks, lo) > high or at(blocks, hi) < low:
                 return
             start = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) >= low)
             stop = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) > high) - 1
             feasible = list(range(start, stop + 1))
+            # The widths bisection looked at must rise with the width; a fall means the cost is not monotone here
+            # (another CPU's blocking, say): this depth is scanned whole, its cached values reused.
+            scan = not _rising([value for (b, _), value in sorted(values.items()) if b == blocks])
+        if scan:
+            feasible = [i for i in range(lo, hi + 1) if low <= at(blocks, i) <= high]
         if not feasible:
             return
         for s_d in depths[blocks]:
-            nearest = min(feasible, key=lambda i: (abs(i - s_d), -i)) if exhaustive else min(
+            nearest = min(feasible, key=lambda i: (abs(i - s_d), -i)) if scan else min(
                 max(s_d, feasible[0]), feasible[-1])
             candidates = [nearest]
-            if exhaustive:  # equally balanced widths on both sides: the one nearer the goal wins below
+            if scan:  # equally balanced widths on both sides: the one nearer the goal wins below
                 candidates += [i for i in feasible if abs(i - s_d) == abs(nearest - s_d) and i != nearest]
             for index in candidates:
                 value = at(blocks, index)
@@ -152,6 +158,11 @@ def search_split(
         raise NoSplitError(f"no split on the {step:g} grid has a cost within {tolerance:.0%} of {target:g} of the "
                            f"global model's")
     return best[1]
+
+
+def _rising(values: Sequence[float]) -> bool:
+    """Whether ``values`` never decrease."""
+    return all(a <= b for a, b in zip(values, values[1:]))
 
 
 def _bisect(count: int, reached: Callable[[int], bool]) -> int:

@@ -34,7 +34,7 @@ from fedfit.version import version_string
 # command needs the coordinator: see _user_errors).
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, AgentIdInUse, TorchUnavailable, BrokerSetupError,
-    PkiError, ValueError, FileNotFoundError)
+    PkiError, ValueError, OSError)
 #: Commands that need neither the coordinator nor the models (nor, with them, torch).
 LIGHT_COMMANDS = ("agent", "broker")
 

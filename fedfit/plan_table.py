@@ -3,6 +3,7 @@ saying what every method would hand it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -40,7 +41,8 @@ def _cell(key: str, value: Any) -> str:
 
 def _align(table: list[list[str]], left: Sequence[int]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
              for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -56,13 +58,25 @@ def format_plan(rows: Sequence[dict[str, Any]]) -> str:
     return _align(table, left=(1,))
 
 
+def _fractions(text: str) -> str:
+    """``width=0.166667`` (a spec's six digits) as ``width=1/6``: widths as the scenarios write them."""
+    def simpler(match: re.Match[str]) -> str:
+        value = float(match.group(1))
+        for denominator in (2, 3, 4, 6, 8, 16):
+            if 0 < value < 1 and abs(value * denominator - round(value * denominator)) < 1e-4:
+                return f"width={round(value * denominator)}/{denominator}"
+        return match.group(0)
+
+    return re.sub(r"width=([0-9.]+)", simpler, text)
+
+
 def tier_cell(entry: dict[str, Any]) -> str:
     """What one method hands a tier, in a few words (``plan_for_budget``'s answer)."""
-    parts = [str(entry.get("trains", "-"))]
+    parts = [_fractions(str(entry.get("trains", "-")))]
     if "segments" in entry:
         parts.append(entry["segments"])
     elif entry.get("spec") and entry.get("spec") != entry.get("trains"):
-        parts.append(f"({entry['spec']})")
+        parts.append(f"({_fractions(entry['spec'])})")
     if entry.get("fits") is False:
         parts.append("[does not fit]")
     return " ".join(parts)

@@ -54,7 +54,7 @@ def budgets_type(text: str) -> str:
     try:
         scenario_tiers(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--budgets ")) from None
     return text
 
 
@@ -180,19 +180,47 @@ def _logging(args: argparse.Namespace, run_dir: Path) -> None:
     configure_logging("info", stream)
 
 
-def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any]) -> Any:
-    """Everything a run can refuse at its start, checked before its directory is made; returns the dataset."""
-    from common.data import load_dataset, parse_partition
+def _writable_file(flag: str, value: str | None) -> None:
+    """A file the run will write (``--log-file``, ``--report``) refused now rather than after the run."""
+    if not value:
+        return
+    path = Path(value)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {value} is a directory: give a file name")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{flag} {value} cannot be written: {parent} is a file, not a directory")
+
+
+def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: argparse.Namespace,
+             algorithms: Sequence[str]) -> Any:
+    """Everything a run can refuse at its start, checked before its directory is made: the settings, the files it
+    will write, the partition of this dataset among the agents and, for each of ``algorithms``, the coordinator's
+    configuration, model and strategy. Returns the dataset."""
+    from common.data import load_dataset, parse_partition, partition_indices
+    from coordinator.planning import model_family, strategy_for
     from protocol import validate_name
 
-    parse_partition(values["partition"])
+    if min(values["agents"], values["rounds"], values["workers"]) < 1:
+        raise ValueError("--agents, --rounds and --workers must be at least 1")
+    spec = parse_partition(values["partition"])
     validate_name(values["federation"], "--federation")
     if values["budget_variance"] < 0:
         raise ValueError(f"--budget-variance must be non-negative, got {values['budget_variance']}")
     if values["state_dir"] is not None and _present(mapping, ("state_dir",)) and base.resume:
         raise ValueError(f"the configuration's state_dir {values['state_dir']} belongs to a coordinator that resumes "
                          f"(resume: true): give the simulation its own --run-dir")
-    return load_dataset(values["dataset"], base.data.root)
+    _writable_file("--log-file", args.log_file)
+    _writable_file("--report", getattr(args, "report", None))
+    dataset = load_dataset(values["dataset"], base.data.root)
+    partition_indices(dataset.y_train, values["agents"], spec, values["seed"])
+    for algorithm in algorithms:
+        config = replace(base, algorithm=algorithm, model=replace(base.model, family=values["model"]),
+                         data=replace(base.data, dataset=values["dataset"]), rounds=values["rounds"],
+                         seed=values["seed"])
+        config.validate()
+        strategy_for(config, dataset, model_family(config, dataset))
+    return dataset
 
 
 def _options(values: dict[str, Any], args: argparse.Namespace, base: Any, given: list[str], **changes: Any) -> Any:
@@ -218,7 +246,7 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
 
     mapping, base = _load(args, load)
     values, given = resolve(args, mapping, base)
-    _checked(values, base, mapping)
+    _checked(values, base, mapping, args, [values["algorithm"]])
     options = _options(values, args, base, given)
     run_dir = prepare_run_dir(options)
     _logging(args, run_dir)
@@ -266,13 +294,15 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
         from coordinator.strategies import check_algorithm
 
         algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+        if not algorithms:
+            raise ConfigError(f"--algorithms names no algorithm: {args.algorithms!r}")
         for name in algorithms:
             check_algorithm(name)
         if len(set(algorithms)) != len(algorithms):
             raise ConfigError(f"--algorithms names one more than once: {args.algorithms}")
         mapping, base = _load(args, load)
         values, given = resolve(args, mapping, base)
-        dataset = _checked({**values, "state_dir": None}, base, mapping)
+        dataset = _checked({**values, "state_dir": None}, base, mapping, args, algorithms)
         fedavg_base = base
         if "fedavg" in algorithms and not _present(mapping, ("fedavg", "width")):
             # FedAvg at the widest width every device can train: FeDepth's and HeteroFL's baseline.
@@ -290,7 +320,7 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
             print(f"{name}: running in {run_dir}", file=sys.stderr, flush=True)
             try:
                 reports.append(run_simulation(options, label=name, run_dir=run_dir).report)
-            except Exception:
+            except BaseException:  # Ctrl-C too: the runs that finished are compared
                 if reports:  # what finished is compared: a failure late in a long comparison keeps the rest
                     write_comparison(reports, out)
                     print(f"{name} failed; the comparison of the runs before it is in {out}", file=sys.stderr)

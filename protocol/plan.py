@@ -126,7 +126,7 @@ class Stage:
     the agent sets it when that fits.
 
     ``micro_batch``: when above 1 and below the plan's batch size, every batch is split evenly into micro-batches
-    of at most this many samples (a trailing single sample joins the one before), each run forward and backward
+    of at most this many samples (a trailing single sample is left out), each run forward and backward
     with its loss scaled by its share of the batch, the gradients accumulated, and one optimizer step per batch:
     the gradient of the whole batch (but batch normalisation sees each micro-batch's statistics), at the memory
     of a micro-batch. 0: whole batches. The agent sets it for blocks that do not fit at the batch size.

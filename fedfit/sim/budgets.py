@@ -12,8 +12,10 @@ Two kinds of tier:
   can train the r-width model of the family (uniform width r, plain cross-entropy, the recipe's batch size) and
   no more, as FeDepth defines its tiers. Its budget is the estimate of that training with the agent's initial
   calibration margin and the runtime's fixed overhead included, exactly what the agent's own check asks for, so
-  the device admits that model. r = 1 admits the full model; r > 1 holds r times the full model's training
-  memory (its model-dependent part, with the margin): room for m-FeDepth's copies.
+  the device admits that model (with plain cross-entropy or HeteroFL's masked one, whichever the estimate finds
+  dearer: they differ by a few KB of logits at most). r = 1 admits the full model the same way; r > 1 holds r
+  times the full model's training memory (its model-dependent part, with the margin): room for m-FeDepth's
+  copies.
 - **Share tiers** (``uniform``, ``tiers``, ``tiers-fluctuating``, ``fractions:A,B,...``): the fixed overhead plus a
   share of the full model's model-dependent training memory as estimated (no margin): ``uniform`` 110% for all;
   ``tiers`` weak / medium / strong, 40 / 30 / 30% of the fleet, with 35 / 60 / 110% (FlexFL's setting);
@@ -21,10 +23,9 @@ Two kinds of tier:
   points (FlexFL: sigma^2 in {5, 8, 10}; the coordinator learns the new figure from the device's next status, so
   the device adapts at task time); ``fractions:A,B,...`` one equal share of the fleet per fraction.
 
-Every budget is rounded up to a whole number of :data:`BUDGET_GRANULE` (64 KiB). A measured CPU peak moves by about
-0.3 MB between identical runs, so a budget finer than that means nothing; what the rounding buys is that a method
-whose task differs from the anchor's by a buffer of logits (HeteroFL's masked cross-entropy: a few KB) trains what
-its tier names, while the next width up, megabytes away, still does not fit.
+Every budget is rounded up to a whole number of :data:`BUDGET_GRANULE` (64 KiB): a measured CPU peak moves by about
+0.3 MB between identical runs, so a budget finer than that means nothing, while the next width up, megabytes away,
+still does not fit.
 
 Real memory has parts that do not shrink with width (the input batch, the classifier's rows, page-sized blocks),
 so the r-width model needs more than r times the full model's memory: a width tier is not the fraction r.
@@ -72,8 +73,10 @@ UNIFORM_TIER = Tier("uniform", 1.0, percent=110.0)
 @dataclass(frozen=True)
 class BudgetAnchor:
     """What budgets are measured against (bytes): the runtime's fixed ``overhead``, the model-dependent part of
-    the full model's estimated training memory (``full_bytes``), the agents' initial calibration ``margin``, and
-    ``width_bytes(r)``, the model-dependent part for the r-width model."""
+    the full model's estimated training memory with plain cross-entropy (``full_bytes``, the share tiers' 100%),
+    the agents' initial calibration ``margin``, and ``width_bytes(r)``, the model-dependent part for training the
+    r-width model with plain or masked cross-entropy, whichever needs more (a width tier trains its width with
+    either; they differ by a few KB of logits)."""
 
     overhead: int
     full_bytes: int
@@ -87,23 +90,28 @@ class BudgetAnchor:
         cross-entropy, one copy, no stages) on ``input_size`` images under ``allocator``."""
         from models import SubmodelSpec, estimate_plan_memory
 
-        plan = replace(plan, loss=(LossTerm.ce(),), copies=1, schedule=())
+        plain = replace(plan, loss=(LossTerm.ce(),), copies=1, schedule=())
+        masked = replace(plain, loss=(LossTerm.ce(masked=True),))
 
-        def variable(spec: SubmodelSpec) -> tuple[int, int]:
-            estimate = estimate_plan_memory(family, spec, plan, input_size=input_size, allocator=allocator)
+        def variable(spec: SubmodelSpec, loss_plan: TrainingPlan) -> tuple[int, int]:
+            estimate = estimate_plan_memory(family, spec, loss_plan, input_size=input_size, allocator=allocator)
             return estimate.overhead, estimate.total - estimate.overhead
 
-        overhead, full = variable(SubmodelSpec.full())
-        return cls(overhead, full, lambda width: variable(SubmodelSpec.uniform(width))[1], margin)
+        def width_bytes(width: float) -> int:  # the r-width model with either loss a plain model trains with
+            spec = SubmodelSpec.uniform(width)
+            return max(variable(spec, plain)[1], variable(spec, masked)[1])
+
+        overhead, full = variable(SubmodelSpec.full(), plain)
+        return cls(overhead, full, width_bytes, margin)
 
     def tier_bytes(self, tier: Tier, shortfall: float = 0.0) -> int:
         """The budget of a device of ``tier``, in whole :data:`BUDGET_GRANULE`; ``shortfall``: percentage points
         it lacks this round (share tiers only)."""
         if tier.width is not None:
-            if tier.width < 1:
+            if tier.width <= 1:
                 exact = corrected(self.overhead + self.width_bytes(tier.width), self.overhead, self.margin)
             else:
-                exact = self.overhead + int(tier.width * self.full_bytes * self.margin)
+                exact = self.overhead + int(tier.width * self.width_bytes(1.0) * self.margin)
         else:
             assert tier.percent is not None
             exact = self.overhead + max(1, int(self.full_bytes * (tier.percent - shortfall) / 100.0))

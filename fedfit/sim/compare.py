@@ -18,6 +18,7 @@ from typing import Any
 from fedfit.sim.budgets import fraction_name
 from fedfit.sim.plots import plot_comparison
 from fedfit.sim.progress import duration_text
+from fedfit.sim.report import level_average
 
 #: What each method's paper compares it with (the baselines FedFit runs are named as ``fedfit compare`` takes them).
 PAPER_BASELINES = {
@@ -30,7 +31,9 @@ PAPER_BASELINES = {
     "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
 }
 #: Settings that must agree for runs to be on the same fleet.
-FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "allocator")
+FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "budget_variance", "allocator")
+#: Parts of the resolved configuration that must agree too: they change the model and what a budget buys.
+FLEET_CONFIG_KEYS = (("model options", ("model", "options")), ("recipe", ("recipe",)))
 
 
 def method_name(report: dict[str, Any]) -> str:
@@ -50,6 +53,15 @@ def fleet_differences(reports: Sequence[dict[str, Any]]) -> list[str]:
         values = [str(report.get("settings", {}).get(key)) for report in reports]
         if len(set(values)) > 1:
             found.append(f"{key}: {' / '.join(values)}")
+    for label, path in FLEET_CONFIG_KEYS:
+        values = []
+        for report in reports:
+            value: Any = report.get("run", {}).get("config", {})
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            values.append(json.dumps(value, sort_keys=True))
+        if len(set(values)) > 1:
+            found.append(f"{label}: {' / '.join(values)}")
     return found
 
 
@@ -66,7 +78,7 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "method": method_name(report),
             "global": summary.get("final_global_accuracy"),
             "best_global": summary.get("best_global_accuracy"),
-            "level_average": summary.get("final_level_average"),
+            "level_average": level_average(final) if report["rounds"] else None,
             "levels": dict(sorted(final["level_accuracy"].items())),
             "exits": dict(final["exit_accuracy"]),
             "untrained": untrained,
@@ -75,6 +87,8 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "failed": tasks.get("failed", 0) + tasks.get("missing", 0),
             "rejected": tasks.get("rejected", 0),
             "over_budget": summary.get("over_budget", 0),
+            "rejected_by_agent": {agent: counts["rejected"] for agent, counts in report.get("agents", {}).items()
+                                  if counts.get("rejected")},
             "micro_batched": summary.get("micro_batched", 0),
             "partial": summary.get("partial", 0),
             "mb_per_round": (summary.get("bytes_per_round") or 0) / 1e6,
@@ -116,11 +130,26 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
              for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
-    if any(row.get("untrained") for row in rows):
-        lines.append("* no device trained that level (or exit) itself in the last round")
+    lines += footnotes(rows)
     lines += [f"{row['method']}: its paper compares with {row['paper_baselines']}" for row in rows
               if row["paper_baselines"]]
     return "\n".join(lines)
+
+
+def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What the table's marks and averages mean, and per method what its counts hide: tasks micro-batched or
+    partly trained, refusals per agent."""
+    notes = ["level avg: the mean over the levels some device trained itself in the last round"]
+    if any(row.get("untrained") for row in rows):
+        notes.append("* no device trained that level (or exit) itself in the last round")
+    for row in rows:
+        if row.get("micro_batched") or row.get("partial"):
+            notes.append(f"{row['method']}: {row['micro_batched']} of {row['trained']} trained tasks micro-batched, "
+                         f"{row['partial']} partly trained (blocks skipped)")
+        if row.get("rejected_by_agent"):
+            notes.append(f"{row['method']}: rejected per agent: "
+                         + ", ".join(f"{agent} {count}" for agent, count in row["rejected_by_agent"].items()))
+    return notes
 
 
 def _heading(reports: Sequence[dict[str, Any]]) -> str:
@@ -137,8 +166,9 @@ def comparison_html(reports: Sequence[dict[str, Any]], rows: Sequence[dict[str, 
     header = "".join(f"<th>{html.escape(name)}</th>" for name in _COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _cells(row)) + "</tr>"
                    for row in rows)
-    notes = "".join(f"<li><b>{html.escape(row['method'])}</b>: its paper compares with "
-                    f"{html.escape(row['paper_baselines'])}</li>" for row in rows if row["paper_baselines"])
+    notes = "".join(f"<li>{html.escape(note)}</li>" for note in footnotes(rows))
+    notes += "".join(f"<li><b>{html.escape(row['method'])}</b>: its paper compares with "
+                     f"{html.escape(row['paper_baselines'])}</li>" for row in rows if row["paper_baselines"])
     differences = fleet_differences(reports)
     warning = ("<p class='warn'>The runs are not on the same fleet: " + html.escape("; ".join(differences)) + "</p>"
                if differences else "")

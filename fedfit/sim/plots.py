@@ -11,6 +11,8 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # drawn by Agg on save, without pyplot: nothing global changes
 
+from fedfit.sim.report import level_average
+
 _DPI = 110
 
 
@@ -84,13 +86,11 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
         rounds = report["rounds"]
         numbers = [r["round"] for r in rounds]
         overview[0].plot(numbers, [r["global_accuracy"] for r in rounds], "-o", markersize=4, label=name)
-        overview[1].plot(numbers, [sum(r["level_accuracy"].values()) / len(r["level_accuracy"])
-                                   if r["level_accuracy"] else r["global_accuracy"] for r in rounds],
-                         "-o", markersize=4, label=name)
+        overview[1].plot(numbers, [level_average(r) for r in rounds], "-o", markersize=4, label=name)
         overview[2].plot(numbers, [(r["bytes_down"] + r["bytes_up"]) / 1e6 for r in rounds], "-o", markersize=4,
                          label=name)
     rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
-    for ax, title, unit in zip(overview, ("global model", "mean over levels", "traffic"),
+    for ax, title, unit in zip(overview, ("global model", "mean over the levels trained", "traffic"),
                                ("test accuracy", "test accuracy", "MB per round")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")

@@ -57,6 +57,8 @@ class ProgressPrinter:
         now = self.clock()
         if event.phase == "fleet":
             text = f"{self.label}fleet online {event.done}/{event.expected}"
+            if event.done >= event.expected and self.round_started is None:
+                self.round_started = now  # the first round (its planning and dispatch too) starts here
         else:
             if self.round_started is None:
                 self.round_started = now
@@ -73,7 +75,7 @@ class ProgressPrinter:
         exits, participation and time."""
         now = self.clock()
         self.durations.append(now - (self.round_started if self.round_started is not None else self.started))
-        self.round_started = None
+        self.round_started = now  # the next round's planning starts now
         levels = " ".join(f"{name}={acc:.3f}" + ("" if name in result.trained_levels else "*")
                           for name, acc in sorted(result.level_accuracy.items()))
         exits = " ".join(f"{name}={acc:.3f}" + ("" if name in result.trained_exits else "*")

@@ -48,22 +48,31 @@ def _round(r: RoundResult) -> dict[str, Any]:
     }
 
 
+def level_average(entry: dict[str, Any]) -> float:
+    """A round's mean accuracy over the levels some device trained itself in it (a level no tier can train is a
+    slice of the others' work, not the method's result); all levels when none is marked; the global accuracy when
+    the method has no levels."""
+    levels = entry["level_accuracy"]
+    trained = [value for name, value in levels.items() if name in entry.get("trained_levels", levels)]
+    values = trained or list(levels.values())
+    return sum(values) / len(values) if values else entry["global_accuracy"]
+
+
 def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
               wall_seconds: float | None = None) -> dict[str, Any]:
-    """The run in a few figures: final and best global accuracy, the final mean over levels, tasks by status,
-    tasks over budget, traffic and time."""
+    """The run in a few figures: final and best global accuracy, the final mean over the levels trained
+    (:func:`level_average`), tasks by status, tasks over budget, traffic and time."""
     if not rounds:
         return {"rounds": 0}
     final = rounds[-1]
     best = max(rounds, key=lambda r: r["global_accuracy"])
-    levels = final["level_accuracy"]
     statuses = Counter(task["status"] for task in tasks)
     return {
         "rounds": len(rounds),
         "final_global_accuracy": final["global_accuracy"],
         "best_global_accuracy": best["global_accuracy"],
         "best_round": best["round"],
-        "final_level_average": sum(levels.values()) / len(levels) if levels else final["global_accuracy"],
+        "final_level_average": level_average(final),
         "tasks": {status: statuses.get(status, 0) for status in STATUSES},
         "trained": statuses.get("ok", 0) + statuses.get("adapted", 0),
         "over_budget": sum(1 for task in tasks if task.get("over_budget")),

@@ -49,7 +49,7 @@ def claim_run_dir(path: str | Path) -> Path:
     target = Path(path)
     try:
         if target.exists() and not target.is_dir():
-            raise ValueError(f"{target} is a file, not a directory: give another --run-dir")
+            raise ValueError(f"{target} is a file, not a directory: give another directory")
         if target.is_dir():
             found = sorted(entry.name for entry in target.iterdir())
             if found:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.config import ScreeningConfig
-from coordinator.screening import change_of, momentum_reach, plan_steps, screen
+from coordinator.screening import REACH_TOLERANCE, change_of, momentum_reach, plan_steps, screen
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec, get_family, train
 from protocol import Adaptation, Candidate, OptimizerSettings, TrainingPlan
@@ -131,8 +131,9 @@ def test_like_with_like_the_median_of_the_same_spec_is_the_yardstick() -> None:
     assert names(kept) == ["f1", "f2", "f3", "t1"]
     [(bad, reason)] = rejected
     assert bad.task.agent_id == "f4"
-    assert reason.startswith("update rejected: its change per step (0.08) is 18.2 times the median of the round's "
-                             "3 other updates of width=1 (0.0044), above screening.max_ratio 10")
+    assert reason == ("update rejected: its change per step (0.08) is 18.2 times and its change (0.08) 18.2 times "
+                      "the medians of the round's 3 other updates of width=1 (0.0044, 0.0044), both above "
+                      "screening.max_ratio 10")
 
 
 def test_an_update_beyond_its_reach_is_no_yardstick_for_the_others() -> None:
@@ -176,3 +177,31 @@ def test_max_ratio_must_be_above_one(ratio: float) -> None:
 def test_min_peers_must_be_positive() -> None:
     with pytest.raises(ValueError, match="screening.min_peers must be at least 1"):
         ScreeningConfig(min_peers=0).validate()
+
+
+def test_a_device_with_little_data_is_not_an_outlier_among_those_with_much() -> None:
+    # 3 steps against 100: per step it moved far more (an honest change grows more slowly than its steps), in all
+    # it moved less. Only an update beyond both medians is an outlier.
+    many = [result(f"m{i}", 0.01 + 0.001 * i, plan=LOOSE, samples=1000) for i in range(3)]
+    few = result("few", 0.005, plan=LOOSE, samples=30)
+    kept, rejected, changes = screen([*many, few], sent_of, ScreeningConfig(max_ratio=10))
+    assert changes[3].score > 10 * changes[0].score  # the per-step figure alone would have rejected it
+    assert rejected == [] and names(kept) == ["m0", "m1", "m2", "few"]
+    big = result("big", 0.2, plan=LOOSE, samples=1000)  # 20 times the others' change, with as many steps
+    assert [r.task.agent_id for r, _ in screen([*many, big], sent_of, ScreeningConfig(max_ratio=10))[1]] == ["big"]
+
+
+def test_an_update_that_used_its_whole_reach_passes_despite_rounding() -> None:
+    # One clipped step without weight decay moves exactly lr * clip: float32 lands it a few parts per million
+    # above (seen: 1.0000018 to 1.0000034 times the bound).
+    sent = {"w": torch.randn(64, 64)}
+    step = torch.randn(64, 64)
+    step *= PLAN.optimizer.lr * PLAN.optimizer.clip_norm / step.norm()  # the clipped step: norm lr * clip
+    task = TaskPlan("a", "a", SubmodelSpec.full(), PLAN, "global")
+
+    def moved(factor: float) -> TaskResult:
+        return TaskResult(task, SubmodelSpec.full(), {"w": sent["w"] - factor * step}, {}, 10, [0])
+
+    assert change_of(moved(1.0).state, sent, PLAN, [1]).norm == pytest.approx(0.1, rel=1e-5)  # the bound
+    assert screen([moved(1 + 5e-6)], lambda _r: sent, ScreeningConfig())[1] == []
+    assert len(screen([moved(1 + 10 * REACH_TOLERANCE)], lambda _r: sent, ScreeningConfig())[1]) == 1

@@ -97,3 +97,30 @@ def test_a_simulation_waits_for_its_fleet_training_one_device_after_another(tmp_
     config = tmp_path / "c.yaml"
     config.write_text("round_timeout_s: 90\n")
     assert _load(parse("--config", str(config)), _coordinator_settings)[1].round_timeout_s == 90
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--partition", "shards:11"], "shard"),
+    (["--set", "model.options={bogus: 1}"], "unknown option 'bogus'"),
+    (["--log-file", "{tmp}"], "is a directory"),
+    (["--report", "{tmp}"], "is a directory"),
+    (["--algorithm", "scalefl", "--set", "scalefl.ratios=[0.5]"], "scalefl.ratios must increase"),
+])  # fmt: skip
+def test_a_run_refused_at_its_start_leaves_no_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        flags: list[str], said: str) -> None:
+    run_dir = tmp_path / "run"
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    code = main(["sim", "--dataset", "digits", "--agents", "2", "--run-dir", str(run_dir), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "Traceback" not in err
+    assert not run_dir.exists()
+
+
+def test_compare_refused_at_its_start_leaves_no_directory(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algorithms", ",", "--out", str(out)]) == 2
+    assert "names no algorithm" in capsys.readouterr().err and not out.exists()
+    assert main(["compare", "--algorithms", "heterofl", "--dataset", "digits", "--partition", "shards:11",
+                 "--out", str(out)]) == 2
+    assert not out.exists()

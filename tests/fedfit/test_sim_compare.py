@@ -73,3 +73,35 @@ def test_the_comparison_files(tmp_path: Path) -> None:
 def test_a_comparison_needs_a_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one run"):
         write_comparison([], tmp_path)
+
+
+def test_a_level_nobody_trained_is_marked_and_left_out_of_the_average(tmp_path: Path) -> None:
+    rounds = [RoundResult(round=1, global_accuracy=0.7, level_accuracy={"a": 0.7, "b": 0.6, "c": 0.1},
+                          participants=2, selected=2, bytes_down=1, bytes_up=1, seconds=1.0,
+                          tasks=[TaskRecord("sim-000", "a", "ok", "width=1"),
+                                 TaskRecord("sim-001", "b", "rejected", "width=0.5", reason="update rejected")],
+                          trained_levels=["a", "b"])]
+    report = build_report("heterofl", "mosquitto", "2", rounds, {"agents": 2}, run={"directory": "x"})
+    row = comparison_rows([report])[0]
+    assert row["untrained"] == ["c"]
+    assert row["level_average"] == pytest.approx((0.7 + 0.6) / 2)  # c is a slice of the others' work
+    assert row["rejected_by_agent"] == {"sim-001": 1}
+    paths = write_comparison([report], tmp_path)
+    text, page = paths["txt"].read_text(), paths["html"].read_text()
+    assert "c 0.100*" in text and "b 0.600 " in text
+    for document in (text, page):
+        assert "no device trained that level (or exit) itself in the last round" in document
+        assert "rejected per agent: sim-001 1" in document
+
+
+def test_runs_with_other_recipes_or_model_options_are_not_the_same_fleet() -> None:
+    def with_config(config: dict) -> dict:
+        report = run("heterofl", 0.5)
+        report["run"]["config"] = config
+        return report
+
+    same = {"recipe": {"batch_size": 32}, "model": {"options": {"hidden": [8, 16]}}}
+    assert fleet_differences([with_config(same), with_config(same)]) == []
+    other = {"recipe": {"batch_size": 16}, "model": {"options": {"hidden": [8, 16]}}}
+    assert fleet_differences([with_config(same), with_config(other)]) == [
+        'recipe: {"batch_size": 32} / {"batch_size": 16}']

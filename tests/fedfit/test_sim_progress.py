@@ -36,9 +36,9 @@ def test_a_log_gets_a_line_at_most_every_interval_and_one_per_round() -> None:
     clock, stream = Clock(), io.StringIO()
     printer = ProgressPrinter(stream, rounds=3, label="heterofl", clock=clock)
     printer(Progress("fleet", 1, 1, 2))
-    printer(Progress("fleet", 1, 2, 2))  # the whole fleet: always said
+    printer(Progress("fleet", 1, 2, 2))  # the whole fleet: always said; the first round's planning starts
     clock.now = 1.0
-    printer(Progress("round", 1, 0, 2))  # a round's start: always said
+    printer(Progress("round", 1, 0, 2))  # the round's tasks sent: always said
     clock.now = 2.0
     printer(Progress("round", 1, 1, 2))  # within the interval of the last line: not printed
     clock.now = 3.0 + LINE_INTERVAL_S
@@ -47,9 +47,9 @@ def test_a_log_gets_a_line_at_most_every_interval_and_one_per_round() -> None:
     printer.on_round(result(1))
     lines = stream.getvalue().splitlines()
     assert lines == ["heterofl: fleet online 1/2", "heterofl: fleet online 2/2",
-                     "heterofl: round 1/3: 0/2 updates, 0 s elapsed",
-                     "heterofl: round 1/3: 2/2 updates, 12 s elapsed",
-                     "heterofl: round 1/3: global 0.5000 [a=0.500 b=0.400*] agents 2/2 10.0s, about 40 s left"]
+                     "heterofl: round 1/3: 0/2 updates, 1 s elapsed",
+                     "heterofl: round 1/3: 2/2 updates, 13 s elapsed",
+                     "heterofl: round 1/3: global 0.5000 [a=0.500 b=0.400*] agents 2/2 10.0s, about 42 s left"]
 
 
 def test_the_estimate_of_time_left_comes_from_the_rounds_done() -> None:
@@ -59,11 +59,11 @@ def test_the_estimate_of_time_left_comes_from_the_rounds_done() -> None:
     assert printer.eta() is None  # no round done yet
     clock.now = 10.0
     printer.on_round(result(1))
-    clock.now = 12.0
+    clock.now = 12.0  # the second round started when the first ended: its planning counts
     printer(Progress("round", 2, 0, 1))
-    assert stream.getvalue().splitlines()[-1] == "round 2/4: 0/1 updates, 0 s elapsed, about 30 s left"
+    assert stream.getvalue().splitlines()[-1] == "round 2/4: 0/1 updates, 2 s elapsed, about 28 s left"
     clock.now = 15.0
-    assert printer.eta() == 3 * 10.0 - 3.0
+    assert printer.eta() == 3 * 10.0 - 5.0
 
 
 def test_a_terminal_line_is_rewritten_in_place() -> None:

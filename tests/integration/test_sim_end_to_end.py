@@ -62,6 +62,7 @@ def test_heterofl_fedavg_decoupled_complete_and_heterofl_sends_less(mosquitto_in
 
 def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_path: Path) -> None:
     outcome = simulate(tmp_path, "heterofl", partition="shards:2", agents=5, rounds=2)
+    assert outcome.report["settings"]["masked_ce"] is True  # HeteroFL's default (recipe.masked_ce unset)
     rounds = outcome.report["rounds"]
     assert len(rounds) == 2 and all(r["participants"] == 5 for r in rounds)
     assert 0.0 <= rounds[-1]["global_accuracy"] <= 1.0

@@ -453,3 +453,15 @@ def test_copies_add_their_parameters_gradients_and_state_but_not_their_activatio
         estimate_training_memory(family, SubmodelSpec(segments=((0, 1),)), batch_size=8, copies=2)
     with pytest.raises(ValueError, match="copies"):
         estimate_training_memory(family, batch_size=8, copies=0)
+
+
+@pytest.mark.parametrize("segment", [(0, 1), (3, 9)])
+def test_accumulated_micro_batches_count_their_gradients_once(segment: tuple[int, int]) -> None:
+    # The second micro-batch's pass runs beside the first one's gradients: they are the estimate's gradients, and
+    # its activations are the same pass's as a single micro-batch's (the first pass's loss, a scalar, aside).
+    family = get_family("preresnet20", 10, 1)
+    one = estimate_training_memory(family, batch_size=16, segment=segment)
+    two = estimate_training_memory(family, batch_size=16, segment=segment, accumulate=True)
+    assert two.gradients == one.gradients > 0
+    assert one.activations <= two.activations < one.activations + two.gradients
+    assert two.total >= one.total
