@@ -8,8 +8,9 @@ the two margins of the rules (``coordinator.screening``):
 
 - ``reach``: the largest ``|change| / bound`` of an update (rule 1 rejects above 1; by construction no honest run
   exceeds 1);
-- ``peers``: the largest change per step of an update over the median of the other updates of the same trained
-  spec in its round (rule 2 rejects above ``screening.max_ratio``, 10 by default), where it had enough peers.
+- ``peers``: the largest ratio rule 2 saw: of an update's change and of its change per step over the medians of
+  the other updates of the same trained spec in its round, the smaller (rule 2 rejects when both exceed
+  ``screening.max_ratio``, 10 by default), where it had enough peers.
 
 The last line is the false-positive rate over every run. The forged update of the fault benchmark (the sent weights
 times -50) is rejected by rule 1; ``tests/integration/test_forged_update.py`` checks it end to end.
@@ -38,15 +39,20 @@ def margins(report: dict[str, Any], min_peers: int) -> tuple[int, float, float]:
     screened = [task for task in report["tasks"] if task["screening"]]
     reach = max((task["screening"]["norm"] / task["screening"]["bound"] for task in screened
                  if task["screening"].get("bound")), default=0.0)
-    groups: dict[tuple[int, str], list[float]] = defaultdict(list)
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     for task in screened:
-        groups[(task["round"], task["spec_trained"] or "")].append(task["screening"]["per_step"])
+        figures = task["screening"]
+        groups[(task["round"], task["spec_trained"] or "")].append((figures["per_step"], figures["norm"]))
     peers = 0.0
-    for scores in groups.values():
-        for index, score in enumerate(scores):
-            others = scores[:index] + scores[index + 1:]
-            if len(others) >= min_peers and statistics.median(others) > 0:
-                peers = max(peers, score / statistics.median(others))
+    for updates in groups.values():
+        for index, (per_step, norm) in enumerate(updates):
+            others = updates[:index] + updates[index + 1:]
+            if len(others) < min_peers:
+                continue
+            step_median = statistics.median(other[0] for other in others)
+            norm_median = statistics.median(other[1] for other in others)
+            if step_median > 0 and norm_median > 0:
+                peers = max(peers, min(per_step / step_median, norm / norm_median))
     return len(screened), reach, peers
 
 
