@@ -288,6 +288,12 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
     if not args.runs and not args.algorithms:
         raise ConfigError("fedfit compare needs --algorithms A,B,... (to run them) or run directories (to read them)")
     if args.runs:
+        ignored = [setting.flag for name, setting in SETTINGS.items()
+                   if getattr(args, "run_dir" if name == "state_dir" else name, None) is not None]
+        ignored += ["--config"] * bool(args.config) + ["--set"] * bool(args.overrides)
+        if ignored:
+            raise ConfigError(f"fedfit compare reads finished runs as they are: {', '.join(ignored)} only apply to "
+                              f"runs it makes (--algorithms)")
         reports = [read_report(Path(run) / REPORT_FILE if Path(run).is_dir() else Path(run)) for run in args.runs]
         out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
     else:

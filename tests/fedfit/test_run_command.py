@@ -69,6 +69,7 @@ def test_version_without_torch(capsys: pytest.CaptureFixture[str]) -> None:
     (["sim", "--budgets", "fractions:1/0"], "needs positive numbers or p/q with q > 0"),
     (["compare"], "needs --algorithms"),
     (["compare", "runs/a", "--algorithms", "heterofl"], "either run directories or --algorithms"),
+    (["compare", "runs/a", "--rounds", "3", "--seed", "1"], "--rounds, --seed only apply to runs it makes"),
     (["compare", "--algorithms", "heterofl,nope"], "unknown algorithm 'nope'"),
     (["compare", "--algorithms", "heterofl,heterofl"], "names one more than once"),
 ])  # fmt: skip
