@@ -147,12 +147,17 @@ def test_start_brings_the_forkserver_up_with_torch_while_the_caller_has_none():
 
         if __name__ == "__main__":
             forkserver.start()
-            servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and "libtorch" not in open(f"/proc/{servers[0].pid}/maps").read():
+
+            def servers():  # a child between fork and exec still shows the caller's command line: wait for it
+                return [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+
+            def has_torch():
+                return bool(servers()) and "libtorch" in open(f"/proc/{servers()[0].pid}/maps").read()
+
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not has_torch():
                 time.sleep(0.2)
-            print(json.dumps([len(servers), "libtorch" in open(f"/proc/{servers[0].pid}/maps").read(),
-                              "torch" in sys.modules]))
+            print(json.dumps([len(servers()), has_torch(), "torch" in sys.modules]))
     """)
     assert json.loads(out) == [1, True, False]
 
