@@ -199,6 +199,7 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     configuration, model and strategy. Returns the dataset."""
     from common.data import load_dataset, parse_partition, partition_indices
     from coordinator.planning import model_family, strategy_for
+    from fedfit.sim.rundir import refuse_used_dir
     from protocol import validate_name
 
     if min(values["agents"], values["rounds"], values["workers"]) < 1:
@@ -210,6 +211,9 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     if values["state_dir"] is not None and _present(mapping, ("state_dir",)) and base.resume:
         raise ValueError(f"the configuration's state_dir {values['state_dir']} belongs to a coordinator that resumes "
                          f"(resume: true): give the simulation its own --run-dir")
+    for directory in (values["state_dir"], getattr(args, "out", None)):
+        if directory:  # before the slow checks: the cheapest refusal, and the one that keeps a finished run safe
+            refuse_used_dir(directory)
     _writable_file("--log-file", args.log_file)
     _writable_file("--report", getattr(args, "report", None))
     dataset = load_dataset(values["dataset"], base.data.root)

@@ -43,9 +43,10 @@ def new_run_dir(root: str | Path, label: str, now: float | None = None) -> Path:
             path = base.with_name(f"{base.name}-{number}")
 
 
-def claim_run_dir(path: str | Path) -> Path:
-    """``path`` as a run's (or comparison's) directory: created, or an empty one; ValueError (one sentence) when it
-    holds anything (an earlier run, a comparison, an interrupted run's calibrations) or cannot be made."""
+def refuse_used_dir(path: str | Path) -> None:
+    """ValueError (one sentence) when ``path`` cannot become a run's (or comparison's) directory: a file, or a
+    directory holding anything (an earlier run, a comparison, an interrupted run's calibrations). Creates nothing,
+    so a run checks it before its slower checks."""
     target = Path(path)
     try:
         if target.exists() and not target.is_dir():
@@ -57,6 +58,16 @@ def claim_run_dir(path: str | Path) -> Path:
                 raise ValueError(f"{target} holds {what} already ({', '.join(found[:4])}"
                                  f"{', ...' if len(found) > 4 else ''}): give a new or empty directory, or leave it "
                                  f"out for a new one under runs/")
+    except OSError as exc:
+        raise ValueError(f"cannot use {target} for a run: {exc.strerror or exc}") from None
+
+
+def claim_run_dir(path: str | Path) -> Path:
+    """``path`` as a run's (or comparison's) directory: created, or an empty one; ValueError (one sentence) as
+    :func:`refuse_used_dir`, or when it cannot be made."""
+    target = Path(path)
+    refuse_used_dir(target)
+    try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"cannot use {target} for a run: {exc.strerror or exc}") from None

@@ -125,3 +125,18 @@ def test_compare_refused_at_its_start_leaves_no_directory(capsys: pytest.Capture
     assert main(["compare", "--algorithms", "heterofl", "--dataset", "digits", "--partition", "shards:11",
                  "--out", str(out)]) == 2
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["sim", "compare"])
+def test_a_used_directory_is_refused_before_anything_slower(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                            command: str) -> None:
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "report.json").write_text("{}")
+    # ScaleFL cannot split this model at these ratios: the directory, checked first, is what is said.
+    flags = ["--algorithm" if command == "sim" else "--algorithms", "scalefl", "--dataset", "digits",
+             "--set", "scalefl.ratios=[0.001, 1.0]", "--run-dir" if command == "sim" else "--out", str(used)]
+    assert main([command, *flags]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run already (report.json)" in err and "split" not in err
+    assert sorted(p.name for p in used.iterdir()) == ["report.json"]

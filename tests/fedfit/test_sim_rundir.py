@@ -9,7 +9,8 @@ import pytest
 
 from coordinator.metrics import RoundResult, TaskRecord
 from fedfit.sim.report import build_report, read_report
-from fedfit.sim.rundir import claim_run_dir, metrics_rows, new_run_dir, summary_text, write_run_outputs
+from fedfit.sim.rundir import (claim_run_dir, metrics_rows, new_run_dir, refuse_used_dir, summary_text,
+                                 write_run_outputs)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -74,3 +75,12 @@ def test_metrics_rows_and_summary() -> None:
     assert "time: 2.0 s a round, 1 min 15 s in all" in text
     assert "refused or failed, per agent: sim-001 (-): 2 declined" in text
     assert "* no device trained this level" in text
+
+
+def test_a_used_directory_is_refused_without_making_anything(tmp_path: Path) -> None:
+    refuse_used_dir(tmp_path / "new" / "run")  # usable: nothing made yet
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "checkpoint.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds a run already"):
+        refuse_used_dir(tmp_path / "new")
