@@ -14,6 +14,7 @@ in Eq. 1: a lower level is nested in a higher one (and can serve as its fallback
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -162,7 +163,7 @@ def search_split(
 
 def _rising(values: Sequence[float]) -> bool:
     """Whether ``values`` never decrease."""
-    return all(a <= b for a, b in zip(values, values[1:]))
+    return all(a <= b for a, b in itertools.pairwise(values))
 
 
 def _bisect(count: int, reached: Callable[[int], bool]) -> int:

@@ -35,7 +35,10 @@ class AgentConfig:
     """Everything one edge agent needs.
 
     ``state_dir`` holds the calibration and the training children's scratch files (default: a temporary
-    directory; under systemd, ``$STATE_DIRECTORY``). ``torch_threads`` is what each training child uses.
+    directory; under systemd, ``$STATE_DIRECTORY``). ``torch_threads`` is what each training child uses
+    (default: the cores the agent may use, ``common.cores``: its CPU affinity capped by its cgroup's ``CPUQuota``;
+    a device trains one task at a time, so a Raspberry Pi 4 trains on its 4 cores, a Jetson on its CPU cores,
+    where on CUDA they only feed the GPU).
     ``allocator`` is how a CPU training child manages its heap (``edge_agent.allocator``): ``compact`` (peaks
     lower and predictable, steps slower) or glibc's ``default``. ``forkserver`` is when the training forkserver
     (the process that holds torch, ``edge_agent.forkserver``) starts: at the ``first-task`` (an idle agent stays

@@ -17,6 +17,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 from common import systemd_notify
+from common.cores import available_cores
 from common.logs import get_logger
 from common.mqtt_link import MqttLink, Will
 from edge_agent import forkserver
@@ -68,7 +69,7 @@ class EdgeAgent:
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
                                  state_dir=Path(state_dir) / self.agent_id if state_dir else None,
-                                 torch_threads=config.torch_threads or max(1, (os.cpu_count() or 1)),
+                                 torch_threads=config.torch_threads or available_cores(),
                                  allocator=config.allocator, limits=config.limits)
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import signal
@@ -40,6 +41,8 @@ CPU_PEAK_RESOLUTION_BYTES = 300_000
 CANCEL_POLL_S = 0.1
 
 _context: Any = None
+#: Held while this process starts a child or reads one's exit status (see :func:`_exit_code`).
+_STATUS_LOCK = threading.Lock()
 
 
 def process_context() -> Any:
@@ -103,11 +106,12 @@ class TorchUnavailable(RuntimeError):
 def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
               cancel: threading.Event | None = None) -> Exit:
     """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
-    or as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`)."""
+    or as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`). Safe to call from several threads."""
     module, _, function = entry.partition(":")
     process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
     try:
-        process.start()
+        with _STATUS_LOCK:  # start() polls the other children (multiprocessing's clean-up of finished ones)
+            process.start()
     except (EOFError, OSError):  # the server died importing PRELOAD (a broken torch, say)
         # (EOFError while it dies, ConnectionRefusedError once it is gone: which one is a matter of timing.)
         raise TorchUnavailable("the training forkserver could not start; it imports torch and the trainer, and "
@@ -115,15 +119,27 @@ def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int
     if on_start is not None:
         on_start(process.pid)
     deadline = time.monotonic() + timeout
-    while process.is_alive():
+    while (code := _exit_code(process)) is None:
         remaining = deadline - time.monotonic()
         cancelled = cancel is not None and cancel.is_set()
         if cancelled or remaining <= 0:
             process.kill()
-            process.join(10)
-            return Exit(process.exitcode, timed_out=not cancelled, cancelled=cancelled)
-        process.join(remaining if cancel is None else min(remaining, CANCEL_POLL_S))
-    return Exit(process.exitcode)
+            multiprocessing.connection.wait([process.sentinel], 10)
+            return Exit(_exit_code(process), timed_out=not cancelled, cancelled=cancelled)
+        # Waits until the child ends without reading its status (that is _exit_code's, under the lock).
+        multiprocessing.connection.wait([process.sentinel], remaining if cancel is None else min(remaining,
+                                                                                                 CANCEL_POLL_S))
+    return Exit(code)
+
+
+def _exit_code(process: Any) -> int | None:
+    """The child's exit code, None while it runs. A forkserver child's status is 8 bytes the server writes once
+    into a pipe; two threads polling at once (one in ``start()``'s clean-up of finished children, one waiting for
+    its own) could both see the pipe readable, and the one that found it empty set the exit code to 255: a
+    decision child that succeeded was reported failed (seen with two training processes at once in a
+    simulation). Every poll therefore holds :data:`_STATUS_LOCK`."""
+    with _STATUS_LOCK:
+        return process.exitcode
 
 
 def error_text(workdir: Path) -> str | None:

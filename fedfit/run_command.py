@@ -45,7 +45,7 @@ SETTINGS = {
     "budgets": Setting("--budgets", None, "tiers"),
     "budget_variance": Setting("--budget-variance", None, 10.0),
     "allocator": Setting("--allocator", None, "compact"),
-    "workers": Setting("--workers", None, 1),
+    "workers": Setting("--workers", None, None),
 }
 
 
@@ -111,7 +111,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
                         help="heap of the agents' training processes: compact (lower, predictable peaks; slower "
                              "steps) or glibc's default" + default("allocator"))
     parser.add_argument("--workers", type=_positive, default=None,
-                        help="training processes run at once across the fleet" + default("workers"))
+                        help="training processes run at once across the fleet, each with the cores divided among them "
+                             "(default: as many as this process may use cores: its CPU affinity, capped by its "
+                             "cgroup's quota)")
     parser.add_argument("--log-file", default=None,
                         help="write the daemons' JSON logs here (default: daemons.log in the run's directory)")
     if not compare:
@@ -202,7 +204,7 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     from fedfit.sim.rundir import refuse_used_dir
     from protocol import validate_name
 
-    if min(values["agents"], values["rounds"], values["workers"]) < 1:
+    if min(values["agents"], values["rounds"], values["workers"] or 1) < 1:
         raise ValueError("--agents, --rounds and --workers must be at least 1")
     spec = parse_partition(values["partition"])
     validate_name(values["federation"], "--federation")

@@ -6,7 +6,6 @@ small training pool. Nothing is short-circuited: tasks and updates cross the bro
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from typing import IO, Any
 
 import torch
 
+from common.cores import available_cores
 from common.data import load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
@@ -51,7 +51,7 @@ class SimOptions:
     federation: str = "sim"
     broker: str | None = None
     secure_broker: bool = True  # the broker started here: TLS, a login per client and the ACL; False: anonymous
-    workers: int = 1
+    workers: int | None = None  # training children at once; None: the cores this process may use
     budgets: str = "tiers"
     budget_variance: float = 10.0
     allocator: str = "compact"
@@ -130,18 +130,24 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     """Start broker, coordinator and fleet; run the rounds; stop everything; write the run's directory (report,
     CSV, summary, plots) and return the results. ``progress``: where the live display goes (None: nowhere);
     ``label`` prefixes its lines; ``run_dir``: one :func:`prepare_run_dir` made already."""
-    if options.agents < 1 or options.rounds < 1 or options.workers < 1:
+    if options.agents < 1 or options.rounds < 1 or (options.workers is not None and options.workers < 1):
         raise ValueError("--agents, --rounds and --workers must be at least 1")
     started = time.time()
     dataset = load_dataset(options.dataset, options.base.data.root)
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
     run_dir = run_dir or prepare_run_dir(options)
-    threads = max(1, (os.cpu_count() or 1) // options.workers)
+    cores = available_cores()
+    workers = options.workers or cores
+    threads = max(1, cores // workers)
     torch.set_num_threads(threads)
+    if progress is not None:
+        print(f"{label + ': ' if label else ''}training on {cores} core{'s' * (cores > 1)}: {workers} training "
+              f"process{'es' * (workers > 1)} at once, {threads} torch thread{'s' * (threads > 1)} each",
+              file=progress, flush=True)
     broker = (external_broker(options.broker) if options.broker
               else start_broker(federation=options.federation if options.secure_broker else None))
     agents: list[EdgeAgent] = []
-    pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="sim-train")
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sim-train")
     coordinator: Coordinator | None = None
     printer = ProgressPrinter(progress, options.rounds, label) if progress is not None else None
     try:
@@ -186,7 +192,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                     "allocator": options.allocator, "masked_ce": coordinator.strategy.masked_ce}
         run = {"version": version_string(), "started_at": _utc(started), "ended_at": _utc(ended),
                "wall_seconds": round(ended - started, 3), "directory": str(run_dir), "config": _public(config),
-               "overrides": list(options.overrides), "command": list(options.command)}
+               "overrides": list(options.overrides), "command": list(options.command),
+               "cores": cores, "workers": workers, "torch_threads": threads}
         tiers = {agent_id(index): (s.tier.name if s else None) for index, s in enumerate(schedules)}
         report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings,
                               secured=broker.secured, run=run, tiers=tiers)

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -223,3 +224,19 @@ def test_a_forkserver_that_cannot_start_is_one_sentence(tmp_path):
     said = "the training forkserver could not start; it imports torch and the trainer, and its error is on this " \
            "process's stderr"
     assert out.splitlines() == [said, f"device: auto could not ask torch whether CUDA is available: {said}"]
+
+
+def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
+    # Two training processes at once in a simulation share this process's forkserver; a child's exit status
+    # read by two threads at once was lost (255) for one of them. Every child here succeeds and must say so.
+    def run_many(thread: int) -> list[int | None]:
+        codes = []
+        for index in range(10):
+            workdir = tmp_path / f"{thread}-{index}"
+            workdir.mkdir()
+            codes.append(forkserver.run_child("edge_agent.child:probe_cuda", workdir, 120).exitcode)
+        return codes
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        codes = [code for result in pool.map(run_many, range(3)) for code in result]
+    assert codes == [0] * 30

@@ -9,8 +9,14 @@ import pytest
 
 from coordinator.metrics import RoundResult, TaskRecord
 from fedfit.sim.report import build_report, read_report
-from fedfit.sim.rundir import (claim_run_dir, metrics_rows, new_run_dir, refuse_used_dir, summary_text,
-                                 write_run_outputs)
+from fedfit.sim.rundir import (
+    claim_run_dir,
+    metrics_rows,
+    new_run_dir,
+    refuse_used_dir,
+    summary_text,
+    write_run_outputs,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from common.cores import available_cores
 from coordinator.config import FeDepthConfig
 from fedfit.sim.harness import SimOptions, run_simulation
 
@@ -96,6 +97,10 @@ def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_director
                                                        "--run-dir " + str(run_dir), "--budgets fractions:1.5",
                                                        "--allocator default"])
     assert data["run"]["version"].startswith("fedfit ") and data["run"]["wall_seconds"] > 0
+    # No --workers: as many training processes at once as the cores this process may use, one thread each.
+    cores = available_cores()
+    assert (data["run"]["cores"], data["run"]["workers"], data["run"]["torch_threads"]) == (cores, cores, 1)
+    assert f"training on {cores} core" in result.stderr
     assert data["broker"]["kind"] == "mosquitto" and data["broker"]["secured"] is True
     first = data["rounds"][0]
     assert set(first) >= {"round", "global_accuracy", "level_accuracy", "exit_accuracy", "trained_levels",
