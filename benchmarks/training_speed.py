@@ -195,17 +195,18 @@ def main(argv: list[str] | None = None) -> None:
             measured = run_one(row, arrangement, library, args.steps, args.threads)
             ms = measured["ms_per_step"]
             base_ms = ms if arrangement.name == "default" else base_ms
-            speed = ms / base_ms if base_ms else float("nan")
-            ratio = predicted / measured["peak_bytes"]
+            speed = ms / base_ms if base_ms else 0.0
+            ratio = predicted / measured["peak_bytes"] if measured["peak_bytes"] > 0 else float("inf")
             slow, off = worst.get(arrangement.name, (0.0, 1.0))
             worst[arrangement.name] = (max(slow, speed), ratio if abs(ratio - 1) > abs(off - 1) else off)
             print(f"{row.family:12s} {'w=' + format(row.width, 'g'):10s} {row.batch_size:5d} {arrangement.name:12s} "
-                  f"{ms:8.1f} {speed:9.2f} {measured['peak_bytes'] / MB:8.2f} {ratio:8.3f} "
+                  f"{ms:8.1f} {format(speed, '.2f') if base_ms else '-':>9s} {measured['peak_bytes'] / MB:8.2f} {ratio:8.3f} "
                   f"{100 * measured['system_share']:6.1f}", flush=True)
     print(f"({len(rows)} rows x {len(chosen)} arrangements, {args.steps} steps each, {args.threads} thread(s), "
           f"{time.monotonic() - started:.0f} s)")
     for name, (slow, off) in worst.items():
-        print(f"{name}: slowest {slow:.2f} x default, estimate/peak farthest from 1: {off:.3f}")
+        speed = f"slowest {slow:.2f} x default" if base_ms is not None else "no default row to compare speeds"
+        print(f"{name}: {speed}, estimate/peak farthest from 1: {off:.3f}")
 
 
 if __name__ == "__main__":

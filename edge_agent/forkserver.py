@@ -110,7 +110,9 @@ def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int
     module, _, function = entry.partition(":")
     process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
     try:
-        with _STATUS_LOCK:  # start() polls the other children (multiprocessing's clean-up of finished ones)
+        # start() polls the other children (multiprocessing's clean-up of finished ones). The first start also
+        # waits for the forkserver to import torch; other threads' status reads wait that long (seconds, once).
+        with _STATUS_LOCK:
             process.start()
     except (EOFError, OSError):  # the server died importing PRELOAD (a broken torch, say)
         # (EOFError while it dies, ConnectionRefusedError once it is gone: which one is a matter of timing.)

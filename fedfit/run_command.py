@@ -158,9 +158,9 @@ def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> t
     return values, given
 
 
-#: A simulation's round deadline unless the configuration sets ``round_timeout_s``: its agents take turns on this
-#: machine's cores (``--workers`` at a time), so a round lasts as long as the fleet's training one after another
-#: (an hour or more for PreResNet-20 on Fashion-MNIST on two cores), far beyond a real fleet's 600 s. Below the
+#: A simulation's round deadline unless the configuration sets ``round_timeout_s``: its agents share this
+#: machine's cores (``--workers`` training processes at once), so a round lasts as long as the fleet's training
+#: divided among them (an hour or more for PreResNet-20 on Fashion-MNIST on two cores), far beyond a real fleet's 600 s. Below the
 #: agents' own ``limits.max_deadline_s`` (6 h).
 SIM_ROUND_TIMEOUT_S = 4 * 3600.0
 

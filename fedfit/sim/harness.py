@@ -138,8 +138,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     run_dir = run_dir or prepare_run_dir(options)
     cores = available_cores()
     workers = options.workers or cores
-    threads = max(1, cores // workers)
-    torch.set_num_threads(threads)
+    threads = max(1, cores // workers)  # each training child's
+    torch.set_num_threads(cores)  # this process's: the coordinator evaluates and aggregates while the fleet waits
     if progress is not None:
         print(f"{label + ': ' if label else ''}training on {cores} core{'s' * (cores > 1)}: {workers} training "
               f"process{'es' * (workers > 1)} at once, {threads} torch thread{'s' * (threads > 1)} each",

@@ -231,12 +231,12 @@ def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
     # read by two threads at once was lost (255) for one of them. Every child here succeeds and must say so.
     def run_many(thread: int) -> list[int | None]:
         codes = []
-        for index in range(10):
+        for index in range(20):
             workdir = tmp_path / f"{thread}-{index}"
             workdir.mkdir()
             codes.append(forkserver.run_child("edge_agent.child:probe_cuda", workdir, 120).exitcode)
         return codes
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        codes = [code for result in pool.map(run_many, range(3)) for code in result]
-    assert codes == [0] * 30
+    with ThreadPoolExecutor(max_workers=8) as pool:  # the old code lost a status in about half the runs
+        codes = [code for result in pool.map(run_many, range(8)) for code in result]
+    assert codes == [0] * 160
