@@ -152,7 +152,8 @@ def run_one(row: Row, arrangement: Arrangement, library: str, steps: int, thread
                "--glibc", arrangement.glibc, "--steps", str(steps), "--threads", str(threads)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
     if done.returncode != 0:
-        raise RuntimeError(f"{arrangement.name} on {row.label()}: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise RuntimeError(f"{arrangement.name} on {row.label()}: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
