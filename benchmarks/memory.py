@@ -11,7 +11,7 @@ with self-distillation), it prints the estimate of ``models.memory`` for the tas
 measured peak, their ratio and the milliseconds per training step; the last line is ``worst ratio: X`` (the
 ratio farthest from 1).
 
-Every row is measured by the edge agent itself: a ``TaskRunner`` (``--allocator``, default ``compact``, see
+Every row is measured by the edge agent itself: a ``TaskRunner`` (``--allocator``, default ``pooled``, see
 ``edge_agent.allocator``; ``--threads`` torch threads) gets a task for the sub-model with random weights and
 ``--steps`` batches of random local data (one epoch; half as many samples for two epochs), trains it in its training child forked from the warm
 forkserver, and the measured peak is the ``peak_bytes`` the child reports in the update: its RSS high-water mark
@@ -20,7 +20,7 @@ peak on GPU.
 
 With ``--allocator default`` (glibc's default heap) measured peaks on CPU vary between runs of one configuration
 by up to about 10% (heap fragmentation depends on the address-space layout; see ``models/memory.py``); with
-``compact`` they repeat to within about 0.4 MB.
+``pooled`` or ``compact`` they repeat to within about 0.4 MB.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def measure_with_agent(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps per measurement (default 20)")
-    parser.add_argument("--allocator", choices=("compact", "default"), default="compact",
-                        help="heap of the training child on CPU, the agent's allocator setting (default compact)")
+    parser.add_argument("--allocator", choices=("pooled", "compact", "default"), default="pooled",
+                        help="heap of the training child on CPU, the agent's allocator setting (default pooled)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the training child (default 1)")
     parser.add_argument("--match", default="", help="only the rows whose 'family spec' contains this text")
     args = parser.parse_args(argv)
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
 
     allocator = heap.resolve(args.allocator)
     if allocator != args.allocator:
-        print(f"allocator {args.allocator!r} is not available here (no glibc mallopt); measuring {allocator!r}")
+        print(f"allocator {args.allocator!r} is not available here (no glibc mallopt, or no page pool); "
+              f"measuring {allocator!r}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     header = (
         f"{'device':6s} {'family':12s} {'spec':34s} {'batch':>5s} {'estimate MB':>12s} {'measured MB':>12s} "

@@ -6,12 +6,14 @@ agent's training child does (``edge_agent.child``: one warm-up step of a throwaw
 heap settled, the RSS high-water mark reset, then the model built and trained through ``models.train``), each in
 a fresh process so no arrangement inherits another's heap, and prints milliseconds per step, the measured peak
 above the baseline, the step time's ratio to glibc's defaults and the estimate's ratio to the peak (the estimate
-of ``models.memory`` for the ``compact`` heap, which counts the live tensors and the convolutions' copies, no
-heap retention).
+of ``models.memory`` for the ``pooled`` and ``compact`` heaps, which counts the live tensors and the convolutions'
+copies, no heap retention).
 
-Arrangements (those whose library is not installed are listed and skipped):
+Arrangements (those whose library is not installed, or cannot be built, are listed and skipped):
 
 ``default``     glibc untouched.
+``pooled``      the edge agent's default: ``compact`` with FedFit's page pool preloaded (``edge_agent.page_pool``),
+                which keeps freed blocks' pages for reuse within the live high-water mark.
 ``compact``     glibc, every block of a page or more mapped and unmapped on its own (``edge_agent.allocator``).
 ``compact+thp`` ``compact`` with torch's transparent-huge-page allocations (``THP_MEM_ALLOC_ENABLE=1``: blocks
                 of 2 MiB or more aligned to 2 MiB and advised ``MADV_HUGEPAGE``), so those fault in 2 MiB at a time.
@@ -53,12 +55,20 @@ class Arrangement:
     def library(self) -> str | None:
         if not self.preload:
             return ""
+        if self.preload == PAGE_POOL:
+            from edge_agent import page_pool
+
+            path = page_pool.library_path()
+            return str(path) if path is not None else None
         found = [str(Path(d) / self.preload) for d in LIBRARY_DIRS if (Path(d) / self.preload).exists()]
         return found[0] if found else None
 
 
+PAGE_POOL = "the page pool"  # built by edge_agent.page_pool, not looked up in LIBRARY_DIRS
+
 ARRANGEMENTS = (
     Arrangement("default", {}),
+    Arrangement("pooled", {}, preload=PAGE_POOL, glibc="pooled"),
     Arrangement("compact", {}, glibc="compact"),
     Arrangement("compact+thp", {"THP_MEM_ALLOC_ENABLE": "1"}, glibc="compact"),
     Arrangement("tcmalloc", {"TCMALLOC_RELEASE_RATE": "0"}, preload="libtcmalloc_minimal.so.4"),
@@ -139,7 +149,7 @@ def estimate(row: Row) -> int:
 
     family = get_family(row.family, NUM_CLASSES, row.in_channels)
     return estimate_training_memory(family, SubmodelSpec(width=row.width), batch_size=row.batch_size,
-                                    input_size=row.image_size, allocator="compact").total
+                                    input_size=row.image_size, allocator="pooled").total
 
 
 def run_one(row: Row, arrangement: Arrangement, library: str, steps: int, threads: int) -> dict[str, float]:
@@ -181,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     for arrangement in (a for a in ARRANGEMENTS if a.name in wanted):
         library = arrangement.library()
         if library is None:
-            print(f"{arrangement.name}: {arrangement.preload} is not installed here; skipped")
+            print(f"{arrangement.name}: {arrangement.preload} is not available here; skipped")
         else:
             chosen.append((arrangement, library))
     rows = [row for row in ROWS if args.match in row.label()]

@@ -15,7 +15,7 @@ from protocol import TrainingPlan
 
 
 class TrainingMemory:
-    """Estimated peak memory of training a (spec, plan) on an agent (compact heap, this host's CPU), cached: what
+    """Estimated peak memory of training a (spec, plan) on an agent (pooled heap, this host's CPU), cached: what
     level planning compares with the budgets agents report."""
 
     def __init__(self, family: ModelFamily, input_size: tuple[int, int]) -> None:

@@ -3,7 +3,7 @@
 The factor multiplies the model-dependent part of the raw estimate (everything but the runtime's fixed
 overhead, which the estimator states separately and which is measured, not predicted); a run whose
 model-dependent part is too small to measure against that overhead teaches nothing. The factor starts at
-``initial`` (a 10% margin: with the agent's default ``compact`` heap the estimator under-predicts no
+``initial`` (a 10% margin: with the agent's default ``pooled`` heap (or ``compact``) the estimator under-predicts no
 benchmark row above 5 MB by more than 2%, the smallest ones, of 1-3 MB, by up to 10%), then follows a
 conservative envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded
 what was available, so the factor rises towards that (at most doubling per failure) and never falls below it

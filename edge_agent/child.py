@@ -132,8 +132,7 @@ def train_in_workdir(workdir: Path) -> None:
     """The training child's work: read task, request and data; train; write the update."""
     request = TrainingRequest.read(workdir)
     torch.set_num_threads(request.torch_threads)
-    if request.device != "cuda":
-        heap.configure(request.allocator)
+    applied = heap.configure(request.allocator) if request.device != "cuda" else None
     task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
     assert isinstance(task, Task)
     with np.load(request.data_path, allow_pickle=False) as archive:
@@ -160,6 +159,8 @@ def train_in_workdir(workdir: Path) -> None:
     def on_stage(_index: int, phase: str) -> None:
         # Each stage's own peak: the high-water mark is reset when it starts and read when it ends.
         if phase == "start":
+            if device != "cuda":
+                heap.start_stage(request.allocator)
             _reset_peak(device)
         else:
             peaks.append(_peak_above(device, baseline))
@@ -171,6 +172,8 @@ def train_in_workdir(workdir: Path) -> None:
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
     metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
                "stages": float(result.stages), "peak_bytes": float(peak)}
+    if request.allocator == "pooled" and applied is not None:  # 0: the pool was not loaded (compact instead)
+        metrics["pooled_heap"] = float(applied == "pooled")
     if copies:  # the device keeps its auxiliary copies for the next round; only the first model is uploaded
         metrics["copies"] = float(training.copies)
         store.save(task.model, spec, [

@@ -39,8 +39,9 @@ class AgentConfig:
     (default: the cores the agent may use, ``common.cores``: its CPU affinity capped by its cgroup's ``CPUQuota``;
     a device trains one task at a time, so a Raspberry Pi 4 trains on its 4 cores, a Jetson on its CPU cores,
     where on CUDA they only feed the GPU).
-    ``allocator`` is how a CPU training child manages its heap (``edge_agent.allocator``): ``compact`` (peaks
-    lower and predictable, steps slower) or glibc's ``default``. ``forkserver`` is when the training forkserver
+    ``allocator`` is how a CPU training child manages its heap (``edge_agent.allocator``): ``pooled`` (low,
+    predictable peaks at full speed; ``compact`` where the page pool cannot be built), ``compact`` (the same
+    peaks, slower steps) or glibc's ``default`` (higher, noisier peaks). ``forkserver`` is when the training forkserver
     (the process that holds torch, ``edge_agent.forkserver``) starts: at the ``first-task`` (an idle agent stays
     small) or at ``start-up`` (the first task starts sooner).
     """
@@ -57,7 +58,7 @@ class AgentConfig:
     update_attempts: int = 30
     torch_threads: int | None = None
     state_dir: str | None = None
-    allocator: Literal["compact", "default"] = "compact"
+    allocator: Literal["pooled", "compact", "default"] = "pooled"
     forkserver: Literal["first-task", "start-up"] = "first-task"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: TaskLimits = field(default_factory=TaskLimits)

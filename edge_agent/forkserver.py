@@ -4,7 +4,8 @@ The agent process itself imports no torch (MQTT, msgpack and numpy only: tens of
 multiprocessing *forkserver* imports torch, the models, the estimator and the trainer once (``PRELOAD``) and runs
 one tiny training step (``edge_agent.child_warmup``), so every child it forks starts warm: the decision child
 (``edge_agent.decision``: checks, estimates, adaptation) and the training child (``edge_agent.child``). It starts
-when the first child is asked for, or at once with :func:`start` (the agent's ``forkserver: start-up``).
+when the first child is asked for, or at once with :func:`start` (the agent's ``forkserver: start-up``), with the
+page pool (``edge_agent.page_pool``) preloaded where it can be built: idle until a training child enables it.
 
 A child gets its work directory (``edge_agent.workdir``) and nothing else: its target is named by module and
 function (:func:`_enter`), so this module never imports the code the child runs.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent import page_pool
 from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision
 
 #: Modules the forkserver imports before forking anything.
@@ -60,8 +62,30 @@ def process_context() -> Any:
 
 def start() -> None:
     """Start the forkserver now (it imports torch and warms up) instead of at the first child."""
-    if process_context().get_start_method() == "forkserver":
+    with _STATUS_LOCK:
+        _ensure_running()
+
+
+def _ensure_running() -> None:
+    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` (call with
+    :data:`_STATUS_LOCK` held). The server is started with this process's environment, so the variable is set
+    only while it starts."""
+    if process_context().get_start_method() != "forkserver":
+        return
+    # Built before the environment is touched (the first call compiles it).
+    environment = page_pool.preload_environment(dict(os.environ))
+    before = os.environ.get("LD_PRELOAD")
+    if environment.get("LD_PRELOAD") == before:
         multiprocessing.forkserver.ensure_running()
+        return
+    os.environ["LD_PRELOAD"] = environment["LD_PRELOAD"]
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def _enter(module: str, function: str, workdir: str) -> None:
@@ -113,6 +137,7 @@ def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int
         # start() polls the other children (multiprocessing's clean-up of finished ones). The first start also
         # waits for the forkserver to import torch; other threads' status reads wait that long (seconds, once).
         with _STATUS_LOCK:
+            _ensure_running()
             process.start()
     except (EOFError, OSError):  # the server died importing PRELOAD (a broken torch, say)
         # (EOFError while it dies, ConnectionRefusedError once it is gone: which one is a matter of timing.)

@@ -118,7 +118,7 @@ class TaskRunner:
         state_dir: str | Path | None = None,
         calibration: Calibration | None = None,
         torch_threads: int = 1,
-        allocator: str = "compact",
+        allocator: str = "pooled",
         limits: TaskLimits | None = None,
     ) -> None:
         self.agent_id = agent_id

@@ -255,7 +255,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
               f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
-              f"batch {config.recipe.batch_size} (compact heap, this CPU)")
+              f"batch {config.recipe.batch_size} (pooled heap, this CPU)")
         print(format_plan(rows))
         if args.budgets:
             print(f"\ndevice tiers of --budgets {args.budgets}, and what each method would hand them:")

@@ -44,7 +44,7 @@ SETTINGS = {
     "partition": Setting("--partition", None, "iid"),
     "budgets": Setting("--budgets", None, "tiers"),
     "budget_variance": Setting("--budget-variance", None, 10.0),
-    "allocator": Setting("--allocator", None, "compact"),
+    "allocator": Setting("--allocator", None, "pooled"),
     "workers": Setting("--workers", None, None),
 }
 
@@ -107,9 +107,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
     parser.add_argument("--budget-variance", type=float, default=None,
                         help="sigma^2 of the per-round fluctuation of tiers-fluctuating, in percentage points squared"
                              + default("budget_variance"))
-    parser.add_argument("--allocator", choices=("compact", "default"), default=None,
-                        help="heap of the agents' training processes: compact (lower, predictable peaks; slower "
-                             "steps) or glibc's default" + default("allocator"))
+    parser.add_argument("--allocator", choices=("pooled", "compact", "default"), default=None,
+                        help="heap of the agents' training processes: pooled (low, predictable peaks at full speed), "
+                             "compact (the same peaks, slower steps) or glibc's default (higher, noisier peaks)"
+                             + default("allocator"))
     parser.add_argument("--workers", type=_positive, default=None,
                         help="training processes run at once across the fleet, each with the cores divided among them "
                              "(default: as many as this process may use cores: its CPU affinity, capped by its "

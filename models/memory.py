@@ -58,7 +58,11 @@ changed no measured peak by more than 1 MB.
 
 CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decides the rest (``allocator``):
 
-- ``"compact"`` (the edge agent's default, ``edge_agent.allocator``): glibc's mmap threshold is fixed at 4 KiB,
+- ``"pooled"`` (the edge agent's default) has the same estimate as ``"compact"``: the page pool
+  (``edge_agent.page_pool``) maps every block of a page or more on its own like the compact heap, and the pages
+  it keeps of freed blocks never take the mapped total above the high-water mark of the live ones, so the peak
+  is the compact heap's; it only spares the kernel faulting the same pages in again each step.
+- ``"compact"`` (``edge_agent.allocator``): glibc's mmap threshold is fixed at 4 KiB,
   so every tensor of a page or more is mapped when allocated and given back when freed, and the resident peak
   follows the live tensors and the convolutions' internal copies: no heap term is added. Every benchmark row
   (CNN and PreResNet-18, widths 1 to 1/16, batches 10 to 128, block training) is within 15% of the measured
@@ -161,9 +165,12 @@ CPU_RUNTIME_BYTES = 120_000
 #: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set (module docstring).
 CPU_HEAP_RETENTION = 1.0
 #: How the training process's C heap is managed (see the module docstring): ``"compact"`` returns every freed
-#: block of a page or more to the system at once (``edge_agent.allocator``), ``"default"`` is glibc's default.
-CPU_ALLOCATORS = ("compact", "default")
-_RETENTION = {"compact": 0.0, "default": CPU_HEAP_RETENTION}
+#: block of a page or more to the system at once (``edge_agent.allocator``), ``"pooled"`` keeps their pages for
+#: reuse within the live high-water mark (the same peak), ``"default"`` is glibc's default.
+CPU_ALLOCATORS = ("pooled", "compact", "default")
+_RETENTION = {"pooled": 0.0, "compact": 0.0, "default": CPU_HEAP_RETENTION}
+#: Heaps whose peaks are estimated alike (one cache entry).
+_SAME_ESTIMATE = {"pooled": "compact"}
 #: Granularity of the CUDA caching allocator.
 CUDA_BLOCK_BYTES = 512
 #: cuBLAS workspace allocated through the caching allocator by the first matrix multiply.
@@ -400,7 +407,7 @@ def estimate_training_memory(
     input_size: tuple[int, int] = (28, 28),
     optimizer_slots: int = 1,
     device: str = "cpu",
-    allocator: str = "compact",
+    allocator: str = "pooled",
     loss: Sequence[LossTerm] = _CE,
     segment: tuple[int, int] | None = None,
     route: str = "skip",
@@ -423,8 +430,8 @@ def estimate_training_memory(
     device:
         ``"cpu"`` (process RSS) or ``"cuda"`` (caching-allocator peak, CUDA context excluded).
     allocator:
-        CPU only: how the training process's heap is managed, ``"compact"`` (no heap retention) or
-        ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see the module docstring.
+        CPU only: how the training process's heap is managed, ``"pooled"`` or ``"compact"`` (no heap
+        retention) or ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see the module docstring.
     loss:
         The loss terms of the step (default: cross-entropy of the last output).
     segment, route:
@@ -469,6 +476,7 @@ def estimate_training_memory(
                      for seg in spec.segments]
         return max(estimates, key=lambda e: e.total)
     accumulate = bool(accumulate)
+    allocator = _SAME_ESTIMATE.get(allocator, allocator)
     key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
            route, copies, accumulate)
     with _lock:
@@ -521,7 +529,7 @@ def estimate_plan_memory(
     *,
     input_size: tuple[int, int] = (28, 28),
     device: str = "cpu",
-    allocator: str = "compact",
+    allocator: str = "pooled",
     samples: int = 0,
 ) -> MemoryEstimate:
     """The estimated peak of running ``plan`` on ``spec``: its batch size (a stage's micro-batches, with their

@@ -11,14 +11,17 @@ want=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || want+=(mosquitto)
 command -v openssl >/dev/null 2>&1 || want+=(openssl)  # makes the secured broker's TLS certificates
 [ -d /usr/share/datasets/fashion-mnist ] || want+=(dataset-fashion-mnist)
+# The training children's page pool (edge_agent/native/page_pool.c) is compiled once; without a compiler the
+# agents fall back to the compact heap (same peaks, slower steps).
+command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || want+=(gcc libc6-dev)
 if [ ${#want[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
     echo "setup: installing ${want[*]} with apt-get"
     if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${want[@]}"; }; then
-      echo "setup: apt-get could not install ${want[*]}; continuing (the embedded broker and the digits" \
-           "dataset stand in)" >&2
+      echo "setup: apt-get could not install ${want[*]}; continuing (the embedded broker, the digits" \
+           "dataset and the compact heap stand in)" >&2
     fi
   else
     echo "setup: no apt-get here; install mosquitto, openssl and dataset-fashion-mnist yourself for the full demo" >&2
@@ -33,4 +36,10 @@ fi
 # shellcheck disable=SC2086
 .venv/bin/python -m pip install -q $TORCH_SPEC
 .venv/bin/python -m pip install -q -e '.[dev,embedded-broker]'
+.venv/bin/python - <<'PY'
+from edge_agent import page_pool
+path = page_pool.library_path()
+print(f"setup: page pool {path}" if path else
+      "setup: the page pool could not be built (no C compiler?); agents train with the compact heap")
+PY
 echo "setup: .venv ready"

@@ -85,7 +85,7 @@ class BudgetAnchor:
 
     @classmethod
     def estimate(cls, family: ModelFamily, plan: TrainingPlan, *, input_size: tuple[int, int],
-                 allocator: str = "compact", margin: float = INITIAL_FACTOR) -> BudgetAnchor:
+                 allocator: str = "pooled", margin: float = INITIAL_FACTOR) -> BudgetAnchor:
         """The anchor of ``family`` trained with ``plan``'s optimizer and batch size (its loss replaced by plain
         cross-entropy, one copy, no stages) on ``input_size`` images under ``allocator``."""
         from models import SubmodelSpec, estimate_plan_memory

@@ -54,7 +54,7 @@ class SimOptions:
     workers: int | None = None  # training children at once; None: the cores this process may use
     budgets: str = "tiers"
     budget_variance: float = 10.0
-    allocator: str = "compact"
+    allocator: str = "pooled"
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
     runs_root: str = "runs"
@@ -77,7 +77,7 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def budget_anchor(coordinator: Coordinator, allocator: str = "compact") -> BudgetAnchor:
+def budget_anchor(coordinator: Coordinator, allocator: str = "pooled") -> BudgetAnchor:
     """What the fleet's budgets are measured against (the same for every algorithm): the full model of the
     coordinator's family trained with plain cross-entropy at its recipe's batch size, by agents running
     ``allocator``."""

@@ -1,7 +1,9 @@
-"""The training child's heap setting: validation, the glibc fallback, and what "compact" does to the RSS."""
+"""The training child's heap setting: validation, the fallbacks (no page pool, no glibc), and what "compact" does
+to the RSS (the page pool's own tests: ``test_edge_page_pool``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -37,10 +39,11 @@ def _retained_after_free(mode: str, *extra: str) -> int:
     return int(result.stdout.strip())
 
 
-def test_resolve_accepts_both_settings_and_rejects_others():
+def test_resolve_accepts_the_settings_and_rejects_others():
     assert allocator.resolve("default") == "default"
     assert allocator.resolve("compact") in ("compact", "default")
-    with pytest.raises(ValueError, match="allocator must be one of compact, default"):
+    assert allocator.resolve("pooled") in ("pooled", "compact", "default")
+    with pytest.raises(ValueError, match="allocator must be one of pooled, compact, default"):
         allocator.resolve("jemalloc")
 
 
@@ -48,9 +51,26 @@ def test_resolve_falls_back_to_default_without_glibc(monkeypatch):
     monkeypatch.setattr(allocator, "_libc", lambda: None)
     assert not allocator.compact_supported()
     assert allocator.resolve("compact") == "default"
+    assert allocator.resolve("pooled") == "default"
     allocator.configure("default")  # nothing to do, nothing raised
     with pytest.raises(RuntimeError, match="needs glibc's mallopt"):
         allocator.configure("compact")
+
+
+@needs_glibc
+def test_pooled_falls_back_to_compact_without_the_page_pool(monkeypatch):
+    # Same peaks, slower steps: what a device without a C compiler runs.
+    monkeypatch.setattr(allocator.page_pool, "library_path", lambda: None)
+    assert allocator.resolve("pooled") == "compact"
+
+
+@needs_glibc
+def test_a_process_without_the_pool_preloaded_configures_compact_for_pooled():
+    probe = "from edge_agent import allocator; print(allocator.configure('pooled'))"
+    environment = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            env=environment)
+    assert result.stdout.strip() == "compact"
 
 
 @needs_glibc

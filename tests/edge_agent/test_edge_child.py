@@ -128,19 +128,26 @@ def test_child_refuses_a_plan_for_another_spec_than_its_task(make_task, workdir_
 
 @pytest.mark.skipif(not allocator.compact_supported(), reason="needs glibc's mallopt")
 def test_child_runs_the_heap_its_plan_names(make_task, tmp_path):
-    """The estimate is made for the plan's heap: a compact child peaks near it, a default one well above."""
+    """The estimate is made for the plan's heap: a compact child peaks near it, a pooled one too (the pages it
+    keeps never exceed the live high-water mark), a default one well above."""
     family = get_family("cnn", 10, 1)  # the full-size CNN at 28 x 28: batch tensors of megabytes
     spec = U(0.5)
     task = make_task(spec, model=ModelRef("cnn", 10, 1, {}), of=family, batch_size=64)
     data = LocalData(torch.randn(256, 1, 28, 28), torch.arange(256) % 10)
     peaks = {}
-    for heap in ("compact", "default"):
+    pooled = allocator.resolve("pooled") == "pooled"
+    for heap in ("compact", "default") + (("pooled",) if pooled else ()):
         outcome = run_in_child(write_workdir(tmp_path / heap, task, data, spec, allocator=heap), 120)
         assert outcome.update is not None, outcome.error
-        peaks[heap] = decode(outcome.update, expected=Update).metrics["peak_bytes"]
+        metrics = decode(outcome.update, expected=Update).metrics
+        peaks[heap] = metrics["peak_bytes"]
+        assert metrics.get("pooled_heap") == (1.0 if heap == "pooled" else None), metrics
     estimate = estimate_plan_memory(family, spec, task.plan, input_size=(28, 28), allocator="compact").total
     assert 0.85 <= estimate / peaks["compact"] <= 1.15, (estimate, peaks)
     assert peaks["default"] > 1.1 * peaks["compact"], peaks
+    if pooled:
+        assert estimate_plan_memory(family, spec, task.plan, input_size=(28, 28), allocator="pooled").total == estimate
+        assert 0.85 <= estimate / peaks["pooled"] <= 1.15, (estimate, peaks)
 
 
 def test_children_fork_from_a_server_that_has_torch_loaded(make_task, workdir_for):

@@ -53,8 +53,8 @@ def test_from_mapping_requires_agent_id_and_names_nested_keys():
     config.validate()
 
 
-def test_allocator_defaults_to_compact_and_takes_only_known_settings():
-    assert valid().allocator == "compact"
+def test_allocator_defaults_to_pooled_and_takes_only_known_settings():
+    assert valid().allocator == "pooled"
     config = from_mapping(AgentConfig, {"agent_id": "a", "data": {"dataset": "digits"}, "allocator": "default"})
     assert config.allocator == "default"
     with pytest.raises(ConfigError, match="allocator"):

@@ -1,0 +1,380 @@
+/* FedFit's page pool: the training child's large blocks, reused within the live high-water mark.
+ *
+ * Preloaded (LD_PRELOAD) into the training forkserver, it passes every allocation to glibc until a process calls
+ * fedfit_pool_enable(threshold) (edge_agent.allocator does, in the training child). From then on every block of
+ * at least `threshold` bytes is a mapping of its own, as with glibc's mmap threshold fixed at one page (the
+ * "compact" heap), but a freed block is not unmapped: its pages are kept and handed to a later request, of the
+ * same length as they are, or shrunk or grown in place with mremap (the pages kept keep their contents; only a
+ * grown tail is new). What is kept never exceeds the high-water mark of the live blocks since the last
+ * fedfit_pool_release(): before a request would take live + kept above it, the oldest kept blocks are unmapped.
+ * So the resident peak is the compact heap's, while most of a training step's pages are not faulted in again.
+ *
+ * Threads: one mutex guards the pool; frees of blocks outside the pool's address range never take it.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+extern void *__libc_malloc(size_t size);
+extern void __libc_free(void *ptr);
+extern void *__libc_calloc(size_t count, size_t size);
+extern void *__libc_realloc(void *ptr, size_t size);
+extern void *__libc_memalign(size_t alignment, size_t size);
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+#define HEADER 64 /* the user pointer's offset into its mapping: torch asks for 64-byte alignment */
+
+typedef struct { uintptr_t user; uintptr_t base; size_t length; } Entry; /* user == 0: empty, 1: deleted */
+typedef struct { uintptr_t base; size_t length; } Kept;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static volatile int enabled;
+static size_t threshold = SIZE_MAX;
+static size_t page_size = 4096;
+static volatile uintptr_t range_lo = UINTPTR_MAX, range_hi;
+
+static Entry *table;          /* open addressing on the user pointer */
+static size_t table_capacity; /* a power of two */
+static size_t table_used;     /* live entries and deleted marks */
+static size_t table_live;     /* live entries */
+static Kept *kept;            /* kept blocks, oldest first */
+static size_t kept_count, kept_capacity;
+
+static size_t live_bytes, kept_bytes, high_water;
+static uint64_t maps_made, bytes_mapped;
+
+static void *map_pages(size_t length) {
+    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static size_t hash(uintptr_t key) { return (size_t)((key >> 6) * 0x9E3779B97F4A7C15ull); }
+
+static int table_resize(size_t capacity) {
+    Entry *fresh = map_pages(capacity * sizeof(Entry));
+    if (fresh == NULL) return -1;
+    for (size_t i = 0; i < table_capacity; i++) {
+        if (table[i].user > 1) {
+            size_t j = hash(table[i].user) & (capacity - 1);
+            while (fresh[j].user != 0) j = (j + 1) & (capacity - 1);
+            fresh[j] = table[i];
+        }
+    }
+    if (table != NULL) munmap(table, table_capacity * sizeof(Entry));
+    table = fresh;
+    table_capacity = capacity;
+    table_used = table_live;
+    return 0;
+}
+
+static int table_insert(uintptr_t user, uintptr_t base, size_t length) {
+    if ((table_used + 1) * 2 > table_capacity) {
+        size_t capacity = 4096; /* room for twice the live entries, deleted marks dropped */
+        while (capacity < 4 * (table_live + 1)) capacity *= 2;
+        if (table_resize(capacity) != 0) return -1;
+    }
+    size_t i = hash(user) & (table_capacity - 1);
+    while (table[i].user > 1) i = (i + 1) & (table_capacity - 1);
+    if (table[i].user == 0) table_used++;
+    table_live++;
+    table[i] = (Entry){user, base, length};
+    return 0;
+}
+
+static Entry *table_find(uintptr_t user) {
+    if (table_capacity == 0) return NULL;
+    size_t i = hash(user) & (table_capacity - 1);
+    while (table[i].user != 0) {
+        if (table[i].user == user) return &table[i];
+        i = (i + 1) & (table_capacity - 1);
+    }
+    return NULL;
+}
+
+static int kept_push(uintptr_t base, size_t length) {
+    if (kept_count == kept_capacity) {
+        size_t capacity = kept_capacity ? kept_capacity * 2 : 1024;
+        Kept *fresh = map_pages(capacity * sizeof(Kept));
+        if (fresh == NULL) return -1;
+        if (kept != NULL) {
+            memcpy(fresh, kept, kept_count * sizeof(Kept));
+            munmap(kept, kept_capacity * sizeof(Kept));
+        }
+        kept = fresh;
+        kept_capacity = capacity;
+    }
+    kept[kept_count++] = (Kept){base, length};
+    kept_bytes += length;
+    return 0;
+}
+
+static Kept kept_take(size_t index) {
+    Kept block = kept[index];
+    memmove(&kept[index], &kept[index + 1], (kept_count - index - 1) * sizeof(Kept));
+    kept_count--;
+    kept_bytes -= block.length;
+    return block;
+}
+
+/* Unmap the oldest kept blocks until `length` more bytes fit under the high-water mark (or none is kept). */
+static void make_room(size_t length) {
+    while (kept_count > 0 && live_bytes + kept_bytes + length > high_water) {
+        Kept block = kept_take(0);
+        munmap((void *)block.base, block.length);
+    }
+}
+
+static void note_range(uintptr_t base, size_t length) {
+    if (base < range_lo) range_lo = base;
+    if (base + length > range_hi) range_hi = base + length;
+}
+
+/* A block of `length` bytes (a whole number of pages): kept pages where possible. *fresh says whether every byte
+ * is zero. Called with the lock held. */
+static uintptr_t obtain(size_t length, int *fresh) {
+    size_t exact = SIZE_MAX, larger = SIZE_MAX, smaller = SIZE_MAX;
+    for (size_t i = kept_count; i-- > 0;) {
+        size_t have = kept[i].length;
+        if (have == length) { exact = i; break; }
+        if (have > length && (larger == SIZE_MAX || have < kept[larger].length)) larger = i;
+        if (have < length && (smaller == SIZE_MAX || have > kept[smaller].length)) smaller = i;
+    }
+    *fresh = 0;
+    if (exact != SIZE_MAX) return kept_take(exact).base;
+    if (larger != SIZE_MAX) {
+        Kept block = kept_take(larger);
+        munmap((void *)(block.base + length), block.length - length); /* the tail goes back to the system */
+        return block.base;
+    }
+    if (smaller != SIZE_MAX) {
+        Kept block = kept_take(smaller);
+        make_room(length); /* the block is counted in neither live nor kept while it is out */
+        void *moved = mremap((void *)block.base, block.length, length, MREMAP_MAYMOVE);
+        if (moved != MAP_FAILED) {
+            madvise((char *)moved + block.length, length - block.length, MADV_POPULATE_WRITE);
+            maps_made++;
+            bytes_mapped += length - block.length;
+            note_range((uintptr_t)moved, length);
+            return (uintptr_t)moved;
+        }
+        munmap((void *)block.base, block.length);
+    }
+    make_room(length);
+    void *p = map_pages(length);
+    if (p == NULL) return 0;
+    maps_made++;
+    bytes_mapped += length;
+    note_range((uintptr_t)p, length);
+    *fresh = 1;
+    return (uintptr_t)p;
+}
+
+/* A pooled block of `size` bytes aligned to `alignment` (<= a page), or NULL. */
+static void *pool_alloc(size_t size, size_t alignment, int *fresh) {
+    size_t header = alignment > HEADER ? alignment : HEADER;
+    if (size > SIZE_MAX - header - page_size) return NULL;
+    size_t length = (size + header + page_size - 1) & ~(page_size - 1);
+    pthread_mutex_lock(&pool_lock);
+    uintptr_t base = obtain(length, fresh);
+    void *user = NULL;
+    if (base != 0) {
+        if (table_insert(base + header, base, length) == 0) {
+            user = (void *)(base + header);
+            live_bytes += length;
+            if (live_bytes + kept_bytes > high_water) high_water = live_bytes + kept_bytes;
+        } else {
+            munmap((void *)base, length);
+        }
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return user;
+}
+
+/* Return a pooled block to the pool; 0 when `ptr` is not one. *usable receives its usable size. */
+static int pool_free(void *ptr, size_t *usable) {
+    uintptr_t user = (uintptr_t)ptr;
+    if (user < range_lo || user >= range_hi) return 0;
+    pthread_mutex_lock(&pool_lock);
+    Entry *entry = table_find(user);
+    int found = entry != NULL;
+    if (found) {
+        uintptr_t base = entry->base;
+        size_t length = entry->length;
+        entry->user = 1;
+        table_live--;
+        live_bytes -= length;
+        if (usable != NULL) *usable = length - (user - base);
+        if (kept_push(base, length) != 0) munmap((void *)base, length);
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return found;
+}
+
+static size_t pooled_size(void *ptr) {
+    uintptr_t user = (uintptr_t)ptr;
+    if (user < range_lo || user >= range_hi) return 0;
+    pthread_mutex_lock(&pool_lock);
+    Entry *entry = table_find(user);
+    size_t usable = entry != NULL ? entry->length - (user - entry->base) : 0;
+    pthread_mutex_unlock(&pool_lock);
+    return usable;
+}
+
+static int wants_pool(size_t size, size_t alignment) {
+    return enabled && size >= threshold && alignment <= page_size;
+}
+
+/* ---- the interface the training child calls (ctypes) ---- */
+
+int fedfit_pool_enable(size_t min_size) {
+    long page = sysconf(_SC_PAGESIZE);
+    pthread_mutex_lock(&pool_lock);
+    page_size = page > 0 ? (size_t)page : 4096;
+    threshold = min_size < 1 ? 1 : min_size;
+    enabled = 1;
+    pthread_mutex_unlock(&pool_lock);
+    return 1;
+}
+
+/* Unmap every kept block and start a new high-water mark at the live blocks. */
+void fedfit_pool_release(void) {
+    pthread_mutex_lock(&pool_lock);
+    while (kept_count > 0) {
+        Kept block = kept_take(kept_count - 1);
+        munmap((void *)block.base, block.length);
+    }
+    high_water = live_bytes;
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* live, kept and high-water bytes, mappings made (or grown) and the bytes they mapped, since enabling. */
+void fedfit_pool_stats(uint64_t out[5]) {
+    pthread_mutex_lock(&pool_lock);
+    out[0] = live_bytes;
+    out[1] = kept_bytes;
+    out[2] = high_water;
+    out[3] = maps_made;
+    out[4] = bytes_mapped;
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* ---- malloc's interface ---- */
+
+void *malloc(size_t size) {
+    if (wants_pool(size, HEADER)) {
+        int fresh;
+        void *p = pool_alloc(size, HEADER, &fresh);
+        if (p != NULL) return p;
+    }
+    return __libc_malloc(size);
+}
+
+void free(void *ptr) {
+    if (ptr != NULL && !pool_free(ptr, NULL)) __libc_free(ptr);
+}
+
+void *calloc(size_t count, size_t size) {
+    size_t total;
+    if (__builtin_mul_overflow(count, size, &total)) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    if (wants_pool(total, HEADER)) {
+        int fresh;
+        void *p = pool_alloc(total, HEADER, &fresh);
+        if (p != NULL) {
+            if (!fresh) memset(p, 0, total);
+            return p;
+        }
+    }
+    return __libc_calloc(count, size);
+}
+
+void *realloc(void *ptr, size_t size) {
+    size_t usable = ptr != NULL ? pooled_size(ptr) : 0;
+    if (usable == 0) {
+        if (ptr == NULL) return malloc(size);
+        return __libc_realloc(ptr, size); /* glibc's blocks stay glibc's */
+    }
+    if (size == 0) {
+        free(ptr);
+        return NULL;
+    }
+    if (size <= usable && size >= usable / 2) return ptr;
+    void *moved = malloc(size);
+    if (moved == NULL) return NULL;
+    memcpy(moved, ptr, size < usable ? size : usable);
+    free(ptr);
+    return moved;
+}
+
+void *reallocarray(void *ptr, size_t count, size_t size) {
+    size_t total;
+    if (__builtin_mul_overflow(count, size, &total)) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return realloc(ptr, total);
+}
+
+static void *aligned(size_t alignment, size_t size) {
+    if (wants_pool(size, alignment)) {
+        int fresh;
+        void *p = pool_alloc(size, alignment, &fresh);
+        if (p != NULL) return p;
+    }
+    return __libc_memalign(alignment, size);
+}
+
+int posix_memalign(void **out, size_t alignment, size_t size) {
+    if (alignment < sizeof(void *) || (alignment & (alignment - 1)) != 0) return EINVAL;
+    void *p = aligned(alignment, size);
+    if (p == NULL) return ENOMEM;
+    *out = p;
+    return 0;
+}
+
+void *aligned_alloc(size_t alignment, size_t size) {
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    return aligned(alignment, size);
+}
+
+void *memalign(size_t alignment, size_t size) {
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    return aligned(alignment, size);
+}
+
+void *valloc(size_t size) { return __libc_memalign((size_t)sysconf(_SC_PAGESIZE), size); }
+
+void *pvalloc(size_t size) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return __libc_memalign(page, (size + page - 1) & ~(page - 1));
+}
+
+static size_t (*glibc_usable_size)(void *);
+
+__attribute__((constructor)) static void find_glibc_usable_size(void) {
+    glibc_usable_size = (size_t (*)(void *))dlsym(RTLD_NEXT, "malloc_usable_size");
+}
+
+size_t malloc_usable_size(void *ptr) {
+    if (ptr == NULL) return 0;
+    size_t usable = pooled_size(ptr);
+    if (usable != 0) return usable;
+    return glibc_usable_size != NULL ? glibc_usable_size(ptr) : 0;
+}

@@ -1,0 +1,171 @@
+"""The page pool (``edge_agent/native/page_pool.c``): built once, preloaded into the training forkserver, driven
+by the training child.
+
+The pool is a small C library that interposes ``malloc`` and friends. Preloaded, it passes everything to glibc
+until a process calls :func:`enable`; from then on every block of at least the threshold is a mapping of its own
+(as in the ``compact`` heap) whose pages, once freed, are kept and handed to the next request (same length, or
+shrunk or grown in place with ``mremap``), but never more of them than the high-water mark of the live blocks
+since the last :func:`release`. The resident peak is therefore the compact heap's, page for page, while a training
+step no longer faults its working set in again (see ``edge_agent.allocator`` for the measurements).
+
+The library is compiled with the system's C compiler (``$CC``, else ``cc``) the first time it is needed, into
+``edge_agent/native/`` when that is writable, else ``$FEDFIT_CACHE_DIR`` or ``~/.cache/fedfit``; the file's name
+carries a digest of the source and flags, so a changed source is never run stale. This module imports no torch:
+the agent process uses it to decide, the forkserver's environment to load it, the training child to drive it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+__all__ = [
+    "SOURCE",
+    "PoolStats",
+    "build",
+    "enable",
+    "library_path",
+    "loaded",
+    "preload_environment",
+    "release",
+    "stats",
+]
+
+SOURCE = Path(__file__).resolve().parent / "native" / "page_pool.c"
+CFLAGS = ("-O2", "-shared", "-fPIC", "-Wall")
+LIBS = ("-ldl", "-lpthread")
+BUILD_TIMEOUT_S = 120.0
+_ENABLE = "fedfit_pool_enable"
+
+
+class BuildFailed(RuntimeError):
+    """The pool could not be compiled here (no C compiler, no glibc headers, no writable directory)."""
+
+
+def _digest() -> str:
+    text = SOURCE.read_bytes() + " ".join(CFLAGS + LIBS).encode()
+    return hashlib.sha256(text).hexdigest()[:12]
+
+
+def library_name() -> str:
+    """The file name of the library built from the current source."""
+    return f"libfedfit_page_pool-{_digest()}.so"
+
+
+def _directories() -> list[Path]:
+    cache_root = os.environ.get("FEDFIT_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedfit")
+    return [SOURCE.parent, Path(cache_root)]
+
+
+def build(directory: Path) -> Path:
+    """Compile the pool into ``directory`` (written under a temporary name, then renamed: a reader never sees a
+    half-written library). Raises :class:`BuildFailed` with the compiler's last words."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise BuildFailed("no C compiler (cc, gcc or $CC) to build the page pool")
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / library_name()
+    handle, temporary = tempfile.mkstemp(prefix=".page_pool-", suffix=".so", dir=directory)
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, "-o", temporary, str(SOURCE), *LIBS], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise BuildFailed(f"{compiler} could not build the page pool: {last}")
+        os.chmod(temporary, 0o755)
+        os.replace(temporary, target)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildFailed(f"building the page pool failed: {exc}") from None
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target
+
+
+@cache
+def library_path() -> Path | None:
+    """The pool's library for the current source, built on first use; None where it cannot be built or loaded
+    (the training heap then falls back to ``compact``, whose peaks are the same)."""
+    if not SOURCE.exists() or not os.path.exists("/proc/self/maps"):  # Linux only (mremap)
+        return None
+    for directory in _directories():
+        candidate = directory / library_name()
+        if candidate.exists():
+            return candidate if _loadable(candidate) else None
+    for directory in _directories():
+        try:
+            built = build(directory)
+        except BuildFailed:
+            continue
+        return built if _loadable(built) else None
+    return None
+
+
+def _loadable(path: Path) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(str(path)), _ENABLE)
+    except OSError:
+        return False
+
+
+def preload_environment(environment: dict[str, str]) -> dict[str, str]:
+    """``environment`` with the pool added in front of its ``LD_PRELOAD`` (unchanged where there is no pool)."""
+    path = library_path()
+    if path is None:
+        return dict(environment)
+    others = [item for item in environment.get("LD_PRELOAD", "").split() if Path(item).name != path.name]
+    return {**environment, "LD_PRELOAD": " ".join([str(path), *others])}
+
+
+def _process() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
+def loaded() -> bool:
+    """Whether this process runs with the pool preloaded."""
+    return hasattr(_process(), _ENABLE)
+
+
+def enable(threshold: int) -> bool:
+    """Pool every block of at least ``threshold`` bytes from now on; False (nothing changed) without the pool."""
+    if not loaded():
+        return False
+    function = _process().fedfit_pool_enable
+    function.argtypes = (ctypes.c_size_t,)
+    function.restype = ctypes.c_int
+    return bool(function(threshold))
+
+
+def release() -> None:
+    """Give every kept page back to the system and start a new high-water mark at the live blocks."""
+    if loaded():
+        _process().fedfit_pool_release()
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """The pool's bytes live and kept, its high-water mark, and the mappings it made (or grew) with their bytes."""
+
+    live_bytes: int
+    kept_bytes: int
+    high_water_bytes: int
+    maps: int
+    mapped_bytes: int
+
+
+def stats() -> PoolStats | None:
+    """The pool's figures (None without the pool)."""
+    if not loaded():
+        return None
+    values = (ctypes.c_uint64 * 5)()
+    _process().fedfit_pool_stats(values)
+    return PoolStats(*(int(value) for value in values))
