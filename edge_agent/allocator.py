@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from functools import cache
 
 from edge_agent import page_pool
@@ -68,12 +69,13 @@ def compact_supported() -> bool:
 
 def resolve(requested: str) -> str:
     """The allocator a training child here will really run: ``requested``; ``"compact"`` for ``"pooled"`` where
-    the page pool cannot be built or loaded; ``"default"`` without glibc. (Builds the pool on first use.)"""
+    the page pool cannot be built or loaded, or another allocator is preloaded; ``"default"`` without glibc.
+    (Builds the pool on first use.)"""
     if requested not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {requested!r}.")
     if requested == "default" or not compact_supported():
         return "default"
-    if requested == "pooled" and page_pool.library_path() is None:
+    if requested == "pooled" and not page_pool.usable(dict(os.environ)):
         return "compact"
     return requested
 
@@ -88,7 +90,9 @@ def configure(allocator: str) -> str:
     does the same and hands every block of :data:`COMPACT_MMAP_THRESHOLD` or more to the page pool; in a process
     started without the pool preloaded it stays ``"compact"`` (same peaks). Returns the word applied.
     """
-    if allocator not in ALLOCATORS or not compact_supported() and allocator != "default":
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {allocator!r}.")
+    if not compact_supported() and allocator != "default":
         raise RuntimeError(f"allocator {allocator!r} needs glibc's mallopt, which this process does not have")
     if allocator == "default":
         return allocator

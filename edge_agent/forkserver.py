@@ -43,6 +43,8 @@ CPU_PEAK_RESOLUTION_BYTES = 300_000
 CANCEL_POLL_S = 0.1
 
 _context: Any = None
+#: The page pool to preload into the forkserver when it starts (:func:`preload_page_pool`), None for none.
+_page_pool: Path | None = None
 #: Held while this process starts a child or reads one's exit status (see :func:`_exit_code`).
 _STATUS_LOCK = threading.Lock()
 
@@ -60,6 +62,16 @@ def process_context() -> Any:
     return _context
 
 
+def preload_page_pool() -> bool:
+    """Have the forkserver started with the page pool preloaded (a runner whose heap is ``pooled`` asks, before
+    its first child; a server already running keeps what it has). False where the pool is not usable here."""
+    global _page_pool
+    if not page_pool.usable(dict(os.environ)):
+        return False
+    _page_pool = page_pool.library_path()
+    return _page_pool is not None
+
+
 def start() -> None:
     """Start the forkserver now (it imports torch and warms up) instead of at the first child."""
     with _STATUS_LOCK:
@@ -67,18 +79,17 @@ def start() -> None:
 
 
 def _ensure_running() -> None:
-    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` (call with
-    :data:`_STATUS_LOCK` held). The server is started with this process's environment, so the variable is set
-    only while it starts."""
+    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` when one was asked for
+    (call with :data:`_STATUS_LOCK` held). The server is started with this process's environment, so the
+    variable is set only while it starts; a process another thread starts meanwhile gets the pool too, which
+    changes nothing there until something enables it."""
     if process_context().get_start_method() != "forkserver":
         return
-    # Built before the environment is touched (the first call compiles it).
-    environment = page_pool.preload_environment(dict(os.environ))
     before = os.environ.get("LD_PRELOAD")
-    if environment.get("LD_PRELOAD") == before:
+    if _page_pool is None or before:
         multiprocessing.forkserver.ensure_running()
         return
-    os.environ["LD_PRELOAD"] = environment["LD_PRELOAD"]
+    os.environ["LD_PRELOAD"] = str(_page_pool)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

@@ -9,8 +9,11 @@ since the last :func:`release`. The resident peak is therefore the compact heap'
 step no longer faults its working set in again (see ``edge_agent.allocator`` for the measurements).
 
 The library is compiled with the system's C compiler (``$CC``, else ``cc``) the first time it is needed, into
-``edge_agent/native/`` when that is writable, else ``$FEDFIT_CACHE_DIR`` or ``~/.cache/fedfit``; the file's name
-carries a digest of the source and flags, so a changed source is never run stale. This module imports no torch:
+``edge_agent/native/`` when that is writable, else ``$FEDFIT_CACHE_DIR``, systemd's ``$CACHE_DIRECTORY`` or
+``~/.cache/fedfit``; the file's name carries a digest of the source, flags and machine, so a changed source (or a
+copy from another architecture) is never run. It is not used beside another preloaded allocator (jemalloc,
+tcmalloc: its small blocks go straight to glibc, which would mix the two heaps) nor from a path ``LD_PRELOAD``
+cannot name (one with a space or a colon). This module imports no torch:
 the agent process uses it to decide, the forkserver's environment to load it, the training child to drive it.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -28,14 +32,17 @@ from pathlib import Path
 
 __all__ = [
     "SOURCE",
+    "BuildFailed",
     "PoolStats",
     "build",
     "enable",
     "library_path",
     "loaded",
+    "other_preloads",
     "preload_environment",
     "release",
     "stats",
+    "usable",
 ]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "page_pool.c"
@@ -50,7 +57,7 @@ class BuildFailed(RuntimeError):
 
 
 def _digest() -> str:
-    text = SOURCE.read_bytes() + " ".join(CFLAGS + LIBS).encode()
+    text = SOURCE.read_bytes() + " ".join(CFLAGS + LIBS + (platform.machine(),)).encode()
     return hashlib.sha256(text).hexdigest()[:12]
 
 
@@ -60,9 +67,12 @@ def library_name() -> str:
 
 
 def _directories() -> list[Path]:
-    cache_root = os.environ.get("FEDFIT_CACHE_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedfit")
-    return [SOURCE.parent, Path(cache_root)]
+    found = [SOURCE.parent]
+    for variable in ("FEDFIT_CACHE_DIR", "CACHE_DIRECTORY"):  # CACHE_DIRECTORY: systemd's CacheDirectory=
+        if os.environ.get(variable):
+            found.append(Path(os.environ[variable].split(":")[0]))
+    found.append(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedfit")
+    return found
 
 
 def build(directory: Path) -> Path:
@@ -71,10 +81,13 @@ def build(directory: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise BuildFailed("no C compiler (cc, gcc or $CC) to build the page pool")
-    directory.mkdir(parents=True, exist_ok=True)
     target = directory / library_name()
-    handle, temporary = tempfile.mkstemp(prefix=".page_pool-", suffix=".so", dir=directory)
-    os.close(handle)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".page_pool-", suffix=".so", dir=directory)
+        os.close(handle)
+    except OSError as exc:
+        raise BuildFailed(f"cannot write the page pool into {directory}: {exc}") from None
     try:
         done = subprocess.run([compiler, *CFLAGS, "-o", temporary, str(SOURCE), *LIBS], capture_output=True,
                               text=True, timeout=BUILD_TIMEOUT_S, check=False)
@@ -97,17 +110,24 @@ def library_path() -> Path | None:
     (the training heap then falls back to ``compact``, whose peaks are the same)."""
     if not SOURCE.exists() or not os.path.exists("/proc/self/maps"):  # Linux only (mremap)
         return None
-    for directory in _directories():
+    directories = [directory for directory in _directories() if _nameable(directory)]
+    for directory in directories:
         candidate = directory / library_name()
-        if candidate.exists():
-            return candidate if _loadable(candidate) else None
-    for directory in _directories():
+        if candidate.exists() and _loadable(candidate):
+            return candidate
+    for directory in directories:
         try:
             built = build(directory)
         except BuildFailed:
             continue
-        return built if _loadable(built) else None
+        if _loadable(built):
+            return built
     return None
+
+
+def _nameable(directory: Path) -> bool:
+    """Whether ``LD_PRELOAD`` can name a file in ``directory`` (it splits on spaces and colons)."""
+    return not any(character in str(directory) for character in " :\t\n")
 
 
 def _loadable(path: Path) -> bool:
@@ -117,13 +137,24 @@ def _loadable(path: Path) -> bool:
         return False
 
 
+def other_preloads(environment: dict[str, str]) -> list[str]:
+    """What ``environment``'s ``LD_PRELOAD`` loads besides the pool."""
+    items = environment.get("LD_PRELOAD", "").replace(":", " ").split()
+    return [item for item in items if not Path(item).name.startswith("libfedfit_page_pool")]
+
+
+def usable(environment: dict[str, str]) -> bool:
+    """Whether the pool can be preloaded into a process started with ``environment`` (built, and no other
+    library preloaded there)."""
+    return library_path() is not None and not other_preloads(environment)
+
+
 def preload_environment(environment: dict[str, str]) -> dict[str, str]:
-    """``environment`` with the pool added in front of its ``LD_PRELOAD`` (unchanged where there is no pool)."""
+    """``environment`` with the pool as its ``LD_PRELOAD`` (unchanged where :func:`usable` says no)."""
     path = library_path()
-    if path is None:
+    if path is None or not usable(environment):
         return dict(environment)
-    others = [item for item in environment.get("LD_PRELOAD", "").split() if Path(item).name != path.name]
-    return {**environment, "LD_PRELOAD": " ".join([str(path), *others])}
+    return {**environment, "LD_PRELOAD": str(path)}
 
 
 def _process() -> ctypes.CDLL:

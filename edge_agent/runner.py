@@ -127,14 +127,19 @@ class TaskRunner:
         self.budget_for: BudgetFn = budget if callable(budget) else _constant(budget)
         self.device = device
         self.torch_threads = torch_threads
-        # What the children really run (glibc-only "compact" falls back), so the estimates match it.
+        # What the children really run (glibc-only "compact" falls back; "pooled" needs the page pool in the
+        # forkserver, which starts with it when asked before it starts), so the estimates match it.
         self.allocator = heap.resolve(allocator)
+        if self.allocator == "pooled" and not forkserver.preload_page_pool():
+            self.allocator = "compact"
         self._own_state_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(
             prefix=f"fedfit-{agent_id}-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         #: How this device runs (the device, and on CPU the heap): a calibration learnt one way says nothing of another.
-        self.runtime = "cuda" if device == "cuda" else f"cpu-{self.allocator}"
+        #: (The pooled heap peaks as the compact one does: they share one, kept across the change of default.)
+        heap_key = "compact" if self.allocator == "pooled" else self.allocator
+        self.runtime = "cuda" if device == "cuda" else f"cpu-{heap_key}"
         self._given_calibration = calibration
         self._calibrations: dict[str, Calibration] = {}
         self._last_model: ModelRef | None = None

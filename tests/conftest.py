@@ -8,6 +8,12 @@ import pytest
 import structlog
 import torch
 
+from edge_agent import forkserver
+
+# As in the agent, whose default heap is "pooled": the training forkserver, whichever test starts it, has the page
+# pool preloaded (where it can be built), so tests of the pooled heap do not depend on the order they run in.
+forkserver.preload_page_pool()
+
 
 @pytest.fixture(autouse=True)
 def fresh_logging() -> Iterator[None]:

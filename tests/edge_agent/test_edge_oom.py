@@ -183,7 +183,7 @@ def test_a_child_killed_by_the_oom_killer_is_out_of_memory_and_teaches_the_calib
     # every step must map far more than the jail holds, wherever in training the jail lands. The compact heap maps
     # each tensor afresh; one step of a 4,096-sample batch peaks at about 21 MiB (the tiny default task at 0.07
     # MiB let a child jailed a moment late train to the end within 8 MiB).
-    runner = make_runner(local_data(n=JAIL_BATCH), budget=2**30)
+    runner = make_runner(local_data(n=JAIL_BATCH), budget=2**30, allocator="compact")  # (pooled reuses pages)
     assert runner.allocator == "compact"
     jailed: list[int] = []
 

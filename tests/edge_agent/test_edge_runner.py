@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from edge_agent import forkserver
+from edge_agent import allocator, forkserver
 from edge_agent import runner as runner_module
 from edge_agent.adaptation import Option
 from edge_agent.calibration import Calibration
@@ -42,6 +42,11 @@ from protocol import (
 HIDDEN = (4, 8)
 MEMORY_KEYS = {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration"}
 OK_METRICS = {"loss", "steps", "seconds", "stages", "peak_bytes"} | MEMORY_KEYS
+
+
+def heap_metrics(runner) -> set[str]:
+    """The metrics a child adds for its heap: whether the page pool ran, where the pooled heap was asked for."""
+    return {"pooled_heap"} if runner.allocator == "pooled" else set()
 WIDTH_LEVELS = Adaptation("width-levels", rates=[1.0, 0.5, 0.25])
 
 
@@ -98,7 +103,9 @@ def test_valid_task_returns_ok_update_with_trained_weights(family, make_task, ma
     assert any(not np.array_equal(update.weights[k], task.weights[k]) for k in task.weights)  # trained
 
     metrics = update.metrics
-    assert set(metrics) == OK_METRICS
+    assert set(metrics) == OK_METRICS | heap_metrics(runner)
+    if runner.allocator == "pooled":  # the child really ran on the page pool
+        assert metrics["pooled_heap"] == 1.0
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["steps"] == 2.0 and metrics["stages"] == 1.0
     assert metrics["loss"] > 0 and metrics["seconds"] > 0
@@ -249,6 +256,16 @@ def test_runner_estimates_for_the_heap_its_children_run(family, model_ref, make_
     assert expected != raw_estimate(family, spec, task_plan(), allocator=other)  # the setting matters
     # A factor learnt under one heap setting says nothing about the other: one file per setting.
     assert runner.calibration_for(model_ref).path.name.startswith(f"calibration-cpu-{allocator}-")
+
+
+def test_a_pooled_runner_shares_the_compact_estimate_and_calibration(family, model_ref, make_runner, decider_for,
+                                                                    task_plan):
+    runner = make_runner(allocator="pooled")
+    assert runner.allocator == ("pooled" if allocator.resolve("pooled") == "pooled" else "compact")
+    spec = SubmodelSpec.uniform(0.5)
+    assert decider_for(runner).raw_estimate(model_ref, spec, task_plan()) == raw_estimate(family, spec, task_plan())
+    # The same peaks: what a device learnt under the compact heap carries over to the pooled one.
+    assert runner.calibration_for(model_ref).path.name.startswith("calibration-cpu-compact-")
 
 
 def test_runner_rejects_an_unknown_allocator(make_runner):
@@ -468,7 +485,8 @@ def test_a_depth_wise_task_uploads_only_the_trained_blocks_and_the_head(deep_fam
     task = make_deep_task(spec, plan=plan)
     # The task carries every tensor of the sub-model, frozen blocks included (they run in every stage).
     assert set(task.weights) == set(deep_family.state_keys(spec)) > set(deep_family.trainable_keys(spec))
-    update = make_runner().run(task)
+    runner = make_runner()
+    update = runner.run(task)
 
     assert update.status == "ok", update.reason
     assert update.spec_trained == spec.to_dict()
@@ -480,7 +498,7 @@ def test_a_depth_wise_task_uploads_only_the_trained_blocks_and_the_head(deep_fam
         assert np.isfinite(array).all()
     assert {f"{layer}.weight" for layer in (*trained, "classifier")} <= changed(task.weights, update.weights)
     stage_peaks = {f"stage_peak_bytes.{i}" for i in range(len(spec.segments))}  # one measured peak per segment
-    assert set(update.metrics) == OK_METRICS | stage_peaks
+    assert set(update.metrics) == OK_METRICS | stage_peaks | heap_metrics(runner)
     assert all(0 < update.metrics[key] <= update.metrics["peak_bytes"] for key in stage_peaks)
     assert update.metrics["stages"] == float(len(spec.segments))
     assert update.metrics["steps"] == float(steps)

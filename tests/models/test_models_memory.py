@@ -147,7 +147,7 @@ def test_default_heap_adds_the_retention_to_the_workspace(case: Case) -> None:
 
 def test_rejects_unknown_allocator(case: Case) -> None:
     family, size = case
-    with pytest.raises(ValueError, match="allocator must be one of compact, default"):
+    with pytest.raises(ValueError, match="allocator must be one of pooled, compact, default"):
         _estimate(family, size, allocator="tcmalloc")
 
 
