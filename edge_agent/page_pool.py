@@ -57,7 +57,7 @@ class BuildFailed(RuntimeError):
 
 
 def _digest() -> str:
-    text = SOURCE.read_bytes() + " ".join(CFLAGS + LIBS + (platform.machine(),)).encode()
+    text = SOURCE.read_bytes() + " ".join(CFLAGS + LIBS + (platform.machine(), *platform.libc_ver())).encode()
     return hashlib.sha256(text).hexdigest()[:12]
 
 
@@ -108,8 +108,8 @@ def build(directory: Path) -> Path:
 def library_path() -> Path | None:
     """The pool's library for the current source, built on first use; None where it cannot be built or loaded
     (the training heap then falls back to ``compact``, whose peaks are the same)."""
-    if not SOURCE.exists() or not os.path.exists("/proc/self/maps"):  # Linux only (mremap)
-        return None
+    if not SOURCE.exists() or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None  # (mremap is Linux's; __libc_malloc and friends are glibc's)
     directories = [directory for directory in _directories() if _nameable(directory)]
     for directory in directories:
         candidate = directory / library_name()

@@ -10,6 +10,10 @@
  * So the resident peak is the compact heap's, while most of a training step's pages are not faulted in again.
  *
  * Threads: one mutex guards the pool; frees of blocks outside the pool's address range never take it.
+ *
+ * Limits: what is kept is bounded by the pooled blocks' own high-water mark, not the process's: glibc's small
+ * blocks (under the threshold) that peak later sit on top of it. In a training child, whose small blocks stay
+ * few and steady, the measured peaks match the compact heap's (benchmarks/memory.py).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -26,6 +30,8 @@ extern void __libc_free(void *ptr);
 extern void *__libc_calloc(size_t count, size_t size);
 extern void *__libc_realloc(void *ptr, size_t size);
 extern void *__libc_memalign(size_t alignment, size_t size);
+extern void *__libc_valloc(size_t size);
+extern void *__libc_pvalloc(size_t size);
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -40,7 +46,7 @@ static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static volatile int enabled;
 static size_t threshold = SIZE_MAX;
 static size_t page_size = 4096;
-static volatile uintptr_t range_lo = UINTPTR_MAX, range_hi;
+static uintptr_t range_lo = UINTPTR_MAX, range_hi; /* only widened, under the lock; read without it */
 
 static Entry *table;          /* open addressing on the user pointer */
 static size_t table_capacity; /* a power of two */
@@ -52,12 +58,26 @@ static size_t kept_count, kept_capacity;
 static size_t live_bytes, kept_bytes, high_water;
 static uint64_t maps_made, bytes_mapped;
 
-static void *map_pages(size_t length) {
-    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+/* Fresh zero pages; populated (one system call instead of a fault per page) unless the caller will not write
+ * them all (calloc: a sparse zeroed block must not become resident). */
+static void *map_pages_populated(size_t length, int populate) {
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0);
+    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, flags, -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
-static size_t hash(uintptr_t key) { return (size_t)((key >> 6) * 0x9E3779B97F4A7C15ull); }
+static void *map_pages(size_t length) { return map_pages_populated(length, 1); }
+
+/* A well-mixed hash of a pointer (splitmix64's finaliser): pointers share their low bits. */
+static size_t hash(uintptr_t key) {
+    uint64_t x = (uint64_t)key;
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (size_t)x;
+}
 
 static int table_resize(size_t capacity) {
     Entry *fresh = map_pages(capacity * sizeof(Entry));
@@ -76,12 +96,16 @@ static int table_resize(size_t capacity) {
     return 0;
 }
 
+/* Room for one more entry (resizing when half the slots are used); -1 where no memory could be had. */
+static int table_reserve(void) {
+    if ((table_used + 1) * 2 <= table_capacity) return 0;
+    size_t capacity = 4096; /* room for twice the live entries, deleted marks dropped */
+    while (capacity < 4 * (table_live + 1)) capacity *= 2;
+    return table_resize(capacity);
+}
+
 static int table_insert(uintptr_t user, uintptr_t base, size_t length) {
-    if ((table_used + 1) * 2 > table_capacity) {
-        size_t capacity = 4096; /* room for twice the live entries, deleted marks dropped */
-        while (capacity < 4 * (table_live + 1)) capacity *= 2;
-        if (table_resize(capacity) != 0) return -1;
-    }
+    if (table_reserve() != 0) return -1;
     size_t i = hash(user) & (table_capacity - 1);
     while (table[i].user > 1) i = (i + 1) & (table_capacity - 1);
     if (table[i].user == 0) table_used++;
@@ -134,13 +158,18 @@ static void make_room(size_t length) {
 }
 
 static void note_range(uintptr_t base, size_t length) {
-    if (base < range_lo) range_lo = base;
-    if (base + length > range_hi) range_hi = base + length;
+    if (base < range_lo) __atomic_store_n(&range_lo, base, __ATOMIC_RELAXED);
+    if (base + length > range_hi) __atomic_store_n(&range_hi, base + length, __ATOMIC_RELAXED);
 }
 
-/* A block of `length` bytes (a whole number of pages): kept pages where possible. *fresh says whether every byte
- * is zero. Called with the lock held. */
-static uintptr_t obtain(size_t length, int *fresh) {
+/* Whether `user` may be a pooled block (a pointer another thread got from the pool is always in range). */
+static int in_range(uintptr_t user) {
+    return user >= __atomic_load_n(&range_lo, __ATOMIC_RELAXED) && user < __atomic_load_n(&range_hi, __ATOMIC_RELAXED);
+}
+
+/* A block of `length` bytes (a whole number of pages): kept pages where possible. *dirty receives how many of its
+ * leading bytes may be non-zero (the rest are fresh pages). Called with the lock held. */
+static uintptr_t obtain(size_t length, int populate, size_t *dirty) {
     size_t exact = SIZE_MAX, larger = SIZE_MAX, smaller = SIZE_MAX;
     for (size_t i = kept_count; i-- > 0;) {
         size_t have = kept[i].length;
@@ -148,7 +177,7 @@ static uintptr_t obtain(size_t length, int *fresh) {
         if (have > length && (larger == SIZE_MAX || have < kept[larger].length)) larger = i;
         if (have < length && (smaller == SIZE_MAX || have > kept[smaller].length)) smaller = i;
     }
-    *fresh = 0;
+    *dirty = length;
     if (exact != SIZE_MAX) return kept_take(exact).base;
     if (larger != SIZE_MAX) {
         Kept block = kept_take(larger);
@@ -160,31 +189,39 @@ static uintptr_t obtain(size_t length, int *fresh) {
         make_room(length); /* the block is counted in neither live nor kept while it is out */
         void *moved = mremap((void *)block.base, block.length, length, MREMAP_MAYMOVE);
         if (moved != MAP_FAILED) {
-            madvise((char *)moved + block.length, length - block.length, MADV_POPULATE_WRITE);
+            if (populate) {
+                int saved = errno; /* kernels before 5.14 refuse: the tail then faults in as it is written */
+                madvise((char *)moved + block.length, length - block.length, MADV_POPULATE_WRITE);
+                errno = saved;
+            }
             maps_made++;
             bytes_mapped += length - block.length;
             note_range((uintptr_t)moved, length);
+            *dirty = block.length;
             return (uintptr_t)moved;
         }
         munmap((void *)block.base, block.length);
     }
     make_room(length);
-    void *p = map_pages(length);
+    void *p = map_pages_populated(length, populate);
     if (p == NULL) return 0;
     maps_made++;
     bytes_mapped += length;
     note_range((uintptr_t)p, length);
-    *fresh = 1;
+    *dirty = 0;
     return (uintptr_t)p;
 }
 
-/* A pooled block of `size` bytes aligned to `alignment` (<= a page), or NULL. */
-static void *pool_alloc(size_t size, size_t alignment, int *fresh) {
+/* A pooled block of `size` bytes aligned to `alignment` (<= a page), or NULL; *dirty as obtain() says, counted
+ * from the returned pointer. */
+static void *pool_alloc(size_t size, size_t alignment, int populate, size_t *dirty) {
     size_t header = alignment > HEADER ? alignment : HEADER;
     if (size > SIZE_MAX - header - page_size) return NULL;
     size_t length = (size + header + page_size - 1) & ~(page_size - 1);
     pthread_mutex_lock(&pool_lock);
-    uintptr_t base = obtain(length, fresh);
+    size_t dirty_from_base = 0;
+    uintptr_t base = obtain(length, populate, &dirty_from_base);
+    *dirty = dirty_from_base > header ? dirty_from_base - header : 0;
     void *user = NULL;
     if (base != 0) {
         if (table_insert(base + header, base, length) == 0) {
@@ -202,7 +239,7 @@ static void *pool_alloc(size_t size, size_t alignment, int *fresh) {
 /* Return a pooled block to the pool; 0 when `ptr` is not one. *usable receives its usable size. */
 static int pool_free(void *ptr, size_t *usable) {
     uintptr_t user = (uintptr_t)ptr;
-    if (user < range_lo || user >= range_hi) return 0;
+    if (!in_range(user)) return 0;
     pthread_mutex_lock(&pool_lock);
     Entry *entry = table_find(user);
     int found = entry != NULL;
@@ -219,9 +256,49 @@ static int pool_free(void *ptr, size_t *usable) {
     return found;
 }
 
+/* A pooled block resized where it lies (its tail unmapped, or the mapping grown with mremap, pages kept), as
+ * the compact heap's mremap does: never two copies resident. NULL when it cannot be (the caller copies). */
+static void *pool_resize(void *ptr, size_t size) {
+    uintptr_t user = (uintptr_t)ptr;
+    void *result = NULL;
+    pthread_mutex_lock(&pool_lock);
+    Entry *entry = table_find(user);
+    if (entry != NULL) {
+        size_t header = user - entry->base;
+        uintptr_t base = entry->base;
+        size_t length = entry->length;
+        if (size <= SIZE_MAX - header - page_size) {
+            size_t wanted = (size + header + page_size - 1) & ~(page_size - 1);
+            if (wanted <= length) {
+                if (wanted < length && munmap((void *)(base + wanted), length - wanted) == 0) {
+                    entry->length = wanted;
+                    live_bytes -= length - wanted;
+                }
+                result = ptr;
+            } else if (table_reserve() == 0) { /* (so that the re-insertion below cannot fail) */
+                make_room(wanted - length);
+                void *moved = mremap((void *)base, length, wanted, MREMAP_MAYMOVE);
+                if (moved != MAP_FAILED) {
+                    maps_made++;
+                    bytes_mapped += wanted - length;
+                    live_bytes += wanted - length;
+                    if (live_bytes + kept_bytes > high_water) high_water = live_bytes + kept_bytes;
+                    note_range((uintptr_t)moved, wanted);
+                    entry->user = 1; /* re-inserted under its new address */
+                    table_live--;
+                    table_insert((uintptr_t)moved + header, (uintptr_t)moved, wanted);
+                    result = (void *)((uintptr_t)moved + header);
+                }
+            }
+        }
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return result;
+}
+
 static size_t pooled_size(void *ptr) {
     uintptr_t user = (uintptr_t)ptr;
-    if (user < range_lo || user >= range_hi) return 0;
+    if (!in_range(user)) return 0;
     pthread_mutex_lock(&pool_lock);
     Entry *entry = table_find(user);
     size_t usable = entry != NULL ? entry->length - (user - entry->base) : 0;
@@ -271,15 +348,18 @@ void fedfit_pool_stats(uint64_t out[5]) {
 
 void *malloc(size_t size) {
     if (wants_pool(size, HEADER)) {
-        int fresh;
-        void *p = pool_alloc(size, HEADER, &fresh);
+        size_t dirty;
+        void *p = pool_alloc(size, HEADER, 1, &dirty);
         if (p != NULL) return p;
     }
     return __libc_malloc(size);
 }
 
 void free(void *ptr) {
-    if (ptr != NULL && !pool_free(ptr, NULL)) __libc_free(ptr);
+    if (ptr == NULL) return;
+    int saved = errno; /* free leaves errno alone (glibc 2.33 and later promise it) */
+    if (!pool_free(ptr, NULL)) __libc_free(ptr);
+    errno = saved;
 }
 
 void *calloc(size_t count, size_t size) {
@@ -289,10 +369,10 @@ void *calloc(size_t count, size_t size) {
         return NULL;
     }
     if (wants_pool(total, HEADER)) {
-        int fresh;
-        void *p = pool_alloc(total, HEADER, &fresh);
+        size_t dirty;
+        void *p = pool_alloc(total, HEADER, 0, &dirty);
         if (p != NULL) {
-            if (!fresh) memset(p, 0, total);
+            memset(p, 0, dirty < total ? dirty : total); /* only reused pages; fresh ones are zero untouched */
             return p;
         }
     }
@@ -309,7 +389,8 @@ void *realloc(void *ptr, size_t size) {
         free(ptr);
         return NULL;
     }
-    if (size <= usable && size >= usable / 2) return ptr;
+    void *resized = pool_resize(ptr, size);
+    if (resized != NULL) return resized;
     void *moved = malloc(size);
     if (moved == NULL) return NULL;
     memcpy(moved, ptr, size < usable ? size : usable);
@@ -328,8 +409,8 @@ void *reallocarray(void *ptr, size_t count, size_t size) {
 
 static void *aligned(size_t alignment, size_t size) {
     if (wants_pool(size, alignment)) {
-        int fresh;
-        void *p = pool_alloc(size, alignment, &fresh);
+        size_t dirty;
+        void *p = pool_alloc(size, alignment, 1, &dirty);
         if (p != NULL) return p;
     }
     return __libc_memalign(alignment, size);
@@ -352,24 +433,24 @@ void *aligned_alloc(size_t alignment, size_t size) {
 }
 
 void *memalign(size_t alignment, size_t size) {
-    if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
-        errno = EINVAL;
-        return NULL;
-    }
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0) return __libc_memalign(alignment, size); /* rounds */
     return aligned(alignment, size);
 }
 
-void *valloc(size_t size) { return __libc_memalign((size_t)sysconf(_SC_PAGESIZE), size); }
+void *valloc(size_t size) { return __libc_valloc(size); }
 
-void *pvalloc(size_t size) {
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    return __libc_memalign(page, (size + page - 1) & ~(page - 1));
-}
+void *pvalloc(size_t size) { return __libc_pvalloc(size); }
 
 static size_t (*glibc_usable_size)(void *);
 
-__attribute__((constructor)) static void find_glibc_usable_size(void) {
+static void lock_before_fork(void) { pthread_mutex_lock(&pool_lock); }
+static void unlock_after_fork(void) { pthread_mutex_unlock(&pool_lock); }
+
+__attribute__((constructor)) static void set_up(void) {
+    /* (glibc's own: the pool is never preloaded beside another allocator, edge_agent.page_pool) */
     glibc_usable_size = (size_t (*)(void *))dlsym(RTLD_NEXT, "malloc_usable_size");
+    /* A fork while another thread holds the lock would leave the child's copy locked for good. */
+    pthread_atfork(lock_before_fork, unlock_after_fork, unlock_after_fork);
 }
 
 size_t malloc_usable_size(void *ptr) {

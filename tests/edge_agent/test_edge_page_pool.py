@@ -261,3 +261,61 @@ def test_torch_trains_on_the_pool():
         print(losses[0] > 2 * losses[-1], (stats.maps - settled.maps) / 20 <= 3)
     """)
     assert out.split() == ["True", "True"]
+
+
+@needs_pool
+def test_realloc_grows_and_shrinks_a_block_where_it_lies():
+    # Growing by copying would hold both copies at once (the compact heap's mremap never does).
+    out = run_probe("""
+        from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
+        page_pool.enable(4096)
+        size = 8 * MiB
+        block = process.malloc(size)
+        ctypes.memset(block, 0x33, size)
+        baseline = rss_bytes(); reset_peak_rss()
+        while size < 64 * MiB:
+            size += size // 4
+            block = process.realloc(block, size)
+            ctypes.memset(block, 0x33, size)
+        grown_peak = (peak_rss_bytes() - baseline) / MiB
+        assert ctypes.string_at(block, size) == b"\\x33" * size
+        live_before = page_pool.stats().live_bytes
+        block = process.realloc(block, MiB)  # the tail goes back at once
+        assert page_pool.stats().live_bytes < live_before - 60 * MiB
+        assert ctypes.string_at(block, MiB) == b"\\x33" * MiB
+        process.free(block)
+        print(grown_peak, size / MiB)
+    """)
+    peak, final = (float(value) for value in out.split())
+    assert peak < final - 8 + 4, out  # one copy of the final block above the first 8 MiB (+ slack), not two
+
+
+@needs_pool
+def test_a_sparse_zeroed_block_stays_unresident():
+    out = run_probe("""
+        from edge_agent.child import rss_bytes
+        page_pool.enable(4096)
+        baseline = rss_bytes()
+        block = process.calloc(1, 256 * MiB)
+        ctypes.memset(block, 1, 4096)  # one page written
+        print((rss_bytes() - baseline) / MiB)
+        process.free(block)
+    """)
+    assert float(out) < 16, out
+
+
+@needs_pool
+def test_the_obsolete_aligned_allocators_behave_as_glibcs():
+    out = run_probe("""
+        process.pvalloc.restype = ctypes.c_void_p
+        process.pvalloc.argtypes = (ctypes.c_size_t,)
+        process.memalign.restype = ctypes.c_void_p
+        process.memalign.argtypes = (ctypes.c_size_t, ctypes.c_size_t)
+        page_pool.enable(4096)
+        assert process.pvalloc(ctypes.c_size_t(-1).value) is None  # no wrap-around to a tiny block
+        odd = process.memalign(24, 100)  # glibc rounds the alignment up to a power of two
+        assert odd is not None and odd % 32 == 0
+        process.free(odd)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
