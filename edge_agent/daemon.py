@@ -64,6 +64,8 @@ class EdgeAgent:
         self.topics = Topics(config.federation)
         self.data = data.shape()  # the runner writes the data for the training children; the agent keeps no copy
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
+        if config.allocator == "pooled":  # before anything starts the forkserver (device "auto" asks torch there)
+            forkserver.preload_page_pool()
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
         self._last_round = 0
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")

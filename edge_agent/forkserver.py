@@ -5,7 +5,8 @@ multiprocessing *forkserver* imports torch, the models, the estimator and the tr
 one tiny training step (``edge_agent.child_warmup``), so every child it forks starts warm: the decision child
 (``edge_agent.decision``: checks, estimates, adaptation) and the training child (``edge_agent.child``). It starts
 when the first child is asked for, or at once with :func:`start` (the agent's ``forkserver: start-up``), with the
-page pool (``edge_agent.page_pool``) preloaded where it can be built: idle until a training child enables it.
+page pool (``edge_agent.page_pool``) preloaded when a pooled runner asked for it first (:func:`preload_page_pool`):
+idle until a training child enables it.
 
 A child gets its work directory (``edge_agent.workdir``) and nothing else: its target is named by module and
 function (:func:`_enter`), so this module never imports the code the child runs.
