@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from functools import cache
 
 from edge_agent import page_pool
@@ -75,7 +74,7 @@ def resolve(requested: str) -> str:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {requested!r}.")
     if requested == "default" or not compact_supported():
         return "default"
-    if requested == "pooled" and not page_pool.usable(dict(os.environ)):
+    if requested == "pooled" and not page_pool.usable():
         return "compact"
     return requested
 

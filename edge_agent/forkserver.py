@@ -67,7 +67,7 @@ def preload_page_pool() -> bool:
     """Have the forkserver started with the page pool preloaded (a runner whose heap is ``pooled`` asks, before
     its first child; a server already running keeps what it has). False where the pool is not usable here."""
     global _page_pool
-    if not page_pool.usable(dict(os.environ)):
+    if not page_pool.usable():
         return False
     _page_pool = page_pool.library_path()
     return _page_pool is not None

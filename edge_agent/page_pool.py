@@ -38,8 +38,6 @@ __all__ = [
     "enable",
     "library_path",
     "loaded",
-    "other_preloads",
-    "preload_environment",
     "release",
     "stats",
     "usable",
@@ -137,24 +135,16 @@ def _loadable(path: Path) -> bool:
         return False
 
 
-def other_preloads(environment: dict[str, str]) -> list[str]:
-    """What ``environment``'s ``LD_PRELOAD`` loads besides the pool."""
-    items = environment.get("LD_PRELOAD", "").replace(":", " ").split()
+def _other_preloads() -> list[str]:
+    """What this process's ``LD_PRELOAD`` (inherited by the processes it starts) loads besides the pool."""
+    items = os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
     return [item for item in items if not Path(item).name.startswith("libfedfit_page_pool")]
 
 
-def usable(environment: dict[str, str]) -> bool:
-    """Whether the pool can be preloaded into a process started with ``environment`` (built, and no other
-    library preloaded there)."""
-    return library_path() is not None and not other_preloads(environment)
-
-
-def preload_environment(environment: dict[str, str]) -> dict[str, str]:
-    """``environment`` with the pool as its ``LD_PRELOAD`` (unchanged where :func:`usable` says no)."""
-    path = library_path()
-    if path is None or not usable(environment):
-        return dict(environment)
-    return {**environment, "LD_PRELOAD": str(path)}
+def usable() -> bool:
+    """Whether the pool can be preloaded into the processes this one starts: built, and no other library
+    preloaded in this environment."""
+    return library_path() is not None and not _other_preloads()
 
 
 def _process() -> ctypes.CDLL:

@@ -168,9 +168,9 @@ CPU_HEAP_RETENTION = 1.0
 #: block of a page or more to the system at once (``edge_agent.allocator``), ``"pooled"`` keeps their pages for
 #: reuse within the live high-water mark (the same peak), ``"default"`` is glibc's default.
 CPU_ALLOCATORS = ("pooled", "compact", "default")
-_RETENTION = {"pooled": 0.0, "compact": 0.0, "default": CPU_HEAP_RETENTION}
-#: Heaps whose peaks are estimated alike (one cache entry).
+#: Heaps whose peaks are estimated alike (one cache entry, one retention).
 _SAME_ESTIMATE = {"pooled": "compact"}
+_RETENTION = {"compact": 0.0, "default": CPU_HEAP_RETENTION}
 #: Granularity of the CUDA caching allocator.
 CUDA_BLOCK_BYTES = 512
 #: cuBLAS workspace allocated through the caching allocator by the first matrix multiply.

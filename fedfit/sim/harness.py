@@ -189,7 +189,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                     "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
                     "device_tiers": [s.tier.name if s else None for s in schedules],
-                    "allocator": options.allocator, "masked_ce": coordinator.strategy.masked_ce}
+                    # the heap the agents' children ran ("pooled" falls back to "compact" without the page pool)
+                    "allocator": agents[0].runner.allocator if agents else options.allocator,
+                    "masked_ce": coordinator.strategy.masked_ce}
         run = {"version": version_string(), "started_at": _utc(started), "ended_at": _utc(ended),
                "wall_seconds": round(ended - started, 3), "directory": str(run_dir), "config": _public(config),
                "overrides": list(options.overrides), "command": list(options.command),

@@ -35,9 +35,9 @@ _PRELUDE = textwrap.dedent("""
 """)
 
 
-def run_probe(body: str, preload: bool = True) -> str:
+def run_probe(body: str) -> str:
     """Run ``body`` after the prelude in a fresh interpreter with the pool preloaded; its stdout."""
-    env = page_pool.preload_environment(dict(os.environ)) if preload else dict(os.environ)
+    env = {**os.environ, "LD_PRELOAD": str(LIBRARY)}
     done = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(body)], env=env, capture_output=True,
                           text=True, timeout=120, check=False, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
