@@ -8,12 +8,14 @@ from models.cnn import ConvFamily
 from models.family import ModelFamily
 from models.preresnet import PreResNet18Family, PreResNet20Family
 from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family, ResNetFamily
+from models.vgg import Vgg11Family, Vgg13Family, Vgg16Family
 
 __all__ = ["FAMILY_NAMES", "get_family"]
 
 _FAMILIES: dict[str, type[ModelFamily]] = {
     family.name: family
-    for family in (ConvFamily, PreResNet18Family, PreResNet20Family, ResNetFamily, ResNet20Family, ResNet56Family, ResNet110Family)
+    for family in (ConvFamily, PreResNet18Family, PreResNet20Family, ResNetFamily, ResNet20Family, ResNet56Family, ResNet110Family,
+                   Vgg11Family, Vgg13Family, Vgg16Family)
 }
 
 #: Names accepted by :func:`get_family`.

@@ -104,9 +104,9 @@ def test_unknown_algorithm_is_rejected_by_the_strategy_registry():
 
 
 def test_unknown_model_family_is_rejected_by_validate():
-    with pytest.raises(ValueError, match="model.family must be one of .*cnn.*'vgg16'"):
-        CoordinatorConfig(model=ModelConfig(family="vgg16")).validate()
-    for family in ("cnn", "preresnet18", "resnet20", "resnet56", "resnet110"):
+    with pytest.raises(ValueError, match="model.family must be one of .*cnn.*'vgg19'"):
+        CoordinatorConfig(model=ModelConfig(family="vgg19")).validate()
+    for family in ("cnn", "preresnet18", "resnet20", "resnet56", "resnet110", "vgg16"):
         CoordinatorConfig(model=ModelConfig(family=family)).validate()
 
 

@@ -236,7 +236,7 @@ def test_param_count_matches_built_models(case: Case, spec: SubmodelSpec) -> Non
     assert family.param_count(spec) == sum(p.numel() for p in family.build(spec).parameters())
 
 
-@pytest.mark.parametrize("name", ["cnn", "preresnet18", "resnet20"])
+@pytest.mark.parametrize("name", ["cnn", "preresnet18", "resnet20", "vgg16"])
 def test_param_count_shrinks_roughly_with_rate_squared(name: str) -> None:
     family = get_family(name, 10, 3)  # default sizes: no model is built here
     full = family.param_count()

@@ -12,7 +12,8 @@ from models.resnet import ResNet20Family, ResNet56Family, ResNet110Family, ResNe
 
 
 def test_family_names() -> None:
-    assert FAMILY_NAMES == ("cnn", "preresnet18", "preresnet20", "resnet", "resnet20", "resnet56", "resnet110")
+    assert FAMILY_NAMES == ("cnn", "preresnet18", "preresnet20", "resnet", "resnet20", "resnet56", "resnet110", "vgg11",
+                            "vgg13", "vgg16")
 
 
 @pytest.mark.parametrize(
@@ -37,9 +38,9 @@ def test_get_family(name: str, cls: type[ModelFamily]) -> None:
 
 
 def test_unknown_family_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown model family 'vgg16'.*cnn, preresnet18, preresnet20, resnet, resnet20, resnet56, "
+    with pytest.raises(ValueError, match="unknown model family 'vgg19'.*cnn, preresnet18, preresnet20, resnet, resnet20, resnet56, "
                                          "resnet110"):
-        get_family("vgg16", 10, 3)
+        get_family("vgg19", 10, 3)
 
 
 def test_unknown_option_lists_valid_ones() -> None:
