@@ -6,8 +6,9 @@ segments, trained one after another with the blocks before each frozen; the meas
 highest stage peak, the estimate that of the costliest stage) for the CNN, PreResNet-18 and PreResNet-20 (some
 with two epochs a stage training from buffered frozen outputs, one through auxiliary classifiers, some in
 micro-batches with accumulated gradients), rows
-of several copies trained with mutual distillation (m-FeDepth) and a few early-exit rows (ScaleFL levels trained
-with self-distillation), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
+of several copies trained with mutual distillation (m-FeDepth), a few early-exit rows (ScaleFL levels trained
+with self-distillation) and a few rows distilling from nested narrower sub-models (FlexFL's ``nested_kd``: lambda
+10 shared by the teachers, tau 3), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
 measured peak, their ratio and the milliseconds per training step; the last line is ``worst ratio: X`` (the
 ratio farthest from 1).
 
@@ -53,6 +54,7 @@ class Row:
     route: str = "skip"  # depth-wise: how a segment reaches a classifier ("exit": the exits after segments)
     buffered: bool = False  # depth-wise: two epochs a stage, the frozen blocks' outputs buffered (Stage.cache)
     micro: int = 0  # depth-wise: micro-batches of this many samples, gradients accumulated (Stage.micro_batch)
+    nested: tuple[float, ...] = ()  # FlexFL: uniform widths of the nested teachers (nested_kd terms)
 
     @property
     def scalefl(self) -> bool:
@@ -77,13 +79,16 @@ class Row:
         loss = self_distillation_loss(outputs, beta=0.1, tau=3.0) if self.scalefl else (LossTerm.ce(),)
         if self.copies > 1:
             loss = (*loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
+        loss = (*loss, *(LossTerm.nested_kd(type(self.spec()).uniform(width).to_dict(), weight=10.0 / len(self.nested),
+                                            tau=3.0) for width in self.nested))
         schedule = tuple(Stage(self.epochs, self.route, self.buffered, self.micro) for _ in self.segments or ())
         return TrainingPlan(optimizer=OptimizerSettings("sgd", 0.01, 0.9, 5e-4, 1.0), epochs=self.epochs,
                             batch_size=self.batch_size, loss=loss, copies=self.copies, schedule=schedule)
 
     def label(self) -> str:
         return (self.spec().describe() + (f" x{self.copies} copies" if self.copies > 1 else "")
-                + (" buffered" if self.buffered else "") + (f" micro {self.micro}" if self.micro else ""))
+                + (" buffered" if self.buffered else "") + (f" micro {self.micro}" if self.micro else "")
+                + (" kd<" + ",".join(f"{width:g}" for width in self.nested) if self.nested else ""))
 
 
 def rows() -> list[Row]:
@@ -114,6 +119,9 @@ def rows() -> list[Row]:
         Row("cnn", 1, (28, 28), 0.76, 32, exits=(0, 2), depth=3),
         Row("cnn", 1, (28, 28), 1, 32, exits=(0, 2)),
         Row("resnet20", 1, (28, 28), 0.6, 32, exits=(1, 2, 4), depth=5),
+        Row("cnn", 1, (28, 28), 1, 32, nested=(0.5, 0.25, 0.125)),
+        Row("cnn", 1, (28, 28), 1, 128, nested=(0.5,)),
+        Row("preresnet18", 3, (32, 32), 0.5, 32, nested=(0.25, 0.125)),
     ]
     return out
 

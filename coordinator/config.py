@@ -140,6 +140,64 @@ class FeDepthConfig:
 
 
 @dataclass
+class FlexFLConfig:
+    """FlexFL's settings (the ``flexfl`` section; used when ``algorithm: flexfl``).
+
+    Pre-processing (once, at set-up): ``proxy_fraction`` of the server's training split (never the test split) is
+    the proxy set, ``proxy_train`` of it pre-trains the global model for ``pretrain_epochs`` epochs (the recipe's
+    optimizer and batch size) and the rest scores APoZ. ``init``: the initial global model is a fresh one
+    (``fresh``, the paper: Alg. 2 resets the global model after scoring) or the pre-trained one (``pretrained``).
+    Algorithm 1: ``ratios`` (L_p, smallest first, the last 1: the full model) of ``size`` (``params``: all
+    parameters, the paper's; ``features``: all but the final classifier's, the reference code's; ``memory``: the
+    model-dependent part of the estimated training memory at the recipe's batch size, the unit of the budgets
+    devices report, as ScaleFL's ``cost: memory``), gamma on a grid of ``step``
+    (xi) searched ``up`` from 0 (the paper) or ``down`` (the reference), within ``tolerance`` (eps) of each ratio;
+    ``rounding`` of the kept channels (``floor``: the reference's ``int(C * s)``). Every pool model has an
+    adaptive variant with ``adaptive_cut`` (Gamma) fewer parameters: ``relative`` to the pool model's
+    size (the paper) or ``absolute`` (a share of the full model's, the reference's targets ``0.5 - d``, ``1 - d``).
+    Self-KD (Eq. 4): ``kd_weight`` (lambda), ``tau``; ``kd_reduction`` ``batchmean`` (KL summed over classes, the
+    paper's) or ``mean`` (the reference's ``KLDivLoss()``, which also averages over the classes).
+    """
+
+    proxy_fraction: float = 0.01
+    proxy_train: float = 0.8
+    pretrain_epochs: int = 5
+    init: Literal["fresh", "pretrained"] = "fresh"
+    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
+    size: Literal["params", "features", "memory"] = "params"
+    step: float = 0.01
+    tolerance: float = 0.01
+    search: Literal["up", "down"] = "up"
+    rounding: Literal["floor", "ceil"] = "floor"
+    adaptive_cut: float = 0.1
+    adaptive_mode: Literal["relative", "absolute"] = "relative"
+    kd_weight: float = 10.0
+    tau: float = 3.0
+    kd_reduction: Literal["batchmean", "mean"] = "batchmean"
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        ratios = self.ratios
+        if (not ratios or any(not 0 < r <= 1 for r in ratios)
+                or any(a >= b for a, b in itertools.pairwise(ratios)) or ratios[-1] != 1.0):
+            raise ValueError(f"flexfl.ratios must increase strictly within (0, 1] and end with 1, got {ratios}")
+        if not 0 < self.proxy_fraction <= 1 or not 0 < self.proxy_train < 1:
+            raise ValueError("flexfl.proxy_fraction must be in (0, 1] and flexfl.proxy_train in (0, 1)")
+        if self.pretrain_epochs < 0:
+            raise ValueError(f"flexfl.pretrain_epochs must be non-negative, got {self.pretrain_epochs}")
+        if not 0 < self.step <= 0.5 or not 0 <= self.tolerance < 0.5:
+            raise ValueError("flexfl.step must be in (0, 0.5] and flexfl.tolerance in [0, 0.5)")
+        if not 0 <= self.adaptive_cut < 1:
+            raise ValueError(f"flexfl.adaptive_cut must be in [0, 1), got {self.adaptive_cut}")
+        if self.kd_weight < 0 or self.tau <= 0:
+            raise ValueError("flexfl.kd_weight must be non-negative and flexfl.tau positive")
+
+    def adaptive_target(self, ratio: float) -> float:
+        """The share of the full model an adaptive variant of the pool model of ``ratio`` keeps."""
+        return ratio * (1 - self.adaptive_cut) if self.adaptive_mode == "relative" else ratio - self.adaptive_cut
+
+
+@dataclass
 class FedAvgConfig:
     """FedAvg's setting (the ``fedavg`` section): the uniform ``width`` every device trains (1: the full model,
     the memory-ignoring upper reference; e.g. 1/6: FeDepth's and HeteroFL's "FedAvg (x 1/6)")."""
@@ -191,6 +249,7 @@ class CoordinatorConfig:
     scalefl: ScaleFLConfig = field(default_factory=ScaleFLConfig)
     fedepth: FeDepthConfig = field(default_factory=FeDepthConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
+    flexfl: FlexFLConfig = field(default_factory=FlexFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     state_dir: str = "runs/coordinator"
@@ -225,3 +284,4 @@ class CoordinatorConfig:
         self.fedepth.validate()
         self.screening.validate()
         self.fedavg.validate()
+        self.flexfl.validate()

@@ -119,13 +119,14 @@ class Coordinator:
         self.state_dir = Path(config.state_dir)
         self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
         self.metrics = MetricsWriter(self.state_dir / "metrics.jsonl")
-        self.states = self.strategy.initial_states(config.seed)
         self.completed_rounds = 0
         if config.resume and self.checkpoint_path.exists():
             self._resume()
         elif self.checkpoint_path.exists():
             raise ValueError(f"state_dir {self.state_dir} holds an earlier run (checkpoint.safetensors): set resume: "
                              f"true to continue it, or give this run another state_dir")
+        else:
+            self.states = self.strategy.initial_states(config.seed)
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
         self._pending: JournaledRound | None = None
         if config.resume:
@@ -160,6 +161,9 @@ class Coordinator:
             raise ValueError(f"checkpoint {self.checkpoint_path} is for {meta.get('algorithm')}/"
                              f"{meta.get('family')}, not {self.config.algorithm}/{self.config.model.family}; "
                              f"use another state_dir or set resume: false")
+        # The strategy's state first: what its set-up computed (e.g. FlexFL's pool) is restored, not redone.
+        self.strategy.load_state_dict(meta.get("strategy", {}))
+        self.states = self.strategy.initial_states(self.config.seed)
         if set(states) != set(self.states):
             raise ValueError(f"checkpoint {self.checkpoint_path} holds model groups {sorted(states)}, this "
                              f"{self.config.algorithm} run keeps {sorted(self.states)}; use another state_dir")
@@ -168,7 +172,6 @@ class Coordinator:
                 self.states[group] = state
             else:
                 raise ValueError(f"checkpoint {self.checkpoint_path} does not match this model (group {group})")
-        self.strategy.load_state_dict(meta.get("strategy", {}))
         self.completed_rounds = int(meta.get("round", 0))
         self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
 
@@ -447,6 +450,7 @@ class Coordinator:
                     self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=str(exc))
                 else:
                     record.spec_trained = result.spec.describe()
+                    record.level_trained = self._level_of(result.spec)
                     results.append(result)
             answered.append((update, record))
         kept, rejected, changes = screen(results, self._sent, self.config.screening)
@@ -473,6 +477,11 @@ class Coordinator:
                     task_ids[agent], collector.round, agent, reason, "rejected" if reason else "aggregated")))
             except Exception as exc:  # noqa: BLE001 - one device's verdict never ends the round
                 self.log.warning("verdict_not_sent", agent=agent, round=collector.round, error=str(exc))
+
+    def _level_of(self, spec: SubmodelSpec) -> str | None:
+        """The name of the level (pool model) whose spec ``spec`` is, if any."""
+        return next((name for name, target in self.strategy.eval_targets().items()
+                     if name != "global" and target.spec == spec), None)
 
     def _trained(self, results: Sequence[TaskResult]) -> tuple[list[str], list[int]]:
         """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the

@@ -22,6 +22,8 @@ class TaskRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     #: What screening measured of an update it saw (:meth:`coordinator.screening.Change.as_dict`).
     screening: dict[str, float | None] = field(default_factory=dict)
+    #: The level (or pool model) whose spec the update trained, when it is one (an adapted task: a lower one).
+    level_trained: str | None = None
 
     def memory(self, name: str) -> int | None:
         """A memory figure the agent reported (budget_bytes, estimated_bytes, peak_bytes), if any."""

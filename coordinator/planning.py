@@ -43,4 +43,10 @@ def strategy_for(config: CoordinatorConfig, dataset: Dataset, family: ModelFamil
     return make_strategy(config.algorithm, StrategyContext(
         family=family, config=config, input_size=dataset.image_size,
         server_x=torch.tensor(np.asarray(server_x)), server_y=torch.tensor(np.asarray(server_y), dtype=torch.long),
-        training_memory=TrainingMemory(family, dataset.image_size)))
+        training_memory=TrainingMemory(family, dataset.image_size),
+        training_sample=lambda count: _tensors(*subsample(dataset.x_train, dataset.y_train, count, config.seed + 1)),
+        training_size=len(dataset.x_train)))
+
+
+def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y), dtype=torch.long)

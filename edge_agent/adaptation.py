@@ -42,16 +42,18 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
     of depth-wise stages (route ``"exit"``), and a model trained whole learns through its own head.
 
     Raises ``ValueError`` for a spec that is malformed or does not fit the family, or a plan that cannot run on
-    its spec (:func:`models.training.check_plan`); the message names the candidate.
+    its spec (:func:`models.training.check_plan`); the message names the candidate. A ``width-levels`` level the
+    task's plan cannot run on (a ``nested_kd`` teacher wider than the level) is left out.
     """
     check_plan(family, sent, plan)
     whole = replace(sent, exits=()) if hint is not None and hint.kind == "depthwise" else sent
     found = [Option(whole, replace(plan, copies=count)) for count in range(plan.copies, 0, -1)]
     if hint is None or hint.kind == "none":
         return found
-    if hint.kind == "width-levels":
+    if hint.kind == "width-levels":  # the task's plan on each level it can run on (nested_kd teachers must fit)
         smaller = sorted((rate for rate in set(hint.rates) if rate < sent.width), reverse=True)
-        candidates = [Option(SubmodelSpec.uniform(rate, sent.rounding), plan) for rate in smaller]
+        levels = [SubmodelSpec.uniform(rate, sent.rounding) for rate in smaller]
+        candidates = [Option(level, plan) for level in levels if _runs(family, level, plan)]
     else:
         candidates = []
         for index, candidate in enumerate(hint.candidates):
@@ -65,6 +67,15 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
         if option.spec != sent and family.is_nested(option.spec, sent) and option not in found:
             found.append(option)
     return found
+
+
+def _runs(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> bool:
+    """Whether ``plan`` can run on ``spec`` (:func:`models.training.check_plan`)."""
+    try:
+        check_plan(family, spec, plan)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

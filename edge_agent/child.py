@@ -69,7 +69,8 @@ def peak_rss_bytes() -> int:
 
 
 def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor,
-                     plan: TrainingPlan, labels: list[int], num_classes: int, device: str, allocator: str) -> None:
+                     plan: TrainingPlan, labels: list[int], num_classes: int, device: str, allocator: str, *,
+                     family: ModelFamily | None = None) -> None:
     """One step of every stage of ``plan`` on a throwaway model from ``build`` and one batch, and one more on a
     batch of the size the epoch ends with when that is shorter (learning rate 0), then the heap settled for ``allocator`` (:func:`edge_agent.allocator.settle`).
 
@@ -81,7 +82,8 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     by 0.5 MB from run to run while the warm-up ran at another shape. The trim then gives back what the step
     freed, above all the working set glibc's default heap would keep below the baseline. Afterwards the peak above
     the baseline is the memory training allocates, which is what the estimate predicts. The warm-up's own peak is
-    that of one training step, so it needs no more memory than the run.
+    that of one training step, so it needs no more memory than the run. ``family`` (the model's) is needed by a
+    plan with ``nested_kd`` terms.
     """
     warm, others = build(), [build() for _ in range(plan.copies - 1)]
     batch = max(2, plan.batch_size)
@@ -93,7 +95,7 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     still = replace(plan, epochs=1, batch_size=batch, optimizer=replace(plan.optimizer, lr=0.0),
                     schedule=tuple(replace(stage, epochs=1) for stage in plan.schedule))
     train(warm, spec, x[:take], y[:take], still, labels=labels, num_classes=num_classes, device=device,
-          copies=others)
+          copies=others, family=family)
     del warm, others
     gc.collect()
     if device != "cuda":
@@ -146,7 +148,7 @@ def train_in_workdir(workdir: Path) -> None:
     training = task.training_plan()
     weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
     warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, request.labels,
-                     task.model.num_classes, device, request.allocator)
+                     task.model.num_classes, device, request.allocator, family=family)
     baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
     _reset_peak(device)
     model = family.build(spec, track_bn_stats=False)
@@ -166,7 +168,7 @@ def train_in_workdir(workdir: Path) -> None:
             peaks.append(_peak_above(device, baseline))
 
     result = train(model, spec, x, y, training, labels=request.labels, num_classes=task.model.num_classes,
-                   device=device, on_stage=on_stage, copies=copies)
+                   device=device, on_stage=on_stage, copies=copies, family=family)
     peak = max(peaks)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}

@@ -235,7 +235,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from common.data import load_dataset
     from coordinator.planning import strategy_for
-    from fedfit.plan_table import format_plan, format_tiers, tier_rows
+    from fedfit.plan_table import format_plan, format_setup, format_tiers, tier_rows
 
     mapping, config = _coordinator_settings(args.config, args.overrides)
     config = replace(config, algorithm=args.algorithm or config.algorithm,
@@ -250,13 +250,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     rows = strategy.describe()
     fedavg_set = "width" in mapping.get("fedavg", {}) if isinstance(mapping.get("fedavg"), dict) else False
     tiers = tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set) if args.budgets else []
+    setup = strategy.setup_summary()
     if args.json:
-        print(json.dumps({"levels": rows, "tiers": tiers}, indent=2))
+        print(json.dumps({"levels": rows, "tiers": tiers, **({"setup": setup} if setup else {})}, indent=2))
     else:
         print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
               f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
               f"batch {config.recipe.batch_size} (pooled heap, this CPU)")
         print(format_plan(rows))
+        if setup:
+            print("\nset-up:")
+            print(format_setup(setup))
         if args.budgets:
             print(f"\ndevice tiers of --budgets {args.budgets}, and what each method would hand them:")
             print(format_tiers(tiers))

@@ -52,10 +52,20 @@ def format_plan(rows: Sequence[dict[str, Any]]) -> str:
     """Aligned columns: name (or tier), spec, parameters, multiply-accumulates per sample, training memory, then
     the strategy's own figures."""
     keys = [k for k in _FIRST if any(k in row for row in rows)]
-    keys += [k for row in rows for k in row if k not in keys]
+    keys += [k for row in rows for k in row if k not in keys and not isinstance(row[k], dict)]
     keys = list(dict.fromkeys(keys))
     table = [keys] + [[_cell(k, row[k]) if k in row else "-" for k in keys] for row in rows]
     return _align(table, left=(1,))
+
+
+def format_setup(setup: dict[str, Any]) -> str:
+    """A strategy's set-up summary, one line per entry (a mapping's items on its line)."""
+    lines = []
+    for key, value in setup.items():
+        if isinstance(value, dict):
+            value = " ".join(f"{k}={_cell(k, v)}" for k, v in value.items())
+        lines.append(f"  {key}: {value}")
+    return "\n".join(lines)
 
 
 def _fractions(text: str) -> str:

@@ -119,10 +119,13 @@ What is traced
 The step is the training interpreter's own (:func:`models.training.backward_step`): the forward pass over every
 output of the sub-model (early exits included) and the plan's loss terms (cross-entropy, distillation among
 exits with its softmax temporaries), then backward; a plan with several copies (m-FeDepth) runs all of them,
-their parameters and optimizer state included. Depth-wise training (a spec with segments, FeDepth) is
-traced one stage at a time through the same :class:`models.depthwise.SegmentModel` the interpreter trains:
-blocks before the segment run without autograd (frozen: no gradients, no optimizer state, nothing saved), the
-segment and its head are trained; the estimate of a run is that of its most expensive stage. A stage whose
+their parameters and optimizer state included; ``nested_kd`` terms (FlexFL) first run their nested teachers
+without autograd on views of the trained weights (:func:`models.training.nested_teachers`, built alike), so
+their transient activations and kept outputs count, and no weights of their own. Depth-wise training (a spec
+with segments, FeDepth) is traced one stage at a time through the same :class:`models.depthwise.SegmentModel`
+the interpreter trains: blocks before the segment run without autograd (frozen: no gradients, no optimizer
+state, nothing saved), the segment and its head are trained; the estimate of a run is that of its most
+expensive stage. A stage whose
 frozen blocks' outputs are buffered for its epochs (``Stage.cache``) adds the buffer, ``samples`` times the
 segment input's bytes per sample, to that stage's traced peak (an upper bound of both building the buffer and
 training from it, which no longer runs the frozen blocks per batch).
@@ -146,7 +149,7 @@ from models.conv_workspace import convolution_workspace
 from models.depthwise import SegmentModel
 from models.family import ModelFamily
 from models.spec import SubmodelSpec
-from models.training import backward_step, micro_batch_size, stages
+from models.training import backward_step, micro_batch_size, nested_teachers, stages
 from protocol.plan import LossTerm, TrainingPlan
 
 __all__ = [
@@ -264,6 +267,9 @@ def _trace(
     with torch.device("meta"):
         model = family.build(spec, track_bn_stats=False)
         others = [family.build(spec, track_bn_stats=False).train() for _ in range(copies - 1)]
+    teachers = nested_teachers(family, spec, loss, model)  # the interpreter's own, built alike
+    if teachers is not None and (segment is not None or copies > 1):
+        raise ValueError("nested_kd terms are not supported with copies or in depth-wise training.")
     shape = (batch_size, family.in_channels, *input_size)
     try:
         net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
@@ -295,10 +301,12 @@ def _trace(
             def forwarded() -> None:  # the most alive at the end of a forward pass (of any copy)
                 marks["activations"] = max(marks.get("activations", 0), tracker.live - held["gradients"])
 
-            value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded)
+            value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
+                                  teachers=teachers)
             if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
                 held["gradients"] = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
-                value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded)
+                value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
+                                      teachers=teachers)
             activations = marks["activations"]
             after_backward = tracker.live
             del value, inputs, targets, mask

@@ -129,8 +129,8 @@ def keep_ratios(apoz: Mapping[str, float], adjustment: Mapping[str, float], gamm
 
 def pruned_spec(ratios: Mapping[str, float], rounding: str = "floor") -> SubmodelSpec:
     """The sub-model keeping ``ratios[group]`` of every group's leading channels (rounded as ``rounding``)."""
-    return SubmodelSpec(layer_widths={group: round(rate, 6) for group, rate in ratios.items() if rate < 1.0},
-                        rounding=rounding)
+    kept = tuple((group, round(rate, 6)) for group, rate in ratios.items() if rate < 1.0)
+    return SubmodelSpec(layer_widths=kept, rounding=rounding)
 
 
 def model_size(family: ModelFamily, spec: SubmodelSpec,

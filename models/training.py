@@ -1,7 +1,7 @@
 """The training-plan interpreter: one pure-torch implementation of a :class:`protocol.TrainingPlan`.
 
 It runs wherever training happens or is predicted: the agent's training child and its warm-up step, the memory
-estimator (which traces :func:`forward_loss` on meta tensors, so exits, teachers and stages are counted) and the
+estimator (which traces :func:`backward_step` on meta tensors, so exits, teachers and stages are counted) and the
 coordinator's own training on server data. A plan says nothing about the paper it comes from.
 
 A run is a sequence of stages: one stage training the whole sub-model for ``plan.epochs`` epochs, or, for a
@@ -20,17 +20,27 @@ the others' predictions as fixed targets (deep mutual learning). One optimizer s
 on the gradient of its own loss at the plan's learning rate, and only one copy's activations are alive at a
 time: M copies cost M times the parameters, gradients and optimizer state, not M times the activations. The
 loss reported is the mean over the copies (m-FeDepth's objective).
+
+A plan with ``nested_kd`` terms (FlexFL's self-distillation from nested sub-models) needs the model family
+(``train(..., family=...)``): every distinct ``teacher_spec`` is built once per run, on the meta device (it holds
+no weights of its own), and every batch first runs through each teacher without autograd, with the student's
+current weights cut to the teacher's shapes as views (leading prefixes, as :meth:`ModelFamily.extract` cuts), in
+train mode (batch statistics) like the student (:class:`NestedTeachers`). Their last outputs are the terms'
+fixed targets; they are computed before the student's forward pass, so their activations are gone before the
+student's pile up. Not with copies or depth-wise stages (:func:`check_plan` refuses both).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.nn import functional as F
 
 from models.depthwise import SegmentModel, frozen_outputs
@@ -39,7 +49,11 @@ from models.net import FamilyNet
 from models.spec import SubmodelSpec
 from protocol.plan import LossTerm, Stage, TrainingPlan
 
-__all__ = ["TrainResult", "backward_step", "check_plan", "forward_loss", "label_mask", "loss_of", "masked_cross_entropy", "stages", "train"]
+__all__ = ["NestedTeachers", "TrainResult", "backward_step", "check_plan", "forward_loss", "label_mask", "loss_of",
+           "masked_cross_entropy", "nested_teachers", "stages", "train"]
+
+#: The last outputs of a plan's nested teachers, by the ``teacher_spec`` of their terms.
+TeacherLogits = Mapping[Mapping[str, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -78,12 +92,14 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tenso
 
 
 def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Sequence[LossTerm],
-            mask: torch.Tensor | None = None, peers: Sequence[Sequence[torch.Tensor]] = ()) -> torch.Tensor:
+            mask: torch.Tensor | None = None, peers: Sequence[Sequence[torch.Tensor]] = (),
+            teacher_logits: TeacherLogits | None = None) -> torch.Tensor:
     """The weighted sum of ``terms`` over the model's ``outputs`` (see :mod:`protocol.plan` for each kind).
 
     ``kd`` is ``tau^2 * KL(softmax(t / tau) || softmax(s / tau))`` averaged over the batch (ScaleFL Eq. 5's
     ``L_KL(y_s, y_t)``); ``mask`` is the local label set, needed by masked cross-entropy terms; ``peers`` are
-    the outputs of the other copies, the fixed targets of ``mutual_kd`` terms (0 without peers).
+    the outputs of the other copies, the fixed targets of ``mutual_kd`` terms (0 without peers);
+    ``teacher_logits`` those of ``nested_kd`` terms, by their ``teacher_spec`` (:class:`NestedTeachers`).
     """
     total: torch.Tensor | None = None
     for term in terms:
@@ -108,6 +124,11 @@ def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Seque
                 continue
             value = sum((_kl(own, _output(peer, term.output).detach(), term.tau) for peer in peers),
                         own.new_zeros(())) / len(peers)
+        elif term.kind == "nested_kd":
+            assert term.tau is not None and term.teacher_spec is not None
+            if teacher_logits is None or term.teacher_spec not in teacher_logits:
+                raise ValueError("a nested_kd term needs its teacher's logits (train with the model family).")
+            value = _kl(_output(outputs, term.output), teacher_logits[term.teacher_spec].detach(), term.tau)
         else:
             raise ValueError(f"unknown loss term kind {term.kind!r}.")
         weighted = value * term.weight
@@ -117,25 +138,108 @@ def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Seque
     return total
 
 
+# ---------------------------------------------------------------------------------------------- nested teachers
+class NestedTeachers:
+    """The nested sub-models a plan's ``nested_kd`` terms distil from, run on the student's current weights.
+
+    Built by :func:`nested_teachers`. Called with a batch, it gives each teacher's last output (no autograd) by
+    the ``teacher_spec`` of its terms: every teacher net (built on the meta device, once) runs through
+    ``torch.func.functional_call`` with the student's parameters and buffers detached and narrowed to the
+    teacher's shapes (leading prefixes: views, no copies), in train mode as built (batch-statistics BN).
+    """
+
+    def __init__(self, student: nn.Module, nets: Mapping[SubmodelSpec, nn.Module],
+                 specs: Mapping[Mapping[str, Any], SubmodelSpec]) -> None:
+        self.student = student
+        self.nets = dict(nets)
+        self.specs = dict(specs)
+        self._shapes = {spec: [(name, tuple(t.shape)) for name, t in (*net.named_parameters(), *net.named_buffers())]
+                        for spec, net in self.nets.items()}
+
+    def __call__(self, inputs: torch.Tensor) -> dict[Mapping[str, Any], torch.Tensor]:
+        current = {**dict(self.student.named_parameters()), **dict(self.student.named_buffers())}
+        logits: dict[SubmodelSpec, torch.Tensor] = {}
+        with torch.no_grad():
+            for spec, net in self.nets.items():
+                weights = {}
+                for name, shape in self._shapes[spec]:
+                    tensor = current[name].detach()
+                    for dim, size in enumerate(shape):
+                        tensor = tensor.narrow(dim, 0, size)
+                    weights[name] = tensor
+                logits[spec] = functional_call(net, weights, (inputs,), strict=True)
+        return {key: logits[spec] for key, spec in self.specs.items()}
+
+
+def _nested_specs(family: ModelFamily, spec: SubmodelSpec,
+                  terms: Sequence[LossTerm]) -> dict[Mapping[str, Any], SubmodelSpec]:
+    """The teacher of every ``nested_kd`` term, by its ``teacher_spec``; ``ValueError`` (one sentence) for a
+    teacher that is not a valid spec of ``family``, has segments or is not nested in ``spec``, or for a ``spec``
+    with segments."""
+    found: dict[Mapping[str, Any], SubmodelSpec] = {}
+    for term in terms:
+        if term.kind != "nested_kd" or term.teacher_spec in found:
+            continue
+        if spec.segments is not None:
+            raise ValueError("nested_kd terms are not supported in depth-wise training (a spec with segments).")
+        assert term.teacher_spec is not None
+        try:
+            teacher = family.validate_spec(SubmodelSpec.from_dict(term.teacher_spec))
+        except ValueError as exc:
+            raise ValueError(f"a nested_kd teacher is not a valid spec of family {family.name!r}: "
+                             f"{str(exc).rstrip('.')}.") from None
+        if teacher.segments is not None:
+            raise ValueError(f"the nested_kd teacher {teacher.describe()} has segments, which a teacher (run, not "
+                             "trained) cannot have.")
+        if not family.is_nested(teacher, spec):
+            raise ValueError(f"the nested_kd teacher {teacher.describe()} is not nested in the trained spec "
+                             f"{spec.describe()}.")
+        found[term.teacher_spec] = teacher
+    return found
+
+
+def nested_teachers(family: ModelFamily, spec: SubmodelSpec, terms: Sequence[LossTerm],
+                    model: nn.Module) -> NestedTeachers | None:
+    """The teachers of the ``nested_kd`` terms among ``terms`` for ``model`` (the student, built from ``spec``),
+    each distinct spec built once on the meta device; None without such terms. ``ValueError`` as
+    :func:`check_plan` for a teacher that cannot run."""
+    specs = _nested_specs(family, spec, terms)
+    if not specs:
+        return None
+    nets: dict[SubmodelSpec, nn.Module] = {}
+    with torch.device("meta"):
+        for teacher in specs.values():
+            if teacher not in nets:
+                nets[teacher] = family.build(teacher, track_bn_stats=False).train()
+    return NestedTeachers(model, nets, specs)
+
+
+# ---------------------------------------------------------------------------------------------- steps
 def forward_loss(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, teachers: NestedTeachers | None = None) -> torch.Tensor:
     """One forward pass of ``net`` (a :class:`FamilyNet` or :class:`SegmentModel`) over every output the model
-    has, and the plan's loss."""
+    has, and the plan's loss (``teachers``: those of its ``nested_kd`` terms, run first)."""
+    fixed = teachers(inputs) if teachers is not None else None
     outputs = net.forward_exits(inputs)  # type: ignore[operator]
-    return loss_of(outputs, targets, terms, mask)
+    return loss_of(outputs, targets, terms, mask, teacher_logits=fixed)
 
 
 def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
                   mask: torch.Tensor | None = None, copies: Sequence[nn.Module] = (),
-                  after_forward: Callable[[], None] | None = None, scale: float = 1.0) -> torch.Tensor:
+                  after_forward: Callable[[], None] | None = None, scale: float = 1.0,
+                  teachers: NestedTeachers | None = None) -> torch.Tensor:
     """Forward and backward of one batch, gradients accumulated, no optimizer step: the part of a training step
     the estimator traces too (``after_forward`` is called after every forward pass, before its backward).
     ``scale`` multiplies the loss that is backpropagated (a micro-batch's share of its batch), not the one returned.
 
     With further ``copies`` of the model, each copy's loss is taken towards the others' predictions (see the
     module docstring); the result is the detached sum of the losses (the caller checks it is finite before it
-    steps).
+    steps). ``teachers`` (:func:`nested_teachers`, not with copies) run first, their outputs the targets of the
+    ``nested_kd`` terms.
     """
+    if teachers is not None and copies:
+        raise ValueError("nested_kd terms are not supported with copies.")
+    nested = teachers(inputs) if teachers is not None else None  # before the student's activations exist
     models = [net, *copies]
     fixed: list[Sequence[torch.Tensor]] = [()]
     if copies:
@@ -145,7 +249,7 @@ def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
     for index, model in enumerate(models):
         outputs = model.forward_exits(inputs)  # type: ignore[operator]
         peers = [fixed[j] for j in range(len(models)) if j != index]
-        loss = loss_of(outputs, targets, terms, mask, peers)
+        loss = loss_of(outputs, targets, terms, mask, peers, nested)
         if copies:  # this copy's prediction, a fixed target for the copies after it
             fixed[index] = [output.detach() for output in outputs]
         del outputs  # what backward needs the graph keeps; the rest goes before backward runs
@@ -154,6 +258,7 @@ def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
         (loss * scale if scale != 1.0 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
+    del nested
     assert total is not None
     return total
 
@@ -193,10 +298,14 @@ def stages(spec: SubmodelSpec, plan: TrainingPlan) -> list[tuple[tuple[int, int]
 
 def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> None:
     """Raise ``ValueError`` (one sentence) unless ``plan`` can run on ``spec``: its schedule fits the spec's
-    segments, and its loss reads only outputs the model has in every stage (a depth-wise stage has one)."""
+    segments, its loss reads only outputs the model has in every stage (a depth-wise stage has one), and every
+    ``nested_kd`` teacher is a valid spec of ``family`` nested in ``spec`` (trained whole, one copy)."""
     outputs = family.num_outputs(spec)
     if plan.copies > 1 and spec.segments is not None:
         raise ValueError(f"the plan trains {plan.copies} copies, which only a spec trained whole can do.")
+    if plan.copies > 1 and any(term.kind == "nested_kd" for term in plan.loss):
+        raise ValueError(f"the plan trains {plan.copies} copies, which nested_kd terms do not support.")
+    _nested_specs(family, spec, plan.loss)
     for segment, _ in stages(spec, plan):
         available = outputs if segment is None else 1
         if plan.outputs_needed() > available:
@@ -206,13 +315,18 @@ def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> N
 
 def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor, plan: TrainingPlan, *,
           labels: Sequence[int], num_classes: int, device: torch.device | str = "cpu",
-          on_stage: Callable[[int, str], None] | None = None, copies: Sequence[FamilyNet] = ()) -> TrainResult:
+          on_stage: Callable[[int, str], None] | None = None, copies: Sequence[FamilyNet] = (),
+          family: ModelFamily | None = None) -> TrainResult:
     """Run ``plan`` on ``model`` (built from ``spec``) over the local data, in train mode (static BN).
 
     ``on_stage(index, "start" | "end")`` is called around every stage (the training child measures each stage's
     peak with it). ``copies`` are the plan's further copies (``plan.copies - 1`` models of ``spec``), trained
-    alongside ``model`` and left trained in place.
+    alongside ``model`` and left trained in place. ``family`` (the model's) is needed by ``nested_kd`` terms.
     """
+    if any(term.kind == "nested_kd" for term in plan.loss):
+        if family is None:
+            raise ValueError("a plan with nested_kd terms needs the model family (train(..., family=...)).")
+        check_plan(family, spec, plan)
     if len(copies) != plan.copies - 1:
         raise ValueError(f"the plan trains {plan.copies} copies, {len(copies) + 1} model(s) were given")
     if len(x) == 0:
@@ -225,6 +339,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
     for copy in copies:
         copy.to(device).train()
     mask = label_mask(labels, num_classes).to(device)
+    teachers = nested_teachers(family, spec, plan.loss, model) if family is not None else None
     settings = plan.optimizer
     total_loss, steps, seen = 0.0, 0, 0
     planned = stages(spec, plan)
@@ -257,7 +372,8 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     for part in parts:
                         share = len(part) / used
                         inputs, targets = inputs_of[part].to(device), y[part].to(device)
-                        step = backward_step(net, inputs, targets, plan.loss, mask, copies, scale=share) * share
+                        step = backward_step(net, inputs, targets, plan.loss, mask, copies, scale=share,
+                                             teachers=teachers) * share
                         loss = step if loss is None else loss + step
                         del inputs, targets
                     assert loss is not None

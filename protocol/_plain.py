@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 
 import numpy as np
@@ -9,13 +10,13 @@ import numpy as np
 
 def plain(value: object) -> object:
     """Dataclasses to maps (without the fields named in their ``OMITTED_AT_DEFAULT`` that hold their default),
-    tuples to lists, numpy scalars and arrays to Python values."""
+    every mapping (e.g. a ``FrozenMap``) to a dict, tuples to lists, numpy scalars and arrays to Python values."""
     if is_dataclass(value) and not isinstance(value, type):
         # Fields added after a message's first version stay off the wire at their default (older readers).
         omit = getattr(value, "OMITTED_AT_DEFAULT", ())
         return {f.name: plain(getattr(value, f.name)) for f in fields(value)
                 if f.name not in omit or getattr(value, f.name) != f.default}
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {key: plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]

@@ -15,13 +15,20 @@ Loss term kinds (``LOSS_KINDS``):
   mutual learning): every copy adds ``weight * tau^2 * mean_{other copies} KL(softmax(h' / tau) || softmax(h /
   tau))`` of its output ``output`` to its own loss, the other copies' predictions taken as fixed targets. With
   one copy the term is 0.
+- ``"nested_kd"``: self-distillation from a nested sub-model (FlexFL Eq. 4), ``weight * tau^2 * KL(softmax(t /
+  tau) || softmax(s / tau))`` averaged over the batch, with ``s = outputs[output]`` and ``t`` the last output of
+  the sub-model ``teacher_spec`` (a sub-model spec in wire form, ``SubmodelSpec.to_dict()``, nested in the
+  trained one) run on the same batch with the trained model's current weights cut to its shapes (leading
+  prefixes), without gradient: the smaller model's predictions are fixed targets. One term per teacher.
 
 ``copies`` (default 1) is how many models of the spec the agent trains side by side on the same batches: the
 first starts from the task's weights and is the one uploaded, the others are the device's own auxiliary models,
 kept between rounds and never sent. It is written on the wire only when above 1, so that agents that predate it
-still read every other plan. Further kinds (e.g. distillation from nested sub-models) are added here; the
-version is bumped only when the meaning of something already on the wire changes. An agent that meets a kind,
-field or version it does not know rejects the task with one :class:`~protocol.ProtocolError` that names it.
+still read every other plan; so is a loss term's ``teacher_spec`` (only ``nested_kd`` terms have one). Further
+kinds are added here (an agent that predates a kind refuses a plan using it, whatever fields the kind brings);
+the version is bumped only when the meaning of something already on the wire changes. An agent that meets a
+kind, field or version it does not know rejects the task with one :class:`~protocol.ProtocolError` that names
+it.
 
 The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate plans carry a
 :class:`~protocol.Recipe` instead; :meth:`TrainingPlan.from_recipe` gives the plan that recipe always meant.
@@ -29,9 +36,11 @@ The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from protocol._frozen import freeze
 from protocol._ids import shown
 from protocol._plain import plain
 from protocol._reader import FieldReader, check_int
@@ -52,7 +61,7 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-LOSS_KINDS: tuple[str, ...] = ("ce", "kd", "mutual_kd")
+LOSS_KINDS: tuple[str, ...] = ("ce", "kd", "mutual_kd", "nested_kd")
 OPTIMIZERS: tuple[str, ...] = ("sgd",)
 #: How a depth-wise stage's output reaches a classifier: FeDepth's skip connection to the final head
 #: (spatial subsampling, zero-padded channels) or the early exit after the stage's last block.
@@ -89,7 +98,14 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class LossTerm:
-    """One term of the loss (see the module docstring); fields a kind does not use stay at their defaults."""
+    """One term of the loss (see the module docstring); fields a kind does not use stay at their defaults.
+
+    ``teacher_spec`` is kept frozen (a hashable :class:`~protocol._frozen.FrozenMap`), so terms and plans stay
+    usable as dict keys.
+    """
+
+    #: Written only when not at their default, so that agents that predate them still read other plans.
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("teacher_spec",)
 
     kind: str
     weight: float = 1.0
@@ -98,6 +114,11 @@ class LossTerm:
     teacher: int | None = None
     tau: float | None = None
     detach_teacher: bool = False
+    teacher_spec: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.teacher_spec is not None:
+            object.__setattr__(self, "teacher_spec", freeze(self.teacher_spec))
 
     @classmethod
     def ce(cls, weight: float = 1.0, output: int = -1, masked: bool = False) -> LossTerm:
@@ -114,6 +135,12 @@ class LossTerm:
     def mutual_kd(cls, *, weight: float = 1.0, tau: float = 1.0, output: int = -1) -> LossTerm:
         """Mutual distillation of output ``output`` among the plan's copies."""
         return cls("mutual_kd", weight=weight, output=output, tau=tau)
+
+    @classmethod
+    def nested_kd(cls, teacher_spec: Mapping[str, Any], *, weight: float, tau: float, output: int = -1) -> LossTerm:
+        """Distillation of output ``output`` towards the nested sub-model ``teacher_spec`` (``SubmodelSpec.to_dict()``
+        of a spec nested in the trained one)."""
+        return cls("nested_kd", weight=weight, output=output, tau=tau, teacher_spec=teacher_spec)
 
 
 @dataclass(frozen=True)
@@ -214,8 +241,11 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
     if isinstance(obj, dict) and "kind" in obj and obj["kind"] not in LOSS_KINDS:
         raise ProtocolError(f"{where}.kind: unknown loss term kind {shown(obj.get('kind'))}; this side knows "
                             f"{', '.join(LOSS_KINDS)} (upgrade it to run this plan)")
-    r = FieldReader(obj, where, limits, LossTerm)
+    r = FieldReader(obj, where, limits, LossTerm, optional=("teacher_spec",))
     kind = r.text("kind", LOSS_KINDS)
+    teacher_spec = r.opt_tree("teacher_spec")
+    if teacher_spec is not None and _entries(teacher_spec) > limits.max_list_len:
+        raise ProtocolError(f"{r.label('teacher_spec')} holds more than the limit of {limits.max_list_len} entries")
     term = LossTerm(
         kind=kind,
         weight=r.number("weight", minimum=0.0),
@@ -224,7 +254,10 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
         teacher=r.opt_integer("teacher"),
         tau=r.opt_number("tau", above=0.0),
         detach_teacher=r.boolean("detach_teacher"),
+        teacher_spec=teacher_spec,
     )
+    if kind != "nested_kd" and teacher_spec is not None:
+        raise ProtocolError(f"{where}: only a 'nested_kd' term takes a 'teacher_spec'")
     if kind == "kd" and (term.teacher is None or term.tau is None or term.masked):
         raise ProtocolError(f"{where}: a 'kd' term needs 'teacher' and 'tau' and cannot be 'masked'")
     if kind == "ce" and (term.teacher is not None or term.tau is not None or term.detach_teacher):
@@ -232,7 +265,21 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
     if kind == "mutual_kd" and (term.tau is None or term.teacher is not None or term.masked or term.detach_teacher):
         raise ProtocolError(f"{where}: a 'mutual_kd' term needs 'tau' and takes no 'teacher', 'masked' or "
                             "'detach_teacher' (the other copies are the teachers, always detached)")
+    if kind == "nested_kd" and (term.teacher_spec is None or term.tau is None or term.teacher is not None
+                                or term.masked or term.detach_teacher):
+        raise ProtocolError(f"{where}: a 'nested_kd' term needs 'teacher_spec' (a map) and 'tau' and takes no "
+                            "'teacher', 'masked' or 'detach_teacher' (the nested sub-model is the teacher, always "
+                            "detached)")
     return term
+
+
+def _entries(tree: object) -> int:
+    """How many map entries and list items a decoded tree holds, at every level."""
+    if isinstance(tree, dict):
+        return len(tree) + sum(_entries(value) for value in tree.values())
+    if isinstance(tree, list):
+        return len(tree) + sum(_entries(value) for value in tree)
+    return 0
 
 
 def _read_stage(obj: object, where: str, limits: Limits) -> Stage:

@@ -15,11 +15,12 @@ from coordinator.strategies.base import (
 from coordinator.strategies.decoupled import Decoupled
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedepth import FeDepth
+from coordinator.strategies.flexfl import FlexFL
 from coordinator.strategies.heterofl import HeteroFL
 from coordinator.strategies.scalefl import ScaleFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth)
+    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth, FlexFL)
 }
 #: The algorithm names a coordinator config, ``fedfit sim`` and ``fedfit plan`` accept.
 ALGORITHM_NAMES: tuple[str, ...] = tuple(STRATEGIES)

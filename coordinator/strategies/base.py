@@ -32,9 +32,11 @@ IndexMap = Mapping[str, tuple[torch.Tensor, ...]]
 class StrategyContext:
     """What a strategy is set up with.
 
-    ``server_x``/``server_y`` is data the server may use (a sample of the training distribution: the proxy
-    data of methods that pre-train, and the static-BN sample); ``training_memory(spec, plan)`` estimates the peak
-    memory of training ``spec`` with ``plan`` on an agent, with its parts (:class:`models.MemoryEstimate`).
+    ``server_x``/``server_y`` is data the server may use (a sample of the training distribution: the static-BN
+    sample); ``training_memory(spec, plan)`` estimates the peak memory of training ``spec`` with ``plan`` on an
+    agent, with its parts (:class:`models.MemoryEstimate`); ``training_sample(count)`` draws ``count`` examples
+    of the server's training split (of ``training_size``; never the test split): the proxy data of methods that
+    pre-train.
     """
 
     family: ModelFamily
@@ -43,6 +45,8 @@ class StrategyContext:
     server_x: torch.Tensor
     server_y: torch.Tensor
     training_memory: Callable[[SubmodelSpec, TrainingPlan], MemoryEstimate]
+    training_sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    training_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,10 @@ class Strategy(ABC):
 
     def plan_for_budget(self, budget: int) -> dict[str, Any]:
         """What a device reporting ``budget`` bytes would be handed (for ``fedfit plan --budgets``)."""
+        return {}
+
+    def setup_summary(self) -> dict[str, Any]:
+        """What the strategy's set-up computed beyond its levels (e.g. FlexFL's scores), for ``fedfit plan``."""
         return {}
 
     # ------------------------------------------------------------------ state

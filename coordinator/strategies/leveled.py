@@ -30,16 +30,30 @@ class LevelStrategy(Strategy):
     #: Whether an agent short of memory may fall to a smaller level (a ladder of the levels below its own).
     adapts: bool = True
 
-    def __init__(self, context: StrategyContext) -> None:
+    def __init__(self, context: StrategyContext, *, lazy: bool = False) -> None:
         super().__init__(context)
-        self.levels = self.make_levels()
-        if not self.levels:
+        self._levels: list[Level] | None = None
+        self.proportions: dict[str, float] = {}
+        if not lazy:
+            self._make()
+
+    def _make(self) -> list[Level]:
+        levels = self.make_levels()
+        if not levels:
             raise ValueError(f"strategy {self.name!r} has no levels")
-        weights = self.config.level_proportions or [1.0] * len(self.levels)
-        if len(weights) != len(self.levels):
-            raise ValueError(f"level_proportions needs one weight per level of {self.name} ({len(self.levels)}), "
+        weights = self.config.level_proportions or [1.0] * len(levels)
+        if len(weights) != len(levels):
+            raise ValueError(f"level_proportions needs one weight per level of {self.name} ({len(levels)}), "
                              f"got {len(weights)}")
-        self.proportions = {level.name: w for level, w in zip(self.levels, weights)}
+        self.proportions = {level.name: w for level, w in zip(levels, weights)}
+        self._levels = levels
+        return levels
+
+    @property
+    def levels(self) -> list[Level]:
+        """The levels, largest first (made at set-up, or on first use by a strategy set up ``lazy``: one whose
+        levels come from work a restored state makes unnecessary)."""
+        return self._levels if self._levels is not None else self._make()
 
     @abstractmethod
     def make_levels(self) -> list[Level]:

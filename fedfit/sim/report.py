@@ -19,7 +19,8 @@ def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:
     budget, peak = task.memory("budget_bytes"), task.memory("peak_bytes")
     metrics = task.metrics
     return {
-        "round": round_number, "agent": task.agent, "level": task.level, "status": task.status,
+        "round": round_number, "agent": task.agent, "level": task.level, "level_trained": task.level_trained,
+        "status": task.status,
         "budget_bytes": budget, "estimated_bytes": task.memory("estimated_bytes"), "peak_bytes": peak,
         "over_budget": None if budget is None or peak is None else peak > budget,
         "stage_peak_bytes": task.stage_peaks(),
@@ -78,12 +79,22 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
         "over_budget": sum(1 for task in tasks if task.get("over_budget")),
         "micro_batched": sum(1 for task in tasks if task.get("micro_batched_stages")),
         "partial": sum(1 for task in tasks if task.get("skipped_blocks")),
+        "adaptations": adaptations(tasks),
         "bytes_down": sum(r["bytes_down"] for r in rounds),
         "bytes_up": sum(r["bytes_up"] for r in rounds),
         "bytes_per_round": sum(r["bytes_down"] + r["bytes_up"] for r in rounds) / len(rounds),
         "round_seconds": sum(r["seconds"] for r in rounds) / len(rounds),
         "wall_seconds": wall_seconds,
     }
+
+
+def adaptations(tasks: list[dict[str, Any]]) -> dict[str, int]:
+    """How often a device fell from the level it was sent to a lower one it could train now: ``"M3->M3'"``
+    (levels a trained spec is not one of, e.g. depth-wise segments, are left out)."""
+    moves = Counter(f"{task['level']}->{task['level_trained']}" for task in tasks
+                    if task["status"] == "adapted" and task.get("level_trained")
+                    and task["level_trained"] != task["level"])
+    return dict(sorted(moves.items()))
 
 
 def per_agent(tasks: list[dict[str, Any]], tiers: dict[str, str | None]) -> dict[str, dict[str, Any]]:

@@ -126,6 +126,9 @@ def summary_text(report: dict[str, Any]) -> str:
                      + f"; {summary['over_budget']} peaked over their budget"
                      + (f"; {summary['micro_batched']} trained in micro-batches" if summary.get("micro_batched") else "")
                      + (f"; {summary['partial']} partial" if summary.get("partial") else ""))
+        if summary.get("adaptations"):
+            lines.append("adapted on the device: " + ", ".join(f"{move} x{count}"
+                                                              for move, count in summary["adaptations"].items()))
         lines.append(f"traffic: {summary['bytes_down'] / 1e6:.1f} MB down, {summary['bytes_up'] / 1e6:.1f} MB up "
                      f"({summary['bytes_per_round'] / 1e6:.2f} MB a round)")
         wall = summary.get("wall_seconds")

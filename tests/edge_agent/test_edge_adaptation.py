@@ -19,7 +19,7 @@ from edge_agent.decision import Decider, estimate_key
 from edge_agent.memory import size_text
 from edge_agent.workdir import DecisionRequest
 from models import MemoryEstimate, SubmodelSpec
-from protocol import Adaptation, Candidate, Stage, TrainingPlan
+from protocol import Adaptation, Candidate, LossTerm, Stage, TrainingPlan
 
 U = SubmodelSpec.uniform
 WIDTH_LEVELS = Adaptation("width-levels", rates=[1.0, 0.5, 0.25])
@@ -99,6 +99,13 @@ def test_width_levels_drop_a_level_that_is_not_nested_in_the_sent_spec(family, p
     sent = SubmodelSpec(width=0.5, layer_widths={"conv2": 0.125})
     assert not family.is_nested(U(0.25), sent)
     assert options(family, sent, plan, WIDTH_LEVELS) == opts(plan, sent)
+
+
+def test_width_levels_leave_out_a_level_narrower_than_a_nested_teacher(family, task_plan):
+    plan = task_plan(loss=(LossTerm.ce(), LossTerm.nested_kd(U(0.5).to_dict(), weight=10.0, tau=3.0)))
+    assert options(family, U(1.0), plan, WIDTH_LEVELS) == opts(plan, U(1.0), U(0.5))  # not 0.25: the teacher is wider
+    with pytest.raises(ValueError, match="is not nested"):
+        options(family, U(0.25), plan, WIDTH_LEVELS)
 
 
 @pytest.mark.parametrize("hint", [None, Adaptation("none")], ids=["no hint", "none"])

@@ -239,6 +239,21 @@ def test_a_child_trains_a_depth_wise_task_and_uploads_only_what_it_trained(make_
     assert (update.metrics["stages"], update.metrics["steps"]) == (2.0, 4.0 + 2.0)
 
 
+def test_a_child_trains_a_task_distilling_from_nested_sub_models(make_task, tmp_path, local_data, task_plan, family):
+    # FlexFL: a per-layer-width spec distils from two narrower specs nested in it, cut from its current weights.
+    spec = SubmodelSpec(layer_widths={"conv1": 1.0, "conv2": 0.75}, rounding="floor")
+    teachers = [SubmodelSpec(layer_widths={"conv1": 0.5, "conv2": 0.5}, rounding="floor"), U(0.25, "floor")]
+    plan = task_plan(loss=(LossTerm.ce(), *(LossTerm.nested_kd(t.to_dict(), weight=10.0 / 2, tau=3.0)
+                                            for t in teachers)))
+    task = make_task(spec, plan=plan)
+    outcome = run_in_child(write_workdir(tmp_path / "work", task, local_data(), spec), 120)
+    assert outcome.update is not None, outcome.error
+    update = decode(outcome.update, expected=Update)
+    assert update.status == "ok" and list(update.weights) == list(family.state_keys(spec))
+    assert any(not np.array_equal(update.weights[k], task.weights[k]) for k in task.weights)  # trained
+    assert math.isfinite(update.metrics["loss"]) and update.metrics["peak_bytes"] > 0
+
+
 # ---------------------------------------------------------------------------------------------- warm-up
 def test_warm_up_runs_every_stage_of_the_plan_once_at_learning_rate_zero(monkeypatch):
     family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
@@ -264,7 +279,7 @@ def test_warm_up_runs_every_stage_of_the_plan_once_at_learning_rate_zero(monkeyp
     assert still.epochs == 1 and still.batch_size == 4
     assert still.schedule == (Stage(epochs=1, route="exit"), Stage(epochs=1, route="skip"))  # every stage, once
     assert still.loss == plan.loss and still.seed == plan.seed  # the same loss terms: the same code is mapped
-    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu", "copies": []}
+    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu", "copies": [], "family": None}
 
 
 def test_warm_up_takes_two_samples_at_least_and_really_runs(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
+from models.conv_workspace import convolution_workspace
 from models.family import BYTES_PER_ELEMENT
 from models.memory import (
     CPU_HEAP_RETENTION,
@@ -19,8 +20,10 @@ from models.memory import (
     CUDA_BLOCK_BYTES,
     _LiveBytes,
     _step_temporaries,
+    _trace,
     estimate_training_memory,
 )
+from models.training import backward_step, nested_teachers
 from protocol.plan import LossTerm, OptimizerSettings, Stage, TrainingPlan
 
 RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -465,3 +468,58 @@ def test_accumulated_micro_batches_count_their_gradients_once(segment: tuple[int
     assert two.gradients == one.gradients > 0
     assert one.activations <= two.activations < one.activations + two.gradients
     assert two.total >= one.total
+
+
+# ------------------------------------------------------------------------------- nested teachers (FlexFL)
+NESTED_CASES = {  # student spec, teacher spec
+    "layer-widths": (SubmodelSpec(layer_widths={"conv1": 1.0, "conv2": 0.75}, rounding="floor"),
+                     SubmodelSpec(layer_widths={"conv1": 0.5, "conv2": 0.5}, rounding="floor")),
+    "uniform": (SubmodelSpec.uniform(0.5), SubmodelSpec.uniform(0.25)),
+}
+
+
+@pytest.mark.parametrize("allocator", ["pooled", "compact", "default"])
+@pytest.mark.parametrize("name", list(NESTED_CASES))
+def test_nested_teachers_cost_their_outputs_and_no_weights(name: str, allocator: str) -> None:
+    family = get_family("cnn", 10, 1, hidden=(8, 16))
+    spec, teacher = NESTED_CASES[name]
+    ce = (LossTerm.ce(),)
+    nested = (*ce, LossTerm.nested_kd(teacher.to_dict(), weight=10.0, tau=3.0))
+    without = estimate_training_memory(family, spec, batch_size=32, input_size=(16, 16), loss=ce, allocator=allocator)
+    with_teacher = estimate_training_memory(family, spec, batch_size=32, input_size=(16, 16), loss=nested,
+                                            allocator=allocator)
+    # No weights, gradients or state of its own; its logits (and their softmax) stay for the student's backward.
+    assert (with_teacher.parameters, with_teacher.gradients, with_teacher.optimizer_state) == (
+        without.parameters, without.gradients, without.optimizer_state)
+    assert with_teacher.activations > without.activations and with_teacher.total >= without.total
+    plan = TrainingPlan(batch_size=32, loss=nested)
+    assert estimate_plan_memory(family, spec, plan, input_size=(16, 16), allocator=allocator) == with_teacher
+    with pytest.raises(ValueError, match="is not nested"):  # a student narrower than its teacher
+        estimate_plan_memory(family, SubmodelSpec.uniform(0.125), plan, input_size=(16, 16))
+    with pytest.raises(ValueError, match="not supported"):
+        estimate_training_memory(family, spec, batch_size=8, loss=nested, segment=(0, 1))
+    with pytest.raises(ValueError, match="not supported"):
+        estimate_training_memory(family, spec, batch_size=8, loss=nested, copies=2)
+
+
+@pytest.mark.parametrize("name", list(NESTED_CASES))
+def test_the_traced_step_with_nested_teachers_is_the_real_one(name: str) -> None:
+    """The meta trace gives the tensor peak a real CPU step of the interpreter tracks, with teachers as without."""
+    family = get_family("cnn", 10, 1, hidden=(8, 16))
+    spec, teacher = NESTED_CASES[name]
+    ce = (LossTerm.ce(),)
+    for loss in (ce, (*ce, LossTerm.nested_kd(teacher.to_dict(), weight=10.0, tau=3.0))):
+        traced = _trace(family, spec, 32, (16, 16), "cpu", loss, None, "skip")
+        torch.manual_seed(0)
+        model = family.build(spec, track_bn_stats=False)
+        teachers = nested_teachers(family, spec, loss, model)
+        assert (teachers is None) == (len(loss) == 1)
+        tracker = _LiveBytes(1, convolution_workspace)
+        tracker.ignore(list(model.parameters()))
+        with torch.enable_grad(), tracker:
+            x, y = torch.randn(32, 1, 16, 16), torch.randint(0, 10, (32,))
+            mask = torch.ones(10, dtype=torch.bool)
+            value = backward_step(model, x, y, loss, mask, teachers=teachers)
+            after_backward = tracker.live
+        del value
+        assert (tracker.peak, after_backward) == (traced.fb_peak, traced.after_backward), loss

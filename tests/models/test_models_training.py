@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from models import (
     get_family,
 )
 from models.training import (
+    NestedTeachers,
     backward_step,
     check_plan,
     forward_loss,
@@ -28,6 +30,7 @@ from models.training import (
     loss_of,
     masked_cross_entropy,
     micro_batches,
+    nested_teachers,
     stages,
     train,
 )
@@ -702,3 +705,186 @@ def test_a_micro_batched_stage_is_estimated_at_its_micro_batch_with_the_gradient
     assert micro.parameters == whole.parameters and micro.gradients == whole.gradients
     assert micro.total >= alone.total  # a micro-batch of 16 costs at least a batch of 16: the gradients stay
     assert estimate(Stage(micro_batch=64)) == whole  # not below the batch: whole batches
+
+
+# ------------------------------------------------------------------------------- nested teachers (FlexFL)
+NESTED_FAMILY = get_family("cnn", 3, 1, hidden=(4, 6))
+STUDENT_SPECS = {
+    "full": SubmodelSpec(),
+    "layer-widths": SubmodelSpec(layer_widths={"conv1": 0.75, "conv2": 1.0}, rounding="floor"),
+}
+TEACHER_SPEC = SubmodelSpec(layer_widths={"conv1": 0.5, "conv2": 0.5}, rounding="floor")  # 2 and 3 channels
+
+
+def _nested_student(spec: SubmodelSpec) -> tuple[FamilyNet, dict[str, torch.Tensor]]:
+    """A student at ``spec`` cut out of a fixed global model, and that global model's state."""
+    torch.manual_seed(3)
+    global_state = NESTED_FAMILY.build(track_bn_stats=False).state_dict()
+    global_state["classifier.weight"] *= 10  # confident logits: the softened distributions differ visibly
+    student = NESTED_FAMILY.build(spec, track_bn_stats=False)
+    student.load_state_dict(NESTED_FAMILY.extract(global_state, spec, keys=NESTED_FAMILY.state_keys(spec)))
+    return student, global_state
+
+
+def _separate_teacher(student: FamilyNet, spec: SubmodelSpec, global_state: dict[str, torch.Tensor],
+                      teacher_spec: SubmodelSpec = TEACHER_SPEC) -> FamilyNet:
+    """The teacher built on its own, its weights extracted (a prefix of the student's, so of the global ones)."""
+    keys = NESTED_FAMILY.state_keys(teacher_spec)
+    source = student.state_dict() if spec.is_full else global_state
+    teacher = NESTED_FAMILY.build(teacher_spec, track_bn_stats=False)
+    teacher.load_state_dict(NESTED_FAMILY.extract(source, teacher_spec, keys=keys))
+    return teacher.train()
+
+
+def _kl_by_hand(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> float:
+    """``tau^2 * mean over the batch of KL(softmax(t / tau) || softmax(s / tau))`` with explicit formulas."""
+    total = 0.0
+    for s_row, t_row in zip(student.tolist(), teacher.tolist()):
+        p_t, p_s = _softmax(t_row, tau), _softmax(s_row, tau)
+        total += sum(pt * (math.log(pt) - math.log(ps)) for pt, ps in zip(p_t, p_s))
+    return tau * tau * total / len(student.tolist())
+
+
+@pytest.mark.parametrize("name", list(STUDENT_SPECS))
+def test_nested_kd_by_hand(name: str) -> None:
+    spec = STUDENT_SPECS[name]
+    student, global_state = _nested_student(spec)
+    teacher = _separate_teacher(student, spec, global_state)
+    x, y = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2])
+    tau, weight = 3.0, 5.0
+    term = LossTerm.nested_kd(TEACHER_SPEC.to_dict(), weight=weight, tau=tau)
+    terms = (LossTerm.ce(), term)
+    teachers = nested_teachers(NESTED_FAMILY, spec, terms, student)
+    assert isinstance(teachers, NestedTeachers)
+    with torch.no_grad():
+        expected_teacher = teacher(x)
+        logits = teachers(x)
+        outputs = student.forward_exits(x)
+    assert list(logits) == [term.teacher_spec]
+    torch.testing.assert_close(logits[term.teacher_spec], expected_teacher)  # the prefix of the current weights
+    kd = _kl_by_hand(outputs[-1], expected_teacher, tau)
+    assert kd > 1e-3  # the teacher really differs from the student
+    ce = float(F.cross_entropy(outputs[-1], y))
+    got = loss_of(outputs, y, terms, teacher_logits=logits)
+    assert float(got) == pytest.approx(ce + weight * kd, rel=1e-5)
+    assert float(loss_of(outputs, y, (term,), teacher_logits=logits)) == pytest.approx(weight * kd, rel=1e-5)
+    value = forward_loss(student, x, y, terms, teachers=teachers).detach()
+    assert float(value) == pytest.approx(ce + weight * kd, rel=1e-5)
+    student.zero_grad()
+    assert float(backward_step(student, x, y, terms, teachers=teachers)) == pytest.approx(ce + weight * kd, rel=1e-5)
+    with pytest.raises(ValueError, match="needs its teacher's logits"):
+        loss_of(outputs, y, terms)
+
+
+def test_no_gradient_flows_through_the_nested_teacher() -> None:
+    spec = STUDENT_SPECS["layer-widths"]
+    student, global_state = _nested_student(spec)
+    reference, _ = _nested_student(spec)
+    x, y = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(2)), torch.tensor([0, 1, 2, 0, 1, 2])
+    terms = (LossTerm.ce(), LossTerm.nested_kd(TEACHER_SPEC.to_dict(), weight=10.0, tau=3.0))
+    order: list[str] = []
+    teachers = nested_teachers(NESTED_FAMILY, spec, terms, student)
+    assert teachers is not None
+
+    def recording(inputs: torch.Tensor) -> Any:
+        order.append("teachers")
+        return teachers(inputs)
+
+    student.conv1.register_forward_pre_hook(lambda *_: order.append("student"))
+    backward_step(student, x, y, terms, teachers=recording)  # type: ignore[arg-type]
+    assert order == ["teachers", "student"]  # the teachers' activations are gone before the student's exist
+    # The same loss with the teacher's logits as a constant: the same gradients, so none went through the teacher.
+    with torch.no_grad():
+        fixed = _separate_teacher(reference, spec, global_state)(x)
+    logits = reference(x)
+    p_t = F.softmax(fixed / 3.0, dim=1)
+    kl = (p_t * (p_t.log() - F.log_softmax(logits / 3.0, dim=1))).sum(dim=1).mean() * 9.0
+    (F.cross_entropy(logits, y) + 10.0 * kl).backward()
+    for (key, p), q in zip(student.named_parameters(), reference.parameters()):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, msg=key)
+    assert all(p.grad is None for net in teachers.nets.values() for p in net.parameters())
+    assert all(p.device.type == "meta" for net in teachers.nets.values() for p in net.parameters())  # no weights
+
+
+def test_nested_teachers_are_built_once_per_distinct_spec_and_none_without_terms() -> None:
+    spec = SubmodelSpec()
+    model = NESTED_FAMILY.build(spec, track_bn_stats=False)
+    half = SubmodelSpec.uniform(0.5)
+    terms = (LossTerm.ce(), LossTerm.nested_kd(half.to_dict(), weight=1.0, tau=3.0, output=-1),
+             LossTerm.nested_kd({"width": 0.5, "rounding": "ceil"}, weight=2.0, tau=1.0),  # the same spec
+             LossTerm.nested_kd(SubmodelSpec.uniform(0.25).to_dict(), weight=1.0, tau=3.0))
+    teachers = nested_teachers(NESTED_FAMILY, spec, terms, model)
+    assert teachers is not None and list(teachers.nets) == [half, SubmodelSpec.uniform(0.25)]
+    logits = teachers(torch.randn(4, 1, 8, 8))
+    assert len(logits) == 3 and logits[terms[1].teacher_spec] is logits[terms[2].teacher_spec]
+    assert all(value.shape == (4, 3) and not value.requires_grad for value in logits.values())
+    assert nested_teachers(NESTED_FAMILY, spec, (LossTerm.ce(),), model) is None
+
+
+def test_check_plan_refuses_nested_teachers_that_cannot_run() -> None:
+    family = NESTED_FAMILY
+    spec = SubmodelSpec(layer_widths={"conv1": 0.5, "conv2": 0.5})
+
+    def nested(teacher: dict[str, Any], **changes: Any) -> TrainingPlan:
+        return replace(plan(loss=(LossTerm.ce(), LossTerm.nested_kd(teacher, weight=1.0, tau=3.0))), **changes)
+
+    check_plan(family, spec, nested({"width": 0.25}))
+    check_plan(family, spec, nested(spec.to_dict()))  # the model itself is nested in itself
+    refusals = [
+        (spec, nested({"width": 2.0}), "a nested_kd teacher is not a valid spec of family 'cnn'"),
+        (spec, nested({"layer_widths": {"conv9": 0.5}}), "unknown layer 'conv9'"),
+        (spec, nested({"wide": 0.5}), "unknown sub-model spec key 'wide'"),
+        (spec, nested({"width": 0.75}), "the nested_kd teacher width=0.75 is not nested in the trained spec"),
+        (spec, nested({"layer_widths": {"conv2": 1.0}}), "is not nested"),
+        (spec, nested({"width": 0.25}, copies=2), "nested_kd terms do not support"),
+        (SubmodelSpec(width=0.5, segments=((0, 1), (1, 2))), nested({"width": 0.25}),
+         "not supported in depth-wise training"),
+        (spec, nested({"width": 0.25, "segments": [[0, 1]]}), "has segments"),
+    ]
+    for trained, bad, said in refusals:
+        with pytest.raises(ValueError, match=re.escape(said)) as caught:
+            check_plan(family, trained, bad)
+        assert str(caught.value).count(". ") == 0 and str(caught.value).endswith("."), str(caught.value)
+    x, y = separable_data(8)
+    model = family.build(spec, track_bn_stats=False)
+    with pytest.raises(ValueError, match=r"needs the model family \(train\(\.\.\., family=\.\.\.\)\)"):
+        train(model, spec, x, y, nested({"width": 0.25}), labels=[0, 1], num_classes=3)
+    with pytest.raises(ValueError, match="is not nested"):
+        train(model, spec, x, y, nested({"width": 0.75}), labels=[0, 1], num_classes=3, family=family)
+    with pytest.raises(ValueError, match="not supported with copies"):
+        backward_step(model, x, y, nested({"width": 0.25}).loss, copies=[model],
+                      teachers=nested_teachers(family, spec, nested({"width": 0.25}).loss, model))
+
+
+def test_train_with_nested_teachers_learns_and_distils() -> None:
+    family = get_family("cnn", 2, 1, hidden=(4, 8))
+    spec = SubmodelSpec(layer_widths={"conv1": 1.0, "conv2": 0.75}, rounding="floor")
+    teacher_specs = [SubmodelSpec(layer_widths={"conv1": 0.5, "conv2": 0.5}, rounding="floor"),
+                     SubmodelSpec(layer_widths={"conv1": 0.25, "conv2": 0.25}, rounding="floor")]
+    terms = (LossTerm.ce(), *(LossTerm.nested_kd(t.to_dict(), weight=1.0, tau=3.0) for t in teacher_specs))
+    wire = TrainingPlan.from_dict(plan(epochs=8, lr=0.05, loss=terms).to_dict())  # as the agent reads it
+    x, y = separable_data()
+
+    def built() -> FamilyNet:
+        torch.manual_seed(0)
+        return family.build(spec, track_bn_stats=False)
+
+    model = built()
+    teachers = nested_teachers(family, spec, wire.loss, model)
+    model.train()
+    with torch.no_grad():
+        before = float(forward_loss(model, x, y, wire.loss, teachers=teachers))
+    result = train(model, spec, x, y, wire, labels=[0, 1], num_classes=2, family=family)
+    with torch.no_grad():
+        after = float(forward_loss(model, x, y, wire.loss, teachers=teachers))
+    assert math.isfinite(result.loss) and result.steps == 8 * 4
+    assert after < 0.75 * before, (before, after)
+    assert full_loss(model, x, y) < 0.5
+    # The terms change what is learnt: CE alone ends elsewhere; a family given to a plan without them changes nothing.
+    alone, also = built(), built()
+    train(alone, spec, x, y, plan(epochs=8, lr=0.05), labels=[0, 1], num_classes=2)
+    train(also, spec, x, y, plan(epochs=8, lr=0.05), labels=[0, 1], num_classes=2, family=family)
+    assert any(not torch.equal(v, alone.state_dict()[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, alone.state_dict()[k]) for k, v in also.state_dict().items())
+

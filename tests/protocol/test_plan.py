@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -30,6 +30,7 @@ from protocol import (
     encode,
     encode_tensor,
 )
+from protocol._frozen import FrozenMap, freeze
 from protocol._plain import plain
 from protocol._reader import FieldReader
 
@@ -164,7 +165,8 @@ def test_plan_field_names_are_the_contract() -> None:
 
     assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies"]
     assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
-    assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher"]
+    assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher",
+                               "teacher_spec"]
     assert names(Stage) == ["epochs", "route", "cache", "micro_batch"]
     assert names(Adaptation) == ["kind", "candidates", "rates", "route", "min_micro_batch"]
     assert names(Candidate) == ["spec", "plan"]
@@ -313,15 +315,52 @@ def _put(path: str, value: object) -> MutateWire:
     return mutate
 
 
+def _deep(levels: int) -> dict[str, Any]:
+    tree: dict[str, Any] = {"width": 0.5}
+    for _ in range(levels - 1):
+        tree = {"x": tree}
+    return tree
+
+
+NESTED_SPEC = {"layer_widths": {"conv1": 0.5, "conv2": 0.25}, "rounding": "floor"}
+NESTED_WIRE = plain(LossTerm.nested_kd(NESTED_SPEC, weight=5.0, tau=3.0))
+assert isinstance(NESTED_WIRE, dict)
+
 REJECTIONS: list[tuple[str, str, MutateWire, tuple[str, ...]]] = [
     # (id, sample, mutation of its wire map, texts the one reason must hold)
-    ("nested-kd", "task", _put("plan.loss.1.kind", "nested_kd"),
-     ("task.plan.loss[1].kind", "unknown loss term kind", "'nested_kd'", "ce, kd, mutual_kd")),
-    ("nested-kd-new-fields", "task",
-     lambda w: w["plan"]["loss"].append({"kind": "nested_kd", "weight": 0.5, "peers": [1, 2], "tau": 2.0}),
-     ("task.plan.loss[3].kind", "unknown loss term kind", "'nested_kd'")),
-    ("nested-kd-in-candidate", "task", _put("adaptation.candidates.1.plan.loss.0.kind", "nested_kd"),
-     ("task.adaptation.candidates[1].plan.loss[0].kind", "'nested_kd'")),
+    ("future-kind", "task", _put("plan.loss.1.kind", "future_kd"),
+     ("task.plan.loss[1].kind", "unknown loss term kind", "'future_kd'", "ce, kd, mutual_kd, nested_kd")),
+    ("future-kind-new-fields", "task",
+     lambda w: w["plan"]["loss"].append({"kind": "future_kd", "weight": 0.5, "peers": [1, 2], "tau": 2.0}),
+     ("task.plan.loss[3].kind", "unknown loss term kind", "'future_kd'")),
+    ("future-kind-in-candidate", "task", _put("adaptation.candidates.1.plan.loss.0.kind", "future_kd"),
+     ("task.adaptation.candidates[1].plan.loss[0].kind", "'future_kd'")),
+    ("nested-kd-without-teacher-spec", "task", _put("plan.loss.1", {**LossTerm.mutual_kd().__dict__,
+                                                                     "kind": "nested_kd"}),
+     ("task.plan.loss[1]", "'nested_kd' term needs 'teacher_spec' (a map) and 'tau'")),
+    ("nested-kd-without-tau", "task", _put("plan.loss.1", {**NESTED_WIRE, "tau": None}),
+     ("task.plan.loss[1]", "'nested_kd' term needs")),
+    ("nested-kd-with-teacher", "task", _put("plan.loss.1", {**NESTED_WIRE, "teacher": -1}),
+     ("task.plan.loss[1]", "'nested_kd' term", "takes no 'teacher', 'masked' or 'detach_teacher'")),
+    ("nested-kd-masked", "task", _put("plan.loss.1", {**NESTED_WIRE, "masked": True}),
+     ("task.plan.loss[1]", "'nested_kd' term", "no 'teacher', 'masked'")),
+    ("nested-kd-detached", "task", _put("plan.loss.1", {**NESTED_WIRE, "detach_teacher": True}),
+     ("task.plan.loss[1]", "'nested_kd' term", "'detach_teacher'")),
+    ("nested-kd-spec-list", "task", _put("plan.loss.1", {**NESTED_WIRE, "teacher_spec": [0.5]}),
+     ("task.plan.loss[1].teacher_spec must be a map",)),
+    ("nested-kd-spec-text", "task", _put("plan.loss.1", {**NESTED_WIRE, "teacher_spec": "width=0.5"}),
+     ("task.plan.loss[1].teacher_spec must be a map",)),
+    ("nested-kd-spec-too-deep", "task", _put("plan.loss.1", {**NESTED_WIRE, "teacher_spec": _deep(17)}),
+     ("task.plan.loss[1].teacher_spec", "nested deeper than 16 levels")),
+    ("nested-kd-spec-nan", "task", _put("plan.loss.1", {**NESTED_WIRE, "teacher_spec": {"width": math.nan}}),
+     ("task.plan.loss[1].teacher_spec.width must be finite",)),
+    ("nested-kd-in-candidate-without-spec", "task",
+     _put("adaptation.candidates.0.plan.loss.1", {**NESTED_WIRE, "teacher_spec": None}),
+     ("task.adaptation.candidates[0].plan.loss[1]", "'nested_kd' term needs 'teacher_spec'")),
+    ("ce-with-teacher-spec", "task", _put("plan.loss.0.teacher_spec", {"width": 0.5}),
+     ("task.plan.loss[0]", "only a 'nested_kd' term takes a 'teacher_spec'")),
+    ("kd-with-teacher-spec", "task", _put("plan.loss.2.teacher_spec", {}),
+     ("task.plan.loss[2]", "only a 'nested_kd' term takes a 'teacher_spec'")),
     ("mutual-kd-new-fields", "task",
      lambda w: w["plan"]["loss"].append({**LossTerm.mutual_kd().__dict__, "peers": [1, 2]}),
      ("task.plan.loss[3]", "unknown field(s) 'peers'")),
@@ -438,7 +477,8 @@ def test_old_task_rejections(old_task_wire: dict[str, Any]) -> None:
     [
         (lambda p: p.__setitem__("version", 2), ("plan.version", "version int 2")),
         (lambda p: p.__setitem__("extra", 1), ("plan: unknown field(s) 'extra'",)),
-        (lambda p: p["loss"][0].__setitem__("kind", "nested_kd"), ("plan.loss[0].kind", "'nested_kd'")),
+        (lambda p: p["loss"][0].__setitem__("kind", "future_kd"), ("plan.loss[0].kind", "'future_kd'")),
+        (lambda p: p["loss"][0].__setitem__("kind", "nested_kd"), ("plan.loss[0]", "'nested_kd' term needs")),
         (lambda p: p["loss"][0].__setitem__("kind", {"nested": "map"}), ("plan.loss[0].kind",)),
         (lambda p: p.__setitem__("batch_size", 1), ("plan.batch_size must be >= 2",)),
         (lambda p: p["optimizer"].__setitem__("lr", math.inf), ("plan.optimizer.lr must be finite",)),
@@ -477,11 +517,11 @@ def _wire_value(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Fields added later stay off the wire at their default (see test_copies_stay_off_the_wire_at_their_...).
         later = {TrainingPlan: {"copies": 1}, Stage: {"cache": False, "micro_batch": 0},
-                 Adaptation: {"route": "skip", "min_micro_batch": 0}}
+                 Adaptation: {"route": "skip", "min_micro_batch": 0}, LossTerm: {"teacher_spec": None}}
         omitted = later.get(type(value), {})
         return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if not (f.name in omitted and getattr(value, f.name) == omitted[f.name])}
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # dicts, and a nested_kd term's frozen teacher_spec
         return {key: _wire_value(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_wire_value(item) for item in value]
@@ -529,7 +569,14 @@ def _without_plan(task: Task) -> None:
 
 
 ENCODE_REFUSALS: list[tuple[str, Callable[[Task], None], str]] = [
-    ("nested-kd", _with_term(LossTerm("nested_kd")), "task.plan.loss[3].kind"),
+    ("future-kind", _with_term(LossTerm("future_kd")), "task.plan.loss[3].kind"),
+    ("nested-kd-without-spec", _with_term(LossTerm("nested_kd", tau=3.0)), "'nested_kd' term needs 'teacher_spec'"),
+    ("nested-kd-with-teacher", _with_term(LossTerm("nested_kd", teacher=-1, tau=3.0, teacher_spec={})),
+     "'nested_kd' term needs"),
+    ("nested-kd-spec-list", _with_term(LossTerm("nested_kd", tau=3.0, teacher_spec=[0.5])),  # type: ignore[arg-type]
+     "task.plan.loss[3].teacher_spec must be a map"),
+    ("ce-with-teacher-spec", _with_term(LossTerm("ce", teacher_spec={"width": 0.5})),
+     "only a 'nested_kd' term takes a 'teacher_spec'"),
     ("mutual-kd-without-tau", _with_term(LossTerm("mutual_kd")), "'mutual_kd' term needs 'tau'"),
     ("copies-9", _with_plan(copies=9), "task.plan.copies is 9"),
     ("kd-without-teacher", _with_term(LossTerm("kd", tau=2.0)), "'kd' term needs"),
@@ -598,7 +645,8 @@ def test_adaptation_lists_must_be_lists(field: str, kind: str, value: object, me
 
 _ODD_VALUES: list[object] = [
     None, True, False, 0, 1, -1, 2, 65, 2**63 - 1, -(2**63), 2**64 - 1, 0.0, 0.5, 1.5, -0.5, math.nan, math.inf,
-    "", "ce", "kd", "mutual_kd", "ladder", "none", "width-levels", "skip", "exit", "sgd", "x" * 5000, b"\x00",
+    "", "ce", "kd", "mutual_kd", "nested_kd", "ladder", "none", "width-levels", "skip", "exit", "sgd", "x" * 5000,
+    b"\x00",
     [], [1], [0.5, 2.0], [None], [[]], [{}], {}, {"kind": "ce"}, {"kind": "kd"}, {1: 2},
 ]  # fmt: skip
 
@@ -635,9 +683,8 @@ def _fuzz_wire(wire: dict[str, Any], roots: tuple[str, ...], rng: random.Random)
         elif op == 1 and keys:
             del node[rng.choice(keys)]
         elif op == 2 and isinstance(node, dict):
-            node[rng.choice(["kind", "extra", "version", "candidates", "rates", "teacher", "tau"])] = copy.deepcopy(
-                rng.choice(_ODD_VALUES)
-            )
+            key = rng.choice(["kind", "extra", "version", "candidates", "rates", "teacher", "tau", "teacher_spec"])
+            node[key] = copy.deepcopy(rng.choice(_ODD_VALUES))
         elif op == 2:
             node.append(copy.deepcopy(rng.choice(_ODD_VALUES)))
         elif keys:
@@ -756,3 +803,96 @@ def test_a_bad_micro_batch_floor_is_one_protocol_error(adaptation: dict, said: s
     wire["adaptation"] = adaptation
     reason = _rejection(pack(wire))
     assert "task.adaptation.min_micro_batch" in reason and said in reason
+
+
+# ---- nested_kd: distillation from nested sub-models (FlexFL) ---------------------------------------------
+
+
+NESTED_PLAN = TrainingPlan(seed=5, loss=(
+    LossTerm.ce(),
+    LossTerm.nested_kd({"layer_widths": {"conv1": 0.25, "conv2": 0.25}, "rounding": "floor"}, weight=10.0, tau=3.0),
+    LossTerm.nested_kd(NESTED_SPEC, weight=5.0, tau=3.0, output=-1),
+))
+
+
+def test_nested_kd_terms_round_trip_and_stay_hashable(messages: dict[str, Message]) -> None:
+    term = NESTED_PLAN.loss[2]
+    assert (term.kind, term.weight, term.tau, term.output, term.teacher, term.masked, term.detach_teacher) == (
+        "nested_kd", 5.0, 3.0, -1, None, False, False)
+    assert term.teacher_spec == NESTED_SPEC and isinstance(term.teacher_spec, FrozenMap)
+    wire = NESTED_PLAN.to_dict()
+    assert wire["loss"][2] == {"kind": "nested_kd", "weight": 5.0, "output": -1, "masked": False, "teacher": None,
+                               "tau": 3.0, "detach_teacher": False, "teacher_spec": NESTED_SPEC}
+    spec_wire = wire["loss"][2]["teacher_spec"]
+    assert type(spec_wire) is dict and type(spec_wire["layer_widths"]) is dict
+    through_msgpack = msgpack.unpackb(msgpack.packb(wire, use_bin_type=True), raw=False)
+    for data in (wire, through_msgpack):
+        again = TrainingPlan.from_dict(data)
+        assert again == NESTED_PLAN and hash(again) == hash(NESTED_PLAN)
+        assert isinstance(again.loss[1].teacher_spec, FrozenMap)
+    # Usable as a key, as the estimator caches use plans (coordinator.planning keys on replace(plan, seed=0)).
+    cache = {dataclasses.replace(NESTED_PLAN, seed=0): 1}
+    assert cache[dataclasses.replace(TrainingPlan.from_dict(through_msgpack), seed=0)] == 1
+    task = _task(messages)
+    task.plan = NESTED_PLAN
+    decoded = _decode_task(encode(task))
+    assert decoded.plan == NESTED_PLAN and hash(decoded.plan) == hash(NESTED_PLAN)
+
+
+def test_a_term_built_with_a_dict_spec_is_frozen() -> None:
+    term = LossTerm("nested_kd", weight=1.0, tau=2.0, teacher_spec={"width": 0.5, "exits": [1, 2]})
+    assert isinstance(term.teacher_spec, FrozenMap) and term.teacher_spec["exits"] == (1, 2)
+    assert term == LossTerm.nested_kd({"width": 0.5, "exits": (1, 2)}, weight=1.0, tau=2.0)
+    assert hash(term) == hash(LossTerm.nested_kd({"exits": [1, 2], "width": 0.5}, weight=1.0, tau=2.0))
+    assert term != LossTerm.nested_kd({"width": 0.25, "exits": [1, 2]}, weight=1.0, tau=2.0)
+    assert plain(term)["teacher_spec"] == {"width": 0.5, "exits": [1, 2]}  # type: ignore[index]
+
+
+def test_frozen_map_is_an_immutable_hashable_mapping() -> None:
+    frozen = freeze({"a": {"b": [1, {"c": 2}]}, "d": 1.5})
+    assert isinstance(frozen, FrozenMap) and isinstance(frozen["a"], FrozenMap)
+    assert frozen["a"]["b"] == (1, FrozenMap({"c": 2}))
+    assert frozen == {"a": {"b": [1, {"c": 2}]}, "d": 1.5} and frozen != {"a": {}, "d": 1.5} and frozen != [1]
+    assert hash(frozen) == hash(freeze({"d": 1.5, "a": {"b": (1, {"c": 2})}}))
+    assert len(frozen) == 2 and list(frozen) == ["a", "d"] and dict(frozen)["d"] == 1.5
+    with pytest.raises(TypeError):
+        frozen["x"] = 1  # type: ignore[index]
+    assert copy.deepcopy(frozen) == frozen and freeze(frozen) is frozen
+
+
+def test_plans_without_nested_kd_are_written_as_before(messages: dict[str, Message]) -> None:
+    for plan in (TrainingPlan(), SAMPLE_PLAN, CANDIDATE_PLAN, SEGMENT_PLAN):
+        assert all("teacher_spec" not in term for term in plan.to_dict()["loss"])  # type: ignore[union-attr]
+    wire = wire_of(messages["task"])
+    assert all("teacher_spec" not in term for term in wire["plan"]["loss"])
+    assert all("teacher_spec" not in term for candidate in wire["adaptation"]["candidates"]
+               for term in candidate["plan"]["loss"])
+    # An explicit null is read as absent (as 'copies' is).
+    data = SAMPLE_PLAN.to_dict()
+    data["loss"][0]["teacher_spec"] = None  # type: ignore[index]
+    assert TrainingPlan.from_dict(data) == SAMPLE_PLAN
+
+
+def test_an_agent_that_predates_nested_kd_refuses_it_naming_the_kind(monkeypatch: pytest.MonkeyPatch,
+                                                                       messages: dict[str, Message]) -> None:
+    monkeypatch.setattr("protocol.plan.LOSS_KINDS", ("ce", "kd", "mutual_kd"))
+    assert TrainingPlan.from_dict(SAMPLE_PLAN.to_dict()) == SAMPLE_PLAN  # every other plan still reads
+    with pytest.raises(ProtocolError) as caught:
+        TrainingPlan.from_dict(NESTED_PLAN.to_dict())
+    reason = str(caught.value)
+    assert reason.startswith("plan.loss[1].kind: unknown loss term kind") and "'nested_kd'" in reason
+    assert "ce, kd, mutual_kd" in reason and "upgrade it" in reason
+    wire = wire_of(messages["task"])
+    wire["plan"] = NESTED_PLAN.to_dict()
+    reason = _rejection(pack(wire))
+    assert reason.startswith("task.plan.loss[1].kind: unknown loss term kind") and "'nested_kd'" in reason
+
+
+def test_a_teacher_spec_is_held_to_the_readers_limits() -> None:
+    data = NESTED_PLAN.to_dict()
+    TrainingPlan.from_dict(data, Limits(max_list_len=4))  # 4 entries each: layer_widths, its 2, rounding
+    with pytest.raises(ProtocolError, match=r"plan.loss\[1\].teacher_spec holds more than the limit of 3 entries"):
+        TrainingPlan.from_dict(data, Limits(max_list_len=3))
+    long_name = TrainingPlan(loss=(LossTerm.nested_kd({"layer_widths": {"x" * 13: 0.5}}, weight=1.0, tau=3.0),))
+    with pytest.raises(ProtocolError, match=r"plan.loss\[0\].teacher_spec.layer_widths key is 13 characters long"):
+        TrainingPlan.from_dict(long_name.to_dict(), Limits(max_str_len=12))

@@ -1,0 +1,225 @@
+"""FlexFL (Chen et al., 2024): an APoZ-guided pool of nested sub-models, adaptive local pruning and small-to-large
+self-distillation.
+
+Pre-processing (once, at set-up; Alg. 2 lines 2-5): a proxy set is carved from the server's training data
+(``flexfl.proxy_fraction`` of the training split, never the test split); the global model is pre-trained on its
+training part (``proxy_train``) with the training-plan interpreter, then scored on the rest: APoZ per prunable
+layer and the adjustment weights of Eq. 3 (:mod:`models.pruning`). Algorithm 1 prunes the model to every target
+ratio of L_p (the pool models ``M1`` (smallest) .. ``Mn`` (the full model)), and each pool model to its adaptive
+variant ``Mi'`` (Gamma fewer parameters, the same rule): smaller gammas give nested models, so the pool is a chain
+``M1' < M1 < M2' < M2 < ... < Mn``. The global model is then reset (the paper) or starts from the pre-trained
+weights (``init: pretrained``). The scores, the pool and a summary of the pre-training are strategy state: saved
+with the checkpoint and restored on resume without redoing them.
+
+Rounds: ``fraction`` of the online agents; each gets the largest pool model whose estimated training memory fits
+the budget it last reported (Step 1: the coordinator's resource table), with the pool models below it as its
+adaptation ladder (``M3 -> M3' -> M2 -> M2' -> M1 -> M1'``): an agent whose memory has dropped since trains the
+largest rung that fits now and says which. A device training ``Mi`` (or ``Mi'``) distils from the smaller pool
+models ``M1..M(i-1)`` nested in it, run from its current weights without gradient (Eq. 4: cross-entropy plus
+``lambda/(i-1) * sum_j tau^2 KL(softmax(y_j / tau) || softmax(y_i / tau))``, one ``nested_kd`` term per teacher).
+Aggregation is masked and weighted by the samples each update trained on; every pool model is a slice of the one
+global model, so all are refreshed by it. Each round every pool model is evaluated (``level_accuracy``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from coordinator.levels import Level
+from coordinator.strategies.base import State, StrategyContext, TaskResult
+from coordinator.strategies.leveled import LevelStrategy
+from models import SubmodelSpec
+from models.pruning import adjustment_weights, apoz_scores, prune_to_ratio
+from models.training import train
+from protocol import LossTerm, TrainingPlan
+
+__all__ = ["FlexFL"]
+
+STATE_VERSION = 1
+
+
+class FlexFL(LevelStrategy):
+    """The APoZ-guided pool, dispatch by the resource table, adaptive pruning and self-KD (see the module
+    docstring)."""
+
+    name = "flexfl"
+
+    def __init__(self, context: StrategyContext) -> None:
+        self.settings = context.config.flexfl
+        self._setup: dict[str, Any] | None = None
+        self._pretrained: dict[str, torch.Tensor] | None = None
+        super().__init__(context, lazy=True)
+
+    # ------------------------------------------------------------------ pre-processing
+    def fingerprint(self) -> dict[str, Any]:
+        """What the pre-processing depends on: a restored state made with anything else is refused."""
+        family = self.family
+        return {"family": family.name, "options": {k: list(v) if isinstance(v, tuple) else v
+                                                    for k, v in family.options.items()},
+                "classes": family.num_classes, "in_channels": family.in_channels, "seed": self.config.seed,
+                "settings": {k: v for k, v in asdict(self.settings).items()
+                             if k not in ("kd_weight", "tau", "kd_reduction", "init")}}
+
+    def setup(self) -> dict[str, Any]:
+        """The pre-processing's result (made on first use unless restored): proxy sizes, pre-training summary,
+        APoZ scores, adjustment weights and the pool."""
+        if self._setup is None:
+            self._setup = self._preprocess()
+        return self._setup
+
+    def _proxy(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        context, settings = self.context, self.settings
+        if context.training_sample is None or context.training_size < 1:
+            raise ValueError("FlexFL needs the server's training split for its proxy set, and none was given")
+        count = max(4, round(settings.proxy_fraction * context.training_size))
+        x, y = context.training_sample(count)
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.config.seed))
+        x, y = x[order], y[order]
+        cut = min(len(x) - 2, max(2, round(settings.proxy_train * len(x))))
+        return x[:cut], y[:cut], x[cut:], y[cut:]
+
+    def _preprocess(self) -> dict[str, Any]:
+        settings, family = self.settings, self.family
+        train_x, train_y, score_x, score_y = self._proxy()
+        torch.manual_seed(self.config.seed)
+        model = family.build(track_bn_stats=False)
+        summary: dict[str, Any] = {"train_samples": len(train_x), "score_samples": len(score_x),
+                                   "epochs": settings.pretrain_epochs}
+        if settings.pretrain_epochs > 0:
+            plan = TrainingPlan(optimizer=self.recipe_plan().optimizer, epochs=settings.pretrain_epochs,
+                                batch_size=min(self.config.recipe.batch_size, len(train_x)), seed=self.config.seed)
+            result = train(model, SubmodelSpec.full(), train_x, train_y, plan,
+                           labels=sorted(set(train_y.tolist())), num_classes=family.num_classes)
+            summary.update(loss=round(result.loss, 4), steps=result.steps, seconds=round(result.seconds, 2))
+        with torch.no_grad():
+            model.train()
+            predicted = torch.cat([model(score_x[i:i + 100]).argmax(1) for i in range(0, len(score_x), 100)
+                                   if len(score_x[i:i + 100]) > 1])
+        summary["score_accuracy"] = round(float((predicted == score_y[:len(predicted)]).float().mean()), 4)
+        self._pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        started = time.monotonic()
+        apoz = apoz_scores(family, model, score_x)
+        weights = adjustment_weights(family)
+        pool: list[dict[str, Any]] = []
+        for number, ratio in enumerate(settings.ratios, start=1):
+            pool.append(self._prune(f"M{number}", ratio, apoz, weights, None))
+            adaptive = settings.adaptive_target(ratio)
+            if settings.adaptive_cut > 0 and adaptive > 0:
+                pool.append(self._prune(f"M{number}'", adaptive, apoz, weights, f"M{number}"))
+        summary["pool_seconds"] = round(time.monotonic() - started, 2)
+        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "pretraining": summary,
+                "apoz": apoz, "adjustment": weights, "pool": pool}
+
+    def _prune(self, name: str, target: float, apoz: Mapping[str, float], weights: Mapping[str, float],
+               variant_of: str | None) -> dict[str, Any]:
+        settings = self.settings
+        measure: Any = self.memory_size if settings.size == "memory" else settings.size
+        try:
+            pruned = prune_to_ratio(self.family, apoz, weights, target, step=settings.step,
+                                    tolerance=settings.tolerance, rounding=settings.rounding, measure=measure,
+                                    search=settings.search)
+        except ValueError as exc:
+            raise ValueError(f"FlexFL cannot make pool model {name}: {exc}") from None
+        return {"name": name, "target": round(target, 6), "share": round(pruned.share, 6),
+                "gamma": None if pruned.gamma == float("inf") else pruned.gamma,
+                "keep": {k: round(v, 6) for k, v in pruned.ratios.items()}, "spec": pruned.spec.to_dict(),
+                "adaptive_of": variant_of}
+
+    def memory_size(self, spec: SubmodelSpec) -> float:
+        """The ``memory`` size of a pool model: the model-dependent part of its estimated training memory with
+        the recipe's plain cross-entropy (the runtime's fixed overhead, the same for every model, left out)."""
+        estimate = self.context.training_memory(spec, self.recipe_plan())
+        return float(estimate.total - estimate.overhead)
+
+    # ------------------------------------------------------------------ levels
+    def make_levels(self) -> list[Level]:
+        pool = self.setup()["pool"]
+        levels = [Level(entry["name"], self.family.validate_spec(SubmodelSpec.from_dict(entry["spec"])),
+                        {"target": entry["target"], "share": entry["share"], "gamma": entry["gamma"],
+                         "adaptive_of": entry["adaptive_of"], "keep": entry["keep"]})
+                  for entry in pool]
+        levels.sort(key=lambda level: self.family.param_count(level.spec), reverse=True)
+        for larger, smaller in itertools.pairwise(levels):
+            if not self.family.is_nested(smaller.spec, larger.spec):
+                raise ValueError(f"FlexFL's pool is not nested: {smaller.name} does not lie inside {larger.name}")
+        return levels
+
+    def teachers(self, level: Level) -> list[Level]:
+        """The pool models (not adaptive variants) smaller than ``level`` and nested in it: its Eq. 4 teachers."""
+        own = level.info.get("adaptive_of") or level.name
+        return [other for other in self.levels
+                if other.info.get("adaptive_of") is None and other.name != own and other is not level
+                and self.family.param_count(other.spec) < self.family.param_count(level.spec)
+                and self.family.is_nested(other.spec, level.spec)]
+
+    def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
+        """Cross-entropy plus Eq. 4's distillation from every smaller pool model nested in ``level``."""
+        settings = self.settings
+        teachers = self.teachers(level)
+        terms = [LossTerm.ce(masked=self.masked_ce)]
+        if teachers and settings.kd_weight > 0:
+            weight = settings.kd_weight / len(teachers)
+            if settings.kd_reduction == "mean":
+                weight /= self.family.num_classes
+            terms += [LossTerm.nested_kd(teacher.spec.to_dict(), weight=weight, tau=settings.tau)
+                      for teacher in teachers[::-1]]
+        return self.recipe_plan(terms)
+
+    def weight(self, result: TaskResult) -> float:
+        """FlexFL's aggregation weights every update by the samples it trained on."""
+        return float(max(1, result.num_samples))
+
+    def initial_states(self, seed: int) -> dict[str, State]:
+        """A fresh global model (the paper), or the pre-trained one (``init: pretrained``). The pre-processing runs
+        here, at set-up, unless a checkpoint's state restored it (then the checkpoint's weights follow)."""
+        states = super().initial_states(seed)
+        self.setup()
+        if self.settings.init == "pretrained" and self._pretrained is not None:
+            for group in states:
+                states[group].update({k: v.clone() for k, v in self._pretrained.items() if k in states[group]})
+        return states
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per pool model: the level rows, its share of the full model's parameters, its Eq. 4 teachers and the
+        ladder an agent given it may fall down."""
+        rows = super().describe()
+        by_name = {level.name: level for level in self.levels}
+        by_spec = {level.spec: level.name for level in self.levels}
+        for row in rows:
+            level = by_name[row["name"]]
+            row["params_share"] = round(self.family.param_count(level.spec) / self.family.param_count(), 4)
+            row["teachers"] = [teacher.name for teacher in self.teachers(level)]
+            ladder = self.ladder(level, self.config.rounds)
+            row["ladder"] = [by_spec.get(SubmodelSpec.from_dict(candidate.spec), "?")
+                             for candidate in (ladder.candidates if ladder else [])]
+        return rows
+
+    def setup_summary(self) -> dict[str, Any]:
+        """The pre-training summary, the APoZ scores and the adjustment weights (``fedfit plan`` shows them)."""
+        setup = self.setup()
+        return {"pretraining": setup["pretraining"], **{key: {k: round(v, 4) for k, v in setup[key].items()}
+                                                        for key in ("apoz", "adjustment")}}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"setup": self.setup()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not state:
+            return
+        setup = state.get("setup")
+        if not isinstance(setup, dict) or setup.get("version") != STATE_VERSION:
+            raise ValueError("the checkpoint's FlexFL state is not one this version reads (no setup of version "
+                             f"{STATE_VERSION})")
+        if setup.get("fingerprint") != self.fingerprint():
+            raise ValueError("the checkpoint's FlexFL pool was made for another model or other flexfl settings; "
+                             "use the settings it was made with, or another state_dir")
+        self._setup = setup
+        self._pretrained = None
+        self._levels = None
