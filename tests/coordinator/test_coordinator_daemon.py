@@ -275,6 +275,8 @@ def test_collect_sorts_updates_into_results_and_outcomes(scalefl: Coordinator) -
     assert records["wide"].spec_sent == spec["1"].describe()
     assert records["wide"].spec_trained == spec["3"].describe()
     assert records["adapted"].spec_trained == spec["2"].describe() and records["adapted"].level == "3"
+    assert records["adapted"].level_trained == "2" and records["ok"].level_trained == "3"
+    assert records["wide"].level_trained is None  # rejected: nothing was trained as a level
     assert records["declined"].reason == "too small" and records["failed"].reason == "killed"
     assert records["ok"].num_samples == 10 and records["ok"].metrics == {"loss": 0.5}
 

@@ -115,3 +115,16 @@ def test_reading_something_else_is_one_sentence(tmp_path: Path, content: str | N
         path.write_text(content)
     with pytest.raises(ValueError, match=said):
         read_report(path)
+
+
+def test_the_summary_counts_what_adapted_devices_fell_to() -> None:
+    def record(agent: str, status: str, sent: str, trained: str | None) -> TaskRecord:
+        return TaskRecord(agent, sent, status, "width=1", level_trained=trained)
+
+    tasks = [record("a", "adapted", "M3", "M3'"), record("b", "adapted", "M3", "M3'"), record("c", "adapted", "M2", "M1"),
+             record("d", "ok", "M2", "M2"), record("e", "adapted", "full", None)]
+    rounds = [RoundResult(round=1, global_accuracy=0.5, level_accuracy={}, participants=5, selected=5, bytes_down=1,
+                          bytes_up=1, seconds=1.0, tasks=tasks)]
+    report = build_report("flexfl", "mosquitto", "2", rounds, {})
+    assert report["summary"]["adaptations"] == {"M2->M1": 1, "M3->M3'": 2}
+    assert [task["level_trained"] for task in report["tasks"]] == ["M3'", "M3'", "M1", "M2", None]
