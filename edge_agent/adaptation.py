@@ -46,6 +46,9 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
     task's plan cannot run on (a ``nested_kd`` teacher wider than the level) is left out.
     """
     check_plan(family, sent, plan)
+    if hint is not None and hint.kind == "depthwise" and any(term.kind == "nested_kd" for term in plan.loss):
+        raise ValueError("a depth-wise adaptation cannot train a plan with nested_kd terms (its stages have no "
+                         "nested teachers)")
     whole = replace(sent, exits=()) if hint is not None and hint.kind == "depthwise" else sent
     found = [Option(whole, replace(plan, copies=count)) for count in range(plan.copies, 0, -1)]
     if hint is None or hint.kind == "none":

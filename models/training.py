@@ -145,7 +145,10 @@ class NestedTeachers:
     Built by :func:`nested_teachers`. Called with a batch, it gives each teacher's last output (no autograd) by
     the ``teacher_spec`` of its terms: every teacher net (built on the meta device, once) runs through
     ``torch.func.functional_call`` with the student's parameters and buffers detached and narrowed to the
-    teacher's shapes (leading prefixes: views, no copies), in train mode as built (batch-statistics BN).
+    teacher's shapes (leading prefixes: views, no weight copies held; a convolution may copy a non-contiguous
+    slice for the duration of its call), in train mode as built (batch-statistics BN, the teacher's own Scaler
+    rates) but with dropout off: the targets are the teacher's prediction, not a noisy draw, and the teachers take
+    nothing from the random stream the student's dropout uses.
     """
 
     def __init__(self, student: nn.Module, nets: Mapping[SubmodelSpec, nn.Module],
@@ -210,7 +213,11 @@ def nested_teachers(family: ModelFamily, spec: SubmodelSpec, terms: Sequence[Los
     with torch.device("meta"):
         for teacher in specs.values():
             if teacher not in nets:
-                nets[teacher] = family.build(teacher, track_bn_stats=False).train()
+                net = family.build(teacher, track_bn_stats=False).train()
+                for module in net.modules():
+                    if isinstance(module, nn.modules.dropout._DropoutNd):
+                        module.eval()
+                nets[teacher] = net
     return NestedTeachers(model, nets, specs)
 
 

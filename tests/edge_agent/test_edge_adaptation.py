@@ -437,3 +437,10 @@ def test_cut_nested_refuses_a_spec_needing_a_tensor_the_task_did_not_carry(deep_
     deeper = SubmodelSpec(width=0.5, rounding="floor", exits=(0, 1))  # L2's width, every block and the head
     with pytest.raises(ValueError, match="needs tensor 'conv3.weight', which the task did not carry"):
         cut_nested(received, deep_family.index_map(deeper), deep_family.state_keys(deeper))
+
+
+def test_a_depthwise_hint_with_nested_teachers_is_an_invalid_task(family, task_plan):
+    plan = task_plan(loss=(LossTerm.ce(), LossTerm.nested_kd(U(0.5).to_dict(), weight=10.0, tau=3.0)))
+    with pytest.raises(ValueError, match="depth-wise adaptation cannot train a plan with nested_kd"):
+        options(family, U(1.0), plan, Adaptation("depthwise"))
+    assert options(family, U(1.0), replace(plan, loss=(LossTerm.ce(),)), Adaptation("depthwise"))

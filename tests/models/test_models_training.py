@@ -888,3 +888,23 @@ def test_train_with_nested_teachers_learns_and_distils() -> None:
     assert any(not torch.equal(v, alone.state_dict()[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, alone.state_dict()[k]) for k, v in also.state_dict().items())
 
+
+
+def test_a_vgg_teacher_runs_without_dropout_and_leaves_the_random_stream_alone() -> None:
+    family = get_family("vgg11", 3, 1, config=(4, "M", 8, "M", 8, "M"), head=(16, 16), dropout=0.5)
+    spec, teacher_spec = SubmodelSpec.full(), SubmodelSpec(layer_widths={"conv2": 0.5, "fc1": 0.5})
+    torch.manual_seed(0)
+    student = family.build(spec, track_bn_stats=False)
+    term = LossTerm.nested_kd(teacher_spec.to_dict(), weight=1.0, tau=3.0)
+    teachers = nested_teachers(family, spec, (LossTerm.ce(), term), student)
+    assert teachers is not None
+    x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(5)
+    first = teachers(x)[term.teacher_spec]
+    after_first = torch.rand(1)
+    torch.manual_seed(5)
+    second = teachers(x)[term.teacher_spec]
+    assert torch.equal(first, second)  # no dropout mask: the same target every time
+    assert torch.equal(torch.rand(1), after_first)  # ... and no draw from the stream the student's dropout uses
+    # The student itself still trains with dropout: two passes differ.
+    assert not torch.equal(student(x), student(x))
