@@ -185,10 +185,16 @@ class FlexFLConfig:
             raise ValueError("flexfl.proxy_fraction must be in (0, 1] and flexfl.proxy_train in (0, 1)")
         if self.pretrain_epochs < 0:
             raise ValueError(f"flexfl.pretrain_epochs must be non-negative, got {self.pretrain_epochs}")
-        if not 0 < self.step <= 0.5 or not 0 <= self.tolerance < 0.5:
-            raise ValueError("flexfl.step must be in (0, 0.5] and flexfl.tolerance in [0, 0.5)")
+        if not 0.0001 <= self.step <= 0.5 or not 0 <= self.tolerance < 0.5:
+            raise ValueError("flexfl.step must be in [0.0001, 0.5] and flexfl.tolerance in [0, 0.5)")
         if not 0 <= self.adaptive_cut < 1:
             raise ValueError(f"flexfl.adaptive_cut must be in [0, 1), got {self.adaptive_cut}")
+        if self.adaptive_cut > 0:
+            for below, ratio in zip([0.0, *ratios], ratios):
+                if not below < self.adaptive_target(ratio) < ratio:
+                    raise ValueError(f"flexfl.adaptive_cut {self.adaptive_cut} ({self.adaptive_mode}) puts the adaptive "
+                                     f"variant of {ratio} at {self.adaptive_target(ratio):.3g}, outside the gap to "
+                                     f"the next smaller pool model ({below}): Gamma must be smaller than that gap")
         if self.kd_weight < 0 or self.tau <= 0:
             raise ValueError("flexfl.kd_weight must be non-negative and flexfl.tau positive")
 

@@ -63,7 +63,7 @@ def adjustment_weights(family: ModelFamily) -> dict[str, float]:
 
 def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch_size: int = 100) -> dict[str, float]:
     """APoZ of every prunable group of ``model`` (the full model of ``family``) over the samples ``x`` (see the
-    module docstring). The model runs as it trains (batch statistics), without gradients, in batches of
+    module docstring). The model runs as it trains (batch statistics; dropout off), without gradients, in batches of
     ``batch_size`` (at least 2: static batch norm normalises with batch statistics)."""
     if len(x) < 2:
         raise ValueError(f"APoZ needs at least 2 samples to score on, got {len(x)}")
@@ -98,6 +98,9 @@ def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch
             handles.append(module.register_forward_hook(relu_hook))
     was_training = model.training
     model.train()
+    dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    for dropout in dropouts:  # the activations the model computes, not a random draw of them
+        dropout.eval()
     try:
         with torch.no_grad():
             step = max(2, batch_size)
@@ -175,9 +178,13 @@ def prune_to_ratio(family: ModelFamily, apoz: Mapping[str, float], adjustment: M
     full = model_size(family, SubmodelSpec.full(), measure)
     if target >= 1.0:
         return Pruned(1.0, math.inf, dict.fromkeys(apoz, 1.0), SubmodelSpec.full(), 1.0)
-    weakest = min((1.0 - apoz[g] * adjustment[g] for g in apoz), default=1.0)
-    top = 1.0 / max(weakest, MIN_KEEP)  # from here on every layer is whole (or held at the floor)
+    factors = [1.0 - apoz[g] * adjustment[g] for g in apoz]
+    growing = [f for f in factors if f > 0]  # a layer whose factor is 0 stays at the floor whatever gamma
+    top = 1.0 / min(growing) if growing else 1.0  # from here on every other layer is whole
     count = math.ceil(top / step) + 1
+    if count > 1_000_000:
+        raise ValueError(f"a gamma grid of step {step} up to {top:.3g} has {count} points: a layer of {family.name!r} "
+                         "is nearly all zero activations; use a larger step")
     grid = [step * i for i in range(1, count + 1)]
     if search == "down":
         grid.reverse()

@@ -63,6 +63,7 @@ class FlexFL(LevelStrategy):
         return {"family": family.name, "options": {k: list(v) if isinstance(v, tuple) else v
                                                     for k, v in family.options.items()},
                 "classes": family.num_classes, "in_channels": family.in_channels, "seed": self.config.seed,
+                "input_size": list(self.context.input_size), "batch_size": self.config.recipe.batch_size,
                 "settings": {k: v for k, v in asdict(self.settings).items()
                              if k not in ("kd_weight", "tau", "kd_reduction", "init")}}
 
@@ -99,6 +100,9 @@ class FlexFL(LevelStrategy):
             summary.update(loss=round(result.loss, 4), steps=result.steps, seconds=round(result.seconds, 2))
         with torch.no_grad():
             model.train()
+            for module in model.modules():
+                if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                    module.eval()
             predicted = torch.cat([model(score_x[i:i + 100]).argmax(1) for i in range(0, len(score_x), 100)
                                    if len(score_x[i:i + 100]) > 1])
         summary["score_accuracy"] = round(float((predicted == score_y[:len(predicted)]).float().mean()), 4)
@@ -145,6 +149,10 @@ class FlexFL(LevelStrategy):
                          "adaptive_of": entry["adaptive_of"], "keep": entry["keep"]})
                   for entry in pool]
         levels.sort(key=lambda level: self.family.param_count(level.spec), reverse=True)
+        specs = [level.spec for level in levels]
+        if len(set(specs)) != len(specs):
+            raise ValueError("FlexFL's pool holds two identical models: an adaptive variant fell on its pool model "
+                             "(use a larger flexfl.adaptive_cut or a smaller flexfl.tolerance)")
         for larger, smaller in itertools.pairwise(levels):
             if not self.family.is_nested(smaller.spec, larger.spec):
                 raise ValueError(f"FlexFL's pool is not nested: {smaller.name} does not lie inside {larger.name}")
@@ -180,6 +188,7 @@ class FlexFL(LevelStrategy):
         here, at set-up, unless a checkpoint's state restored it (then the checkpoint's weights follow)."""
         states = super().initial_states(seed)
         self.setup()
+        _ = self.levels  # the pool is checked (nested, one proportion per model) at set-up, not in round 1
         if self.settings.init == "pretrained" and self._pretrained is not None:
             for group in states:
                 states[group].update({k: v.clone() for k, v in self._pretrained.items() if k in states[group]})

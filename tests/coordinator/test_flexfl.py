@@ -192,3 +192,10 @@ def test_the_pretrained_weights_start_the_global_model_only_when_asked(tmp_path:
     torch.testing.assert_close(pretrained.states["global"][key], fresh.strategy._pretrained[key])
     assert not torch.equal(fresh.states["global"][key], fresh.strategy._pretrained[key])
     assert np.isfinite(fresh.strategy.setup_summary()["pretraining"]["loss"])
+
+
+def test_an_adaptive_cut_wider_than_the_gap_between_pool_models_is_refused() -> None:
+    with pytest.raises(ValueError, match="outside the gap to the next smaller pool model"):
+        FlexFLConfig(adaptive_cut=0.3, adaptive_mode="absolute").validate()
+    FlexFLConfig(adaptive_cut=0.1, adaptive_mode="absolute").validate()
+    FlexFLConfig(adaptive_cut=0.0).validate()

@@ -51,9 +51,27 @@ def test_apoz_averages_the_relus_reading_one_group() -> None:
     family = get_family("preresnet20", 10, 1, hidden=(4, 8), blocks=(2, 1))
     torch.manual_seed(0)
     model = family.build(track_bn_stats=False)
-    scores = apoz_scores(family, model, torch.randn(16, 1, 8, 8))
+    x = torch.randn(16, 1, 8, 8)
+    scores = apoz_scores(family, model, x)
     assert set(scores) == set(family.prunable_layers())
-    assert all(0.0 <= value <= 1.0 for value in scores.values())
+    fractions = {}
+
+    def record(name):
+        def hook(_module, _inputs, out):
+            fractions[name] = float((out == 0).flatten(1).float().mean(1).mean())
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ReLU):
+            module.register_forward_hook(record(name))
+    with torch.no_grad():
+        model(x)
+    # Stage 1's stream (layer1) is read by the first ReLU of each block it feeds (stage 2's first block too); the
+    # last stream by the head's ReLU; a block's inner width by its second ReLU.
+    stream1 = ("layer1.0.relu1", "layer1.1.relu1", "layer2.0.relu1")
+    assert scores["layer1"] == pytest.approx(sum(fractions[n] for n in stream1) / 3)
+    assert scores["layer2"] == pytest.approx(fractions["relu"])
+    assert scores["layer1.1.conv1"] == pytest.approx(fractions["layer1.1.relu2"])
 
 
 def test_apoz_needs_two_samples() -> None:
