@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from models._checks import positive_int_tuple
-from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl
+from models.family import LayerDecl, ModelFamily, conv_bn_chain, linear_decl
 from models.layers import Scaler, static_bn
 from models.net import BodyParts
 
@@ -53,15 +53,7 @@ class ConvFamily(ModelFamily):
         return {f"conv{i}": h for i, h in enumerate(self.hidden, start=1)}
 
     def _declare_layers(self) -> Sequence[LayerDecl]:
-        decls: list[LayerDecl] = []
-        previous: str | None = None
-        for i in range(1, len(self.hidden) + 1):
-            group = f"conv{i}"
-            decls.append(conv_decl(group, previous, group, (3, 3), bias=True, block=i - 1))
-            decls.append(bn_decl(f"bn{i}", group, block=i - 1))
-            previous = group
-        decls.append(linear_decl("classifier", previous, None))
-        return decls
+        return [*conv_bn_chain(len(self.hidden)), linear_decl("classifier", f"conv{len(self.hidden)}", None)]
 
     def _build_body(self, channels: Mapping[str, int], rates: Mapping[str, float], track_bn_stats: bool,
                     depth: int) -> BodyParts:

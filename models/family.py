@@ -43,7 +43,7 @@ from models.net import BodyParts, ExitHead, FamilyNet
 from models.spec import SubmodelSpec
 from models.width import scaled_channels
 
-__all__ = ["BYTES_PER_ELEMENT", "LayerDecl", "ModelFamily", "bn_decl", "conv_decl", "linear_decl"]
+__all__ = ["BYTES_PER_ELEMENT", "LayerDecl", "ModelFamily", "bn_decl", "conv_bn_chain", "conv_decl", "linear_decl"]
 
 #: Bytes per element of every tensor FedFit trains (float32).
 BYTES_PER_ELEMENT = 4
@@ -105,6 +105,19 @@ def conv_decl(
 def bn_decl(name: str, group: str, *, block: int | None = None, exit: int | None = None) -> LayerDecl:
     """Declare a (static) batch norm over ``group``."""
     return LayerDecl(name, "bn", group, group, (), True, block, exit)
+
+
+def conv_bn_chain(count: int) -> list[LayerDecl]:
+    """``count`` plain 3x3 convolutions (with bias) each followed by its batch norm, ``conv{i}``/``bn{i}``
+    producing group ``conv{i}``, one body block each (block ``i - 1``), the first reading the model input."""
+    decls: list[LayerDecl] = []
+    previous: str | None = None
+    for i in range(1, count + 1):
+        group = f"conv{i}"
+        decls.append(conv_decl(group, previous, group, (3, 3), bias=True, block=i - 1))
+        decls.append(bn_decl(f"bn{i}", group, block=i - 1))
+        previous = group
+    return decls
 
 
 def linear_decl(

@@ -1,11 +1,11 @@
-"""Building blocks shared by the model families: HeteroFL's Scaler and static batch norm."""
+"""Building blocks shared by the model families: HeteroFL's Scaler and static batch norm, and switching dropout off."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["Scaler", "static_bn"]
+__all__ = ["Scaler", "dropout_off", "static_bn"]
 
 
 class Scaler(nn.Module):
@@ -39,3 +39,11 @@ def static_bn(channels: int, track_running_stats: bool) -> nn.BatchNorm2d:
     after aggregation.
     """
     return nn.BatchNorm2d(channels, momentum=None, affine=True, track_running_stats=track_running_stats)
+
+
+def dropout_off(model: nn.Module) -> None:
+    """Put every dropout module of ``model`` in eval mode (the rest keeps its mode): it computes its
+    prediction, not a random draw of it, and takes nothing from the random stream."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.eval()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from models.family import ModelFamily
+from models.layers import dropout_off
 from models.net import FamilyNet
 from models.spec import SubmodelSpec
 
@@ -98,9 +99,7 @@ def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch
             handles.append(module.register_forward_hook(relu_hook))
     was_training = model.training
     model.train()
-    dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
-    for dropout in dropouts:  # the activations the model computes, not a random draw of them
-        dropout.eval()
+    dropout_off(model)  # the activations the model computes, not a random draw of them
     try:
         with torch.no_grad():
             step = max(2, batch_size)

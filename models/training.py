@@ -45,6 +45,7 @@ from torch.nn import functional as F
 
 from models.depthwise import SegmentModel, frozen_outputs
 from models.family import ModelFamily
+from models.layers import dropout_off
 from models.net import FamilyNet
 from models.spec import SubmodelSpec
 from protocol.plan import LossTerm, Stage, TrainingPlan
@@ -214,9 +215,7 @@ def nested_teachers(family: ModelFamily, spec: SubmodelSpec, terms: Sequence[Los
         for teacher in specs.values():
             if teacher not in nets:
                 net = family.build(teacher, track_bn_stats=False).train()
-                for module in net.modules():
-                    if isinstance(module, nn.modules.dropout._DropoutNd):
-                        module.eval()
+                dropout_off(net)
                 nets[teacher] = net
     return NestedTeachers(model, nets, specs)
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, TypeAlias
 from torch import nn
 
 from models._checks import check_positive_int
-from models.family import LayerDecl, ModelFamily, bn_decl, conv_decl, linear_decl
+from models.family import LayerDecl, ModelFamily, conv_bn_chain, linear_decl
 from models.layers import Scaler, static_bn
 from models.net import BodyParts
 
@@ -137,13 +137,8 @@ class VggFamily(ModelFamily):
         return groups
 
     def _declare_layers(self) -> Sequence[LayerDecl]:
-        decls: list[LayerDecl] = []
-        previous: str | None = None
-        for i in range(1, len(self.convs) + 1):
-            group = f"conv{i}"
-            decls.append(conv_decl(group, previous, group, (3, 3), bias=True, block=i - 1))
-            decls.append(bn_decl(f"bn{i}", group, block=i - 1))
-            previous = group
+        decls = conv_bn_chain(len(self.convs))
+        previous = f"conv{len(self.convs)}"
         for j in range(1, len(self.head) + 1):
             group = f"fc{j}"
             decls.append(linear_decl(group, previous, group))

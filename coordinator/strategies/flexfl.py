@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from coordinator.evaluation import accuracies
 from coordinator.levels import Level
 from coordinator.strategies.base import State, StrategyContext, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
@@ -98,14 +99,8 @@ class FlexFL(LevelStrategy):
             result = train(model, SubmodelSpec.full(), train_x, train_y, plan,
                            labels=sorted(set(train_y.tolist())), num_classes=family.num_classes)
             summary.update(loss=round(result.loss, 4), steps=result.steps, seconds=round(result.seconds, 2))
-        with torch.no_grad():
-            model.train()
-            for module in model.modules():
-                if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-                    module.eval()
-            predicted = torch.cat([model(score_x[i:i + 100]).argmax(1) for i in range(0, len(score_x), 100)
-                                   if len(score_x[i:i + 100]) > 1])
-        summary["score_accuracy"] = round(float((predicted == score_y[:len(predicted)]).float().mean()), 4)
+        # Built without BN statistics, the model normalises with each batch's even in eval mode (dropout off).
+        summary["score_accuracy"] = round(accuracies(model, score_x, score_y)[-1], 4)
         self._pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         started = time.monotonic()
         apoz = apoz_scores(family, model, score_x)
