@@ -204,6 +204,45 @@ class FlexFLConfig:
 
 
 @dataclass
+class AdaptiveFLConfig:
+    """AdaptiveFL's settings (the ``adaptivefl`` section; used when ``algorithm: adaptivefl``).
+
+    The pool (the paper's Table 1): one model per width in ``widths`` (largest first; the first is type L, then M,
+    S, XS, XXS) and value of I in ``full_layers`` (largest first; null: the family's default, VGG-16's 8, 6, 4, see
+    :func:`models.fine_grained.default_full_layers`); a width of 1 is the full model alone. No I may be below
+    ``min_full_layers``: the shallow layers are never pruned. ``selection``: ``rl`` (Algorithm 1: the resource
+    reward capped at ``success_cap`` times the curiosity reward), or the paper's ablations ``greedy`` (the largest
+    model to random clients), ``random`` (a random model to a random client), ``curiosity`` (the curiosity reward
+    alone) and ``resource`` (the resource reward alone).
+    """
+
+    widths: list[float] = field(default_factory=lambda: [1.0, 0.66, 0.4])
+    full_layers: list[int] | None = None
+    min_full_layers: int = 1
+    selection: Literal["rl", "greedy", "random", "curiosity", "resource"] = "rl"
+    success_cap: float = 0.5
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        widths = self.widths
+        if (not widths or len(widths) > 5 or any(not 0 < w <= 1 for w in widths)
+                or any(a <= b for a, b in itertools.pairwise(widths))):
+            raise ValueError(f"adaptivefl.widths must be 1 to 5 widths in (0, 1], strictly decreasing, got {widths}")
+        if self.min_full_layers < 0:
+            raise ValueError(f"adaptivefl.min_full_layers must be non-negative, got {self.min_full_layers}")
+        layers = self.full_layers
+        if layers is not None and (not layers or any(a <= b for a, b in itertools.pairwise(layers))
+                                   or min(layers) < self.min_full_layers):
+            raise ValueError(f"adaptivefl.full_layers must be strictly decreasing values of I, none below "
+                             f"adaptivefl.min_full_layers ({self.min_full_layers}), got {layers}")
+        if self.selection not in ("rl", "greedy", "random", "curiosity", "resource"):
+            raise ValueError("adaptivefl.selection must be one of rl, greedy, random, curiosity, resource, got "
+                             f"{self.selection!r}")
+        if not 0 < self.success_cap <= 1:
+            raise ValueError(f"adaptivefl.success_cap must be in (0, 1], got {self.success_cap}")
+
+
+@dataclass
 class FedAvgConfig:
     """FedAvg's setting (the ``fedavg`` section): the uniform ``width`` every device trains (1: the full model,
     the memory-ignoring upper reference; e.g. 1/6: FeDepth's and HeteroFL's "FedAvg (x 1/6)")."""
@@ -256,6 +295,7 @@ class CoordinatorConfig:
     fedepth: FeDepthConfig = field(default_factory=FeDepthConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     flexfl: FlexFLConfig = field(default_factory=FlexFLConfig)
+    adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     state_dir: str = "runs/coordinator"
@@ -291,3 +331,4 @@ class CoordinatorConfig:
         self.screening.validate()
         self.fedavg.validate()
         self.flexfl.validate()
+        self.adaptivefl.validate()

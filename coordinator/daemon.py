@@ -362,7 +362,8 @@ class Coordinator:
         for task_id, task in tasks.items():
             if task_id not in collector.updates:
                 records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
-                                                    reason="no update by deadline")
+                                                    reason="no update by deadline",
+                                                    params_sent=self.family.param_count(task.spec))
                 outcomes.append(TaskOutcome(task, "missing", None, {}))
         trained_levels, trained_exits = self._trained(results)
         if results:
@@ -438,7 +439,8 @@ class Coordinator:
         for task_id, update in sorted(collector.updates.items()):
             task = collector.tasks[task_id].task
             record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(),
-                                reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics))
+                                reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics),
+                                params_sent=self.family.param_count(task.spec))
             if update.spec_trained is not None:
                 record.spec_trained = _describe(update.spec_trained)
             records[update.agent_id] = record
@@ -451,6 +453,7 @@ class Coordinator:
                 else:
                     record.spec_trained = result.spec.describe()
                     record.level_trained = self._level_of(result.spec)
+                    record.params_returned = self.family.param_count(result.spec)
                     results.append(result)
             answered.append((update, record))
         kept, rejected, changes = screen(results, self._sent, self.config.screening)

@@ -24,6 +24,14 @@ class TaskRecord:
     screening: dict[str, float | None] = field(default_factory=dict)
     #: The level (or pool model) whose spec the update trained, when it is one (an adapted task: a lower one).
     level_trained: str | None = None
+    #: Parameters of the model sent, and of the one that came back (0: nothing came back to aggregate).
+    params_sent: int = 0
+    params_returned: int = 0
+
+    @property
+    def waste(self) -> float | None:
+        """Communication waste of the task, ``1 - size(returned) / size(sent)`` (None: nothing was sent)."""
+        return 1.0 - self.params_returned / self.params_sent if self.params_sent else None
 
     def memory(self, name: str) -> int | None:
         """A memory figure the agent reported (budget_bytes, estimated_bytes, peak_bytes), if any."""

@@ -95,7 +95,9 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
     compare.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories of `fedfit sim` to compare")
     compare.add_argument("--algorithms", default=None, metavar="A,B,...",
                          help=f"the algorithms to run, comma-separated, of {', '.join(ALGORITHM_NAMES)} (fedavg runs "
-                              "at the smallest width every device can train unless fedavg.width is set)")
+                              "at the smallest width every device can train unless fedavg.width is set; "
+                              "adaptivefl-random, -greedy, -curiosity or -resource: AdaptiveFL with that client "
+                              "selection)")
     compare.add_argument("--out", default=None, metavar="DIR",
                          help="where the comparison (and the runs) go (default: a new runs/<time>-compare/)")
     add_run_arguments(compare, ALGORITHM_NAMES, FAMILY_NAMES, compare=True)

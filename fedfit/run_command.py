@@ -282,6 +282,17 @@ def _fedavg_width(values: dict[str, Any], base: Any, dataset: Any) -> float:
     return width_for_all(values["budgets"], anchor, base.levels)
 
 
+def compare_variant(label: str) -> tuple[str, str | None]:
+    """The algorithm a ``--algorithms`` entry runs, and AdaptiveFL's selection mode when the entry names an
+    ablation (``adaptivefl-random``, ``adaptivefl-greedy``, ``adaptivefl-curiosity``, ``adaptivefl-resource``)."""
+    from coordinator.client_selection import SELECTION_MODES
+
+    algorithm, _, mode = label.partition("-")
+    if algorithm == "adaptivefl" and mode in SELECTION_MODES:
+        return algorithm, mode
+    return label, None
+
+
 def run_compare(args: argparse.Namespace, load: Loader) -> int:
     """``fedfit compare``: run each of ``--algorithms`` on the same fleet, or read the runs given, and write the
     comparison."""
@@ -306,15 +317,17 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
     else:
         from coordinator.strategies import check_algorithm
 
-        algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
-        if not algorithms:
+        labels = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+        if not labels:
             raise ConfigError(f"--algorithms names no algorithm: {args.algorithms!r}")
-        for name in algorithms:
-            check_algorithm(name)
-        if len(set(algorithms)) != len(algorithms):
+        variants = {label: compare_variant(label) for label in labels}
+        for algorithm, _ in variants.values():
+            check_algorithm(algorithm)
+        if len(set(labels)) != len(labels):
             raise ConfigError(f"--algorithms names one more than once: {args.algorithms}")
         mapping, base = _load(args, load)
         values, given = resolve(args, mapping, base)
+        algorithms = list(dict.fromkeys(algorithm for algorithm, _ in variants.values()))
         dataset = _checked({**values, "state_dir": None}, base, mapping, args, algorithms)
         fedavg_base = base
         if "fedavg" in algorithms and not _present(mapping, ("fedavg", "width")):
@@ -322,14 +335,17 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
             fedavg_base = replace(base, fedavg=replace(base.fedavg, width=_fedavg_width(values, base, dataset)))
         out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
         reports = []
-        for name in algorithms:
+        for name in labels:
+            algorithm, selection = variants[name]
             run_dir = claim_run_dir(out / name)
             if not args.log_file:
                 _logging(args, run_dir)
             elif not reports:
                 _logging(args, out)
-            options = _options({**values, "algorithm": name, "state_dir": str(run_dir)}, args,
-                               fedavg_base if name == "fedavg" else base, given)
+            run_base = fedavg_base if name == "fedavg" else base
+            if selection is not None:
+                run_base = replace(run_base, adaptivefl=replace(run_base.adaptivefl, selection=selection))
+            options = _options({**values, "algorithm": algorithm, "state_dir": str(run_dir)}, args, run_base, given)
             print(f"{name}: running in {run_dir}", file=sys.stderr, flush=True)
             try:
                 reports.append(run_simulation(options, label=name, run_dir=run_dir).report)

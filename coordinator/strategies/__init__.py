@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from coordinator.strategies.adaptivefl import AdaptiveFL
 from coordinator.strategies.base import (
     EvalTarget,
     RoundPlan,
@@ -20,7 +21,7 @@ from coordinator.strategies.heterofl import HeteroFL
 from coordinator.strategies.scalefl import ScaleFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth, FlexFL)
+    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth, FlexFL, AdaptiveFL)
 }
 #: The algorithm names a coordinator config, ``fedfit sim`` and ``fedfit plan`` accept.
 ALGORITHM_NAMES: tuple[str, ...] = tuple(STRATEGIES)

@@ -39,6 +39,10 @@ FLEET_CONFIG_KEYS = (("model options", ("model", "options")), ("recipe", ("recip
 def method_name(report: dict[str, Any]) -> str:
     """The algorithm, with FedAvg's width when it is not 1 (``fedavg x1/6``)."""
     name = report["algorithm"]
+    if name == "adaptivefl":
+        selection = report.get("run", {}).get("config", {}).get("adaptivefl", {}).get("selection", "rl")
+        if selection != "rl":
+            name += f"-{selection}"
     if name == "fedavg":
         width = report.get("run", {}).get("config", {}).get("fedavg", {}).get("width", 1.0)
         if width != 1.0:
@@ -91,12 +95,34 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                   if counts.get("rejected")},
             "micro_batched": summary.get("micro_batched", 0),
             "partial": summary.get("partial", 0),
+            "waste": summary.get("communication_waste"),
+            "waste_first_last": _first_last(report["rounds"], "waste"),
+            "shrunk_first_last": _first_last(report["rounds"], "shrunk"),
             "mb_per_round": (summary.get("bytes_per_round") or 0) / 1e6,
             "wall_seconds": summary.get("wall_seconds"),
             "paper_baselines": PAPER_BASELINES.get(report["algorithm"], ""),
             "run": report.get("run", {}).get("directory"),
         })
     return rows
+
+
+def _first_last(rounds: Sequence[dict[str, Any]], key: str, span: int = 2) -> list[float] | None:
+    """The mean of ``key`` over the first ``span`` rounds and over the last ``span`` (None when a run does not
+    report it)."""
+    found = [r.get(key) for r in rounds]
+    values = [float(value) for value in found if value is not None]
+    if not values or len(values) != len(found):
+        return None
+    span = max(1, min(span, len(values) // 2))
+    return [sum(values[:span]) / span, sum(values[-span:]) / span]
+
+
+def _waste(row: dict[str, Any]) -> str:
+    """Communication waste in all, and from the first rounds to the last (``0.31 (0.52->0.10)``)."""
+    if row.get("waste") is None:
+        return "-"
+    trend = row.get("waste_first_last")
+    return f"{row['waste']:.3f}" + (f" ({trend[0]:.2f}->{trend[1]:.2f})" if trend else "")
 
 
 def _accuracy(value: float | None) -> str:
@@ -112,14 +138,14 @@ def _outputs(row: dict[str, Any]) -> str:
 
 
 _COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "trained", "declined", "failed",
-            "rejected", "over budget", "MB/round", "wall time")
+            "rejected", "over budget", "waste", "MB/round", "wall time")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     wall = row["wall_seconds"]
     return [row["method"], _accuracy(row["global"]), _accuracy(row["best_global"]), _accuracy(row["level_average"]),
             _outputs(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
-            str(row["over_budget"]), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
+            str(row["over_budget"]), _waste(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -139,7 +165,9 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
 def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
     """What the table's marks and averages mean, and per method what its counts hide: tasks micro-batched or
     partly trained, refusals per agent."""
-    notes = ["level avg: the mean over the levels some device trained itself in the last round"]
+    notes = ["level avg: the mean over the levels some device trained itself in the last round",
+             "waste: communication waste, 1 - parameters returned / parameters sent, in all (first two rounds "
+             + "-> last two)"]
     if any(row.get("untrained") for row in rows):
         notes.append("* no device trained that level (or exit) itself in the last round")
     for row in rows:

@@ -30,11 +30,32 @@ def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:
         "loss": metrics.get("loss"), "steps": task.memory("steps"), "seconds": metrics.get("seconds"),
         "spec_sent": task.spec_sent, "spec_trained": task.spec_trained, "reason": task.reason,
         "screening": dict(task.screening),
+        "params_sent": task.params_sent, "params_returned": task.params_returned, "waste": task.waste,
     }
+
+
+#: Statuses of a task that came back smaller than sent, or not at all, for want of memory.
+SHRUNK = ("adapted", "declined")
+
+
+def communication(tasks: list[TaskRecord] | list[dict[str, Any]]) -> dict[str, float | None]:
+    """AdaptiveFL's measures of a set of dispatched tasks: ``waste``, ``1 - sum(size returned) / sum(size sent)``
+    (parameters; a task that sent nothing back returned 0), and ``shrunk``, the share of tasks that came back
+    pruned or declined for memory. None when no task was dispatched."""
+    entries = [(t["status"], int(t.get("params_sent") or 0), int(t.get("params_returned") or 0))
+               if isinstance(t, dict) else (t.status, t.params_sent, t.params_returned) for t in tasks]
+    dispatched = [entry for entry in entries if entry[1] > 0]
+    sent = sum(entry[1] for entry in dispatched)
+    if not sent:
+        return {"waste": None, "shrunk": None}
+    returned = sum(entry[2] for entry in dispatched)
+    return {"waste": 1.0 - returned / sent,
+            "shrunk": sum(1 for entry in dispatched if entry[0] in SHRUNK) / len(dispatched)}
 
 
 def _round(r: RoundResult) -> dict[str, Any]:
     return {
+        **communication(r.tasks),
         "round": r.round,
         "global_accuracy": r.global_accuracy,
         "level_accuracy": r.level_accuracy,
@@ -80,6 +101,8 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
         "micro_batched": sum(1 for task in tasks if task.get("micro_batched_stages")),
         "partial": sum(1 for task in tasks if task.get("skipped_blocks")),
         "adaptations": adaptations(tasks),
+        "communication_waste": communication(tasks)["waste"],
+        "shrunk_share": communication(tasks)["shrunk"],
         "bytes_down": sum(r["bytes_down"] for r in rounds),
         "bytes_up": sum(r["bytes_up"] for r in rounds),
         "bytes_per_round": sum(r["bytes_down"] + r["bytes_up"] for r in rounds) / len(rounds),
@@ -170,7 +193,7 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
     levels = sorted({name for r in rounds for name in r["level_accuracy"]})
     exits = sorted({name for r in rounds for name in r["exit_accuracy"]}, key=lambda name: (len(name), name))
     header = (["round", "global"] + [f"lvl {name}" for name in levels] + list(exits)
-              + ["agents", "MB down", "MB up", "seconds"])
+              + ["agents", "waste", "MB down", "MB up", "seconds"])
     rows = [header]
     marked = False
 
@@ -188,7 +211,8 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
                        for name in levels]
                     + [cell(r["exit_accuracy"], r.get("trained_exits", list(r["exit_accuracy"])), name)
                        for name in exits]
-                    + [f"{r['participants']}/{r.get('selected', r['participants'])}", f"{r['bytes_down'] / 1e6:.2f}",
+                    + [f"{r['participants']}/{r.get('selected', r['participants'])}",
+                       "-" if r.get("waste") is None else f"{r['waste']:.3f}", f"{r['bytes_down'] / 1e6:.2f}",
                        f"{r['bytes_up'] / 1e6:.2f}", f"{r['seconds']:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]

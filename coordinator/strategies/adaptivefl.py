@@ -1,0 +1,170 @@
+"""AdaptiveFL (Jia et al., 2024): a pool of fine-grained (r_w, I) sub-models, local pruning to what the device
+can afford now, and client selection that learns from what comes back which device to give which model.
+
+Pool (Step 1, the paper's Table 1): per width ``r_w`` of ``adaptivefl.widths`` and value of ``I`` of
+``adaptivefl.full_layers`` the sub-model keeping its first ``I`` layers whole and ``r_w`` of the later ones
+(:mod:`models.fine_grained`); width 1 is the full model ``L1``. Models are named by type and rank: VGG-16's
+``L1 (1, -)``, ``M1 (0.66, 8)``, ``M2 (0.66, 6)``, ``M3 (0.66, 4)``, ``S1 (0.4, 8)``, ``S2 (0.4, 6)``,
+``S3 (0.4, 4)``.
+
+Rounds (Algorithm 1): ``fraction`` of the online agents are given a model each: a model drawn uniformly from the
+pool (Step 2), then a client drawn by the RL tables of :mod:`coordinator.client_selection` (Step 3), each client at
+most once. The budgets agents report are never used to choose (the paper's server cannot know them). Every task
+carries the pool models nested in its model as its adaptation ladder, largest first (Step 4): an agent that cannot
+train what it received trains the largest of them that fits its memory now and says which, and the tables learn
+from that (or from a decline). Plain cross-entropy; aggregation (Algorithm 2) is masked and weighted by the samples
+each update trained on. Every pool model is evaluated each round. The tables are strategy state: saved with the
+checkpoint, restored on resume.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from coordinator.client_selection import PoolEntry, SelectionTables
+from coordinator.levels import Level
+from coordinator.registry import AgentRecord
+from coordinator.strategies.base import RoundPlan, StrategyContext, TaskOutcome, TaskPlan, TaskResult
+from coordinator.strategies.leveled import LevelStrategy
+from models import SubmodelSpec
+from models.fine_grained import default_full_layers, fine_grained_spec
+from protocol import Adaptation, Candidate
+
+__all__ = ["TYPE_NAMES", "AdaptiveFL"]
+
+#: Model types (levels), largest width first.
+TYPE_NAMES = ("L", "M", "S", "XS", "XXS")
+STATE_VERSION = 1
+
+
+class AdaptiveFL(LevelStrategy):
+    """The (r_w, I) pool, RL client selection and local pruning down the nested pool (see the module docstring)."""
+
+    name = "adaptivefl"
+
+    def __init__(self, context: StrategyContext) -> None:
+        self.settings = context.config.adaptivefl
+        super().__init__(context)
+        pool = [PoolEntry(level.name, level.info["type"]) for level in reversed(self.levels)]
+        self.tables = SelectionTables(pool, self.per_type, cap=self.settings.success_cap)
+
+    # ------------------------------------------------------------------ pool
+    @property
+    def full_layers(self) -> list[int]:
+        """The values of I, largest first (configured, or the family's default)."""
+        settings = self.settings
+        if settings.full_layers is not None:
+            return list(settings.full_layers)
+        return default_full_layers(self.family, minimum=settings.min_full_layers)
+
+    @property
+    def per_type(self) -> int:
+        """p: the models per level below L."""
+        return len(self.full_layers)
+
+    def make_levels(self) -> list[Level]:
+        layers = len(self.family.prunable_layers())
+        depths = self.full_layers
+        if not depths:
+            raise ValueError(f"AdaptiveFL finds no value of I for {self.family.name!r} ({layers} prunable layers) "
+                             f"with adaptivefl.min_full_layers {self.settings.min_full_layers}")
+        if max(depths) >= layers:
+            raise ValueError(f"adaptivefl.full_layers {depths}: I must be below the {layers} prunable layers of "
+                             f"{self.family.name!r} (I = {layers} is the full model)")
+        levels: list[Level] = []
+        for kind, width in zip(TYPE_NAMES, self.settings.widths):
+            if width == 1.0:
+                levels.append(Level(f"{kind}1", SubmodelSpec.full(), {"type": kind, "r_w": 1.0, "I": "-"}))
+                continue
+            for rank, depth in enumerate(depths, start=1):
+                levels.append(Level(f"{kind}{rank}", fine_grained_spec(self.family, width, depth),
+                                    {"type": kind, "r_w": width, "I": depth}))
+        specs = [level.spec for level in levels]
+        if len(set(specs)) != len(specs):
+            raise ValueError("AdaptiveFL's pool holds two identical models: choose other adaptivefl.widths or "
+                             "full_layers")
+        return levels
+
+    # ------------------------------------------------------------------ rounds
+    def configure_round(self, round_number: int, agents: Sequence[AgentRecord], rng: random.Random) -> RoundPlan:
+        """Algorithm 1, lines 6-8: a model from the pool, then a client for it, ``fraction`` of the agents."""
+        plan = RoundPlan()
+        if not agents:
+            return plan
+        by_name = {level.name: level for level in self.levels}
+        count = max(1, round(self.config.fraction * len(agents)))
+        for model, agent in self.tables.assign(count, [a.agent_id for a in agents], rng, self.settings.selection):
+            level = by_name[model]
+            plan.tasks.append(TaskPlan(agent, level.name, level.spec, self.level_plan(level, round_number),
+                                       self.group_of(level), self.ladder(level, round_number)))
+        return plan
+
+    def ladder(self, level: Level, round_number: int) -> Adaptation | None:
+        """The pool models nested in ``level``, by estimated training memory, largest first: the first that fits
+        is the largest the agent can train (the pool's order by type is not one by memory: on a small CNN
+        ``S1 (0.4, 3)`` needs more than ``M3 (0.66, 1)``)."""
+        below = sorted((other for other in self.levels
+                        if other is not level and self.family.is_nested(other.spec, level.spec)),
+                       key=lambda other: self.cost(other, round_number), reverse=True)
+        if not below:
+            return None
+        return Adaptation("ladder", [Candidate(other.spec.to_dict(), self.level_plan(other, round_number))
+                                     for other in below])
+
+    def observe(self, round_number: int, outcomes: Sequence[TaskOutcome]) -> None:
+        """Algorithm 1, lines 12-26: learn from what each task sent back (see :mod:`coordinator.client_selection`)."""
+        by_spec = {level.spec: level.name for level in self.levels}
+        for outcome in outcomes:
+            task = outcome.task
+            if outcome.status in ("ok", "adapted"):
+                trained = outcome.spec_trained if outcome.spec_trained is not None else task.spec
+                self.tables.record(task.agent_id, task.level, by_spec.get(trained, task.level)
+                                   if outcome.status == "adapted" else task.level)
+            elif outcome.status == "declined":
+                ladder = task.adaptation.candidates if task.adaptation is not None else ()
+                smallest = by_spec.get(SubmodelSpec.from_dict(ladder[-1].spec)) if ladder else task.level
+                self.tables.record(task.agent_id, task.level, None, declined_from=smallest or task.level)
+            else:  # failed, rejected or missing: a selection, nothing learnt of its memory
+                self.tables.record(task.agent_id, task.level, None)
+
+    def weight(self, result: TaskResult) -> float:
+        """Algorithm 2 weights every update by its local data size."""
+        return float(max(1, result.num_samples))
+
+    # ------------------------------------------------------------------ reading
+    def describe(self) -> list[dict[str, Any]]:
+        """Per pool model: the level rows, its type, r_w and I, its share of the full model's parameters and the
+        ladder an agent given it may fall down."""
+        rows = super().describe()
+        by_name = {level.name: level for level in self.levels}
+        by_spec = {level.spec: level.name for level in self.levels}
+        full = self.family.param_count()
+        for row in rows:
+            level = by_name[row["name"]]
+            row["params_share"] = round(self.family.param_count(level.spec) / full, 4)
+            ladder = self.ladder(level, self.config.rounds)
+            row["ladder"] = [by_spec.get(SubmodelSpec.from_dict(candidate.spec), "?")
+                             for candidate in (ladder.candidates if ladder else [])]
+        return rows
+
+    def setup_summary(self) -> dict[str, Any]:
+        """The selection mode and the values of I (``fedfit plan`` shows them)."""
+        return {"selection": self.settings.selection, "full_layers": self.full_layers, "p": self.per_type}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "pool": [level.name for level in self.levels],
+                "specs": [level.spec.to_dict() for level in self.levels], "tables": self.tables.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not state:
+            return
+        if state.get("version") != STATE_VERSION or not isinstance(state.get("tables"), dict):
+            raise ValueError(f"the checkpoint's AdaptiveFL state is not one this version reads (no tables of version "
+                             f"{STATE_VERSION})")
+        if state.get("specs") != [level.spec.to_dict() for level in self.levels]:
+            raise ValueError("the checkpoint's AdaptiveFL tables were learnt for another pool (other model or "
+                             "adaptivefl settings); use the settings they were made with, or another state_dir")
+        self.tables.load_state_dict(state["tables"])
