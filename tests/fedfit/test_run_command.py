@@ -10,7 +10,7 @@ import pytest
 from coordinator.config import CoordinatorConfig, ModelConfig
 from coordinator.strategies import ALGORITHM_NAMES
 from fedfit.cli import _coordinator_settings, main
-from fedfit.run_command import SETTINGS, add_run_arguments, resolve
+from fedfit.run_command import SETTINGS, add_run_arguments, compare_variant, resolve
 from models import FAMILY_NAMES
 
 
@@ -140,3 +140,11 @@ def test_a_used_directory_is_refused_before_anything_slower(capsys: pytest.Captu
     err = capsys.readouterr().err
     assert "holds a run already (report.json)" in err and "split" not in err
     assert sorted(p.name for p in used.iterdir()) == ["report.json"]
+
+
+def test_compare_runs_adaptivefl_ablations_by_name() -> None:
+    assert compare_variant("adaptivefl-random") == ("adaptivefl", "random")
+    assert compare_variant("adaptivefl-greedy") == ("adaptivefl", "greedy")
+    assert compare_variant("adaptivefl") == ("adaptivefl", None)
+    assert compare_variant("adaptivefl-smart") == ("adaptivefl-smart", None)  # then refused as unknown
+    assert compare_variant("heterofl") == ("heterofl", None)

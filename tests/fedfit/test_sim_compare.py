@@ -42,6 +42,28 @@ def test_method_names() -> None:
     assert method_name(run("fedavg", 0.5)) == "fedavg"
     assert method_name(run("fedavg", 0.5, width=0.125)) == "fedavg x1/8"
     assert method_name(run("heterofl", 0.5)) == "heterofl"
+    adaptive = run("adaptivefl", 0.5)
+    assert method_name(adaptive) == "adaptivefl"
+    adaptive["run"]["config"]["adaptivefl"] = {"selection": "random"}
+    assert method_name(adaptive) == "adaptivefl-random"
+
+
+def test_communication_waste_in_all_and_from_the_first_rounds_to_the_last(tmp_path: Path) -> None:
+    def round_with(n: int, returned: int) -> RoundResult:
+        return RoundResult(round=n, global_accuracy=0.5, level_accuracy={}, participants=1, selected=1,
+                           bytes_down=1, bytes_up=1, seconds=1.0,
+                           tasks=[TaskRecord("sim-000", "L1", "adapted" if returned < 100 else "ok", "-",
+                                             params_sent=100, params_returned=returned)])
+
+    rounds = [round_with(n, returned) for n, returned in enumerate((20, 40, 60, 100), start=1)]
+    report = build_report("adaptivefl", "mosquitto", "2", rounds, {})
+    row = comparison_rows([report])[0]
+    assert row["waste"] == pytest.approx(1 - 220 / 400)
+    assert row["waste_first_last"] == pytest.approx([0.7, 0.2])  # rounds 1-2, then 3-4
+    assert row["shrunk_first_last"] == pytest.approx([1.0, 0.5])
+    text = write_comparison([report], tmp_path)["txt"].read_text()
+    assert "0.450 (0.70->0.20)" in text
+    assert comparison_rows([run("heterofl", 0.5)])[0]["waste_first_last"] is None  # no parameters counted
 
 
 def test_runs_on_different_fleets_are_said_so(tmp_path: Path) -> None:

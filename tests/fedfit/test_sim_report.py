@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.metrics import RoundResult, TaskRecord
-from fedfit.sim.report import build_report, format_table, read_report, summarize, write_report
+from fedfit.sim.report import build_report, communication, format_table, read_report, summarize, write_report
 
 
 def sample_rounds() -> list[RoundResult]:
@@ -17,8 +17,10 @@ def sample_rounds() -> list[RoundResult]:
                         tasks=[TaskRecord("sim-000", "a", "ok", "width=1", num_samples=10,
                                           metrics={"loss": 0.5, "steps": 3.0, "seconds": 1.5, "peak_bytes": 90.0,
                                                    "budget_bytes": 100.0, "estimated_bytes": 95.0},
-                                          screening={"norm": 1.0, "bound": 2.0}),
-                               TaskRecord("sim-001", "b", "declined", "width=0.5", reason="too big")],
+                                          screening={"norm": 1.0, "bound": 2.0}, params_sent=100,
+                                          params_returned=100),
+                               TaskRecord("sim-001", "b", "declined", "width=0.5", reason="too big",
+                                          params_sent=50)],
                         trained_levels=["a"]),
             RoundResult(round=2, global_accuracy=0.875, level_accuracy={"a": 0.875, "b": 0.8}, participants=2,
                         selected=2, bytes_down=2_000_000, bytes_up=1_000_000, seconds=3.75,
@@ -38,7 +40,8 @@ def test_report_has_the_documented_shape(tmp_path: Path) -> None:
     assert report["rounds"][0] == {"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
                                    "exit_accuracy": {}, "trained_levels": ["a"], "trained_exits": [],
                                    "participants": 2, "selected": 3, "bytes_down": 2_000_000, "bytes_up": 1_500_000,
-                                   "seconds": 4.25}
+                                   "seconds": 4.25, "waste": pytest.approx(1 / 3), "shrunk": 0.5}
+    assert report["rounds"][1]["waste"] is None  # a report of a run that counted no parameters
     first = report["tasks"][0]
     assert (first["loss"], first["steps"], first["seconds"]) == (0.5, 3, 1.5)
     assert first["over_budget"] is False and first["screening"] == {"norm": 1.0, "bound": 2.0}
@@ -61,18 +64,31 @@ def test_summary_of_a_run() -> None:
     assert summary["over_budget"] == 1
     assert summary["bytes_down"] == 4_000_000 and summary["bytes_per_round"] == pytest.approx(3_250_000)
     assert summary["round_seconds"] == pytest.approx(4.0) and summary["wall_seconds"] == 9.0
+    assert summary["communication_waste"] == pytest.approx(1 / 3) and summary["shrunk_share"] == 0.5
     assert summarize([], []) == {"rounds": 0}
+
+
+def test_communication_waste_counts_what_came_back_of_what_was_sent() -> None:
+    tasks = [TaskRecord("a", "L1", "ok", "-", params_sent=100, params_returned=100),
+             TaskRecord("b", "L1", "adapted", "-", params_sent=100, params_returned=40),
+             TaskRecord("c", "M1", "failed", "-", params_sent=60),
+             TaskRecord("d", "-", "skipped", "-")]  # nothing sent: not a dispatched task
+    assert tasks[1].waste == pytest.approx(0.6) and tasks[3].waste is None
+    measured = communication(tasks)
+    assert measured["waste"] == pytest.approx(1 - 140 / 260)
+    assert measured["shrunk"] == pytest.approx(1 / 3)  # adapted (or declined) of the three dispatched
+    assert communication([]) == {"waste": None, "shrunk": None}
 
 
 def test_table_lists_levels_and_traffic_and_marks_levels_nobody_trained() -> None:
     report = build_report("heterofl", "mosquitto", "2", sample_rounds(), {})
     lines = format_table(report["rounds"]).splitlines()
     header, rule, first, second, note = lines
-    assert header.split() == ["round", "global", "lvl", "a", "lvl", "b", "agents", "MB", "down", "MB", "up",
-                              "seconds"]
+    assert header.split() == ["round", "global", "lvl", "a", "lvl", "b", "agents", "waste", "MB", "down", "MB",
+                              "up", "seconds"]
     assert set(rule.replace(" ", "")) == {"-"}
-    assert first.split() == ["1", "0.8125", "0.8125", "0.7500*", "2/3", "2.00", "1.50", "4.2"]
-    assert second.split() == ["2", "0.8750", "0.8750", "0.8000", "2/2", "2.00", "1.00", "3.8"]
+    assert first.split() == ["1", "0.8125", "0.8125", "0.7500*", "2/3", "0.333", "2.00", "1.50", "4.2"]
+    assert second.split() == ["2", "0.8750", "0.8750", "0.8000", "2/2", "-", "2.00", "1.00", "3.8"]
     assert note.startswith("* no device trained this level")
 
 

@@ -200,3 +200,32 @@ def test_fedepth_through_auxiliary_classifiers_end_to_end(mosquitto_installed: N
     last = report["rounds"][-1]
     assert last["participants"] == 4 and set(last["exit_accuracy"]) == {"exit1", "exit2", "exit3"}, last
     assert last["global_accuracy"] > 0.4, report["rounds"]
+
+
+def test_adaptivefl_selects_by_its_tables_and_devices_prune_down_the_nested_pool(mosquitto_installed: None,
+                                                                                tmp_path: Path) -> None:
+    from coordinator.checkpoint import load_checkpoint
+
+    outcome = simulate(tmp_path, "adaptivefl", agents=5, rounds=3, budgets="tiers-fluctuating")
+    report = outcome.report
+    pool = set(report["settings"]["levels"])
+    assert pool == {"L1", "M1", "M2", "S1", "S2"}  # a 3-layer CNN: I in {2, 1}, p = 2
+    assert all(set(entry["level_accuracy"]) == pool for entry in report["rounds"])
+    dispatched = [t for t in report["tasks"] if t["status"] != "skipped"]
+    assert dispatched and all(t["level"] in pool and t["params_sent"] > 0 for t in dispatched)
+    for task in dispatched:
+        if task["status"] == "ok":
+            assert task["level_trained"] == task["level"] and task["waste"] == 0
+        elif task["status"] == "adapted":  # pruned on the device to a smaller pool model nested in the one sent
+            assert task["level_trained"] in pool and 0 < task["params_returned"] < task["params_sent"]
+            assert 0 < task["waste"] < 1
+    for entry in report["rounds"]:
+        shown = [t for t in dispatched if t["round"] == entry["round"]]
+        sent = sum(t["params_sent"] for t in shown)
+        assert entry["waste"] == pytest.approx(1 - sum(t["params_returned"] for t in shown) / sent)
+    assert report["summary"]["communication_waste"] is not None
+    # The tables the selection learnt are in the checkpoint: every agent that was given a task has its row.
+    _, meta = load_checkpoint(tmp_path / "adaptivefl" / "checkpoint.safetensors")
+    tables = meta["strategy"]["tables"]
+    assert {t["agent"] for t in dispatched} <= set(tables["resource"])
+    assert any(score != 1.0 for row in tables["resource"].values() for score in row.values())

@@ -1,0 +1,163 @@
+"""AdaptiveFL's server half: the (r_w, I) pool (Table 1's counts on VGG-16), dispatch by the RL tables whatever
+budget an agent reports, the nested pool as each task's ladder, learning from outcomes, sample-weighted
+aggregation and a restart that restores the tables."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.data import load_dataset
+from coordinator.checkpoint import save_checkpoint
+from coordinator.config import AdaptiveFLConfig, CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
+from coordinator.daemon import Coordinator
+from coordinator.registry import AgentRecord
+from coordinator.strategies import STRATEGIES, StrategyContext, TaskOutcome, TaskResult, make_strategy
+from coordinator.strategies.adaptivefl import AdaptiveFL
+from models import MemoryEstimate, SubmodelSpec, get_family
+from protocol import Capabilities
+
+HIDDEN = [8, 16, 32, 64]
+#: The paper's Table 1 (VGG-16, 32x32 RGB, 10 classes).
+TABLE_1 = {"L1": 33.65e6, "M1": 16.81e6, "M2": 15.41e6, "M3": 14.84e6, "S1": 8.39e6, "S2": 6.48e6, "S3": 5.67e6}
+
+
+def adaptivefl_config(tmp_path: Path | None = None, family: str = "cnn", options: dict | None = None,
+                      **settings: object) -> CoordinatorConfig:
+    return CoordinatorConfig(algorithm="adaptivefl", model=ModelConfig(family, {"hidden": HIDDEN} if options is None else options),
+                             data=DataConfig(dataset="digits", bn_samples=50, eval_samples=50),
+                             recipe=RecipeConfig(batch_size=16), adaptivefl=AdaptiveFLConfig(**settings),
+                             fraction=0.5, state_dir=str(tmp_path or "unused"))
+
+
+def context(config: CoordinatorConfig, in_channels: int = 1, input_size: tuple[int, int] = (8, 8)) -> StrategyContext:
+    family = get_family(config.model.family, 10, in_channels, **config.model.options)
+
+    def memory(spec, plan):  # a cost that grows with the parameters
+        return MemoryEstimate(family.param_count(spec), 0, 0, 0, 0, 0)
+
+    return StrategyContext(family=family, config=config, input_size=input_size, server_x=torch.zeros(4, 1, 8, 8),
+                           server_y=torch.zeros(4, dtype=torch.long), training_memory=memory)
+
+
+@pytest.fixture
+def strategy() -> AdaptiveFL:
+    made = make_strategy("adaptivefl", context(adaptivefl_config()))
+    assert isinstance(made, AdaptiveFL)
+    return made
+
+
+def agents(*budgets: int | None) -> list[AgentRecord]:
+    """Online agents reporting these budgets (None: no budget)."""
+    return [AgentRecord(f"a{i}", "online", Capabilities(device_kind="generic", memory_total=10**9,
+                                                         memory_available=10**9, budget_bytes=budget,
+                                                         num_samples=10, labels=[0]), 0.0)
+            for i, budget in enumerate(budgets)]
+
+
+def test_the_vgg16_pool_is_table_1() -> None:
+    made = make_strategy("adaptivefl", context(adaptivefl_config(family="vgg16", options={}), 3, (32, 32)))
+    counts = {level.name: made.family.param_count(level.spec) for level in made.levels}
+    assert list(counts) == ["L1", "M1", "M2", "M3", "S1", "S2", "S3"]
+    for name, paper in TABLE_1.items():
+        assert abs(counts[name] - paper) / paper < 0.05, (name, counts[name], paper)
+    # The reference code's rule reproduces the table exactly.
+    assert counts == {"L1": 33_646_666, "M1": 16_814_977, "M2": 15_410_557, "M3": 14_839_789, "S1": 8_397_106,
+                      "S2": 6_483_040, "S3": 5_667_148}
+    info = {level.name: (level.info["r_w"], level.info["I"]) for level in made.levels}
+    assert info["M1"] == (0.66, 8) and info["S3"] == (0.4, 4) and info["L1"] == (1.0, "-")
+
+
+def test_the_cnn_pool_keeps_the_shallow_layers_whole(strategy: AdaptiveFL) -> None:
+    assert strategy.full_layers == [3, 2, 1] and strategy.per_type == 3
+    for level in strategy.levels:
+        assert level.spec.rate_for("conv1") == 1.0  # never pruned: I >= min_full_layers = 1
+    by_name = {level.name: level for level in strategy.levels}
+    assert by_name["M3"].spec.rate_for("conv2") == 0.66 and by_name["M1"].spec.rate_for("conv3") == 1.0
+    with pytest.raises(ValueError, match="none below adaptivefl.min_full_layers"):
+        AdaptiveFLConfig(full_layers=[3, 1], min_full_layers=2).validate()
+    with pytest.raises(ValueError, match="I must be below the 4 prunable layers"):
+        make_strategy("adaptivefl", context(adaptivefl_config(full_layers=[4, 2])))
+
+
+def test_every_ladder_is_the_pool_nested_in_the_task_largest_first(strategy: AdaptiveFL) -> None:
+    family = strategy.family
+    for level in strategy.levels:
+        ladder = strategy.ladder(level, 1)
+        rungs = [SubmodelSpec.from_dict(candidate.spec) for candidate in (ladder.candidates if ladder else [])]
+        nested = [other.spec for other in strategy.levels if other is not level
+                  and family.is_nested(other.spec, level.spec)]
+        assert sorted(map(str, rungs)) == sorted(map(str, nested))
+        costs = [family.param_count(spec) for spec in rungs]
+        assert costs == sorted(costs, reverse=True)
+    rows = {row["name"]: row for row in strategy.describe()}
+    assert rows["M3"]["ladder"] == ["S3"]  # S1 and S2 keep layers whole that M3 thins: not nested
+    assert rows["L1"]["params_share"] == 1 and len(rows["L1"]["ladder"]) == 6
+
+
+def test_dispatch_ignores_the_budgets_agents_report(strategy: AdaptiveFL) -> None:
+    # Budgets far too small for anything would leave every agent out if they were used; AdaptiveFL never asks.
+    plan = strategy.configure_round(1, agents(1, 1, None, 1), random.Random(0))
+    assert len(plan.tasks) == 2 and not plan.skipped  # fraction 0.5 of 4 agents
+    assert len({task.agent_id for task in plan.tasks}) == 2
+    names = {level.name for level in strategy.levels}
+    assert all(task.level in names for task in plan.tasks)
+    for task in plan.tasks:
+        assert task.spec == next(level.spec for level in strategy.levels if level.name == task.level)
+
+
+def test_outcomes_teach_the_tables(strategy: AdaptiveFL) -> None:
+    by_name = {level.name: level for level in strategy.levels}
+    plan = strategy.configure_round(1, agents(None, None, None, None), random.Random(3))
+    sent = {task.agent_id: task for task in plan.tasks}
+    first, second = plan.tasks
+    # One comes back whole, the other was pruned on the device to the smallest pool model.
+    outcomes = [TaskOutcome(first, "ok", first.spec, {}),
+                TaskOutcome(second, "adapted", by_name["S3"].spec, {})]
+    before = {agent: dict(strategy.tables.resource.get(agent, {})) for agent in sent}
+    strategy.observe(1, outcomes)
+    resource = strategy.tables.resource
+    assert resource[first.agent_id][first.level] == 2 and resource[first.agent_id]["L1"] == 1 + 1 + 2
+    if second.level != "S3":
+        assert resource[second.agent_id]["S3"] == 1 + 3  # + p
+        assert resource[second.agent_id]["L1"] < 1
+    assert set(before[first.agent_id].values()) == {1.0}  # every score starts at 1
+    # A decline penalises from the smallest rung it tried upwards.
+    task = next(t for t in strategy.configure_round(2, agents(None, None), random.Random(5)).tasks)
+    strategy.observe(2, [TaskOutcome(task, "declined", None, {})])
+    assert strategy.tables.resource[task.agent_id]["L1"] < 1
+
+
+def test_aggregation_weights_updates_by_their_samples(strategy: AdaptiveFL) -> None:
+    task = strategy.configure_round(1, agents(None, None), random.Random(0)).tasks[0]
+    result = TaskResult(task, task.spec, {}, {}, num_samples=37, labels=[0])
+    assert strategy.weight(result) == 37.0
+
+
+def test_a_restart_restores_the_tables(tmp_path: Path) -> None:
+    digits = load_dataset("digits")
+    first = Coordinator(adaptivefl_config(tmp_path), dataset=digits)
+    first.strategy.tables.record("sim-1", "M1", "S2")
+    first.strategy.tables.record("sim-2", "L1", "L1")
+    saved = first.strategy.state_dict()
+    save_checkpoint(first.checkpoint_path, first.states,
+                    {"round": 3, "algorithm": "adaptivefl", "family": "cnn", "strategy": saved})
+    resumed_config = adaptivefl_config(tmp_path)
+    resumed_config.resume = True
+    resumed = Coordinator(resumed_config, dataset=digits)
+    assert resumed.completed_rounds == 3
+    assert resumed.strategy.tables.resource == first.strategy.tables.resource
+    assert resumed.strategy.tables.curiosity == first.strategy.tables.curiosity
+    # Tables learnt for another pool are refused, not silently reused.
+    other = adaptivefl_config(tmp_path, widths=[1.0, 0.5])
+    other.resume = True
+    with pytest.raises(ValueError, match="another pool"):
+        Coordinator(other, dataset=digits)
+
+
+def test_registry_knows_adaptivefl(strategy: AdaptiveFL) -> None:
+    assert STRATEGIES["adaptivefl"] is AdaptiveFL
+    assert strategy.setup_summary() == {"selection": "rl", "full_layers": [3, 2, 1], "p": 3}

@@ -1,0 +1,112 @@
+"""AdaptiveFL's client selection (Algorithm 1): the table updates on a scripted sequence of returns, the rewards
+and probabilities on hand-built tables, the round's draws and the tables' state."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from coordinator.client_selection import PoolEntry, SelectionTables
+
+#: R for p = 2, smallest first.
+POOL = [PoolEntry("S2", "S"), PoolEntry("S1", "S"), PoolEntry("M2", "M"), PoolEntry("M1", "M"), PoolEntry("L1", "L")]
+
+
+def tables() -> SelectionTables:
+    return SelectionTables(POOL, per_type=2)
+
+
+def scores(t: SelectionTables, client: str) -> list[float]:
+    return [t.resource[client][name] for name in t.names]
+
+
+def test_the_tables_follow_algorithm_1_on_a_scripted_sequence_of_returns() -> None:
+    t = tables()
+    # Unpruned (lines 15-18): M2 and every larger model gain 1, the largest p - 1 more; T_c[M] counts send and back.
+    t.record("c", "M2", "M2")
+    assert scores(t, "c") == [1, 1, 2, 2, 3]
+    assert t.curiosity["c"] == {"S": 1, "M": 3, "L": 1}
+    # Pruned to S1 (lines 20-25): S1 gains p, then S1, M2, M1, L1 lose 0, 1, 2, 3, floored at 0.
+    t.record("c", "L1", "S1")
+    assert scores(t, "c") == [1, 3, 1, 0, 0]
+    assert t.curiosity["c"] == {"S": 2, "M": 3, "L": 2}
+    # Declined (nothing fit, the smallest tried S2): S2 upwards lose 1, 2, 3, ...
+    t.record("c", "M1", None, declined_from="S2")
+    assert scores(t, "c") == [0, 1, 0, 0, 0]
+    assert t.curiosity["c"] == {"S": 2, "M": 4, "L": 2}
+    # Missed its deadline: a selection, nothing learnt of its memory.
+    t.record("c", "S1", None)
+    assert scores(t, "c") == [0, 1, 0, 0, 0]
+    assert t.curiosity["c"] == {"S": 3, "M": 4, "L": 2}
+    # Another client's tables are untouched (and start at 1).
+    assert t.resource_reward("d", "L") == pytest.approx(1 / 5)
+    assert scores(t, "d") == [1] * 5
+    with pytest.raises(ValueError, match="not a pool model"):
+        t.record("c", "X9", None)
+
+
+def test_rewards_and_probabilities_on_hand_built_tables() -> None:
+    t = tables()
+    t.record("a", "M2", "M2")  # a: scores [1, 1, 2, 2, 3] (total 9), T_c = S 1, M 3, L 1
+    t.curiosity["a"]["M"] = 4
+    # R_s: per model of the type, the share of scores on it or larger, averaged over the type's models.
+    assert t.resource_reward("a", "S") == pytest.approx((9 + 8) / (2 * 9))
+    assert t.resource_reward("a", "M") == pytest.approx((7 + 5) / (2 * 9))
+    assert t.resource_reward("a", "L") == pytest.approx(3 / 9)  # one model of type L: its share, not / p
+    assert t.resource_reward("b", "M") == pytest.approx((3 + 2) / (2 * 5))
+    assert t.curiosity_reward("a", "M") == pytest.approx(1 / math.sqrt(4))
+    # R = min(0.5, R_s) * R_c: for M, a has min(0.5, 2/3) * 1/2 = 0.25, b has min(0.5, 0.5) * 1 = 0.5.
+    assert t.probabilities("M1", ["a", "b"]) == pytest.approx({"a": 1 / 3, "b": 2 / 3})
+    # For L: a 1/3 * 1, b 1/5 * 1.
+    assert t.probabilities("L1", ["a", "b"]) == pytest.approx({"a": (1 / 3) / (1 / 3 + 1 / 5),
+                                                              "b": (1 / 5) / (1 / 3 + 1 / 5)})
+    # The ablations: curiosity alone, resource alone (uncapped), uniform.
+    assert t.probabilities("M1", ["a", "b"], "curiosity") == pytest.approx({"a": 1 / 3, "b": 2 / 3})
+    assert t.probabilities("M1", ["a", "b"], "resource") == pytest.approx({"a": (2 / 3) / (2 / 3 + 1 / 2),
+                                                                          "b": (1 / 2) / (2 / 3 + 1 / 2)})
+    assert t.probabilities("M1", ["a", "b"], "random") == {"a": 0.5, "b": 0.5}
+
+
+def test_a_round_gives_each_client_at_most_one_model_and_never_one_whose_reward_is_zero() -> None:
+    t = tables()
+    for name in t.names:  # z's every score has fallen to 0: its resource reward is 0 for every type
+        t.resource.setdefault("z", {})[name] = 0.0
+    t.curiosity["z"] = {"S": 1.0, "M": 1.0, "L": 1.0}
+    rng = random.Random(0)
+    for _ in range(50):
+        pairs = t.assign(3, ["a", "b", "z"], rng)
+        clients = [client for _, client in pairs]
+        assert len(clients) == len(set(clients)) == 2 and "z" not in clients
+        assert all(model in t.names for model, _ in pairs)
+    assert t.assign(5, ["a"], rng)[0][1] == "a" and len(t.assign(5, ["a"], rng)) == 1
+    # Greedy: always the largest model; random: any client, z included.
+    assert {model for model, _ in t.assign(3, ["a", "b", "z"], rng, "greedy")} == {"L1"}
+    drawn = Counter(client for _ in range(100) for _, client in t.assign(1, ["a", "b", "z"], rng, "random"))
+    assert drawn["z"] > 0
+    with pytest.raises(ValueError, match="selection mode"):
+        t.assign(1, ["a"], rng, "smart")
+
+
+def test_draws_follow_the_rewards() -> None:
+    t = tables()
+    for _ in range(3):  # a keeps pruning L1 to S2: its L score falls to 0 while b's stays
+        t.record("a", "L1", "S2")
+    rng = random.Random(1)
+    given_l = Counter(client for _ in range(400) for model, client in t.assign(1, ["a", "b"], rng) if model == "L1")
+    assert given_l["a"] == 0 and given_l["b"] > 0
+
+
+def test_the_tables_round_trip_and_refuse_another_pool() -> None:
+    t = tables()
+    t.record("a", "M2", "S1")
+    restored = tables()
+    restored.load_state_dict(t.state_dict())
+    assert restored.resource == t.resource and restored.curiosity == t.curiosity
+    other = SelectionTables(POOL[1:], per_type=2)
+    with pytest.raises(ValueError, match="other model types or pool models"):
+        other.load_state_dict(t.state_dict())
+    with pytest.raises(ValueError, match="no curiosity and resource table"):
+        restored.load_state_dict({"curiosity": {}})
