@@ -15,7 +15,7 @@ def test_the_example_coordinator_config_names_every_method_section_and_validates
     config = from_mapping(CoordinatorConfig, load_yaml(EXAMPLES / "coordinator.yaml"))
     config.validate()
     text = (EXAMPLES / "coordinator.yaml").read_text()
-    for section in ("scalefl:", "fedepth:", "fedavg:", "flexfl:"):
+    for section in ("scalefl:", "fedepth:", "fedavg:", "flexfl:", "adaptivefl:"):
         assert f"\n{section}" in text, section
 
 
