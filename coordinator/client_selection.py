@@ -1,7 +1,7 @@
 """AdaptiveFL's client selection (Algorithm 1): a curiosity table and a resource table per client, learnt from
 what each client sends back, never from the resources it reports.
 
-The pool ``R = [S_p, ..., S_1, M_p, ..., M_1, L_1]`` is listed smallest first; every model has a type (its level:
+The pool ``R = [S_p, ..., S_1, M_p, ..., M_1, L_1]`` is listed smallest first (see below); every model has a type (its level:
 S, M, L). Per client, the curiosity table ``T_c[type]`` counts how often the client was given or gave back a model
 of that type and the resource table ``T_r[model]`` holds training scores; both start at 1.
 
@@ -15,9 +15,16 @@ of that type and the resource table ``T_r[model]`` holds training scores; both s
 - **Update** after a client given ``m`` returns ``m'``: ``T_c[type(m)] += 1`` and ``T_c[type(m')] += 1``; if
   ``m' == m`` every score from ``m`` up to ``L_1`` gains 1 and ``L_1`` gains ``p - 1`` more; if the client pruned,
   ``T_r[m'] += p`` and the scores from ``m'`` upwards lose ``tau = 0, 1, 2, ...`` (floored at 0).
-- **Nothing came back for memory** (the client declined: not even the smallest model nested in ``m`` fit, a case
-  the paper's simulated clients never meet): the scores from that smallest model upwards lose ``tau = 1, 2, ...``.
-  A task that failed or missed its deadline counts as a selection only (``T_c[type(m)] += 1``).
+- **Nothing came back for memory** (the client declined: not even the smallest model nested in ``m`` fit; or its
+  training was killed for memory), a case the paper's simulated clients never meet: the scores from that smallest
+  model (the one killed) upwards lose ``tau = 1, 2, ...``. A client whose every score has fallen to 0 has reward 0
+  and is never drawn again in the modes that weigh rewards: a device that cannot train the smallest model is left
+  out for good, and so is one that declined its first task for a passing shortage (its scores were still 1). Any
+  other ending (declined or failed for another reason, rejected, missed its deadline) counts as a selection only
+  (``T_c[type(m)] += 1``).
+
+``R`` is the paper's order: by type, then by ``I``. It is the order by size on VGG-16, not on every family (on a
+4-layer CNN ``S1 (0.4, 3)`` holds more parameters than ``M3 (0.66, 1)``); "larger" below means later in ``R``.
 
 Ablations (the paper's Sec. 4.4): ``curiosity`` draws by ``R_c`` alone, ``resource`` by ``R_s`` alone,
 ``random`` draws the client uniformly, ``greedy`` sends the largest model to uniformly drawn clients.

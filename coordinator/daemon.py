@@ -61,6 +61,14 @@ def _describe(spec: dict[str, object]) -> str:
         return "(malformed spec)"
 
 
+def _spec_or_none(spec: dict[str, object] | None) -> SubmodelSpec | None:
+    """The spec an agent named, or None when it named none or a malformed one."""
+    try:
+        return SubmodelSpec.from_dict(spec) if spec is not None else None
+    except ValueError:
+        return None
+
+
 class NoAgentsError(RuntimeError):
     """No agent came online in time (before the first round: fewer than ``min_agents``)."""
 
@@ -467,7 +475,8 @@ class Coordinator:
         verdicts = {result.task.agent_id: refused.get(result.task.agent_id) for result in results}
         trained_by = {result.task.agent_id: result.spec for result in kept}
         outcomes = [TaskOutcome(collector.tasks[update.task_id].task, record.status,
-                                trained_by.get(update.agent_id), dict(update.metrics))
+                                trained_by.get(update.agent_id), dict(update.metrics), update.reason,
+                                _spec_or_none(update.spec_trained))
                     for update, record in answered]
         return kept, outcomes, verdicts
 

@@ -24,7 +24,8 @@ class TaskRecord:
     screening: dict[str, float | None] = field(default_factory=dict)
     #: The level (or pool model) whose spec the update trained, when it is one (an adapted task: a lower one).
     level_trained: str | None = None
-    #: Parameters of the model sent, and of the one that came back (0: nothing came back to aggregate).
+    #: Parameters of the model sent, and of the one that came back (0: nothing came back, or nothing readable; an
+    #: update screening refused did come back and counts).
     params_sent: int = 0
     params_returned: int = 0
 

@@ -28,7 +28,7 @@ from edge_agent.memory import size_text
 from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments, micro_batch_ladder
-from protocol import ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
+from protocol import MEMORY_DECLINE_REASON, ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
 
 
 def _numbers(numbers: tuple[int, ...]) -> str:
@@ -155,7 +155,7 @@ class Decider:
                 choice = Choice(option, needed, (*choice.tried, (option.describe(), needed)))
         if choice.option is None:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
-            raise TaskRejected("declined", f"nothing fits the {size_text(available)} available (estimated: {tried}"
+            raise TaskRejected("declined", f"{MEMORY_DECLINE_REASON} the {size_text(available)} available (estimated: {tried}"
                                            + (f"; no block fits alone, the smallest needs {size_text(cut.smallest)}"
                                               + (f" in micro-batches of {cut.smallest_micro}" if cut.smallest_micro
                                                  else "")

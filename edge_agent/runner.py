@@ -39,7 +39,7 @@ from edge_agent.workdir import (
     TrainingRequest,
     model_key,
 )
-from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
+from protocol import MEMORY_KILL_REASON, ModelRef, ProtocolError, Task, Update, decode, encode
 
 __all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
 
@@ -93,7 +93,7 @@ def _killed(outcome: ChildOutcome) -> str:
     if outcome.killed_by != "SIGKILL" or outcome.timed_out:
         return f"training process was killed by {outcome.killed_by}"
     if outcome.out_of_memory:
-        return "training process was killed by the kernel's OOM killer (SIGKILL, out of memory)"
+        return f"{MEMORY_KILL_REASON} (SIGKILL, out of memory)"
     if outcome.out_of_memory is None:
         return "training process was killed by SIGKILL (no OOM-kill counter to tell whether for memory)"
     return "training process was killed by SIGKILL, not for memory (the kernel counted no OOM kill)"

@@ -288,7 +288,7 @@ def compare_variant(label: str) -> tuple[str, str | None]:
     from coordinator.client_selection import SELECTION_MODES
 
     algorithm, _, mode = label.partition("-")
-    if algorithm == "adaptivefl" and mode in SELECTION_MODES:
+    if algorithm == "adaptivefl" and mode in SELECTION_MODES and mode != "rl":  # rl is plain adaptivefl
         return algorithm, mode
     return label, None
 

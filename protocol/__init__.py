@@ -14,6 +14,8 @@ from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
+    MEMORY_DECLINE_REASON,
+    MEMORY_KILL_REASON,
     PROTOCOL_VERSION,
     Ack,
     Adaptation,
@@ -33,6 +35,8 @@ from protocol.topics import Topics, parse_agent_topic, validate_name
 __all__ = [
     "CHUNK_SIZE",
     "DEFAULT_LIMITS",
+    "MEMORY_DECLINE_REASON",
+    "MEMORY_KILL_REASON",
     "PLAN_VERSION",
     "PROTOCOL_VERSION",
     "Ack",

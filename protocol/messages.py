@@ -127,6 +127,13 @@ class Task:
         return TrainingPlan.from_recipe(self.recipe)
 
 
+#: How an update's ``reason`` begins when the agent declined because nothing it may train fits its memory now, and
+#: when its training process was killed for memory: what a coordinator may learn a device's memory from (the other
+#: declines and failures, e.g. a deadline passed or the agent stopping, say nothing of it).
+MEMORY_DECLINE_REASON = "nothing fits"
+MEMORY_KILL_REASON = "training process was killed by the kernel's OOM killer"
+
+
 @dataclass
 class Update:
     """An agent's answer to a task; status is "ok", "adapted", "declined" or "failed"."""

@@ -30,7 +30,7 @@ from coordinator.strategies.base import RoundPlan, StrategyContext, TaskOutcome,
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
 from models.fine_grained import default_full_layers, fine_grained_spec
-from protocol import Adaptation, Candidate
+from protocol import MEMORY_DECLINE_REASON, MEMORY_KILL_REASON, Adaptation, Candidate
 
 __all__ = ["TYPE_NAMES", "AdaptiveFL"]
 
@@ -118,15 +118,21 @@ class AdaptiveFL(LevelStrategy):
         by_spec = {level.spec: level.name for level in self.levels}
         for outcome in outcomes:
             task = outcome.task
-            if outcome.status in ("ok", "adapted"):
-                trained = outcome.spec_trained if outcome.spec_trained is not None else task.spec
-                self.tables.record(task.agent_id, task.level, by_spec.get(trained, task.level)
-                                   if outcome.status == "adapted" else task.level)
-            elif outcome.status == "declined":
+            if outcome.status == "ok":
+                self.tables.record(task.agent_id, task.level, task.level)
+            elif outcome.status == "adapted":
+                # An update that trained no pool model (not one this strategy offered) teaches nothing of its size.
+                returned = by_spec.get(outcome.spec_trained) if outcome.spec_trained is not None else None
+                self.tables.record(task.agent_id, task.level, returned)
+            elif outcome.status == "declined" and (outcome.reason or "").startswith(MEMORY_DECLINE_REASON):
                 ladder = task.adaptation.candidates if task.adaptation is not None else ()
                 smallest = by_spec.get(SubmodelSpec.from_dict(ladder[-1].spec)) if ladder else task.level
                 self.tables.record(task.agent_id, task.level, None, declined_from=smallest or task.level)
-            else:  # failed, rejected or missing: a selection, nothing learnt of its memory
+            elif outcome.status == "failed" and (outcome.reason or "").startswith(MEMORY_KILL_REASON):
+                # Killed for memory training what it tried: nothing from that model upwards fits.
+                tried = by_spec.get(outcome.spec_tried) if outcome.spec_tried is not None else None
+                self.tables.record(task.agent_id, task.level, None, declined_from=tried or task.level)
+            else:  # declined or failed for another reason, rejected, missing: a selection, nothing learnt of memory
                 self.tables.record(task.agent_id, task.level, None)
 
     def weight(self, result: TaskResult) -> float:

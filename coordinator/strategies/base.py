@@ -92,12 +92,15 @@ class TaskResult:
 
 @dataclass(frozen=True)
 class TaskOutcome:
-    """How one task ended (status ok, adapted, declined, failed, rejected or missing), for selection that learns."""
+    """How one task ended (status ok, adapted, declined, failed, rejected or missing), for selection that learns:
+    the spec of the aggregated update, the agent's metrics and reason, and the spec it tried (for a failure)."""
 
     task: TaskPlan
     status: str
     spec_trained: SubmodelSpec | None
     metrics: Mapping[str, float]
+    reason: str | None = None
+    spec_tried: SubmodelSpec | None = None
 
 
 @dataclass(frozen=True)

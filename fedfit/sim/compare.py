@@ -125,6 +125,12 @@ def _waste(row: dict[str, Any]) -> str:
     return f"{row['waste']:.3f}" + (f" ({trend[0]:.2f}->{trend[1]:.2f})" if trend else "")
 
 
+def _pruned(row: dict[str, Any]) -> str:
+    """The share of tasks returned pruned or declined, from the first rounds to the last (``60%->0%``)."""
+    trend = row.get("shrunk_first_last")
+    return f"{trend[0]:.0%}->{trend[1]:.0%}" if trend else "-"
+
+
 def _accuracy(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -138,14 +144,14 @@ def _outputs(row: dict[str, Any]) -> str:
 
 
 _COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "trained", "declined", "failed",
-            "rejected", "over budget", "waste", "MB/round", "wall time")
+            "rejected", "over budget", "waste", "pruned", "MB/round", "wall time")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     wall = row["wall_seconds"]
     return [row["method"], _accuracy(row["global"]), _accuracy(row["best_global"]), _accuracy(row["level_average"]),
             _outputs(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
-            str(row["over_budget"]), _waste(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
+            str(row["over_budget"]), _waste(row), _pruned(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -166,8 +172,9 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
     """What the table's marks and averages mean, and per method what its counts hide: tasks micro-batched or
     partly trained, refusals per agent."""
     notes = ["level avg: the mean over the levels some device trained itself in the last round",
-             "waste: communication waste, 1 - parameters returned / parameters sent, in all (first two rounds "
-             + "-> last two)"]
+             "waste: communication waste, 1 - parameters returned / parameters sent, in all (the mean of the first "
+             + "two rounds -> of the last two; one and one below 4 rounds); pruned: the share of tasks returned "
+             + "pruned or declined for memory, the same way"]
     if any(row.get("untrained") for row in rows):
         notes.append("* no device trained that level (or exit) itself in the last round")
     for row in rows:

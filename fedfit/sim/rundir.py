@@ -130,10 +130,11 @@ def summary_text(report: dict[str, Any]) -> str:
             lines.append("adapted on the device: " + ", ".join(f"{move} x{count}"
                                                               for move, count in summary["adaptations"].items()))
         if summary.get("communication_waste") is not None:
-            rounds = report["rounds"]
+            first, last = (report["rounds"][i].get("waste") for i in (0, -1))
             lines.append(f"communication waste (1 - size returned / size sent): {summary['communication_waste']:.3f} "
-                         f"in all, {rounds[0].get('waste') or 0:.3f} in round 1, {rounds[-1].get('waste') or 0:.3f} "
-                         f"in the last; tasks returned pruned or declined: {summary['shrunk_share']:.0%}")
+                         f"in all, {'-' if first is None else f'{first:.3f}'} in round 1, "
+                         f"{'-' if last is None else f'{last:.3f}'} in the last; tasks returned pruned or declined: "
+                         f"{summary['shrunk_share']:.0%}")
         lines.append(f"traffic: {summary['bytes_down'] / 1e6:.1f} MB down, {summary['bytes_up'] / 1e6:.1f} MB up "
                      f"({summary['bytes_per_round'] / 1e6:.2f} MB a round)")
         wall = summary.get("wall_seconds")

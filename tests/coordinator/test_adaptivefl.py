@@ -15,10 +15,17 @@ from coordinator.checkpoint import save_checkpoint
 from coordinator.config import AdaptiveFLConfig, CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
 from coordinator.daemon import Coordinator
 from coordinator.registry import AgentRecord
-from coordinator.strategies import STRATEGIES, StrategyContext, TaskOutcome, TaskResult, make_strategy
+from coordinator.strategies import (
+    STRATEGIES,
+    StrategyContext,
+    TaskOutcome,
+    TaskPlan,
+    TaskResult,
+    make_strategy,
+)
 from coordinator.strategies.adaptivefl import AdaptiveFL
 from models import MemoryEstimate, SubmodelSpec, get_family
-from protocol import Capabilities
+from protocol import MEMORY_DECLINE_REASON, MEMORY_KILL_REASON, Capabilities
 
 HIDDEN = [8, 16, 32, 64]
 #: The paper's Table 1 (VGG-16, 32x32 RGB, 10 classes).
@@ -109,26 +116,40 @@ def test_dispatch_ignores_the_budgets_agents_report(strategy: AdaptiveFL) -> Non
         assert task.spec == next(level.spec for level in strategy.levels if level.name == task.level)
 
 
+def task_for(strategy: AdaptiveFL, agent: str, name: str) -> TaskPlan:
+    level = next(level for level in strategy.levels if level.name == name)
+    return TaskPlan(agent, name, level.spec, strategy.level_plan(level, 1), "global", strategy.ladder(level, 1))
+
+
 def test_outcomes_teach_the_tables(strategy: AdaptiveFL) -> None:
-    by_name = {level.name: level for level in strategy.levels}
-    plan = strategy.configure_round(1, agents(None, None, None, None), random.Random(3))
-    sent = {task.agent_id: task for task in plan.tasks}
-    first, second = plan.tasks
-    # One comes back whole, the other was pruned on the device to the smallest pool model.
-    outcomes = [TaskOutcome(first, "ok", first.spec, {}),
-                TaskOutcome(second, "adapted", by_name["S3"].spec, {})]
-    before = {agent: dict(strategy.tables.resource.get(agent, {})) for agent in sent}
-    strategy.observe(1, outcomes)
-    resource = strategy.tables.resource
-    assert resource[first.agent_id][first.level] == 2 and resource[first.agent_id]["L1"] == 1 + 1 + 2
-    if second.level != "S3":
-        assert resource[second.agent_id]["S3"] == 1 + 3  # + p
-        assert resource[second.agent_id]["L1"] < 1
-    assert set(before[first.agent_id].values()) == {1.0}  # every score starts at 1
-    # A decline penalises from the smallest rung it tried upwards.
-    task = next(t for t in strategy.configure_round(2, agents(None, None), random.Random(5)).tasks)
-    strategy.observe(2, [TaskOutcome(task, "declined", None, {})])
-    assert strategy.tables.resource[task.agent_id]["L1"] < 1
+    spec = {level.name: level.spec for level in strategy.levels}
+    order = strategy.tables.names
+    assert order == ["S3", "S2", "S1", "M3", "M2", "M1", "L1"]  # R: by type, then by I (p = 3)
+
+    def row(agent: str) -> list[float]:
+        return [strategy.tables.resource[agent][name] for name in order]
+
+    whole, pruned = task_for(strategy, "a", "M2"), task_for(strategy, "b", "L1")
+    declined, failed = task_for(strategy, "c", "M2"), task_for(strategy, "d", "S1")
+    stray, late, killed = task_for(strategy, "e", "M1"), task_for(strategy, "f", "M2"), task_for(strategy, "g", "L1")
+    assert [SubmodelSpec.from_dict(c.spec) for c in declined.adaptation.candidates][-1] == spec["S3"]
+    strategy.observe(1, [
+        TaskOutcome(whole, "ok", whole.spec, {}),
+        TaskOutcome(pruned, "adapted", spec["S2"], {}),
+        TaskOutcome(declined, "declined", None, {}, f"{MEMORY_DECLINE_REASON} the 9.0 MiB available"),
+        TaskOutcome(failed, "failed", None, {}, "training process failed (exit code 1)", spec["S1"]),
+        TaskOutcome(stray, "adapted", SubmodelSpec.uniform(0.3), {}),
+        TaskOutcome(late, "declined", None, {}, "the task's deadline passed before training could start"),
+        TaskOutcome(killed, "failed", None, {}, f"{MEMORY_KILL_REASON} (SIGKILL, out of memory)", spec["M1"])])
+    assert row("a") == [1, 1, 1, 1, 2, 2, 4]  # M2 and larger +1, L1 p - 1 more
+    assert row("b") == [1, 4, 0, 0, 0, 0, 0]  # S2 + p, then S2.. lose 0, 1, 2, ...
+    assert row("c") == [0, 0, 0, 0, 0, 0, 0]  # nothing fit down to S3, the ladder's last rung: S3.. lose 1, 2, ...
+    assert row("g") == [1, 1, 1, 1, 1, 0, 0]  # killed for memory training M1: M1, L1 lose 1, 2
+    # A failure, a return of no pool model and a decline for the deadline say nothing of memory.
+    assert row("d") == row("e") == row("f") == [1] * 7
+    curiosity = strategy.tables.curiosity
+    assert curiosity["a"] == {"L": 1, "M": 3, "S": 1} and curiosity["b"] == {"L": 2, "M": 1, "S": 2}
+    assert curiosity["c"]["M"] == curiosity["d"]["S"] == curiosity["e"]["M"] == curiosity["f"]["M"] == 2
 
 
 def test_aggregation_weights_updates_by_their_samples(strategy: AdaptiveFL) -> None:

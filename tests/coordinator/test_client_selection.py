@@ -110,3 +110,14 @@ def test_the_tables_round_trip_and_refuse_another_pool() -> None:
         other.load_state_dict(t.state_dict())
     with pytest.raises(ValueError, match="no curiosity and resource table"):
         restored.load_state_dict({"curiosity": {}})
+
+
+def test_a_model_no_remaining_client_can_take_is_drawn_again_among_those_some_can() -> None:
+    t = tables()
+    t.resource["a"] = {"S2": 1.0, "S1": 0.0, "M2": 0.0, "M1": 0.0, "L1": 0.0}  # a: only the S type pays
+    t.curiosity["a"] = {"S": 1.0, "M": 1.0, "L": 1.0}
+    assert t.probabilities("L1", ["a"]) == {"a": 0.0} and t.probabilities("S1", ["a"])["a"] == 1.0
+    rng = random.Random(0)
+    for _ in range(30):
+        [(model, client)] = t.assign(1, ["a"], rng)
+        assert client == "a" and t.type_of[model] == "S"

@@ -147,4 +147,5 @@ def test_compare_runs_adaptivefl_ablations_by_name() -> None:
     assert compare_variant("adaptivefl-greedy") == ("adaptivefl", "greedy")
     assert compare_variant("adaptivefl") == ("adaptivefl", None)
     assert compare_variant("adaptivefl-smart") == ("adaptivefl-smart", None)  # then refused as unknown
+    assert compare_variant("adaptivefl-rl") == ("adaptivefl-rl", None)  # rl is adaptivefl itself: one row, one name
     assert compare_variant("heterofl") == ("heterofl", None)

@@ -16,7 +16,7 @@ EXPORTS = {
     "PROTOCOL_VERSION", "Capabilities", "AgentStatus", "CoordinatorStatus", "ModelRef", "Recipe", "Task",
     "Update", "Ack", "Message", "encode", "decode", "encode_tensor", "decode_tensor", "split_payload",
     "Reassembler", "TransferRefused", "CHUNK_SIZE", "PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage",
-    "Adaptation", "Candidate",
+    "Adaptation", "Candidate", "MEMORY_DECLINE_REASON", "MEMORY_KILL_REASON",
 }  # fmt: skip
 
 
