@@ -62,7 +62,6 @@ class SelectionTables:
         names = [entry.name for entry in pool]
         if len(set(names)) != len(names):
             raise ValueError(f"pool model names must be distinct, got {names}")
-        self.pool = list(pool)
         self.names = names
         self.types = list(dict.fromkeys(entry.type for entry in pool))
         self.type_of = {entry.name: entry.type for entry in pool}

@@ -53,20 +53,18 @@ from protocol import (
 AGGREGATED = ("ok", "adapted")
 
 
-def _describe(spec: dict[str, object]) -> str:
-    """A readable form of a spec dict from an agent, or a note that it is malformed."""
-    try:
-        return SubmodelSpec.from_dict(spec).describe()
-    except ValueError:
-        return "(malformed spec)"
-
-
 def _spec_or_none(spec: dict[str, object] | None) -> SubmodelSpec | None:
     """The spec an agent named, or None when it named none or a malformed one."""
     try:
         return SubmodelSpec.from_dict(spec) if spec is not None else None
     except ValueError:
         return None
+
+
+def _describe(spec: dict[str, object]) -> str:
+    """A readable form of a spec dict from an agent, or a note that it is malformed."""
+    parsed = _spec_or_none(spec)
+    return parsed.describe() if parsed is not None else "(malformed spec)"
 
 
 class NoAgentsError(RuntimeError):

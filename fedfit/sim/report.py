@@ -38,24 +38,23 @@ def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:
 SHRUNK = ("adapted", "declined")
 
 
-def communication(tasks: list[TaskRecord] | list[dict[str, Any]]) -> dict[str, float | None]:
-    """AdaptiveFL's measures of a set of dispatched tasks: ``waste``, ``1 - sum(size returned) / sum(size sent)``
+def communication(tasks: list[dict[str, Any]]) -> dict[str, float | None]:
+    """AdaptiveFL's measures of a set of report tasks: ``waste``, ``1 - sum(size returned) / sum(size sent)``
     (parameters; a task that sent nothing back returned 0), and ``shrunk``, the share of tasks that came back
-    pruned or declined for memory. None when no task was dispatched."""
-    entries = [(t["status"], int(t.get("params_sent") or 0), int(t.get("params_returned") or 0))
-               if isinstance(t, dict) else (t.status, t.params_sent, t.params_returned) for t in tasks]
-    dispatched = [entry for entry in entries if entry[1] > 0]
-    sent = sum(entry[1] for entry in dispatched)
+    pruned or declined for memory. Tasks that sent nothing (skipped, or from a report that counted no
+    parameters) are left out; None when none is left."""
+    dispatched = [task for task in tasks if task.get("params_sent")]
+    sent = sum(task["params_sent"] for task in dispatched)
     if not sent:
         return {"waste": None, "shrunk": None}
-    returned = sum(entry[2] for entry in dispatched)
+    returned = sum(task.get("params_returned") or 0 for task in dispatched)
     return {"waste": 1.0 - returned / sent,
-            "shrunk": sum(1 for entry in dispatched if entry[0] in SHRUNK) / len(dispatched)}
+            "shrunk": sum(1 for task in dispatched if task["status"] in SHRUNK) / len(dispatched)}
 
 
-def _round(r: RoundResult) -> dict[str, Any]:
+def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        **communication(r.tasks),
+        **communication(tasks),
         "round": r.round,
         "global_accuracy": r.global_accuracy,
         "level_accuracy": r.level_accuracy,
@@ -89,6 +88,7 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
     final = rounds[-1]
     best = max(rounds, key=lambda r: r["global_accuracy"])
     statuses = Counter(task["status"] for task in tasks)
+    measured = communication(tasks)
     return {
         "rounds": len(rounds),
         "final_global_accuracy": final["global_accuracy"],
@@ -101,8 +101,8 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
         "micro_batched": sum(1 for task in tasks if task.get("micro_batched_stages")),
         "partial": sum(1 for task in tasks if task.get("skipped_blocks")),
         "adaptations": adaptations(tasks),
-        "communication_waste": communication(tasks)["waste"],
-        "shrunk_share": communication(tasks)["shrunk"],
+        "communication_waste": measured["waste"],
+        "shrunk_share": measured["shrunk"],
         "bytes_down": sum(r["bytes_down"] for r in rounds),
         "bytes_up": sum(r["bytes_up"] for r in rounds),
         "bytes_per_round": sum(r["bytes_down"] + r["bytes_up"] for r in rounds) / len(rounds),
@@ -138,8 +138,9 @@ def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: 
     task (its memory figures, the peak of each depth-wise stage, the copies, micro-batches and skipped blocks,
     loss, screening figures, what was sent and trained, and why), each agent's outcomes, a summary, the settings
     used and ``run`` (version, times, resolved configuration, overrides, command line)."""
-    round_entries = [_round(r) for r in rounds]
-    tasks = [_task(r.round, t) for r in rounds for t in r.tasks]
+    tasks_by_round = [[_task(r.round, t) for t in r.tasks] for r in rounds]
+    round_entries = [_round(r, own) for r, own in zip(rounds, tasks_by_round)]
+    tasks = [task for own in tasks_by_round for task in own]
     run = dict(run or {})
     return {
         "algorithm": algorithm,

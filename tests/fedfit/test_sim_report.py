@@ -74,7 +74,12 @@ def test_communication_waste_counts_what_came_back_of_what_was_sent() -> None:
              TaskRecord("c", "M1", "failed", "-", params_sent=60),
              TaskRecord("d", "-", "skipped", "-")]  # nothing sent: not a dispatched task
     assert tasks[1].waste == pytest.approx(0.6) and tasks[3].waste is None
-    measured = communication(tasks)
+    report = build_report("adaptivefl", "mosquitto", "2", [RoundResult(
+        round=1, global_accuracy=0.5, level_accuracy={}, participants=2, selected=4, bytes_down=1, bytes_up=1,
+        seconds=1.0, tasks=tasks)], {})
+    assert [task["waste"] for task in report["tasks"]] == [0.0, pytest.approx(0.6), 1.0, None]
+    measured = communication(report["tasks"])
+    assert report["rounds"][0]["waste"] == measured["waste"] == report["summary"]["communication_waste"]
     assert measured["waste"] == pytest.approx(1 - 140 / 260)
     assert measured["shrunk"] == pytest.approx(1 / 3)  # adapted (or declined) of the three dispatched
     assert communication([]) == {"waste": None, "shrunk": None}
