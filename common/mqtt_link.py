@@ -6,6 +6,12 @@
 - The network thread never runs application code: incoming messages go to a bounded queue drained by a
   dispatcher thread that calls the handler and logs (never propagates) its exceptions.
 - The first connection is retried until a deadline, then fails with one clear sentence.
+- A publish the broker refuses (an MQTT 5 PUBACK with a failure reason, e.g. "Not authorized" from its ACL) is
+  logged and handed to ``on_refused`` off the network thread; the daemon decides whether it can go on. (Over
+  MQTT 3.1.1 a broker drops a refused publish without a word, and Mosquitto 2.0 grants any subscription and
+  filters what it delivers, so neither can be seen there.)
+- ``pulse`` tells how long ago the dispatcher last got through its queue: what a watchdog should check, since
+  it stays true through a broker outage and turns false when the daemon's own loop hangs.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import queue
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +32,16 @@ from paho.mqtt.enums import CallbackAPIVersion
 from common.logs import get_logger
 
 MessageHandler = Callable[[str, bytes], None]
+#: Called with (topic, reason) when the broker refuses one of our publishes.
+RefusalHandler = Callable[[str, str], None]
 
 
 class BrokerUnavailable(ConnectionError):
     """The broker could not be reached or refused us; the message says what to check."""
+
+
+class BrokerRefused(RuntimeError):
+    """The broker refused a publish the daemon cannot work without; the message says what to check."""
 
 
 @dataclass
@@ -109,6 +122,10 @@ _SESSION_TAKEN_OVER = 142
 #: with the same client id taking the session over each time the two reconnect.
 _SHORT_CONNECTION_S = 5.0
 _TAKEOVERS = 3
+#: Topics of QoS 1 publishes still waiting for the broker's PUBACK kept at most (the oldest are forgotten).
+_PENDING_TOPICS = 10_000
+#: Marks a heartbeat in the dispatcher's queue (no MQTT topic is empty).
+_PULSE = ("", b"")
 
 
 class MqttLink:
@@ -130,6 +147,7 @@ class MqttLink:
         on_ready: Callable[[], None] | None = None,
         queue_limit: int = 10_000,
         on_taken_over: Callable[[], None] | None = None,
+        on_refused: RefusalHandler | None = None,
     ) -> None:
         self.client_id = client_id
         self.broker = broker
@@ -138,6 +156,11 @@ class MqttLink:
         self._will = will
         self._on_ready = on_ready
         self._on_taken_over = on_taken_over
+        self._on_refused = on_refused
+        self._publish_lock = threading.Lock()
+        self._pending_topics: OrderedDict[int, str] = OrderedDict()  # QoS 1 publishes by mid, until their PUBACK
+        self.refused_publishes = 0
+        self._last_pulse = time.monotonic()  # when the dispatcher last got through a pulse
         self.taken_over = False
         self._connected_at = 0.0
         self._outage_total = 0.0
@@ -227,8 +250,21 @@ class MqttLink:
         client = self._client
         if client is None:
             return False
-        info = client.publish(topic, payload, qos=qos, retain=retain)
+        with self._publish_lock:  # the PUBACK's callback takes it too: it finds the topic stored
+            info = client.publish(topic, payload, qos=qos, retain=retain)
+            if qos > 0:
+                self._pending_topics[info.mid] = topic
+                while len(self._pending_topics) > _PENDING_TOPICS:
+                    self._pending_topics.popitem(last=False)
         return info.rc == mqtt.MQTT_ERR_SUCCESS
+
+    def pulse(self) -> float:
+        """Queue a heartbeat for the dispatcher and return the seconds since it last got through one (0 on the
+        first call). Large while the dispatcher is stuck in a handler or dead; small through a broker outage."""
+        if self._dispatcher is not None and self._dispatcher.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._inbox.put_nowait(_PULSE)
+        return time.monotonic() - self._last_pulse
 
     def outage_seconds(self) -> float:
         """Seconds the link has been without the broker since it was first ready (the current outage included)."""
@@ -264,6 +300,7 @@ class MqttLink:
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         client.reconnect_delay_set(min_delay=1, max_delay=30)
         self._connack.clear()
         self._connack_reason = ""
@@ -368,6 +405,18 @@ class MqttLink:
         if self._on_taken_over is not None:
             self._on_taken_over()
 
+    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        with self._publish_lock:
+            topic = self._pending_topics.pop(mid, None)
+        if topic is None or not getattr(reason_code, "is_failure", False):
+            return
+        self.refused_publishes += 1
+        reason = str(reason_code)
+        self._log.error("mqtt_publish_refused", topic=topic, reason=reason, user=self.broker.username)
+        if self._on_refused is not None:
+            threading.Thread(target=self._on_refused, args=(topic, reason), name=f"{self.client_id}-refused",
+                             daemon=True).start()
+
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         try:
             self._inbox.put_nowait((message.topic, bytes(message.payload)))
@@ -380,6 +429,9 @@ class MqttLink:
             item = self._inbox.get()
             if item is None:
                 return
+            if item is _PULSE:
+                self._last_pulse = time.monotonic()
+                continue
             topic, payload = item
             try:
                 self._handler(topic, payload)

@@ -31,7 +31,14 @@ class RoundCollector:
         self.update_bytes: dict[str, int] = {}
         self._digests: dict[str, str] = {}
         self._closed = False
+        self._interrupted = False
         self._done = threading.Condition()
+
+    def interrupt(self) -> None:
+        """End :meth:`wait` now (the run is ending)."""
+        with self._done:
+            self._interrupted = True
+            self._done.notify_all()
 
     def offer(self, update: Update, size: int, digest: str = "") -> str:
         """Take an update: returns "accepted", "duplicate" (the same message again: a resend), "conflict" (another
@@ -64,7 +71,7 @@ class RoundCollector:
         """Block until every task has an update or the wall-clock ``deadline`` plus ``extension()`` seconds (read
         as it grows, e.g. a broker outage) passes; then close."""
         with self._done:
-            while len(self.updates) < len(self.tasks):
+            while len(self.updates) < len(self.tasks) and not self._interrupted:
                 remaining = deadline + extension() - time.time()
                 if remaining <= 0:
                     break

@@ -2,6 +2,10 @@
 
 Network messages arrive on the MQTT link's dispatcher thread and only touch the registry and the current
 round's collector; the round loop runs on the caller's thread.
+
+Misconfigurations end loudly: a publish the broker refuses (its ACL: another federation, or a login that is not
+the coordinator's) stops the run with :class:`BrokerRefused`; a fleet with no agent of this federation is told
+which federations the broker does show; an agent whose data does not fit the model is never planned for.
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ import torch
 
 from common.data import Dataset, load_dataset, subsample
 from common.logs import get_logger
-from common.mqtt_link import MqttLink, Will
+from common.mqtt_link import BrokerRefused, MqttLink, Will
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.collector import DispatchedTask, RoundCollector
 from coordinator.config import CoordinatorConfig
+from coordinator.data_fit import data_misfit
 from coordinator.evaluation import Evaluator
+from coordinator.federations import federations_seen
 from coordinator.journal import JournaledRound, RoundJournal
 from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
 from coordinator.planning import model_family, strategy_for
-from coordinator.registry import FleetRegistry
+from coordinator.registry import AgentRecord, FleetRegistry
 from coordinator.screening import screen
 from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
 from coordinator.strategies.base import Skip
@@ -83,8 +89,8 @@ class Progress:
     expected: int
 
 
-#: An online status of one agent id from another process within this many seconds of the last one means two
-#: processes use the id (a restart says 'offline' first, or its Last Will does).
+#: A status from a process that another one of its agent id replaced, within this many seconds, means two
+#: processes use the id (a restart says 'offline' first, or its Last Will does, unless the broker was down).
 TWO_INSTANCES_WINDOW_S = 120.0
 
 #: Seconds a round resumed from the journal waits at least for the updates its agents are still resending.
@@ -93,6 +99,11 @@ RESUME_GRACE_S = 60.0
 #: Seconds without a new agent status after which the registry counts as settled before the first round: the
 #: broker delivers the retained statuses of the whole fleet in one burst after the subscription.
 REGISTRY_SETTLE_S = 1.0
+
+#: Seconds the first round waits for an agent of this federation before saying which federations the broker
+#: shows (and again every ``FEDERATIONS_REPEAT_S`` while none comes).
+FEDERATIONS_CHECK_S = 10.0
+FEDERATIONS_REPEAT_S = 60.0
 
 
 class Coordinator:
@@ -116,6 +127,11 @@ class Coordinator:
                                   dict(config.model.options))
         self.strategy = strategy_for(config, self.dataset, self.family)
         self.registry = FleetRegistry()
+        #: Why the run cannot go on (the broker refused a publish it needs), one sentence; ends the round loop.
+        self.fatal: str | None = None
+        self._misfits_told: dict[str, str] = {}
+        #: Per agent id, processes another one of the id replaced while online, with when (see _watch_instances).
+        self._replaced_instances: dict[str, dict[str, float]] = {}  # agents whose data does not fit, with the reason already logged
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
         self._round_in_flight = 0  # the round being run (0 between rounds)
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
@@ -158,6 +174,7 @@ class Coordinator:
             handler=self._on_message,
             will=Will(self.topics.coordinator_status(), encode(self._status("offline"))),
             on_ready=self._announce,
+            on_refused=self._on_refused,
         )
 
     # ------------------------------------------------------------------ setup
@@ -205,6 +222,25 @@ class Coordinator:
     def _announce(self) -> None:
         self.link.publish(self.topics.coordinator_status(), encode(self._status("online")), retain=True)
 
+    def _on_refused(self, topic: str, reason: str) -> None:
+        """The broker refused a publish (its status, a task or an ack): the federation cannot run."""
+        if self.fatal is not None:
+            return
+        self.fatal = (f"the MQTT broker at {self.config.broker} refused to let user {self.config.broker.username!r} "
+                      f"publish on {topic} ({reason}): federation ('{self.config.federation}') must be the one the "
+                      f"broker was made for and broker.username its coordinator login (see the coordinator "
+                      f"configuration `fedfit broker init` prints)")
+        self.log.error("coordinator_refused_by_broker", message=self.fatal)
+        self.registry.interrupt()
+        with self._collector_lock:
+            collector = self._collector
+        if collector is not None:
+            collector.interrupt()
+
+    def _raise_if_fatal(self) -> None:
+        if self.fatal is not None:
+            raise BrokerRefused(self.fatal)
+
     # ---------------------------------------------------------------- messages
     def _on_message(self, topic: str, payload: bytes) -> None:
         try:
@@ -224,16 +260,38 @@ class Coordinator:
         assert isinstance(status, AgentStatus)
         if status.agent_id != agent_id:
             raise ProtocolError(f"status for agent {status.agent_id!r} published on the topic of {agent_id!r}")
+        if status.state == "starting":  # a process asking whether one runs this id: not a status of the agent
+            known = self.registry.get(agent_id)
+            if known is not None and known.online and known.instance != status.instance:
+                self.log.warning("agent_id_second_process", agent=agent_id, running=known.instance,
+                                 starting=status.instance,
+                                 message=f"a second process tried to start as agent '{agent_id}' while one runs; "
+                                         f"give every device its own agent_id")
+            return
         previous = self.registry.on_status(status)
-        if (previous is not None and previous.online and status.state in ("online", "busy")
-                and previous.instance and status.instance and previous.instance != status.instance
-                and time.time() - previous.last_seen < TWO_INSTANCES_WINDOW_S):
-            self.log.warning("agent_id_two_instances", agent=agent_id, instances=[previous.instance, status.instance],
-                             message=f"agent '{agent_id}' reports from two processes; give every device its own "
-                                     f"agent_id")
+        self._watch_instances(agent_id, previous, status)
         back = status.state in ("online", "busy") and status.capabilities is not None
         if back and previous is not None and not previous.online:
             self._resend_unanswered(agent_id)
+
+    def _watch_instances(self, agent_id: str, previous: AgentRecord | None, status: AgentStatus) -> None:
+        """Warn when one agent id answers from two processes: a status from a process another one replaced
+        (without an 'offline' between: a restart during a broker outage looks the same at first) within
+        :data:`TWO_INSTANCES_WINDOW_S` means both are alive."""
+        if status.state not in ("online", "busy") or not status.instance:
+            return
+        replaced = self._replaced_instances.setdefault(agent_id, {})
+        now = time.time()
+        if previous is not None and previous.online and previous.instance and previous.instance != status.instance:
+            if status.instance in replaced and now - replaced[status.instance] < TWO_INSTANCES_WINDOW_S:
+                self.log.warning("agent_id_two_instances", agent=agent_id,
+                                 instances=[previous.instance, status.instance],
+                                 message=f"agent '{agent_id}' answers from two processes; give every device its own "
+                                         f"agent_id")
+            replaced[previous.instance] = now
+        for instance, when in list(replaced.items()):
+            if now - when >= TWO_INSTANCES_WINDOW_S:
+                del replaced[instance]
 
     def _resend_unanswered(self, agent_id: str) -> None:
         """Send again the tasks of the round in progress that ``agent_id`` has not answered: it came back online
@@ -312,9 +370,7 @@ class Coordinator:
             return self._finish_round(round_number, started, pending.tasks, pending.skipped, self._pending_deadline,
                                       resumed)
         if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
-            online = self.registry.wait_settled(
-                self.config.min_agents, REGISTRY_SETTLE_S, self.config.wait_for_agents_s,
-                lambda count: self._progress("fleet", round_number, count, self.config.min_agents))
+            online = self._wait_for_first_fleet(round_number)
             if online and len(online) < self.config.min_agents:
                 raise NoAgentsError(f"{len(online)} of the {self.config.min_agents} agents of federation "
                                     f"'{self.config.federation}' that min_agents asks for came online within "
@@ -322,17 +378,78 @@ class Coordinator:
             self._fleet_settled = bool(online)
         else:
             online = self.registry.wait_for(self.config.min_agents, self.config.wait_for_agents_s)
+        self._raise_if_fatal()
         if not online:
             raise NoAgentsError(f"no agent of federation '{self.config.federation}' came online within "
-                                f"{self.config.wait_for_agents_s:g} s; start agents or check the broker address")
+                                f"{self.config.wait_for_agents_s:g} s; {self._federations_hint()}")
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
+        online, misfits = self._fitting(online)
         plan = self.strategy.configure_round(round_number, online, self.rng)
+        plan.skipped.extend(misfits)
         deadline = time.time() + self.config.round_timeout_s
         tasks = {self._task_id(round_number, t.agent_id): t for t in plan.tasks}
         self.journal.begin(round_number, deadline, tasks, plan.skipped)  # before any task goes out
         collector = self._open_collector(round_number, tasks, deadline, [])
         return self._finish_round(round_number, started, tasks, plan.skipped, deadline, collector)
+
+    def _wait_for_first_fleet(self, round_number: int) -> list[AgentRecord]:
+        """Wait for the fleet before the first round; while no agent of this federation is online, say which
+        federations the broker shows after :data:`FEDERATIONS_CHECK_S` (and every :data:`FEDERATIONS_REPEAT_S`)."""
+        deadline = time.monotonic() + self.config.wait_for_agents_s
+        check_at = time.monotonic() + FEDERATIONS_CHECK_S
+        while True:
+            window = max(0.0, min(deadline, check_at) - time.monotonic())
+            online = self.registry.wait_settled(
+                self.config.min_agents, REGISTRY_SETTLE_S, window,
+                lambda count: self._progress("fleet", round_number, count, self.config.min_agents))
+            if self.fatal is not None or time.monotonic() >= deadline or len(online) >= self.config.min_agents:
+                return online
+            if not online:
+                waited = self.config.wait_for_agents_s - (deadline - time.monotonic())
+                self.log.warning("no_agents_of_this_federation",
+                                 message=f"no agent of federation '{self.config.federation}' is online after "
+                                         f"{waited:.0f} s; {self._federations_hint()}")
+            check_at = time.monotonic() + FEDERATIONS_REPEAT_S
+
+    def _federations_hint(self) -> str:
+        """What to do when no agent of this federation is online, naming the federations whose agents the broker
+        shows (read through a short-lived probe)."""
+        try:
+            seen = federations_seen(self.config.broker, f"fedfit-coordinator-{self.config.federation}-look")
+        except Exception as exc:  # noqa: BLE001 - a hint must never end the run
+            return f"start agents or check the broker address (the broker could not be asked for other federations: " \
+                   f"{exc})"
+        others = {name: agents for name, agents in seen.items() if name != self.config.federation}
+        if not others:
+            return (f"start agents (with federation: {self.config.federation}) or check the broker address; the "
+                    f"broker shows this login no agent of another federation")
+        listed = ", ".join(f"'{name}' ({len(agents)} agent{'s' if len(agents) != 1 else ''})"
+                           for name, agents in sorted(others.items()))
+        return (f"the broker shows agents of federation {listed}: set the same federation in the coordinator's and "
+                f"the agents' configurations")
+
+    def _fitting(self, online: list[AgentRecord]) -> tuple[list[AgentRecord], list[Skip]]:
+        """The agents whose data fits the model, and a skip (reason logged once per agent) for each other one;
+        raises NoAgentsError when no online agent's data fits."""
+        expected = (self.dataset.in_channels, *self.dataset.image_size)
+        fitting, misfits = [], []
+        for record in online:
+            reason = data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
+            if reason is None:
+                self._misfits_told.pop(record.agent_id, None)
+                fitting.append(record)
+                continue
+            misfits.append(Skip(record.agent_id, reason))
+            if self._misfits_told.get(record.agent_id) != reason:
+                self._misfits_told[record.agent_id] = reason
+                self.log.error("agent_data_does_not_fit", agent=record.agent_id, reason=reason)
+        if not fitting:
+            first = misfits[0]
+            raise NoAgentsError(f"the data of none of the {len(online)} online agents of federation "
+                                f"'{self.config.federation}' fits the model, so no round can be planned: agent "
+                                f"'{first.agent_id}': {first.reason}")
+        return fitting, misfits
 
     def _open_collector(self, round_number: int, tasks: dict[str, TaskPlan], deadline: float,
                         stored: list[tuple[Update, int, str]]) -> RoundCollector:
@@ -364,6 +481,7 @@ class Coordinator:
         collector.wait(deadline, lambda: self.link.outage_seconds() - outage_before)
         with self._collector_lock:
             self._collector = None
+        self._raise_if_fatal()
         results, outcomes, verdicts = self._collect(collector, records)
         for task_id, task in tasks.items():
             if task_id not in collector.updates:

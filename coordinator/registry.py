@@ -41,6 +41,13 @@ class FleetRegistry:
         self._agents: dict[str, AgentRecord] = {}
         self._changed = threading.Condition()
         self._last_change = time.monotonic()
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """Wake every waiter now and let later waits return at once (the run is ending)."""
+        with self._changed:
+            self._interrupted = True
+            self._changed.notify_all()
 
     def on_status(self, status: AgentStatus, now: float | None = None) -> AgentRecord | None:
         """Record a status message (the Last Will arrives as state 'offline'); returns the record it replaces."""
@@ -67,13 +74,13 @@ class FleetRegistry:
             return sorted((a for a in self._agents.values() if a.online), key=lambda a: a.agent_id)
 
     def wait_for(self, count: int, timeout: float) -> list[AgentRecord]:
-        """Block until ``count`` agents are online or ``timeout`` passes; returns those online."""
+        """Block until ``count`` agents are online, ``timeout`` passes or :meth:`interrupt`; returns those online."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 online = sorted((a for a in self._agents.values() if a.online), key=lambda a: a.agent_id)
                 remaining = deadline - time.monotonic()
-                if len(online) >= count or remaining <= 0:
+                if len(online) >= count or remaining <= 0 or self._interrupted:
                     return online
                 self._changed.wait(remaining)
 
@@ -92,7 +99,7 @@ class FleetRegistry:
                     on_change(seen)
                 now = time.monotonic()
                 calm = now - self._last_change
-                if (len(online) >= count and calm >= quiet) or now >= deadline:
+                if (len(online) >= count and calm >= quiet) or now >= deadline or self._interrupted:
                     return online
                 wake = deadline if len(online) < count else min(deadline, now + quiet - calm)
                 self._changed.wait(max(0.001, wake - now))

@@ -44,6 +44,9 @@ class AgentConfig:
     peaks, slower steps) or glibc's ``default`` (higher, noisier peaks). ``forkserver`` is when the training forkserver
     (the process that holds torch, ``edge_agent.forkserver``) starts: at the ``first-task`` (an idle agent stays
     small) or at ``start-up`` (the first task starts sooner).
+    Updates waiting for the coordinator's ack are kept in ``<state_dir>/<agent_id>/outbox`` (at most
+    ``outbox_max_bytes``, the oldest dropped first) and sent again after a restart. ``update_attempts`` sends of
+    ``ack_timeout_s`` each are made while the broker is connected; an outage uses none of them.
     """
 
     agent_id: str
@@ -56,6 +59,7 @@ class AgentConfig:
     status_interval_s: float = 30.0
     ack_timeout_s: float = 10.0
     update_attempts: int = 30
+    outbox_max_bytes: int = 512 * 2**20
     torch_threads: int | None = None
     state_dir: str | None = None
     allocator: Literal["pooled", "compact", "default"] = "pooled"
@@ -76,5 +80,7 @@ class AgentConfig:
             raise ValueError("data needs either 'path' (a file or folder on the device) or 'dataset'")
         if not 0 <= self.data.shard < self.data.num_shards:
             raise ValueError(f"data.shard must be in [0, num_shards), got {self.data.shard} of {self.data.num_shards}")
+        if self.outbox_max_bytes <= 0:
+            raise ValueError(f"outbox_max_bytes must be positive, got {self.outbox_max_bytes}")
         if self.ack_timeout_s <= 0 or self.update_attempts < 1 or self.status_interval_s <= 0:
             raise ValueError("ack_timeout_s and status_interval_s must be positive, update_attempts at least 1")

@@ -2,7 +2,11 @@
 
 Threads: paho's network thread (only queues messages), the link's dispatcher (decodes, dedupes, hands tasks
 to the training executor), the training executor (shared by a simulated fleet, or the agent's own), the
-uplink sender, and a status timer that also feeds the systemd watchdog.
+uplink sender, and a status timer that also feeds the systemd watchdog while the dispatcher keeps up (through a
+broker outage too: the watchdog is about this process, not the broker).
+
+A publish the broker refuses on the agent's own status or update topic (its ACL: an agent_id that is not the
+login's, or another federation) stops the agent with one sentence (:attr:`EdgeAgent.fatal`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from pathlib import Path
 from common import systemd_notify
 from common.cores import available_cores
 from common.logs import get_logger
-from common.mqtt_link import MqttLink, Will
+from common.mqtt_link import BrokerRefused, MqttLink, Will
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig
 from edge_agent.memory import available_memory, detect_device_kind, size_text, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
+from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
     Ack,
@@ -50,6 +55,11 @@ class AgentIdInUse(RuntimeError):
 
 #: Seconds a starting agent waits for its retained status after subscribing to it.
 _RETAINED_WAIT_S = 0.3
+#: Seconds a starting agent waits for a running process of its id to answer its "starting" status. The running
+#: agent answers from its dispatcher at once, whatever its status interval.
+ID_PROBE_WAIT_S = 5.0
+#: The watchdog is fed while the dispatcher got through its last heartbeat within this many seconds plus two ticks.
+_DISPATCHER_SLACK_S = 5.0
 
 
 class EdgeAgent:
@@ -69,8 +79,9 @@ class EdgeAgent:
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
         self._last_round = 0
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
+        own_dir = Path(state_dir) / self.agent_id if state_dir else None
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
-                                 state_dir=Path(state_dir) / self.agent_id if state_dir else None,
+                                 state_dir=own_dir,
                                  torch_threads=config.torch_threads or available_cores(),
                                  allocator=config.allocator, limits=config.limits)
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
@@ -87,19 +98,25 @@ class EdgeAgent:
         self.rejected_updates: OrderedDict[str, str] = OrderedDict()
         self.tasks_done = 0
         self.coordinator_state = "unknown"  # as its retained status last said
+        #: Why the agent stopped on its own (the broker refused what it cannot work without), one sentence.
+        self.fatal: str | None = None
         self.link = MqttLink(
             client_id=f"fedfit-agent-{self.agent_id}",
             broker=config.broker,
             subscriptions=[self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id),
-                           self.topics.coordinator_status()],
+                           self.topics.coordinator_status(), self.topics.agent_status(self.agent_id)],
             handler=self._on_message,
             will=Will(self.topics.agent_status(self.agent_id), encode(self._offline_status())),
             on_ready=self.publish_status,
             on_taken_over=self._taken_over,
+            on_refused=self._on_refused,
         )
+        #: Updates waiting for their ack, on disk (none without a state directory: then a restart loses them).
+        self.spool = UpdateSpool(own_dir / "outbox", config.outbox_max_bytes) if own_dir is not None else None
         self.uplink = Uplink(self.agent_id, self.topics.agent_update(self.agent_id),
                              lambda topic, payload: self.link.publish(topic, payload),
-                             config.ack_timeout_s, config.update_attempts)
+                             config.ack_timeout_s, config.update_attempts,
+                             connected=lambda: self.link.connected, spool=self.spool)
         self._timer = threading.Thread(target=self._status_loop, name=f"{self.agent_id}-status", daemon=True)
 
     def _torch_device(self) -> str:
@@ -109,8 +126,9 @@ class EdgeAgent:
 
     # --------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
-        """Connect and subscribe; tell systemd we are ready only then. Refuses (:class:`AgentIdInUse`) when the
-        broker holds a fresh online status of this agent id: another process is this agent already."""
+        """Connect and subscribe; tell systemd we are ready only then. Refuses (:class:`AgentIdInUse`) when
+        another process is this agent already (it answers this one's "starting" status). Updates a previous
+        process left waiting for their ack are sent first."""
         self._refuse_if_online(timeout)
         if self.config.forkserver == "start-up":
             forkserver.start()
@@ -135,32 +153,71 @@ class EdgeAgent:
         self.runner.close()
 
     def _refuse_if_online(self, timeout: float) -> None:
-        """Read this agent's retained status through a short-lived probe connection (a client id of its own)."""
+        """Ask, through a short-lived probe connection (a client id of its own), whether another process runs
+        this agent: when the retained status says another instance is online or busy, publish a "starting" status
+        and wait up to :data:`ID_PROBE_WAIT_S` for that instance's answer. The running agent answers at once from
+        its dispatcher, whatever either side's status interval; a status left by a process that is gone gets no
+        answer, and this one starts."""
         seen: list[AgentStatus] = []
+        asked = threading.Event()  # the "starting" status is out: an online status arriving now is an answer
+        answered = threading.Event()
+        refused: list[str] = []
 
         def keep(topic: str, payload: bytes) -> None:
             with contextlib.suppress(ProtocolError):
                 status = decode(payload, expected=AgentStatus)
                 assert isinstance(status, AgentStatus)
+                if status.agent_id != self.agent_id or status.instance == self.instance:
+                    return
                 seen.append(status)
+                if status.state in ("online", "busy") and asked.is_set():
+                    answered.set()
+
+        def refuse(topic: str, reason: str) -> None:
+            refused.append(reason)
+            answered.set()
 
         probe = MqttLink(client_id=f"fedfit-probe-{self.agent_id}-{uuid.uuid4().hex[:8]}",
                          broker=self.config.broker, subscriptions=[self.topics.agent_status(self.agent_id)],
-                         handler=keep)
+                         handler=keep, on_refused=refuse)
         try:
             probe.start(timeout)
             time.sleep(_RETAINED_WAIT_S)  # the broker sends the retained status right after the subscription
+            others = [status for status in seen if status.state in ("online", "busy")]
+            if others:
+                asked.set()
+                probe.publish(self.topics.agent_status(self.agent_id),
+                              encode(AgentStatus(self.agent_id, "starting", None, time.time(), self.instance)))
+                answered.wait(ID_PROBE_WAIT_S)
         finally:
             probe.stop()
-        fresh = 3 * self.config.status_interval_s
-        for status in seen:
-            age = time.time() - status.sent_at
-            if status.agent_id == self.agent_id and status.state in ("online", "busy") and age < fresh:
-                raise AgentIdInUse(
-                    f"agent '{self.agent_id}' of federation '{self.config.federation}' is online already (its "
-                    f"status is {max(0.0, age):.0f} s old): another process uses this agent_id; stop it or give "
-                    f"this device its own agent_id (a process that died without a word is marked offline by the "
-                    f"broker within its keepalive)")
+        if refused:
+            raise BrokerRefused(self._refusal_message(self.topics.agent_status(self.agent_id), refused[0]))
+        if answered.is_set():
+            running = seen[-1]
+            raise AgentIdInUse(
+                f"agent '{self.agent_id}' of federation '{self.config.federation}' is running already (process "
+                f"{running.instance or '?'} answered): another process uses this agent_id; stop it or give this "
+                f"device its own agent_id")
+        if seen:
+            self.log.info("stale_status_replaced", instance=seen[-1].instance, state=seen[-1].state,
+                          message="the retained status named another process, which did not answer: it is gone")
+
+    def _refusal_message(self, topic: str, reason: str) -> str:
+        """The sentence for a publish the broker refused on one of this agent's own topics."""
+        return (f"the MQTT broker at {self.config.broker} refused to let user {self.config.broker.username!r} "
+                f"publish on {topic} ({reason}): this agent's agent_id ('{self.agent_id}') must be its login's "
+                f"username and its federation ('{self.config.federation}') the one the broker was made for (see "
+                f"the agent section `fedfit broker add-device` prints)")
+
+    def _on_refused(self, topic: str, reason: str) -> None:
+        """The broker refused a publish: on the agent's own status or update topic it cannot work at all."""
+        if topic not in (self.topics.agent_status(self.agent_id), self.topics.agent_update(self.agent_id)):
+            return
+        if self.fatal is None and not self._stop.is_set():
+            self.fatal = self._refusal_message(topic, reason)
+            self.log.error("agent_refused_by_broker", message=self.fatal)
+            self.stop()
 
     @property
     def taken_over(self) -> bool:
@@ -193,6 +250,7 @@ class EdgeAgent:
             budget_bytes=budget,
             num_samples=self.data.samples,
             labels=list(self.data.labels),
+            sample_shape=(self.data.in_channels, *self.data.image_size),
         )
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)
 
@@ -209,7 +267,8 @@ class EdgeAgent:
         tick = min(interval, watchdog) if watchdog else interval
         last_status = time.monotonic()
         while not self._stop.wait(tick):
-            if watchdog and self.link.connected:
+            # The dispatcher got through the last tick's heartbeat: this process works (the broker may be away).
+            if watchdog and self.link.pulse() <= 2 * tick + _DISPATCHER_SLACK_S:
                 systemd_notify.notify("WATCHDOG=1")
             if time.monotonic() - last_status >= interval:
                 self.publish_status()
@@ -224,7 +283,9 @@ class EdgeAgent:
             _, agent_id, kind = parse_agent_topic(topic)
             if agent_id != self.agent_id:
                 raise ProtocolError(f"message for agent {agent_id!r} reached {self.agent_id!r}")
-            if kind == "task":
+            if kind == "status":
+                self._on_own_status(payload)
+            elif kind == "task":
                 self._on_task_chunk(payload)
             elif kind == "ack":
                 ack = decode(payload, expected=Ack)
@@ -236,6 +297,18 @@ class EdgeAgent:
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_own_status(self, payload: bytes) -> None:
+        """Another process starting with this agent id asks whether one runs it: answer with a fresh status."""
+        if not payload:
+            return
+        status = decode(payload, expected=AgentStatus)
+        assert isinstance(status, AgentStatus)
+        if status.state == "starting" and status.instance != self.instance and not self._stop.is_set():
+            self.log.warning("agent_id_claimed_by_another_process", instance=status.instance,
+                             message=f"another process tried to start as agent '{self.agent_id}'; it is told this "
+                                     f"one is running")
+            self.publish_status()
 
     def _on_verdict(self, ack: Ack) -> None:
         """What the coordinator's screening made of a stored update: aggregated, or rejected with the reason (the
@@ -263,6 +336,7 @@ class EdgeAgent:
             self.log.warning("coordinator_offline", round=status.round)
         elif self.coordinator_state == "offline":
             self.log.info("coordinator_back", round=status.round)
+            self.uplink.resend_parked()
         else:
             self.log.info("coordinator_online", round=status.round)
         self.coordinator_state = status.state
@@ -293,8 +367,9 @@ class EdgeAgent:
         if task.agent_id != self.agent_id:
             raise ProtocolError(f"task addressed to {task.agent_id!r} arrived at {self.agent_id!r}")
         with self._lock:
-            if not self._first_sight(task.task_id):
-                self.log.info("duplicate_task_ignored", task=task.task_id)
+            if not self._first_sight(task.task_id) or self.uplink.pending(task.task_id):
+                self.log.info("duplicate_task_ignored", task=task.task_id,
+                              update_waiting=self.uplink.pending(task.task_id))
                 return
             self._busy += 1
             self._last_round = max(self._last_round, task.round)

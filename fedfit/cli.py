@@ -21,7 +21,7 @@ import yaml
 from common.config import ConfigError, from_mapping, load_yaml
 from common.data import DATASET_NAMES, DatasetError
 from common.logs import configure_logging
-from common.mqtt_link import BrokerUnavailable
+from common.mqtt_link import BrokerRefused, BrokerUnavailable
 from edge_agent.daemon import AgentIdInUse
 from edge_agent.forkserver import TorchUnavailable
 from fedfit import broker_command
@@ -33,8 +33,8 @@ from fedfit.version import version_string
 # Errors a user can cause: reported as one sentence, without a traceback (the coordinator's join them when the
 # command needs the coordinator: see _user_errors).
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, DatasetError, BrokerUnavailable, BrokerStartError, AgentIdInUse, TorchUnavailable, BrokerSetupError,
-    PkiError, ValueError, OSError)
+    ConfigError, DatasetError, BrokerUnavailable, BrokerRefused, BrokerStartError, AgentIdInUse, TorchUnavailable,
+    BrokerSetupError, PkiError, ValueError, OSError)
 #: Commands that need neither the coordinator nor the models (nor, with them, torch).
 LIGHT_COMMANDS = ("agent", "broker")
 
@@ -214,8 +214,8 @@ def _run_agent(args: argparse.Namespace) -> int:
     agent.start()
     _stop_on_signals(agent.stop)
     agent.run_forever()
-    if agent.taken_over:
-        print(f"fedfit agent: error: {agent.taken_over_message()}", file=sys.stderr)
+    if agent.taken_over or agent.fatal:
+        print(f"fedfit agent: error: {agent.fatal or agent.taken_over_message()}", file=sys.stderr)
         return 1
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from protocol._ids import shown
-from protocol._reader import FieldReader, check_number
+from protocol._reader import FieldReader, check_int, check_number
 from protocol.errors import ProtocolError
 from protocol.limits import Limits
 from protocol.messages import (
@@ -39,7 +39,10 @@ KIND_OF: dict[type, str] = {
 
 
 def read_capabilities(obj: object, where: str, limits: Limits) -> Capabilities:
-    r = FieldReader(obj, where, limits, Capabilities)
+    r = FieldReader(obj, where, limits, Capabilities, optional=("sample_shape",))
+    shape = r.raw("sample_shape")
+    if shape is not None and (not isinstance(shape, list) or len(shape) > 8):
+        raise ProtocolError(f"{r.label('sample_shape')} must be a list of at most 8 dimensions, got {shown(shape)}")
     return Capabilities(
         device_kind=r.text("device_kind"),
         memory_total=r.integer("memory_total", minimum=0),
@@ -47,6 +50,7 @@ def read_capabilities(obj: object, where: str, limits: Limits) -> Capabilities:
         budget_bytes=r.opt_integer("budget_bytes", minimum=0),
         num_samples=r.integer("num_samples", minimum=0),
         labels=r.labels("labels"),
+        sample_shape=tuple(check_int(size, f"{r.label('sample_shape')} item", 1) for size in shape or ()),
     )
 
 

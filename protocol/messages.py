@@ -11,14 +11,17 @@ from protocol.plan import Recipe, TrainingPlan
 
 PROTOCOL_VERSION = 1
 
-AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline")
+AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
 UPDATE_STATUSES: tuple[str, ...] = ("ok", "adapted", "declined", "failed")
 
 
 @dataclass
 class Capabilities:
-    """What an agent can afford: memory in bytes, its local data size and label set."""
+    """What an agent can afford: memory in bytes, its local data size, label set and the shape of one sample
+    (``sample_shape``: channels, height, width; empty from agents that predate it)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("sample_shape",)
 
     device_kind: str
     memory_total: int
@@ -26,13 +29,16 @@ class Capabilities:
     budget_bytes: int | None
     num_samples: int
     labels: list[int]
+    sample_shape: tuple[int, ...] = ()
 
 
 @dataclass
 class AgentStatus:
     """Retained agent status; state is "online", "busy" or "offline" (the Last Will has no capabilities).
     ``instance`` names the agent process (random per start; empty from agents that predate it), so that one id
-    reporting from two processes shows."""
+    reporting from two processes shows. A process starting with an id asks first whether another one is running
+    it: it publishes a non-retained "starting" status, which a running agent of that id answers at once with its
+    own status (and which the coordinator does not record)."""
 
     OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("instance",)
 

@@ -547,7 +547,56 @@ def test_one_agent_id_reporting_from_two_processes_is_warned_about(heterofl: Coo
         status("busy", "first")
         status("offline", "first")  # a restart says 'offline' first: no warning
         status("online", "second")
-        status("online", "third")  # a second process while the other is online
+        status("online", "third")  # a restart while the broker was down (no 'offline' got out): no warning yet
+        status("busy", "third")
+        status("online", "second")  # ... but the replaced process still answers: two processes
     warned = [entry for entry in logs if entry["event"] == "agent_id_two_instances"]
-    assert [entry["instances"] for entry in warned] == [["second", "third"]]
+    assert [entry["instances"] for entry in warned] == [["third", "second"]]
     assert "give every device its own agent_id" in warned[0]["message"]
+
+
+def test_a_process_asking_for_a_running_agent_id_is_not_recorded_but_warned_about(heterofl: Coordinator) -> None:
+    import structlog
+
+    from protocol import Topics, encode
+
+    topic = Topics(heterofl.config.federation).agent_status("dev")
+    heterofl._on_message(topic, encode(AgentStatus("dev", "online", agent_record("dev").capabilities, time.time(),
+                                                   "running")))
+    with structlog.testing.capture_logs() as logs:
+        heterofl._on_message(topic, encode(AgentStatus("dev", "starting", None, time.time(), "newcomer")))
+    assert heterofl.registry.get("dev").instance == "running" and heterofl.registry.get("dev").online
+    assert [entry["event"] for entry in logs] == ["agent_id_second_process"]
+
+
+def shaped_record(agent_id: str, shape: tuple[int, ...]) -> AgentRecord:
+    capabilities = Capabilities("generic", 10**12, 10**12, None, 10, list(range(10)), shape)
+    return AgentRecord(agent_id, "online", capabilities, 0.0)
+
+
+def test_an_agent_whose_data_does_not_fit_the_model_is_skipped_with_the_reason(heterofl: Coordinator,
+                                                                               monkeypatch) -> None:
+    fleet = [shaped_record("fits", (1, 8, 8)), shaped_record("fashion", (1, 28, 28))]
+    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: fleet)
+    sent: list[str] = []
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        sent.append(planned.agent_id)
+        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"), 10)
+        return 10
+
+    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    result = heterofl.run_round(1)
+    assert sent == ["fits"]
+    skipped = {record.agent: record for record in result.tasks if record.status == "skipped"}
+    assert "1x28x28" in skipped["fashion"].reason and "1x8x8 (digits)" in skipped["fashion"].reason
+
+
+def test_no_round_is_planned_when_no_agent_data_fits(heterofl: Coordinator, monkeypatch) -> None:
+    fleet = [shaped_record("a", (1, 28, 28)), shaped_record("b", (3, 32, 32))]
+    monkeypatch.setattr(heterofl.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: fleet)
+    with pytest.raises(NoAgentsError, match=r"^the data of none of the 2 online agents of federation 'default' fits "
+                                            r"the model, so no round can be planned: agent 'a': its samples are "
+                                            r"1x28x28"):
+        heterofl.run_round(1)

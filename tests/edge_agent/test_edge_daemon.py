@@ -111,3 +111,62 @@ def test_the_screening_verdict_is_logged_and_a_rejection_kept_with_its_reason(ma
     events = [(entry["event"], entry.get("reason")) for entry in logs]
     assert events == [("update_aggregated", None), ("update_rejected_by_coordinator", "update rejected: too far")]
     assert agent.rejected_messages == 0  # a verdict about an update no longer outstanding is no stray ack
+
+
+def test_a_process_starting_with_this_id_is_answered_with_a_fresh_status(make_agent, monkeypatch) -> None:
+    from protocol import AgentStatus
+
+    agent, _ = make_agent()
+    published: list[tuple[str, bytes]] = []
+    monkeypatch.setattr(agent.link, "publish", lambda topic, payload, **_: published.append((topic, payload)) or True)
+    own = Topics("lab").agent_status("pi-01")
+    agent._on_message(own, encode(agent.status()))  # its own status coming back: nothing to answer
+    assert published == []
+    with structlog.testing.capture_logs() as logs:
+        agent._on_message(own, encode(AgentStatus("pi-01", "starting", None, time.time(), "newcomer")))
+    assert [topic for topic, _ in published] == [own]
+    assert any(entry["event"] == "agent_id_claimed_by_another_process" for entry in logs)
+
+
+def test_the_status_reports_the_shape_of_one_sample(make_agent) -> None:
+    agent, _ = make_agent()
+    assert agent.status().capabilities.sample_shape == (1, 8, 8)
+
+
+def test_a_refused_publish_on_its_own_topics_stops_the_agent_with_one_sentence(make_agent, monkeypatch) -> None:
+    agent, _ = make_agent()
+    monkeypatch.setattr(agent, "stop", lambda: agent._stop.set())
+    agent._on_refused("fedfit/v1/lab/coordinator/status", "Not authorized")  # not its own: ignored
+    assert agent.fatal is None and not agent._stop.is_set()
+    agent._on_refused(Topics("lab").agent_status("pi-01"), "Not authorized")
+    assert agent._stop.is_set()
+    assert agent.fatal is not None and "refused to let user None publish on fedfit/v1/lab/agents/pi-01/status " \
+                                      "(Not authorized)" in agent.fatal and "\n" not in agent.fatal
+
+
+def test_the_watchdog_is_fed_while_the_dispatcher_keeps_up_even_without_the_broker(make_agent, monkeypatch) -> None:
+    from common import systemd_notify
+
+    agent, _ = make_agent(status_interval_s=0.05)
+    pings: list[str] = []
+    monkeypatch.setattr(systemd_notify, "watchdog_interval", lambda: 0.05)
+    monkeypatch.setattr(systemd_notify, "notify", lambda state: pings.append(state) or True)
+    monkeypatch.setattr(agent, "publish_status", lambda: None)
+    stuck = {"now": False}
+    monkeypatch.setattr(agent.link, "pulse", lambda: 60.0 if stuck["now"] else 0.05)
+    assert not agent.link.connected  # never connected: the broker is away
+    loop = daemon_module.threading.Thread(target=agent._status_loop, daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 5
+        while pings.count("WATCHDOG=1") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pings.count("WATCHDOG=1") >= 2
+        stuck["now"] = True  # the dispatcher stops getting through its heartbeats
+        time.sleep(0.1)
+        fed = pings.count("WATCHDOG=1")
+        time.sleep(0.3)
+        assert pings.count("WATCHDOG=1") == fed
+    finally:
+        agent._stop.set()
+        loop.join(2)

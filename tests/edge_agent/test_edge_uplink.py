@@ -162,3 +162,78 @@ def test_a_refusal_stops_the_resends_and_is_recorded_apart_from_deliveries(make_
     sent = publish.count()
     time.sleep(0.2)
     assert publish.count() == sent and uplink.delivered == [] and uplink.abandoned == []
+
+
+# ------------------------------------------------------------------------------------ the outbox on disk
+def spooled_uplink(tmp_path, connected=lambda: True, attempts: int = 3, ack_timeout_s: float = 5.0):
+    from edge_agent.spool import UpdateSpool
+
+    publish = FakePublish()
+    uplink = Uplink("a", TOPIC, publish, ack_timeout_s=ack_timeout_s, attempts=attempts, connected=connected,
+                    spool=UpdateSpool(tmp_path / "outbox", max_bytes=10**7))
+    return uplink, publish
+
+
+def test_an_update_stays_on_disk_until_acked_and_a_new_process_sends_it_first(tmp_path):
+    uplink, publish = spooled_uplink(tmp_path, connected=lambda: False)  # the broker is away
+    uplink.start()
+    u = update("r1-a-7")
+    uplink.send(u)
+    assert (tmp_path / "outbox" / "r1-a-7.update").exists()  # on disk before any send
+    time.sleep(0.2)
+    assert publish.count() == 0  # nothing published into a dead connection
+    uplink.stop(timeout=2.0)  # the restart: the update was never acked
+    restarted, publish = spooled_uplink(tmp_path)
+    restarted.start()
+    try:
+        assert restarted.restored == ["r1-a-7"] and restarted.pending("r1-a-7")
+        assert wait_until(lambda: publish.count() >= 1)
+        assert Reassembler().feed(publish.calls[0][1], source="a") == encode(u)
+        assert restarted.on_ack("r1-a-7")
+        assert wait_until(lambda: restarted.delivered == ["r1-a-7"])
+        assert not (tmp_path / "outbox" / "r1-a-7.update").exists() and not restarted.pending("r1-a-7")
+    finally:
+        restarted.stop(timeout=2.0)
+
+
+def test_an_outage_uses_up_no_attempts(tmp_path):
+    up = {"now": False}
+    uplink, publish = spooled_uplink(tmp_path, connected=lambda: up["now"], attempts=2, ack_timeout_s=0.05)
+    uplink.start()
+    try:
+        uplink.send(update("r1-a-8"))
+        time.sleep(0.5)  # ten ack timeouts' worth of outage
+        assert publish.count() == 0 and uplink.abandoned == []
+        up["now"] = True
+        assert wait_until(lambda: uplink.abandoned == ["r1-a-8"])
+        assert publish.count() == 2  # both attempts were made once the broker was back
+    finally:
+        uplink.stop(timeout=2.0)
+
+
+def test_an_update_whose_attempts_run_out_is_parked_and_sent_again_when_asked(tmp_path):
+    uplink, publish = spooled_uplink(tmp_path, attempts=1, ack_timeout_s=0.05)
+    uplink.start()
+    try:
+        uplink.send(update("r1-a-9"))
+        assert wait_until(lambda: uplink.abandoned == ["r1-a-9"])
+        assert uplink.pending("r1-a-9") and (tmp_path / "outbox" / "r1-a-9.update").exists()  # parked, on disk
+        assert uplink.resend_parked() == 1  # the coordinator is back
+        assert wait_until(lambda: publish.count() == 2)
+        assert uplink.on_ack("r1-a-9")
+        assert wait_until(lambda: uplink.delivered == ["r1-a-9"])
+        assert not uplink.pending("r1-a-9") and uplink.resend_parked() == 0
+    finally:
+        uplink.stop(timeout=2.0)
+
+
+def test_a_late_answer_about_a_parked_update_settles_it(tmp_path):
+    uplink, _ = spooled_uplink(tmp_path, attempts=1, ack_timeout_s=0.05)
+    uplink.start()
+    try:
+        uplink.send(update("r1-a-10"))
+        assert wait_until(lambda: uplink.abandoned == ["r1-a-10"])
+        assert uplink.on_ack("r1-a-10", "round 1 closed before the update arrived")  # e.g. the verdict
+        assert not uplink.pending("r1-a-10") and uplink.resend_parked() == 0
+    finally:
+        uplink.stop(timeout=2.0)
