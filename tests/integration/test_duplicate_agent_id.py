@@ -21,29 +21,60 @@ from .conftest import SecuredBroker
 pytestmark = [pytest.mark.broker]
 
 
-def make_agent(broker: Broker, federation: str, tmp_path, name: str) -> EdgeAgent:
+def make_agent(broker: Broker, federation: str, tmp_path, name: str, status_interval_s: float = 30.0) -> EdgeAgent:
     config = AgentConfig(agent_id="twin", federation=federation, data=AgentDataConfig(dataset="digits"),
-                         state_dir=str(tmp_path / name), broker=broker.client_config("twin"))
+                         state_dir=str(tmp_path / name), broker=broker.client_config("twin"),
+                         status_interval_s=status_interval_s)
     return EdgeAgent(config, LocalData(torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])))
 
 
-def test_a_second_process_with_the_same_agent_id_refuses_to_start(secured_mosquitto: SecuredBroker, tmp_path) -> None:
+@pytest.mark.parametrize(("running_interval", "newcomer_interval"), [(30.0, 0.3), (0.3, 30.0)])
+def test_a_second_process_with_the_same_agent_id_refuses_to_start_whatever_the_intervals(
+        secured_mosquitto: SecuredBroker, tmp_path, running_interval: float, newcomer_interval: float) -> None:
     mosquitto = secured_mosquitto("twins")
-    first = make_agent(mosquitto, "twins", tmp_path, "first")
-    second = make_agent(mosquitto, "twins", tmp_path, "second")
+    first = make_agent(mosquitto, "twins", tmp_path, "first", running_interval)
+    second = make_agent(mosquitto, "twins", tmp_path, "second", newcomer_interval)
     first.start()
     try:
-        with pytest.raises(AgentIdInUse, match=r"^agent 'twin' of federation 'twins' is online already \(its status "
-                                               r"is \d+ s old\): another process uses this agent_id"):
+        with pytest.raises(AgentIdInUse, match=r"^agent 'twin' of federation 'twins' is running already \(process "
+                                               rf"{first.instance} answered\): another process uses this agent_id"):
             second.start()
+        assert not second.link.connected  # it never connected as the agent
         time.sleep(1.0)
-        assert first.link.connected and not first.taken_over  # the first one was never knocked off
+        assert first.link.connected and not first.taken_over and first.fatal is None  # the first one keeps working
     finally:
         first.stop()
     # Once the first one has said 'offline', the id is free again.
     third = make_agent(mosquitto, "twins", tmp_path, "third")
     third.start()
     third.stop()
+
+
+def test_a_status_left_by_a_process_that_is_gone_does_not_block_the_id(secured_mosquitto: SecuredBroker,
+                                                                       tmp_path) -> None:
+    mosquitto = secured_mosquitto("ghost")
+    # A retained 'online' status of a process that is gone (e.g. the broker lost its Last Will in a restart).
+    from protocol import AgentStatus, Topics, encode
+
+    twin = mosquitto.client_config("twin")
+    ghost = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="ghost", protocol=mqtt.MQTTv5)
+    ghost.username_pw_set(*twin.login())
+    ghost.tls_set(ca_certs=twin.ca_file)
+    ghost.connect(mosquitto.host, mosquitto.port)
+    ghost.loop_start()
+    try:
+        ghost.publish(Topics("ghost").agent_status("twin"),
+                      encode(AgentStatus("twin", "online", None, time.time(), "gone")), qos=1,
+                      retain=True).wait_for_publish(5)
+    finally:
+        ghost.disconnect()
+        ghost.loop_stop()
+    agent = make_agent(mosquitto, "ghost", tmp_path, "agent")
+    agent.start()  # no answer from 'gone' within the probe's wait: it starts
+    try:
+        assert agent.link.connected
+    finally:
+        agent.stop()
 
 
 def test_an_agent_whose_session_is_taken_over_stops_instead_of_fighting(secured_mosquitto: SecuredBroker,
