@@ -8,11 +8,15 @@ import os
 import shutil
 import stat
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
 
+from common.config import from_mapping
+from coordinator.config import CoordinatorConfig
+from edge_agent.config import AgentConfig
 from fedfit.cli import main
 from fedfit.secure_broker import BrokerDirectory, BrokerSettings, BrokerSetupError
 from fedfit.secure_broker.acl import acl_text
@@ -178,16 +182,39 @@ def test_broker_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["broker", "init", str(root), "--federation", "lab", "--host", "broker.lan", "--port", "9883"]) == 0
     out = capsys.readouterr().out
     assert f"mosquitto -c {root / 'mosquitto.conf'}" in out
-    coordinator = yaml.safe_load(out.split("the coordinator's configuration:\n", 1)[1])["broker"]
-    assert coordinator == {"host": "broker.lan", "port": 9883, "tls": True, "ca_file": str(root / "ca.crt"),
-                           "username": "coordinator", "password_file": str(root / "clients" / "coordinator.password")}
+    printed = out.split("the coordinator's configuration: (written to ", 1)[1].split("\n", 1)[1]
+    assert printed.strip() == (root / "coordinator.yaml").read_text().strip()  # what it printed is what it wrote
+    config = from_mapping(CoordinatorConfig, yaml.safe_load(printed))
+    config.validate()  # complete: the federation included
+    assert config.federation == "lab"
+    assert asdict(config.broker) == {"host": "broker.lan", "port": 9883, "tls": True, "ca_file": str(root / "ca.crt"),
+                                     "username": "coordinator", "password": None, "keepalive": 30,
+                                     "password_file": str(root / "clients" / "coordinator.password")}
     assert main(["broker", "add-device", str(root), "pi-01", "--device-dir", "/etc/fedfit"]) == 0
     out = capsys.readouterr().out
-    section = yaml.safe_load(out.split("in its agent.yaml:\n", 1)[1])
+    section = yaml.safe_load(out.split("its agent.yaml:\n", 1)[1])
     assert section["agent_id"] == "pi-01" and section["federation"] == "lab"
     assert section["broker"]["ca_file"] == "/etc/fedfit/ca.crt"
     assert section["broker"]["password_file"] == "/etc/fedfit/pi-01.password"
+    assert "state_dir" not in section  # on a device: systemd's StateDirectory
+    from_mapping(AgentConfig, section).validate()
+    bundle = root / "devices" / "pi-01"
+    assert sorted(p.name for p in bundle.iterdir()) == ["agent.yaml", "ca.crt", "pi-01.password"]
+    assert (bundle / "pi-01.password").stat().st_mode & 0o777 == 0o600
+    assert (bundle / "pi-01.password").read_text() == (root / "clients" / "pi-01.password").read_text()
     assert "systemctl reload mosquitto" in out
+    assert main(["broker", "add-device", str(root), "pi-02", "--dataset", "digits", "--shard", "1",
+                 "--num-shards", "3"]) == 0
+    local = from_mapping(AgentConfig, yaml.safe_load((root / "devices" / "pi-02" / "agent.yaml").read_text()))
+    local.validate()  # on this machine: the bundle's own files and a state directory in it
+    assert local.broker.ca_file == str(root / "devices" / "pi-02" / "ca.crt")
+    assert local.state_dir == str(root / "devices" / "pi-02" / "state")
+    assert (local.data.dataset, local.data.shard, local.data.num_shards) == ("digits", 1, 3)
+    assert main(["broker", "add-device", str(root), "pi-03", "--dataset", "digits", "--shard", "3",
+                 "--num-shards", "3"]) == 2
+    assert "--shard must be in 0..2" in capsys.readouterr().err
+    assert main(["broker", "remove-device", str(root), "pi-02"]) == 0
+    capsys.readouterr()
     assert main(["broker", "list", str(root)]) == 0
     assert capsys.readouterr().out.splitlines() == ["coordinator (coordinator)", "pi-01"]
     assert main(["broker", "add-device", str(root), "pi-01"]) == 2
