@@ -159,6 +159,7 @@ class MqttLink:
         self._on_refused = on_refused
         self._publish_lock = threading.Lock()
         self._pending_topics: OrderedDict[int, str] = OrderedDict()  # QoS 1 publishes by mid, until their PUBACK
+        self._early_acks: OrderedDict[int, str | None] = OrderedDict()  # PUBACKs that beat publish(): the refusal
         self.refused_publishes = 0
         self._last_pulse = time.monotonic()  # when the dispatcher last got through a pulse
         self.taken_over = False
@@ -250,12 +251,20 @@ class MqttLink:
         client = self._client
         if client is None:
             return False
-        with self._publish_lock:  # the PUBACK's callback takes it too: it finds the topic stored
-            info = client.publish(topic, payload, qos=qos, retain=retain)
-            if qos > 0:
-                self._pending_topics[info.mid] = topic
-                while len(self._pending_topics) > _PENDING_TOPICS:
-                    self._pending_topics.popitem(last=False)
+        # Never call paho holding _publish_lock: paho runs on_publish holding its own lock, and on_publish takes
+        # ours. A PUBACK may come back before the topic is stored: on_publish then leaves its verdict behind.
+        info = client.publish(topic, payload, qos=qos, retain=retain)
+        if qos > 0:
+            with self._publish_lock:
+                if info.mid in self._early_acks:
+                    reason = self._early_acks.pop(info.mid)
+                else:
+                    reason = None
+                    self._pending_topics[info.mid] = topic
+                    while len(self._pending_topics) > _PENDING_TOPICS:
+                        self._pending_topics.popitem(last=False)
+            if reason is not None:
+                self._refused(topic, reason)
         return info.rc == mqtt.MQTT_ERR_SUCCESS
 
     def pulse(self) -> float:
@@ -406,12 +415,19 @@ class MqttLink:
             self._on_taken_over()
 
     def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        failed = bool(getattr(reason_code, "is_failure", False))
         with self._publish_lock:
             topic = self._pending_topics.pop(mid, None)
-        if topic is None or not getattr(reason_code, "is_failure", False):
-            return
+            if topic is None:  # acked before publish() stored it (or a QoS 0 message)
+                self._early_acks[mid] = str(reason_code) if failed else None
+                while len(self._early_acks) > _PENDING_TOPICS:
+                    self._early_acks.popitem(last=False)
+        if topic is not None and failed:
+            self._refused(topic, str(reason_code))
+
+    def _refused(self, topic: str, reason: str) -> None:
+        """Log a refused publish and hand it to ``on_refused`` off the network thread."""
         self.refused_publishes += 1
-        reason = str(reason_code)
         self._log.error("mqtt_publish_refused", topic=topic, reason=reason, user=self.broker.username)
         if self._on_refused is not None:
             threading.Thread(target=self._on_refused, args=(topic, reason), name=f"{self.client_id}-refused",
