@@ -1,11 +1,13 @@
 """Builds the agent's :class:`LocalData` from its configuration: a file or folder on the device, or a
-shard of a known dataset (simulations and demos)."""
+shard of a known dataset (simulations and demos). A shard is read with :func:`common.data.load_shard`: the same
+samples the simulator and the coordinator's partition give that client, without scikit-learn, scipy or a whole
+float32 training set in the agent process."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from common.data import load_dataset, load_local_data, parse_partition, partition_indices
+from common.data import load_local_data, load_shard, parse_partition
 from edge_agent.config import AgentDataConfig
 from edge_agent.runner import LocalData
 
@@ -26,7 +28,6 @@ def load_agent_data(config: AgentDataConfig) -> LocalData:
         x, y = load_local_data(config.path, normalize=normalize)
         return to_local_data(x, y)
     assert config.dataset is not None
-    dataset = load_dataset(config.dataset, config.root)
-    shards = partition_indices(dataset.y_train, config.num_shards, parse_partition(config.partition), config.seed)
-    indices = shards[config.shard]
-    return to_local_data(dataset.x_train[indices], dataset.y_train[indices])
+    x, y = load_shard(config.dataset, config.root, config.num_shards, parse_partition(config.partition),
+                      config.shard, config.seed)
+    return to_local_data(x, y)

@@ -44,8 +44,8 @@ def test_names() -> None:
 def test_digits_shapes_split_and_normalisation() -> None:
     d = load_dataset("digits")
     assert d.name == "digits"
-    assert d.x_train.shape == (1437, 1, 8, 8)
-    assert d.x_test.shape == (360, 1, 8, 8)
+    assert d.x_train.shape == (1438, 1, 8, 8)
+    assert d.x_test.shape == (359, 1, 8, 8)  # 20% of each class, rounded
     assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int64
     assert (d.num_classes, d.in_channels, d.image_size) == (10, 1, (8, 8))
     assert abs(float(d.x_train.mean())) < 1e-4
