@@ -19,5 +19,12 @@ def test_the_example_coordinator_config_names_every_method_section_and_validates
         assert f"\n{section}" in text, section
 
 
-def test_the_example_agent_config_loads() -> None:
-    from_mapping(AgentConfig, load_yaml(EXAMPLES / "agent.yaml"))
+def test_the_example_agent_config_lists_every_data_key_and_validates() -> None:
+    from dataclasses import fields
+
+    from edge_agent.config import AgentDataConfig
+
+    config = from_mapping(AgentConfig, load_yaml(EXAMPLES / "agent.yaml"))
+    config.validate()
+    data = load_yaml(EXAMPLES / "agent.yaml")["data"]
+    assert set(data) == {field.name for field in fields(AgentDataConfig)}
