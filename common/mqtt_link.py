@@ -173,6 +173,8 @@ class MqttLink:
         self._connack = threading.Event()
         self._connack_reason: str = ""
         self._subscribe_mid: int | None = None
+        self._subscribed = threading.Event()  # a SUBACK for our subscriptions came, granted or not
+        self._subscription_refusals: list[tuple[str, str]] = []  # (topic, reason) the last SUBACK refused
         self.ready = threading.Event()
         self.protocol_name = ""
         self._dispatcher: threading.Thread | None = None
@@ -203,7 +205,15 @@ class MqttLink:
                 if outcome == "ok":
                     _accepted_protocol[str(self.broker)] = protocol
                     remaining = max(0.5, deadline - time.monotonic())
-                    if not self.ready.wait(remaining):
+                    self._subscribed.wait(remaining)
+                    if self._subscription_refusals:
+                        self._abandon_client()
+                        topics = ", ".join(f"{topic} ({reason})" for topic, reason in self._subscription_refusals)
+                        raise BrokerRefused(
+                            f"the MQTT broker at {self.broker} refused client '{self.client_id}' (user "
+                            f"{self.broker.username!r}) the subscription to {topics}: its ACL does not let this "
+                            f"login read there; check the agent_id / federation / username of the configuration")
+                    if not self.ready.is_set():
                         self._abandon_client()
                         raise BrokerUnavailable(
                             f"the MQTT broker at {self.broker} accepted the connection but did not acknowledge "
@@ -371,10 +381,18 @@ class MqttLink:
                       properties: Any) -> None:
         if mid != self._subscribe_mid:
             return
-        failed = [str(code) for code in reason_codes if code.is_failure]
-        if failed:
-            self._log.error("mqtt_subscription_refused", reasons=failed, topics=self.subscriptions)
+        refused = [(topic, str(code)) for topic, code in zip(self.subscriptions, reason_codes) if code.is_failure]
+        if refused:
+            # (Mosquitto 2.0 grants every subscription and filters what it delivers; other brokers refuse here.)
+            self._subscription_refusals = refused
+            self._subscribed.set()
+            self._log.error("mqtt_subscription_refused", refused=refused)
+            if self.ready.is_set():  # a resubscription after a reconnect: the owner decides
+                for topic, reason in refused:
+                    self._refused(topic, reason, "subscription")
             return
+        self._subscription_refusals = []
+        self._subscribed.set()
         first = not self.ready.is_set()
         self.ready.set()
         if self._on_ready is not None:
@@ -425,10 +443,11 @@ class MqttLink:
         if topic is not None and failed:
             self._refused(topic, str(reason_code))
 
-    def _refused(self, topic: str, reason: str) -> None:
-        """Log a refused publish and hand it to ``on_refused`` off the network thread."""
-        self.refused_publishes += 1
-        self._log.error("mqtt_publish_refused", topic=topic, reason=reason, user=self.broker.username)
+    def _refused(self, topic: str, reason: str, action: str = "publish") -> None:
+        """Log a refused publish (or subscription) and hand it to ``on_refused`` off the network thread."""
+        if action == "publish":
+            self.refused_publishes += 1
+        self._log.error(f"mqtt_{action}_refused", topic=topic, reason=reason, user=self.broker.username)
         if self._on_refused is not None:
             threading.Thread(target=self._on_refused, args=(topic, reason), name=f"{self.client_id}-refused",
                              daemon=True).start()

@@ -211,8 +211,11 @@ class EdgeAgent:
                 f"the agent section `fedfit broker add-device` prints)")
 
     def _on_refused(self, topic: str, reason: str) -> None:
-        """The broker refused a publish: on the agent's own status or update topic it cannot work at all."""
-        if topic not in (self.topics.agent_status(self.agent_id), self.topics.agent_update(self.agent_id)):
+        """The broker refused a publish (or, after a reconnect, a subscription): on the agent's own topics it cannot
+        work at all."""
+        own = (self.topics.agent_status(self.agent_id), self.topics.agent_update(self.agent_id),
+               self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id))
+        if topic not in own:
             return
         if self.fatal is None and not self._stop.is_set():
             self.fatal = self._refusal_message(topic, reason)
