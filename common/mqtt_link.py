@@ -264,7 +264,8 @@ class MqttLink:
         # Never call paho holding _publish_lock: paho runs on_publish holding its own lock, and on_publish takes
         # ours. A PUBACK may come back before the topic is stored: on_publish then leaves its verdict behind.
         info = client.publish(topic, payload, qos=qos, retain=retain)
-        if qos > 0:
+        # (Another rc, e.g. MQTT_ERR_QUEUE_SIZE, means paho kept nothing under this mid: nothing to record.)
+        if qos > 0 and info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             with self._publish_lock:
                 if info.mid in self._early_acks:
                     reason = self._early_acks.pop(info.mid)

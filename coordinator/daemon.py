@@ -129,9 +129,9 @@ class Coordinator:
         self.registry = FleetRegistry()
         #: Why the run cannot go on (the broker refused a publish it needs), one sentence; ends the round loop.
         self.fatal: str | None = None
-        self._misfits_told: dict[str, str] = {}
+        self._misfits_told: dict[str, str] = {}  # agents whose data does not fit, with the reason already logged
         #: Per agent id, processes another one of the id replaced while online, with when (see _watch_instances).
-        self._replaced_instances: dict[str, dict[str, float]] = {}  # agents whose data does not fit, with the reason already logged
+        self._replaced_instances: dict[str, dict[str, float]] = {}
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
         self._round_in_flight = 0  # the round being run (0 between rounds)
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
@@ -224,12 +224,13 @@ class Coordinator:
 
     def _on_refused(self, topic: str, reason: str) -> None:
         """The broker refused a publish (its status, a task or an ack): the federation cannot run."""
-        if self.fatal is not None:
-            return
-        self.fatal = (f"the MQTT broker at {self.config.broker} refused to let user {self.config.broker.username!r} "
-                      f"publish on {topic} ({reason}): federation ('{self.config.federation}') must be the one the "
-                      f"broker was made for and broker.username its coordinator login (see the coordinator "
-                      f"configuration `fedfit broker init` prints)")
+        with self._collector_lock:
+            if self.fatal is not None:
+                return
+            self.fatal = (f"the MQTT broker at {self.config.broker} refused to let user "
+                          f"{self.config.broker.username!r} publish on {topic} ({reason}): federation "
+                          f"('{self.config.federation}') must be the one the broker was made for and broker.username "
+                          f"its coordinator login (see the coordinator configuration `fedfit broker init` prints)")
         self.log.error("coordinator_refused_by_broker", message=self.fatal)
         self.registry.interrupt()
         with self._collector_lock:
@@ -265,8 +266,9 @@ class Coordinator:
             if known is not None and known.online and known.instance != status.instance:
                 self.log.warning("agent_id_second_process", agent=agent_id, running=known.instance,
                                  starting=status.instance,
-                                 message=f"a second process tried to start as agent '{agent_id}' while one runs; "
-                                         f"give every device its own agent_id")
+                                 message=f"a process started as agent '{agent_id}' while one was online (a second "
+                                         f"process, or a restart before the broker saw the first one end); give "
+                                         f"every device its own agent_id")
             return
         previous = self.registry.on_status(status)
         self._watch_instances(agent_id, previous, status)
@@ -357,6 +359,7 @@ class Coordinator:
         results = []
         while self.completed_rounds < last:
             results.append(self.run_round(self.completed_rounds + 1))
+        self._raise_if_fatal()  # e.g. the last round's verdicts refused: the run is not one to trust
         return results
 
     def run_round(self, round_number: int) -> RoundResult:
@@ -385,6 +388,9 @@ class Coordinator:
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
         online, misfits = self._fitting(online)
+        if misfits and len(online) < self.config.min_agents:
+            self.log.warning("fewer_fitting_agents_than_expected", fitting=len(online),
+                             expected=self.config.min_agents)
         plan = self.strategy.configure_round(round_number, online, self.rng)
         plan.skipped.extend(misfits)
         deadline = time.time() + self.config.round_timeout_s
@@ -399,18 +405,20 @@ class Coordinator:
         deadline = time.monotonic() + self.config.wait_for_agents_s
         check_at = time.monotonic() + FEDERATIONS_CHECK_S
         while True:
-            window = max(0.0, min(deadline, check_at) - time.monotonic())
+            # Cut into windows only while no agent is online: then the fleet settles as wait_settled says.
+            limit = deadline if self.registry.online() else min(deadline, check_at)
             online = self.registry.wait_settled(
-                self.config.min_agents, REGISTRY_SETTLE_S, window,
+                self.config.min_agents, REGISTRY_SETTLE_S, max(0.0, limit - time.monotonic()),
                 lambda count: self._progress("fleet", round_number, count, self.config.min_agents))
-            if self.fatal is not None or time.monotonic() >= deadline or len(online) >= self.config.min_agents:
+            now = time.monotonic()
+            if self.fatal is not None or now >= deadline or now < limit:  # before its limit: the fleet is in
                 return online
             if not online:
-                waited = self.config.wait_for_agents_s - (deadline - time.monotonic())
+                waited = self.config.wait_for_agents_s - (deadline - now)
                 self.log.warning("no_agents_of_this_federation",
                                  message=f"no agent of federation '{self.config.federation}' is online after "
                                          f"{waited:.0f} s; {self._federations_hint()}")
-            check_at = time.monotonic() + FEDERATIONS_REPEAT_S
+                check_at = time.monotonic() + FEDERATIONS_REPEAT_S
 
     def _federations_hint(self) -> str:
         """What to do when no agent of this federation is online, naming the federations whose agents the broker
@@ -461,6 +469,8 @@ class Coordinator:
             collector.offer(update, size, digest)
         with self._collector_lock:
             self._collector = collector
+            if self.fatal is not None:  # refused before this collector was there to interrupt
+                collector.interrupt()
         return collector
 
     def _finish_round(self, round_number: int, started: float, tasks: dict[str, TaskPlan], skipped: list[Skip],

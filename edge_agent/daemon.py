@@ -53,8 +53,6 @@ class AgentIdInUse(RuntimeError):
     """Another process is connected as this agent already."""
 
 
-#: Seconds a starting agent waits for its retained status after subscribing to it.
-_RETAINED_WAIT_S = 0.3
 #: Seconds a starting agent waits for a running process of its id to answer its "starting" status. The running
 #: agent answers from its dispatcher at once, whatever its status interval.
 ID_PROBE_WAIT_S = 5.0
@@ -93,6 +91,7 @@ class EdgeAgent:
         self._busy = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._stopping = False  # stop() has begun (it runs once)
         self.rejected_messages = 0
         #: Updates the coordinator stored but its screening rejected, by task id, with the reason (the latest).
         self.rejected_updates: OrderedDict[str, str] = OrderedDict()
@@ -140,7 +139,11 @@ class EdgeAgent:
     def stop(self) -> None:
         """Say 'offline' (retained) and disconnect; queued tasks are abandoned and the one in training loses its
         child (killed, not left training). (Not 'offline' when another process took this agent id over: the status
-        is that process's now.)"""
+        is that process's now.) Only the first call does anything."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
         self._stop.set()
         self.uplink.stop()
         if self._own_executor:
@@ -154,41 +157,44 @@ class EdgeAgent:
 
     def _refuse_if_online(self, timeout: float) -> None:
         """Ask, through a short-lived probe connection (a client id of its own), whether another process runs
-        this agent: when the retained status says another instance is online or busy, publish a "starting" status
-        and wait up to :data:`ID_PROBE_WAIT_S` for that instance's answer. The running agent answers at once from
-        its dispatcher, whatever either side's status interval; a status left by a process that is gone gets no
-        answer, and this one starts."""
-        seen: list[AgentStatus] = []
-        asked = threading.Event()  # the "starting" status is out: an online status arriving now is an answer
-        answered = threading.Event()
+        this agent: publish a "starting" status; when the retained status that came before its echo says another
+        instance is online or busy, wait up to :data:`ID_PROBE_WAIT_S` for that instance's answer. The running
+        agent answers at once from its dispatcher, whatever either side's status interval; a status left by a
+        process that is gone gets no answer, and this one starts."""
+        seen: list[AgentStatus] = []  # statuses of other processes of this id, in the order the broker sent them
+        echoed = threading.Event()  # our own "starting" came back: everything the broker held came before it
+        answered = threading.Event()  # another process's online status came after it
         refused: list[str] = []
 
         def keep(topic: str, payload: bytes) -> None:
             with contextlib.suppress(ProtocolError):
                 status = decode(payload, expected=AgentStatus)
                 assert isinstance(status, AgentStatus)
-                if status.agent_id != self.agent_id or status.instance == self.instance:
+                if status.agent_id != self.agent_id:
+                    return
+                if status.instance == self.instance:
+                    echoed.set()
                     return
                 seen.append(status)
-                if status.state in ("online", "busy") and asked.is_set():
+                if status.state in ("online", "busy") and echoed.is_set():
                     answered.set()
 
         def refuse(topic: str, reason: str) -> None:
             refused.append(reason)
-            answered.set()
+            echoed.set()
 
         probe = MqttLink(client_id=f"fedfit-probe-{self.agent_id}-{uuid.uuid4().hex[:8]}",
                          broker=self.config.broker, subscriptions=[self.topics.agent_status(self.agent_id)],
                          handler=keep, on_refused=refuse)
         try:
             probe.start(timeout)
-            time.sleep(_RETAINED_WAIT_S)  # the broker sends the retained status right after the subscription
-            others = [status for status in seen if status.state in ("online", "busy")]
-            if others:
-                asked.set()
-                probe.publish(self.topics.agent_status(self.agent_id),
-                              encode(AgentStatus(self.agent_id, "starting", None, time.time(), self.instance)))
-                answered.wait(ID_PROBE_WAIT_S)
+            # Ask whether a process runs this id. The broker delivers in order on the one subscription, so the
+            # retained status (if any) arrives before our own "starting" comes back: no fixed wait to guess.
+            probe.publish(self.topics.agent_status(self.agent_id),
+                          encode(AgentStatus(self.agent_id, "starting", None, time.time(), self.instance)))
+            echoed.wait(ID_PROBE_WAIT_S)
+            if any(status.state in ("online", "busy") for status in seen) and not refused:
+                answered.wait(ID_PROBE_WAIT_S)  # a running agent answers at once; a status left behind never
         finally:
             probe.stop()
         if refused:
@@ -199,8 +205,9 @@ class EdgeAgent:
                 f"agent '{self.agent_id}' of federation '{self.config.federation}' is running already (process "
                 f"{running.instance or '?'} answered): another process uses this agent_id; stop it or give this "
                 f"device its own agent_id")
-        if seen:
-            self.log.info("stale_status_replaced", instance=seen[-1].instance, state=seen[-1].state,
+        stale = [status for status in seen if status.state in ("online", "busy")]
+        if stale:
+            self.log.info("stale_status_replaced", instance=stale[-1].instance, state=stale[-1].state,
                           message="the retained status named another process, which did not answer: it is gone")
 
     def _refusal_message(self, topic: str, reason: str) -> str:
@@ -217,10 +224,12 @@ class EdgeAgent:
                self.topics.agent_task(self.agent_id), self.topics.agent_ack(self.agent_id))
         if topic not in own:
             return
-        if self.fatal is None and not self._stop.is_set():
+        with self._lock:
+            if self.fatal is not None or self._stop.is_set():
+                return
             self.fatal = self._refusal_message(topic, reason)
-            self.log.error("agent_refused_by_broker", message=self.fatal)
-            self.stop()
+        self.log.error("agent_refused_by_broker", message=self.fatal)
+        self.stop()
 
     @property
     def taken_over(self) -> bool:
@@ -409,6 +418,11 @@ class EdgeAgent:
     def _serve(self, task: Task) -> None:
         try:
             update = self.runner.run(task)
+            if self._stop.is_set() and update.status == "failed":
+                # Cut short by this agent's own stop (a restart, an upgrade): no answer, so that the coordinator
+                # sends the task again to the next process, which trains it.
+                self.log.info("task_left_for_next_start", task=task.task_id, reason=update.reason)
+                return
             self.log.info("task_done", task=task.task_id, status=update.status, reason=update.reason,
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
             self.uplink.send(update)

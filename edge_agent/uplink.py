@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from common.logs import get_logger
@@ -63,7 +64,8 @@ class Uplink:
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
         self._outbox.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():  # (never started: nothing to wait for)
+            self._thread.join(timeout)
 
     def send(self, update: Update) -> None:
         """Store ``update`` in the spool (when there is one) and queue it for delivery."""
@@ -87,18 +89,17 @@ class Uplink:
     def on_ack(self, task_id: str, reason: str | None = None) -> bool:
         """Record the coordinator's answer (``reason``: why it refused the update for good); either way the update
         is not sent again and leaves the spool. False for an answer about nothing we sent."""
-        with self._lock:
+        with self._lock:  # settled before the file goes: _deliver never parks an acked update
             event = self._acked.get(task_id)
-            if event is not None and reason is not None:
-                self._refusals[task_id] = reason
+            if event is not None:
+                if reason is not None:
+                    self._refusals[task_id] = reason
+                event.set()
             parked = task_id in self._parked
             if parked:
                 self._parked.remove(task_id)
         spooled = self._spool.remove(task_id) if self._spool is not None else False
-        if event is None:
-            return parked or spooled
-        event.set()
-        return True
+        return event is not None or parked or spooled
 
     def resend_parked(self) -> int:
         """Queue again the updates whose attempts ran out (the coordinator is back); returns how many."""
@@ -135,17 +136,27 @@ class Uplink:
                 return False
         return not self._stopping.is_set()
 
+    def _wait_ack(self, acked: threading.Event) -> bool:
+        """Wait up to ack_timeout_s for the ack, or until stop() (which need not wait out the timeout)."""
+        deadline = time.monotonic() + self._ack_timeout_s
+        while not acked.is_set() and not self._stopping.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            acked.wait(min(remaining, _CONNECTION_POLL_S))
+        return acked.is_set()
+
     def _deliver(self, task_id: str, payload: bytes) -> None:
         with self._lock:
             acked = self._acked.setdefault(task_id, threading.Event())
         attempt = 0
-        while attempt < self._attempts and not acked.is_set():
+        while attempt < self._attempts and not acked.is_set() and not self._stopping.is_set():
             if not self._wait_connected(acked):
                 break
             attempt += 1
             for chunk in split_payload(payload, f"{task_id}.{attempt}"):
                 self._publish(self.topic, chunk)
-            if not acked.wait(self._ack_timeout_s) and attempt < self._attempts:
+            if not self._wait_ack(acked) and attempt < self._attempts and not self._stopping.is_set():
                 self._log.warning("update_not_acked_resending", task=task_id, attempt=attempt)
         # Outstanding no more before the outcome is recorded: a later ack finds nothing and says so.
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from common.data import DATASET_NAMES, parse_partition
 from common.durable import write_atomic
 from common.mqtt_link import BrokerConfig
 from fedfit.secure_broker import DEFAULT_PORT, BrokerDirectory, BrokerSettings, BrokerSetupError
@@ -114,8 +115,27 @@ def agent_yaml(directory: BrokerDirectory, name: str, device_dir: str | None, da
             + yaml.safe_dump(body, sort_keys=False))
 
 
+def _check_init(args: argparse.Namespace) -> None:
+    """The coordinator.yaml flags of ``init``, checked before the broker is made (BrokerSetupError)."""
+    if args.rounds < 1 or args.min_agents < 1:
+        raise BrokerSetupError("--rounds and --min-agents must be at least 1")
+    if args.dataset.strip().lower() not in (*DATASET_NAMES, "auto"):
+        raise BrokerSetupError(f"--dataset must be one of {', '.join((*DATASET_NAMES, 'auto'))}, got {args.dataset!r}")
+
+
 def _data_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``data:`` section of a device's agent.yaml from the flags (BrokerSetupError when they do not fit)."""
+    if args.dataset is None and (args.shard != 0 or args.num_shards != 1 or args.partition != "iid"):
+        raise BrokerSetupError("--shard, --num-shards and --partition go with --dataset (a shard of a known dataset)")
     if args.dataset is not None:
+        if args.dataset.strip().lower() not in DATASET_NAMES:
+            raise BrokerSetupError(f"--dataset must be one of {', '.join(DATASET_NAMES)}, got {args.dataset!r}")
+        if args.num_shards < 1:
+            raise BrokerSetupError(f"--num-shards must be at least 1, got {args.num_shards}")
+        try:
+            parse_partition(args.partition)
+        except ValueError as exc:
+            raise BrokerSetupError(f"--partition: {exc}") from None
         if not 0 <= args.shard < args.num_shards:
             raise BrokerSetupError(f"--shard must be in 0..{args.num_shards - 1} (--num-shards {args.num_shards}), "
                                    f"got {args.shard}")
@@ -148,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     path = Path(args.dir)
     if args.action == "init":
+        _check_init(args)  # before anything is made
         settings = BrokerSettings(federation=args.federation, hosts=args.hosts or ["localhost", "127.0.0.1"],
                                   port=args.port, bind=args.bind, coordinator=args.coordinator,
                                   persistence=not args.no_persistence, user=args.user)
@@ -157,8 +178,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"start the broker: mosquitto -c {directory.conf}")
         print(f"add each device: fedfit broker add-device {directory.path} AGENT_ID [--dataset NAME --shard I "
               f"--num-shards N | --data-path PATH]")
-        if args.rounds < 1 or args.min_agents < 1:
-            raise BrokerSetupError("--rounds and --min-agents must be at least 1")
         text = coordinator_yaml(directory, algorithm=args.algorithm, dataset=args.dataset, rounds=args.rounds,
                                 min_agents=args.min_agents)
         write_atomic(directory.path / "coordinator.yaml", text.encode(), mode=0o600)
@@ -168,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     directory = BrokerDirectory.open(path)
     if args.action == "add-device":
-        data = _data_section(args)
+        data = _data_section(args)  # checked before the login is made
         secret = directory.add_login(args.name, rotate=args.rotate)
         print(f"{'new password for' if args.rotate else 'login for'} {args.name!r} in {secret}; {_RELOAD}")
         if args.name == directory.settings.coordinator:

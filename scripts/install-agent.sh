@@ -95,6 +95,7 @@ check_name --federation "$FEDERATION"
 [ -n "$BROKER_HOST" ] || die "--broker-host is required (the broker's name or address, as in its certificate)"
 [[ $BROKER_HOST =~ ^[A-Za-z0-9_.:-]+$ ]] || die "--broker-host must be one host name or address, got '$BROKER_HOST'"
 check_port --broker-port "$BROKER_PORT"
+BROKER_PORT=$((10#$BROKER_PORT))  # decimal, as checked (YAML reads a leading 0 as octal)
 if [ -n "$DATA_PATH" ] && [ -n "$DATASET" ]; then die "give either --data-path or --data-dataset, not both"; fi
 if [ -n "$DATA_PATH" ]; then
   for flag in shard:"$SHARD" num-shards:"$NUM_SHARDS" partition:"$PARTITION" seed:"$SEED"; do
@@ -111,11 +112,15 @@ elif [ -n "$DATASET" ]; then
   [ "$SHARD" -lt "$NUM_SHARDS" ] || die "--shard must be in 0..$((NUM_SHARDS - 1)) (--num-shards $NUM_SHARDS), got $SHARD"
   [ -z "$SEED" ] || is_uint "$SEED" || die "--seed must be a non-negative integer, got '$SEED'"
   [[ ${PARTITION:-iid} =~ ^(iid|dirichlet:[0-9.eE+-]+|shards:[0-9]+)$ ]] || die "--partition must be iid, dirichlet:ALPHA or shards:K, got '$PARTITION'"
+  # Decimal, as bash compared them (YAML would read a leading 0 as octal).
+  SHARD=$((10#$SHARD)) NUM_SHARDS=$((10#$NUM_SHARDS))
+  [ -z "$SEED" ] || SEED=$((10#$SEED))
 else
   die "give the device's data: --data-path FILE_OR_DIR, or --data-dataset NAME --shard I --num-shards N"
 fi
 if [ -n "$BUDGET" ]; then
   is_uint "$BUDGET" && [ "$BUDGET" -gt 0 ] || die "--budget must be a positive number of bytes, got '$BUDGET'"
+  BUDGET=$((10#$BUDGET))
 fi
 if [ -z "$DEVICE" ]; then [ "$JETSON" = 1 ] && DEVICE=cuda || DEVICE=cpu; fi
 case $DEVICE in cpu | cuda | auto) ;; *) die "--device must be cpu, cuda or auto, got '$DEVICE'" ;; esac
@@ -143,7 +148,7 @@ if systemd_running; then check_systemd_version; fi
 
 # --------------------------------------------------------------------------------------------- the machine
 if [ -z "$ROOT" ]; then
-  model=$(tr -d '\0' </proc/device-tree/model 2>/dev/null || true)
+  model=$( { tr -d '\0' </proc/device-tree/model; } 2>/dev/null || true)
   if [ -f /sys/fs/cgroup/cgroup.controllers ] && ! grep -qw memory /sys/fs/cgroup/cgroup.controllers; then
     case $model in
       *"Raspberry Pi"*) warn "the memory cgroup is off, so the unit's MemoryMax= is not enforced: add cgroup_enable=memory to /boot/firmware/cmdline.txt (older systems: /boot/cmdline.txt) and reboot" ;;

@@ -102,12 +102,14 @@ make_venv() {
   if [ ! -x "$venv/bin/python" ]; then
     say "making the virtual environment $VENV with $PYTHON"
     mkdir -p -- "$(dirname -- "$venv")"
-    if ! "$PYTHON" -m venv "$venv" >/tmp/fedfit-venv.$$ 2>&1; then
+    local venv_log
+    venv_log=$(mktemp)
+    if ! "$PYTHON" -m venv "$venv" >"$venv_log" 2>&1; then
       rm -rf -- "$venv"
-      rm -f /tmp/fedfit-venv.$$
+      rm -f "$venv_log"
       die "$PYTHON -m venv failed (on Debian, Ubuntu and Raspberry Pi OS: apt-get install python3-venv)"
     fi
-    rm -f /tmp/fedfit-venv.$$
+    rm -f "$venv_log"
   else
     say "upgrading FedFit in the existing virtual environment $VENV"
   fi
@@ -199,12 +201,13 @@ write_config() {
 # validate_config FILE MODULE CLASS WHAT [EXTRA_PYTHON]: load FILE as the daemon does (common.config) and validate
 # it; EXTRA_PYTHON runs with `config` bound (further checks raising ValueError).
 validate_config() {
-  local py
+  local py errors
   py=$(fedfit_python)
   if [ -z "$py" ]; then
     say "note: $4 not validated (no FedFit Python: --skip-pip without FEDFIT_PYTHON)"
     return 0
   fi
+  errors=$(mktemp)
   (cd / && "$py" - "$1" "$2" "$3" "${5:-}" <<'PY'
 import importlib
 import sys
@@ -221,13 +224,13 @@ except (ConfigError, ValueError) as exc:
     print(exc, file=sys.stderr)
     sys.exit(1)
 PY
-  ) 2>/tmp/fedfit-validate.$$ || {
+  ) 2>"$errors" || {
     local why
-    why=$(tr '\n' ' ' </tmp/fedfit-validate.$$ | sed 's/ *$//')
-    rm -f /tmp/fedfit-validate.$$
+    why=$(tr '\n' ' ' <"$errors" | sed 's/ *$//')
+    rm -f "$errors"
     die "the written $4 is not valid: $why"
   }
-  rm -f /tmp/fedfit-validate.$$
+  rm -f "$errors"
 }
 
 # ------------------------------------------------------------------------------------------------- units

@@ -42,7 +42,7 @@ SRC=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/install-common.sh
 . "$SRC/scripts/install-common.sh"
 
-FEDERATION="" HOSTS=() BROKER_PORT=8883 AGENTS=() ALGORITHM=heterofl MODEL=cnn DATASET=auto ROUNDS=10 MIN_AGENTS=""
+FEDERATION="" HOSTS=() BROKER_PORT=8883 AGENTS=() ALGORITHM="" MODEL="" DATASET="" ROUNDS="" MIN_AGENTS=""
 TORCH_SPEC="" TORCH_WHEELS=() PIP_ARGS=() PREFIX=/opt/fedfit PYTHON=python3 ROOT="" SKIP_PIP=0 NO_START=0
 
 while [ $# -gt 0 ]; do
@@ -86,18 +86,21 @@ for host in "${HOSTS[@]}"; do
   [[ $host =~ ^[A-Za-z0-9_.:-]+$ ]] || die "--broker-host must be host names or addresses, got '$host'"
 done
 check_port --broker-port "$BROKER_PORT"
+BROKER_PORT=$((10#$BROKER_PORT))  # decimal, as checked (YAML reads a leading 0 as octal)
 declare -A seen=()
 for agent in "${AGENTS[@]}"; do
   check_name "--agents" "$agent"
   [ -z "${seen[$agent]:-}" ] || die "--agents names $agent twice"
   seen[$agent]=1
 done
-[[ $ALGORITHM =~ ^[a-z0-9_-]+$ ]] || die "--algorithm must be an algorithm name (e.g. heterofl), got '$ALGORITHM'"
-[[ $MODEL =~ ^[a-z0-9_-]+$ ]] || die "--model must be a model family (e.g. cnn), got '$MODEL'"
-[[ $DATASET =~ ^[A-Za-z0-9_.-]+$ ]] || die "--dataset must be a dataset name (fashion-mnist, digits, auto), got '$DATASET'"
-is_uint "$ROUNDS" && [ "$ROUNDS" -ge 1 ] || die "--rounds must be a positive integer, got '$ROUNDS'"
-[ -n "$MIN_AGENTS" ] || MIN_AGENTS=$((${#AGENTS[@]} > 0 ? ${#AGENTS[@]} : 1))
-is_uint "$MIN_AGENTS" && [ "$MIN_AGENTS" -ge 1 ] || die "--min-agents must be a positive integer, got '$MIN_AGENTS'"
+# Settings not given keep what an existing coordinator.yaml says (a re-run that adds devices changes nothing
+# else), else these defaults; both are filled in once FedFit's Python is there to read the YAML.
+[ -z "$ALGORITHM" ] || [[ $ALGORITHM =~ ^[a-z0-9_-]+$ ]] || die "--algorithm must be an algorithm name (e.g. heterofl), got '$ALGORITHM'"
+[ -z "$MODEL" ] || [[ $MODEL =~ ^[a-z0-9_-]+$ ]] || die "--model must be a model family (e.g. cnn), got '$MODEL'"
+[ -z "$DATASET" ] || [[ $DATASET =~ ^[A-Za-z0-9_.-]+$ ]] || die "--dataset must be a dataset name (fashion-mnist, digits, auto), got '$DATASET'"
+[ -z "$ROUNDS" ] || { is_uint "$ROUNDS" && [ "$ROUNDS" -ge 1 ]; } || die "--rounds must be a positive integer, got '$ROUNDS'"
+[ -z "$MIN_AGENTS" ] || { is_uint "$MIN_AGENTS" && [ "$MIN_AGENTS" -ge 1 ]; } ||
+  die "--min-agents must be a positive integer, got '$MIN_AGENTS'"
 [ "$SKIP_PIP" = 1 ] || torch_plan
 [ -f "$SRC/systemd/fedfit-coordinator.service" ] || die "$SRC/systemd/fedfit-coordinator.service is missing"
 [ "$SKIP_PIP" = 0 ] || [ -n "$(fedfit_python)" ] ||
@@ -130,6 +133,33 @@ else
 fi
 FPY=$(fedfit_python)
 fedfit() { (cd / && "$FPY" -m fedfit.cli "$@"); }
+
+# ----------------------------------------------------------------------------------- settings of a re-run
+if [ -f "$ROOT$ETC/coordinator.yaml" ]; then
+  kept=$(cd / && "$FPY" - "$ROOT$ETC/coordinator.yaml" <<'PY'
+import sys
+
+import yaml
+
+config = yaml.safe_load(open(sys.argv[1], encoding="utf-8")) or {}
+print(config.get("algorithm", ""), (config.get("model") or {}).get("family", ""),
+      (config.get("data") or {}).get("dataset", ""), config.get("rounds", ""), config.get("min_agents", ""))
+PY
+  ) || die "cannot read $ETC/coordinator.yaml: fix or move it away, then run this again"
+  read -r k_algorithm k_model k_dataset k_rounds k_min <<<"$kept"
+  ALGORITHM=${ALGORITHM:-$k_algorithm} MODEL=${MODEL:-$k_model} DATASET=${DATASET:-$k_dataset}
+  ROUNDS=${ROUNDS:-$k_rounds} MIN_AGENTS=${MIN_AGENTS:-$k_min}
+  say "keeping the settings of $ETC/coordinator.yaml that no flag changes"
+fi
+ALGORITHM=${ALGORITHM:-heterofl} MODEL=${MODEL:-cnn} DATASET=${DATASET:-auto} ROUNDS=${ROUNDS:-10}
+MIN_AGENTS=${MIN_AGENTS:-$((${#AGENTS[@]} > 0 ? ${#AGENTS[@]} : 1))}
+ROUNDS=$((10#$ROUNDS)) MIN_AGENTS=$((10#$MIN_AGENTS))  # decimal, as checked (YAML reads a leading 0 as octal)
+if [ "$DATASET" = auto ] && [ -z "$ROOT" ]; then
+  # Resolved once, here: the devices' shards must be of the coordinator's dataset, whatever each machine has.
+  DATASET=$(cd / && "$FPY" -c 'from common.data.datasets import find_fashion_mnist
+print("fashion-mnist" if find_fashion_mnist() is not None else "digits")') || die "cannot tell which dataset 'auto' is here"
+  say "dataset auto is $DATASET on this machine: written as such"
+fi
 
 # -------------------------------------------------------------------------------------------------- broker
 mkdir -p -- "$ROOT$ETC"
@@ -184,6 +214,13 @@ put_file "$ROOT$BROKER_DIR/clients/$COORDINATOR.password" "$ETC/coordinator.pass
 say "CA certificate: $ETC/ca.crt; the coordinator's broker password: $ETC/coordinator.password (0600, root)"
 
 logins=" $(fedfit broker list "$ROOT$BROKER_DIR" | cut -d' ' -f1 | tr '\n' ' ') "
+earlier_devices=0
+for login in $logins; do
+  [ "$login" = "$COORDINATOR" ] || [[ " ${AGENTS[*]} " == *" $login "* ]] || earlier_devices=$((earlier_devices + 1))
+done
+for agent in "${AGENTS[@]}"; do
+  [ "$agent" != "$COORDINATOR" ] || die "--agents names $agent, the coordinator's own login: give the device another id"
+done
 for agent in "${AGENTS[@]}"; do
   if [[ $logins == *" $agent "* ]]; then
     say "device $agent: keeping its login"
@@ -195,6 +232,7 @@ for agent in "${AGENTS[@]}"; do
   chmod 0700 "$ROOT$ETC/devices" "$ROOT$ETC/devices/$agent"
   put_file "$ROOT$BROKER_DIR/ca.crt" "$ETC/devices/$agent/ca.crt" 0644
   put_file "$ROOT$BROKER_DIR/clients/$agent.password" "$ETC/devices/$agent/$agent.password" 0600
+  rm -rf -- "$ROOT$BROKER_DIR/devices/$agent"  # add-device's own bundle: this one replaces it
 done
 
 # mosquitto.service (Debian's) runs the FedFit broker's configuration; it starts as root and mosquitto drops to
@@ -273,11 +311,18 @@ start_unit fedfit-coordinator.service
 if [ ${#AGENTS[@]} -gt 0 ]; then
   say "for each device: copy its bundle (only to it), e.g. scp -r root@THIS-HOST:$ETC/devices/ID fedfit-ID, then"
   say "run from a FedFit checkout there (replace --data-dataset ... by --data-path FILE_OR_DIR for its own data):"
+  if [ "$earlier_devices" -gt 0 ]; then
+    # Shards of a dataset divide the fleet the first install named: new devices would overlap them.
+    say "the broker has $earlier_devices device(s) from an earlier install: give the new ones their own data"
+    data_args() { echo "--data-path FILE_OR_DIR"; }
+  else
+    data_args() { echo "--data-dataset $DATASET --shard $1 --num-shards ${#AGENTS[@]}"; }
+  fi
   index=0
   for agent in "${AGENTS[@]}"; do
     echo "  sudo scripts/install-agent.sh --agent-id $agent --federation $FEDERATION --broker-host $DEVICE_HOST" \
          "--broker-port $BROKER_PORT --ca fedfit-$agent/ca.crt --password-file fedfit-$agent/$agent.password" \
-         "--data-dataset $DATASET --shard $index --num-shards ${#AGENTS[@]}"
+         "$(data_args "$index")"
     index=$((index + 1))
   done
 fi

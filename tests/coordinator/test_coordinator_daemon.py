@@ -600,3 +600,26 @@ def test_no_round_is_planned_when_no_agent_data_fits(heterofl: Coordinator, monk
                                             r"the model, so no round can be planned: agent 'a': its samples are "
                                             r"1x28x28"):
         heterofl.run_round(1)
+
+
+def test_the_first_round_waits_for_the_fleet_to_settle_across_the_federation_check(heterofl: Coordinator,
+                                                                                   monkeypatch) -> None:
+    import threading
+
+    from coordinator import daemon as daemon_module
+
+    monkeypatch.setattr(daemon_module, "FEDERATIONS_CHECK_S", 0.3)
+    monkeypatch.setattr(daemon_module, "REGISTRY_SETTLE_S", 0.5)
+    monkeypatch.setattr(heterofl, "_federations_hint", lambda: "none here")
+    heterofl.config.wait_for_agents_s = 20.0
+    arrived = threading.Event()
+
+    def arrive() -> None:  # one agent just before the check, another just after it
+        for name, delay in (("sim-0", 0.2), ("sim-1", 0.2)):
+            time.sleep(delay)
+            heterofl.registry.on_status(AgentStatus(name, "online", agent_record(name).capabilities, time.time()))
+        arrived.set()
+
+    threading.Thread(target=arrive, daemon=True).start()
+    online = heterofl._wait_for_first_fleet(1)
+    assert arrived.is_set() and [record.agent_id for record in online] == ["sim-0", "sim-1"]

@@ -70,9 +70,13 @@ def test_a_status_left_by_a_process_that_is_gone_does_not_block_the_id(secured_m
         ghost.disconnect()
         ghost.loop_stop()
     agent = make_agent(mosquitto, "ghost", tmp_path, "agent")
-    agent.start()  # no answer from 'gone' within the probe's wait: it starts
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        agent.start()  # no answer from 'gone' within the probe's wait: it starts
     try:
         assert agent.link.connected
+        assert [entry["instance"] for entry in logs if entry["event"] == "stale_status_replaced"] == ["gone"]
     finally:
         agent.stop()
 

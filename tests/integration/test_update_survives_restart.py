@@ -61,7 +61,8 @@ def test_an_update_waiting_for_its_ack_survives_a_broker_outage_and_an_agent_res
     second: EdgeAgent | None = None
     try:
         assert trained.wait(180)
-        outage = threading.Thread(target=mosquitto.restart, args=(3.0,), daemon=True)
+        # Down long enough for the update to be spooled and the agent stopped while it is (seconds, even loaded).
+        outage = threading.Thread(target=mosquitto.restart, args=(10.0,), daemon=True)
         outage.start()
         assert wait_for(lambda: not first.link.connected, 10)
         release.set()

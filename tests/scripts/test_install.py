@@ -209,6 +209,18 @@ def test_the_coordinator_install_makes_the_broker_the_bundles_and_a_config_an_ag
     assert "keeping the broker" in again.stdout and (broker / "ca.crt").read_text() == ca
     assert (broker / "clients" / "pi-01.password").read_text() == pi01
     assert (etc / "devices" / "pi-03" / "pi-03.password").exists()
+    assert not (broker / "devices").exists() or not any((broker / "devices").iterdir())  # one bundle per device
+    # Only the flags given change the configuration; pi-02 came from the first install, so no shard lines now.
+    kept = from_mapping(CoordinatorConfig, load_yaml(etc / "coordinator.yaml"))
+    assert (kept.data.dataset, kept.rounds, kept.min_agents) == ("digits", 5, 2)
+    assert "--data-path FILE_OR_DIR" in again.stdout and "--shard" not in again.stdout
+    quiet = [a for a in args if a not in ("--dataset", "digits", "--rounds", "5")]
+    assert run(COORDINATOR, *quiet, "--rounds", "7", fake_bin=fake_bin).returncode == 0
+    kept = from_mapping(CoordinatorConfig, load_yaml(etc / "coordinator.yaml"))
+    assert (kept.data.dataset, kept.rounds, kept.min_agents) == ("digits", 7, 2)
+    coordinator_login = run(COORDINATOR, *args, "--agents", "coordinator", fake_bin=fake_bin)
+    assert coordinator_login.returncode != 0 and "the coordinator's own login" in coordinator_login.stderr
+    assert not (etc / "devices" / "coordinator").exists()
     wrong = run(COORDINATOR, *[("other" if a == "lab" else a) for a in args], fake_bin=fake_bin)
     assert wrong.returncode != 0 and "holds the broker of federation lab, not other" in wrong.stderr
 
