@@ -215,6 +215,14 @@ def test_broker_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "--shard must be in 0..2" in capsys.readouterr().err
     assert main(["broker", "remove-device", str(root), "pi-02"]) == 0
     capsys.readouterr()
+    # Flags that cannot work are refused before anything is made: no login, no broker.
+    assert main(["broker", "add-device", str(root), "pi-04", "--dataset", "digitz"]) == 2
+    assert main(["broker", "add-device", str(root), "pi-04", "--data-path", "d.npz", "--shard", "1"]) == 2
+    assert main(["broker", "add-device", str(root), "pi-04", "--dataset", "digits", "--partition", "bogus"]) == 2
+    assert "pi-04" not in BrokerDirectory.open(root).logins()
+    assert main(["broker", "init", str(tmp_path / "other"), "--federation", "lab", "--rounds", "0"]) == 2
+    assert not (tmp_path / "other").exists()
+    capsys.readouterr()
     assert main(["broker", "list", str(root)]) == 0
     assert capsys.readouterr().out.splitlines() == ["coordinator (coordinator)", "pi-01"]
     assert main(["broker", "add-device", str(root), "pi-01"]) == 2
