@@ -76,11 +76,7 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET=$value ;;
     --device) DEVICE=$value ;;
     --torch-wheel) TORCH_WHEELS+=("$value") ;;
-    --torch-spec) TORCH_SPEC=$value ;;
-    --pip-args) read -r -a more <<<"$value"; PIP_ARGS+=("${more[@]}") ;;
-    --prefix) PREFIX=$value ;;
-    --python) PYTHON=$value ;;
-    --root) ROOT=$value ;;
+    *) common_option "$opt" "$value" ;;
   esac
   shift 2
 done

@@ -20,6 +20,19 @@ need_value() {
   case $1 in --pip-args | --torch-spec) return 0 ;; esac
   case $3 in --*) die "$1 needs a value, got the option $3" ;; esac
 }
+# common_option OPT VALUE: the options both install scripts take (--torch-spec, --pip-args, --prefix, --python,
+# --root), into the variables of the same names; returns 1 for any other option.
+common_option() {
+  local more
+  case $1 in
+    --torch-spec) TORCH_SPEC=$2 ;;
+    --pip-args) read -r -a more <<<"$2"; PIP_ARGS+=("${more[@]}") ;;
+    --prefix) PREFIX=$2 ;;
+    --python) PYTHON=$2 ;;
+    --root) ROOT=$2 ;;
+    *) return 1 ;;
+  esac
+}
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
 check_port() { is_uint "$2" && [ "$2" -ge 1 ] && [ "$2" -le 65535 ] || die "$1 must be a port in 1..65535, got '$2'"; }
 # FedFit's names (agent ids, federations): one MQTT topic level, as protocol.validate_name checks them.

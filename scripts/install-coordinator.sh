@@ -67,11 +67,7 @@ while [ $# -gt 0 ]; do
     --dataset) DATASET=$value ;;
     --rounds) ROUNDS=$value ;;
     --min-agents) MIN_AGENTS=$value ;;
-    --torch-spec) TORCH_SPEC=$value ;;
-    --pip-args) read -r -a more <<<"$value"; PIP_ARGS+=("${more[@]}") ;;
-    --prefix) PREFIX=$value ;;
-    --python) PYTHON=$value ;;
-    --root) ROOT=$value ;;
+    *) common_option "$opt" "$value" ;;
   esac
   shift 2
 done
