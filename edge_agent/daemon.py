@@ -5,8 +5,9 @@ to the training executor), the training executor (shared by a simulated fleet, o
 uplink sender, and a status timer that also feeds the systemd watchdog while the dispatcher keeps up (through a
 broker outage too: the watchdog is about this process, not the broker).
 
-A publish the broker refuses on the agent's own status or update topic (its ACL: an agent_id that is not the
-login's, or another federation) stops the agent with one sentence (:attr:`EdgeAgent.fatal`).
+A publish (or resubscription) the broker refuses on one of the agent's own topics (its ACL: an agent_id that is not
+the login's, or another federation) stops the agent with one sentence: at start, :class:`BrokerRefused`; later,
+:attr:`EdgeAgent.fatal`.
 """
 
 from __future__ import annotations
