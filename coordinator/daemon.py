@@ -230,7 +230,7 @@ class Coordinator:
             self.fatal = (f"the MQTT broker at {self.config.broker} refused to let user "
                           f"{self.config.broker.username!r} publish on {topic} ({reason}): federation "
                           f"('{self.config.federation}') must be the one the broker was made for and broker.username "
-                          f"its coordinator login (see the coordinator configuration `fedfit broker init` prints)")
+                          f"its coordinator login (see the coordinator.yaml `fedfit broker init` writes)")
         self.log.error("coordinator_refused_by_broker", message=self.fatal)
         self.registry.interrupt()
         with self._collector_lock:

@@ -216,7 +216,7 @@ class EdgeAgent:
         return (f"the MQTT broker at {self.config.broker} refused to let user {self.config.broker.username!r} "
                 f"publish on {topic} ({reason}): this agent's agent_id ('{self.agent_id}') must be its login's "
                 f"username and its federation ('{self.config.federation}') the one the broker was made for (see "
-                f"the agent section `fedfit broker add-device` prints)")
+                f"the agent.yaml `fedfit broker add-device` writes)")
 
     def _on_refused(self, topic: str, reason: str) -> None:
         """The broker refused a publish (or, after a reconnect, a subscription): on the agent's own topics it cannot
