@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -38,8 +39,16 @@ def test_the_readme_walkthrough_runs_a_secured_fleet_to_the_end(tmp_path) -> Non
     script = script.replace("--port 8883", f"--port {port}")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     guarded = "set -e\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + script
-    result = subprocess.run(["bash", "-c", guarded], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=480)
+    # Its own process group: should the block hang, the test ends the broker, agents and coordinator with it.
+    shell = subprocess.Popen(["bash", "-c", guarded], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = shell.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        os.killpg(shell.pid, signal.SIGKILL)
+        stdout, stderr = shell.communicate()
+        pytest.fail(f"the walkthrough did not finish within 480 s: {(stdout + stderr)[-3000:]}")
+    result = subprocess.CompletedProcess(shell.args, shell.returncode, stdout, stderr)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert result.stdout.count('"global_accuracy"') >= 3  # the reader sees the rounds (interleaved with logs)
