@@ -105,6 +105,15 @@ check_root
 [ "$SKIP_PIP" = 1 ] || check_python
 if systemd_running; then check_systemd_version; fi
 BROKER_DIR=$ETC/broker
+# The coordinator's login is no device's: refused here, before anything is touched (the broker's own name for it
+# when there is one, else fedfit broker init's default).
+coordinator_login=coordinator
+if [ -f "$ROOT$BROKER_DIR/broker.yaml" ]; then
+  coordinator_login=$(sed -n 's/^coordinator: *//p' "$ROOT$BROKER_DIR/broker.yaml" | tr -d "'\"")
+fi
+for agent in "${AGENTS[@]}"; do
+  [ "$agent" != "$coordinator_login" ] || die "--agents names $agent, the coordinator's own login: give the device another id"
+done
 
 # --------------------------------------------------------------------------------------------- the machine
 if [ -n "$ROOT" ]; then
