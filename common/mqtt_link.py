@@ -393,9 +393,9 @@ class MqttLink:
                     self._refused(topic, reason, "subscription")
             return
         self._subscription_refusals = []
-        self._subscribed.set()
         first = not self.ready.is_set()
-        self.ready.set()
+        self.ready.set()  # before _subscribed: start() reads ready once _subscribed wakes it
+        self._subscribed.set()
         if self._on_ready is not None:
             try:
                 self._on_ready()
