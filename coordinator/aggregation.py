@@ -2,6 +2,13 @@
 
 Each global element becomes the weighted mean of the updates whose sub-model contains it; an element
 no update touched keeps its old value (HeteroFL Eq. 1-3, ScaleFL Eq. 2, FlexFL, AdaptiveFL Alg. 2).
+
+A slice that is a leading block of the global tensor in every dimension (the full model, HeteroFL's and
+FlexFL's width slices) is added through a view, in place; any other (AdaptiveFL's kept layers, rows of seen
+classes) through its index grid. Sums and weights accumulate in the tensor's own precision, at least float32:
+the error of a float32 weighted mean of n updates is at most about 2 n 2^-24 of their largest magnitude (the sum's
+rounding and the weights'; 1.2e-5 for 100 updates), far below what one SGD step changes;
+``tests/coordinator/test_aggregation.py`` checks it against float64 on 100 updates with sample-count weights.
 """
 
 from __future__ import annotations
@@ -11,6 +18,25 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 IndexMap = Mapping[str, Sequence[torch.Tensor]]
+
+
+def leading_sizes(indices: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """The sizes of the leading block ``indices`` select (each dimension's indices 0, 1, ..., n-1), or None when
+    some dimension's are anything else."""
+    sizes = []
+    for idx in indices:
+        count = idx.numel()
+        if count and not torch.equal(idx, torch.arange(count, dtype=idx.dtype, device=idx.device)):
+            return None
+        sizes.append(count)
+    return tuple(sizes)
+
+
+def leading(tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """A view of the leading block of ``tensor`` with ``sizes``."""
+    for dim, size in enumerate(sizes):
+        tensor = tensor.narrow(dim, 0, size)
+    return tensor
 
 
 def grid(indices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -50,11 +76,19 @@ class MaskedAggregator:
             if tuple(local.shape) != expected:
                 raise ValueError(f"tensor {key!r} has shape {tuple(local.shape)}, its index map says {expected}")
             if key not in self._sums:
-                self._sums[key] = torch.zeros_like(target, dtype=torch.float64)
-                self._weights[key] = torch.zeros_like(target, dtype=torch.float64)
-            where = grid(indices)
-            self._sums[key][where] += weight * local.detach().to(torch.float64)
-            self._weights[key][where] += weight
+                precision = torch.promote_types(target.dtype, torch.float32)
+                self._sums[key] = torch.zeros_like(target, dtype=precision)
+                self._weights[key] = torch.zeros_like(target, dtype=precision)
+            sums, weights = self._sums[key], self._weights[key]
+            values = local.detach().to(sums.dtype)
+            sizes = leading_sizes(indices)
+            if sizes is not None:  # a view, added in place: no index grid, no gathered copy
+                leading(sums, sizes).add_(values, alpha=weight)
+                leading(weights, sizes).add_(weight)
+            else:
+                where = grid(indices)
+                sums[where] += weight * values
+                weights[where] += weight
         self.updates += 1
 
     def result(self) -> dict[str, torch.Tensor]:
@@ -66,7 +100,7 @@ class MaskedAggregator:
                 continue
             weights = self._weights[key]
             mean = self._sums[key] / weights.clamp_min(1e-12)
-            merged[key] = torch.where(weights > 0, mean, old.to(torch.float64)).to(old.dtype)
+            merged[key] = torch.where(weights > 0, mean, old.to(mean.dtype)).to(old.dtype)
         return merged
 
     def covered(self, key: str) -> torch.Tensor:

@@ -57,3 +57,47 @@ def test_restrict_rows_drops_absent_classes():
     agg.add(new_state, new_map)
     out = agg.result()["head.weight"]
     assert out[0].tolist() == [0.0, 0.0] and out[1].tolist() == [2.0, 3.0]
+
+
+def test_leading_blocks_are_told_from_other_slices():
+    from coordinator.aggregation import leading_sizes
+
+    assert leading_sizes((torch.arange(3), torch.arange(5))) == (3, 5)
+    assert leading_sizes((torch.arange(3), torch.tensor([], dtype=torch.long))) == (3, 0)
+    assert leading_sizes((torch.arange(3), torch.tensor([0, 2]))) is None
+    assert leading_sizes((torch.tensor([1, 2]),)) is None
+
+
+def test_a_leading_block_and_the_same_block_by_index_grid_aggregate_alike():
+    from coordinator.aggregation import grid
+
+    generator = torch.Generator().manual_seed(1)
+    old = torch.randn(6, 4, generator=generator)
+    updates = [torch.randn(4, 3, generator=generator) for _ in range(3)]
+    block = (torch.arange(4), torch.arange(3))
+    by_view = MaskedAggregator({"w": old})
+    for weight, update in zip((1.0, 2.0, 5.0), updates):
+        by_view.add({"w": update}, {"w": block}, weight)
+    # The same positions named in reverse order: not a leading block, so through the index grid.
+    reverse = (torch.arange(3, -1, -1), torch.arange(2, -1, -1))
+    by_grid = MaskedAggregator({"w": old})
+    for weight, update in zip((1.0, 2.0, 5.0), updates):
+        by_grid.add({"w": update.flip(0, 1)}, {"w": reverse}, weight)
+    torch.testing.assert_close(by_view.result()["w"], by_grid.result()["w"])
+    assert torch.equal(by_view.covered("w"), by_grid.covered("w"))
+    assert old[grid(block)].shape == (4, 3)
+
+
+def test_float32_accumulation_stays_within_its_bound_of_float64():
+    generator = torch.Generator().manual_seed(2)
+    old = torch.zeros(300, 200)
+    updates = [torch.randn(300, 200, generator=generator) for _ in range(100)]
+    weights = torch.randint(1, 6000, (100,), generator=generator).tolist()  # sample counts
+    full = (torch.arange(300), torch.arange(200))
+    aggregator = MaskedAggregator({"w": old})
+    for weight, update in zip(weights, updates):
+        aggregator.add({"w": update}, {"w": full}, float(weight))
+    exact = sum(w * u.double() for w, u in zip(weights, updates)) / sum(weights)
+    error = (aggregator.result()["w"].double() - exact).abs().max().item()
+    largest = max(update.abs().max().item() for update in updates)
+    assert error <= 2 * 100 * 2.0**-24 * largest  # 2 n eps of the terms' magnitude: the sum's and the weights' rounding
