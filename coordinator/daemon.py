@@ -231,10 +231,9 @@ class Coordinator:
                           f"{self.config.broker.username!r} publish on {topic} ({reason}): federation "
                           f"('{self.config.federation}') must be the one the broker was made for and broker.username "
                           f"its coordinator login (see the coordinator.yaml `fedfit broker init` writes)")
+            collector = self._collector  # (a collector opened later sees fatal and interrupts itself)
         self.log.error("coordinator_refused_by_broker", message=self.fatal)
         self.registry.interrupt()
-        with self._collector_lock:
-            collector = self._collector
         if collector is not None:
             collector.interrupt()
 

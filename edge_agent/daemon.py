@@ -379,10 +379,10 @@ class EdgeAgent:
         assert isinstance(task, Task)
         if task.agent_id != self.agent_id:
             raise ProtocolError(f"task addressed to {task.agent_id!r} arrived at {self.agent_id!r}")
+        waiting = self.uplink.pending(task.task_id)  # its update is out already (e.g. a previous process's)
         with self._lock:
-            if not self._first_sight(task.task_id) or self.uplink.pending(task.task_id):
-                self.log.info("duplicate_task_ignored", task=task.task_id,
-                              update_waiting=self.uplink.pending(task.task_id))
+            if not self._first_sight(task.task_id) or waiting:
+                self.log.info("duplicate_task_ignored", task=task.task_id, update_waiting=waiting)
                 return
             self._busy += 1
             self._last_round = max(self._last_round, task.round)

@@ -1,8 +1,8 @@
 """The agent's outbox on disk: every update waiting for the coordinator's ack is kept as a file until it is
 settled, so that a restart (a power cut, the watchdog, an upgrade) loses nothing trained.
 
-One file per update, ``<task id>.update``, holding the encoded message exactly as it goes on the wire (msgpack,
-never pickle), written atomically. The directory is bounded by ``max_bytes``: storing an update that would
+One file per update, ``<task id>.update``, holding the encoded message exactly as it goes on the wire (the
+protocol's msgpack), written atomically. The directory is bounded by ``max_bytes``: storing an update that would
 exceed it drops the oldest ones first (their rounds are the likeliest to have closed), and an update larger than
 the whole budget is not stored (it is still sent from memory). A file that does not decode as its task's update
 (a damaged disk) is deleted and logged, never resent.
