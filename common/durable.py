@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 
-def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+def write_atomic(path: Path, data: bytes | bytearray | memoryview, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file: fsync, rename over ``path``, fsync the directory.
     With ``mode`` (e.g. 0o600 for a secret) the file has exactly that mode from its creation on, never readable
     by others even for a moment; without it, the umask decides as for any new file."""

@@ -5,14 +5,17 @@ no update touched keeps its old value (HeteroFL Eq. 1-3, ScaleFL Eq. 2, FlexFL, 
 
 A slice that is a leading block of the global tensor in every dimension (the full model, HeteroFL's and
 FlexFL's width slices) is added through a view, in place; any other (AdaptiveFL's kept layers, rows of seen
-classes) through its index grid. Sums and weights accumulate in the tensor's own precision, at least float32:
-the error of a float32 weighted mean of n updates is at most about 2 n 2^-24 of their largest magnitude (the sum's
-rounding and the weights'; 1.2e-5 for 100 updates), far below what one SGD step changes;
-``tests/coordinator/test_aggregation.py`` checks it against float64 on 100 updates with sample-count weights.
+classes) through its index grid. Sums accumulate in the tensor's own precision, at least float32: the error of a
+float32 weighted mean of n updates is at most about 2 n 2^-24 of their largest magnitude (the sum's rounding and
+the weights'; 1.2e-5 for 100 updates), far below what one SGD step changes; ``tests/coordinator/test_aggregation.py``
+checks it against float64 on 100 updates with sample-count weights. Weights are summed in float64 (one number per
+leading block, a tensor only for index grids), so taking an update back out (:meth:`MaskedAggregator.remove`)
+leaves an element no remaining update covers with exactly its old value.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -48,66 +51,106 @@ def grid(indices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 class MaskedAggregator:
     """Accumulates sub-model states by their index maps; ``result()`` gives the new global state.
 
-    ``add(local_state, index_map, weight)`` adds every tensor of ``local_state`` at the positions its
-    index map names (one index tensor per dimension into the global tensor). Uniform weights give
-    HeteroFL's unweighted mean; sample counts give the sample-weighted mean.
+    ``add(local_state, index_map, weight)`` adds every tensor of ``local_state`` at the positions its index map
+    names (one index tensor per dimension into the global tensor); ``remove`` takes an added state back out (the
+    same arguments). Uniform weights give HeteroFL's unweighted mean; sample counts give the sample-weighted mean.
+
+    The weights of a leading-block slice are kept as one number per block size (summed in float64, so adding and
+    removing integer weights is exact), and only laid out over the tensor by ``result()``: adding such a slice
+    costs one in-place ``add_``. ``global_state`` is read, never copied: it must not change until ``result()``.
     """
 
     def __init__(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        self._global = {key: value.detach().clone() for key, value in global_state.items()}
+        self._global = {key: value.detach() for key, value in global_state.items()}
         self._sums: dict[str, torch.Tensor] = {}
-        self._weights: dict[str, torch.Tensor] = {}
+        self._blocks: dict[str, dict[tuple[int, ...], float]] = {}  # key -> leading-block sizes -> summed weight
+        self._scattered: dict[str, torch.Tensor] = {}  # key -> float64 weights of index-grid slices
+        self._smallest = math.inf  # the smallest weight added: any element an update still covers has at least it
         self.updates = 0
 
     def add(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float = 1.0) -> None:
-        """Add one client's tensors; raises ValueError if a key or shape does not match the global model."""
+        """Add one client's tensors; raises ValueError (adding nothing) if a key or shape does not match."""
         if not weight > 0:
             raise ValueError(f"aggregation weight must be positive, got {weight}")
+        self._fold(local_state, index_map, float(weight))
+        self._smallest = min(self._smallest, float(weight))
+        self.updates += 1
+
+    def remove(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float = 1.0) -> None:
+        """Take back out what ``add`` with the same arguments put in (e.g. an update screening rejected later)."""
+        if not weight > 0:
+            raise ValueError(f"aggregation weight must be positive, got {weight}")
+        if self.updates == 0:
+            raise ValueError("nothing was added to remove")
+        self._fold(local_state, index_map, -float(weight))
+        self.updates -= 1
+
+    def _checked(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap) -> list[str]:
+        """The floating-point keys of ``local_state`` to fold; raises ValueError before anything is folded."""
+        keys = []
         for key, local in local_state.items():
             if key not in self._global:
                 raise ValueError(f"update has tensor {key!r} that the global model lacks")
             if key not in index_map:
                 raise ValueError(f"no index map for tensor {key!r}")
-            target = self._global[key]
-            if not target.is_floating_point():
+            if not self._global[key].is_floating_point():
                 continue  # counters such as BN's num_batches_tracked are not averaged
-            indices = index_map[key]
-            expected = tuple(len(idx) for idx in indices)
+            expected = tuple(len(idx) for idx in index_map[key])
             if tuple(local.shape) != expected:
                 raise ValueError(f"tensor {key!r} has shape {tuple(local.shape)}, its index map says {expected}")
+            keys.append(key)
+        return keys
+
+    def _fold(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float) -> None:
+        for key in self._checked(local_state, index_map):
+            target = self._global[key]
             if key not in self._sums:
-                precision = torch.promote_types(target.dtype, torch.float32)
-                self._sums[key] = torch.zeros_like(target, dtype=precision)
-                self._weights[key] = torch.zeros_like(target, dtype=precision)
-            sums, weights = self._sums[key], self._weights[key]
-            values = local.detach().to(sums.dtype)
+                self._sums[key] = torch.zeros_like(target, dtype=torch.promote_types(target.dtype, torch.float32))
+            sums = self._sums[key]
+            values = local_state[key].detach().to(sums.dtype)
+            indices = index_map[key]
             sizes = leading_sizes(indices)
             if sizes is not None:  # a view, added in place: no index grid, no gathered copy
                 leading(sums, sizes).add_(values, alpha=weight)
-                leading(weights, sizes).add_(weight)
+                blocks = self._blocks.setdefault(key, {})
+                total = blocks.get(sizes, 0.0) + weight
+                if total == 0.0:
+                    del blocks[sizes]
+                else:
+                    blocks[sizes] = total
             else:
                 where = grid(indices)
                 sums[where] += weight * values
-                weights[where] += weight
-        self.updates += 1
+                if key not in self._scattered:
+                    self._scattered[key] = torch.zeros_like(target, dtype=torch.float64)
+                self._scattered[key][where] += weight
+
+    def weights(self, key: str) -> torch.Tensor:
+        """The summed weight of every element of ``key`` (float64; zero where no update covers it)."""
+        target = self._global[key]
+        weights = self._scattered[key].clone() if key in self._scattered else torch.zeros_like(
+            target, dtype=torch.float64)
+        for sizes, total in self._blocks.get(key, {}).items():
+            leading(weights, sizes).add_(total)
+        return weights
+
+    def covered(self, key: str) -> torch.Tensor:
+        """Boolean mask of the elements of ``key`` that at least one update (still) covers."""
+        return self.weights(key) >= self._smallest / 2  # removals leave at most rounding residue below this
 
     def result(self) -> dict[str, torch.Tensor]:
         """The aggregated global state: weighted means where covered, old values elsewhere."""
         merged: dict[str, torch.Tensor] = {}
         for key, old in self._global.items():
-            if key not in self._sums:
+            sums = self._sums.get(key)
+            if sums is None:
                 merged[key] = old.clone()
                 continue
-            weights = self._weights[key]
-            mean = self._sums[key] / weights.clamp_min(1e-12)
-            merged[key] = torch.where(weights > 0, mean, old.to(mean.dtype)).to(old.dtype)
+            weights = self.weights(key)
+            covered = weights >= self._smallest / 2
+            mean = sums / weights.clamp_min(self._smallest / 2).to(sums.dtype)
+            merged[key] = torch.where(covered, mean, old.to(mean.dtype)).to(old.dtype)
         return merged
-
-    def covered(self, key: str) -> torch.Tensor:
-        """Boolean mask of the elements of ``key`` that at least one update touched."""
-        if key not in self._weights:
-            return torch.zeros_like(self._global[key], dtype=torch.bool)
-        return self._weights[key] > 0
 
 
 def restrict_rows(

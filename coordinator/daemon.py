@@ -15,6 +15,7 @@ import random
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,16 +27,16 @@ from common.data import Dataset, load_dataset, subsample
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
-from coordinator.collector import DispatchedTask, RoundCollector
 from coordinator.config import CoordinatorConfig
 from coordinator.data_fit import data_misfit
 from coordinator.evaluation import Evaluator
 from coordinator.federations import federations_seen
 from coordinator.journal import JournaledRound, RoundJournal
-from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
+from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord, round_timing
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import AgentRecord, FleetRegistry
-from coordinator.screening import screen
+from coordinator.round import Answer, Examined, Receipt, Round
+from coordinator.screening import Change, change_of_result
 from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
 from coordinator.strategies.base import Skip
 from models import ModelFamily, SubmodelSpec
@@ -65,6 +66,17 @@ def _spec_or_none(spec: dict[str, object] | None) -> SubmodelSpec | None:
         return SubmodelSpec.from_dict(spec) if spec is not None else None
     except ValueError:
         return None
+
+
+def _float_tensor(array: np.ndarray) -> torch.Tensor:
+    """A float32 tensor of ``array``: a view when it is float32 already, even a read-only one (a decoded update
+    holds views on the message as it arrived; aggregation and screening only read it)."""
+    values = np.ascontiguousarray(array, dtype=np.float32)
+    if values.flags.writeable:
+        return torch.from_numpy(values)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
 
 
 def _describe(spec: dict[str, object]) -> str:
@@ -133,7 +145,6 @@ class Coordinator:
         #: Per agent id, processes another one of the id replaced while online, with when (see _watch_instances).
         self._replaced_instances: dict[str, dict[str, float]] = {}
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
-        self._round_in_flight = 0  # the round being run (0 between rounds)
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
         self.on_round = on_round
         self.on_progress = on_progress
@@ -150,22 +161,14 @@ class Coordinator:
         else:
             self.states = self.strategy.initial_states(config.seed)
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
-        self._pending: JournaledRound | None = None
+        self._evaluator = self._make_evaluator()
+        #: The round in progress (collecting or aggregating), None between rounds; guarded by _round_lock.
+        self._round: Round | None = None
+        self._round_lock = threading.Lock()
         if config.resume:
             pending = self.journal.load()
             if pending is not None and pending.round == self.completed_rounds + 1:
-                self._pending = pending  # the round in flight when the last run stopped: finish it
-        self._evaluator = self._make_evaluator()
-        self._collector: RoundCollector | None = None
-        self._collector_lock = threading.Lock()
-        self._pending_deadline = 0.0
-        if self._pending is not None:
-            # The journaled round takes the updates its agents resend from the first message on: were it opened
-            # only when run() gets to it, an update arriving before would be refused for good and lost.
-            self._pending_deadline = max(self._pending.deadline, time.time() + min(self.config.round_timeout_s,
-                                                                                   RESUME_GRACE_S))
-            self._collector = self._open_collector(self._pending.round, self._pending.tasks, self._pending_deadline,
-                                                   self._pending.updates)
+                self._resume_round(pending)  # the round in flight when the last run stopped: finish it
         self.rejected_messages = 0
         self.link = MqttLink(
             client_id=f"fedfit-coordinator-{config.federation}",
@@ -216,26 +219,27 @@ class Coordinator:
 
     def _status(self, state: str) -> CoordinatorStatus:
         """The retained status: its ``round`` is the round in progress, else the last one completed."""
-        return CoordinatorStatus(self.config.federation, state, self._round_in_flight or self.completed_rounds,
-                                 time.time())
+        current = self._round
+        return CoordinatorStatus(self.config.federation, state,
+                                 current.number if current is not None else self.completed_rounds, time.time())
 
     def _announce(self) -> None:
         self.link.publish(self.topics.coordinator_status(), encode(self._status("online")), retain=True)
 
     def _on_refused(self, topic: str, reason: str) -> None:
         """The broker refused a publish (its status, a task or an ack): the federation cannot run."""
-        with self._collector_lock:
+        with self._round_lock:
             if self.fatal is not None:
                 return
             self.fatal = (f"the MQTT broker at {self.config.broker} refused to let user "
                           f"{self.config.broker.username!r} publish on {topic} ({reason}): federation "
                           f"('{self.config.federation}') must be the one the broker was made for and broker.username "
                           f"its coordinator login (see the coordinator.yaml `fedfit broker init` writes)")
-            collector = self._collector  # (a collector opened later sees fatal and interrupts itself)
+            current = self._round  # (a round installed later sees fatal and interrupts itself)
         self.log.error("coordinator_refused_by_broker", message=self.fatal)
         self.registry.interrupt()
-        if collector is not None:
-            collector.interrupt()
+        if current is not None:
+            current.interrupt()
 
     def _raise_if_fatal(self) -> None:
         if self.fatal is not None:
@@ -297,59 +301,74 @@ class Coordinator:
     def _resend_unanswered(self, agent_id: str) -> None:
         """Send again the tasks of the round in progress that ``agent_id`` has not answered: it came back online
         (a restart or a reconnect may have lost them; an agent that has one already ignores the copy)."""
-        with self._collector_lock:
-            collector = self._collector
-        if collector is None:
+        with self._round_lock:
+            current = self._round
+        if current is None:
             return
-        for dispatched in collector.unanswered(agent_id):
+        for dispatched in current.unanswered(agent_id):
             self._dispatch(dispatched.round, dispatched.task_id, dispatched.task, dispatched.deadline)
+            current.mark_sent(dispatched.task_id)
             self.log.info("task_resent", agent=agent_id, task=dispatched.task_id, round=dispatched.round)
 
     def _on_update_chunk(self, agent_id: str, payload: bytes) -> None:
         complete = self.reassembler.feed(payload, source=agent_id)
         if complete is None:
             return
-        update = decode(complete, expected=Update)
+        update = decode(complete, expected=Update)  # decoded and validated once: the round examines this object
         assert isinstance(update, Update)
         if update.agent_id != agent_id:
             raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
-        with self._collector_lock:
-            collector = self._collector
-        digest = hashlib.sha256(complete).hexdigest()
-        verdict = collector.offer(update, len(complete), digest) if collector is not None else "unknown"
-        # (The round may close and screen it before its first ack below goes out; its verdict ack settles the
-        # device either way.)
-        if verdict == "accepted" and collector is not None:
-            self._progress("round", collector.round, len(collector.updates), len(collector.tasks))
-        reason = self._refusal(collector, update, verdict)
-        if verdict in ("accepted", "duplicate") and reason is None:
-            try:
-                self.journal.store(update, complete)  # on disk before the ack goes out
+        with self._round_lock:
+            current = self._round
+        if current is None:
+            receipt = Receipt("unknown", f"unknown task {update.task_id!r} of round {update.round}: no round is in "
+                                         f"progress")
+        else:
+            try:  # stored (journaled) before the ack goes out, and folded into the round's aggregate
+                receipt = current.receive(update, len(complete), hashlib.sha256(complete).hexdigest(), self._examine,
+                                          lambda: self.journal.store(update, complete))
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
                 return  # no ack: the agent sends it again
-        # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be.
+            if receipt.verdict == "accepted":
+                self._progress("round", current.number, len(current.answers), len(current.tasks))
+        # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
+        # round may close and screen it before this ack goes out; its verdict ack settles the device either way.)
         self.link.publish(self.topics.agent_ack(agent_id),
-                          encode(Ack(update.task_id, update.round, agent_id, reason)))
+                          encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
-                      status=update.status, verdict=verdict, bytes=len(complete), refused=reason)
+                      status=update.status, verdict=receipt.verdict, bytes=len(complete), refused=receipt.refusal)
 
-    def _refusal(self, collector: RoundCollector | None, update: Update, verdict: str) -> str | None:
-        """Why an update offered to the round in progress will never be aggregated (None: it is stored)."""
-        if verdict == "unknown":
-            current = "no round is in progress" if collector is None else f"round {collector.round} is in progress"
-            return f"unknown task {update.task_id!r} of round {update.round}: {current}"
-        if verdict == "late":
-            return f"round {update.round} closed before the update arrived"
-        if verdict == "conflict":
-            return (f"another update for task {update.task_id!r} arrived first and is the one kept (is this device's "
-                    f"login used elsewhere?)")
-        if verdict in ("accepted", "duplicate") and collector is not None and update.status in AGGREGATED:
-            try:
-                self._unpack_update(update, collector.tasks[update.task_id].task)
-            except ValueError as exc:
-                return f"update rejected: {exc}"
-        return None
+    def _examine(self, update: Update, task: TaskPlan) -> Examined:
+        """Read an update against its task: its record and, for a trained one, the result to aggregate (or why it
+        is refused)."""
+        record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(), reason=update.reason,
+                            num_samples=update.num_samples, metrics=dict(update.metrics),
+                            params_sent=self.family.param_count(task.spec))
+        if update.spec_trained is not None:
+            record.spec_trained = _describe(update.spec_trained)
+        if update.status not in AGGREGATED:
+            return Examined(record)
+        try:
+            result = self._unpack_update(update, task)
+        except ValueError as exc:
+            record.status, record.reason = "rejected", str(exc)
+            self.log.warning("update_rejected", agent=update.agent_id, task=update.task_id, reason=str(exc))
+            return Examined(record, refusal=f"update rejected: {exc}")
+        record.spec_trained = result.spec.describe()
+        record.level_trained = self._level_of(result.spec)
+        record.params_returned = self.family.param_count(result.spec)
+        return Examined(record, result)
+
+    def _measure(self, result: TaskResult) -> Change:
+        """How far an update moved the weights its task sent, and how far its plan could (screening)."""
+        return change_of_result(result, self._sent(result))
+
+    def _reload(self, task_id: str) -> TaskResult:
+        """A stored update of the round in progress, read back from the journal and unpacked (for screening to
+        take it out of the aggregate)."""
+        assert self._round is not None
+        return self._unpack_update(self.journal.read_update(task_id), self._round.tasks[task_id].task)
 
     # ------------------------------------------------------------------ rounds
     def run(self, rounds: int | None = None) -> list[RoundResult]:
@@ -362,15 +381,18 @@ class Coordinator:
         return results
 
     def run_round(self, round_number: int) -> RoundResult:
-        """One round: plan (the strategy), dispatch, collect, aggregate (the strategy), evaluate, checkpoint."""
+        """One round: plan it (the strategy; or take the round resumed from the journal), then drive it through
+        collecting, aggregating (the strategy's aggregate), evaluation and the checkpoint."""
         started = time.monotonic()
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.round == round_number:
-            with self._collector_lock:
-                resumed = self._collector
-            assert resumed is not None and resumed.round == round_number
-            return self._finish_round(round_number, started, pending.tasks, pending.skipped, self._pending_deadline,
-                                      resumed)
+        with self._round_lock:
+            current = self._round
+        if current is None or current.number != round_number:
+            current = self._plan_round(round_number)
+        return self._drive(current, started)
+
+    def _plan_round(self, round_number: int) -> Round:
+        """Wait for the fleet, plan the round, journal it (before any task goes out) and open it."""
+        waiting = time.perf_counter()
         if not self._fleet_settled:  # the first round sees the whole fleet, or none runs
             online = self._wait_for_first_fleet(round_number)
             if online and len(online) < self.config.min_agents:
@@ -386,6 +408,7 @@ class Coordinator:
                                 f"{self.config.wait_for_agents_s:g} s; {self._federations_hint()}")
         if len(online) < self.config.min_agents:
             self.log.warning("fewer_agents_than_expected", online=len(online), expected=self.config.min_agents)
+        planning = time.perf_counter()
         online, misfits = self._fitting(online)
         if misfits and len(online) < self.config.min_agents:
             self.log.warning("fewer_fitting_agents_than_expected", fitting=len(online),
@@ -395,8 +418,36 @@ class Coordinator:
         deadline = time.time() + self.config.round_timeout_s
         tasks = {self._task_id(round_number, t.agent_id): t for t in plan.tasks}
         self.journal.begin(round_number, deadline, tasks, plan.skipped)  # before any task goes out
-        collector = self._open_collector(round_number, tasks, deadline, [])
-        return self._finish_round(round_number, started, tasks, plan.skipped, deadline, collector)
+        planned = self._new_round(round_number, tasks, plan.skipped, deadline)
+        planned.timing["waiting_for_agents"] = planning - waiting
+        planned.timing["planning"] = time.perf_counter() - planning
+        self._install(planned)
+        return planned
+
+    def _resume_round(self, journaled: JournaledRound) -> None:
+        """Open the round the journal holds, with the updates it had stored (taken again as if they arrived now,
+        without storing them again). It takes the updates its agents resend from the first message on: were it
+        opened only when run() gets to it, an update arriving before would be refused for good and lost."""
+        deadline = max(journaled.deadline, time.time() + min(self.config.round_timeout_s, RESUME_GRACE_S))
+        resumed = self._new_round(journaled.round, journaled.tasks, journaled.skipped, deadline)
+        self._install(resumed)
+        for update, payload in self.journal.stored(journaled.round):
+            resumed.receive(update, len(payload), hashlib.sha256(payload).hexdigest(), self._examine, lambda: None)
+        self.log.info("round_resumed", round=journaled.round, tasks=len(journaled.tasks),
+                      stored_updates=len(resumed.answers))
+
+    def _new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip],
+                   deadline: float) -> Round:
+        return Round(round_number, tasks, skipped, deadline, self.strategy.begin_aggregate(self.states),
+                     self.config.screening, self._measure)
+
+    def _install(self, planned: Round) -> None:
+        """Open a planned round and make it the one in progress: from now on its updates are stored and acked."""
+        planned.open()
+        with self._round_lock:
+            self._round = planned
+            if self.fatal is not None:  # refused before this round was there to interrupt
+                planned.interrupt()
 
     def _wait_for_first_fleet(self, round_number: int) -> list[AgentRecord]:
         """Wait for the fleet before the first round; while no agent of this federation is online, say which
@@ -458,75 +509,66 @@ class Coordinator:
                                 f"'{first.agent_id}': {first.reason}")
         return fitting, misfits
 
-    def _open_collector(self, round_number: int, tasks: dict[str, TaskPlan], deadline: float,
-                        stored: list[tuple[Update, int, str]]) -> RoundCollector:
-        """Open the round's collection: from now on its updates are stored and acked. ``stored``: updates the
-        journal kept from before a restart (their tasks are not sent again)."""
-        collector = RoundCollector(round_number, {
-            task_id: DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()})
-        for update, size, digest in stored:
-            collector.offer(update, size, digest)
-        with self._collector_lock:
-            self._collector = collector
-            if self.fatal is not None:  # refused before this collector was there to interrupt
-                collector.interrupt()
-        return collector
-
-    def _finish_round(self, round_number: int, started: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
-                      deadline: float, collector: RoundCollector) -> RoundResult:
-        """Dispatch the tasks of a planned (or journaled) round that have no update yet, collect, aggregate,
-        evaluate, checkpoint."""
-        self._round_in_flight = round_number
+    def _drive(self, current: Round, started: float) -> RoundResult:
+        """Collect (dispatching the tasks without an update yet), aggregate, evaluate, checkpoint, tell every
+        device its verdict and report."""
+        timing = current.timing
         self._announce()
-        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in skipped}
-        stored = len(collector.updates)
-        bytes_down = sum(self._dispatch(round_number, task_id, t, deadline) for task_id, t in tasks.items()
-                         if task_id not in collector.updates)
-        self._progress("round", round_number, len(collector.updates), len(tasks))
-        self.log.info("round_dispatched", round=round_number, tasks=len(tasks), skipped=len(skipped),
-                      bytes_down=bytes_down, **({"resumed_with_updates": stored} if stored else {}))
+        stored = len(current.answers)
+        phase = time.perf_counter()
+        bytes_down = 0
+        for task_id, dispatched in current.tasks.items():
+            if task_id not in current.answers:
+                bytes_down += self._dispatch(current.number, task_id, dispatched.task, dispatched.deadline)
+                current.mark_sent(task_id)
+        timing["dispatch"] = time.perf_counter() - phase
+        self._progress("round", current.number, len(current.answers), len(current.tasks))
+        self.log.info("round_dispatched", round=current.number, tasks=len(current.tasks),
+                      skipped=len(current.skipped), bytes_down=bytes_down,
+                      **({"resumed_with_updates": stored} if stored else {}))
         outage_before = self.link.outage_seconds()
+        phase = time.perf_counter()
         # The deadline moves by any broker outage the coordinator sees meanwhile: updates could not arrive then.
-        collector.wait(deadline, lambda: self.link.outage_seconds() - outage_before)
-        with self._collector_lock:
-            self._collector = None
+        current.wait(lambda: self.link.outage_seconds() - outage_before)
+        timing["collecting"] = time.perf_counter() - phase
         self._raise_if_fatal()
-        results, outcomes, verdicts = self._collect(collector, records)
-        for task_id, task in tasks.items():
-            if task_id not in collector.updates:
-                records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
-                                                    reason="no update by deadline",
-                                                    params_sent=self.family.param_count(task.spec))
-                outcomes.append(TaskOutcome(task, "missing", None, {}))
-        trained_levels, trained_exits = self._trained(results)
-        if results:
-            self.states = self.strategy.aggregate(round_number, results, self.states)
-        self.strategy.observe(round_number, outcomes)
+        current.close(self._reload)
+        self.states = current.finish()
+        records, outcomes = self._outcomes(current)
+        aggregated = list(current.aggregated())
+        self.strategy.observe(current.number, outcomes)
+        trained_levels, trained_exits = self._trained(aggregated)
+        phase = time.perf_counter()
         accuracies = self._evaluate()
-        self.completed_rounds = round_number
+        timing["evaluation"] = time.perf_counter() - phase
+        phase = time.perf_counter()
+        self.completed_rounds = current.number
         self._checkpoint()
         self.journal.clear()  # the checkpoint holds the round now
-        self._send_verdicts(collector, verdicts)  # only now: an update said aggregated is, for good
+        timing["checkpoint"] = time.perf_counter() - phase
+        self._send_verdicts(current)  # only now: an update said aggregated is, for good
         global_outputs = accuracies.pop("global")
         result = RoundResult(
-            round=round_number,
+            round=current.number,
             global_accuracy=global_outputs[-1],
             level_accuracy={name: outputs[-1] for name, outputs in accuracies.items()},
             exit_accuracy={f"exit{i}": acc for i, acc in enumerate(global_outputs, start=1)}
             if len(global_outputs) > 1 else {},
-            participants=len(results),
-            selected=len(tasks) + len(skipped),
+            participants=len(aggregated),
+            selected=len(current.tasks) + len(current.skipped),
             bytes_down=bytes_down,
-            bytes_up=sum(collector.update_bytes.values()),
+            bytes_up=current.bytes_up,
             seconds=round(time.monotonic() - started, 3),
             tasks=[records[agent] for agent in sorted(records)],
             trained_levels=trained_levels,
             trained_exits=[f"exit{i}" for i in trained_exits] if len(global_outputs) > 1 else [],
+            timing=round_timing(timing, current.device_times()),
         )
         self.metrics.write(result)
-        self._round_in_flight = 0
+        with self._round_lock:
+            self._round = None
         self._announce()
-        self.log.info("round_done", round=round_number, global_accuracy=result.global_accuracy,
+        self.log.info("round_done", round=current.number, global_accuracy=result.global_accuracy,
                       participants=result.participants, seconds=result.seconds)
         if self.on_round is not None:
             self.on_round(result)
@@ -551,7 +593,7 @@ class Coordinator:
     def _dispatch(self, round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         """Publish one task in chunks; returns the bytes sent."""
         spec = planned.spec
-        weights = self.family.extract(self.states[planned.group], spec, keys=self.family.state_keys(spec))
+        weights = self.family.extract(self.states[planned.group], spec, keys=self.family.state_keys(spec), views=True)
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.to_dict(), None,
                     {key: value.detach().cpu().numpy() for key, value in weights.items()},
                     adaptation=planned.adaptation, plan=self._seeded(planned.plan, round_number, planned.agent_id))
@@ -563,78 +605,60 @@ class Coordinator:
         return sum(len(chunk) for chunk in chunks)
 
     # ------------------------------------------------------------- collection
-    def _collect(self, collector: RoundCollector, records: dict[str, TaskRecord]
-                 ) -> tuple[list[TaskResult], list[TaskOutcome], dict[str, str | None]]:
-        """Validate and screen the round's updates: the ones to aggregate, how every answered task ended, and the
-        screening's verdict on each valid update (by agent: None when it is aggregated, else the reason)."""
-        results: list[TaskResult] = []
-        answered: list[tuple[Update, TaskRecord]] = []
-        for task_id, update in sorted(collector.updates.items()):
-            task = collector.tasks[task_id].task
-            record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(),
-                                reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics),
-                                params_sent=self.family.param_count(task.spec))
-            if update.spec_trained is not None:
-                record.spec_trained = _describe(update.spec_trained)
+    def _outcomes(self, current: Round) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
+        """Every selected agent's record (skipped, missing or answered) and how every task ended, for the
+        strategy (answered tasks by task id, then the missing ones)."""
+        records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in current.skipped}
+        outcomes: list[TaskOutcome] = []
+        for task_id, answer in sorted(current.answers.items()):
+            update, record = answer.update, answer.record
             records[update.agent_id] = record
-            if update.status in AGGREGATED:
-                try:
-                    result = self._unpack_update(update, task)
-                except ValueError as exc:
-                    record.status, record.reason = "rejected", str(exc)
-                    self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=str(exc))
-                else:
-                    record.spec_trained = result.spec.describe()
-                    record.level_trained = self._level_of(result.spec)
-                    record.params_returned = self.family.param_count(result.spec)
-                    results.append(result)
-            answered.append((update, record))
-        kept, rejected, changes = screen(results, self._sent, self.config.screening)
-        for result, change in zip(results, changes):
-            records[result.task.agent_id].screening = change.as_dict()
-        refused = {result.task.agent_id: reason for result, reason in rejected}
-        for result, reason in rejected:
-            record = records[result.task.agent_id]
-            record.status, record.reason = "rejected", reason
-            self.log.warning("update_rejected", agent=result.task.agent_id, reason=reason)
-        verdicts = {result.task.agent_id: refused.get(result.task.agent_id) for result in results}
-        trained_by = {result.task.agent_id: result.spec for result in kept}
-        outcomes = [TaskOutcome(collector.tasks[update.task_id].task, record.status,
-                                trained_by.get(update.agent_id), dict(update.metrics), update.reason,
-                                _spec_or_none(update.spec_trained))
-                    for update, record in answered]
-        return kept, outcomes, verdicts
+            if answer.rejection is not None:
+                self.log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=answer.rejection)
+            outcomes.append(TaskOutcome(current.tasks[task_id].task, record.status,
+                                        answer.spec if answer.aggregated else None, dict(update.metrics),
+                                        update.reason, _spec_or_none(update.spec_trained)))
+        for task_id, dispatched in current.tasks.items():
+            if task_id not in current.answers:
+                task = dispatched.task
+                records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
+                                                    reason="no update by deadline",
+                                                    params_sent=self.family.param_count(task.spec))
+                outcomes.append(TaskOutcome(task, "missing", None, {}))
+        return records, outcomes
 
-    def _send_verdicts(self, collector: RoundCollector, verdicts: dict[str, str | None]) -> None:
+    def _send_verdicts(self, current: Round) -> None:
         """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
-        task_ids = {update.agent_id: task_id for task_id, update in collector.updates.items()}
-        for agent, reason in sorted(verdicts.items()):
+        for task_id, answer in sorted(current.answers.items(), key=lambda item: item[1].update.agent_id):
+            if not answer.screened:
+                continue
+            agent, reason = answer.update.agent_id, answer.rejection
             try:  # best effort: the round is stored already, and the device's uplink settled at the first ack
                 self.link.publish(self.topics.agent_ack(agent), encode(Ack(
-                    task_ids[agent], collector.round, agent, reason, "rejected" if reason else "aggregated")))
+                    task_id, current.number, agent, reason, "rejected" if reason else "aggregated")))
             except Exception as exc:  # noqa: BLE001 - one device's verdict never ends the round
-                self.log.warning("verdict_not_sent", agent=agent, round=collector.round, error=str(exc))
+                self.log.warning("verdict_not_sent", agent=agent, round=current.number, error=str(exc))
 
     def _level_of(self, spec: SubmodelSpec) -> str | None:
         """The name of the level (pool model) whose spec ``spec`` is, if any."""
         return next((name for name, target in self.strategy.eval_targets().items()
                      if name != "global" and target.spec == spec), None)
 
-    def _trained(self, results: Sequence[TaskResult]) -> tuple[list[str], list[int]]:
+    def _trained(self, aggregated: Sequence[Answer]) -> tuple[list[str], list[int]]:
         """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the
         global model (1-based, depth order: its exits, then its final head) some update's tensors reached."""
         targets = self.strategy.eval_targets()
         levels = sorted(name for name, target in targets.items()
-                        if name != "global" and any(result.spec == target.spec for result in results))
+                        if name != "global" and any(answer.spec == target.spec for answer in aggregated))
         global_spec = targets["global"].spec
         heads = [set(self.family.head_keys(block)) for block in (*sorted(global_spec.exits), None)]
         exits = [number for number, keys in enumerate(heads, start=1)
-                 if any(keys & set(result.state) for result in results)]
+                 if any(keys & answer.keys for answer in aggregated)]
         return levels, exits
 
     def _sent(self, result: TaskResult) -> dict[str, torch.Tensor]:
         """The weights ``result``'s task sent for the keys it trained (the group's state before this round)."""
-        return self.family.extract(self.states[result.task.group], result.spec, keys=result.state.keys())
+        return self.family.extract(self.states[result.task.group], result.spec, keys=result.state.keys(), views=True)
 
     def _unpack_update(self, update: Update, task: TaskPlan) -> TaskResult:
         """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
@@ -651,7 +675,7 @@ class Coordinator:
         index_map = {key: full_map[key] for key in expected}
         state = {}
         for key in expected:
-            tensor = torch.from_numpy(np.ascontiguousarray(update.weights[key], dtype=np.float32))
+            tensor = _float_tensor(update.weights[key])
             shape = tuple(len(idx) for idx in index_map[key])
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")

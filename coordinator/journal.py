@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,14 +27,13 @@ __all__ = ["JournaledRound", "RoundJournal"]
 
 @dataclass
 class JournaledRound:
-    """A round read back from the journal: its tasks by id, the skipped agents and the updates stored (with their
-    sizes in bytes and the sha256 of the message as it arrived)."""
+    """A round read back from the journal: its tasks by id and the skipped agents (its stored updates are read one
+    at a time: :meth:`RoundJournal.stored`)."""
 
     round: int
     deadline: float
     tasks: dict[str, TaskPlan]
     skipped: list[Skip]
-    updates: list[tuple[Update, int, str]]
 
 
 def _digest(task_id: str) -> str:
@@ -61,7 +61,7 @@ class RoundJournal:
                  "skipped": [{"agent_id": skip.agent_id, "reason": skip.reason} for skip in skipped]}
         write_atomic(self.directory / "round.json", json.dumps(index).encode())
 
-    def store(self, update: Update, payload: bytes) -> None:
+    def store(self, update: Update, payload: bytes | bytearray | memoryview) -> None:
         """Keep an update (its message as it arrived) before it is acked."""
         write_atomic(self.directory / f"update-{_digest(update.task_id)}.msgpack", payload)
 
@@ -83,17 +83,47 @@ class RoundJournal:
                 tasks[task_id] = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
                                           message.training_plan(), str(entry["group"]), message.adaptation)
             skipped = [Skip(str(entry["agent_id"]), str(entry["reason"])) for entry in index["skipped"]]
-            updates = []
-            for path in sorted(self.directory.glob("update-*.msgpack")):
-                payload = path.read_bytes()
-                update = decode(payload, expected=Update)
-                assert isinstance(update, Update)
-                if update.task_id in tasks:
-                    updates.append((update, len(payload), hashlib.sha256(payload).hexdigest()))
         except (OSError, KeyError, TypeError, ValueError, ProtocolError) as exc:
-            raise ValueError(f"the round journal in {self.directory} cannot be read ({exc}); move it away to "
-                             f"start the round afresh") from exc
-        return JournaledRound(round_number, deadline, tasks, skipped, updates)
+            raise self._unreadable(exc) from exc
+        return JournaledRound(round_number, deadline, tasks, skipped)
+
+    def stored(self, round_number: int) -> Iterator[tuple[Update, bytes]]:
+        """The updates stored for round ``round_number``, one at a time, each with its message as it arrived (so
+        that no more than one is in memory at once). Raises ValueError for one that cannot be read."""
+        for path in sorted(self.directory.glob("update-*.msgpack")):
+            payload = self._read(path)
+            if payload is not None:
+                update = self._decoded(path, payload)
+                if update.round == round_number:
+                    yield update, payload
+
+    def read_update(self, task_id: str) -> Update:
+        """The stored update of ``task_id`` (ValueError when there is none, or it cannot be read)."""
+        path = self.directory / f"update-{_digest(task_id)}.msgpack"
+        payload = self._read(path)
+        if payload is None:
+            raise ValueError(f"the round journal in {self.directory} holds no update of task {task_id!r}")
+        return self._decoded(path, payload)
+
+    def _read(self, path: Path) -> bytes | None:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._unreadable(exc) from exc
+
+    def _decoded(self, path: Path, payload: bytes) -> Update:
+        try:
+            update = decode(payload, expected=Update)
+        except ProtocolError as exc:
+            raise self._unreadable(f"{path.name}: {exc}") from exc
+        assert isinstance(update, Update)
+        return update
+
+    def _unreadable(self, why: object) -> ValueError:
+        return ValueError(f"the round journal in {self.directory} cannot be read ({why}); move it away to start the "
+                          f"round afresh")
 
     def clear(self) -> None:
         """Remove the journal (the round is checkpointed, or a new one begins)."""

@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+#: A round's phases on the coordinator, in order (seconds in :attr:`RoundResult.timing`): waiting for the fleet,
+#: planning (the strategy and the journal), dispatch (encoding and publishing the tasks), collecting (waiting for
+#: the updates: the devices' work), validation (decoding is not in it: examining each update against its task and
+#: measuring its change, on the thread that takes messages, while collecting), aggregation (folding updates in as
+#: they come, screening's second rule and the new states), evaluation and the checkpoint.
+COORDINATOR_PHASES = ("waiting_for_agents", "planning", "dispatch", "collecting", "validation", "aggregation",
+                      "evaluation", "checkpoint")
+#: The devices' phases (the slowest device's seconds of each, from the update metrics): waiting for a training slot
+#: (``fedfit sim`` shares a few among its agents; a device has its own), the decision child, the training loop,
+#: and the transfer (the time from the task's dispatch to its update's arrival that the device did not report as
+#: its own: the task's download, the update's encoding and upload, the broker on the way).
+DEVICE_PHASES = ("queued", "decision", "training", "transfer")
+
+
+def round_timing(coordinator: Mapping[str, float], devices: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """A round's :attr:`RoundResult.timing`: the coordinator's seconds per phase (:data:`COORDINATOR_PHASES`,
+    those it went through) and, per device phase (:data:`DEVICE_PHASES`), the most any device took (of those that
+    reported it)."""
+    timing = {phase: round(coordinator[phase], 4) for phase in COORDINATOR_PHASES if phase in coordinator}
+    devices = list(devices)
+    for phase in DEVICE_PHASES:
+        values = [device[phase] for device in devices if phase in device]
+        if values:
+            timing[phase] = round(max(values), 4)
+    return timing
 
 
 @dataclass
@@ -66,6 +93,8 @@ class RoundResult:
     trained_levels: list[str] = field(default_factory=list)
     #: The outputs of the global model (``exit<i>``) whose head some aggregated update trained this round.
     trained_exits: list[str] = field(default_factory=list)
+    #: Where the round's time went, in seconds (:func:`round_timing`).
+    timing: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -41,19 +41,22 @@ import torch
 
 from coordinator.config import ScreeningConfig
 from coordinator.strategies.base import TaskResult
+from models import SubmodelSpec
 from protocol import TrainingPlan
 
-__all__ = ["REACH_TOLERANCE", "Change", "change_of", "change_of_result", "momentum_reach", "plan_steps", "screen"]
+__all__ = ["REACH_TOLERANCE", "Change", "beyond_reach", "change_of", "change_of_result", "momentum_reach", "outliers",
+           "plan_steps", "screen"]
 
 #: How far above the plan's reach a change may measure before rule 1 rejects it (relative): rounding only.
 REACH_TOLERANCE = 1e-3
 
 
 def _norm(tensors: Mapping[str, torch.Tensor], minus: Mapping[str, torch.Tensor] | None = None) -> float:
+    """The L2 norm over every tensor (of ``tensors - minus``), squares summed in float64."""
     total = 0.0
     for key, tensor in tensors.items():
-        value = tensor.double() - minus[key].double() if minus is not None else tensor.double()
-        total += float((value * value).sum())
+        value = tensor - minus[key] if minus is not None else tensor
+        total += float(torch.linalg.vector_norm(value, dtype=torch.float64)) ** 2
     return math.sqrt(total)
 
 
@@ -101,14 +104,18 @@ def change_of(trained: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tens
               stage_steps: Sequence[int]) -> Change:
     """The :class:`Change` of an update that trained stages of ``stage_steps`` steps each with ``plan``'s
     optimizer from ``sent``."""
-    norm = _norm(trained, sent)
+    return _change(_norm(trained, sent), _norm(sent), plan, stage_steps)
+
+
+def _change(norm: float, sent_norm: float, plan: TrainingPlan, stage_steps: Sequence[int]) -> Change:
+    """The :class:`Change` of an update that moved ``norm`` from weights of norm ``sent_norm`` with ``plan``."""
     settings = plan.optimizer
     reach = settings.lr * sum(momentum_reach(steps, settings.momentum) for steps in stage_steps)
     bound: float | None = None
     if settings.clip_norm is not None:
         decay = reach * settings.weight_decay
         # B = reach (clip + wd (|sent| + B))  =>  B (1 - reach wd) = reach (clip + wd |sent|)
-        bound = math.inf if decay >= 1 else reach * (settings.clip_norm + settings.weight_decay * _norm(sent)) / (
+        bound = math.inf if decay >= 1 else reach * (settings.clip_norm + settings.weight_decay * sent_norm) / (
             1.0 - decay)
     return Change(norm, sum(stage_steps), reach, bound)
 
@@ -128,7 +135,8 @@ def change_of_result(result: TaskResult, sent: Mapping[str, torch.Tensor]) -> Ch
     plans = [result.task.plan]
     if result.task.adaptation is not None:
         plans += [candidate.plan for candidate in result.task.adaptation.candidates]
-    changes = [change_of(result.state, sent, plan, _stage_steps(result, plan)) for plan in plans]
+    norm, sent_norm = _norm(result.state, sent), _norm(sent)  # measured once, whatever the plans
+    changes = [_change(norm, sent_norm, plan, _stage_steps(result, plan)) for plan in plans]
     return max(changes, key=lambda c: (math.inf if c.bound is None else c.bound, c.reach))
 
 
@@ -136,15 +144,18 @@ def screen(results: Sequence[TaskResult], sent_of: Callable[[TaskResult], Mappin
            config: ScreeningConfig) -> tuple[list[TaskResult], list[tuple[TaskResult, str]], list[Change]]:
     """Split ``results`` into those to aggregate and those rejected, with the reason (see the module docstring),
     and give every result's :class:`Change` (in order). ``sent_of(result)`` gives the weights its task sent, for
-    the keys it trained."""
+    the keys it trained. (The daemon applies the two rules apart: :func:`beyond_reach` as each update comes,
+    :func:`outliers` once the round has closed.)"""
     changes = [change_of_result(result, sent_of(result)) for result in results]
     if not config.enabled:
         return list(results), [], changes
-    first = [_beyond_reach(result, change) for result, change in zip(results, changes)]
+    first = [beyond_reach(result, change) for result, change in zip(results, changes)]
+    second = outliers([(result.spec, change) for result, change in zip(results, changes)],
+                      [reason is None for reason in first], config)
     kept: list[TaskResult] = []
     rejected: list[tuple[TaskResult, str]] = []
     for index, result in enumerate(results):
-        reason = first[index] or _outlier(index, results, changes, first, config)
+        reason = first[index] or second[index]
         if reason is None:
             kept.append(result)
         else:
@@ -152,7 +163,7 @@ def screen(results: Sequence[TaskResult], sent_of: Callable[[TaskResult], Mappin
     return kept, rejected, changes
 
 
-def _beyond_reach(result: TaskResult, change: Change) -> str | None:
+def beyond_reach(result: TaskResult, change: Change) -> str | None:
     """Rule 1: why no honest run of the plan makes this update (non-finite, or beyond the plan's reach)."""
     if not math.isfinite(change.norm):
         return "update rejected: its weights are not finite"
@@ -164,13 +175,21 @@ def _beyond_reach(result: TaskResult, change: Change) -> str | None:
     return None
 
 
-def _outlier(index: int, results: Sequence[TaskResult], changes: Sequence[Change], first: Sequence[str | None],
-             config: ScreeningConfig) -> str | None:
-    """Rule 2: why update ``index`` is an outlier among the other updates of its trained spec that passed rule 1."""
-    change = changes[index]
-    spec = results[index].spec
-    peers = [changes[j] for j, result in enumerate(results)
-             if j != index and result.spec == spec and first[j] is None]
+def outliers(updates: Sequence[tuple[SubmodelSpec, Change]], passed: Sequence[bool],
+             config: ScreeningConfig) -> list[str | None]:
+    """Rule 2 over a round's updates (their trained spec and change; ``passed``: whether each passed rule 1): why
+    each one that passed is an outlier among the others of its spec that passed, else None. Needs only the
+    changes, not the weights."""
+    reasons: list[str | None] = []
+    for index, (spec, change) in enumerate(updates):
+        peers = [other for j, (other_spec, other) in enumerate(updates)
+                 if j != index and other_spec == spec and passed[j]]
+        reasons.append(_outlier(change, spec, peers, config) if passed[index] else None)
+    return reasons
+
+
+def _outlier(change: Change, spec: SubmodelSpec, peers: Sequence[Change], config: ScreeningConfig) -> str | None:
+    """Rule 2 for one update: why its change is an outlier among its ``peers`` (other updates of its spec)."""
     if len(peers) < config.min_peers:
         return None
     per_step = statistics.median(peer.score for peer in peers)

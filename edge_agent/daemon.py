@@ -388,7 +388,7 @@ class EdgeAgent:
             self._last_round = max(self._last_round, task.round)
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
-        self.executor.submit(self._serve, task)
+        self.executor.submit(self._serve, task, time.perf_counter())
 
     def _decline_refused(self, refused: TransferRefused) -> None:
         """Answer a task refused at its first chunk with a ``declined`` update, when its chunks name the round
@@ -416,9 +416,13 @@ class EdgeAgent:
             self._seen.popitem(last=False)
         return True
 
-    def _serve(self, task: Task) -> None:
+    def _serve(self, task: Task, received: float) -> None:
+        """Train ``task`` (``received``: time.perf_counter() when it arrived) and send its update, whose
+        ``seconds_queued`` metric says how long the task waited for a training slot."""
         try:
+            queued = time.perf_counter() - received
             update = self.runner.run(task)
+            update.metrics["seconds_queued"] = queued
             if self._stop.is_set() and update.status == "failed":
                 # Cut short by this agent's own stop (a restart, an upgrade): no answer, so that the coordinator
                 # sends the task again to the next process, which trains it.

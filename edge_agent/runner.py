@@ -171,14 +171,20 @@ class TaskRunner:
 
     # ------------------------------------------------------------------ public
     def run(self, task: Task) -> Update:
-        """Run ``task``; any failure becomes an update with status declined/failed and the reason."""
+        """Run ``task``; any failure becomes an update with status declined/failed and the reason. The update's
+        metrics say where the device's time went: ``seconds_task`` (all of it, from here to the update),
+        ``seconds_decision`` (the decision child), ``seconds_child`` (the training child, from fork to its update)
+        and ``seconds`` (its training loop)."""
+        started = time.perf_counter()
         try:
             with self._busy:
-                return self._serve(task)
+                update = self._serve(task)
         except TaskRejected as exc:
-            return self._answer(task, exc.status, reason=exc.reason)
+            update = self._answer(task, exc.status, reason=exc.reason)
         except Exception as exc:  # noqa: BLE001 - the agent outlives any task
-            return self._answer(task, "failed", reason=f"{type(exc).__name__}: {exc}")
+            update = self._answer(task, "failed", reason=f"{type(exc).__name__}: {exc}")
+        update.metrics["seconds_task"] = time.perf_counter() - started
+        return update
 
     def available(self, round_number: int) -> int:
         """Memory training may use now (budget for this round, cgroup, psutil; free GPU memory on CUDA)."""
@@ -245,10 +251,15 @@ class TaskRunner:
         try:
             (workdir / TASK_FILE).write_bytes(encode(task))
             available = self.available(task.round)
+            deciding = time.perf_counter()
             decision = self._decide(task, workdir, available)
+            decided = time.perf_counter() - deciding
             if not decision.trains:
-                return self._answer(task, decision.status, reason=decision.reason)
-            return self._train(task, workdir, decision, available)
+                update = self._answer(task, decision.status, reason=decision.reason)
+            else:
+                update = self._train(task, workdir, decision, available)
+            update.metrics["seconds_decision"] = decided
+            return update
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -274,11 +285,13 @@ class TaskRunner:
         TrainingRequest(decision.spec, self.device, list(self.data.labels), str(self.data_path),
                         str(self.copies_dir), self.torch_threads, self.allocator).write(workdir)
         before = self.oom_kills()
+        forking = time.perf_counter()
         try:
             outcome = forkserver.run_training(workdir, self._timeout(task), on_start=self._started,
                                               cancel=self._closing)
         finally:
             self.child_pid = None
+        memory["seconds_child"] = time.perf_counter() - forking
         if outcome.cancelled:
             return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
                                 reason="the agent stopped while training")

@@ -249,7 +249,7 @@ def _heading(options: Any, report: dict[str, Any]) -> str:
 def run_sim(args: argparse.Namespace, load: Loader) -> int:
     """``fedfit sim``: one run; prints its table and where its directory is."""
     from fedfit.sim.harness import prepare_run_dir, run_simulation
-    from fedfit.sim.report import format_table, write_report
+    from fedfit.sim.report import format_table, format_timing, write_report
 
     mapping, base = _load(args, load)
     values, given = resolve(args, mapping, base)
@@ -261,6 +261,9 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
     outcome = run_simulation(options, run_dir=run_dir)
     print(_heading(options, outcome.report))
     print(format_table(outcome.report["rounds"]))
+    timing = format_timing(outcome.report["rounds"])
+    if timing:
+        print(timing)
     if args.report:
         write_report(outcome.report, args.report)
         print(f"report written to {args.report}")

@@ -468,8 +468,11 @@ class ModelFamily(abc.ABC):
         global_state: Mapping[str, torch.Tensor],
         spec: SubmodelSpec | None = None,
         keys: Iterable[str] | None = None,
+        *,
+        views: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Contiguous cloned slices of ``global_state`` for ``spec``.
+        """Contiguous cloned slices of ``global_state`` for ``spec`` (``views``: the slices as views, no copy, for a
+        reader that neither keeps nor writes them).
 
         Parameters
         ----------
@@ -497,7 +500,7 @@ class ModelFamily(abc.ABC):
                 )
             for dim, idx in enumerate(imap[key]):
                 tensor = tensor.narrow(dim, 0, idx.numel())
-            out[key] = tensor.clone(memory_format=torch.contiguous_format)
+            out[key] = tensor if views else tensor.clone(memory_format=torch.contiguous_format)
         return out
 
     # ------------------------------------------------------------------ costs

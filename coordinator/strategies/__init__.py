@@ -5,6 +5,7 @@ from __future__ import annotations
 from coordinator.strategies.adaptivefl import AdaptiveFL
 from coordinator.strategies.base import (
     EvalTarget,
+    RoundAggregate,
     RoundPlan,
     Skip,
     Strategy,
@@ -43,6 +44,7 @@ __all__ = [
     "ALGORITHM_NAMES",
     "STRATEGIES",
     "EvalTarget",
+    "RoundAggregate",
     "RoundPlan",
     "Skip",
     "Strategy",

@@ -2,8 +2,8 @@
 
 A strategy is set up once (:class:`StrategyContext`: the model family, the server's own data, the configuration
 and a training-memory estimator); it may choose levels or exits there. Each round it turns the online agents
-into task plans (:meth:`Strategy.configure_round`), combines what came back (:meth:`Strategy.aggregate`, masked
-aggregation by default, the weighting its own choice), and learns from the outcomes (:meth:`Strategy.observe`).
+into task plans (:meth:`Strategy.configure_round`), combines what came back (:meth:`Strategy.begin_aggregate`: masked
+aggregation by default, each update folded in as it is accepted, the weighting its own choice), and learns from the outcomes (:meth:`Strategy.observe`).
 Its state (:meth:`Strategy.state_dict`) is saved in the checkpoint and restored on resume. The daemon keeps
 only transport, deadlines, collection, update validation, evaluation and checkpoints.
 """
@@ -132,24 +132,52 @@ def select_fraction(agents: Sequence[AgentRecord], fraction: float, rng: random.
     return sorted(rng.sample(list(agents), count), key=lambda a: a.agent_id)
 
 
-def masked_aggregate(states: Mapping[str, State], results: Sequence[TaskResult],
-                     weight: Callable[[TaskResult], float], classifier_keys: Sequence[str]) -> dict[str, State]:
-    """Masked (index-aware) aggregation per group: each element the weighted mean of the updates that hold it,
-    the others unchanged. Where a task's plan masks absent classes, that update's classifier rows of those
-    classes are left out."""
-    aggregators: dict[str, MaskedAggregator] = {}
-    for result in results:
-        state, index_map = result.state, result.index_map
+class RoundAggregate:
+    """A round's updates folded in one by one as they are accepted, per group: masked (index-aware) aggregation
+    (each element the weighted mean of the updates that hold it, the others unchanged). Where a task's plan masks
+    absent classes, that update's classifier rows of those classes are left out. ``remove`` takes an update back
+    out (one screening rejects once the round's medians are known); memory stays one accumulator per group,
+    whatever the number of updates. ``states`` must not change until :meth:`result`."""
+
+    def __init__(self, states: Mapping[str, State], weight: Callable[[TaskResult], float],
+                 classifier_keys: Sequence[str]) -> None:
+        self._states = states
+        self._weight = weight
+        self._classifier_keys = list(classifier_keys)
+        self._aggregators: dict[str, MaskedAggregator] = {}
+
+    @property
+    def updates(self) -> int:
+        """How many updates are folded in now."""
+        return sum(aggregator.updates for aggregator in self._aggregators.values())
+
+    def _prepared(self, result: TaskResult) -> tuple[State, dict[str, tuple[torch.Tensor, ...]]]:
+        state, index_map = result.state, {key: tuple(idx) for key, idx in result.index_map.items()}
         if result.task.plan.uses_masked_ce:
-            state, index_map = restrict_rows(state, index_map, classifier_keys, result.labels)
+            state, index_map = restrict_rows(state, index_map, self._classifier_keys, result.labels)
+        return state, index_map
+
+    def add(self, result: TaskResult) -> None:
+        """Fold one validated update in (ValueError, folding nothing, when it does not fit its group's model)."""
         group = result.task.group
-        if group not in aggregators:
-            aggregators[group] = MaskedAggregator(states[group])
-        aggregators[group].add(state, index_map, weight(result))
-    merged = dict(states)
-    for group, aggregator in aggregators.items():
-        merged[group] = aggregator.result()
-    return merged
+        if group not in self._aggregators:
+            self._aggregators[group] = MaskedAggregator(self._states[group])
+        self._aggregators[group].add(*self._prepared(result), self._weight(result))
+
+    def remove(self, result: TaskResult) -> None:
+        """Take an update :meth:`add` folded in back out."""
+        aggregator = self._aggregators.get(result.task.group)
+        if aggregator is None:
+            raise ValueError(f"no update of group {result.task.group!r} was added")
+        aggregator.remove(*self._prepared(result), self._weight(result))
+
+    def result(self) -> dict[str, State]:
+        """The new states: each group's aggregate, the groups no update reached unchanged."""
+        merged = dict(self._states)
+        for group, aggregator in self._aggregators.items():
+            if aggregator.updates:
+                merged[group] = aggregator.result()
+        return merged
 
 
 class Strategy(ABC):
@@ -199,11 +227,18 @@ class Strategy(ABC):
     def configure_round(self, round_number: int, agents: Sequence[AgentRecord], rng: random.Random) -> RoundPlan:
         """Select among the online ``agents`` and plan each selected one's task."""
 
+    def begin_aggregate(self, states: Mapping[str, State]) -> RoundAggregate:
+        """The round's aggregate, into which its validated updates are folded as they come (masked aggregation,
+        weighted by :meth:`weight`)."""
+        return RoundAggregate(states, self.weight, self.family.classifier_keys())
+
     def aggregate(self, round_number: int, results: Sequence[TaskResult],
                   states: Mapping[str, State]) -> dict[str, State]:
-        """Combine the round's validated updates into new states (default: masked aggregation, uniform or
-        sample-weighted as configured)."""
-        return masked_aggregate(states, results, self.weight, self.family.classifier_keys())
+        """Combine validated updates into new states at once (:meth:`begin_aggregate` folding each)."""
+        aggregate = self.begin_aggregate(states)
+        for result in results:
+            aggregate.add(result)
+        return aggregate.result()
 
     def weight(self, result: TaskResult) -> float:
         """Aggregation weight of an update: 1 (HeteroFL, ScaleFL) or its sample count (``weighting: samples``)."""

@@ -66,6 +66,7 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_down": r.bytes_down,
         "bytes_up": r.bytes_up,
         "seconds": r.seconds,
+        "timing": dict(r.timing),
     }
 
 
@@ -221,4 +222,29 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
     if marked:
         lines.append("* no device trained this level (or exit) itself this round: its figure is the slice of the "
                      "global model that others trained")
+    return "\n".join(lines)
+
+
+#: Column headings of :func:`format_timing`, by phase (coordinator.metrics.COORDINATOR_PHASES, DEVICE_PHASES).
+_TIMING_COLUMNS = {"waiting_for_agents": "waiting", "planning": "planning", "dispatch": "dispatch",
+                   "collecting": "collecting", "validation": "validation", "aggregation": "aggregation",
+                   "evaluation": "evaluation", "checkpoint": "checkpoint", "queued": "queued", "decision": "decision",
+                   "training": "training", "transfer": "transfer"}
+
+
+def format_timing(rounds: list[dict[str, Any]]) -> str:
+    """Where each round's time went (seconds): the coordinator's phases, then the slowest device's. Empty when
+    the rounds carry no timing (a report of an older version)."""
+    phases = [phase for phase in _TIMING_COLUMNS if any(phase in r.get("timing", {}) for r in rounds)]
+    if not phases:
+        return ""
+    header = ["round", "seconds"] + [_TIMING_COLUMNS[phase] for phase in phases]
+    rows = [header] + [[str(r["round"]), f"{r['seconds']:.2f}"]
+                       + [f"{r['timing'][phase]:.3f}" if phase in r.get("timing", {}) else "-" for phase in phases]
+                       for r in rounds]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines.insert(0, "where the time went (seconds): the coordinator's phases (validation and most of aggregation run "
+                    "while collecting), then the slowest device's (queued, decision, training, transfer: inside collecting)")
     return "\n".join(lines)

@@ -14,7 +14,6 @@ import torch
 
 from common.data import load_dataset
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
-from coordinator.collector import DispatchedTask, RoundCollector
 from coordinator.config import (
     CoordinatorConfig,
     DataConfig,
@@ -24,11 +23,23 @@ from coordinator.config import (
     ScreeningConfig,
 )
 from coordinator.daemon import REGISTRY_SETTLE_S, Coordinator, NoAgentsError, Progress
-from coordinator.metrics import RoundResult, TaskRecord
+from coordinator.metrics import RoundResult
 from coordinator.registry import AgentRecord
+from coordinator.round import DispatchedTask, Receipt
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec
 from protocol import Ack, AgentStatus, Capabilities, Update, decode
+
+
+def offer(coordinator: Coordinator, update: Update, size: int = 10) -> Receipt:
+    """Hand an update to the round in progress as if it had arrived (stored nowhere)."""
+    assert coordinator._round is not None
+    return coordinator._round.receive(update, size, "", coordinator._examine, lambda: None)
+
+
+def open_round(coordinator: Coordinator, round_number: int, tasks: dict[str, TaskPlan]) -> None:
+    """Make a round of ``tasks`` the one in progress, collecting."""
+    coordinator._install(coordinator._new_round(round_number, tasks, [], time.time() + 60))
 
 
 def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
@@ -245,12 +256,9 @@ def test_masked_cross_entropy_keeps_absent_class_rows(tmp_path: Path, digits) ->
 
 
 # ---------------------------------------------------------------------------------------------- collection
-def test_collect_sorts_updates_into_results_and_outcomes(scalefl: Coordinator) -> None:
-    deadline = 1e12
+def test_a_rounds_answers_become_records_outcomes_and_an_aggregate(scalefl: Coordinator) -> None:
     names = {"ok": "3", "adapted": "3", "wide": "1", "declined": "2", "failed": "1", "silent": "1"}
-    tasks = {f"t-{agent}": DispatchedTask(f"t-{agent}", 1, task_for(scalefl, level, agent), deadline)
-             for agent, level in names.items()}
-    collector = RoundCollector(1, tasks)
+    open_round(scalefl, 1, {f"t-{agent}": task_for(scalefl, level, agent) for agent, level in names.items()})
     spec = {name: level_spec(scalefl, name) for name in ("1", "2", "3")}
     offers = [
         update_for(scalefl, spec["3"], task_id="t-ok", agent="ok"),
@@ -260,15 +268,21 @@ def test_collect_sorts_updates_into_results_and_outcomes(scalefl: Coordinator) -
         Update("t-failed", 1, "failed", "failed", None, 0, [], {}, {}, "killed"),
     ]
     for update in offers:
-        assert collector.offer(update, 100) == "accepted"
-    records: dict[str, TaskRecord] = {}
-    results, outcomes, verdicts = scalefl._collect(collector, records)
+        assert offer(scalefl, update, 100).verdict == "accepted"
+    current = scalefl._round
+    assert current is not None
+    current.close(scalefl._reload)
+    current.finish()
+    records, outcomes = scalefl._outcomes(current)
+    verdicts = {a.update.agent_id: a.rejection for a in current.answers.values() if a.screened}
     assert verdicts == {"adapted": None, "ok": None}  # screening is off here: both aggregated
-    assert [(r.task.agent_id, r.spec) for r in results] == [("adapted", spec["2"]), ("ok", spec["3"])]
+    assert [(a.update.agent_id, a.spec) for a in current.aggregated()] == [("adapted", spec["2"]), ("ok", spec["3"])]
     by_agent = {o.task.agent_id: o for o in outcomes}
-    assert set(by_agent) == {"ok", "adapted", "wide", "declined", "failed"}  # "silent" is the round's business
+    assert set(by_agent) == {"ok", "adapted", "wide", "declined", "failed", "silent"}
+    assert by_agent["silent"].status == "missing" and records["silent"].reason == "no update by deadline"
     assert {a: o.status for a, o in by_agent.items()} == {
-        "ok": "ok", "adapted": "adapted", "wide": "rejected", "declined": "declined", "failed": "failed"}
+        "ok": "ok", "adapted": "adapted", "wide": "rejected", "declined": "declined", "failed": "failed",
+        "silent": "missing"}
     assert by_agent["adapted"].spec_trained == spec["2"] and by_agent["wide"].spec_trained is None
     assert by_agent["declined"].metrics == {"budget_bytes": 5.0}
     assert records["wide"].status == "rejected" and "not inside" in records["wide"].reason
@@ -332,8 +346,7 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
         status = "failed" if planned.agent_id == "sim-3" else "ok"
         update = update_for(coordinator, planned.spec, task_id=task_id, agent=planned.agent_id, status=status,
                             round_number=round_number, fill=0.5)
-        assert coordinator._collector is not None
-        assert coordinator._collector.offer(update, 1000) == "accepted"
+        assert offer(coordinator, update, 1000).verdict == "accepted"
         return 10
 
     monkeypatch.setattr(coordinator, "_dispatch", dispatch)
@@ -378,8 +391,8 @@ def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinato
                         lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
-        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
-                                         "no memory"), 10)
+        offer(heterofl, Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"))
         return 10
 
     monkeypatch.setattr(heterofl, "_dispatch", dispatch)
@@ -410,8 +423,8 @@ def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heter
     monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: calls.append("wait_for") or fleet)
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
-        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
-                                         "no memory"), 10)
+        offer(heterofl, Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"))
         return 10
 
     monkeypatch.setattr(heterofl, "_dispatch", dispatch)
@@ -421,7 +434,6 @@ def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heter
 
 def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reason(heterofl: Coordinator,
                                                                                  monkeypatch) -> None:
-    from coordinator.collector import DispatchedTask, RoundCollector
     from protocol import Ack, Topics, decode, encode, split_payload
 
     answers: list[Ack] = []
@@ -436,22 +448,21 @@ def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reas
 
     good = update_for(heterofl, spec, task_id="r2-dev-1", agent="dev", status="ok", round_number=2, fill=0.1)
     assert send(good).reason == "unknown task 'r2-dev-1' of round 2: no round is in progress"
-    heterofl._collector = RoundCollector(2, {"r2-dev-1": DispatchedTask("r2-dev-1", 2, task, time.time() + 60),
-                                             "r2-dev-2": DispatchedTask("r2-dev-2", 2, task, time.time() + 60)})
+    open_round(heterofl, 2, {"r2-dev-1": task, "r2-dev-2": task})
     heterofl.journal.begin(2, time.time() + 60, {"r2-dev-1": task, "r2-dev-2": task}, [])
     stale = update_for(heterofl, spec, task_id="r1-dev-1", agent="dev", status="ok", round_number=1, fill=0.1)
     assert send(stale).reason == "unknown task 'r1-dev-1' of round 1: round 2 is in progress"
     assert send(good) == Ack("r2-dev-1", 2, "dev")  # stored: an ack without a reason
-    assert [u.task_id for u, _, _ in heterofl.journal.load().updates] == ["r2-dev-1"]  # on disk before the ack
+    assert [u.task_id for u, _ in heterofl.journal.stored(2)] == ["r2-dev-1"]  # on disk before the ack
     assert send(good).reason is None  # sent again: stored already
     other = update_for(heterofl, spec, task_id="r2-dev-1", agent="dev", status="ok", round_number=2, fill=0.2)
     assert send(other).reason.startswith("another update for task 'r2-dev-1' arrived first and is the one kept")
     wide = update_for(heterofl, SubmodelSpec.full(), task_id="r2-dev-2", agent="dev", status="ok", round_number=2,
                       fill=0.1)
     assert send(wide).reason.startswith("update rejected: agent trained width=1, which is not inside the width=0.5")
-    heterofl._collector.wait(time.time())  # the round closes
+    heterofl._round.close(heterofl._reload)  # the round closes
     late = update_for(heterofl, spec, task_id="r2-dev-3", agent="dev", status="ok", round_number=2, fill=0.1)
-    heterofl._collector.tasks["r2-dev-3"] = DispatchedTask("r2-dev-3", 2, task, time.time())
+    heterofl._round.tasks["r2-dev-3"] = DispatchedTask("r2-dev-3", 2, task, time.time())
     assert send(late).reason == "round 2 closed before the update arrived"
 
 
@@ -470,10 +481,10 @@ def test_a_journaled_round_takes_resent_updates_before_it_runs(tmp_path: Path, d
     for chunk in split_payload(encode(update), "r1-dev-1.1"):
         restarted._on_message(Topics(restarted.config.federation).agent_update("dev"), chunk)
     assert answers == [Ack("r1-dev-1", 1, "dev")]  # stored: acked without a reason
-    assert [u.task_id for u, _, _ in restarted.journal.load().updates] == ["r1-dev-1"]
+    assert [u.task_id for u, _ in restarted.journal.stored(1)] == ["r1-dev-1"]
     sent: list[str] = []
     monkeypatch.setattr(restarted, "_dispatch", lambda round_number, task_id, *_: sent.append(task_id) or 0)
-    monkeypatch.setattr(restarted, "_pending_deadline", time.time() + 0.5)
+    restarted._round.deadline = time.time() + 0.5
     result = restarted.run_round(1)
     assert sent == ["r1-dev-2"]  # the answered task is not sent again
     assert result.participants == 1  # and the update taken before it ran was aggregated
@@ -491,8 +502,8 @@ def test_the_retained_status_carries_the_round_in_progress_then_the_last_complet
     monkeypatch.setattr(heterofl.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
-        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
-                                         "no memory"), 10)
+        offer(heterofl, Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"))
         return 10
 
     monkeypatch.setattr(heterofl, "_dispatch", dispatch)
@@ -503,14 +514,13 @@ def test_the_retained_status_carries_the_round_in_progress_then_the_last_complet
 
 def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_answered(heterofl: Coordinator,
                                                                                       monkeypatch) -> None:
-    from coordinator.collector import DispatchedTask, RoundCollector
     from protocol import Topics, encode
 
     resent: list[str] = []
     monkeypatch.setattr(heterofl, "_dispatch", lambda round_number, task_id, planned, deadline: resent.append(task_id))
     tasks = {name: DispatchedTask(name, 1, task_for(heterofl, "b", agent=agent), time.time() + 60)
              for name, agent in (("r1-dev-1", "dev"), ("r1-other-1", "other"))}
-    heterofl._collector = RoundCollector(1, tasks)
+    open_round(heterofl, 1, {name: dispatched.task for name, dispatched in tasks.items()})
     topic = Topics(heterofl.config.federation).agent_status("dev")
     capabilities = agent_record("dev").capabilities
 
@@ -524,7 +534,7 @@ def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_an
     status("offline")  # its Last Will: it crashed or lost the broker
     status("online")
     assert resent == ["r1-dev-1"]  # only its own, unanswered task
-    heterofl._collector.offer(update_for(heterofl, tasks["r1-dev-1"].task.spec, task_id="r1-dev-1", agent="dev"), 10)
+    offer(heterofl, update_for(heterofl, tasks["r1-dev-1"].task.spec, task_id="r1-dev-1", agent="dev"))
     status("offline")
     status("online")
     assert resent == ["r1-dev-1"]  # answered: nothing to send again
@@ -582,8 +592,8 @@ def test_an_agent_whose_data_does_not_fit_the_model_is_skipped_with_the_reason(h
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         sent.append(planned.agent_id)
-        heterofl._collector.offer(Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
-                                         "no memory"), 10)
+        offer(heterofl, Update(task_id, round_number, planned.agent_id, "declined", None, 0, [], {}, {},
+                                         "no memory"))
         return 10
 
     monkeypatch.setattr(heterofl, "_dispatch", dispatch)

@@ -199,5 +199,5 @@ def test_a_task_cut_short_by_the_agents_own_stop_is_not_answered(make_agent, mon
     monkeypatch.setattr(agent.runner, "run", run)
     with agent._lock:
         agent._busy += 1
-    agent._serve(SimpleNamespace(task_id="r1-pi-01-1"))
+    agent._serve(SimpleNamespace(task_id="r1-pi-01-1"), 0.0)
     assert sent == []  # nothing spooled: the next process trains the task the coordinator sends again

@@ -41,7 +41,9 @@ from protocol import (
 
 HIDDEN = (4, 8)
 MEMORY_KEYS = {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration"}
-OK_METRICS = {"loss", "steps", "seconds", "stages", "peak_bytes"} | MEMORY_KEYS
+#: Where the device's time went (TaskRunner.run): the whole task, the decision child, the training child.
+TIME_KEYS = {"seconds_task", "seconds_decision", "seconds_child"}
+OK_METRICS = {"loss", "steps", "seconds", "stages", "peak_bytes"} | MEMORY_KEYS | TIME_KEYS
 
 
 def heap_metrics(runner) -> set[str]:
@@ -500,6 +502,10 @@ def test_a_depth_wise_task_uploads_only_the_trained_blocks_and_the_head(deep_fam
     stage_peaks = {f"stage_peak_bytes.{i}" for i in range(len(spec.segments))}  # one measured peak per segment
     assert set(update.metrics) == OK_METRICS | stage_peaks | heap_metrics(runner)
     assert all(0 < update.metrics[key] <= update.metrics["peak_bytes"] for key in stage_peaks)
+    # Where the device's time went: nested intervals, each measured around the next.
+    times = update.metrics
+    assert 0 < times["seconds"] <= times["seconds_child"]
+    assert 0 < times["seconds_decision"] and times["seconds_decision"] + times["seconds_child"] <= times["seconds_task"]
     assert update.metrics["stages"] == float(len(spec.segments))
     assert update.metrics["steps"] == float(steps)
     assert update.metrics["raw_estimate_bytes"] == estimate_plan_memory(deep_family, spec, plan,

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from coordinator.metrics import RoundResult, TaskRecord
-from fedfit.sim.report import build_report, communication, format_table, read_report, summarize, write_report
+from fedfit.sim.report import (
+    build_report,
+    communication,
+    format_table,
+    format_timing,
+    read_report,
+    summarize,
+    write_report,
+)
 
 
 def sample_rounds() -> list[RoundResult]:
@@ -21,7 +29,7 @@ def sample_rounds() -> list[RoundResult]:
                                           params_returned=100),
                                TaskRecord("sim-001", "b", "declined", "width=0.5", reason="too big",
                                           params_sent=50)],
-                        trained_levels=["a"]),
+                        trained_levels=["a"], timing={"planning": 0.25, "collecting": 3.5, "training": 1.5}),
             RoundResult(round=2, global_accuracy=0.875, level_accuracy={"a": 0.875, "b": 0.8}, participants=2,
                         selected=2, bytes_down=2_000_000, bytes_up=1_000_000, seconds=3.75,
                         tasks=[TaskRecord("sim-000", "a", "ok", "width=1",
@@ -40,7 +48,8 @@ def test_report_has_the_documented_shape(tmp_path: Path) -> None:
     assert report["rounds"][0] == {"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
                                    "exit_accuracy": {}, "trained_levels": ["a"], "trained_exits": [],
                                    "participants": 2, "selected": 3, "bytes_down": 2_000_000, "bytes_up": 1_500_000,
-                                   "seconds": 4.25, "waste": pytest.approx(1 / 3), "shrunk": 0.5}
+                                   "seconds": 4.25, "waste": pytest.approx(1 / 3), "shrunk": 0.5,
+                                   "timing": {"planning": 0.25, "collecting": 3.5, "training": 1.5}}
     assert report["rounds"][1]["waste"] is None  # a report of a run that counted no parameters
     first = report["tasks"][0]
     assert (first["loss"], first["steps"], first["seconds"]) == (0.5, 3, 1.5)
@@ -149,3 +158,13 @@ def test_the_summary_counts_what_adapted_devices_fell_to() -> None:
     report = build_report("flexfl", "mosquitto", "2", rounds, {})
     assert report["summary"]["adaptations"] == {"M2->M1": 1, "M3->M3'": 2}
     assert [task["level_trained"] for task in report["tasks"]] == ["M3'", "M3'", "M1", "M2", None]
+
+
+def test_the_timing_table_lists_the_phases_any_round_went_through_in_order() -> None:
+    report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {}, secured=True)
+    lines = format_timing(report["rounds"]).splitlines()
+    assert lines[0].startswith("where the time went (seconds)")
+    assert lines[1].split() == ["round", "seconds", "planning", "collecting", "training"]
+    assert lines[3].split() == ["1", "4.25", "0.250", "3.500", "1.500"]
+    assert lines[4].split() == ["2", "3.75", "-", "-", "-"]  # a round without timing (an older report)
+    assert format_timing([{**r, "timing": {}} for r in report["rounds"]]) == ""

@@ -1,0 +1,294 @@
+"""One round of the federation as a state machine: planned -> collecting -> aggregating -> closed.
+
+- **planned**: its tasks are chosen and journaled (a fresh round) or read back from the journal (a round resumed
+  after a crash). Nothing is taken yet.
+- **collecting** (:meth:`Round.open`): updates are taken as they come (:meth:`Round.receive`, on the thread that
+  handles messages). Each is examined once (validated against its task by the daemon), stored (journaled) before its
+  ack, measured (its change, for screening) and folded into the round's aggregate at once; the round keeps only
+  what the report needs of it, never its weights, so its memory is one aggregate whatever the number of updates.
+  Screening's first rule (the plan's reach) needs nothing but the update, so an update beyond it is not folded.
+- **aggregating** (:meth:`Round.close`): no update is taken any more. Screening's second rule needs the round's
+  medians, so it runs now over the kept changes; an update it rejects is read back from the journal and taken out
+  of the aggregate again (rare: an attack, not a habit).
+- **closed** (:meth:`Round.finish`): the new states are out; the daemon evaluates and checkpoints them.
+
+A fresh round and a resumed one differ only in how they are planned: the updates a resumed one had stored are
+received through the same path (without storing them again), and its tasks without an update are sent again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from coordinator.config import ScreeningConfig
+from coordinator.metrics import TaskRecord
+from coordinator.screening import Change, beyond_reach, outliers
+from coordinator.strategies import RoundAggregate, TaskPlan, TaskResult
+from coordinator.strategies.base import Skip, State
+from models import SubmodelSpec
+from protocol import Update
+
+__all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Phase", "Receipt", "Round"]
+
+#: The update metric each device phase is read from (the agent's TaskRunner and daemon write them).
+DEVICE_METRICS = {"queued": "seconds_queued", "decision": "seconds_decision", "training": "seconds"}
+
+
+class Phase(Enum):
+    """Where a round is (see the module docstring)."""
+
+    PLANNED = "planned"
+    COLLECTING = "collecting"
+    AGGREGATING = "aggregating"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class DispatchedTask:
+    """What the coordinator sent: the strategy's task plan, with its id, round and when its answer is due."""
+
+    task_id: str
+    round: int
+    task: TaskPlan
+    deadline: float
+
+
+@dataclass
+class Examined:
+    """The daemon's reading of an update against its task: its record for the report and, for an update to
+    aggregate, the result ready to fold, or why it is refused (then it is never stored)."""
+
+    record: TaskRecord
+    result: TaskResult | None = None
+    refusal: str | None = None
+
+
+@dataclass
+class Answer:
+    """What a round keeps of an answered task: the update without its weights, its size in bytes and the sha256 of
+    the message as it arrived, its record, why it was refused at its ack (never stored) and, for an update folded
+    in, its trained spec, the keys it trained, its change and screening's verdict (``rejection``, None while it
+    stays aggregated)."""
+
+    update: Update
+    size: int
+    digest: str
+    record: TaskRecord
+    refusal: str | None = None
+    spec: SubmodelSpec | None = None
+    keys: frozenset[str] = frozenset()
+    change: Change | None = None
+    rejection: str | None = None
+    arrived: float = 0.0  # time.monotonic() when the round took it
+
+    @property
+    def screened(self) -> bool:
+        """Whether the update was valid and screening judged it (it hears a verdict)."""
+        return self.change is not None
+
+    @property
+    def aggregated(self) -> bool:
+        """Whether the update is in the round's aggregate."""
+        return self.change is not None and self.rejection is None
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """How a round took an update: ``verdict`` "accepted" (new), "duplicate" (the same message again), "conflict"
+    (another update for a task that has one), "late" or "unknown"; ``refusal``: why it will never be aggregated
+    (None: it is stored)."""
+
+    verdict: str
+    refusal: str | None = None
+
+
+class Round:
+    """One round (see the module docstring). Thread-safe: :meth:`receive` runs on the message thread while the
+    round's own thread waits, closes and finishes it.
+
+    ``measure(result)`` gives an update's :class:`Change` (against the weights its task sent); ``reload(task_id)``
+    reads a stored update back (from the journal) when screening's second rule takes it out again.
+    """
+
+    def __init__(self, number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
+                 aggregate: RoundAggregate, screening: ScreeningConfig,
+                 measure: Callable[[TaskResult], Change]) -> None:
+        self.number = number
+        self.tasks = {task_id: DispatchedTask(task_id, number, task, deadline) for task_id, task in tasks.items()}
+        self.skipped = skipped
+        self.deadline = deadline
+        self.phase = Phase.PLANNED
+        self.answers: dict[str, Answer] = {}
+        #: Seconds this round spent examining (validation and screening's measure) and folding updates in.
+        self.timing: dict[str, float] = {"validation": 0.0, "aggregation": 0.0}
+        self._aggregate = aggregate
+        self._screening = screening
+        self._measure = measure
+        self._sent_at: dict[str, float] = {}  # task id -> time.monotonic() when it was (last) sent
+        self._interrupted = False
+        self._done = threading.Condition()
+
+    # ------------------------------------------------------------------ collecting
+    def open(self) -> None:
+        """planned -> collecting: updates are taken from now on."""
+        with self._done:
+            self._expect(Phase.PLANNED)
+            self.phase = Phase.COLLECTING
+
+    def receive(self, update: Update, size: int, digest: str, examine: Callable[[Update, TaskPlan], Examined],
+                store: Callable[[], None]) -> Receipt:
+        """Take an update (see :class:`Receipt`). A new one is examined, stored with ``store()`` unless refused
+        (an OSError from it leaves the round as it was: the agent sends the update again), then folded in."""
+        with self._done:
+            verdict = self._verdict(update, digest)
+            if verdict == "duplicate":
+                return Receipt(verdict, self.answers[update.task_id].refusal)
+            if verdict != "accepted":
+                return Receipt(verdict, self._refusal(update, verdict))
+            started = time.perf_counter()
+            examined = examine(update, self.tasks[update.task_id].task)
+            self.timing["validation"] += time.perf_counter() - started
+            answer = Answer(replace(update, weights={}), size, digest, examined.record, examined.refusal,
+                            arrived=time.monotonic())
+            if examined.refusal is None:
+                store()
+                if examined.result is not None:
+                    self._fold(answer, examined.result)
+            self.answers[update.task_id] = answer
+            self._done.notify_all()
+            return Receipt(verdict, examined.refusal)
+
+    def _verdict(self, update: Update, digest: str) -> str:
+        dispatched = self.tasks.get(update.task_id)
+        if dispatched is None or update.round != self.number or dispatched.task.agent_id != update.agent_id:
+            return "unknown"
+        if update.task_id in self.answers:
+            first = self.answers[update.task_id].digest
+            return "conflict" if digest and first and digest != first else "duplicate"
+        if self.phase is not Phase.COLLECTING:
+            return "late" if self.phase in (Phase.AGGREGATING, Phase.CLOSED) else "unknown"
+        return "accepted"
+
+    def _refusal(self, update: Update, verdict: str) -> str:
+        if verdict == "late":
+            return f"round {update.round} closed before the update arrived"
+        if verdict == "conflict":
+            return (f"another update for task {update.task_id!r} arrived first and is the one kept (is this device's "
+                    f"login used elsewhere?)")
+        return f"unknown task {update.task_id!r} of round {update.round}: round {self.number} is in progress"
+
+    def _fold(self, answer: Answer, result: TaskResult) -> None:
+        """Measure a valid update, and fold it in unless it is beyond its plan's reach (screening's first rule)."""
+        started = time.perf_counter()
+        change = self._measure(result)
+        measured = time.perf_counter()
+        self.timing["validation"] += measured - started
+        answer.spec, answer.keys, answer.change = result.spec, frozenset(result.state), change
+        answer.record.screening = change.as_dict()
+        reason = beyond_reach(result, change) if self._screening.enabled else None
+        if reason is not None:
+            self._reject(answer, reason)
+            return
+        self._aggregate.add(result)
+        self.timing["aggregation"] += time.perf_counter() - measured
+
+    @staticmethod
+    def _reject(answer: Answer, reason: str) -> None:
+        answer.rejection = reason
+        answer.record.status, answer.record.reason = "rejected", reason
+
+    def mark_sent(self, task_id: str) -> None:
+        """Note that ``task_id``'s task went out (again) now: its update's transfer time counts from here."""
+        with self._done:
+            self._sent_at[task_id] = time.monotonic()
+
+    def unanswered(self, agent_id: str) -> list[DispatchedTask]:
+        """The tasks of ``agent_id`` still waiting for an update (none once the round stopped collecting)."""
+        with self._done:
+            if self.phase not in (Phase.PLANNED, Phase.COLLECTING):
+                return []
+            return [task for task_id, task in self.tasks.items()
+                    if task.task.agent_id == agent_id and task_id not in self.answers]
+
+    def interrupt(self) -> None:
+        """End :meth:`wait` now (the run is ending)."""
+        with self._done:
+            self._interrupted = True
+            self._done.notify_all()
+
+    def wait(self, extension: Callable[[], float] = lambda: 0.0) -> bool:
+        """Block until every task has an answer, the round is interrupted, or its wall-clock deadline plus
+        ``extension()`` seconds (read as it grows, e.g. a broker outage) passes; True when every task answered."""
+        with self._done:
+            while len(self.answers) < len(self.tasks) and not self._interrupted:
+                remaining = self.deadline + extension() - time.time()
+                if remaining <= 0:
+                    break
+                self._done.wait(min(remaining, 1.0))
+            return len(self.answers) == len(self.tasks)
+
+    # ------------------------------------------------------------------ aggregating
+    def close(self, reload: Callable[[str], TaskResult]) -> None:
+        """collecting -> aggregating: take no more updates (one being received finishes first), run screening's
+        second rule over the kept changes and take every update it rejects back out of the aggregate (read back
+        with ``reload(task_id)``)."""
+        with self._done:
+            self._expect(Phase.COLLECTING)
+            self.phase = Phase.AGGREGATING
+        started = time.perf_counter()
+        if self._screening.enabled:
+            screened = [(task_id, answer, answer.spec, answer.change) for task_id, answer in sorted(self.answers.items())
+                        if answer.spec is not None and answer.change is not None]
+            reasons = outliers([(spec, change) for _, _, spec, change in screened],
+                               [answer.rejection is None for _, answer, _, _ in screened], self._screening)
+            for (task_id, answer, _, _), reason in zip(screened, reasons):
+                if reason is not None:
+                    self._aggregate.remove(reload(task_id))
+                    self._reject(answer, reason)
+        self.timing["aggregation"] += time.perf_counter() - started
+
+    def finish(self) -> dict[str, State]:
+        """aggregating -> closed: the new states (the aggregate of the updates that stayed in)."""
+        with self._done:
+            self._expect(Phase.AGGREGATING)
+        started = time.perf_counter()
+        states = self._aggregate.result()
+        self.timing["aggregation"] += time.perf_counter() - started
+        with self._done:
+            self.phase = Phase.CLOSED
+        return states
+
+    # ------------------------------------------------------------------ reading
+    def aggregated(self) -> Iterator[Answer]:
+        """The answers whose update is in the aggregate, by task id."""
+        return (answer for _, answer in sorted(self.answers.items()) if answer.aggregated)
+
+    def device_times(self) -> list[dict[str, float]]:
+        """Per update, where its device's time went (seconds; see ``coordinator.metrics.DEVICE_PHASES``): the
+        waiting, decision and training its metrics report, and the transfer: the time from its task's dispatch to
+        its arrival that the device did not report as its own (``seconds_queued`` + ``seconds_task``)."""
+        with self._done:
+            times = []
+            for task_id, answer in sorted(self.answers.items()):
+                metrics = answer.update.metrics
+                entry = {phase: float(metrics[name]) for phase, name in DEVICE_METRICS.items() if name in metrics}
+                sent = self._sent_at.get(task_id)
+                if sent is not None and "seconds_task" in metrics:
+                    own = float(metrics["seconds_task"]) + float(metrics.get("seconds_queued", 0.0))
+                    entry["transfer"] = max(0.0, answer.arrived - sent - own)
+                times.append(entry)
+            return times
+
+    @property
+    def bytes_up(self) -> int:
+        """Bytes of every update the round took."""
+        return sum(answer.size for answer in self.answers.values())
+
+    def _expect(self, phase: Phase) -> None:
+        if self.phase is not phase:
+            raise RuntimeError(f"round {self.number} is {self.phase.value}, not {phase.value}")
+

@@ -1,0 +1,252 @@
+"""Round: the state machine of one round, its verdicts on updates, streaming aggregation and screening."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.config import ScreeningConfig
+from coordinator.metrics import TaskRecord
+from coordinator.round import Examined, Phase, Round
+from coordinator.screening import Change
+from coordinator.strategies import RoundAggregate, TaskPlan, TaskResult
+from models import SubmodelSpec
+from protocol import TrainingPlan, Update
+
+ROUND = 4
+FULL = SubmodelSpec.full()
+STATES = {"global": {"w": torch.zeros(4)}}
+
+
+def task_plan(agent: str) -> TaskPlan:
+    return TaskPlan(agent, "a", FULL, TrainingPlan())
+
+
+def update(agent: str, task_id: str | None = None, round_number: int = ROUND, status: str = "ok",
+           fill: float = 1.0, samples: int = 5) -> Update:
+    return Update(task_id=task_id or f"t-{agent}", round=round_number, agent_id=agent, status=status,
+                  spec_trained=None, num_samples=samples, labels=[0, 1],
+                  weights={"w": np.full(4, fill, np.float32)}, metrics={"loss": 1.0})
+
+
+class Harness:
+    """A round over a 4-element model, whose updates' changes are their fill values (so screening can be steered)
+    and whose examinations and stores are counted."""
+
+    def __init__(self, agents=("a0", "a1"), deadline: float | None = None, screening: ScreeningConfig | None = None,
+                 bound: float | None = None) -> None:
+        self.bound = bound
+        self.examined: list[str] = []
+        self.stored: list[str] = []
+        self.kept: dict[str, Update] = {}  # what a journal would hold
+        deadline = time.time() + 60 if deadline is None else deadline
+        tasks = {f"t-{agent}": task_plan(agent) for agent in agents}
+        self.aggregate = RoundAggregate(STATES, lambda result: float(result.num_samples), [])
+        self.round = Round(ROUND, tasks, [], deadline, self.aggregate, screening or ScreeningConfig(min_peers=2),
+                           self.measure)
+
+    def measure(self, result: TaskResult) -> Change:
+        norm = float(result.state["w"].norm())
+        return Change(norm, 1, 1.0, self.bound)
+
+    def result_of(self, message: Update) -> TaskResult:
+        tensor = torch.from_numpy(np.array(message.weights["w"]))
+        return TaskResult(self.round.tasks[message.task_id].task, FULL, {"w": tensor}, {"w": (torch.arange(4),)},
+                          message.num_samples, list(message.labels))
+
+    def examine(self, message: Update, task: TaskPlan) -> Examined:
+        self.examined.append(message.task_id)
+        record = TaskRecord(message.agent_id, task.level, message.status, "full")
+        if message.status != "ok":
+            return Examined(record)
+        if message.num_samples < 0:
+            return Examined(record, refusal="update rejected: negative samples")
+        return Examined(record, self.result_of(message))
+
+    def offer(self, message: Update, digest: str = "", fail_store: bool = False):
+        def store() -> None:
+            if fail_store:
+                raise OSError("disk full")
+            self.stored.append(message.task_id)
+            self.kept[message.task_id] = message
+        return self.round.receive(message, 100, digest, self.examine, store)
+
+    def reload(self, task_id: str) -> TaskResult:
+        return self.result_of(self.kept[task_id])
+
+
+def opened(**kwargs) -> Harness:
+    harness = Harness(**kwargs)
+    harness.round.open()
+    return harness
+
+
+def test_a_planned_round_takes_nothing_until_it_is_opened():
+    harness = Harness()
+    assert harness.round.phase is Phase.PLANNED
+    assert harness.offer(update("a0")).verdict == "unknown" and harness.examined == []
+    harness.round.open()
+    assert harness.round.phase is Phase.COLLECTING
+    assert harness.offer(update("a0")).verdict == "accepted"
+
+
+def test_a_new_update_is_examined_once_stored_then_folded_and_kept_without_its_weights():
+    harness = opened()
+    receipt = harness.offer(update("a0", fill=2.0), "d1")
+    assert (receipt.verdict, receipt.refusal) == ("accepted", None)
+    assert harness.examined == ["t-a0"] and harness.stored == ["t-a0"]
+    answer = harness.round.answers["t-a0"]
+    assert answer.update.weights == {} and answer.size == 100 and answer.digest == "d1"
+    assert answer.aggregated and answer.keys == {"w"} and answer.record.screening["norm"] == pytest.approx(4.0)
+    assert harness.aggregate.updates == 1
+    # The same message again is a duplicate, examined no more; another one for the task a conflict.
+    assert harness.offer(update("a0", fill=2.0), "d1").verdict == "duplicate"
+    conflict = harness.offer(update("a0", fill=3.0), "d2")
+    assert conflict.verdict == "conflict" and "arrived first" in conflict.refusal
+    assert harness.examined == ["t-a0"] and harness.aggregate.updates == 1
+
+
+def test_unknown_tasks_other_agents_and_other_rounds_are_refused_unexamined():
+    harness = opened()
+    for message in (update("a0", task_id="t-other"), update("a1", task_id="t-a0"),
+                    update("a0", round_number=ROUND - 1)):
+        receipt = harness.offer(message)
+        assert receipt.verdict == "unknown" and f"round {ROUND} is in progress" in receipt.refusal
+    assert harness.examined == [] and harness.round.answers == {}
+
+
+def test_a_refused_update_counts_as_answered_but_is_never_stored_or_folded():
+    harness = opened()
+    receipt = harness.offer(update("a0", samples=-1))
+    assert receipt == type(receipt)("accepted", "update rejected: negative samples")
+    assert harness.stored == [] and harness.aggregate.updates == 0
+    assert harness.offer(update("a0", samples=-1)).refusal == "update rejected: negative samples"  # resent
+    assert not harness.round.answers["t-a0"].screened
+
+
+def test_an_update_that_cannot_be_stored_leaves_the_round_as_it_was():
+    harness = opened()
+    with pytest.raises(OSError):
+        harness.offer(update("a0"), fail_store=True)
+    assert harness.round.answers == {} and harness.aggregate.updates == 0
+    assert harness.offer(update("a0")).verdict == "accepted"  # the resend is taken as new
+
+
+def test_a_declined_update_is_an_answer_without_a_fold():
+    harness = opened(agents=("a0",))
+    assert harness.offer(update("a0", status="declined")).verdict == "accepted"
+    assert harness.stored == ["t-a0"] and harness.aggregate.updates == 0
+    assert harness.round.wait() is True
+
+
+def test_an_update_beyond_its_plans_reach_is_not_folded_and_is_rejected():
+    harness = opened(bound=3.0)
+    harness.offer(update("a0", fill=1.0))  # norm 2: inside
+    harness.offer(update("a1", fill=2.0))  # norm 4: beyond
+    rejected = harness.round.answers["t-a1"]
+    assert rejected.screened and not rejected.aggregated and "most its training plan" in rejected.rejection
+    assert rejected.record.status == "rejected" and harness.aggregate.updates == 1
+
+
+def test_closing_takes_an_outlier_back_out_of_the_aggregate_with_the_update_read_back():
+    agents = ("a0", "a1", "a2", "a3")
+    harness = opened(agents=agents)
+    for agent, fill in zip(agents, (1.0, 1.0, 1.0, 100.0)):
+        harness.offer(update(agent, fill=fill, samples=1))
+    assert harness.aggregate.updates == 4
+    reloaded: list[str] = []
+    harness.round.close(lambda task_id: reloaded.append(task_id) or harness.reload(task_id))
+    assert harness.round.phase is Phase.AGGREGATING and reloaded == ["t-a3"]
+    assert "medians of the round's 3 other updates" in harness.round.answers["t-a3"].rejection
+    assert [a.update.agent_id for a in harness.round.aggregated()] == ["a0", "a1", "a2"]
+    states = harness.round.finish()
+    assert harness.round.phase is Phase.CLOSED
+    torch.testing.assert_close(states["global"]["w"], torch.ones(4))  # the outlier's 100 is gone
+
+
+def test_the_aggregate_is_the_sample_weighted_mean_of_the_updates_that_stayed_in():
+    harness = opened()
+    harness.offer(update("a0", fill=1.0, samples=1))
+    harness.offer(update("a1", fill=4.0, samples=3))
+    harness.round.close(harness.reload)
+    torch.testing.assert_close(harness.round.finish()["global"]["w"], torch.full((4,), 13.0 / 4))
+
+
+def test_after_closing_updates_are_late_and_phases_go_one_way():
+    harness = opened()
+    harness.round.close(harness.reload)
+    receipt = harness.offer(update("a0"))
+    assert receipt.verdict == "late" and receipt.refusal == f"round {ROUND} closed before the update arrived"
+    with pytest.raises(RuntimeError, match="is aggregating, not collecting"):
+        harness.round.close(harness.reload)
+    with pytest.raises(RuntimeError, match="is aggregating, not planned"):
+        harness.round.open()
+    harness.round.finish()
+    with pytest.raises(RuntimeError, match="is closed, not aggregating"):
+        harness.round.finish()
+
+
+def test_unanswered_lists_an_agents_tasks_without_an_update_until_the_round_closes():
+    harness = opened()
+    assert [t.task_id for t in harness.round.unanswered("a0")] == ["t-a0"]
+    assert harness.round.unanswered("stranger") == []
+    harness.offer(update("a0"))
+    assert harness.round.unanswered("a0") == [] and [t.task_id for t in harness.round.unanswered("a1")] == ["t-a1"]
+    harness.round.close(harness.reload)
+    assert harness.round.unanswered("a1") == []
+
+
+def test_wait_returns_at_the_deadline_when_an_update_is_missing():
+    harness = opened(deadline=time.time() + 0.2)
+    harness.offer(update("a0"))
+    assert harness.round.wait() is False
+
+
+def test_wait_wakes_when_the_last_update_arrives_from_another_thread():
+    harness = opened()
+    harness.offer(update("a0"))
+    thread = threading.Thread(target=lambda: harness.offer(update("a1")))
+    thread.start()
+    assert harness.round.wait() is True  # the deadline is a minute away: woken by the update
+    thread.join()
+
+
+def test_wait_moves_its_deadline_by_the_extension_as_it_grows():
+    harness = opened(agents=("a0",), deadline=time.time() + 0.1)
+    arrived = threading.Event()
+
+    def late_answer() -> None:
+        arrived.wait(10)
+        harness.offer(update("a0"))
+
+    thread = threading.Thread(target=late_answer)
+    thread.start()
+    outage = [5.0]  # a broker outage pushes the deadline past the answer
+    arrived.set()
+    assert harness.round.wait(lambda: outage[0]) is True
+    thread.join()
+
+
+def test_interrupt_ends_wait():
+    harness = opened()
+    threading.Timer(0.05, harness.round.interrupt).start()
+    assert harness.round.wait() is False
+
+
+def test_device_times_read_the_metrics_and_the_transfer_is_what_the_device_did_not_report():
+    harness = opened()
+    sent = time.monotonic()
+    harness.round.mark_sent("t-a0")
+    message = update("a0")
+    message.metrics.update({"seconds_decision": 0.5, "seconds": 2.0, "seconds_task": 0.0})
+    harness.offer(message)
+    received = time.monotonic()
+    harness.offer(update("a1"))  # never marked sent, reports nothing
+    first, second = harness.round.device_times()
+    assert (first["decision"], first["training"]) == (0.5, 2.0)
+    assert 0.0 <= first["transfer"] <= received - sent
+    assert second == {}
