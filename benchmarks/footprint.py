@@ -7,6 +7,11 @@ tasks of a ``--big-model`` over ``limits.max_epochs`` (received, decoded, declin
 many transfers over ``limits.max_task_bytes`` (declined at their first chunk), acking every answer; then it measures
 again, to show whether the agent's memory returned to where it was.
 
+The training forkserver is also shown by part at each measurement (``benchmarks/forkserver_anatomy.py``: anonymous
+memory and the file pages of torch's, the CUDA and the other libraries; *anon*: what exists only in memory),
+and first by cause: a fresh process prepared step by step as the server was before issue 21 and as it is now
+(``--no-anatomy`` skips that).
+
 Run: ``.venv/bin/python benchmarks/footprint.py [--forkserver start-up]`` (about a minute). PSS shares each page
 among the processes mapping it, so the PSS column adds up to what the agent costs the device; RSS counts shared
 pages in every process. The issue's target: the agent process itself below 100 MB RSS.
@@ -27,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import yaml
+from forkserver_anatomy import anatomy, by_part, print_anatomy, print_parts
 
 from common.data import load_dataset, parse_partition, partition_indices
 from common.mqtt_link import MqttLink
@@ -70,6 +76,12 @@ def show(title: str, rows: list[tuple[str, int, int, int]]) -> None:
     for role, pid, rss, pss in rows:
         print(f"{role:<18} {pid:>7} {rss / MIB:>9.1f} {pss / MIB:>9.1f}")
     print(f"{'total':<18} {'':>7} {sum(r[2] for r in rows) / MIB:>9.1f} {sum(r[3] for r in rows) / MIB:>9.1f}")
+    for role, pid, _, _ in rows:
+        if role == "forkserver":
+            try:
+                print_parts(by_part(pid))
+            except OSError:  # it ended meanwhile
+                pass
 
 
 def wait_for(log: Path, event: str, timeout: float, also: str = "") -> None:
@@ -141,7 +153,11 @@ def main() -> int:
     parser.add_argument("--refusals", type=int, default=3, help="refused tasks of each kind (0: skip the step)")
     parser.add_argument("--big-model", default="256,512,1024",
                         help="hidden channels of the CNN of the tasks refused for their epochs (default: about 24 MB)")
+    parser.add_argument("--anatomy", action=argparse.BooleanOptionalAction, default=True,
+                        help="first show the forkserver's preparation step by step, as it was and as it is")
     args = parser.parse_args()
+    if args.anatomy:
+        print_anatomy(anatomy())
     workdir = Path(tempfile.mkdtemp(prefix="fedfit-footprint-"))
     dataset = load_dataset(args.dataset)
     shard = partition_indices(dataset.y_train, args.shards, parse_partition("iid"), 0)[0]

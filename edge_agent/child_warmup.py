@@ -1,20 +1,48 @@
-"""Imported only by the training forkserver (last of its preloads): one tiny training step, so that the torch
-runtime's one-time initialisation (thread pools, kernel dispatch tables, allocator arenas) happens once in the
-server and every forked training child starts warm instead of paying it again inside its measured peak; then
-every object the server holds is frozen out of the garbage collector (``gc.freeze``), so that a collection in a
-child does not write to their pages and copy them into the child's memory while it trains (measured: +0.25 to
-0.4 MB on the smallest ``benchmarks/memory.py`` rows, 0.9 to 2.4 MB)."""
+"""How the training forkserver prepares itself before it forks anything (:func:`prepare`, run as it imports
+``edge_agent.forkserver_preload``), so that every child starts warm and the idle server holds little.
+
+1. Where no GPU is present (``edge_agent.gpu_stack``), torch's optional GPU packages are kept out before torch
+   is imported: ``triton`` (which ``torch._dynamo`` would import: about 75 MB) and ``cuda.bindings`` (about
+   10 MB). The CUDA libraries of torch's CUDA build are linked into libtorch and load with it whatever the
+   device; CUDA itself is initialised by nothing here (only a child that trains on ``cuda`` or asks
+   ``torch.cuda.is_available()`` does).
+2. torch, the children's modules (:data:`CHILD_MODULES`: the trainer, the estimator, the models) and
+   ``torch._dynamo``, the lazy import behind the first ``torch.optim`` optimizer (sympy and about 890 modules,
+   70 MB), are imported once here instead of in every child's measured peak.
+3. One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
+   kernel dispatch tables, allocator arenas) happens once in the server and every forked training child starts
+   warm instead of paying it again inside its measured peak.
+4. Every object the server holds is frozen out of the garbage collector (``gc.freeze``), so that a collection in
+   a child does not write to their pages and copy them into the child's memory while it trains (measured: +0.25
+   to 0.4 MB on the smallest ``benchmarks/memory.py`` rows, 0.9 to 2.4 MB); the heap gives back what the
+   imports and the step freed (``malloc_trim``).
+5. The pages of code and constants the imports and the step read (libtorch, the CUDA libraries, numpy, ...) are
+   unmapped from the server (``edge_agent.mappings``): a forked child never inherits those page-table entries
+   (it maps what it runs itself, from the page cache, and warms up before its baseline:
+   ``edge_agent.child.warm_up_training``), so they only added to the idle server's RSS (measured: 235 MB with
+   torch's CUDA build, 95 MB with its CPU build), as pages the kernel could reclaim.
+
+``benchmarks/forkserver_anatomy.py`` (part of ``benchmarks/footprint.py``) measures each step (``on_step``) and
+compares with the server as it was before steps 1, 5 and the trim (``light=False``).
+"""
 
 from __future__ import annotations
 
 import gc
+import importlib
+from collections.abc import Callable
 
-import torch
-from torch import nn
+from edge_agent import allocator, gpu_stack, mappings
+
+#: The modules forked children run, imported by the server.
+CHILD_MODULES = ("edge_agent.child", "edge_agent.decision")
 
 
 def warm_up() -> None:
     """Forward, backward and an SGD step of a small conv net on CPU, with one thread."""
+    import torch
+    from torch import nn
+
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
                           nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
@@ -25,6 +53,31 @@ def warm_up() -> None:
     optimizer.step()
 
 
-warm_up()
-gc.collect()
-gc.freeze()
+def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True) -> None:
+    """Prepare this process as the training forkserver (the steps above); ``on_step(name)`` is called after each.
+    ``light=False`` leaves out what a device without a GPU need not hold (steps 1 and 5, the trim): the server
+    as it was, for comparison."""
+    def done(name: str) -> None:
+        if on_step is not None:
+            on_step(name)
+
+    if light and not gpu_stack.gpu_present():
+        gpu_stack.keep_out()
+        done("GPU packages kept out")
+    importlib.import_module("torch")
+    done("import torch")
+    for name in CHILD_MODULES:
+        importlib.import_module(name)
+    done("FedFit's modules")
+    importlib.import_module("torch._dynamo")
+    done("torch._dynamo")
+    warm_up()
+    done("warm-up step")
+    gc.collect()
+    gc.freeze()
+    if light:
+        allocator.settle("default")
+    done("gc.freeze" + (", heap trimmed" if light else ""))
+    if light:
+        mappings.release_file_pages()
+        done("file pages released")

@@ -2,8 +2,9 @@
 
 The agent process itself imports no torch (MQTT, msgpack and numpy only: tens of MB instead of hundreds). A
 multiprocessing *forkserver* imports torch, the models, the estimator and the trainer once (``PRELOAD``) and runs
-one tiny training step (``edge_agent.child_warmup``), so every child it forks starts warm: the decision child
-(``edge_agent.decision``: checks, estimates, adaptation) and the training child (``edge_agent.child``). It starts
+one tiny training step, so every child it forks starts warm: the decision child (``edge_agent.decision``: checks,
+estimates, adaptation) and the training child (``edge_agent.child``); where there is no GPU it leaves torch's
+optional GPU packages out, and it gives back the library pages it only read (``edge_agent.child_warmup``). It starts
 when the first child is asked for, or at once with :func:`start` (the agent's ``forkserver: start-up``), with the
 page pool (``edge_agent.page_pool``) preloaded when a pooled runner asked for it first (:func:`preload_page_pool`):
 idle until a training child enables it.
@@ -34,8 +35,8 @@ from typing import Any
 from edge_agent import page_pool
 from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision
 
-#: Modules the forkserver imports before forking anything.
-PRELOAD = ["edge_agent.child", "edge_agent.decision", "edge_agent.child_warmup"]
+#: Modules the forkserver imports before forking anything (the one prepares it: ``edge_agent.child_warmup``).
+PRELOAD = ["edge_agent.forkserver_preload"]
 #: How far the measured CPU peak of identical tasks moves between runs (the smallest ``benchmarks/memory.py``
 #: rows: about 0.3 MB between invocations; two agents of one simulation training the same sub-MB task: 0.37 and
 #: 0.73 MB); the calibration does not learn from tasks that are small against it.

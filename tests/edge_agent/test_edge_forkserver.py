@@ -1,5 +1,5 @@
-"""The agent's forkserver: the decision child, the CUDA probe, starting early, and an agent process without
-torch."""
+"""The agent's forkserver: the decision child, the CUDA probe, starting early, what the idle server leaves out,
+and an agent process without torch."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import forkserver
+from edge_agent import forkserver, mappings
 from edge_agent.config import AgentConfig, AgentDataConfig, TaskLimits
 from edge_agent.daemon import EdgeAgent
 from edge_agent.decision import decide_in_workdir
@@ -161,6 +161,35 @@ def test_start_brings_the_forkserver_up_with_torch_while_the_caller_has_none():
             print(json.dumps([len(servers()), has_torch(), "torch" in sys.modules]))
     """)
     assert json.loads(out) == [1, True, False]
+
+
+def test_the_idle_forkserver_leaves_out_what_it_does_not_run():
+    """Where no GPU is present the server never loads triton or cuda.bindings, and it gives back the library pages
+    its imports and warm-up read (a child maps what it runs itself): it holds fewer of torch's library pages than
+    this process, which has imported and run torch."""
+    import torch
+
+    torch.nn.Linear(4, 4)(torch.ones(2, 4)).sum().backward()
+    out = run_python("""
+        import json, tempfile
+        from pathlib import Path
+        import psutil
+        from edge_agent import forkserver, gpu_stack, mappings
+
+        if __name__ == "__main__":
+            end = forkserver.run_child("edge_agent.child:probe_cuda", Path(tempfile.mkdtemp()), 120)
+            server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())][0]
+            paths = [m.path for m in mappings.read(server.pid)]
+            torch_pages = sum(m.rss - m.anonymous for m in mappings.read(server.pid) if "/torch/" in m.path)
+            print(json.dumps([end.exitcode, gpu_stack.gpu_present(), any("/triton/" in p for p in paths),
+                              any("/cuda/bindings/" in p for p in paths), torch_pages]))
+    """)
+    exitcode, gpu, triton, bindings, server_pages = json.loads(out)
+    own_pages = sum(m.rss - m.anonymous for m in mappings.read() if "/torch/" in m.path)
+    assert exitcode == 0
+    if not gpu:
+        assert (triton, bindings) == (False, False)
+    assert server_pages < own_pages / 2, (server_pages, own_pages)
 
 
 def test_an_agent_configured_to_start_its_forkserver_early_does(monkeypatch):

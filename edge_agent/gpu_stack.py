@@ -1,0 +1,64 @@
+"""Whether this machine has a GPU torch could use, and keeping torch's optional GPU packages out of a process
+that has none (the training forkserver, before it imports torch: ``edge_agent.child_warmup``).
+
+torch's CUDA build imports ``cuda.bindings`` (CUDA's Python bindings: about 10 MB resident) with torch, and
+``triton`` (the GPU kernel compiler: about 75 MB, 70 of them its library's pages) with ``torch._dynamo``, which
+the first optimizer imports. Both are optional to torch (its CPU builds install neither; every import of them in
+torch is guarded, ``torch.utils._triton.has_triton_package`` and the ``try``/``except ImportError`` around
+``cuda.bindings``), and neither does anything without a GPU. Marking a module ``None`` in ``sys.modules`` is the
+import system's documented "not available": the import raises ``ImportError`` and torch takes its path for a
+machine without it. This module imports nothing outside the standard library and loads or initialises no driver.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["DEVICE_FILES", "DRIVER_LIBRARIES", "OPTIONAL_MODULES", "gpu_present", "keep_out"]
+
+#: Device files a GPU driver creates: NVIDIA's for discrete GPUs, Jetson's integrated GPU (``nvhost``, ``nvgpu``),
+#: ROCm's (``kfd``) and WSL 2's GPU (``dxg``).
+DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/nvhost-ctrl-gpu", "/dev/nvgpu", "/dev/kfd", "/dev/dxg")
+#: The driver libraries CUDA and ROCm initialise through (installed with the driver, never with a wheel).
+DRIVER_LIBRARIES = ("libcuda.so", "libamdhip64.so")
+#: torch's optional GPU packages, left out where there is no GPU.
+OPTIONAL_MODULES = ("triton", "cuda.bindings")
+
+
+def gpu_present() -> bool:
+    """Whether a GPU driver is here: one of :data:`DEVICE_FILES`, or one of :data:`DRIVER_LIBRARIES` where the
+    dynamic loader finds it (its cache, ``LD_LIBRARY_PATH``; some drivers create their device files only when
+    CUDA first starts). Told without loading anything."""
+    return any(os.path.exists(path) for path in DEVICE_FILES) or _loader_finds(DRIVER_LIBRARIES)
+
+
+def _loader_finds(prefixes: tuple[str, ...]) -> bool:
+    """Whether a library whose file name starts with one of ``prefixes`` is in the dynamic loader's cache
+    (``ldconfig -p``) or a directory of ``LD_LIBRARY_PATH``."""
+    for directory in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
+        try:
+            if any(entry.name.startswith(prefixes) for entry in Path(directory).iterdir()):
+                return True
+        except OSError:
+            continue
+    ldconfig = shutil.which("ldconfig") or next((path for path in ("/sbin/ldconfig", "/usr/sbin/ldconfig")
+                                                 if os.path.exists(path)), None)
+    if ldconfig is None:
+        return False
+    try:
+        listed = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return any(line.strip().startswith(prefixes) for line in listed.splitlines())
+
+
+def keep_out(names: tuple[str, ...] = OPTIONAL_MODULES) -> list[str]:
+    """Make ``names`` unimportable in this process (those not imported yet); returns the ones it kept out."""
+    kept = [name for name in names if name not in sys.modules]
+    for name in kept:
+        sys.modules[name] = None  # type: ignore[assignment]
+    return kept
