@@ -339,7 +339,8 @@ def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make
     assert failed.status == "failed"
     assert failed.reason.startswith("training process was killed by the kernel's OOM killer (SIGKILL")
     assert failed.spec_trained == U(1.0).to_dict() and failed.weights == {}
-    assert set(failed.metrics) == {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration"}
+    assert set(failed.metrics) == {"estimated_bytes", "raw_estimate_bytes", "budget_bytes", "calibration",
+                                   "seconds_task", "seconds_decision", "seconds_child"}
     assert runner.child_pid is None
     assert not (tmp_path / "agent" / "tasks" / "r1-agent-0001").exists()
 
