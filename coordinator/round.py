@@ -129,6 +129,7 @@ class Round:
         self._screening = screening
         self._measure = measure
         self._sent_at: dict[str, float] = {}  # task id -> time.monotonic() when it was (last) sent
+        self._taking = 0  # updates being taken (examined, stored, folded) outside the lock
         self._interrupted = False
         self._done = threading.Condition()
 
@@ -142,13 +143,19 @@ class Round:
     def receive(self, update: Update, size: int, digest: str, examine: Callable[[Update, TaskPlan], Examined],
                 store: Callable[[], None]) -> Receipt:
         """Take an update (see :class:`Receipt`). A new one is examined, stored with ``store()`` unless refused
-        (an OSError from it leaves the round as it was: the agent sends the update again), then folded in."""
+        (an OSError from it leaves the round as it was: the agent sends the update again), then folded in.
+
+        Called from one thread at a time (the message thread; before the link starts, the resume). The work is
+        done outside the round's lock, so that the round's own thread (dispatching, waiting) is never held up by
+        it; :meth:`close` waits for an update being taken to be in."""
         with self._done:
             verdict = self._verdict(update, digest)
             if verdict == "duplicate":
                 return Receipt(verdict, self.answers[update.task_id].refusal)
             if verdict != "accepted":
                 return Receipt(verdict, self._refusal(update, verdict))
+            self._taking += 1
+        try:
             started = time.perf_counter()
             examined = examine(update, self.tasks[update.task_id].task)
             self.timing["validation"] += time.perf_counter() - started
@@ -158,9 +165,16 @@ class Round:
                 store()
                 if examined.result is not None:
                     self._fold(answer, examined.result)
+        except BaseException:
+            with self._done:
+                self._taking -= 1
+                self._done.notify_all()
+            raise
+        with self._done:
             self.answers[update.task_id] = answer
+            self._taking -= 1
             self._done.notify_all()
-            return Receipt(verdict, examined.refusal)
+        return Receipt(verdict, examined.refusal)
 
     def _verdict(self, update: Update, digest: str) -> str:
         dispatched = self.tasks.get(update.task_id)
@@ -239,6 +253,8 @@ class Round:
         with self._done:
             self._expect(Phase.COLLECTING)
             self.phase = Phase.AGGREGATING
+            while self._taking:
+                self._done.wait()
         started = time.perf_counter()
         if self._screening.enabled:
             screened = [(task_id, answer, answer.spec, answer.change) for task_id, answer in sorted(self.answers.items())

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from functools import cache
 
+from common import heap
 from edge_agent import page_pool
 
 __all__ = ["AGENT_MMAP_THRESHOLD", "ALLOCATORS", "COMPACT_MMAP_THRESHOLD", "compact_supported", "configure",
@@ -42,23 +42,14 @@ ALLOCATORS = ("pooled", "compact", "default")
 #: Blocks at least this large (one page) are mapped and unmapped individually in ``"compact"`` mode.
 COMPACT_MMAP_THRESHOLD = 4 * 1024
 #: The agent process's own fixed mmap threshold (:func:`configure_agent_process`).
-AGENT_MMAP_THRESHOLD = 256 * 1024
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
+AGENT_MMAP_THRESHOLD = heap.DAEMON_MMAP_THRESHOLD
+_M_TRIM_THRESHOLD = heap.M_TRIM_THRESHOLD
+_M_MMAP_THRESHOLD = heap.M_MMAP_THRESHOLD
 
 
-@cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library when it is glibc (it has ``mallopt`` and ``gnu_get_libc_version``), else None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    if not (hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version")):
-        return None
-    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    libc.mallopt.restype = ctypes.c_int
-    return libc
+    """glibc, or None (:func:`common.heap.glibc`; a seam the tests replace)."""
+    return heap.glibc()
 
 
 def compact_supported() -> bool:
@@ -107,23 +98,11 @@ def configure(allocator: str) -> str:
 
 
 def configure_agent_process() -> bool:
-    """Keep the agent process's heap from holding on to what a task's messages needed (``fedfit agent`` calls it).
-
-    glibc raises its mmap threshold to the size of every mapped block freed (up to 32 MiB), and its trim threshold
-    to twice that: after the agent freed a task's megabyte chunks and its tens of megabytes of weights, blocks of
-    up to that size came from the heap and stayed there once freed (measured: +178 MiB of RSS kept after six
-    refused tasks of 23 to 33 MiB, ``benchmarks/footprint.py``). A fixed threshold of :data:`AGENT_MMAP_THRESHOLD`
-    (which also switches the adjustment off) and a trim threshold of 1 MiB give every large block back when it
-    is freed: the same run kept +0.1 MiB. The training children set their own heap (:func:`configure`). Returns
-    False, changing nothing, without glibc.
-    """
-    libc = _libc()
-    if libc is None:
-        return False
-    for option, value in ((_M_MMAP_THRESHOLD, AGENT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 1024 * 1024)):
-        if libc.mallopt(option, value) != 1:
-            return False
-    return True
+    """Keep the agent process's heap from holding on to what a task's messages needed (``fedfit agent`` calls it):
+    :func:`common.heap.return_large_blocks` at :data:`AGENT_MMAP_THRESHOLD` (measured: +178 MiB of RSS kept after
+    six refused tasks of 23 to 33 MiB without it, +0.1 MiB with it, ``benchmarks/footprint.py``). The training
+    children set their own heap (:func:`configure`). Returns False, changing nothing, without glibc."""
+    return heap.return_large_blocks(AGENT_MMAP_THRESHOLD)
 
 
 def settle(allocator: str) -> None:

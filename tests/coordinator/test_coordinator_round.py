@@ -250,3 +250,38 @@ def test_device_times_read_the_metrics_and_the_transfer_is_what_the_device_did_n
     assert (first["decision"], first["training"]) == (0.5, 2.0)
     assert 0.0 <= first["transfer"] <= received - sent
     assert second == {}
+
+
+def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_waits_for_it():
+    harness = opened()
+    examining, release = threading.Event(), threading.Event()
+    examine = harness.examine
+
+    def slow_examine(message: Update, task: TaskPlan) -> Examined:
+        examining.set()
+        release.wait(30)
+        return examine(message, task)
+
+    harness.examine = slow_examine  # type: ignore[method-assign]
+    taker = threading.Thread(target=lambda: harness.offer(update("a0")))
+    taker.start()
+    assert examining.wait(30)
+    harness.round.mark_sent("t-a1")  # the round's own thread gets the lock meanwhile
+    assert [t.task_id for t in harness.round.unanswered("a1")] == ["t-a1"]
+    seen_at_close: list[str] = []
+
+    def close() -> None:
+        harness.round.close(harness.reload)
+        seen_at_close.extend(harness.round.answers)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    deadline = time.monotonic() + 30
+    while harness.round.phase is not Phase.AGGREGATING and time.monotonic() < deadline:
+        time.sleep(0.01)  # until close() has begun (it then waits for the update being taken)
+    assert seen_at_close == []
+    release.set()
+    closer.join(30)
+    taker.join(30)
+    assert seen_at_close == ["t-a0"]  # close returned only once the update was in
+    assert [a.update.agent_id for a in harness.round.aggregated()] == ["a0"]
