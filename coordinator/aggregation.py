@@ -9,8 +9,8 @@ classes) through its index grid. Sums accumulate in the tensor's own precision, 
 float32 weighted mean of n updates is at most about 2 n 2^-24 of their largest magnitude (the sum's rounding and
 the weights'; 1.2e-5 for 100 updates), far below what one SGD step changes; ``tests/coordinator/test_aggregation.py``
 checks it against float64 on 100 updates with sample-count weights. Weights are summed in float64 (one number per
-leading block, a tensor only for index grids), so taking an update back out (:meth:`MaskedAggregator.remove`)
-leaves an element no remaining update covers with exactly its old value.
+leading block, a tensor only for index grids). The sums depend on the order updates come in, at float32 rounding:
+a round is reproducible to that, not bit for bit.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ class MaskedAggregator:
     """Accumulates sub-model states by their index maps; ``result()`` gives the new global state.
 
     ``add(local_state, index_map, weight)`` adds every tensor of ``local_state`` at the positions its index map
-    names (one index tensor per dimension into the global tensor); ``remove`` takes an added state back out (the
-    same arguments). Uniform weights give HeteroFL's unweighted mean; sample counts give the sample-weighted mean.
+    names (one index tensor per dimension into the global tensor). Uniform weights give HeteroFL's unweighted mean;
+    sample counts give the sample-weighted mean.
 
-    The weights of a leading-block slice are kept as one number per block size (summed in float64, so adding and
-    removing integer weights is exact), and only laid out over the tensor by ``result()``: adding such a slice
-    costs one in-place ``add_``. ``global_state`` is read, never copied: it must not change until ``result()``.
+    The weights of a leading-block slice are kept as one number per block size (summed in float64: exact for the
+    sample counts of any fleet), and only laid out over the tensor by ``result()``: adding such a slice costs one
+    in-place ``add_``. ``global_state`` is read, never copied: it must not change until ``result()``.
     """
 
     def __init__(self, global_state: Mapping[str, torch.Tensor]) -> None:
@@ -65,7 +65,7 @@ class MaskedAggregator:
         self._sums: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, dict[tuple[int, ...], float]] = {}  # key -> leading-block sizes -> summed weight
         self._scattered: dict[str, torch.Tensor] = {}  # key -> float64 weights of index-grid slices
-        self._smallest = math.inf  # the smallest weight added: any element an update still covers has at least it
+        self._smallest = math.inf  # the smallest weight added: any element an update covers has at least it
         self.updates = 0
 
     def add(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float = 1.0) -> None:
@@ -75,15 +75,6 @@ class MaskedAggregator:
         self._fold(local_state, index_map, float(weight))
         self._smallest = min(self._smallest, float(weight))
         self.updates += 1
-
-    def remove(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float = 1.0) -> None:
-        """Take back out what ``add`` with the same arguments put in (e.g. an update screening rejected later)."""
-        if not weight > 0:
-            raise ValueError(f"aggregation weight must be positive, got {weight}")
-        if self.updates == 0:
-            raise ValueError("nothing was added to remove")
-        self._fold(local_state, index_map, -float(weight))
-        self.updates -= 1
 
     def _checked(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap) -> list[str]:
         """The floating-point keys of ``local_state`` to fold; raises ValueError before anything is folded."""
@@ -135,8 +126,8 @@ class MaskedAggregator:
         return weights
 
     def covered(self, key: str) -> torch.Tensor:
-        """Boolean mask of the elements of ``key`` that at least one update (still) covers."""
-        return self.weights(key) >= self._smallest / 2  # removals leave at most rounding residue below this
+        """Boolean mask of the elements of ``key`` that at least one update covers."""
+        return self.weights(key) >= self._smallest / 2
 
     def result(self) -> dict[str, torch.Tensor]:
         """The aggregated global state: weighted means where covered, old values elsewhere."""

@@ -8,8 +8,9 @@
   what the report needs of it, never its weights, so its memory is one aggregate whatever the number of updates.
   Screening's first rule (the plan's reach) needs nothing but the update, so an update beyond it is not folded.
 - **aggregating** (:meth:`Round.close`): no update is taken any more. Screening's second rule needs the round's
-  medians, so it runs now over the kept changes; an update it rejects is read back from the journal and taken out
-  of the aggregate again (rare: an attack, not a habit).
+  medians, so it runs now over the kept changes; when it rejects an update (rare: an attack, not a habit), the
+  aggregate is built again from the journal with the updates that stay in, one at a time. (Subtracting the outlier
+  would not do: a huge update swamps the others' float32 sums, and taking it out leaves zeros or infinities.)
 - **closed** (:meth:`Round.finish`): the new states are out; the daemon evaluates and checkpoints them.
 
 A fresh round and a resumed one differ only in how they are planned: the updates a resumed one had stored are
@@ -164,7 +165,12 @@ class Round:
             if examined.refusal is None:
                 store()
                 if examined.result is not None:
-                    self._fold(answer, examined.result)
+                    try:
+                        self._fold(answer, examined.result)
+                    except ValueError as exc:  # it does not fit its group's model: stored, never aggregated
+                        answer.refusal = f"update rejected: {exc}"
+                        answer.record.status, answer.record.reason = "rejected", str(exc)
+                        answer.change = None
         except BaseException:
             with self._done:
                 self._taking -= 1
@@ -247,9 +253,9 @@ class Round:
 
     # ------------------------------------------------------------------ aggregating
     def close(self, reload: Callable[[str], TaskResult]) -> None:
-        """collecting -> aggregating: take no more updates (one being received finishes first), run screening's
-        second rule over the kept changes and take every update it rejects back out of the aggregate (read back
-        with ``reload(task_id)``)."""
+        """collecting -> aggregating: take no more updates (one being received finishes first) and run
+        screening's second rule over the kept changes; when it rejects any, build the aggregate again from the
+        updates that stay in (read back one at a time with ``reload(task_id)``, in task id order)."""
         with self._done:
             self._expect(Phase.COLLECTING)
             self.phase = Phase.AGGREGATING
@@ -261,10 +267,14 @@ class Round:
                         if answer.spec is not None and answer.change is not None]
             reasons = outliers([(spec, change) for _, _, spec, change in screened],
                                [answer.rejection is None for _, answer, _, _ in screened], self._screening)
-            for (task_id, answer, _, _), reason in zip(screened, reasons):
+            for (_, answer, _, _), reason in zip(screened, reasons):
                 if reason is not None:
-                    self._aggregate.remove(reload(task_id))
                     self._reject(answer, reason)
+            if any(reason is not None for reason in reasons):
+                self._aggregate = self._aggregate.fresh()
+                for task_id, answer in sorted(self.answers.items()):
+                    if answer.aggregated:
+                        self._aggregate.add(reload(task_id))
         self.timing["aggregation"] += time.perf_counter() - started
 
     def finish(self) -> dict[str, State]:

@@ -135,9 +135,8 @@ def select_fraction(agents: Sequence[AgentRecord], fraction: float, rng: random.
 class RoundAggregate:
     """A round's updates folded in one by one as they are accepted, per group: masked (index-aware) aggregation
     (each element the weighted mean of the updates that hold it, the others unchanged). Where a task's plan masks
-    absent classes, that update's classifier rows of those classes are left out. ``remove`` takes an update back
-    out (one screening rejects once the round's medians are known); memory stays one accumulator per group,
-    whatever the number of updates. ``states`` must not change until :meth:`result`."""
+    absent classes, that update's classifier rows of those classes are left out. Memory stays one accumulator per
+    group, whatever the number of updates. ``states`` must not change until :meth:`result`."""
 
     def __init__(self, states: Mapping[str, State], weight: Callable[[TaskResult], float],
                  classifier_keys: Sequence[str]) -> None:
@@ -164,12 +163,9 @@ class RoundAggregate:
             self._aggregators[group] = MaskedAggregator(self._states[group])
         self._aggregators[group].add(*self._prepared(result), self._weight(result))
 
-    def remove(self, result: TaskResult) -> None:
-        """Take an update :meth:`add` folded in back out."""
-        aggregator = self._aggregators.get(result.task.group)
-        if aggregator is None:
-            raise ValueError(f"no update of group {result.task.group!r} was added")
-        aggregator.remove(*self._prepared(result), self._weight(result))
+    def fresh(self) -> RoundAggregate:
+        """An empty aggregate over the same states, weighting and classifier."""
+        return RoundAggregate(self._states, self._weight, self._classifier_keys)
 
     def result(self) -> dict[str, State]:
         """The new states: each group's aggregate, the groups no update reached unchanged."""

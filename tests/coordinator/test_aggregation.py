@@ -102,35 +102,3 @@ def test_float32_accumulation_stays_within_its_bound_of_float64():
     largest = max(update.abs().max().item() for update in updates)
     assert error <= 2 * 100 * 2.0**-24 * largest  # 2 n eps of the terms' magnitude: the sum's and the weights' rounding
 
-
-def test_removing_an_update_gives_what_aggregating_without_it_gives():
-    """Leading blocks and index-grid slices alike; an element only the removed update covered gets its old value
-    back exactly (the weights are summed exactly), the others the mean of the rest."""
-    generator = torch.Generator().manual_seed(1)
-    global_state = {"w": torch.randn(6, 5, generator=generator)}
-    updates = [
-        ({"w": torch.randn(6, 5, generator=generator)}, {"w": prefix_map((6, 5))}, 3.0),
-        ({"w": torch.randn(3, 2, generator=generator)}, {"w": prefix_map((3, 2))}, 1.0),
-        ({"w": torch.randn(2, 2, generator=generator)}, {"w": (torch.tensor([1, 4]), torch.tensor([0, 3]))}, 7.0),
-        ({"w": torch.randn(4, 4, generator=generator)}, {"w": prefix_map((4, 4))}, 2.0),
-    ]
-    for dropped in range(len(updates)):
-        with_all = MaskedAggregator(global_state)
-        for state, index_map, weight in updates:
-            with_all.add(state, index_map, weight)
-        state, index_map, weight = updates[dropped]
-        with_all.remove(state, index_map, weight)
-        without = MaskedAggregator(global_state)
-        for index, (state, index_map, weight) in enumerate(updates):
-            if index != dropped:
-                without.add(state, index_map, weight)
-        assert with_all.updates == without.updates == len(updates) - 1
-        assert torch.equal(with_all.covered("w"), without.covered("w"))
-        torch.testing.assert_close(with_all.result()["w"], without.result()["w"])
-    only = MaskedAggregator(global_state)
-    state, index_map, weight = updates[2]
-    only.add(state, index_map, weight)
-    only.remove(state, index_map, weight)
-    assert torch.equal(only.result()["w"], global_state["w"]) and not only.covered("w").any()
-    with pytest.raises(ValueError, match="nothing was added"):
-        only.remove(state, index_map, weight)

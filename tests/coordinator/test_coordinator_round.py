@@ -50,7 +50,7 @@ class Harness:
                            self.measure)
 
     def measure(self, result: TaskResult) -> Change:
-        norm = float(result.state["w"].norm())
+        norm = float(result.state["w"].double().norm())
         return Change(norm, 1, 1.0, self.bound)
 
     def result_of(self, message: Update) -> TaskResult:
@@ -152,20 +152,30 @@ def test_an_update_beyond_its_plans_reach_is_not_folded_and_is_rejected():
     assert rejected.record.status == "rejected" and harness.aggregate.updates == 1
 
 
-def test_closing_takes_an_outlier_back_out_of_the_aggregate_with_the_update_read_back():
+@pytest.mark.parametrize("outlier", [100.0, 1e30, 3e38])
+def test_an_outlier_at_close_leaves_the_aggregate_of_the_others_rebuilt_from_the_journal(outlier):
+    """Rule 2 needs the round's medians: the aggregate is built again from the updates that stay in, read back in
+    task id order; a huge outlier (that swamped or overflowed the float32 sums) leaves no trace."""
     agents = ("a0", "a1", "a2", "a3")
     harness = opened(agents=agents)
-    for agent, fill in zip(agents, (1.0, 1.0, 1.0, 100.0)):
+    for agent, fill in zip(agents, (1.0, 2.0, 3.0, outlier)):
         harness.offer(update(agent, fill=fill, samples=1))
     assert harness.aggregate.updates == 4
     reloaded: list[str] = []
     harness.round.close(lambda task_id: reloaded.append(task_id) or harness.reload(task_id))
-    assert harness.round.phase is Phase.AGGREGATING and reloaded == ["t-a3"]
+    assert harness.round.phase is Phase.AGGREGATING and reloaded == ["t-a0", "t-a1", "t-a2"]
     assert "medians of the round's 3 other updates" in harness.round.answers["t-a3"].rejection
     assert [a.update.agent_id for a in harness.round.aggregated()] == ["a0", "a1", "a2"]
     states = harness.round.finish()
     assert harness.round.phase is Phase.CLOSED
-    torch.testing.assert_close(states["global"]["w"], torch.ones(4))  # the outlier's 100 is gone
+    assert torch.equal(states["global"]["w"], torch.full((4,), 2.0))  # the mean of 1, 2, 3, exactly
+
+
+def test_a_round_without_outliers_is_not_rebuilt():
+    harness = opened()
+    harness.offer(update("a0"))
+    harness.offer(update("a1"))
+    harness.round.close(lambda task_id: pytest.fail("nothing to read back"))
 
 
 def test_the_aggregate_is_the_sample_weighted_mean_of_the_updates_that_stayed_in():
