@@ -180,7 +180,7 @@ class Round:
             self.answers[update.task_id] = answer
             self._taking -= 1
             self._done.notify_all()
-        return Receipt(verdict, examined.refusal)
+        return Receipt(verdict, answer.refusal)
 
     def _verdict(self, update: Update, digest: str) -> str:
         dispatched = self.tasks.get(update.task_id)

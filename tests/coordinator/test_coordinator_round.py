@@ -295,3 +295,19 @@ def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_wait
     taker.join(30)
     assert seen_at_close == ["t-a0"]  # close returned only once the update was in
     assert [a.update.agent_id for a in harness.round.aggregated()] == ["a0"]
+
+
+def test_an_update_that_cannot_be_folded_after_it_was_stored_is_refused_not_left_unanswered():
+    harness = opened()
+    message = update("a0")
+    message.weights = {"w": np.ones(3, np.float32)}  # examined fine by this harness, but not the model's shape
+
+    def examine(message: Update, task: TaskPlan) -> Examined:
+        tensor = torch.from_numpy(np.array(message.weights["w"]))
+        return Examined(TaskRecord(message.agent_id, task.level, message.status, "full"),
+                        TaskResult(task, FULL, {"w": tensor}, {"w": (torch.arange(4),)}, 1, [0]))
+
+    receipt = harness.round.receive(message, 10, "", examine, lambda: None)
+    assert receipt.verdict == "accepted" and receipt.refusal.startswith("update rejected: ")
+    answer = harness.round.answers["t-a0"]
+    assert answer.record.status == "rejected" and not answer.screened and harness.aggregate.updates == 0
