@@ -1,21 +1,36 @@
 """Throughput of what carries a model between coordinator and devices, as ratios of what the machine can do at all,
 measured in the same run:
 
-- codec: ``encode`` + ``decode`` of an Update of ``--mib`` MiB in 25 float32 tensors, against a memcpy of as many bytes;
-- chunking: ``split_payload`` (1 MiB chunks) and ``Reassembler.feed`` of that payload, against memcpy;
+- codec: ``encode_parts`` + ``decode`` of an Update of ``--mib`` MiB in 25 float32 tensors (protocol version 2),
+  against a memcpy of as many bytes. ``encode_parts`` is what a sender chunks (the coordinator's tasks): the header
+  and views on the tensors, checked, nothing copied; the one copy of the tensors is into the chunks. The row
+  ``codec/bytes`` is ``encode``, which joins that into one new bytes object (what a file or the spool takes);
+- chunking: ``iter_chunks`` (1 MiB chunks) of that encoded update and ``Reassembler.feed`` of them, against memcpy;
 - broker round trip: one payload of ``--broker-mib`` MiB in 1 MiB chunks, QoS 1, from one client to another through
   mosquitto on loopback: FedFit's ``MqttLink`` + chunking + reassembly against raw paho clients moving the same
-  chunks;
+  chunks (made beforehand);
 - aggregation: ``MaskedAggregator`` adding 20 full-width updates of a 1000 x 1000 tensor, against ``torch.add_``.
 
 Issue 21's goals, printed beside each ratio: encode+decode >= 0.5 x memcpy, broker >= 0.8 x raw paho, aggregation
 >= 0.5 x ``add_``. Run: ``.venv/bin/python benchmarks/transport.py [--mib 100] [--broker-mib 64]`` (about a
-minute). Each figure is the best of ``--repeat`` runs.
+minute). Each figure is the best of ``--repeat`` runs; the runs compared in one ratio take turns.
 
 Measured here (2 cores) before any of issue 21's work, at the commit that added this script: memcpy 11.34 GB/s;
 codec enc 0.57 + dec 0.99 GB/s, 0.032 x; chunking 0.32 GB/s, 0.028 x; broker 0.196 against 0.640 GB/s, 0.306 x;
 aggregation 388 ms against 9 ms, 0.022 x. Where the codec's time goes (100 MiB): msgpack's packb 114 ms and unpackb
 55 ms (they copy every tensor's bytes), the tensors' own copies and finiteness checks 14-25 ms.
+
+Protocol version 2 (tensors as raw bytes after the header, decoded as views; chunks hashed as they go, reassembled
+into one buffer), measured here with other work on the 2 cores (load average 4-5: figures move by up to 2x from run
+to run, ratios less). Before, HEAD 4e0d206 with this script as it was, two runs: codec 0.019 and 0.018 x (enc
+0.33-0.47 + dec 0.52-0.61 GB/s), chunking 0.016-0.017 x, broker 0.283 and 0.362 x. After, five runs: memcpy
+11.0-11.7 GB/s; codec 0.34-0.47 x (enc 8.3-10.9 + dec 6.7-10.8 GB/s), codec/bytes 0.08-0.11 x, chunking
+0.034-0.048 x, broker 0.61-1.02 x (FedFit 0.21-0.35 GB/s against raw paho 0.21-0.58). What bounds them now: each
+side reads every float once for NaN/Inf (a BLAS dot, 8-10 ms per 100 MiB here, close to a memcpy), so
+encode+decode is two reads against one copy; ``encode`` into one bytes object pays the kernel's page faults of
+fresh memory (70-110 ms per 100 MiB here); the broker path does, on top of paho's work, SHA-256 on both sides
+(~47 ms of CPU per 64 MiB each, at 1.4 GB/s with SHA-NI), one copy into the chunks and one into the reassembly
+buffer: about 250 ms of process CPU against raw paho's 110-130 ms, on 2 cores shared with mosquitto.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from common.mqtt_link import BrokerConfig, MqttLink
 from coordinator.aggregation import MaskedAggregator
 from fedfit.sim.broker import start_mosquitto
-from protocol import Reassembler, Update, decode, encode, split_payload
+from protocol import Reassembler, Update, decode, encode, encode_parts, iter_chunks, split_payload
 
 MIB = 2**20
 GOALS = {"codec": 0.5, "broker": 0.8, "aggregation": 0.5}
@@ -49,14 +64,28 @@ def best(run: Callable[[], object], repeat: int) -> float:
     return min(times)
 
 
+def best_each(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """The shortest of ``repeat`` timings of each run, the runs taking turns (so that a baseline and what it is
+    compared with see the same moments of a machine shared with other work), in seconds."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return {name: min(taken) for name, taken in times.items()}
+
+
 def gbps(size: int, seconds: float) -> float:
     return size / seconds / 1e9
 
 
-def memcpy_seconds(size: int, repeat: int) -> float:
+def a_memcpy(size: int) -> Callable[[], object]:
+    """A copy of ``size`` bytes into memory already touched."""
     source = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     target = np.empty_like(source)
-    return best(lambda: np.copyto(target, source), repeat)
+    np.copyto(target, source)
+    return lambda: np.copyto(target, source)
 
 
 def an_update(size: int) -> Update:
@@ -71,9 +100,10 @@ def broker_round_trip(payload: bytes, repeat: int) -> tuple[float, float]:
     broker = start_mosquitto()
     try:
         chunks = split_payload(payload, "bench")
-        raw = best(lambda: _raw_paho(broker.host, broker.port, chunks), repeat)
-        ours = best(lambda: _fedfit(BrokerConfig(host=broker.host, port=broker.port), payload), repeat)
-        return raw, ours
+        taken = best_each({"raw": lambda: _raw_paho(broker.host, broker.port, chunks),
+                           "ours": lambda: _fedfit(BrokerConfig(host=broker.host, port=broker.port), payload)},
+                          repeat)
+        return taken["raw"], taken["ours"]
     finally:
         broker.stop()
 
@@ -125,7 +155,7 @@ def _fedfit(config: BrokerConfig, payload: bytes) -> None:
     receiver.start(10)
     sender.start(10)
     try:
-        for chunk in split_payload(payload, f"t{time.monotonic_ns()}"):
+        for chunk in iter_chunks(payload, f"t{time.monotonic_ns()}"):
             sender.publish("bench/fedfit", chunk)
         if not done.wait(120):
             raise RuntimeError("FedFit: the payload was not reassembled")
@@ -167,25 +197,29 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     size = args.mib * MIB
-    copy = memcpy_seconds(size, args.repeat)
-    print(f"memcpy of {args.mib} MiB: {gbps(size, copy):.2f} GB/s (numpy copyto, best of {args.repeat})\n")
-    print(f"{'part':<12} {'FedFit':<34} {'baseline':<30} {'ratio':>9}")
     update = an_update(size)
-    payload = encode(update)
-    encode_s = best(lambda: encode(update), args.repeat)
-    decode_s = best(lambda: decode(payload, expected=Update), args.repeat)
-    both = encode_s + decode_s
-    row("codec", f"enc {gbps(len(payload), encode_s):.2f} + dec {gbps(len(payload), decode_s):.2f} GB/s",
-        f"memcpy {gbps(size, copy):.2f} GB/s", copy / both * len(payload) / size)
+    encoded = encode_parts(update)
+    payload = encoded.tobytes()
 
     def chunk_and_reassemble() -> None:
         reassembler = Reassembler(max_total_bytes=len(payload) + MIB)
         whole = None
-        for chunk in split_payload(payload, "bench"):
+        for chunk in iter_chunks(encoded, "bench"):
             whole = reassembler.feed(chunk, source="bench")
         assert whole is not None and len(whole) == len(payload)
 
-    chunking = best(chunk_and_reassemble, args.repeat)
+    taken = best_each({"memcpy": a_memcpy(size), "encode": lambda: encode_parts(update),
+                       "decode": lambda: decode(payload, expected=Update), "joined": lambda: encode(update),
+                       "chunking": chunk_and_reassemble}, args.repeat)
+    copy = taken["memcpy"]
+    print(f"memcpy of {args.mib} MiB: {gbps(size, copy):.2f} GB/s (numpy copyto, best of {args.repeat})\n")
+    print(f"{'part':<12} {'FedFit':<34} {'baseline':<30} {'ratio':>9}")
+    encode_s, decode_s, joined_s, chunking = taken["encode"], taken["decode"], taken["joined"], taken["chunking"]
+    both = encode_s + decode_s
+    row("codec", f"enc {gbps(len(payload), encode_s):.2f} + dec {gbps(len(payload), decode_s):.2f} GB/s",
+        f"memcpy {gbps(size, copy):.2f} GB/s", copy / both * len(payload) / size)
+    row("codec/bytes", f"enc {gbps(len(payload), joined_s):.2f} + dec {gbps(len(payload), decode_s):.2f} GB/s",
+        f"memcpy {gbps(size, copy):.2f} GB/s", copy / (joined_s + decode_s) * len(payload) / size)
     row("chunking", f"split + reassemble {gbps(len(payload), chunking):.2f} GB/s",
         f"memcpy {gbps(size, copy):.2f} GB/s", copy / chunking * len(payload) / size)
     broker_payload = payload[: args.broker_mib * MIB]

@@ -41,6 +41,7 @@ from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
 from coordinator.strategies.base import Skip
 from models import ModelFamily, SubmodelSpec
 from protocol import (
+    PROTOCOL_VERSION,
     Ack,
     AgentStatus,
     CoordinatorStatus,
@@ -53,8 +54,9 @@ from protocol import (
     Update,
     decode,
     encode,
+    encode_parts,
+    iter_chunks,
     parse_agent_topic,
-    split_payload,
 )
 
 AGGREGATED = ("ok", "adapted")
@@ -119,6 +121,9 @@ class Progress:
 #: processes use the id (a restart says 'offline' first, or its Last Will does, unless the broker was down).
 TWO_INSTANCES_WINDOW_S = 120.0
 
+#: Transfers the coordinator reassembles at once at most (their bytes are bounded by max_buffered_bytes).
+MAX_TRANSFERS = 100_000
+
 #: Seconds a round resumed from the journal waits at least for the updates its agents are still resending.
 RESUME_GRACE_S = 60.0
 
@@ -159,7 +164,8 @@ class Coordinator:
         #: Per agent id, processes another one of the id replaced while online, with when (see _watch_instances).
         self._replaced_instances: dict[str, dict[str, float]] = {}
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
-        self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30)
+        # Transfers bounded by bytes, not by count: a large fleet uploads at once.
+        self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30, max_transfers=MAX_TRANSFERS)
         self.on_round = on_round
         self.on_progress = on_progress
         self.rng = random.Random(config.seed)
@@ -326,9 +332,10 @@ class Coordinator:
             self.log.info("task_resent", agent=agent_id, task=dispatched.task_id, round=dispatched.round)
 
     def _on_update_chunk(self, agent_id: str, payload: bytes) -> None:
-        complete = self.reassembler.feed(payload, source=agent_id)
-        if complete is None:
+        whole = self.reassembler.feed_transfer(payload, source=agent_id)
+        if whole is None:
             return
+        complete = whole.payload  # a read-only view; its sha256 was computed as its chunks came
         update = decode(complete, expected=Update)  # decoded and validated once: the round examines this object
         assert isinstance(update, Update)
         if update.agent_id != agent_id:
@@ -340,7 +347,7 @@ class Coordinator:
                                          f"progress")
         else:
             try:  # stored (journaled) before the ack goes out, and folded into the round's aggregate
-                receipt = current.receive(update, len(complete), hashlib.sha256(complete).hexdigest(), self._examine,
+                receipt = current.receive(update, len(complete), whole.sha256, self._examine,
                                           lambda: self.journal.store(update, complete))
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
@@ -612,12 +619,20 @@ class Coordinator:
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.to_dict(), None,
                     {key: value.detach().cpu().numpy() for key, value in weights.items()},
                     adaptation=planned.adaptation, plan=self._seeded(planned.plan, round_number, planned.agent_id))
-        payload = encode(task)
+        version = self._protocol_version(planned.agent_id)
+        payload = encode_parts(task, version=version)  # the weights are read as the chunks are made
         topic = self.topics.agent_task(planned.agent_id)
-        chunks = split_payload(payload, task_id, round_number=round_number)  # the round: see TransferRefused
-        for chunk in chunks:
-            self.link.publish(topic, chunk)
-        return sum(len(chunk) for chunk in chunks)
+        sent = 0
+        for chunk in iter_chunks(payload, task_id, round_number=round_number, version=version):  # round: see
+            self.link.publish(topic, chunk)                                                      # TransferRefused
+            sent += len(chunk)
+        return sent
+
+    def _protocol_version(self, agent_id: str) -> int:
+        """The newest protocol version both this coordinator and the agent read (1 for an agent that predates 2)."""
+        record = self.registry.get(agent_id)
+        readable = record.capabilities.protocol_version if record is not None and record.capabilities else 1
+        return min(PROTOCOL_VERSION, readable)
 
     # ------------------------------------------------------------- collection
     def _outcomes(self, current: Round) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:

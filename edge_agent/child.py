@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import resource
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from edge_agent import allocator as heap
 from edge_agent.copies import CopyStore
 from edge_agent.workdir import TASK_FILE, UPDATE_FILE, TrainingRequest
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
-from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode
+from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode_parts
 
 
 def rss_bytes() -> int:
@@ -130,6 +131,21 @@ def _load_copies(store: CopyStore, model_ref: ModelRef, family: ModelFamily, spe
     return models
 
 
+def _tensors_to_load(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Torch views of a decoded task's weights (read-only numpy views on the task file's bytes), for
+    ``load_state_dict``, which copies them into the model's own parameters and writes nothing to them: torch's
+    warning that they are not writable is silenced here only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {key: torch.from_numpy(value) for key, value in weights.items()}
+
+
+def _write_update(path: Path, update: Update) -> None:
+    """Write the encoded update straight from its arrays (version 2: no joined copy of the weights)."""
+    with open(path, "wb") as handle:
+        handle.writelines(encode_parts(update).parts)
+
+
 def train_in_workdir(workdir: Path) -> None:
     """The training child's work: read task, request and data; train; write the update."""
     request = TrainingRequest.read(workdir)
@@ -146,7 +162,7 @@ def train_in_workdir(workdir: Path) -> None:
     if request.spec != task.spec:
         raise ValueError(f"the plan says {request.spec}, the task holds weights for {task.spec}")
     training = task.training_plan()
-    weights = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in task.weights.items()}
+    weights = _tensors_to_load(task.weights)
     warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, request.labels,
                      task.model.num_classes, device, request.allocator, family=family)
     baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
@@ -185,7 +201,7 @@ def train_in_workdir(workdir: Path) -> None:
         metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y), list(request.labels),
                     state, metrics, None)
-    (workdir / UPDATE_FILE).write_bytes(encode(update))
+    _write_update(workdir / UPDATE_FILE, update)
 
 
 def probe_cuda(workdir: Path) -> None:

@@ -32,6 +32,7 @@ from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
+    PROTOCOL_VERSION,
     Ack,
     AgentStatus,
     Capabilities,
@@ -45,6 +46,7 @@ from protocol import (
     decode,
     encode,
     parse_agent_topic,
+    payload_version,
 )
 
 _SEEN_TASKS = 1024
@@ -264,6 +266,7 @@ class EdgeAgent:
             num_samples=self.data.samples,
             labels=list(self.data.labels),
             sample_shape=(self.data.in_channels, *self.data.image_size),
+            protocol_version=PROTOCOL_VERSION,
         )
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)
 
@@ -388,7 +391,8 @@ class EdgeAgent:
             self._last_round = max(self._last_round, task.round)
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
-        self.executor.submit(self._serve, task, time.perf_counter())
+        # Answered in the task's protocol version: the coordinator that wrote it reads it.
+        self.executor.submit(self._serve, task, time.perf_counter(), payload_version(complete))
 
     def _decline_refused(self, refused: TransferRefused) -> None:
         """Answer a task refused at its first chunk with a ``declined`` update, when its chunks name the round
@@ -416,9 +420,9 @@ class EdgeAgent:
             self._seen.popitem(last=False)
         return True
 
-    def _serve(self, task: Task, received: float) -> None:
-        """Train ``task`` (``received``: time.perf_counter() when it arrived) and send its update, whose
-        ``seconds_queued`` metric says how long the task waited for a training slot."""
+    def _serve(self, task: Task, received: float, version: int = 1) -> None:
+        """Train ``task`` (``received``: time.perf_counter() when it arrived) and send its update in protocol
+        ``version`` (the task's); its ``seconds_queued`` metric says how long the task waited for a slot."""
         try:
             queued = time.perf_counter() - received
             update = self.runner.run(task)
@@ -430,7 +434,7 @@ class EdgeAgent:
                 return
             self.log.info("task_done", task=task.task_id, status=update.status, reason=update.reason,
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
-            self.uplink.send(update)
+            self.uplink.send(update, version=version)
             self.tasks_done += 1
         except Exception:
             self.log.exception("task_crashed", task=task.task_id)

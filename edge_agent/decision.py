@@ -28,7 +28,16 @@ from edge_agent.memory import size_text
 from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments, micro_batch_ladder
-from protocol import MEMORY_DECLINE_REASON, ModelRef, ProtocolError, Stage, Task, TrainingPlan, decode, encode
+from protocol import (
+    MEMORY_DECLINE_REASON,
+    ModelRef,
+    ProtocolError,
+    Stage,
+    Task,
+    TrainingPlan,
+    decode,
+    encode_parts,
+)
 
 
 def _numbers(numbers: tuple[int, ...]) -> str:
@@ -322,7 +331,8 @@ def decide_in_workdir(workdir: Path) -> Decision:
             decision, adapted = Decider(request).decide(task)
         except Exception as exc:  # noqa: BLE001 - an unknown family, a broken model option: the task fails
             decision, adapted = Decision("failed", f"{type(exc).__name__}: {exc}"), None
-        if adapted is not None:
-            (workdir / TASK_FILE).write_bytes(encode(adapted))
+        if adapted is not None:  # written straight from its arrays (no joined copy of the weights)
+            with open(workdir / TASK_FILE, "wb") as handle:
+                handle.writelines(encode_parts(adapted).parts)
     decision.write(workdir)
     return decision

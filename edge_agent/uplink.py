@@ -6,6 +6,9 @@ settles it, and the ones a previous process left are sent first: a restart loses
 counted only while the broker is connected (an outage does not use them up, nor fill the client's queue with
 copies), and an update whose attempts run out is parked in the spool, to be sent again when the coordinator comes
 back online (:meth:`Uplink.resend_parked`) or the agent restarts.
+
+An update goes out in the protocol version of the task it answers (a coordinator that wrote version 2 reads it;
+version 1, which every coordinator reads, when that is not known), and its chunks in the version of its payload.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 
 from common.logs import get_logger
 from edge_agent.spool import UpdateSpool
-from protocol import Update, encode, split_payload
+from protocol import Update, encode, iter_chunks, payload_version
 
 Publish = Callable[[str, bytes], bool]
 
@@ -67,9 +70,10 @@ class Uplink:
         if self._thread.is_alive():  # (never started: nothing to wait for)
             self._thread.join(timeout)
 
-    def send(self, update: Update) -> None:
-        """Store ``update`` in the spool (when there is one) and queue it for delivery."""
-        payload = encode(update)
+    def send(self, update: Update, *, version: int = 1) -> None:
+        """Store ``update`` in the spool (when there is one) and queue it for delivery, encoded in protocol
+        ``version``: that of the task it answers (`protocol.payload_version`), 1 when unknown."""
+        payload = encode(update, version=version)
         if self._spool is not None:
             self._spool.put(update.task_id, payload)
         self._queue(update.task_id, payload)
@@ -154,7 +158,7 @@ class Uplink:
             if not self._wait_connected(acked):
                 break
             attempt += 1
-            for chunk in split_payload(payload, f"{task_id}.{attempt}"):
+            for chunk in iter_chunks(payload, f"{task_id}.{attempt}", version=payload_version(payload)):
                 self._publish(self.topic, chunk)
             if not self._wait_ack(acked) and attempt < self._attempts and not self._stopping.is_set():
                 self._log.warning("update_not_acked_resending", task=task_id, attempt=attempt)

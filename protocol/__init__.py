@@ -1,22 +1,27 @@
 """FedFit wire contract: MQTT topics, message types, the msgpack codec and its validation.
 
-Every payload is a msgpack map ``{"v": PROTOCOL_VERSION, "type": kind, **fields}`` with kind one of
-``status``, ``coordinator_status``, ``task``, ``update``, ``ack``. Tensors are maps
-``{"dtype", "shape", "data"}`` holding raw little-endian C-order bytes of a whitelisted dtype; nothing is ever
-pickled. Large payloads travel as ``chunk`` maps of at most CHUNK_SIZE data bytes, put back together by a
+Every payload is a msgpack map ``{"v": version, "type": kind, **fields}`` with kind one of ``status``,
+``coordinator_status``, ``task``, ``update``, ``ack``. Tensors hold raw little-endian C-order bytes of a
+whitelisted dtype: in version 1 as maps ``{"dtype", "shape", "data"}`` inside the message, in version 2
+(PROTOCOL_VERSION) after it (`protocol.framing`), encoded without a copy (`encode_parts`) and decoded as
+read-only views on the received bytes. `decode` reads both versions, `encode` writes either (``version=1`` for
+an agent whose `Capabilities` do not say it reads 2); nothing is ever pickled. Large payloads travel as
+``chunk`` maps of at most CHUNK_SIZE data bytes (`iter_chunks`, `split_payload`), put back together by a
 `Reassembler`. `decode` enforces `Limits` and turns every malformed input into a `ProtocolError`.
 A task says how to train as data: a versioned `TrainingPlan` (`protocol.plan`) and an `Adaptation` ladder.
 Topics live under ``fedfit/v1/<federation>/`` (see `Topics`).
 """
 
-from protocol.chunking import CHUNK_SIZE, Reassembler, TransferRefused, split_payload
-from protocol.codec import decode, encode
+from protocol.chunking import CHUNK_SIZE, iter_chunks, split_payload
+from protocol.codec import BytesLike, decode, encode, encode_parts, payload_version
 from protocol.errors import ProtocolError
+from protocol.framing import Encoded
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     MEMORY_DECLINE_REASON,
     MEMORY_KILL_REASON,
     PROTOCOL_VERSION,
+    READABLE_VERSIONS,
     Ack,
     Adaptation,
     AgentStatus,
@@ -29,6 +34,7 @@ from protocol.messages import (
     Update,
 )
 from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
+from protocol.reassembly import Reassembled, Reassembler, TransferRefused
 from protocol.tensors import decode_tensor, encode_tensor
 from protocol.topics import Topics, parse_agent_topic, validate_name
 
@@ -39,18 +45,22 @@ __all__ = [
     "MEMORY_KILL_REASON",
     "PLAN_VERSION",
     "PROTOCOL_VERSION",
+    "READABLE_VERSIONS",
     "Ack",
     "Adaptation",
     "AgentStatus",
+    "BytesLike",
     "Candidate",
     "Capabilities",
     "CoordinatorStatus",
+    "Encoded",
     "Limits",
     "LossTerm",
     "Message",
     "ModelRef",
     "OptimizerSettings",
     "ProtocolError",
+    "Reassembled",
     "Reassembler",
     "Recipe",
     "Stage",
@@ -62,8 +72,11 @@ __all__ = [
     "decode",
     "decode_tensor",
     "encode",
+    "encode_parts",
     "encode_tensor",
+    "iter_chunks",
     "parse_agent_topic",
+    "payload_version",
     "split_payload",
     "validate_name",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 
 from protocol._ids import shown, validate_name, validate_task_id
 from protocol.errors import ProtocolError
+from protocol.framing import TensorSection
 from protocol.limits import Limits
 from protocol.tensors import decode_tensor
 
@@ -226,8 +227,9 @@ class FieldReader:
             for key, item in ((_check_key(k, label, self.limits), v) for k, v in value.items())
         }
 
-    def weights(self, name: str) -> dict[str, np.ndarray]:
-        """A map of tensor name to wire tensor, decoded (see `decode_tensor`)."""
+    def weights(self, name: str, section: TensorSection | None = None) -> dict[str, np.ndarray]:
+        """A map of tensor name to tensor, decoded as read-only arrays: version 1 wire maps (see `decode_tensor`),
+        or, with the ``section`` of a version 2 payload, the entries that place them in it."""
         value = self._obj[name]
         label = self.label(name)
         if not isinstance(value, dict):
@@ -240,7 +242,8 @@ class FieldReader:
         for key, item in value.items():
             tensor_name = _check_key(key, label, self.limits)
             try:
-                result[tensor_name] = decode_tensor(item, self.limits)
+                result[tensor_name] = (decode_tensor(item, self.limits) if section is None
+                                       else section.tensor(item, self.limits))
             except ProtocolError as exc:
                 raise ProtocolError(f"{label}[{tensor_name!r}]: {exc}") from None
         return result

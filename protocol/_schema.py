@@ -7,12 +7,14 @@ from collections.abc import Callable
 from protocol._ids import shown
 from protocol._reader import FieldReader, check_int, check_number
 from protocol.errors import ProtocolError
+from protocol.framing import TensorSection
 from protocol.limits import Limits
 from protocol.messages import (
     ADAPTATION_KINDS,
     AGENT_STATES,
     COORDINATOR_STATES,
     PROTOCOL_VERSION,
+    READABLE_VERSIONS,
     UPDATE_STATUSES,
     VERDICTS,
     Ack,
@@ -39,7 +41,7 @@ KIND_OF: dict[type, str] = {
 
 
 def read_capabilities(obj: object, where: str, limits: Limits) -> Capabilities:
-    r = FieldReader(obj, where, limits, Capabilities, optional=("sample_shape",))
+    r = FieldReader(obj, where, limits, Capabilities, optional=("sample_shape", "protocol_version"))
     shape = r.raw("sample_shape")
     if shape is not None and (not isinstance(shape, list) or len(shape) > 8):
         raise ProtocolError(f"{r.label('sample_shape')} must be a list of at most 8 dimensions, got {shown(shape)}")
@@ -51,6 +53,7 @@ def read_capabilities(obj: object, where: str, limits: Limits) -> Capabilities:
         num_samples=r.integer("num_samples", minimum=0),
         labels=r.labels("labels"),
         sample_shape=tuple(check_int(size, f"{r.label('sample_shape')} item", 1) for size in shape or ()),
+        protocol_version=r.opt_integer("protocol_version", minimum=1) or 1,
     )
 
 
@@ -141,7 +144,7 @@ def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
     )
 
 
-def read_task(obj: object, limits: Limits) -> Task:
+def read_task(obj: object, limits: Limits, section: TensorSection | None = None) -> Task:
     r = FieldReader(obj, "task", limits, Task, HEADER, optional=("plan", "adaptation"))
     if (r.raw("plan") is None) == (r.raw("recipe") is None):
         raise ProtocolError("task must carry a training 'plan' (or, from coordinators that predate plans, a "
@@ -154,13 +157,13 @@ def read_task(obj: object, limits: Limits) -> Task:
         model=r.nested("model", read_model_ref),
         spec=r.tree("spec"),
         recipe=r.opt_nested("recipe", read_recipe),
-        weights=r.weights("weights"),
+        weights=r.weights("weights", section),
         adaptation=r.opt_nested("adaptation", read_adaptation),
         plan=r.opt_nested("plan", read_training_plan),
     )
 
 
-def read_update(obj: object, limits: Limits) -> Update:
+def read_update(obj: object, limits: Limits, section: TensorSection | None = None) -> Update:
     r = FieldReader(obj, "update", limits, Update, HEADER)
     return Update(
         task_id=r.task_id("task_id"),
@@ -170,7 +173,7 @@ def read_update(obj: object, limits: Limits) -> Update:
         spec_trained=r.opt_tree("spec_trained"),
         num_samples=r.integer("num_samples", minimum=0),
         labels=r.labels("labels"),
-        weights=r.weights("weights"),
+        weights=r.weights("weights", section),
         metrics=r.float_map("metrics"),
         reason=r.opt_text("reason"),
     )
@@ -192,25 +195,37 @@ READERS: dict[str, Callable[[object, Limits], Message]] = {
     "update": read_update,
     "ack": read_ack,
 }
+WITH_TENSORS: dict[str, Callable[[object, Limits, TensorSection], Message]] = {
+    "task": read_task,
+    "update": read_update,
+}
+_READABLE = " and ".join(map(str, READABLE_VERSIONS))
 
 
-def read_message(obj: object, limits: Limits) -> Message:
-    """Check the envelope (``v``, ``type``) of a decoded map and read the message it holds."""
+def read_message(obj: object, limits: Limits, section: TensorSection | None = None) -> Message:
+    """Check the envelope (``v``, ``type``) of a decoded map and read the message it holds: a version 1 map,
+    or, with the ``section`` of its payload, the header of a version 2 payload (see `protocol.framing`)."""
     if not isinstance(obj, dict):
         raise ProtocolError(f"message must be a msgpack map, got {shown(obj)}")
     if "v" not in obj:
         raise ProtocolError("message has no protocol version field 'v'")
     version = obj["v"]
-    if type(version) is not int or version != PROTOCOL_VERSION:
+    layout = 1 if section is None else 2
+    if type(version) is not int or version not in READABLE_VERSIONS:
         got = str(version) if type(version) is int else shown(version)
         raise ProtocolError(
-            f"message speaks protocol version {got}, this side speaks version {PROTOCOL_VERSION}: "
-            "upgrade the older side"
+            f"message speaks protocol version {got}, this side reads versions {_READABLE} (it speaks version "
+            f"{PROTOCOL_VERSION}): upgrade the older side"
         )
     kind = obj.get("type")
     if kind == "chunk":
         raise ProtocolError("payload is one chunk of a larger message: feed it to protocol.Reassembler first")
+    if version != layout:
+        raise ProtocolError(f"message says protocol version {version} but is laid out as version {layout} "
+                            "(corrupted)")
     reader = READERS.get(kind) if isinstance(kind, str) else None
     if reader is None:
         raise ProtocolError(f"unknown message type {shown(kind)} (known: {', '.join(READERS)})")
+    if section is not None and kind in WITH_TENSORS:
+        return WITH_TENSORS[kind](obj, limits, section)
     return reader(obj, limits)

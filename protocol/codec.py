@@ -1,7 +1,10 @@
-"""msgpack encoding and validating decoding of whole messages.
+"""Encoding and validating decoding of whole messages, in either protocol version.
 
-A message is a msgpack map ``{"v": PROTOCOL_VERSION, "type": kind, **fields}``; nested dataclasses are maps
-and weights are maps of tensor name to wire tensor (see `protocol.tensors`).
+A message is a msgpack map ``{"v": version, "type": kind, **fields}``; nested dataclasses are maps. Version 1
+carries the weights inside it as maps of tensor name to wire tensor (see `protocol.tensors`); version 2 carries
+them as raw bytes after it (see `protocol.framing`), which is what makes encoding copy no tensor and decoding
+read them as views. A message without tensors is written as version 1 whatever version is asked for: it reads
+the same in both, and so every reader reads it.
 """
 
 from __future__ import annotations
@@ -10,18 +13,25 @@ from dataclasses import fields
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from protocol._ids import reason_of, shown
 from protocol._plain import plain
 from protocol._reader import check_text
 from protocol._schema import KIND_OF, read_message
 from protocol.errors import ProtocolError
+from protocol.framing import Encoded, frame, is_framed, unframe
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.messages import PROTOCOL_VERSION, Message
-from protocol.tensors import check_array, encode_tensor
+from protocol.messages import PROTOCOL_VERSION, READABLE_VERSIONS, Message
+from protocol.tensors import check_array, encode_tensor, wire_array
+
+BytesLike = bytes | bytearray | memoryview
+"""What `decode` reads: any contiguous buffer of bytes."""
 
 
-def _encode_weights(weights: object, kind: str, limits: Limits) -> dict[str, dict[str, Any]]:
+def _checked_weights(weights: object, kind: str, limits: Limits) -> dict[str, np.ndarray]:
+    """The weights as wire arrays (little-endian, C order: the caller's own arrays where they are so already),
+    each checked as the receiver will check it."""
     label = f"{kind}.weights"
     if not isinstance(weights, dict):
         raise ProtocolError(f"{label} must be a dict of numpy arrays, got {shown(weights)}")
@@ -29,28 +39,30 @@ def _encode_weights(weights: object, kind: str, limits: Limits) -> dict[str, dic
         raise ProtocolError(
             f"{label} has {len(weights)} tensors, more than the limit of {limits.max_tensors}"
         )
-    encoded: dict[str, dict[str, Any]] = {}
+    checked: dict[str, np.ndarray] = {}
     for name, array in weights.items():
         check_text(name, f"{label} key", limits)
         try:
-            encoded[name] = encode_tensor(check_array(array, limits))
+            checked[name] = check_array(wire_array(array), limits)
         except ProtocolError as exc:
             raise ProtocolError(f"{label}[{name!r}]: {exc}") from None
-    return encoded
+    return checked
 
 
-def encode(message: Message) -> bytes:
-    """Encode a message to msgpack bytes.
+def encode_parts(message: Message, *, version: int = PROTOCOL_VERSION) -> Encoded:
+    """Encode a message without joining it: its payload as a list of buffers (`Encoded`), the tensors' own
+    memory among them, for `protocol.split_payload` or a file to take as they are.
 
-    The message is checked with the same rules `decode` applies under DEFAULT_LIMITS (numpy scalars and
-    arrays in plain fields are converted first), so whatever this returns the other side can decode.
-    Raises ProtocolError, naming the field, when the message would be rejected.
+    ``version``: the protocol version to write (1 for a reader that predates version 2; see
+    :attr:`Capabilities.protocol_version`). Checks as `encode` does.
     """
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"cannot write protocol version {version!r} (this side writes {READABLE_VERSIONS})")
     kind = KIND_OF.get(type(message))
     if kind is None:
         raise ProtocolError(f"cannot encode {type(message).__name__}: not a top-level protocol message")
     try:
-        body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": kind}
+        body: dict[str, Any] = {"v": 1, "type": kind}
         later = getattr(message, "OMITTED_AT_DEFAULT", ())  # fields older readers lack stay off at their default
         for field in fields(message):
             value = getattr(message, field.name)
@@ -60,31 +72,59 @@ def encode(message: Message) -> bytes:
         if weights is not None:
             body["weights"] = {}
         read_message(body, DEFAULT_LIMITS)  # everything but the tensors, checked as the receiver will
-        if weights is not None:
-            body["weights"] = _encode_weights(weights, kind, DEFAULT_LIMITS)
-        payload: bytes = msgpack.packb(body, use_bin_type=True)
+        arrays = None if weights is None else _checked_weights(weights, kind, DEFAULT_LIMITS)
+        if arrays and version == 2:  # (a message without tensors reads the same in both: version 1)
+            encoded = frame({**body, "v": 2}, arrays)
+        else:
+            if arrays is not None:
+                body["weights"] = {name: encode_tensor(array) for name, array in arrays.items()}
+            encoded = Encoded((msgpack.packb(body, use_bin_type=True),), 1)
     except ProtocolError as exc:
         raise ProtocolError(f"cannot encode {kind}: {exc}") from None
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise ProtocolError(f"cannot encode {kind}: {reason_of(exc)}") from exc
-    if len(payload) > DEFAULT_LIMITS.max_payload_bytes:
+    if len(encoded) > DEFAULT_LIMITS.max_payload_bytes:
         raise ProtocolError(
-            f"encoded {kind} is {len(payload)} bytes, "
+            f"encoded {kind} is {len(encoded)} bytes, "
             f"more than the limit of {DEFAULT_LIMITS.max_payload_bytes}"
         )
-    return payload
+    return encoded
 
 
-def _unpack(payload: object, limits: Limits) -> object:
+def encode(message: Message, *, version: int = PROTOCOL_VERSION) -> bytes:
+    """Encode a message to bytes, in protocol ``version`` (default: the newest; see `encode_parts`).
+
+    The message is checked with the same rules `decode` applies under DEFAULT_LIMITS (numpy scalars and
+    arrays in plain fields are converted first), so whatever this returns the other side can decode.
+    Raises ProtocolError, naming the field, when the message would be rejected.
+    """
+    encoded = encode_parts(message, version=version)
+    only = encoded.parts[0]
+    return only if len(encoded.parts) == 1 and isinstance(only, bytes) else encoded.tobytes()
+
+
+def _buffer(payload: object) -> memoryview:
+    """A payload as a flat memoryview of bytes."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload must be bytes, got {shown(payload)}")
-    if len(payload) > limits.max_payload_bytes:
-        raise ProtocolError(
-            f"payload is {len(payload)} bytes, more than the limit of {limits.max_payload_bytes}"
-        )
+    view = memoryview(payload)
+    if view.ndim != 1 or view.format not in ("B", "b", "c"):
+        if not view.c_contiguous:
+            raise ProtocolError("payload must be a contiguous buffer of bytes")
+        view = view.cast("B")
+    return view
+
+
+def payload_version(payload: BytesLike) -> int:
+    """The protocol version an encoded message is written in (2: version 2's layout; else 1), from its first
+    bytes: what an agent answers a task in, since a coordinator that writes version 2 reads it."""
+    return 2 if is_framed(_buffer(payload)) else 1
+
+
+def _unpack(buffer: memoryview, limits: Limits) -> object:
     try:
         return msgpack.unpackb(
-            payload,
+            buffer,
             raw=False,
             strict_map_key=True,
             max_bin_len=limits.max_payload_bytes,
@@ -106,17 +146,34 @@ def _type_names(expected: type | tuple[type, ...]) -> str:
     return " or ".join(getattr(t, "__name__", repr(t)) for t in types)
 
 
+def _read(payload: object, limits: Limits) -> Message:
+    buffer = _buffer(payload)
+    if len(buffer) > limits.max_payload_bytes:
+        raise ProtocolError(
+            f"payload is {len(buffer)} bytes, more than the limit of {limits.max_payload_bytes}"
+        )
+    if not is_framed(buffer):
+        return read_message(_unpack(buffer, limits), limits)
+    head, section = unframe(buffer, limits)
+    message = read_message(head, limits, section)
+    section.finish()
+    return message
+
+
 def decode(
-    payload: bytes | bytearray | memoryview,
+    payload: BytesLike,
     expected: type | tuple[type, ...] | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> Message:
-    """Decode and validate one message; raises ProtocolError (and nothing else) for any malformed input.
+    """Decode and validate one message of either protocol version; raises ProtocolError (and nothing else) for
+    any malformed input.
 
-    ``expected``: the message class(es) acceptable here, e.g. ``decode(p, expected=Update)``.
+    ``expected``: the message class(es) acceptable here, e.g. ``decode(p, expected=Update)``. The weights of a
+    task or update are read-only numpy arrays; those of a version 2 payload are views on ``payload``, which
+    they keep alive.
     """
     try:
-        message = read_message(_unpack(payload, limits), limits)
+        message = _read(payload, limits)
     except ProtocolError:
         raise
     except Exception as exc:  # noqa: BLE001 - the boundary: nothing but ProtocolError may escape

@@ -9,7 +9,12 @@ import numpy as np
 
 from protocol.plan import Recipe, TrainingPlan
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""The newest protocol version, the one this side writes by default: version 2 carries a message's tensors as raw
+bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps (`protocol.tensors`). A message
+without tensors reads the same in both and is always written as version 1, which every reader reads."""
+READABLE_VERSIONS: tuple[int, ...] = (1, 2)
+"""The protocol versions this side decodes."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -19,9 +24,11 @@ UPDATE_STATUSES: tuple[str, ...] = ("ok", "adapted", "declined", "failed")
 @dataclass
 class Capabilities:
     """What an agent can afford: memory in bytes, its local data size, label set and the shape of one sample
-    (``sample_shape``: channels, height, width; empty from agents that predate it)."""
+    (``sample_shape``: channels, height, width; empty from agents that predate it), and the newest protocol
+    version it reads (``protocol_version``: 1 from agents that predate version 2; send it tasks in no newer one).
+    """
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("sample_shape",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("sample_shape", "protocol_version")
 
     device_kind: str
     memory_total: int
@@ -30,6 +37,7 @@ class Capabilities:
     num_samples: int
     labels: list[int]
     sample_shape: tuple[int, ...] = ()
+    protocol_version: int = 1
 
 
 @dataclass

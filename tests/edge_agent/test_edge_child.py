@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from edge_agent.oom import OomCount
 from edge_agent.runner import LocalData
 from edge_agent.workdir import PLAN_FILE, TASK_FILE, UPDATE_FILE
 from models import SubmodelSpec, estimate_plan_memory, get_family
-from protocol import LossTerm, ModelRef, Stage, TrainingPlan, Update, decode, encode
+from protocol import LossTerm, ModelRef, Stage, Task, TrainingPlan, Update, decode, encode, payload_version
 
 U = SubmodelSpec.uniform
 MIB = 2**20
@@ -117,6 +118,28 @@ def test_run_in_child_returns_an_encoded_update(trained):
     assert set(update.metrics) == {"loss", "steps", "seconds", "stages", "peak_bytes"}
     assert update.metrics["steps"] == 2.0 and update.metrics["stages"] == 1.0
     assert update.metrics["peak_bytes"] > 0
+    assert payload_version(outcome.update) == 2  # written straight from its arrays (child._write_update)
+
+
+def test_a_tasks_read_only_weights_load_into_a_model_without_a_warning(make_task, tmp_path):
+    task = make_task(U(0.5))
+    decoded = decode(encode(task), expected=Task)
+    assert isinstance(decoded, Task)
+    assert not any(array.flags.writeable for array in decoded.weights.values())  # views on the payload
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensors = child._tensors_to_load(decoded.weights)
+    for key, tensor in tensors.items():
+        assert np.shares_memory(tensor.numpy(), decoded.weights[key])  # no copy: load_state_dict copies them
+    family = get_family(task.model.family, task.model.num_classes, task.model.in_channels, **task.model.options)
+    model = family.build(U(0.5), track_bn_stats=False)
+    model.load_state_dict(tensors, strict=True)
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), decoded.weights[key])
+    path = tmp_path / "update.msgpack"
+    update = Update(task.task_id, 1, "agent", "ok", None, 3, [0], dict(decoded.weights), {"loss": 0.5})
+    child._write_update(path, update)
+    assert path.read_bytes() == encode(update)
 
 
 def test_child_refuses_a_plan_for_another_spec_than_its_task(make_task, workdir_for):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edge_agent.uplink import Uplink
-from protocol import Reassembler, Update, decode, encode
+from protocol import Reassembler, Update, decode, encode, payload_version
 
 TOPIC = "fedfit/v1/test/agents/a/update"
 
@@ -71,12 +71,31 @@ def test_update_is_published_as_chunks_that_reassemble_to_it(make_uplink):
     assert topic == TOPIC
     assert msgpack.unpackb(chunk)["type"] == "chunk"
     payload = Reassembler().feed(chunk, source="a")
-    assert payload == encode(u)
+    assert payload == encode(u, version=1)  # the task's version unknown: the one every coordinator reads
+    assert msgpack.unpackb(chunk)["v"] == 1
     decoded = decode(payload, expected=Update)
     assert decoded.task_id == u.task_id and decoded.weights["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert uplink.on_ack(u.task_id) is True
     assert wait_until(lambda: uplink.delivered == [u.task_id])
     assert uplink.abandoned == []
+
+
+def test_an_update_goes_out_in_the_version_of_its_task(make_uplink):
+    uplink, publish = make_uplink(ack_timeout_s=5.0, attempts=3)
+    u = update(size=3000)
+    uplink.send(u, version=2)
+    assert wait_until(lambda: publish.count() >= 1)
+    _, chunk = publish.calls[0]
+    assert msgpack.unpackb(chunk)["v"] == 2  # chunks in the payload's version
+    payload = Reassembler().feed(chunk, source="a")
+    assert payload is not None and payload_version(payload) == 2 and payload == encode(u, version=2)
+    decoded = decode(payload, expected=Update)
+    assert isinstance(decoded, Update) and decoded.weights["w"].tolist() == list(range(3000))
+    uplink.on_ack(u.task_id)
+    declined = Update(u.task_id + "x", 1, "a", "declined", None, 3, [0], {}, {}, "nothing fits")
+    uplink.send(declined, version=2)  # no tensors: version 1 whatever is asked, which every reader reads
+    assert wait_until(lambda: publish.count() >= 2)
+    assert msgpack.unpackb(publish.calls[1][1])["v"] == 1
 
 
 def test_large_update_is_split_into_several_chunks(make_uplink):
@@ -86,7 +105,7 @@ def test_large_update_is_split_into_several_chunks(make_uplink):
     assert wait_until(lambda: publish.count() >= 2)
     reassembler = Reassembler()
     results = [reassembler.feed(chunk, source="a") for _, chunk in publish.calls[:2]]
-    assert results[0] is None and results[1] == encode(u)
+    assert results[0] is None and results[1] == encode(u, version=1)
     assert uplink.on_ack(u.task_id) is True
     assert wait_until(lambda: uplink.delivered == [u.task_id])
 
@@ -188,7 +207,7 @@ def test_an_update_stays_on_disk_until_acked_and_a_new_process_sends_it_first(tm
     try:
         assert restarted.restored == ["r1-a-7"] and restarted.pending("r1-a-7")
         assert wait_until(lambda: publish.count() >= 1)
-        assert Reassembler().feed(publish.calls[0][1], source="a") == encode(u)
+        assert Reassembler().feed(publish.calls[0][1], source="a") == encode(u, version=1)
         assert restarted.on_ack("r1-a-7")
         assert wait_until(lambda: restarted.delivered == ["r1-a-7"])
         assert not (tmp_path / "outbox" / "r1-a-7.update").exists() and not restarted.pending("r1-a-7")

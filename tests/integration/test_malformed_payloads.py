@@ -41,7 +41,7 @@ def hostile_payloads(rng: random.Random) -> list[bytes]:
     """Garbage of every kind: random bytes, truncations, wrong types, lies about sizes, NaN weights."""
     zeros = {"w": np.zeros((2, 2), dtype=np.float32)}
     clean = msgpack.unpackb(encode(Update("r1-dev-a-0000", 1, "dev-a", "ok", {"width": 1.0}, 5, [0, 1], zeros,
-                                          {}, None)))
+                                          {}, None), version=1))  # the map of version 1: tensors inline
     clean["weights"]["w"]["data"] = np.full((2, 2), np.nan, dtype="<f4").tobytes()
     nan_update = msgpack.packb(clean)  # the encoder refuses NaN, so forge it
     task = Task("r9-dev-a-0000", 9, "dev-a", time.time() + 60, ModelRef("cnn", 10, 1, {}), {"width": 1.0},

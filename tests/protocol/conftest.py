@@ -199,7 +199,7 @@ def assert_same_message(actual: object, expected: Message) -> None:
         if field.name == "weights":
             assert sorted(got) == sorted(want)
             for name, array in want.items():
-                assert got[name].dtype == array.dtype, name
+                assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
                 np.testing.assert_array_equal(got[name], array, err_msg=name)
         else:
             assert got == want, field.name
@@ -212,9 +212,27 @@ def assert_same() -> Callable[[object, Message], None]:
 
 
 def wire_of(message: Message) -> dict[str, Any]:
-    """The msgpack map a message encodes to."""
-    unpacked: dict[str, Any] = msgpack.unpackb(encode(message), raw=False)
+    """The msgpack map a message encodes to in protocol version 1 (tensors as maps inside it); the header of a
+    version 2 payload is the same map but for the tensors (see `head_of`)."""
+    unpacked: dict[str, Any] = msgpack.unpackb(encode(message, version=1), raw=False)
     return unpacked
+
+
+def head_of(payload: bytes) -> tuple[dict[str, Any], bytes]:
+    """The message map of a version 2 payload and its tensor section (the bin after it, padding included)."""
+    outer = msgpack.unpackb(payload, raw=False)
+    assert list(outer) == ["v", "h", "m", "d"] and outer["v"] == 2
+    return outer["m"], outer["d"]
+
+
+def framed(head: dict[str, Any], data: bytes, pad: int | None = None) -> bytes:
+    """A version 2 payload of a (hand-made) message map and tensor data, laid out as `protocol.framing` says:
+    ``pad`` zero bytes (default: those that align the data on 64 bytes) before ``data``."""
+    packed = pack(head)
+    data_at = 13 + len(packed) + 7
+    pad = -data_at % 64 if pad is None else pad
+    return b"".join((b"\x84\xa1v\x02\xa1h\xce", len(packed).to_bytes(4, "big"), b"\xa1m", packed, b"\xa1d\xc6",
+                     (pad + len(data)).to_bytes(4, "big"), bytes(pad), data))
 
 
 def pack(obj: object) -> bytes:

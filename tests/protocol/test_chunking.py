@@ -1,4 +1,5 @@
-"""split_payload and Reassembler: order, duplicates, integrity, consistency, eviction and bounds."""
+"""split_payload, iter_chunks and Reassembler: both chunk versions, order, duplicates, integrity, consistency,
+eviction and bounds."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ import threading
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
-from protocol import CHUNK_SIZE, ProtocolError, Reassembler, TransferRefused, split_payload
+from protocol import (
+    CHUNK_SIZE,
+    Encoded,
+    ProtocolError,
+    Reassembler,
+    TransferRefused,
+    Update,
+    encode,
+    encode_parts,
+    iter_chunks,
+    split_payload,
+)
 
 
 def unpack(chunk: bytes) -> dict[str, Any]:
@@ -24,24 +37,44 @@ def pack(obj: object) -> bytes:
 
 
 def chunk_map(**changes: Any) -> dict[str, Any]:
-    """A valid 2-chunk header (payload b"abcdef" in chunks of 3), seq 0, with changes applied."""
-    base = unpack(split_payload(b"abcdef", "t-1", 3)[0])
+    """A valid version 1 2-chunk header (payload b"abcdef" in chunks of 3), seq 0, with changes applied."""
+    base = unpack(split_payload(b"abcdef", "t-1", 3, version=1)[0])
     base.update(changes)
     return base
 
 
-def test_split_headers_and_sizes() -> None:
+V1_FIELDS = {"v", "type", "transfer", "seq", "count", "total", "sha256", "data"}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_split_headers_and_sizes(version: int) -> None:
     payload = bytes(range(256)) * 10  # 2560 bytes
-    chunks = split_payload(payload, "r1:pi-01", 1000)
+    chunks = split_payload(payload, "r1:pi-01", 1000, version=version)
     maps = [unpack(chunk) for chunk in chunks]
     digest = hashlib.sha256(payload).hexdigest()
     assert [m["seq"] for m in maps] == [0, 1, 2]
     assert [len(m["data"]) for m in maps] == [1000, 1000, 560]
-    for m in maps:
-        assert set(m) == {"v", "type", "transfer", "seq", "count", "total", "sha256", "data"}
-        assert (m["v"], m["type"], m["transfer"], m["count"], m["total"]) == (1, "chunk", "r1:pi-01", 3, 2560)
-        assert m["sha256"] == digest
+    for m, chunk in zip(maps, chunks, strict=True):
+        # Version 2 keeps version 1's field set: a version 1 reader gets as far as the version and refuses it.
+        assert set(m) == V1_FIELDS
+        assert (m["v"], m["type"], m["transfer"], m["count"], m["total"]) == (version, "chunk", "r1:pi-01", 3, 2560)
+        assert m["sha256"] == (digest if version == 1 or m["seq"] == 2 else "")
+        assert list(m)[-1] == "data" and chunk.endswith(m["data"])  # data last: read in place
     assert b"".join(m["data"] for m in maps) == payload
+
+
+def test_chunks_of_an_encoded_payload_are_those_of_its_bytes() -> None:
+    rng = np.random.default_rng(5)
+    weights = {f"w{i}": rng.standard_normal(300 + i, dtype=np.float32) for i in range(7)}
+    update = Update("t-9", 1, "pi-01", "ok", None, 3, [0], weights, {})
+    parts = encode_parts(update)
+    assert isinstance(parts, Encoded) and len(parts.parts) > 7
+    for size in (1, 64, 1000, 4096, len(parts), len(parts) + 1):
+        assert split_payload(parts, "t-9", size) == split_payload(encode(update), "t-9", size)
+    assert list(iter_chunks(parts, "t-9", 500, round_number=4)) == split_payload(parts, "t-9", 500, round_number=4)
+    reassembler = Reassembler()
+    results = [reassembler.feed(chunk) for chunk in iter_chunks(parts, "t-9", 700)]
+    assert results[-1] == encode(update)
 
 
 def test_split_edge_sizes() -> None:
@@ -73,13 +106,16 @@ def test_split_rejects_bad_arguments() -> None:
         split_payload(b"x", "t", 0)
     with pytest.raises(TypeError, match="bytes"):
         split_payload("text", "t")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="version"):
+        split_payload(b"x", "t", version=3)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("seed", range(5))
-def test_reassemble_random_order_with_duplicates(seed: int) -> None:
+def test_reassemble_random_order_with_duplicates(seed: int, version: int) -> None:
     rng = random.Random(seed)
     payload = rng.randbytes(rng.randrange(1, 5000))
-    chunks = split_payload(payload, f"t-{seed}", rng.randrange(1, 700))
+    chunks = split_payload(payload, f"t-{seed}", rng.randrange(1, 700), version=version)
     stream = chunks + rng.sample(chunks, k=min(len(chunks), 5))  # duplicates before completion
     rng.shuffle(stream)
     reassembler = Reassembler()
@@ -124,7 +160,7 @@ def test_sources_and_transfers_are_kept_apart() -> None:
 
 def test_sha_mismatch_raises_and_drops_the_transfer() -> None:
     wrong = hashlib.sha256(b"something else").hexdigest()
-    chunks = [pack({**unpack(c), "sha256": wrong}) for c in split_payload(b"payload!", "t", 3)]
+    chunks = [pack({**unpack(c), "sha256": wrong}) for c in split_payload(b"payload!", "t", 3, version=1)]
     reassembler = Reassembler()
     assert reassembler.feed(chunks[0]) is None
     assert reassembler.feed(chunks[1]) is None
@@ -133,22 +169,76 @@ def test_sha_mismatch_raises_and_drops_the_transfer() -> None:
     assert reassembler.pending() == 0
 
 
+@pytest.mark.parametrize("last_first", [False, True])
+def test_version_2_checks_the_digest_of_its_last_chunk_in_any_order(last_first: bool) -> None:
+    chunks = split_payload(b"payload!", "t", 3)
+    wrong = [*chunks[:2], pack({**unpack(chunks[2]), "sha256": hashlib.sha256(b"other").hexdigest()})]
+    corrupt = [pack({**unpack(chunks[0]), "data": b"PAY"}), *chunks[1:]]  # a byte changed, the digest kept
+    for stream in (wrong, corrupt):
+        reassembler = Reassembler()
+        order = [stream[2], stream[0], stream[1]] if last_first else stream
+        assert [reassembler.feed(chunk) for chunk in order[:2]] == [None, None]
+        with pytest.raises(ProtocolError, match="does not match its sha256"):
+            reassembler.feed(order[2])
+        assert reassembler.pending() == 0
+    reassembler = Reassembler()
+    order = [chunks[2], chunks[1], chunks[0]] if last_first else chunks
+    assert [reassembler.feed(chunk) for chunk in order] == [None, None, b"payload!"]
+
+
+def test_version_2_chunks_carry_the_digest_in_the_last_one_only() -> None:
+    chunks = split_payload(b"abcdef", "t", 3)
+    with pytest.raises(ProtocolError, match="sha256 must be empty"):
+        Reassembler().feed(pack({**unpack(chunks[0]), "sha256": hashlib.sha256(b"abcdef").hexdigest()}))
+    with pytest.raises(ProtocolError, match="sha256 must be 64 lowercase hex digits"):
+        Reassembler().feed(pack({**unpack(chunks[1]), "sha256": ""}))
+    reassembler = Reassembler()
+    assert reassembler.feed(chunks[0]) is None
+    with pytest.raises(ProtocolError, match="version=1"):  # one transfer, one version
+        reassembler.feed(split_payload(b"abcdef", "t", 3, version=1)[1])
+    assert reassembler.feed(chunks[1]) == b"abcdef"
+
+
+def test_reassembled_carries_the_digest_and_version() -> None:
+    payload = random.Random(4).randbytes(5000)
+    for version in (1, 2):
+        reassembler = Reassembler()
+        whole = None
+        for chunk in split_payload(payload, "t", 512, version=version):
+            whole = reassembler.feed_transfer(chunk, "pi")
+        assert whole is not None
+        assert (whole.payload, whole.sha256, whole.version) == (payload, hashlib.sha256(payload).hexdigest(), version)
+        assert whole.payload.readonly
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"count": 3}, "earlier chunks said count=2"),
-        ({"total": 7}, "total=6"),
+        ({"count": 3, "data": b"abc", "total": 9}, "earlier chunks said count=2"),
+        ({"total": 7, "data": b"defg"}, "total=6"),
         ({"sha256": "0" * 64}, "sha256="),
     ],
 )
 def test_inconsistent_headers_are_rejected(change: dict[str, Any], reason: str) -> None:
-    chunks = split_payload(b"abcdef", "t-1", 3)
+    chunks = split_payload(b"abcdef", "t-1", 3, version=1)
     reassembler = Reassembler()
     assert reassembler.feed(chunks[0]) is None
     with pytest.raises(ProtocolError, match=reason):
         reassembler.feed(pack({**unpack(chunks[1]), **change}))
     assert reassembler.pending() == 1  # the earlier transfer is kept and still completes
     assert reassembler.feed(chunks[1]) == b"abcdef"
+
+
+def test_chunks_of_other_sizes_than_the_first_are_rejected() -> None:
+    chunks = split_payload(b"abcdefgh", "t-1", 3)  # 3 + 3 + 2
+    reassembler = Reassembler()
+    assert reassembler.feed(chunks[0]) is None
+    with pytest.raises(ProtocolError, match="holds 2 bytes, its place 3"):
+        reassembler.feed(pack({**unpack(chunks[1]), "data": b"de"}))
+    with pytest.raises(ProtocolError, match="a last chunk of 3 bytes is impossible"):
+        Reassembler().feed(pack({**unpack(chunks[2]), "data": b"ghi"}))
+    assert reassembler.feed(chunks[2]) is None
+    assert reassembler.feed(chunks[1]) == b"abcdefgh"
 
 
 def test_same_seq_with_different_data_is_rejected() -> None:
@@ -171,11 +261,14 @@ def test_same_seq_with_different_data_is_rejected() -> None:
         (chunk_map(data=b"abcdef"), "impossible"),  # 6 bytes cannot be one of 2 chunks of 6
         (chunk_map(data=b""), "impossible"),
         (chunk_map(total=0, count=1, data=b"a"), "impossible"),
+        (chunk_map(total=7), "cannot make 7 bytes in 2 chunks"),
+        (chunk_map(seq=2, count=3, data=b"abc", total=10), "a last chunk of 3 bytes is impossible"),
+        (chunk_map(count=1, seq=0, total=4), "the only chunk of a transfer of 4 bytes holds 3"),
         (chunk_map(data="abc"), "data must be bytes"),
         (chunk_map(sha256="ABC"), "sha256"),
         (chunk_map(sha256="A" * 64), "sha256"),
         (chunk_map(transfer="a/b"), "transfer"),
-        (chunk_map(v=2), "version"),
+        (chunk_map(v=3), "speaks protocol version int 3, this side reads versions 1 and 2"),
         (chunk_map(seq=True), "seq must be an integer"),
         (chunk_map(type="task"), "not a chunk"),
         ({k: v for k, v in chunk_map().items() if k != "total"}, "missing field(s) 'total'"),
@@ -197,17 +290,14 @@ def test_undecodable_chunks_are_rejected(chunk: Any) -> None:
         Reassembler().feed(chunk)
 
 
-def test_chunk_sizes_that_overflow_the_total_drop_the_transfer() -> None:
+def test_chunk_sizes_must_split_the_total_evenly_but_the_last() -> None:
     reassembler = Reassembler()
     first = chunk_map(transfer="t", count=3, total=10, seq=0, sha256="0" * 64, data=b"12345678")
-    assert reassembler.feed(pack(first)) is None
-    with pytest.raises(ProtocolError, match="exceed its total"):
-        reassembler.feed(pack({**first, "seq": 1, "data": b"90"}))  # leaves no byte for chunk 2
-    assert reassembler.pending() == 0
+    with pytest.raises(ProtocolError, match="cannot make 10 bytes in 3 chunks"):
+        reassembler.feed(pack(first))  # leaves no byte for chunk 2
     short = chunk_map(transfer="u", count=2, total=10, seq=0, sha256="0" * 64, data=b"1234")
-    assert reassembler.feed(pack(short)) is None
-    with pytest.raises(ProtocolError, match="do not add up"):
-        reassembler.feed(pack({**short, "seq": 1}))
+    with pytest.raises(ProtocolError, match="cannot make 10 bytes"):
+        reassembler.feed(pack(short))  # leaves 6 for the last, more than 4
     assert reassembler.pending() == 0
 
 

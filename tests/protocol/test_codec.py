@@ -42,12 +42,13 @@ KINDS = {
 }
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_round_trip_every_message_type(
-    name: str, messages: dict[str, Message], assert_same: Callable[[object, Message], None]
+    name: str, version: int, messages: dict[str, Message], assert_same: Callable[[object, Message], None]
 ) -> None:
     message = messages[name]
-    payload = encode(message)
+    payload = encode(message, version=version)
     assert isinstance(payload, bytes)
     assert_same(decode(payload), message)
     assert_same(decode(bytearray(payload)), message)
@@ -57,8 +58,14 @@ def test_round_trip_every_message_type(
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_envelope_has_version_and_type(name: str, messages: dict[str, Message]) -> None:
     wire = wire_of(messages[name])
-    assert wire["v"] == PROTOCOL_VERSION == 1
+    assert wire["v"] == 1 and PROTOCOL_VERSION == 2
     assert wire["type"] == KINDS[name]
+    outer = msgpack.unpackb(encode(messages[name]))
+    if name.startswith(("task", "update")):  # version 2: the message map, then the tensors
+        assert list(outer) == ["v", "h", "m", "d"] and outer["v"] == 2
+        assert {**outer["m"], "weights": None} == {**wire, "v": 2, "weights": None}
+    else:  # no tensors: the same in both versions, written as version 1 for every reader
+        assert outer == wire
 
 
 def test_task_wire_layout(messages: dict[str, Message]) -> None:
@@ -133,7 +140,7 @@ def test_non_bytes_payload_is_rejected(payload: Any) -> None:
         decode(payload)
 
 
-@pytest.mark.parametrize("version", [2, 0, -1, "1", 1.0, True, None])
+@pytest.mark.parametrize("version", [3, 0, -1, "1", 1.0, True, None])
 def test_wrong_version_is_rejected_naming_both_versions(
     version: object, messages: dict[str, Message]
 ) -> None:
@@ -142,7 +149,14 @@ def test_wrong_version_is_rejected_naming_both_versions(
     with pytest.raises(ProtocolError, match="version") as caught:
         decode(pack(wire))
     assert repr(version) in str(caught.value)
-    assert f"version {PROTOCOL_VERSION}" in str(caught.value)
+    assert f"versions 1 and 2 (it speaks version {PROTOCOL_VERSION}): upgrade the older side" in str(caught.value)
+
+
+def test_a_version_1_map_that_says_version_2_is_rejected(messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["update"])
+    wire["v"] = 2
+    with pytest.raises(ProtocolError, match="says protocol version 2 but is laid out as version 1"):
+        decode(pack(wire))
 
 
 def test_missing_version_is_rejected(messages: dict[str, Message]) -> None:
@@ -344,7 +358,7 @@ def test_task_adaptation_hint_round_trips_and_is_validated() -> None:
     decoded = decode(encode(task), expected=Task)
     assert isinstance(decoded, Task)
     assert decoded.adaptation == Adaptation("width-levels", candidates=[], rates=[1.0, 0.5, 0.25])
-    raw = msgpack.unpackb(encode(task))
+    raw = msgpack.unpackb(encode(task, version=1))
     raw["adaptation"] = "shrink please"
     with pytest.raises(ProtocolError, match="adaptation"):
         decode(msgpack.packb(raw))

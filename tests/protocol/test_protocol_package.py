@@ -17,6 +17,7 @@ EXPORTS = {
     "Update", "Ack", "Message", "encode", "decode", "encode_tensor", "decode_tensor", "split_payload",
     "Reassembler", "TransferRefused", "CHUNK_SIZE", "PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage",
     "Adaptation", "Candidate", "MEMORY_DECLINE_REASON", "MEMORY_KILL_REASON",
+    "READABLE_VERSIONS", "BytesLike", "Encoded", "encode_parts", "iter_chunks", "payload_version", "Reassembled",
 }  # fmt: skip
 
 
@@ -50,7 +51,7 @@ def test_imports_neither_torch_nor_paho_nor_other_packages() -> None:
 
 def test_sources_import_only_stdlib_numpy_msgpack_and_themselves() -> None:
     allowed = {"numpy", "msgpack", "protocol", "__future__", "collections", "dataclasses", "hashlib", "math",
-               "re", "threading", "time", "typing"}  # fmt: skip
+               "re", "struct", "threading", "time", "typing"}  # fmt: skip
     sources = sorted(PACKAGE_DIR.glob("*.py"))
     assert len(sources) >= 8
     for source in sources:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from protocol import DEFAULT_LIMITS, Limits, ProtocolError, decode_tensor, encode_tensor
-from protocol.tensors import ALLOWED_DTYPES, check_array
+from protocol.tensors import ALLOWED_DTYPES, all_finite, check_array
 
 
 def _sample(dtype: str) -> np.ndarray:
@@ -42,13 +42,38 @@ def test_encode_makes_little_endian_c_order() -> None:
     np.testing.assert_array_equal(decode_tensor(wire, DEFAULT_LIMITS), transposed)
 
 
-def test_decoded_array_is_native_writable_copy() -> None:
+def test_decoded_array_is_a_native_read_only_view() -> None:
     wire = encode_tensor(np.ones((2, 2), dtype=np.float32))
     decoded = decode_tensor(wire, DEFAULT_LIMITS)
-    assert decoded.dtype.isnative
-    assert decoded.flags.writeable and decoded.flags.c_contiguous
-    decoded[0, 0] = 5.0
-    assert decoded[0, 0] == 5.0
+    assert decoded.dtype.isnative and decoded.flags.c_contiguous
+    assert not decoded.flags.writeable and not decoded.flags.owndata  # a view on the wire bytes
+    with pytest.raises(ValueError, match="read-only"):
+        decoded[0, 0] = 5.0
+    copy = decoded.copy()  # what a consumer that must write takes
+    copy[0, 0] = 5.0
+    assert copy[0, 0] == 5.0
+
+
+def test_all_finite_takes_the_exact_test_only_when_the_sum_of_squares_overflows() -> None:
+    assert all_finite(np.ones(1000, dtype=np.float32))
+    assert all_finite(np.arange(5))  # not floats
+    assert all_finite(np.zeros(0, dtype=np.float32))
+    # Large finite values: the fast sum of squares overflows, the exact test says finite (the second branch).
+    large = np.full(10, 3e38, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(np.dot(large, large))
+    assert all_finite(large)
+    assert all_finite(np.full(10, 6e4, dtype=np.float16))  # float16 is summed in float32: no overflow here
+    assert all_finite(np.full(10, 1e300))
+    for dtype in ("float16", "float32", "float64"):
+        for bad in (np.nan, np.inf, -np.inf):
+            for at in (0, 4, 9):
+                array = np.full(10, 1e4 if dtype == "float16" else 1e30, dtype=dtype)  # overflow-prone, finite
+                array[at] = bad
+                assert not all_finite(array), (dtype, bad, at)
+                assert not all_finite(array.reshape(2, 5)), (dtype, bad, at)
+                with pytest.raises(ProtocolError, match="NaN or Inf"):
+                    check_array(array)
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (0, 5), (1, 1, 1, 1, 1, 1, 1, 1)])
