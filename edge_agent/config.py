@@ -45,8 +45,9 @@ class AgentConfig:
     (the process that holds torch, ``edge_agent.forkserver``) starts: at the ``first-task`` (an idle agent stays
     small) or at ``start-up`` (the first task starts sooner).
     Updates waiting for the coordinator's ack are kept in ``<state_dir>/<agent_id>/outbox`` (at most
-    ``outbox_max_bytes``, the oldest dropped first) and sent again after a restart. ``update_attempts`` sends of
-    ``ack_timeout_s`` each are made while the broker is connected; an outage uses none of them.
+    ``outbox_max_bytes``, the oldest dropped first) and sent again after a restart. ``update_attempts`` sends are
+    made while the broker is connected (an outage uses none of them), each waiting ``ack_timeout_s`` for its ack,
+    doubled with every send up to 8 times it (``edge_agent.uplink.MAX_BACKOFF``).
     """
 
     agent_id: str

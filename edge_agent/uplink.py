@@ -14,6 +14,7 @@ version 1, which every coordinator reads, when that is not known), and its chunk
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,11 @@ Publish = Callable[[str, bytes], bool]
 
 #: Seconds between looks at the connection while the broker is away.
 _CONNECTION_POLL_S = 0.5
+#: The wait for an ack doubles with every send of an update, up to this many times ``ack_timeout_s``, and is
+#: spread by +-10% from the second send on: a thousand devices whose first sends went unanswered (a coordinator
+#: absorbing a whole fleet's updates) do not resend together, every ``ack_timeout_s``, until the broker's queues
+#: burst (measured: 1000 agents resending every 10 s filled mosquitto to 10.8 GB).
+MAX_BACKOFF = 8
 
 
 class Uplink:
@@ -140,9 +146,16 @@ class Uplink:
                 return False
         return not self._stopping.is_set()
 
-    def _wait_ack(self, acked: threading.Event) -> bool:
-        """Wait up to ack_timeout_s for the ack, or until stop() (which need not wait out the timeout)."""
-        deadline = time.monotonic() + self._ack_timeout_s
+    def ack_wait(self, attempt: int) -> float:
+        """Seconds to wait for the ack after send number ``attempt`` (1, 2, ...): ``ack_timeout_s``, doubled each
+        send up to :data:`MAX_BACKOFF` times, spread by +-10% from the second send on."""
+        if attempt <= 1:
+            return self._ack_timeout_s
+        return self._ack_timeout_s * min(2 ** (attempt - 1), MAX_BACKOFF) * random.uniform(0.9, 1.1)
+
+    def _wait_ack(self, acked: threading.Event, attempt: int) -> bool:
+        """Wait up to :meth:`ack_wait` for the ack, or until stop() (which need not wait out the timeout)."""
+        deadline = time.monotonic() + self.ack_wait(attempt)
         while not acked.is_set() and not self._stopping.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -160,7 +173,7 @@ class Uplink:
             attempt += 1
             for chunk in iter_chunks(payload, f"{task_id}.{attempt}", version=payload_version(payload)):
                 self._publish(self.topic, chunk)
-            if not self._wait_ack(acked) and attempt < self._attempts and not self._stopping.is_set():
+            if not self._wait_ack(acked, attempt) and attempt < self._attempts and not self._stopping.is_set():
                 self._log.warning("update_not_acked_resending", task=task_id, attempt=attempt)
         # Outstanding no more before the outcome is recorded: a later ack finds nothing and says so.
         with self._lock:

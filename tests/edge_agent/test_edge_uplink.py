@@ -256,3 +256,15 @@ def test_a_late_answer_about_a_parked_update_settles_it(tmp_path):
         assert not uplink.pending("r1-a-10") and uplink.resend_parked() == 0
     finally:
         uplink.stop(timeout=2.0)
+
+
+def test_the_wait_for_an_ack_doubles_with_every_send_up_to_a_cap_and_is_spread():
+    from edge_agent.uplink import MAX_BACKOFF, Uplink
+
+    uplink = Uplink("pi", "topic", lambda topic, chunk: True, ack_timeout_s=10.0, attempts=30)
+    assert uplink.ack_wait(1) == 10.0  # the first send waits exactly ack_timeout_s
+    for attempt in range(2, 12):
+        nominal = 10.0 * min(2 ** (attempt - 1), MAX_BACKOFF)
+        waits = {uplink.ack_wait(attempt) for _ in range(20)}
+        assert all(0.9 * nominal <= wait <= 1.1 * nominal for wait in waits)
+        assert len(waits) > 1  # spread: a fleet's resends do not line up
