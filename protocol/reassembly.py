@@ -86,7 +86,8 @@ class Reassembler:
     chunks fill it) and hashed chunk by chunk as they arrive in order. Bounded: a transfer may total at most
     ``max_total_bytes``; at most ``max_transfers`` are open (the least recently active is dropped beyond that); a
     transfer that received nothing for ``ttl_seconds`` is dropped; if ``max_buffered_bytes`` is given, the least
-    recently active transfers are dropped to keep the bytes received across all transfers under it. Duplicate
+    recently active transfers are dropped to keep the buffers of the open transfers (their declared totals, taken
+    whole when they open) under it. Duplicate
     chunks are ignored, so QoS 1 redelivery is harmless, and a payload sent again in full after completing is
     returned again (the receiver's handler dedupes). ``admit(transfer, total)``, when given, is asked before a
     transfer opens (at whichever of its chunks comes first) and may refuse it by raising ProtocolError; a
@@ -153,9 +154,18 @@ class Reassembler:
                     return None
                 self._admit(key, part, now)
                 size = _chunk_size(part)
-                transfer = _Transfer(part.count, part.total, part.version, size, "", now,
-                                     np.empty(part.total, dtype=np.uint8))
+                try:
+                    buffer = np.empty(part.total, dtype=np.uint8)
+                except MemoryError:
+                    self._refused[key] = now
+                    raise TransferRefused(f"no memory for a transfer of {part.total} bytes", part.transfer,
+                                          part.round) from None
+                transfer = _Transfer(part.count, part.total, part.version, size, "", now, buffer)
                 self._open[key] = transfer
+                # Its whole buffer counts from now on, whatever has arrived: chunks scattered over it commit its
+                # pages (huge pages, even), so counting bytes received would let a sender bypass the bound.
+                self._buffered += part.total
+                self._enforce_bounds(keep=key)
             else:
                 self._check_consistent(transfer, part)
             self._open.move_to_end(key)
@@ -165,7 +175,7 @@ class Reassembler:
             if not self._store(key, transfer, part):
                 return None
             del self._open[key]
-            self._buffered -= transfer.received
+            self._buffered -= transfer.total
         digest = transfer.hasher.hexdigest()
         if digest != transfer.sha256:
             raise ProtocolError(f"transfer {part.transfer!r} does not match its sha256; dropped it")
@@ -214,7 +224,6 @@ class Reassembler:
         transfer.buffer[start:stop] = np.frombuffer(part.data, dtype=np.uint8)  # (numpy copies without the GIL)
         transfer.have.add(part.seq)
         transfer.received += stop - start
-        self._buffered += stop - start
         while transfer.hashed in transfer.have:
             transfer.hasher.update(view[slice(*transfer.span(transfer.hashed))])
             transfer.hashed += 1
@@ -226,7 +235,7 @@ class Reassembler:
     def _drop(self, key: tuple[str, str]) -> None:
         transfer = self._open.pop(key, None)
         if transfer is not None:
-            self._buffered -= transfer.received
+            self._buffered -= transfer.total
 
     def _evict_expired(self, now: float) -> None:
         expired = [key for key, t in self._open.items() if now - t.last_seen > self.ttl_seconds]

@@ -343,18 +343,7 @@ def test_oldest_transfer_is_dropped_beyond_max_transfers() -> None:
     assert reassembler.feed(transfers[0][1], now=3.0) is None  # t0 was dropped: this starts a new one
 
 
-def test_max_buffered_bytes_drops_least_recently_active() -> None:
-    reassembler = Reassembler(max_total_bytes=100, max_buffered_bytes=150)
-    a = split_payload(b"a" * 100, "a", 50)
-    b = split_payload(b"b" * 100, "b", 50)
-    c = split_payload(b"c" * 100, "c", 50)
-    for chunks in (a, b, c):
-        assert reassembler.feed(chunks[0]) is None
-    assert reassembler.pending() == 3  # 150 bytes held
-    assert reassembler.feed(pack({**unpack(a[0]), "transfer": "d"})) is None  # 200 > 150: a dropped
-    assert reassembler.pending() == 3
-    assert reassembler.feed(a[1]) is None
-    assert reassembler.feed(c[1]) == b"c" * 100
+def test_max_buffered_bytes_must_hold_one_whole_transfer() -> None:
     with pytest.raises(ValueError, match="max_buffered_bytes"):
         Reassembler(max_total_bytes=100, max_buffered_bytes=99)
 
@@ -460,3 +449,18 @@ def test_chunks_may_declare_the_round_of_their_task() -> None:
         Reassembler().feed(pack(chunk_map(round=-2)))
     with pytest.raises(ProtocolError, match="chunk.round must be an integer"):
         Reassembler().feed(pack(chunk_map(round="3")))
+
+
+def test_an_open_transfer_counts_its_whole_buffer_against_the_bound_not_the_bytes_received():
+    """Chunks scattered over a declared total commit its buffer's pages whatever they hold: a transfer counts in
+    full from its first chunk, so three 1000-byte transfers opened with 100 bytes each do not fit in 2000."""
+    reassembler = Reassembler(max_total_bytes=1000, max_buffered_bytes=2000)
+    transfers = {name: split_payload(bytes([index]) * 1000, name, 100)
+                 for index, name in enumerate(("t-a", "t-b", "t-c"))}
+    for chunks in transfers.values():
+        assert reassembler.feed(chunks[0], "pi") is None
+    assert reassembler.pending() == 2  # t-a, the least recently active, was dropped when t-c opened
+    for chunk in transfers["t-a"][1:]:
+        assert reassembler.feed(chunk, "pi") is None  # its first chunk is gone: it never completes
+    done = [reassembler.feed(chunk, "pi") for chunk in transfers["t-c"][1:]]
+    assert bytes(done[-1]) == bytes([2]) * 1000
