@@ -54,6 +54,7 @@ class _Transfer:
     have: set[int] = field(default_factory=set)
     hashed: int = 0  # chunks 0..hashed-1 are in the hash
     received: int = 0
+    charged: int = 0  # bytes of the buffer counted against max_buffered_bytes: up to the furthest byte written
 
     def span(self, seq: int) -> tuple[int, int]:
         start = seq * self.chunk_size
@@ -86,8 +87,8 @@ class Reassembler:
     chunks fill it) and hashed chunk by chunk as they arrive in order. Bounded: a transfer may total at most
     ``max_total_bytes``; at most ``max_transfers`` are open (the least recently active is dropped beyond that); a
     transfer that received nothing for ``ttl_seconds`` is dropped; if ``max_buffered_bytes`` is given, the least
-    recently active transfers are dropped to keep the buffers of the open transfers (their declared totals, taken
-    whole when they open) under it. Duplicate
+    recently active transfers are dropped to keep what the open transfers' buffers may have committed (each up to
+    the furthest byte written into it) under it. Duplicate
     chunks are ignored, so QoS 1 redelivery is harmless, and a payload sent again in full after completing is
     returned again (the receiver's handler dedupes). ``admit(transfer, total)``, when given, is asked before a
     transfer opens (at whichever of its chunks comes first) and may refuse it by raising ProtocolError; a
@@ -162,10 +163,6 @@ class Reassembler:
                                           part.round) from None
                 transfer = _Transfer(part.count, part.total, part.version, size, "", now, buffer)
                 self._open[key] = transfer
-                # Its whole buffer counts from now on, whatever has arrived: chunks scattered over it commit its
-                # pages (huge pages, even), so counting bytes received would let a sender bypass the bound.
-                self._buffered += part.total
-                self._enforce_bounds(keep=key)
             else:
                 self._check_consistent(transfer, part)
             self._open.move_to_end(key)
@@ -175,7 +172,7 @@ class Reassembler:
             if not self._store(key, transfer, part):
                 return None
             del self._open[key]
-            self._buffered -= transfer.total
+            self._buffered -= transfer.charged
         digest = transfer.hasher.hexdigest()
         if digest != transfer.sha256:
             raise ProtocolError(f"transfer {part.transfer!r} does not match its sha256; dropped it")
@@ -224,6 +221,11 @@ class Reassembler:
         transfer.buffer[start:stop] = np.frombuffer(part.data, dtype=np.uint8)  # (numpy copies without the GIL)
         transfer.have.add(part.seq)
         transfer.received += stop - start
+        # Counted up to the furthest byte written, not the bytes received: chunks scattered over the buffer commit
+        # its pages (huge pages, even) whatever they hold. Chunks in order cost what they hold.
+        if stop > transfer.charged:
+            self._buffered += stop - transfer.charged
+            transfer.charged = stop
         while transfer.hashed in transfer.have:
             transfer.hasher.update(view[slice(*transfer.span(transfer.hashed))])
             transfer.hashed += 1
@@ -235,7 +237,7 @@ class Reassembler:
     def _drop(self, key: tuple[str, str]) -> None:
         transfer = self._open.pop(key, None)
         if transfer is not None:
-            self._buffered -= transfer.total
+            self._buffered -= transfer.charged
 
     def _evict_expired(self, now: float) -> None:
         expired = [key for key, t in self._open.items() if now - t.last_seen > self.ttl_seconds]

@@ -451,16 +451,20 @@ def test_chunks_may_declare_the_round_of_their_task() -> None:
         Reassembler().feed(pack(chunk_map(round="3")))
 
 
-def test_an_open_transfer_counts_its_whole_buffer_against_the_bound_not_the_bytes_received():
-    """Chunks scattered over a declared total commit its buffer's pages whatever they hold: a transfer counts in
-    full from its first chunk, so three 1000-byte transfers opened with 100 bytes each do not fit in 2000."""
+def test_an_open_transfer_counts_up_to_the_furthest_byte_written_not_the_bytes_received():
+    """Chunks scattered over a declared total commit its buffer's pages whatever they hold: a transfer whose last
+    chunk came first counts in full, so a second such one and a third do not fit in 2000 bytes with it."""
     reassembler = Reassembler(max_total_bytes=1000, max_buffered_bytes=2000)
     transfers = {name: split_payload(bytes([index]) * 1000, name, 100)
                  for index, name in enumerate(("t-a", "t-b", "t-c"))}
     for chunks in transfers.values():
-        assert reassembler.feed(chunks[0], "pi") is None
-    assert reassembler.pending() == 2  # t-a, the least recently active, was dropped when t-c opened
-    for chunk in transfers["t-a"][1:]:
-        assert reassembler.feed(chunk, "pi") is None  # its first chunk is gone: it never completes
-    done = [reassembler.feed(chunk, "pi") for chunk in transfers["t-c"][1:]]
+        assert reassembler.feed(chunks[-1], "pi") is None  # 100 bytes received, 1000 counted
+    assert reassembler.pending() == 2  # t-a, the least recently active, was dropped when t-c came
+    for chunk in transfers["t-a"][:-1]:
+        assert reassembler.feed(chunk, "pi") is None  # its last chunk is gone: it never completes
+    done = [reassembler.feed(chunk, "pi") for chunk in transfers["t-c"][:-1]]
     assert bytes(done[-1]) == bytes([2]) * 1000
+    in_order = Reassembler(max_total_bytes=1000, max_buffered_bytes=2000)
+    for chunks in transfers.values():  # chunks in order count what they hold: all three fit
+        assert in_order.feed(chunks[0], "pi") is None
+    assert in_order.pending() == 3
