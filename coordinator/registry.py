@@ -60,7 +60,11 @@ class FleetRegistry:
                 last_seen=time.time() if now is None else now,
                 instance=status.instance,
             )
-            self._last_change = time.monotonic()
+            # The fleet changed (a new agent, one gone or back, another process): a heartbeat of an agent online
+            # all along is no change, else a large fleet's statuses would never leave the quiet wait_settled needs.
+            if previous is None or previous.online != self._agents[status.agent_id].online or \
+                    previous.instance != status.instance:
+                self._last_change = time.monotonic()
             self._changed.notify_all()
             return previous
 
@@ -86,8 +90,8 @@ class FleetRegistry:
 
     def wait_settled(self, count: int, quiet: float, timeout: float,
                      on_change: Callable[[int], None] | None = None) -> list[AgentRecord]:
-        """Block until ``count`` agents are online and no status has arrived for ``quiet`` seconds (the retained
-        statuses of the whole fleet are in), or ``timeout`` passes; returns those online. ``on_change(online)`` is
+        """Block until ``count`` agents are online and the fleet has not changed for ``quiet`` seconds (no agent new,
+        gone, back or restarted: the retained statuses of the whole fleet are in), or ``timeout`` passes; returns those online. ``on_change(online)`` is
         called (lock held: it must not block) whenever the number online changes, and once at the start."""
         deadline = time.monotonic() + timeout
         seen = -1

@@ -158,3 +158,21 @@ def test_wait_settled_times_out_with_those_online():
     started = time.monotonic()
     online = registry.wait_settled(2, quiet=0.05, timeout=0.2)
     assert [r.agent_id for r in online] == ["a"] and time.monotonic() - started >= 0.2
+
+
+def test_heartbeats_of_agents_online_all_along_do_not_keep_the_fleet_unsettled():
+    """A large fleet's periodic statuses never leave a second without one: only a change of the fleet (an agent
+    new, gone, back or restarted) restarts the quiet that wait_settled waits for."""
+    registry = FleetRegistry()
+    registry.on_status(status("a"))
+    registry.on_status(status("b"))
+    settled_since = registry._last_change
+    for _ in range(3):  # heartbeats, unchanged
+        registry.on_status(status("a"))
+        registry.on_status(status("b"))
+    assert registry._last_change == settled_since
+    registry.on_status(status("b", state="offline"))  # gone: a change
+    assert registry._last_change > settled_since
+    back = registry._last_change
+    registry.on_status(status("b"))  # back: a change
+    assert registry._last_change > back
