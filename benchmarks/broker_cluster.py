@@ -60,7 +60,7 @@ from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from fedfit.sim.broker import Broker, start_mosquitto
+from fedfit.sim.broker import Broker, BrokerStartError, start_mosquitto
 from fedfit.sim.budgets import device_budgets
 from fedfit.sim.harness import budget_anchor
 from fedfit.sim.load import LoadOptions, format_outcome, run_load
@@ -564,8 +564,11 @@ def main() -> int:
     started = time.monotonic()
     # The load mode's agents log in anonymously (fedfit.sim.load takes HOST:PORT brokers).
     secured = not args.insecure and args.mode != "load"
-    cluster = start_rabbitmq_cluster(args.nodes, federation="cluster" if secured else None,
-                                     memory_limit=args.memory_limit)
+    try:
+        cluster = start_rabbitmq_cluster(args.nodes, federation="cluster" if secured else None,
+                                         memory_limit=args.memory_limit)
+    except (BrokerStartError, ValueError) as exc:  # not installed, a node that would not start: one sentence
+        parser.error(str(exc))
     print(f"cluster of {args.nodes} RabbitMQ {cluster.version} nodes up in {time.monotonic() - started:.1f} s "
           f"(MQTT ports {cluster.ports}, {'secured: TLS, logins, topic permissions' if cluster.secured else 'open'}; "
           f"{available_cores()} cores here, shared: timings are noisy)", flush=True)

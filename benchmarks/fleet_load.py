@@ -20,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from fedfit.sim.load import DEFAULT_MODEL_OPTIONS, LoadOptions, format_outcome, run_load
+from fedfit.sim.broker import BrokerStartError
+from fedfit.sim.load import DEFAULT_MODEL_OPTIONS, LoadError, LoadOptions, format_outcome, run_load
 
 
 def main() -> int:
@@ -55,6 +56,14 @@ def main() -> int:
     parser.add_argument("--run-dir", default=None, help="default: a new runs/<time>-load/")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the outcome as JSON here")
     args = parser.parse_args()
+    try:
+        return run(args)
+    except (ValueError, LoadError, BrokerStartError) as exc:  # a bad flag, a run that could not start: one sentence
+        parser.error(str(exc))
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
     settings: dict[str, object] = {}
     for assignment in args.settings:
         key, _, text = assignment.partition("=")
@@ -62,7 +71,14 @@ def main() -> int:
         node = settings
         for part in parents:
             node = node.setdefault(part, {})  # type: ignore[assignment]
-        node[last] = json.loads(text)
+        try:
+            node[last] = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"--set {assignment!r}: its value must be JSON (e.g. 10, true, \"text\")") from None
+    if any("=" not in item for item in args.coordinator_env):
+        raise ValueError("--coordinator-env takes NAME=VALUE")
+    if not all(part.strip().isdigit() for part in args.hidden.split(",")):
+        raise ValueError(f"--hidden takes channel counts separated by commas, got {args.hidden!r}")
     options = LoadOptions(
         agents=args.agents, rounds=args.rounds, workers=args.workers,
         brokers=[b for b in args.brokers.split(",") if b], coordinator_broker=args.coordinator_broker,

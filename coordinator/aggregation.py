@@ -15,7 +15,6 @@ a round is reproducible to that, not bit for bit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -65,7 +64,6 @@ class MaskedAggregator:
         self._sums: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, dict[tuple[int, ...], float]] = {}  # key -> leading-block sizes -> summed weight
         self._scattered: dict[str, torch.Tensor] = {}  # key -> float64 weights of index-grid slices
-        self._smallest = math.inf  # the smallest weight added: any element an update covers has at least it
         self.updates = 0
 
     def add(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap, weight: float = 1.0) -> None:
@@ -73,7 +71,6 @@ class MaskedAggregator:
         if not weight > 0:
             raise ValueError(f"aggregation weight must be positive, got {weight}")
         self._fold(local_state, index_map, float(weight))
-        self._smallest = min(self._smallest, float(weight))
         self.updates += 1
 
     def _checked(self, local_state: Mapping[str, torch.Tensor], index_map: IndexMap) -> list[str]:
@@ -104,11 +101,7 @@ class MaskedAggregator:
             if sizes is not None:  # a view, added in place: no index grid, no gathered copy
                 leading(sums, sizes).add_(values, alpha=weight)
                 blocks = self._blocks.setdefault(key, {})
-                total = blocks.get(sizes, 0.0) + weight
-                if total == 0.0:
-                    del blocks[sizes]
-                else:
-                    blocks[sizes] = total
+                blocks[sizes] = blocks.get(sizes, 0.0) + weight
             else:
                 where = grid(indices)
                 sums[where] += weight * values
@@ -127,7 +120,7 @@ class MaskedAggregator:
 
     def covered(self, key: str) -> torch.Tensor:
         """Boolean mask of the elements of ``key`` that at least one update covers."""
-        return self.weights(key) >= self._smallest / 2
+        return self.weights(key) > 0
 
     def result(self) -> dict[str, torch.Tensor]:
         """The aggregated global state: weighted means where covered, old values elsewhere."""
@@ -138,8 +131,8 @@ class MaskedAggregator:
                 merged[key] = old.clone()
                 continue
             weights = self.weights(key)
-            covered = weights >= self._smallest / 2
-            mean = sums / weights.clamp_min(self._smallest / 2).to(sums.dtype)
+            mean = sums / weights.clamp_min(1e-12).to(sums.dtype)
+            covered = weights > 0
             merged[key] = torch.where(covered, mean, old.to(mean.dtype)).to(old.dtype)
         return merged
 

@@ -121,6 +121,9 @@ class Progress:
 #: processes use the id (a restart says 'offline' first, or its Last Will does, unless the broker was down).
 TWO_INSTANCES_WINDOW_S = 120.0
 
+#: Index maps the coordinator keeps, one per trained spec (levels, exits, FeDepth's segments, AdaptiveFL's models).
+INDEX_MAPS_KEPT = 256
+
 #: Transfers the coordinator reassembles at once at most (their bytes are bounded by max_buffered_bytes).
 MAX_TRANSFERS = 100_000
 
@@ -164,6 +167,7 @@ class Coordinator:
         #: Per agent id, processes another one of the id replaced while online, with when (see _watch_instances).
         self._replaced_instances: dict[str, dict[str, float]] = {}
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
+        self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}  # see _index_map
         # Transfers bounded by bytes, not by count: a large fleet uploads at once.
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30, max_transfers=MAX_TRANSFERS)
         self.on_round = on_round
@@ -690,6 +694,16 @@ class Coordinator:
         """The weights ``result``'s task sent for the keys it trained (the group's state before this round)."""
         return self.family.extract(self.states[result.task.group], result.spec, keys=result.state.keys(), views=True)
 
+    def _index_map(self, spec: SubmodelSpec) -> dict[str, tuple[torch.Tensor, ...]]:
+        """``family.index_map(spec)``, made once per spec (every update of a level has the same one; aggregation
+        only reads it)."""
+        made = self._index_maps.get(spec)
+        if made is None:
+            if len(self._index_maps) >= INDEX_MAPS_KEPT:
+                self._index_maps.clear()
+            made = self._index_maps[spec] = self.family.index_map(spec)
+        return made
+
     def _unpack_update(self, update: Update, task: TaskPlan) -> TaskResult:
         """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
         spec = SubmodelSpec.from_dict(update.spec_trained) if update.spec_trained is not None else task.spec
@@ -701,7 +715,7 @@ class Coordinator:
             missing, extra = sorted(expected - set(update.weights)), sorted(set(update.weights) - expected)
             raise ValueError(f"update tensors do not match {spec.describe()} (missing {missing[:3]}, "
                              f"unexpected {extra[:3]})")
-        full_map = self.family.index_map(spec)
+        full_map = self._index_map(spec)
         index_map = {key: full_map[key] for key in expected}
         state = {}
         for key in expected:

@@ -35,6 +35,7 @@ from protocol import (
     PROTOCOL_VERSION,
     Ack,
     AgentStatus,
+    BytesLike,
     Capabilities,
     CoordinatorStatus,
     ProtocolError,
@@ -392,7 +393,7 @@ class EdgeAgent:
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
         # Answered in the task's protocol version: the coordinator that wrote it reads it.
-        self.executor.submit(self._serve, task, time.perf_counter(), payload_version(complete))
+        self.executor.submit(self._serve, task, time.perf_counter(), complete)
 
     def _decline_refused(self, refused: TransferRefused) -> None:
         """Answer a task refused at its first chunk with a ``declined`` update, when its chunks name the round
@@ -420,12 +421,13 @@ class EdgeAgent:
             self._seen.popitem(last=False)
         return True
 
-    def _serve(self, task: Task, received: float, version: int = 1) -> None:
-        """Train ``task`` (``received``: time.perf_counter() when it arrived) and send its update in protocol
-        ``version`` (the task's); its ``seconds_queued`` metric says how long the task waited for a slot."""
+    def _serve(self, task: Task, received: float, payload: BytesLike | None = None) -> None:
+        """Train ``task`` (``received``: time.perf_counter() when it arrived; ``payload``: the message it came
+        as, handed to the training children as it is) and send its update in the task's protocol version; its
+        ``seconds_queued`` metric says how long the task waited for a slot."""
         try:
             queued = time.perf_counter() - received
-            update = self.runner.run(task)
+            update = self.runner.run(task, payload)
             update.metrics["seconds_queued"] = queued
             if self._stop.is_set() and update.status == "failed":
                 # Cut short by this agent's own stop (a restart, an upgrade): no answer, so that the coordinator
@@ -434,7 +436,7 @@ class EdgeAgent:
                 return
             self.log.info("task_done", task=task.task_id, status=update.status, reason=update.reason,
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
-            self.uplink.send(update, version=version)
+            self.uplink.send(update, version=payload_version(payload) if payload is not None else 1)
             self.tasks_done += 1
         except Exception:
             self.log.exception("task_crashed", task=task.task_id)

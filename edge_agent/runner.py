@@ -39,7 +39,16 @@ from edge_agent.workdir import (
     TrainingRequest,
     model_key,
 )
-from protocol import MEMORY_KILL_REASON, ModelRef, ProtocolError, Task, Update, decode, encode
+from protocol import (
+    MEMORY_KILL_REASON,
+    BytesLike,
+    ModelRef,
+    ProtocolError,
+    Task,
+    Update,
+    decode,
+    encode_parts,
+)
 
 __all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
 
@@ -170,7 +179,7 @@ class TaskRunner:
             self._busy.release()
 
     # ------------------------------------------------------------------ public
-    def run(self, task: Task) -> Update:
+    def run(self, task: Task, payload: BytesLike | None = None) -> Update:
         """Run ``task``; any failure becomes an update with status declined/failed and the reason. The update's
         metrics say where the device's time went: ``seconds_task`` (all of it, from here to the update),
         ``seconds_decision`` (the decision child), ``seconds_child`` (the training child, from fork to its update)
@@ -178,7 +187,7 @@ class TaskRunner:
         started = time.perf_counter()
         try:
             with self._busy:
-                update = self._serve(task)
+                update = self._serve(task, payload)
         except TaskRejected as exc:
             update = self._answer(task, exc.status, reason=exc.reason)
         except Exception as exc:  # noqa: BLE001 - the agent outlives any task
@@ -237,7 +246,7 @@ class TaskRunner:
             self._estimates.popitem(last=False)
 
     # --------------------------------------------------------------- internals
-    def _serve(self, task: Task) -> Update:
+    def _serve(self, task: Task, payload: BytesLike | None) -> Update:
         if self._closing.is_set():
             raise TaskRejected("declined", "the agent is stopping")
         if time.time() > task.deadline:
@@ -249,7 +258,8 @@ class TaskRunner:
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         try:
-            (workdir / TASK_FILE).write_bytes(encode(task))
+            with (workdir / TASK_FILE).open("wb") as handle:  # the message as it came, else its parts: no copy
+                handle.writelines((payload,) if payload is not None else encode_parts(task).parts)
             available = self.available(task.round)
             deciding = time.perf_counter()
             decision = self._decide(task, workdir, available)

@@ -20,7 +20,7 @@ from protocol._plain import plain
 from protocol._reader import check_text
 from protocol._schema import KIND_OF, read_message
 from protocol.errors import ProtocolError
-from protocol.framing import Encoded, frame, is_framed, unframe
+from protocol.framing import Encoded, frame, is_framed, unframe, unpack_limited
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import PROTOCOL_VERSION, READABLE_VERSIONS, Message
 from protocol.tensors import check_array, encode_tensor, wire_array
@@ -122,23 +122,8 @@ def payload_version(payload: BytesLike) -> int:
 
 
 def _unpack(buffer: memoryview, limits: Limits) -> object:
-    try:
-        return msgpack.unpackb(
-            buffer,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=limits.max_payload_bytes,
-            max_str_len=limits.max_str_len,
-            max_array_len=limits.max_list_len,
-            max_map_len=max(limits.max_list_len, limits.max_tensors),
-            max_ext_len=0,
-        )
-    except msgpack.ExtraData:
-        raise ProtocolError("payload has trailing bytes after the message") from None
-    except Exception as exc:  # noqa: BLE001 - every unpack failure is a malformed payload
-        raise ProtocolError(
-            f"payload is not valid msgpack, truncated or corrupted ({reason_of(exc)})"
-        ) from None
+    return unpack_limited(buffer, limits, max_bin_len=limits.max_payload_bytes, what="payload",
+                          trailing="payload has trailing bytes after the message")
 
 
 def _type_names(expected: type | tuple[type, ...]) -> str:

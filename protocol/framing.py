@@ -167,6 +167,27 @@ class TensorSection:
                                 f"the message places (trailing bytes)")
 
 
+def unpack_limited(data: bytes | bytearray | memoryview, limits: Limits, *, max_bin_len: int, what: str,
+                   trailing: str) -> object:
+    """``data`` unpacked within ``limits`` (strings, lists, maps; no ext types; bins up to ``max_bin_len``):
+    ProtocolError naming ``what`` for anything malformed, ``trailing`` for bytes after the one object."""
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bin_len,
+            max_str_len=limits.max_str_len,
+            max_array_len=limits.max_list_len,
+            max_map_len=max(limits.max_list_len, limits.max_tensors),
+            max_ext_len=0,
+        )
+    except msgpack.ExtraData:
+        raise ProtocolError(trailing) from None
+    except Exception as exc:  # noqa: BLE001 - every unpack failure is a malformed payload
+        raise ProtocolError(f"{what} is not valid msgpack, truncated or corrupted ({reason_of(exc)})") from None
+
+
 def unframe(buffer: memoryview, limits: Limits) -> tuple[object, TensorSection]:
     """The message map of a version 2 payload (unpacked, not yet checked) and its tensor section."""
     if len(buffer) < _HEAD_AT or buffer[len(_PREFIX) + 4 : _HEAD_AT] != _HEAD_KEY:
@@ -179,22 +200,8 @@ def unframe(buffer: memoryview, limits: Limits) -> tuple[object, TensorSection]:
     if data_at + size != len(buffer):
         raise ProtocolError(f"payload says its tensor data is {size} bytes, it carries {len(buffer) - data_at}"
                             f"{' (truncated)' if data_at + size > len(buffer) else ' (trailing bytes)'}")
-    try:
-        head = msgpack.unpackb(
-            buffer[_HEAD_AT:head_end],
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=0,
-            max_str_len=limits.max_str_len,
-            max_array_len=limits.max_list_len,
-            max_map_len=max(limits.max_list_len, limits.max_tensors),
-            max_ext_len=0,
-        )
-    except msgpack.ExtraData:
-        raise ProtocolError("the message header has trailing bytes") from None
-    except Exception as exc:  # noqa: BLE001 - every unpack failure is a malformed payload
-        raise ProtocolError(f"the message header is not valid msgpack, truncated or corrupted ({reason_of(exc)})"
-                            ) from None
+    head = unpack_limited(buffer[_HEAD_AT:head_end], limits, max_bin_len=0, what="the message header",
+                          trailing="the message header has trailing bytes")
     base = _aligned(data_at)
     if base > len(buffer):
         raise ProtocolError("payload is truncated: its tensor data is shorter than its alignment")

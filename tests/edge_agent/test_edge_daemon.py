@@ -191,7 +191,7 @@ def test_a_task_cut_short_by_the_agents_own_stop_is_not_answered(make_agent, mon
 
     agent, sent = make_agent()
 
-    def run(task) -> Update:  # the stop (a restart) kills the training child: the runner says failed
+    def run(task, payload=None) -> Update:  # the stop (a restart) kills the training child: the runner says failed
         agent._stop.set()
         return Update(task.task_id, 1, "pi-01", "failed", None, 4, [0, 1], {}, {},
                       "the agent stopped while training")

@@ -813,3 +813,14 @@ def test_depth_wise_epochs_count_once_per_block_against_the_limits(make_deep_tas
     update = runner.run(make_deep_task(SubmodelSpec.full(), plan=task_plan(epochs=2),
                                        adaptation=Adaptation("depthwise")))
     assert update.reason == "task refused: it trains 6 epochs, more than limits.max_epochs 5"  # 3 blocks x 2
+
+
+def test_a_task_is_handed_to_its_children_as_the_message_it_came_as(make_task, make_runner):
+    """The agent passes the payload it received (either protocol version): the children read that, the runner
+    encodes nothing."""
+    from protocol import encode
+
+    task = make_task(SubmodelSpec.uniform(0.5))
+    update = make_runner().run(task, encode(task, version=1))
+    assert update.status == "ok", update.reason
+    assert set(update.weights) == set(task.weights)

@@ -15,7 +15,7 @@ from coordinator.metrics import RoundResult
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from protocol import Task, Update
+from protocol import BytesLike, Task, Update
 
 from .conftest import SecuredBroker, on_broker, tiny_config
 
@@ -45,8 +45,8 @@ def test_an_update_waiting_for_its_ack_survives_a_broker_outage_and_an_agent_res
     trained, release = threading.Event(), threading.Event()
     train = first.runner.run
 
-    def held(task: Task) -> Update:  # the update is made, then held until the broker is down
-        update = train(task)
+    def held(task: Task, payload: BytesLike | None = None) -> Update:  # made, then held until the broker is down
+        update = train(task, payload)
         trained.set()
         release.wait(120)
         return update
@@ -72,7 +72,7 @@ def test_an_update_waiting_for_its_ack_survives_a_broker_outage_and_an_agent_res
         first.stop()  # the restart: the trained update exists only on disk now
         second = EdgeAgent(agent_config, data)
         retrained: list[str] = []
-        second.runner.run = lambda task: retrained.append(task.task_id)  # type: ignore[method-assign,assignment,return-value]
+        second.runner.run = lambda task, payload=None: retrained.append(task.task_id)  # type: ignore[method-assign,assignment,return-value]
         second.start()  # connects once the broker is back
         outage.join(30)
         rounds.join(180)
