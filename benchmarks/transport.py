@@ -9,7 +9,9 @@ measured in the same run:
 - broker round trip: one payload of ``--broker-mib`` MiB in 1 MiB chunks, QoS 1, from one client to another through
   mosquitto on loopback: FedFit's ``MqttLink`` + chunking + reassembly against raw paho clients moving the same
   chunks (made beforehand);
-- aggregation: ``MaskedAggregator`` adding 20 full-width updates of a 1000 x 1000 tensor, against ``torch.add_``.
+- aggregation: ``MaskedAggregator`` adding 20 full-width updates of a 1000 x 1000 tensor, against ``torch.add_``;
+- a round: ``round_throughput.py``'s run (``--agents`` updates of a 1.08M-parameter model planned, taken, journaled
+  and aggregated by one coordinator), against issue 21's 2 s.
 
 Issue 21's goals, printed beside each ratio: encode+decode >= 0.5 x memcpy, broker >= 0.8 x raw paho, aggregation
 >= 0.5 x ``add_``. Run: ``.venv/bin/python benchmarks/transport.py [--mib 100] [--broker-mib 64]`` (about a
@@ -44,6 +46,8 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import torch
 from paho.mqtt.enums import CallbackAPIVersion
+from round_throughput import measure as measure_round  # benchmarks/, this script's directory
+from round_throughput import report as round_throughput_report
 
 from common.mqtt_link import BrokerConfig, MqttLink
 from coordinator.aggregation import MaskedAggregator
@@ -194,6 +198,7 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=100, help="size of the update for codec and chunking")
     parser.add_argument("--broker-mib", type=int, default=64, help="size of the payload sent through mosquitto")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--agents", type=int, default=100, help="updates in the round of round_throughput.py")
     args = parser.parse_args()
     torch.set_num_threads(1)
     size = args.mib * MIB
@@ -228,7 +233,8 @@ def main() -> int:
         f"raw paho {gbps(len(broker_payload), raw):.3f} GB/s", raw / ours)
     masked, plain = aggregation_seconds(args.repeat)
     row("aggregation", f"MaskedAggregator {masked * 1000:.0f} ms", f"add_ {plain * 1000:.0f} ms", plain / masked)
-    print("\n(100 updates of a 1M-parameter model planned and aggregated: not measured here yet.)")
+    print()
+    print(round_throughput_report(measure_round(args.agents, "resnet20", [32, 64, 128])))
     return 0
 
 

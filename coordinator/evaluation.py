@@ -9,6 +9,18 @@ from torch import nn
 
 from models import FamilyNet, ModelFamily, Scaler, SubmodelSpec
 
+EVAL_BATCH = 100
+"""Samples per forward pass when measuring accuracy. With images in channels-last order, the full-width CNN of
+`make demo` measured 10,000 Fashion-MNIST images in 6.1 s here (2 threads), against 10.6 s at 1,000 per batch in
+the default order: smaller batches stay in cache, and oneDNN's convolutions prefer channels last. In eval mode
+the batch size changes no output."""
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    """A batch of images (N, C, H, W) in channels-last memory order (the same values); any other tensor as it
+    is."""
+    return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+
 
 @torch.no_grad()
 def recompute_bn_statistics(model: FamilyNet, x: torch.Tensor, batch_size: int = 500) -> None:
@@ -32,20 +44,20 @@ def recompute_bn_statistics(model: FamilyNet, x: torch.Tensor, batch_size: int =
         seen += len(batch)
         for norm in norms:
             norm.momentum = len(batch) / seen
-        model.forward_exits(batch)
+        model.forward_exits(channels_last(batch))
     for norm in norms:
         norm.momentum = None
     model.eval()
 
 
 @torch.no_grad()
-def accuracies(model: FamilyNet, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> list[float]:
+def accuracies(model: FamilyNet, x: torch.Tensor, y: torch.Tensor, batch_size: int = EVAL_BATCH) -> list[float]:
     """Top-1 accuracy of every output of ``model`` (depth order, the last output last), in eval mode."""
     model.eval()
     correct = [0] * model.num_outputs
     for start in range(0, len(x), batch_size):
         targets = y[start:start + batch_size]
-        for index, logits in enumerate(model.forward_exits(x[start:start + batch_size])):
+        for index, logits in enumerate(model.forward_exits(channels_last(x[start:start + batch_size]))):
             correct[index] += int((logits.argmax(dim=1) == targets).sum())
     return [count / max(1, len(x)) for count in correct]
 
@@ -60,9 +72,11 @@ class Evaluator:
         self.test_y = test_y
 
     def prepare(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> FamilyNet:
-        """The sub-model ``spec`` of ``state`` with fresh static-BN statistics, in eval mode."""
+        """The sub-model ``spec`` of ``state`` with fresh static-BN statistics, in eval mode (its convolutions'
+        weights in channels-last order, as the batches it is given: see `EVAL_BATCH`)."""
         model = self.family.build(spec)
         model.load_state_dict(self.family.extract(state, spec), strict=True)
+        model.to(memory_format=torch.channels_last)
         recompute_bn_statistics(model, self.bn_x)
         return model
 

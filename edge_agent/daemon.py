@@ -342,7 +342,9 @@ class EdgeAgent:
             self.log.info("update_aggregated", task=ack.task_id, round=ack.round)
 
     def _on_coordinator_status(self, payload: bytes) -> None:
-        """Log when the coordinator goes offline and when it comes back (its retained status and Last Will)."""
+        """Log when the coordinator goes offline and when it comes back (its retained status and Last Will), and
+        repeat this agent's status when it comes online: a coordinator started after its agents then sees them at
+        once, even through a broker that keeps retained messages from wildcard subscriptions (RabbitMQ)."""
         if not payload:
             return  # a cleared retained status
         status = decode(payload, expected=CoordinatorStatus)
@@ -357,6 +359,8 @@ class EdgeAgent:
         else:
             self.log.info("coordinator_online", round=status.round)
         self.coordinator_state = status.state
+        if status.state == "online":
+            self.publish_status()
 
     def _admit_task(self, transfer: str, total: int) -> None:
         """Refuse a task transfer at its first chunk when it is larger than ``limits.max_task_bytes``, or when

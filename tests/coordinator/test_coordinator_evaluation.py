@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.evaluation import Evaluator, accuracies, recompute_bn_statistics
+from coordinator.evaluation import Evaluator, accuracies, channels_last, recompute_bn_statistics
 from models import Scaler, SubmodelSpec, get_family
 
 
@@ -176,3 +176,22 @@ def test_evaluator_reports_every_exit_and_their_bn_statistics():
     accs, bn_state = evaluator.evaluate(state, cut)
     assert len(accs) == 2
     assert "bn3.running_mean" not in bn_state and bn_state["exits.1.bn1.running_mean"].shape == (4,)
+
+
+def test_accuracy_is_the_same_in_either_memory_order_and_any_batch_size(family):
+    # The evaluator runs its convolutions in channels-last order, a batch at a time: the same outputs as the
+    # model in its default order on the whole set at once (up to float rounding).
+    torch.manual_seed(5)
+    state = family.build().state_dict()
+    x, y = torch.randn(50, 1, 8, 8), torch.randint(0, 10, (50,))
+    evaluator = Evaluator(family, x[:20], x, y)
+    model = evaluator.prepare(state, SubmodelSpec.full())
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    plain = family.build()
+    plain.load_state_dict(model.state_dict())
+    plain.eval()
+    with torch.no_grad():
+        expected_logits = plain(x)
+        torch.testing.assert_close(model(channels_last(x)), expected_logits, rtol=1e-4, atol=1e-5)
+    expected = float((expected_logits.argmax(1) == y).float().mean())
+    assert accuracies(model, x, y, batch_size=7) == accuracies(model, x, y) == pytest.approx([expected])

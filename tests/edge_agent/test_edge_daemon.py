@@ -89,8 +89,10 @@ def test_a_refused_task_whose_chunks_name_no_round_is_only_logged(make_agent) ->
     assert sent == []
 
 
-def test_the_agent_logs_when_the_coordinator_goes_offline_and_comes_back(make_agent) -> None:
+def test_the_agent_logs_when_the_coordinator_goes_offline_and_comes_back(make_agent, monkeypatch) -> None:
     agent, _ = make_agent()
+    published: list[str] = []
+    monkeypatch.setattr(agent.link, "publish", lambda topic, payload, **_: published.append(topic) or True)
     topic = Topics("lab").coordinator_status()
     with structlog.testing.capture_logs() as logs:
         for state, round_number in (("online", 0), ("online", 1), ("offline", 2), ("online", 2), ("online", 3)):
@@ -99,6 +101,9 @@ def test_the_agent_logs_when_the_coordinator_goes_offline_and_comes_back(make_ag
     said = [(entry["event"], entry["round"]) for entry in logs if entry["event"].startswith("coordinator_")]
     assert said == [("coordinator_online", 0), ("coordinator_offline", 2), ("coordinator_back", 2)]
     assert agent.coordinator_state == "online" and agent.rejected_messages == 0
+    # Each time the coordinator came online the agent said its status again (a coordinator that missed the retained
+    # one, as RabbitMQ's wildcard subscriptions do, learns of it at once); a status repeating the state: nothing.
+    assert published == [Topics("lab").agent_status("pi-01")] * 2
 
 
 def test_the_screening_verdict_is_logged_and_a_rejection_kept_with_its_reason(make_agent) -> None:
