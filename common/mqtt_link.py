@@ -9,7 +9,8 @@
 - A publish the broker refuses (an MQTT 5 PUBACK with a failure reason, e.g. "Not authorized" from its ACL) is
   logged and handed to ``on_refused`` off the network thread; the daemon decides whether it can go on. (Over
   MQTT 3.1.1 a broker drops a refused publish without a word, and Mosquitto 2.0 grants any subscription and
-  filters what it delivers, so neither can be seen there.)
+  filters what it delivers, so neither can be seen there.) A broker that closes the connection at a subscription
+  it refuses (RabbitMQ) stops ``start`` at once with a sentence saying so.
 - ``pulse`` tells how long ago the dispatcher last got through its queue: what a watchdog should check, since
   it stays true through a broker outage and turns false when the daemon's own loop hangs.
 """
@@ -175,6 +176,7 @@ class MqttLink:
         self._subscribe_mid: int | None = None
         self._subscribed = threading.Event()  # a SUBACK for our subscriptions came, granted or not
         self._subscription_refusals: list[tuple[str, str]] = []  # (topic, reason) the last SUBACK refused
+        self._closed_before_suback: str | None = None  # why the broker closed an accepted connection, no SUBACK yet
         self.ready = threading.Event()
         self.protocol_name = ""
         self._dispatcher: threading.Thread | None = None
@@ -206,6 +208,15 @@ class MqttLink:
                     _accepted_protocol[str(self.broker)] = protocol
                     remaining = max(0.5, deadline - time.monotonic())
                     self._subscribed.wait(remaining)
+                    if self._closed_before_suback is not None and not self.ready.is_set():
+                        self._abandon_client()
+                        raise BrokerRefused(
+                            f"the MQTT broker at {self.broker} accepted client '{self.client_id}' (user "
+                            f"{self.broker.username!r}), then closed the connection at its subscriptions to "
+                            f"{', '.join(self.subscriptions)} without acknowledging them "
+                            f"({self._closed_before_suback}): RabbitMQ does so when the login may not read one of "
+                            f"them; check the agent_id / federation / username of the configuration and the "
+                            f"broker's permissions")
                     if self._subscription_refusals:
                         self._abandon_client()
                         topics = ", ".join(f"{topic} ({reason})" for topic, reason in self._subscription_refusals)
@@ -324,6 +335,7 @@ class MqttLink:
         client.reconnect_delay_set(min_delay=1, max_delay=30)
         self._connack.clear()
         self._connack_reason = ""
+        self._closed_before_suback = None
         self._client = client
         try:
             client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive)
@@ -410,6 +422,11 @@ class MqttLink:
             self._connack_reason = (_UNSUPPORTED_PROTOCOL if client.protocol == mqtt.MQTTv5
                                     else f"connection closed before CONNACK ({reason_code})")
             self._connack.set()
+        elif not self.ready.is_set() and self._connack_reason == "ok" and not self._stopping:
+            # Accepted, subscribed, never acknowledged: a broker that refuses a subscription by closing the
+            # connection (RabbitMQ) rather than with a SUBACK. start() says so at once instead of waiting.
+            self._closed_before_suback = str(reason_code)
+            self._subscribed.set()
         elif not self._stopping:
             with self._outage_lock:
                 if self._down_since is None:

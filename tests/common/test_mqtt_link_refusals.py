@@ -1,6 +1,7 @@
 """What the MQTT link makes of a broker's refusals, fed the callbacks paho would call (no broker): a refused
 subscription is kept for start() to report, or handed to ``on_refused`` after a reconnect; a refused PUBACK names
-the topic of its publish, even when the PUBACK beats publish() storing it."""
+the topic of its publish, even when the PUBACK beats publish() storing it; a connection closed between CONNACK and
+the first SUBACK is the broker's refusal (RabbitMQ's way), not an outage."""
 
 from __future__ import annotations
 
@@ -66,3 +67,19 @@ def test_a_refused_puback_names_its_topic_whichever_comes_first() -> None:
     assert refusals.event.wait(5) and refusals.seen == [("a/status", "Not authorized")]
     probe._on_publish(None, None, 4, GRANTED, None)  # a PUBACK that beat publish(): remembered, not reported
     assert probe._early_acks[4] is None and probe.refused_publishes == 1
+
+
+def test_a_connection_closed_before_the_first_suback_is_a_refusal_not_an_outage() -> None:
+    probe = link(Refusals())
+    probe._connack_reason = "ok"  # accepted: CONNACK came, the subscriptions went out
+    probe._connack.set()
+    probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
+    assert probe._subscribed.is_set() and not probe.ready.is_set()  # start() wakes now and says why
+    assert probe._closed_before_suback == "Unspecified error" and probe._down_since is None
+    ready = link(Refusals())  # once subscribed, a closed connection is an outage to ride out
+    ready._connack_reason = "ok"
+    ready._connack.set()
+    ready._subscribe_mid = 1
+    ready._on_subscribe(None, None, 1, [GRANTED, GRANTED], None)
+    ready._on_disconnect(None, None, None, Code("Unspecified error", True), None)
+    assert ready._closed_before_suback is None and ready._down_since is not None

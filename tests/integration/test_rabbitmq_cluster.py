@@ -5,6 +5,7 @@ the others, secured (TLS, a login per client, topic permissions as FedFit's ACL 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -13,7 +14,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from common.data import load_dataset, parse_partition, partition_indices
-from common.mqtt_link import BrokerConfig
+from common.mqtt_link import BrokerConfig, BrokerRefused, MqttLink
 from coordinator.config import RecipeConfig
 from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
@@ -114,6 +115,21 @@ def test_a_device_cannot_publish_as_another(cluster: RabbitCluster) -> None:
     # RabbitMQ's MQTT plugin answers a publish its topic permissions refuse by closing the connection.
     assert forger_closed.wait(30)
     forger.loop_stop()
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_device_subscribing_where_it_may_not_read_is_told_at_once(cluster: RabbitCluster) -> None:
+    # RabbitMQ closes the connection at a SUBSCRIBE its permissions refuse, without a SUBACK: the link says so at
+    # once rather than waiting out its timeout.
+    cluster.add_logins(["pi-9"])
+    prying = MqttLink(client_id="pi-9", broker=cluster.client_config("pi-9", node=1),
+                      subscriptions=[f"fedfit/v1/{FEDERATION}/agents/pi-10/task"], handler=lambda topic, payload: None)
+    began = time.monotonic()
+    with pytest.raises(BrokerRefused, match="closed the connection at its subscriptions"):
+        prying.start(timeout=120)
+    assert time.monotonic() - began < 60
+    prying.stop()
 
 
 @pytest.mark.broker
