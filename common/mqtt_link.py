@@ -10,7 +10,8 @@
   logged and handed to ``on_refused`` off the network thread; the daemon decides whether it can go on. (Over
   MQTT 3.1.1 a broker drops a refused publish without a word, and Mosquitto 2.0 grants any subscription and
   filters what it delivers, so neither can be seen there.) A broker that closes the connection at a subscription
-  it refuses (RabbitMQ) stops ``start`` at once with a sentence saying so.
+  it refuses (RabbitMQ) stops ``start`` with a sentence saying so once it has done it twice in a row (once could
+  be a dropped connection), rather than after the timeout.
 - ``pulse`` tells how long ago the dispatcher last got through its queue: what a watchdog should check, since
   it stays true through a broker outage and turns false when the daemon's own loop hangs.
 """
@@ -119,6 +120,8 @@ _warned_insecure: set[str] = set()
 #: MQTT 5 DISCONNECT reason code: another client connected with the same client id (Mosquitto 2.0.11 does not
 #: send it; it closes the connection).
 _SESSION_TAKEN_OVER = 142
+_NOT_AUTHORIZED = 135  # MQTT 5 reason code
+_CLOSES_BEFORE_SUBACK = 2  # accepted connections closed before any SUBACK, in a row, that make a refusal
 #: A connection the broker drops within this many seconds, this many times in a row, is taken for another client
 #: with the same client id taking the session over each time the two reconnect.
 _SHORT_CONNECTION_S = 5.0
@@ -159,7 +162,10 @@ class MqttLink:
         self._on_taken_over = on_taken_over
         self._on_refused = on_refused
         self._publish_lock = threading.Lock()
-        self._pending_topics: OrderedDict[int, str] = OrderedDict()  # QoS 1 publishes by mid, until their PUBACK
+        self._room = threading.Condition(self._publish_lock)  # notified as PUBACKs take bytes out of flight
+        # QoS 1 publishes by mid, until their PUBACK: (topic, payload bytes); their bytes summed in _in_flight
+        self._pending_topics: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._in_flight = 0
         self._early_acks: OrderedDict[int, str | None] = OrderedDict()  # PUBACKs that beat publish(): the refusal
         self.refused_publishes = 0
         self._last_pulse = time.monotonic()  # when the dispatcher last got through a pulse
@@ -176,7 +182,8 @@ class MqttLink:
         self._subscribe_mid: int | None = None
         self._subscribed = threading.Event()  # a SUBACK for our subscriptions came, granted or not
         self._subscription_refusals: list[tuple[str, str]] = []  # (topic, reason) the last SUBACK refused
-        self._closed_before_suback: str | None = None  # why the broker closed an accepted connection, no SUBACK yet
+        self._closed_before_suback: str | None = None  # set when start() must stop: a refusal by closing
+        self._closes_before_suback = 0  # accepted connections of this attempt closed before any SUBACK
         self.ready = threading.Event()
         self.protocol_name = ""
         self._dispatcher: threading.Thread | None = None
@@ -208,15 +215,6 @@ class MqttLink:
                     _accepted_protocol[str(self.broker)] = protocol
                     remaining = max(0.5, deadline - time.monotonic())
                     self._subscribed.wait(remaining)
-                    if self._closed_before_suback is not None and not self.ready.is_set():
-                        self._abandon_client()
-                        raise BrokerRefused(
-                            f"the MQTT broker at {self.broker} accepted client '{self.client_id}' (user "
-                            f"{self.broker.username!r}), then closed the connection at its subscriptions to "
-                            f"{', '.join(self.subscriptions)} without acknowledging them "
-                            f"({self._closed_before_suback}): RabbitMQ does so when the login may not read one of "
-                            f"them; check the agent_id / federation / username of the configuration and the "
-                            f"broker's permissions")
                     if self._subscription_refusals:
                         self._abandon_client()
                         topics = ", ".join(f"{topic} ({reason})" for topic, reason in self._subscription_refusals)
@@ -224,6 +222,15 @@ class MqttLink:
                             f"the MQTT broker at {self.broker} refused client '{self.client_id}' (user "
                             f"{self.broker.username!r}) the subscription to {topics}: its ACL does not let this "
                             f"login read there; check the agent_id / federation / username of the configuration")
+                    if self._closed_before_suback is not None and not self.ready.is_set():
+                        self._abandon_client()
+                        raise BrokerRefused(
+                            f"the MQTT broker at {self.broker} accepted client '{self.client_id}' (user "
+                            f"{self.broker.username!r}), then closed the connection at its subscriptions to "
+                            f"{', '.join(self.subscriptions)} without acknowledging them, "
+                            f"{self._closes_before_suback} time(s) in a row ({self._closed_before_suback}): "
+                            f"RabbitMQ does so when the login may not read one of them; check the agent_id / "
+                            f"federation / username of the configuration and the broker's permissions")
                     if not self.ready.is_set():
                         self._abandon_client()
                         raise BrokerUnavailable(
@@ -282,12 +289,27 @@ class MqttLink:
                     reason = self._early_acks.pop(info.mid)
                 else:
                     reason = None
-                    self._pending_topics[info.mid] = topic
+                    self._pending_topics[info.mid] = (topic, len(payload))
+                    self._in_flight += len(payload)
                     while len(self._pending_topics) > _PENDING_TOPICS:
-                        self._pending_topics.popitem(last=False)
+                        self._in_flight -= self._pending_topics.popitem(last=False)[1][1]
             if reason is not None:
                 self._refused(topic, reason)
         return info.rc == mqtt.MQTT_ERR_SUCCESS
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Payload bytes of QoS 1 publishes queued or sent and not yet acknowledged by the broker."""
+        with self._publish_lock:
+            return self._in_flight
+
+    def wait_for_room(self, limit: int, timeout: float) -> bool:
+        """Wait until fewer than ``limit`` payload bytes are in flight (see `bytes_in_flight`): what a sender of
+        many large messages calls before each, so that paho's queue, and this process's memory, hold about
+        ``limit`` bytes of them rather than all at once. False when ``timeout`` seconds passed first (e.g. the
+        broker is away)."""
+        with self._room:
+            return self._room.wait_for(lambda: self._in_flight < limit, timeout)
 
     def pulse(self) -> float:
         """Queue a heartbeat for the dispatcher and return the seconds since it last got through one (0 on the
@@ -336,6 +358,8 @@ class MqttLink:
         self._connack.clear()
         self._connack_reason = ""
         self._closed_before_suback = None
+        self._closes_before_suback = 0
+        self._subscribe_mid = None
         self._client = client
         try:
             client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive)
@@ -422,11 +446,22 @@ class MqttLink:
             self._connack_reason = (_UNSUPPORTED_PROTOCOL if client.protocol == mqtt.MQTTv5
                                     else f"connection closed before CONNACK ({reason_code})")
             self._connack.set()
-        elif not self.ready.is_set() and self._connack_reason == "ok" and not self._stopping:
-            # Accepted, subscribed, never acknowledged: a broker that refuses a subscription by closing the
-            # connection (RabbitMQ) rather than with a SUBACK. start() says so at once instead of waiting.
-            self._closed_before_suback = str(reason_code)
-            self._subscribed.set()
+        elif (not self._stopping and not self.ready.is_set() and not self._subscribed.is_set()
+              and self._connack_reason == "ok" and self._subscribe_mid is not None
+              and getattr(reason_code, "value", None) != _SESSION_TAKEN_OVER):
+            # Accepted and subscribed, then closed without a SUBACK: how a broker that refuses a subscription by
+            # closing the connection (RabbitMQ) answers, and also what a dropped connection looks like. paho
+            # reconnects and subscribes again; a second close in a row (or MQTT 5's "Not authorized") is a
+            # refusal, which start() then reports at once instead of waiting out its timeout.
+            self._closes_before_suback += 1
+            if (self._closes_before_suback >= _CLOSES_BEFORE_SUBACK
+                    or getattr(reason_code, "value", None) == _NOT_AUTHORIZED):
+                self._closed_before_suback = str(reason_code)
+                self._subscribed.set()
+            else:
+                self._log.warning("mqtt_closed_before_suback", reason=str(reason_code),
+                                  message="the broker closed the connection before acknowledging the "
+                                          "subscriptions; trying once more")
         elif not self._stopping:
             with self._outage_lock:
                 if self._down_since is None:
@@ -453,11 +488,15 @@ class MqttLink:
     def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
         failed = bool(getattr(reason_code, "is_failure", False))
         with self._publish_lock:
-            topic = self._pending_topics.pop(mid, None)
-            if topic is None:  # acked before publish() stored it (or a QoS 0 message)
+            pending = self._pending_topics.pop(mid, None)
+            if pending is None:  # acked before publish() stored it (or a QoS 0 message)
                 self._early_acks[mid] = str(reason_code) if failed else None
                 while len(self._early_acks) > _PENDING_TOPICS:
                     self._early_acks.popitem(last=False)
+            else:
+                self._in_flight -= pending[1]
+                self._room.notify_all()
+        topic = pending[0] if pending is not None else None
         if topic is not None and failed:
             self._refused(topic, str(reason_code))
 

@@ -359,7 +359,7 @@ class EdgeAgent:
         else:
             self.log.info("coordinator_online", round=status.round)
         self.coordinator_state = status.state
-        if status.state == "online":
+        if status.state == "online" and not self._stop.is_set():  # (stopping: its last word is "offline")
             self.publish_status()
 
     def _admit_task(self, transfer: str, total: int) -> None:

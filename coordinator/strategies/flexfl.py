@@ -100,7 +100,8 @@ class FlexFL(LevelStrategy):
                            labels=sorted(set(train_y.tolist())), num_classes=family.num_classes)
             summary.update(loss=round(result.loss, 4), steps=result.steps, seconds=round(result.seconds, 2))
         # Built without BN statistics, the model normalises with each batch's even in eval mode (dropout off).
-        summary["score_accuracy"] = round(accuracies(model, score_x, score_y)[-1], 4)
+        # (Batches of 1000, as always: with each batch's statistics, outputs depend on how the samples are batched.)
+        summary["score_accuracy"] = round(accuracies(model, score_x, score_y, batch_size=1000)[-1], 4)
         self._pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         started = time.monotonic()
         apoz = apoz_scores(family, model, score_x)

@@ -1,12 +1,16 @@
 """What the MQTT link makes of a broker's refusals, fed the callbacks paho would call (no broker): a refused
 subscription is kept for start() to report, or handed to ``on_refused`` after a reconnect; a refused PUBACK names
 the topic of its publish, even when the PUBACK beats publish() storing it; a connection closed between CONNACK and
-the first SUBACK is the broker's refusal (RabbitMQ's way), not an outage."""
+the first SUBACK is the broker's refusal (RabbitMQ's way), not an outage; the bytes of QoS 1 publishes are counted
+in flight until their PUBACK, which is what a sender waits on for room."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import paho.mqtt.client as mqtt
 
 from common.mqtt_link import BrokerConfig, MqttLink
 
@@ -62,24 +66,76 @@ def test_a_subscription_refused_after_a_reconnect_goes_to_on_refused() -> None:
 def test_a_refused_puback_names_its_topic_whichever_comes_first() -> None:
     refusals = Refusals()
     probe = link(refusals)
-    probe._pending_topics[3] = "a/status"  # publish() stored it first
+    probe._pending_topics[3] = ("a/status", 10)  # publish() stored it first
+    probe._in_flight = 10
     probe._on_publish(None, None, 3, REFUSED, None)
     assert refusals.event.wait(5) and refusals.seen == [("a/status", "Not authorized")]
     probe._on_publish(None, None, 4, GRANTED, None)  # a PUBACK that beat publish(): remembered, not reported
     assert probe._early_acks[4] is None and probe.refused_publishes == 1
 
 
-def test_a_connection_closed_before_the_first_suback_is_a_refusal_not_an_outage() -> None:
-    probe = link(Refusals())
-    probe._connack_reason = "ok"  # accepted: CONNACK came, the subscriptions went out
+def accepted(probe: MqttLink, mid: int) -> None:
+    """What paho's on_connect leaves behind: CONNACK accepted, the subscriptions sent as message ``mid``."""
+    probe._connack_reason = "ok"
     probe._connack.set()
+    probe._subscribe_mid = mid
+
+
+def test_a_connection_closed_twice_before_any_suback_is_a_refusal_not_an_outage() -> None:
+    probe = link(Refusals())
+    accepted(probe, 1)
+    probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
+    assert not probe._subscribed.is_set()  # once may be a dropped connection: paho reconnects and subscribes again
+    accepted(probe, 2)
     probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
     assert probe._subscribed.is_set() and not probe.ready.is_set()  # start() wakes now and says why
     assert probe._closed_before_suback == "Unspecified error" and probe._down_since is None
-    ready = link(Refusals())  # once subscribed, a closed connection is an outage to ride out
-    ready._connack_reason = "ok"
-    ready._connack.set()
-    ready._subscribe_mid = 1
-    ready._on_subscribe(None, None, 1, [GRANTED, GRANTED], None)
-    ready._on_disconnect(None, None, None, Code("Unspecified error", True), None)
-    assert ready._closed_before_suback is None and ready._down_since is not None
+
+
+def test_a_connection_dropped_once_before_its_suback_still_gets_ready() -> None:
+    probe = link(Refusals())
+    accepted(probe, 1)
+    probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
+    accepted(probe, 2)
+    probe._on_subscribe(None, None, 2, [GRANTED, GRANTED], None)
+    assert probe.ready.is_set() and probe._closed_before_suback is None
+    probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)  # once ready: an outage to ride out
+    assert probe._closed_before_suback is None and probe._down_since is not None
+
+
+def test_a_refusing_suback_then_a_close_keeps_the_refused_topics() -> None:
+    probe = link(Refusals())
+    accepted(probe, 1)
+    probe._on_subscribe(None, None, 1, [GRANTED, REFUSED], None)
+    probe._on_disconnect(None, None, None, Code("Not authorized", True), None)
+    assert probe._subscription_refusals == [("a/ack", "Not authorized")] and probe._closed_before_suback is None
+
+
+class QueuingClient:
+    """paho's publish as far as the link sees it: each call queued under the next message id."""
+
+    def __init__(self) -> None:
+        self.mid = 0
+
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> SimpleNamespace:
+        self.mid += 1
+        return SimpleNamespace(rc=mqtt.MQTT_ERR_SUCCESS, mid=self.mid)
+
+
+def test_bytes_stay_in_flight_until_their_puback_and_a_sender_waits_for_room() -> None:
+    probe = link(Refusals())
+    probe._client = QueuingClient()  # type: ignore[assignment]
+    for _ in range(3):
+        assert probe.publish("a/task", b"x" * 100)
+    assert probe.bytes_in_flight == 300
+    assert not probe.wait_for_room(300, 0.01)  # 300 in flight: no room under 300
+    answers: list[bool] = []
+    waiter = threading.Thread(target=lambda: answers.append(probe.wait_for_room(250, 30)))
+    waiter.start()
+    probe._on_publish(None, None, 1, GRANTED, None)  # the broker took the first: 200 left
+    waiter.join(30)
+    assert answers == [True] and probe.bytes_in_flight == 200
+    probe._on_publish(None, None, 9, GRANTED, None)  # a PUBACK that beat publish(): its bytes were never counted
+    probe._client.mid = 8
+    probe.publish("a/task", b"x" * 100)  # (mid 9)
+    assert probe.bytes_in_flight == 200 and probe.wait_for_room(201, 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from common.data import load_dataset
@@ -633,3 +634,43 @@ def test_the_first_round_waits_for_the_fleet_to_settle_across_the_federation_che
     threading.Thread(target=arrive, daemon=True).start()
     online = heterofl._wait_for_first_fleet(1)
     assert arrived.is_set() and [record.agent_id for record in online] == ["sim-0", "sim-1"]
+
+
+class QueuingClient:
+    """paho's publish as the link sees it: every message queued under the next id, none acknowledged."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> object:
+        self.payloads.append(payload)
+        return type("Info", (), {"rc": 0, "mid": len(self.payloads)})()
+
+
+def test_dispatch_leaves_a_window_of_chunks_in_flight_then_waits_for_the_broker(heterofl: Coordinator,
+                                                                               monkeypatch) -> None:
+    # A task in chunks of 512 bytes, a window of three of them, a broker that acknowledges nothing: three chunks go
+    # out at once, every later one only after waiting for room (here in vain: DISPATCH_WAIT_S, then sent anyway).
+    import functools
+
+    from coordinator import daemon as daemon_module
+    from protocol import iter_chunks
+
+    monkeypatch.setattr(daemon_module, "iter_chunks", functools.partial(iter_chunks, chunk_size=512))
+    monkeypatch.setattr(daemon_module, "DISPATCH_WAIT_S", 0.01)
+    client = QueuingClient()
+    heterofl.link._client = client  # type: ignore[assignment]
+    planned = task_for(heterofl, "a")
+    heterofl._dispatch(1, "r1-dev-a", planned, time.time() + 60)  # once unpaced, to see the chunks' sizes
+    sizes = [len(payload) for payload in client.payloads]
+    assert len(sizes) > 5
+    monkeypatch.setattr(daemon_module, "DISPATCH_WINDOW_BYTES", sum(sizes[:3]))
+    heterofl.link._pending_topics.clear()
+    heterofl.link._in_flight = 0
+    client.payloads.clear()
+    with structlog.testing.capture_logs() as logs:
+        sent = heterofl._dispatch(1, "r1-dev-a", planned, time.time() + 60)
+    assert [len(payload) for payload in client.payloads] == sizes
+    assert sent == sum(sizes) == heterofl.link.bytes_in_flight
+    waited = [entry["in_flight"] for entry in logs if entry["event"] == "dispatch_not_paced"]
+    assert waited == [sum(sizes[:n]) for n in range(3, len(sizes))]  # before each chunk after the third
