@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import heap
 from common.data import Dataset, load_dataset, subsample
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
@@ -599,6 +600,7 @@ class Coordinator:
         self.metrics.write(result)
         with self._round_lock:
             self._round = None
+        heap.give_back_free_memory()  # the round's freed megabytes (updates queued, chunks) back to the system
         self._announce()
         self.log.info("round_done", round=current.number, global_accuracy=result.global_accuracy,
                       participants=result.participants, seconds=result.seconds)

@@ -184,10 +184,9 @@ def _stop_on_signals(stop: Any) -> None:
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    from common import heap, systemd_notify
+    from common import systemd_notify
     from coordinator.daemon import Coordinator
 
-    heap.return_large_blocks()  # the megabytes of updates queued in a round go back to the system once taken
     configure_logging(args.log_level)
     config = _load_coordinator(args.config)
     coordinator = Coordinator(config)

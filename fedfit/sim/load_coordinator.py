@@ -22,7 +22,6 @@ from typing import Any
 
 import psutil
 
-from common import heap
 from common.config import from_mapping, load_yaml
 from common.logs import configure_logging
 from coordinator.config import CoordinatorConfig
@@ -84,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-interval", type=float, default=0.01)
     args = parser.parse_args(argv)
-    heap.return_large_blocks()  # as `fedfit coordinator` does: the load run measures that daemon
     log = open(args.log_file, "a", encoding="utf-8") if args.log_file else None  # noqa: SIM115 - the run's
     configure_logging("info", log)
     config = from_mapping(CoordinatorConfig, load_yaml(args.config))

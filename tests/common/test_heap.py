@@ -14,6 +14,10 @@ class FakeLibc:
         self.calls.append((option, value))
         return self.answer
 
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append((-100, pad))
+        return self.answer
+
 
 def test_the_mmap_threshold_is_fixed_and_the_trim_threshold_set(monkeypatch) -> None:
     libc = FakeLibc()
@@ -29,3 +33,27 @@ def test_without_glibc_or_when_refused_it_says_so(monkeypatch) -> None:
     monkeypatch.setattr(heap, "glibc", lambda: refusing)
     assert heap.return_large_blocks() is False and len(refusing.calls) == 1
 
+
+
+def test_free_memory_is_given_back_with_malloc_trim_and_nothing_else(monkeypatch) -> None:
+    libc = FakeLibc()
+    monkeypatch.setattr(heap, "glibc", lambda: libc)
+    assert heap.give_back_free_memory() and libc.calls == [(-100, 0)]
+    monkeypatch.setattr(heap, "glibc", lambda: None)
+    assert heap.give_back_free_memory() is False
+
+
+def test_free_memory_given_back_by_the_real_c_library_shrinks_rss() -> None:
+    # Many small blocks freed in the middle of the heap stay mapped until trimmed. Compared in this process, at once.
+    import psutil
+
+    if heap.glibc() is None:
+        return
+    process = psutil.Process()
+    blocks = [bytearray(1000) for _ in range(200_000)]  # ~200 MB of small heap blocks, touched
+    keep = blocks[-1]
+    del blocks
+    before = process.memory_info().rss
+    assert heap.give_back_free_memory()
+    assert process.memory_info().rss < before - 50 * 2**20
+    del keep
