@@ -175,6 +175,7 @@ class Coordinator:
         self._replaced_instances: dict[str, dict[str, float]] = {}
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
         self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}  # see _index_map
+        self._dispatch_unpaced = False  # see _pace_dispatch
         # Transfers bounded by bytes, not by count: a large fleet uploads at once.
         self.reassembler = Reassembler(max_buffered_bytes=2 * 2**30, max_transfers=MAX_TRANSFERS)
         self.on_round = on_round
@@ -636,12 +637,22 @@ class Coordinator:
         topic = self.topics.agent_task(planned.agent_id)
         sent = 0
         for chunk in iter_chunks(payload, task_id, round_number=round_number, version=version):  # round: see
-            if not self.link.wait_for_room(DISPATCH_WINDOW_BYTES, DISPATCH_WAIT_S):              # TransferRefused
-                self.log.warning("dispatch_not_paced", in_flight=self.link.bytes_in_flight, task=task_id,
-                                 message=f"no PUBACK from the broker for {DISPATCH_WAIT_S:g} s: sending on")
+            self._pace_dispatch(task_id)                                                         # TransferRefused
             self.link.publish(topic, chunk)
             sent += len(chunk)
         return sent
+
+    def _pace_dispatch(self, task_id: str) -> None:
+        """Wait until fewer than DISPATCH_WINDOW_BYTES of task chunks are in flight to the broker. After a wait in
+        vain (DISPATCH_WAIT_S: the broker is away, paho queues for its return) it sends on without waiting until
+        the broker has taken the backlog below the window again, rather than stalling every chunk."""
+        if self._dispatch_unpaced:
+            self._dispatch_unpaced = self.link.bytes_in_flight >= DISPATCH_WINDOW_BYTES
+        elif not self.link.wait_for_room(DISPATCH_WINDOW_BYTES, DISPATCH_WAIT_S):
+            self._dispatch_unpaced = True
+            self.log.warning("dispatch_not_paced", in_flight=self.link.bytes_in_flight, task=task_id,
+                             message=f"no PUBACK from the broker for {DISPATCH_WAIT_S:g} s: sending on without "
+                                     f"waiting until it takes them")
 
     def _protocol_version(self, agent_id: str) -> int:
         """The newest protocol version both this coordinator and the agent read (1 for an agent that predates 2)."""

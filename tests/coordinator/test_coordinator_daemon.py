@@ -650,7 +650,8 @@ class QueuingClient:
 def test_dispatch_leaves_a_window_of_chunks_in_flight_then_waits_for_the_broker(heterofl: Coordinator,
                                                                                monkeypatch) -> None:
     # A task in chunks of 512 bytes, a window of three of them, a broker that acknowledges nothing: three chunks go
-    # out at once, every later one only after waiting for room (here in vain: DISPATCH_WAIT_S, then sent anyway).
+    # out at once; the fourth waits for room in vain (DISPATCH_WAIT_S), and the rest go without waiting (paho
+    # queues them for the broker's return) until the broker takes the backlog below the window again.
     import functools
 
     from coordinator import daemon as daemon_module
@@ -659,18 +660,24 @@ def test_dispatch_leaves_a_window_of_chunks_in_flight_then_waits_for_the_broker(
     monkeypatch.setattr(daemon_module, "iter_chunks", functools.partial(iter_chunks, chunk_size=512))
     monkeypatch.setattr(daemon_module, "DISPATCH_WAIT_S", 0.01)
     client = QueuingClient()
-    heterofl.link._client = client  # type: ignore[assignment]
+    link = heterofl.link
+    link._client = client  # type: ignore[assignment]
     planned = task_for(heterofl, "a")
     heterofl._dispatch(1, "r1-dev-a", planned, time.time() + 60)  # once unpaced, to see the chunks' sizes
     sizes = [len(payload) for payload in client.payloads]
     assert len(sizes) > 5
     monkeypatch.setattr(daemon_module, "DISPATCH_WINDOW_BYTES", sum(sizes[:3]))
-    heterofl.link._pending_topics.clear()
-    heterofl.link._in_flight = 0
+    link._pending_topics.clear()
+    link._in_flight = 0
     client.payloads.clear()
     with structlog.testing.capture_logs() as logs:
         sent = heterofl._dispatch(1, "r1-dev-a", planned, time.time() + 60)
     assert [len(payload) for payload in client.payloads] == sizes
-    assert sent == sum(sizes) == heterofl.link.bytes_in_flight
+    assert sent == sum(sizes) == link.bytes_in_flight
     waited = [entry["in_flight"] for entry in logs if entry["event"] == "dispatch_not_paced"]
-    assert waited == [sum(sizes[:n]) for n in range(3, len(sizes))]  # before each chunk after the third
+    assert waited == [sum(sizes[:3])] and heterofl._dispatch_unpaced
+    for mid in range(1, len(sizes) + 1):  # the broker is back and takes them all
+        link._on_publish(None, None, mid, None, None)
+    assert link.bytes_in_flight == 0
+    heterofl._pace_dispatch("r1-dev-b")
+    assert not heterofl._dispatch_unpaced  # paced again
