@@ -36,8 +36,10 @@ def glibc() -> ctypes.CDLL | None:
         return None
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     libc.mallopt.restype = ctypes.c_int
-    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
-    libc.malloc_trim.restype = ctypes.c_int
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes = (ctypes.c_size_t,)
+        trim.restype = ctypes.c_int
     return libc
 
 
@@ -47,8 +49,8 @@ def give_back_free_memory() -> bool:
     mmap threshold gives. (That threshold maps and faults in every large block afresh: with it, the 1000-agent
     load run's coordinator used twice the CPU per round, 96 against 51 s.) Whether any was given back; False
     without glibc."""
-    libc = glibc()
-    return libc is not None and libc.malloc_trim(0) == 1
+    trim = getattr(glibc(), "malloc_trim", None)
+    return trim is not None and trim(0) == 1
 
 
 def return_large_blocks(threshold: int = DAEMON_MMAP_THRESHOLD) -> bool:

@@ -339,7 +339,8 @@ class Coordinator:
         if current is None:
             return
         for dispatched in current.unanswered(agent_id):
-            self._dispatch(dispatched.round, dispatched.task_id, dispatched.task, dispatched.deadline)
+            # (Unpaced: this is the message thread, whose waiting would hold up every update and ack meanwhile.)
+            self._dispatch(dispatched.round, dispatched.task_id, dispatched.task, dispatched.deadline, paced=False)
             current.mark_sent(dispatched.task_id)
             self.log.info("task_resent", agent=agent_id, task=dispatched.task_id, round=dispatched.round)
 
@@ -625,8 +626,10 @@ class Coordinator:
         material = f"{self.config.seed}:{round_number}:{agent_id}".encode()
         return replace(plan, seed=int.from_bytes(hashlib.sha256(material).digest()[:4], "little"))
 
-    def _dispatch(self, round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
-        """Publish one task in chunks; returns the bytes sent."""
+    def _dispatch(self, round_number: int, task_id: str, planned: TaskPlan, deadline: float, *,
+                  paced: bool = True) -> int:
+        """Publish one task in chunks; returns the bytes sent. ``paced``: each chunk waits for room in the window
+        of bytes in flight (`_pace_dispatch`), as the round's thread does."""
         spec = planned.spec
         weights = self.family.extract(self.states[planned.group], spec, keys=self.family.state_keys(spec), views=True)
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.to_dict(), None,
@@ -637,7 +640,8 @@ class Coordinator:
         topic = self.topics.agent_task(planned.agent_id)
         sent = 0
         for chunk in iter_chunks(payload, task_id, round_number=round_number, version=version):  # round: see
-            self._pace_dispatch(task_id)                                                         # TransferRefused
+            if paced:                                                                            # TransferRefused
+                self._pace_dispatch(task_id)
             self.link.publish(topic, chunk)
             sent += len(chunk)
         return sent

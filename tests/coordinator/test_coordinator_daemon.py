@@ -518,7 +518,14 @@ def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_an
     from protocol import Topics, encode
 
     resent: list[str] = []
-    monkeypatch.setattr(heterofl, "_dispatch", lambda round_number, task_id, planned, deadline: resent.append(task_id))
+    paced: list[bool] = []
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float, **options: bool) -> int:
+        resent.append(task_id)
+        paced.append(options.get("paced", True))
+        return 0
+
+    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
     tasks = {name: DispatchedTask(name, 1, task_for(heterofl, "b", agent=agent), time.time() + 60)
              for name, agent in (("r1-dev-1", "dev"), ("r1-other-1", "other"))}
     open_round(heterofl, 1, {name: dispatched.task for name, dispatched in tasks.items()})
@@ -535,6 +542,7 @@ def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_an
     status("offline")  # its Last Will: it crashed or lost the broker
     status("online")
     assert resent == ["r1-dev-1"]  # only its own, unanswered task
+    assert paced == [False]  # sent from the message thread, which must not wait on the broker
     offer(heterofl, update_for(heterofl, tasks["r1-dev-1"].task.spec, task_id="r1-dev-1", agent="dev"))
     status("offline")
     status("online")
