@@ -289,8 +289,9 @@ class MqttLink:
                     reason = self._early_acks.pop(info.mid)
                 else:
                     reason = None
+                    replaced = self._pending_topics.pop(info.mid, None)  # (a mid reused while still pending)
+                    self._in_flight += len(payload) - (replaced[1] if replaced is not None else 0)
                     self._pending_topics[info.mid] = (topic, len(payload))
-                    self._in_flight += len(payload)
                     while len(self._pending_topics) > _PENDING_TOPICS:
                         self._in_flight -= self._pending_topics.popitem(last=False)[1][1]
             if reason is not None:

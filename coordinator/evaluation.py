@@ -14,7 +14,7 @@ EVAL_BATCH = 100
 `make demo` measured 10,000 Fashion-MNIST images in 6.1 s here (2 threads), against 10.6 s at 1,000 per batch in
 the default order: smaller batches stay in cache, and oneDNN's convolutions prefer channels last. In eval mode
 with BN statistics the batch size changes no output (a model built without them normalises each batch with its
-own: give it the whole set as one batch)."""
+own, so its outputs depend on the batch size it is given)."""
 
 
 def channels_last(x: torch.Tensor) -> torch.Tensor:
