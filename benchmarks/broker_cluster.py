@@ -11,8 +11,9 @@ Modes (each starts its own cluster on loopback and stops it, leaving no process 
   spread round-robin over the nodes, ``--rounds`` HeteroFL rounds with a small CNN; prints each round's time and
   whether every update was aggregated, and how long the coordinator took to see the fleet. ``--agents-first``
   starts the agents before the coordinator (as after a coordinator restart): RabbitMQ sends no retained status to
-  the coordinator's wildcard subscription, so it learns of each agent only at that agent's next periodic status
-  (``--status-interval``). ``--mosquitto`` runs the same federation on one secured mosquitto too, for comparison.
+  the coordinator's wildcard subscription, so it learns of each agent when the agent answers the coordinator's
+  "online" status with its own (before that answer existed: at the agent's next periodic status,
+  ``--status-interval``). ``--mosquitto`` runs the same federation on one secured mosquitto too, for comparison.
 - ``load``: ``--agents`` synthetic agents (``fedfit.sim.load``: they answer tasks with updates of the right shape
   without training) spread over the nodes, driving one coordinator on node 0 for ``--rounds`` rounds; prints the
   round times, the coordinator's RSS and each node's CPU and RSS. ``--mosquitto`` runs the same load over one
@@ -23,11 +24,12 @@ Run: ``.venv/bin/python benchmarks/broker_cluster.py features|federation|load [o
 Measured here (RabbitMQ 3.10.8, 2 cores shared with other work: the times are noisy): the cluster starts in 20-45 s;
 ``federation --mosquitto``: 6 of 6 updates aggregated in each of 3 rounds on both, the same accuracies, rounds of
 30-42 s on the cluster and 25-36 s on mosquitto (training dominates); with ``--agents-first`` the coordinator saw
-the fleet after 30.1 s on the cluster (the agents' next status) and 0.1 s on mosquitto (retained statuses).
-``load --agents 1000``: 3000 of 3000 updates aggregated; rounds 826.6 s (600 s of it waiting for the fleet to
-settle), 210.6 s and 213.7 s; coordinator peak RSS 4,009 MiB; nodes 2,054 / 1,645 / 1,592 MiB and 185 / 74 / 74 CPU
-seconds. One mosquitto, the same load run alone right after: 164.3, 123.6, 122.7 s, peak RSS 4,138 MiB, broker 18 CPU
-seconds and 321 MiB.
+the fleet after 30.1 s on the cluster (the agents' next status) and 0.1 s on mosquitto (retained statuses); since
+agents answer the coordinator's status, 0.2 s on the cluster too. ``load --agents 1000``, before the registry,
+lock, heap and pacing fixes: rounds 826.6 s (600 s of it waiting for the fleet to settle), 210.6 s and 213.7 s;
+coordinator peak RSS 4,009 MiB. After them, on a quiet machine: 3000 of 3000 updates aggregated; rounds 113.6, 88.8
+and 97.4 s; coordinator 52-58 CPU s a round, peak RSS 3,638 MiB, 834-839 MiB after each round; nodes 157 / 57 / 57
+CPU seconds and 1,804 / 1,738 / 1,789 MiB (``fleet_load.py`` on one mosquitto: rounds 47-61 s, broker 17 CPU s).
 """
 
 from __future__ import annotations
