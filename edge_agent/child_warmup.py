@@ -61,7 +61,7 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
         if on_step is not None:
             on_step(name)
 
-    if light and not gpu_stack.gpu_present():
+    if light and not gpu_stack.gpu_wanted():
         gpu_stack.keep_out()
         done("GPU packages kept out")
     importlib.import_module("torch")

@@ -78,6 +78,7 @@ class EdgeAgent:
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
         if config.allocator == "pooled":  # before anything starts the forkserver (device "auto" asks torch there)
             forkserver.preload_page_pool()
+        forkserver.declare_device(config.device)  # "cpu": its forkserver leaves torch's GPU packages out
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
         self._last_round = 0
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")

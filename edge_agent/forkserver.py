@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_agent import page_pool
+from edge_agent import gpu_stack, page_pool
 from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision
 
 #: Modules the forkserver imports before forking anything (the one prepares it: ``edge_agent.child_warmup``).
@@ -47,6 +47,9 @@ CANCEL_POLL_S = 0.1
 _context: Any = None
 #: The page pool to preload into the forkserver when it starts (:func:`preload_page_pool`), None for none.
 _page_pool: Path | None = None
+#: The training devices the agents of this process declared (:func:`declare_device`); all "cpu": the server leaves
+#: torch's GPU packages out even where a GPU is present.
+_devices: set[str] = set()
 #: Held while this process starts a child or reads one's exit status (see :func:`_exit_code`).
 _STATUS_LOCK = threading.Lock()
 
@@ -74,6 +77,13 @@ def preload_page_pool() -> bool:
     return _page_pool is not None
 
 
+def declare_device(device: str) -> None:
+    """Say which device an agent of this process trains on ("cpu", "cuda" or "auto"), before the forkserver starts:
+    when every one says "cpu", the server keeps torch's GPU packages out (``edge_agent.gpu_stack``) even on a
+    machine with a GPU. A server already running keeps what it has."""
+    _devices.add(device)
+
+
 def start() -> None:
     """Start the forkserver now (it imports torch and warms up) instead of at the first child."""
     with _STATUS_LOCK:
@@ -81,24 +91,28 @@ def start() -> None:
 
 
 def _ensure_running() -> None:
-    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` when one was asked for
-    (call with :data:`_STATUS_LOCK` held). The server is started with this process's environment, so the
-    variable is set only while it starts; a process another thread starts meanwhile gets the pool too, which
-    changes nothing there until something enables it."""
+    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` when one was asked for and
+    :data:`gpu_stack.CPU_ONLY_ENV` when every agent here trains on the CPU (call with :data:`_STATUS_LOCK` held).
+    The server is started with this process's environment, so the variables are set only while it starts; a
+    process another thread starts meanwhile gets them too, which changes nothing there (the pool does nothing
+    until something enables it; the other is read by the forkserver's preload only)."""
     if process_context().get_start_method() != "forkserver":
         return
-    before = os.environ.get("LD_PRELOAD")
-    if _page_pool is None or before:
-        multiprocessing.forkserver.ensure_running()
-        return
-    os.environ["LD_PRELOAD"] = str(_page_pool)
+    starting: dict[str, str] = {}
+    if _page_pool is not None and not os.environ.get("LD_PRELOAD"):
+        starting["LD_PRELOAD"] = str(_page_pool)
+    if _devices == {"cpu"}:
+        starting[gpu_stack.CPU_ONLY_ENV] = "1"
+    before = {name: os.environ.get(name) for name in starting}
+    os.environ.update(starting)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if before is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _enter(module: str, function: str, workdir: str) -> None:

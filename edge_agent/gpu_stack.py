@@ -18,7 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DEVICE_FILES", "DRIVER_LIBRARIES", "OPTIONAL_MODULES", "gpu_present", "keep_out"]
+__all__ = ["CPU_ONLY_ENV", "DEVICE_FILES", "DRIVER_LIBRARIES", "OPTIONAL_MODULES", "gpu_present", "gpu_wanted",
+           "keep_out"]
+
+#: Set to "1" in the training forkserver's environment when every agent of the process that starts it trains on
+#: the CPU (``device: cpu``): a GPU may be present, but nothing there will use it.
+CPU_ONLY_ENV = "FEDFIT_TRAIN_ON_CPU_ONLY"
 
 #: Device files a GPU driver creates: NVIDIA's for discrete GPUs, Jetson's integrated GPU (``nvhost``, ``nvgpu``),
 #: ROCm's (``kfd``) and WSL 2's GPU (``dxg``).
@@ -34,6 +39,12 @@ def gpu_present() -> bool:
     dynamic loader finds it (its cache, ``LD_LIBRARY_PATH``; some drivers create their device files only when
     CUDA first starts). Told without loading anything."""
     return any(os.path.exists(path) for path in DEVICE_FILES) or _loader_finds(DRIVER_LIBRARIES)
+
+
+def gpu_wanted() -> bool:
+    """Whether this process may train on a GPU: one is present (:func:`gpu_present`) and its starter did not say
+    that it trains on the CPU only (:data:`CPU_ONLY_ENV`)."""
+    return os.environ.get(CPU_ONLY_ENV) != "1" and gpu_present()
 
 
 def _loader_finds(prefixes: tuple[str, ...]) -> bool:

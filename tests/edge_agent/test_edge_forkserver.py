@@ -4,6 +4,7 @@ and an agent process without torch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -269,3 +270,32 @@ def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
     with ThreadPoolExecutor(max_workers=8) as pool:  # the old code lost a status in about half the runs
         codes = [code for result in pool.map(run_many, range(8)) for code in result]
     assert codes == [0] * 160
+
+
+@pytest.mark.parametrize(("devices", "cpu_only"), [({"cpu"}, "1"), ({"cpu", "cuda"}, None), ({"auto"}, None)])
+def test_the_forkserver_starts_told_to_train_on_the_cpu_only_when_every_agent_does(monkeypatch, devices, cpu_only):
+    from edge_agent import gpu_stack
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(forkserver, "_devices", set(devices))
+    monkeypatch.setattr(forkserver, "_page_pool", None)
+    monkeypatch.delenv(gpu_stack.CPU_ONLY_ENV, raising=False)
+    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running",
+                        lambda: seen.append(os.environ.get(gpu_stack.CPU_ONLY_ENV)))
+    if forkserver.process_context().get_start_method() != "forkserver":
+        pytest.skip("no forkserver on this platform")
+    forkserver.start()
+    assert seen == [cpu_only]
+    assert gpu_stack.CPU_ONLY_ENV not in os.environ  # set only while the server starts
+
+
+def test_an_agent_declares_its_training_device_before_its_forkserver_starts(monkeypatch):
+    declared: set[str] = set()
+    monkeypatch.setattr(forkserver, "_devices", declared)
+    agent = EdgeAgent(AgentConfig(agent_id="a", data=AgentDataConfig(dataset="digits"), device="cpu"),
+                      LocalData(np.zeros((2, 1, 8, 8), np.float32), np.array([0, 1])))
+    try:
+        assert declared == {"cpu"}
+    finally:
+        agent.executor.shutdown(wait=True)
+        agent.runner.close()

@@ -44,6 +44,17 @@ def test_a_driver_library_the_loader_finds_is_a_gpu(no_driver, monkeypatch):
     assert gpu_stack.gpu_present() is True
 
 
+def test_a_gpu_is_not_wanted_where_the_starter_trains_on_the_cpu_only(no_driver, monkeypatch):
+    (no_driver / "nvidiactl").touch()
+    monkeypatch.delenv(gpu_stack.CPU_ONLY_ENV, raising=False)
+    assert gpu_stack.gpu_wanted() is True
+    monkeypatch.setenv(gpu_stack.CPU_ONLY_ENV, "1")
+    assert gpu_stack.gpu_wanted() is False
+    (no_driver / "nvidiactl").unlink()
+    monkeypatch.delenv(gpu_stack.CPU_ONLY_ENV)
+    assert gpu_stack.gpu_wanted() is False  # no GPU: not wanted either way
+
+
 def test_kept_out_modules_cannot_be_imported_and_imported_ones_stay(monkeypatch):
     monkeypatch.delitem(sys.modules, "fedfit_test_gpu_package", raising=False)  # removed again after the test
     assert gpu_stack.keep_out(("fedfit_test_gpu_package", "json")) == ["fedfit_test_gpu_package"]
