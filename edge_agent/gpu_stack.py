@@ -1,5 +1,5 @@
 """Whether this machine has a GPU torch could use, and keeping torch's optional GPU packages out of a process
-that has none (the training forkserver, before it imports torch: ``edge_agent.child_warmup``).
+that has none or will not use it (the training forkserver, before it imports torch: ``edge_agent.child_warmup``).
 
 torch's CUDA build imports ``cuda.bindings`` (CUDA's Python bindings: about 10 MB resident) with torch, and
 ``triton`` (the GPU kernel compiler: about 75 MB, 70 of them its library's pages) with ``torch._dynamo``, which
