@@ -813,6 +813,14 @@ def main() -> int:
     args = parser.parse_args()
     if not 1 <= args.clients <= args.shards:
         parser.error("--clients must be between 1 and --shards")
+    for flag, value, least in (("--rounds", args.rounds, 1), ("--epochs", args.epochs, 1),
+                               ("--batch-size", args.batch_size, 2), ("--torch-threads", args.torch_threads, 1),
+                               ("--eval-samples", args.eval_samples or 1, 1), ("--timeout", args.timeout, 1)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}" + (" (static BN normalises with batch statistics)"
+                                                                if flag == "--batch-size" else ""))
+    if not args.lr > 0 or not 0 <= args.momentum < 1:
+        parser.error("--lr must be above 0 and --momentum in [0, 1)")
     family = get_family("cnn", 10, 1)
     params = family.param_count(SubmodelSpec.full())
     print(f"FedFit vs Flower {FLWR_VERSION}: FedAvg, cnn at full width ({params:,} parameters, "
@@ -829,6 +837,9 @@ def main() -> int:
         for name, run in reversed(runs) if args.flower_first else runs:
             if args.only in (None, name):
                 results.append(run(args, work / name))
+    except (RuntimeError, TimeoutError, OSError) as exc:  # a side that could not run: its one sentence, no traceback
+        print(f"flower_race.py: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if args.keep:
             print(f"logs in {work}")

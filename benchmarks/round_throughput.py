@@ -150,9 +150,18 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=100)
     parser.add_argument("--model", default="resnet20:32,64,128", help="FAMILY:HIDDEN,... (default: 1.08M parameters)")
     args = parser.parse_args()
+    if args.agents < 1:
+        parser.error("--agents must be at least 1")
     family, _, hidden = args.model.partition(":")
+    try:
+        widths = [int(n) for n in hidden.split(",")] if hidden else []
+    except ValueError:
+        parser.error(f"--model {args.model!r}: HIDDEN must be whole numbers separated by commas, e.g. resnet20:32,64")
     random.seed(0)
-    print(report(measure(args.agents, family, [int(n) for n in hidden.split(",")] if hidden else [])))
+    try:
+        print(report(measure(args.agents, family, widths)))
+    except ValueError as exc:  # the coordinator's own sentence for a model or option it cannot build
+        parser.error(f"--model {args.model!r}: {exc}")
 
 
 if __name__ == "__main__":

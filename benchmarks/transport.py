@@ -205,6 +205,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--agents", type=int, default=100, help="updates in the round of round_throughput.py")
     args = parser.parse_args()
+    for flag, value in (("--mib", args.mib), ("--broker-mib", args.broker_mib), ("--repeat", args.repeat),
+                        ("--agents", args.agents)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1")
     torch.set_num_threads(1)
     size = args.mib * MIB
     update = an_update(size)

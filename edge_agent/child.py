@@ -36,9 +36,9 @@ import torch
 
 from edge_agent import allocator as heap
 from edge_agent.copies import CopyStore
-from edge_agent.workdir import TASK_FILE, UPDATE_FILE, TrainingRequest
+from edge_agent.workdir import TASK_FILE, UPDATE_FILE, TrainingRequest, write_message
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
-from protocol import ModelRef, Task, TrainingPlan, Update, decode, encode_parts
+from protocol import ModelRef, Task, TrainingPlan, Update, decode
 
 
 def rss_bytes() -> int:
@@ -140,12 +140,6 @@ def _tensors_to_load(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {key: torch.from_numpy(value) for key, value in weights.items()}
 
 
-def _write_update(path: Path, update: Update) -> None:
-    """Write the encoded update straight from its arrays (version 2: no joined copy of the weights)."""
-    with open(path, "wb") as handle:
-        handle.writelines(encode_parts(update).parts)
-
-
 def train_in_workdir(workdir: Path) -> None:
     """The training child's work: read task, request and data; train; write the update."""
     request = TrainingRequest.read(workdir)
@@ -201,7 +195,7 @@ def train_in_workdir(workdir: Path) -> None:
         metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y), list(request.labels),
                     state, metrics, None)
-    _write_update(workdir / UPDATE_FILE, update)
+    write_message(workdir / UPDATE_FILE, update)
 
 
 def probe_cuda(workdir: Path) -> None:

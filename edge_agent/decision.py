@@ -25,7 +25,7 @@ from typing import Any
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
-from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key
+from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key, write_message
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments, micro_batch_ladder
 from protocol import (
@@ -36,7 +36,6 @@ from protocol import (
     Task,
     TrainingPlan,
     decode,
-    encode_parts,
 )
 
 
@@ -331,8 +330,7 @@ def decide_in_workdir(workdir: Path) -> Decision:
             decision, adapted = Decider(request).decide(task)
         except Exception as exc:  # noqa: BLE001 - an unknown family, a broken model option: the task fails
             decision, adapted = Decision("failed", f"{type(exc).__name__}: {exc}"), None
-        if adapted is not None:  # written straight from its arrays (no joined copy of the weights)
-            with open(workdir / TASK_FILE, "wb") as handle:
-                handle.writelines(encode_parts(adapted).parts)
+        if adapted is not None:
+            write_message(workdir / TASK_FILE, adapted)
     decision.write(workdir)
     return decision

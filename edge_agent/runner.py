@@ -38,6 +38,7 @@ from edge_agent.workdir import (
     TaskRejected,
     TrainingRequest,
     model_key,
+    write_message,
 )
 from protocol import (
     MEMORY_KILL_REASON,
@@ -47,7 +48,6 @@ from protocol import (
     Task,
     Update,
     decode,
-    encode_parts,
 )
 
 __all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
@@ -258,8 +258,7 @@ class TaskRunner:
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         try:
-            with (workdir / TASK_FILE).open("wb") as handle:  # the message as it came, else its parts: no copy
-                handle.writelines((payload,) if payload is not None else encode_parts(task).parts)
+            write_message(workdir / TASK_FILE, payload if payload is not None else task)  # as it came: no copy
             available = self.available(task.round)
             deciding = time.perf_counter()
             decision = self._decide(task, workdir, available)

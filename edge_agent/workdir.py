@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.limits import TaskLimits
-from protocol import ModelRef
+from protocol import BytesLike, Message, ModelRef, encode_parts
 
 TASK_FILE = "task.msgpack"
 DECISION_REQUEST_FILE = "decide.json"
@@ -43,6 +43,14 @@ def model_key(model: ModelRef) -> str:
     are remembered together)."""
     return json.dumps([model.family, model.num_classes, model.in_channels, model.options], sort_keys=True,
                       default=str)
+
+
+def write_message(path: Path, message: Message | BytesLike) -> None:
+    """Write a task or an update into the work directory: a message encoded straight from its arrays (the parts of
+    `protocol.encode_parts`: no joined copy of the weights), or an encoded one as it came."""
+    parts = (message,) if isinstance(message, (bytes, bytearray, memoryview)) else encode_parts(message).parts
+    with open(path, "wb") as handle:
+        handle.writelines(parts)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from edge_agent.forkserver import ChildOutcome
 from edge_agent.forkserver import run_training as run_in_child
 from edge_agent.oom import OomCount
 from edge_agent.runner import LocalData
-from edge_agent.workdir import PLAN_FILE, TASK_FILE, UPDATE_FILE
+from edge_agent.workdir import PLAN_FILE, TASK_FILE, UPDATE_FILE, write_message
 from models import SubmodelSpec, estimate_plan_memory, get_family
 from protocol import LossTerm, ModelRef, Stage, Task, TrainingPlan, Update, decode, encode, payload_version
 
@@ -118,7 +118,7 @@ def test_run_in_child_returns_an_encoded_update(trained):
     assert set(update.metrics) == {"loss", "steps", "seconds", "stages", "peak_bytes"}
     assert update.metrics["steps"] == 2.0 and update.metrics["stages"] == 1.0
     assert update.metrics["peak_bytes"] > 0
-    assert payload_version(outcome.update) == 2  # written straight from its arrays (child._write_update)
+    assert payload_version(outcome.update) == 2  # written straight from its arrays (write_message)
 
 
 def test_a_tasks_read_only_weights_load_into_a_model_without_a_warning(make_task, tmp_path):
@@ -138,8 +138,10 @@ def test_a_tasks_read_only_weights_load_into_a_model_without_a_warning(make_task
         np.testing.assert_array_equal(value.numpy(), decoded.weights[key])
     path = tmp_path / "update.msgpack"
     update = Update(task.task_id, 1, "agent", "ok", None, 3, [0], dict(decoded.weights), {"loss": 0.5})
-    child._write_update(path, update)
+    write_message(path, update)
     assert path.read_bytes() == encode(update)
+    write_message(path, memoryview(encode(task)))  # an encoded message is written as it came
+    assert path.read_bytes() == encode(task)
 
 
 def test_child_refuses_a_plan_for_another_spec_than_its_task(make_task, workdir_for):
