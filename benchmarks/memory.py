@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="heap of the training child on CPU, the agent's allocator setting (default pooled)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the training child (default 1)")
     parser.add_argument("--match", default="", help="only the rows whose 'family spec' contains this text")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the agent trains: auto (the CPU, and CUDA too where torch sees a GPU), cpu or cuda")
     args = parser.parse_args(argv)
 
     import torch
@@ -175,10 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     if allocator != args.allocator:
         print(f"allocator {args.allocator!r} is not available here (no glibc mallopt, or no page pool); "
               f"measuring {allocator!r}")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = {"auto": ["cpu"] + (["cuda"] if torch.cuda.is_available() else []), "cpu": ["cpu"],
+               "cuda": ["cuda"]}[args.device]
     header = (
         f"{'device':6s} {'family':12s} {'spec':34s} {'batch':>5s} {'estimate MB':>12s} {'measured MB':>12s} "
-        f"{'ratio':>6s} {'ms/step':>8s}"
+        f"{'ratio':>6s} {'ms/step':>8s}" + (f" {'reserved MB':>12s} {'context MB':>11s}" if "cuda" in devices else "")
     )
     print(header)
     print("-" * len(header))
@@ -199,9 +202,11 @@ def main(argv: list[str] | None = None) -> None:
                 if abs(ratio - 1) > abs(worst - 1):
                     worst = ratio
                 label = row.label()
+                cuda = (f" {metrics.get('cuda_reserved_peak_bytes', 0) / MB:12.2f}"
+                        f" {metrics.get('cuda_context_bytes', float('nan')) / MB:11.1f}") if device == "cuda" else ""
                 print(
                     f"{device:6s} {row.family:12s} {label:34s} {row.batch_size:5d} {estimate / MB:12.2f} "
-                    f"{measured / MB:12.2f} {ratio:6.3f} {seconds * 1000:8.0f}",
+                    f"{measured / MB:12.2f} {ratio:6.3f} {seconds * 1000:8.0f}{cuda}",
                     flush=True,
                 )
                 for index, segment in enumerate(spec.segments or ()):  # every stage of a depth-wise run

@@ -35,8 +35,10 @@ import numpy as np
 import torch
 
 from edge_agent import allocator as heap
+from edge_agent import gpu_stack
 from edge_agent.copies import CopyStore
-from edge_agent.workdir import TASK_FILE, UPDATE_FILE, TrainingRequest, write_message
+from edge_agent.memory import gpu_free_memory
+from edge_agent.workdir import TASK_FILE, UPDATE_FILE, ProgressBeacon, TrainingRequest, write_message
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
 from protocol import ModelRef, Task, TrainingPlan, Update, decode
 
@@ -71,7 +73,7 @@ def peak_rss_bytes() -> int:
 
 def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor,
                      plan: TrainingPlan, labels: list[int], num_classes: int, device: str, allocator: str, *,
-                     family: ModelFamily | None = None) -> None:
+                     family: ModelFamily | None = None, on_step: Callable[[], None] | None = None) -> None:
     """One step of every stage of ``plan`` on a throwaway model from ``build`` and one batch, and one more on a
     batch of the size the epoch ends with when that is shorter (learning rate 0), then the heap settled for ``allocator`` (:func:`edge_agent.allocator.settle`).
 
@@ -84,7 +86,7 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     freed, above all the working set glibc's default heap would keep below the baseline. Afterwards the peak above
     the baseline is the memory training allocates, which is what the estimate predicts. The warm-up's own peak is
     that of one training step, so it needs no more memory than the run. ``family`` (the model's) is needed by a
-    plan with ``nested_kd`` terms.
+    plan with ``nested_kd`` terms; ``on_step`` is called after each of its steps.
     """
     warm, others = build(), [build() for _ in range(plan.copies - 1)]
     batch = max(2, plan.batch_size)
@@ -96,7 +98,7 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     still = replace(plan, epochs=1, batch_size=batch, optimizer=replace(plan.optimizer, lr=0.0),
                     schedule=tuple(replace(stage, epochs=1) for stage in plan.schedule))
     train(warm, spec, x[:take], y[:take], still, labels=labels, num_classes=num_classes, device=device,
-          copies=others, family=family)
+          copies=others, family=family, on_step=on_step)
     del warm, others
     gc.collect()
     if device != "cuda":
@@ -141,8 +143,19 @@ def _tensors_to_load(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 
 def train_in_workdir(workdir: Path) -> None:
-    """The training child's work: read task, request and data; train; write the update."""
+    """The training child's work: read task, request and data; train; write the update. Its progress goes into
+    the work directory as it trains (:class:`~edge_agent.workdir.ProgressBeacon`)."""
+    beacon = ProgressBeacon(workdir)
+    try:
+        _train(workdir, beacon)
+    finally:
+        beacon.close()
+
+
+def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     request = TrainingRequest.read(workdir)
+    if request.device != "cuda":  # before anything here counts GPUs (autograd's first pass would)
+        gpu_stack.hide_gpus()
     torch.set_num_threads(request.torch_threads)
     applied = heap.configure(request.allocator) if request.device != "cuda" else None
     task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
@@ -157,9 +170,13 @@ def train_in_workdir(workdir: Path) -> None:
         raise ValueError(f"the plan says {request.spec}, the task holds weights for {task.spec}")
     training = task.training_plan()
     weights = _tensors_to_load(task.weights)
+    gpu_free_before = gpu_free_memory() if device == "cuda" else None  # NVML: CUDA is not started yet
+    beacon.beat()
     warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, request.labels,
-                     task.model.num_classes, device, request.allocator, family=family)
+                     task.model.num_classes, device, request.allocator, family=family, on_step=beacon.beat)
+    cuda = _cuda_start(gpu_free_before) if device == "cuda" else {}
     baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
+    reserved_baseline = torch.cuda.memory_reserved() if device == "cuda" else 0
     _reset_peak(device)
     model = family.build(spec, track_bn_stats=False)
     model.load_state_dict(weights, strict=True)
@@ -170,6 +187,7 @@ def train_in_workdir(workdir: Path) -> None:
 
     def on_stage(_index: int, phase: str) -> None:
         # Each stage's own peak: the high-water mark is reset when it starts and read when it ends.
+        beacon.beat()
         if phase == "start":
             if device != "cuda":
                 heap.start_stage(request.allocator)
@@ -178,12 +196,15 @@ def train_in_workdir(workdir: Path) -> None:
             peaks.append(_peak_above(device, baseline))
 
     result = train(model, spec, x, y, training, labels=request.labels, num_classes=task.model.num_classes,
-                   device=device, on_stage=on_stage, copies=copies, family=family)
+                   device=device, on_stage=on_stage, copies=copies, family=family, on_step=beacon.beat)
     peak = max(peaks)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
     metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
                "stages": float(result.stages), "peak_bytes": float(peak)}
+    if device == "cuda":  # what the caching allocator held beyond its peak of allocations, and CUDA's own cost
+        metrics["cuda_reserved_peak_bytes"] = float(torch.cuda.max_memory_reserved() - reserved_baseline)
+        metrics.update(cuda)
     if request.allocator == "pooled" and applied is not None:  # 0: the pool was not loaded (compact instead)
         metrics["pooled_heap"] = float(applied == "pooled")
     if copies:  # the device keeps its auxiliary copies for the next round; only the first model is uploaded
@@ -196,6 +217,16 @@ def train_in_workdir(workdir: Path) -> None:
     update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y), list(request.labels),
                     state, metrics, None)
     write_message(workdir / UPDATE_FILE, update)
+
+
+def _cuda_start(free_before: int | None) -> dict[str, float]:
+    """What starting CUDA cost this process on the GPU (``cuda_context_bytes``): the drop of the GPU's free memory
+    from before CUDA started (``free_before``, from NVML) to now, less what torch's caching allocator holds; empty
+    where NVML is missing (a Jetson: its GPU memory is the system's RAM)."""
+    if free_before is None:
+        return {}
+    free_now, _total = torch.cuda.mem_get_info()
+    return {"cuda_context_bytes": float(max(0, free_before - free_now - torch.cuda.memory_reserved()))}
 
 
 def probe_cuda(workdir: Path) -> None:

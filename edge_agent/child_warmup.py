@@ -1,17 +1,21 @@
 """How the training forkserver prepares itself before it forks anything (:func:`prepare`, run as it imports
 ``edge_agent.forkserver_preload``), so that every child starts warm and the idle server holds little.
 
-1. Where no GPU is present (``edge_agent.gpu_stack``), torch's optional GPU packages are kept out before torch
-   is imported: ``triton`` (which ``torch._dynamo`` would import: about 75 MB) and ``cuda.bindings`` (about
-   10 MB). The CUDA libraries of torch's CUDA build are linked into libtorch and load with it whatever the
-   device; CUDA itself is initialised by nothing here (only a child that trains on ``cuda`` or asks
-   ``torch.cuda.is_available()`` does).
+1. Where no GPU is wanted (none is present, or every agent of the starting process trains on the CPU:
+   ``edge_agent.gpu_stack``), every GPU is hidden from CUDA in the server and its children, and torch's optional
+   GPU packages are kept out before torch is imported: ``triton`` (which ``torch._dynamo`` would import: about
+   75 MB) and ``cuda.bindings`` (about 10 MB). The CUDA libraries of torch's CUDA build are linked into libtorch
+   and load with it whatever the device. CUDA is initialised by nothing here: where a GPU is wanted, a child
+   that trains on ``cuda`` initialises it itself (a CUDA initialised before the fork is unusable in the child),
+   and a child that trains on the CPU hides the GPUs first (``edge_agent.child``).
 2. torch, the children's modules (:data:`CHILD_MODULES`: the trainer, the estimator, the models) and
    ``torch._dynamo``, the lazy import behind the first ``torch.optim`` optimizer (sympy and about 890 modules,
    70 MB), are imported once here instead of in every child's measured peak.
 3. One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
    kernel dispatch tables, allocator arenas) happens once in the server and every forked training child starts
-   warm instead of paying it again inside its measured peak.
+   warm instead of paying it again inside its measured peak. Where a GPU is wanted the step leaves its backward
+   pass out: autograd's first pass would initialise CUDA here and make torch refuse autograd in every child
+   (:func:`warm_up`).
 4. Every object the server holds is frozen out of the garbage collector (``gc.freeze``), so that a collection in
    a child does not write to their pages and copy them into the child's memory while it trains (measured: +0.25
    to 0.4 MB on the smallest ``benchmarks/memory.py`` rows, 0.9 to 2.4 MB); the heap gives back what the
@@ -38,8 +42,14 @@ from edge_agent import allocator, gpu_stack, mappings
 CHILD_MODULES = ("edge_agent.child", "edge_agent.decision")
 
 
-def warm_up() -> None:
-    """Forward, backward and an SGD step of a small conv net on CPU, with one thread."""
+def warm_up(*, autograd: bool = True) -> None:
+    """Forward, backward and an SGD step of a small conv net on CPU, with one thread.
+
+    ``autograd=False`` leaves the backward pass out (the gradients are set to zeros instead) where a GPU is
+    wanted: autograd's first pass counts the GPUs, which initialises CUDA in this process (no child forked
+    afterwards could use it) and, with a GPU there, starts autograd's device threads and a fork handler after
+    which torch refuses autograd in every forked child (``edge_agent.gpu_stack.hide_gpus``). Each training child
+    then runs its first backward pass in its own warm-up, before its baseline."""
     import torch
     from torch import nn
 
@@ -48,7 +58,12 @@ def warm_up() -> None:
                           nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
-    loss.backward()
+    if autograd:
+        loss.backward()
+    else:
+        del loss
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
 
@@ -61,9 +76,14 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
         if on_step is not None:
             on_step(name)
 
-    if light and not gpu_stack.gpu_wanted():
-        gpu_stack.keep_out()
-        done("GPU packages kept out")
+    gpu = gpu_stack.gpu_wanted()
+    if not gpu:
+        gpu_stack.hide_gpus()  # its children train on the CPU: autograd then counts no GPU, here or there
+        if light:
+            gpu_stack.keep_out()
+            done("GPU packages kept out")
+    else:
+        gpu_stack.probe_without_cuda()
     importlib.import_module("torch")
     done("import torch")
     for name in CHILD_MODULES:
@@ -71,8 +91,8 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
     done("FedFit's modules")
     importlib.import_module("torch._dynamo")
     done("torch._dynamo")
-    warm_up()
-    done("warm-up step")
+    warm_up(autograd=not gpu)
+    done("warm-up step" if not gpu else "warm-up step (no backward pass: a GPU is wanted)")
     gc.collect()
     gc.freeze()
     if light:

@@ -48,6 +48,8 @@ class AgentConfig:
     ``outbox_max_bytes``, the oldest dropped first) and sent again after a restart. ``update_attempts`` sends are
     made while the broker is connected (an outage uses none of them), each waiting ``ack_timeout_s`` for its ack,
     doubled with every send up to 8 times it (``edge_agent.uplink.MAX_BACKOFF``).
+    A training child that shows no progress (no step or stage ended) for ``stall_timeout_s`` is killed and its
+    task failed with that reason.
     """
 
     agent_id: str
@@ -67,6 +69,7 @@ class AgentConfig:
     forkserver: Literal["first-task", "start-up"] = "first-task"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: TaskLimits = field(default_factory=TaskLimits)
+    stall_timeout_s: float = 300.0
 
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. The agent id and the federation are
@@ -83,5 +86,7 @@ class AgentConfig:
             raise ValueError(f"data.shard must be in [0, num_shards), got {self.data.shard} of {self.data.num_shards}")
         if self.outbox_max_bytes <= 0:
             raise ValueError(f"outbox_max_bytes must be positive, got {self.outbox_max_bytes}")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
         if self.ack_timeout_s <= 0 or self.update_attempts < 1 or self.status_interval_s <= 0:
             raise ValueError("ack_timeout_s and status_interval_s must be positive, update_attempts at least 1")

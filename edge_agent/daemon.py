@@ -86,7 +86,8 @@ class EdgeAgent:
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
                                  state_dir=own_dir,
                                  torch_threads=config.torch_threads or available_cores(),
-                                 allocator=config.allocator, limits=config.limits)
+                                 allocator=config.allocator, limits=config.limits,
+                                 stall_timeout=config.stall_timeout_s)
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")

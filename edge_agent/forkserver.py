@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent import gpu_stack, page_pool
-from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision
+from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision, read_progress
 
 #: Modules the forkserver imports before forking anything (the one prepares it: ``edge_agent.child_warmup``).
 PRELOAD = ["edge_agent.forkserver_preload"]
@@ -43,6 +44,8 @@ PRELOAD = ["edge_agent.forkserver_preload"]
 CPU_PEAK_RESOLUTION_BYTES = 300_000
 #: How often a waiting caller looks at its ``cancel`` event (seconds).
 CANCEL_POLL_S = 0.1
+#: How often a waiting caller looks at a training child's progress (seconds).
+PROGRESS_POLL_S = 1.0
 
 _context: Any = None
 #: The page pool to preload into the forkserver when it starts (:func:`preload_page_pool`), None for none.
@@ -131,12 +134,13 @@ def _enter(module: str, function: str, workdir: str) -> None:
 
 @dataclass(frozen=True)
 class Exit:
-    """How a child ended: its exit code (negative: the signal), and whether it was stopped for its time limit or
-    because its caller cancelled it."""
+    """How a child ended: its exit code (negative: the signal), and whether it was stopped for its time limit,
+    because its caller cancelled it, or because it made no progress for its caller's ``stall_timeout``."""
 
     exitcode: int | None
     timed_out: bool = False
     cancelled: bool = False
+    stalled: bool = False
 
     @property
     def killed_by(self) -> str | None:
@@ -155,9 +159,12 @@ class TorchUnavailable(RuntimeError):
 
 
 def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
-              cancel: threading.Event | None = None) -> Exit:
+              cancel: threading.Event | None = None, stall_timeout: float | None = None) -> Exit:
     """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
-    or as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`). Safe to call from several threads."""
+    as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`), or, with ``stall_timeout``, once the
+    progress it writes into ``workdir`` (:class:`~edge_agent.workdir.ProgressBeacon`) has not moved for that many
+    seconds since its start or its last beat (checked every :data:`PROGRESS_POLL_S`): a child deadlocked in a
+    kernel is noticed, not waited for until the deadline. Safe to call from several threads."""
     module, _, function = entry.partition(":")
     process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
     try:
@@ -172,17 +179,28 @@ def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int
                                "its error is on this process's stderr") from None
     if on_start is not None:
         on_start(process.pid)
-    deadline = time.monotonic() + timeout
+    now = time.monotonic()
+    deadline = now + timeout
+    progress, moved = read_progress(workdir), now
+    poll = min(CANCEL_POLL_S if cancel is not None else math.inf,
+               PROGRESS_POLL_S if stall_timeout is not None else math.inf)
     while (code := _exit_code(process)) is None:
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
         cancelled = cancel is not None and cancel.is_set()
-        if cancelled or remaining <= 0:
+        stalled = False
+        if stall_timeout is not None:
+            seen = read_progress(workdir)
+            if seen != progress:
+                progress, moved = seen, now
+            stalled = now - moved >= stall_timeout
+        if cancelled or remaining <= 0 or stalled:
             process.kill()
             multiprocessing.connection.wait([process.sentinel], 10)
-            return Exit(_exit_code(process), timed_out=not cancelled, cancelled=cancelled)
+            return Exit(_exit_code(process), timed_out=not cancelled and not stalled, cancelled=cancelled,
+                        stalled=stalled and not cancelled)
         # Waits until the child ends without reading its status (that is _exit_code's, under the lock).
-        multiprocessing.connection.wait([process.sentinel], remaining if cancel is None else min(remaining,
-                                                                                                 CANCEL_POLL_S))
+        multiprocessing.connection.wait([process.sentinel], min(remaining, poll))
     return Exit(code)
 
 
@@ -211,6 +229,7 @@ class ChildOutcome:
     error: str | None
     timed_out: bool = False
     cancelled: bool = False
+    stalled: bool = False
     out_of_memory: bool | None = None
     """For a child killed by SIGKILL (not for its deadline): whether the kernel counted an OOM kill meanwhile
     (None: not known; see :mod:`edge_agent.oom`)."""
@@ -222,12 +241,17 @@ class ChildOutcome:
 
 
 def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
-                 cancel: threading.Event | None = None) -> ChildOutcome:
-    """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds, or
-    until ``cancel`` is set."""
-    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start, cancel)
+                 cancel: threading.Event | None = None, stall_timeout: float | None = None) -> ChildOutcome:
+    """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds,
+    until ``cancel`` is set, or until it has made no progress for ``stall_timeout`` seconds."""
+    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start, cancel, stall_timeout)
     if end.cancelled:
         return ChildOutcome(None, end.exitcode, "training was cancelled", cancelled=True)
+    if end.stalled:
+        beats = read_progress(workdir)
+        return ChildOutcome(None, end.exitcode, f"the training process made no progress for {stall_timeout:.0f} s "
+                            f"(no training step or stage ended; {beats or 0} signs of progress before) and was "
+                            "killed", stalled=True)
     if end.timed_out:
         return ChildOutcome(None, end.exitcode, f"training did not finish within {timeout:.0f} s", timed_out=True)
     update_path = workdir / UPDATE_FILE

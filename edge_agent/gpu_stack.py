@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["CPU_ONLY_ENV", "DEVICE_FILES", "DRIVER_LIBRARIES", "OPTIONAL_MODULES", "gpu_present", "gpu_wanted",
-           "keep_out"]
+           "hide_gpus", "keep_out", "probe_without_cuda"]
 
 #: Set to "1" in the training forkserver's environment when every agent of the process that starts it trains on
 #: the CPU (``device: cpu``): a GPU may be present, but nothing there will use it.
@@ -32,6 +32,10 @@ DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/nvhost-ctrl-gpu", "/dev/
 DRIVER_LIBRARIES = ("libcuda.so", "libamdhip64.so")
 #: torch's optional GPU packages, left out where there is no GPU.
 OPTIONAL_MODULES = ("triton", "cuda.bindings")
+#: CUDA's own variable, read once when CUDA initialises in a process: empty, it shows that process no GPU.
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+#: torch's variable that makes ``torch.cuda.is_available()`` count GPUs through NVML instead of initialising CUDA.
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def gpu_present() -> bool:
@@ -73,3 +77,24 @@ def keep_out(names: tuple[str, ...] = OPTIONAL_MODULES) -> list[str]:
     for name in kept:
         sys.modules[name] = None  # type: ignore[assignment]
     return kept
+
+
+def hide_gpus() -> None:
+    """Show this process, and the processes it starts, no GPU (:data:`VISIBLE_DEVICES_ENV` empty); call it
+    before anything initialises CUDA here.
+
+    A process that trains on the CPU needs this on a machine with a GPU: torch's autograd engine counts the GPUs
+    at its first backward pass (``Engine::start_device_threads``), which initialises CUDA in that process, starts
+    a thread per GPU and registers a fork handler after which every child forked from the process refuses
+    autograd ("Unable to handle autograd's threading in combination with fork-based multiprocessing"). With no
+    GPU visible the engine counts none, starts nothing and registers nothing, as on a machine without a GPU.
+    """
+    os.environ[VISIBLE_DEVICES_ENV] = ""
+
+
+def probe_without_cuda() -> None:
+    """Have ``torch.cuda.is_available()`` in this process (and its children) ask NVML instead of initialising
+    CUDA (:data:`NVML_CHECK_ENV`), so that a check made by some import cannot make CUDA unusable in the
+    children forked afterwards; where NVML is missing (a Jetson) torch falls back to asking CUDA."""
+    os.environ.setdefault(NVML_CHECK_ENV, "1")
+

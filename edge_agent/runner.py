@@ -56,6 +56,13 @@ __all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
 DEADLINE_GRACE_S = 30.0
 #: How long closing waits for the task being served to end once its child is killed.
 CLOSE_WAIT_S = 15.0
+#: What a CUDA training child's context is taken to cost until one measured it (bytes): a few hundred MB with CUDA
+#: 12-13 and lazy module loading (the runner keeps the figure its last CUDA child measured).
+CUDA_CONTEXT_BYTES = 512 * 2**20
+#: Seconds a training child may go without a sign of progress (a step, a stage, a batch of frozen outputs)
+#: before it is killed and its task failed: far above a step of the largest model on a Raspberry Pi 4, far below
+#: a round's deadline (a child deadlocked in its first convolution was waited for until then).
+STALL_TIMEOUT_S = 300.0
 #: Raw estimates the runner remembers between tasks, per model (a FeDepth cut of a 9-block model makes about
 #: 60), and the models it remembers them for.
 ESTIMATES_KEPT = 1024
@@ -129,8 +136,14 @@ class TaskRunner:
         torch_threads: int = 1,
         allocator: str = "pooled",
         limits: TaskLimits | None = None,
+        stall_timeout: float = STALL_TIMEOUT_S,
     ) -> None:
         self.agent_id = agent_id
+        #: A training child that makes no progress for this many seconds is killed and its task failed.
+        self.stall_timeout = stall_timeout
+        #: What a CUDA training child's start costs on the GPU (its context), outside the allocator's peak that the
+        #: estimate predicts: :data:`CUDA_CONTEXT_BYTES` until a child measured it (``cuda_context_bytes``).
+        self.cuda_context_bytes = CUDA_CONTEXT_BYTES
         self.limits = limits or TaskLimits()
         self.data: DataShape = data.shape()
         self.budget_for: BudgetFn = budget if callable(budget) else _constant(budget)
@@ -196,13 +209,17 @@ class TaskRunner:
         return update
 
     def available(self, round_number: int) -> int:
-        """Memory training may use now (budget for this round, cgroup, psutil; free GPU memory on CUDA)."""
+        """Memory training may use now: the round's budget, the cgroup's headroom and psutil's available, and on
+        CUDA the GPU's free memory (NVML) less what a training child's CUDA start costs (its context:
+        :attr:`cuda_context_bytes`). A GPU without NVML (a Jetson) trains in the system's RAM, which psutil
+        already counts once: there the context comes out of that figure instead."""
         free = available_memory(self.budget_for(round_number))
-        if self.device == "cuda":
-            gpu = gpu_free_memory()
-            if gpu is not None:
-                free = min(free, gpu)
-        return free
+        if self.device != "cuda":
+            return free
+        gpu = gpu_free_memory()
+        if gpu is None:  # unified memory: CPU and GPU allocations come out of the same RAM
+            return max(0, min(free, available_memory() - self.cuda_context_bytes))
+        return max(0, min(free, gpu - self.cuda_context_bytes))
 
     def calibration_for(self, model: ModelRef) -> Calibration:
         """The calibration of ``model`` on this device: one per model (family and options, classes, channels), input
@@ -297,13 +314,15 @@ class TaskRunner:
         forking = time.perf_counter()
         try:
             outcome = forkserver.run_training(workdir, self._timeout(task), on_start=self._started,
-                                              cancel=self._closing)
+                                              cancel=self._closing, stall_timeout=self.stall_timeout)
         finally:
             self.child_pid = None
         memory["seconds_child"] = time.perf_counter() - forking
         if outcome.cancelled:
             return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
                                 reason="the agent stopped while training")
+        if outcome.stalled:
+            return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory, reason=outcome.error)
         if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
             outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
         if outcome.update is None:
@@ -321,6 +340,8 @@ class TaskRunner:
         assert isinstance(update, Update)
         self.calibration_for(task.model).observe(decision.raw_total, int(update.metrics.get("peak_bytes", 0)),
                                                  decision.raw_overhead)
+        if "cuda_context_bytes" in update.metrics:
+            self.cuda_context_bytes = int(update.metrics["cuda_context_bytes"])
         update.status = decision.status
         update.reason = decision.reason
         update.metrics.update(memory)

@@ -10,6 +10,7 @@ pickled. Every name in this module is torch-free, so both sides import it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ DECISION_FILE = "decision.json"
 PLAN_FILE = "plan.json"
 UPDATE_FILE = "update.msgpack"
 ERROR_FILE = "error.txt"
+PROGRESS_FILE = "progress"
 
 #: Statuses a decision may carry: train (``ok``, ``adapted``) or answer without training.
 TRAIN_STATUSES = ("ok", "adapted")
@@ -171,3 +173,32 @@ class TrainingRequest:
         return cls(spec=dict(raw["spec"]), device=str(raw["device"]), labels=[int(v) for v in raw["labels"]],
                    data_path=str(raw["data_path"]), copies_dir=str(raw["copies_dir"]),
                    torch_threads=int(raw["torch_threads"]), allocator=str(raw["allocator"]))
+
+
+class ProgressBeacon:
+    """A training child's sign of life: a count of the work it got through (its start, each training step, each
+    batch of buffered frozen outputs, each stage), written in place as 8 bytes into the work directory's
+    :data:`PROGRESS_FILE` (one ``pwrite`` a beat) for the agent to watch (:func:`read_progress`)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._fd = os.open(workdir / PROGRESS_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.count = 0
+        self.beat()
+
+    def beat(self) -> None:
+        """One more piece of work done."""
+        self.count += 1
+        os.pwrite(self._fd, self.count.to_bytes(8, "little"), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_progress(workdir: Path) -> int | None:
+    """The count a training child's :class:`ProgressBeacon` last wrote; None before it wrote one."""
+    try:
+        data = (workdir / PROGRESS_FILE).read_bytes()
+    except OSError:
+        return None
+    return int.from_bytes(data[:8], "little") if len(data) >= 8 else None
+

@@ -116,6 +116,9 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--budgets", type=budgets_type, default=None,
                       help="also show each device tier of this budget scenario (see sim --budgets): its bytes and "
                            "what every method would hand it")
+    plan.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="the training memory on this device: cpu (the pooled heap) or cuda (the CUDA caching "
+                           "allocator's peak, without the context each training process adds)")
     plan.add_argument("--json", action="store_true",
                       help='print JSON: {"levels": [...], "tiers": [...]} (tiers empty without --budgets)')
     return parser
@@ -251,14 +254,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     strategy = strategy_for(config, dataset)
     rows = strategy.describe()
     fedavg_set = "width" in mapping.get("fedavg", {}) if isinstance(mapping.get("fedavg"), dict) else False
-    tiers = tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set) if args.budgets else []
+    tiers = (tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set, device=args.device)
+             if args.budgets else [])
     setup = strategy.setup_summary()
     if args.json:
         print(json.dumps({"levels": rows, "tiers": tiers, **({"setup": setup} if setup else {})}, indent=2))
     else:
         print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
               f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
-              f"batch {config.recipe.batch_size} (pooled heap, this CPU)")
+              f"batch {config.recipe.batch_size} ("
+              + ("CUDA allocator's peak, context excluded)" if args.device == "cuda" else "pooled heap, this CPU)"))
         print(format_plan(rows))
         if setup:
             print("\nset-up:")

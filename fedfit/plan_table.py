@@ -92,7 +92,8 @@ def tier_cell(entry: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False) -> list[dict[str, Any]]:
+def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False,
+              device: str = "cpu") -> list[dict[str, Any]]:
     """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
     and what each method would hand it (FedAvg at the widest width the scenario's weakest devices can train,
     unless ``fedavg.width`` is set, as ``fedfit compare`` runs it)."""
@@ -103,7 +104,7 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
     from models import get_family
 
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
-    anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size)
+    anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size, device=device)
     strategies = {}
     for name in ALGORITHM_NAMES:
         method = replace(config, algorithm=name)

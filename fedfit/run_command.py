@@ -45,6 +45,7 @@ SETTINGS = {
     "budgets": Setting("--budgets", None, "tiers"),
     "budget_variance": Setting("--budget-variance", None, 10.0),
     "allocator": Setting("--allocator", None, "pooled"),
+    "device": Setting("--device", None, "cpu"),
     "workers": Setting("--workers", None, None),
 }
 
@@ -111,6 +112,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
                         help="heap of the agents' training processes: pooled (low, predictable peaks at full speed), "
                              "compact (the same peaks, slower steps) or glibc's default (higher, noisier peaks)"
                              + default("allocator"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the agents' training processes train: cpu, or cuda (one GPU shared by the fleet; "
+                             "budgets are then GPU memory)" + default("device"))
     parser.add_argument("--workers", type=_positive, default=None,
                         help="training processes run at once across the fleet, each with the cores divided among them "
                              "(default: as many as this process may use cores: its CPU affinity, capped by its "
@@ -281,7 +285,7 @@ def _fedavg_width(values: dict[str, Any], base: Any, dataset: Any) -> float:
 
     family = get_family(values["model"], dataset.num_classes, dataset.in_channels, **base.model.options)
     anchor = BudgetAnchor.estimate(family, base_plan(base.recipe), input_size=dataset.image_size,
-                                   allocator=values["allocator"])
+                                   allocator=values["allocator"], device=values["device"])
     return width_for_all(values["budgets"], anchor, base.levels)
 
 

@@ -110,14 +110,14 @@ class SegmentModel(nn.Module):
 
 
 def frozen_outputs(model: FamilyNet, stop: int, x: torch.Tensor, batch_size: int,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
+                   device: torch.device | str = "cpu", on_batch: Callable[[], None] | None = None) -> torch.Tensor:
     """The outputs of blocks ``0..stop-1`` for every sample of ``x`` (on ``device``), computed without gradients
     in batches of ``batch_size`` in the samples' order, the model in its current (train) mode.
 
     Under static BN the frozen blocks normalise with the statistics of the batch they run in, so a sample's
     buffered output is the one of its batch here, where recomputing gives that of the training batch it falls
     in each epoch; both are batch statistics of the same frozen weights. A last batch of one sample joins the
-    one before it (batch statistics cannot normalise a single sample).
+    one before it (batch statistics cannot normalise a single sample). ``on_batch()`` is called after each batch.
     """
     bounds = list(range(0, len(x), batch_size)) + [len(x)]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
@@ -132,6 +132,8 @@ def frozen_outputs(model: FamilyNet, stop: int, x: torch.Tensor, batch_size: int
                 result = out.new_empty((len(x), *out.shape[1:]))
             result[start:end] = out
             del out
+            if on_batch is not None:
+                on_batch()
     assert result is not None, "no samples"
     return result
 

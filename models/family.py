@@ -508,6 +508,11 @@ class ModelFamily(abc.ABC):
         """Parameters of the sub-model (every tensor of ``state_keys(spec)``, frozen blocks included)."""
         return sum(math.prod(shape) for shape in self.shapes(spec, track_bn_stats=False).values())
 
+    def check_input(self, input_size: tuple[int, int]) -> None:
+        """Raise ValueError ("input_size ... does not fit family ...") when the model cannot take inputs of
+        ``input_size`` (a forward pass on the meta device, once per size)."""
+        self._spatial(check_input_size(input_size))
+
     def _spatial(self, input_size: tuple[int, int]) -> dict[str, int]:
         """Output positions (height x width) of every conv and linear layer for one input of ``input_size``:
         one forward pass of the full model with an exit at every exit point, on the meta device."""

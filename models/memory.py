@@ -271,12 +271,10 @@ def _trace(
     if teachers is not None and (segment is not None or copies > 1):
         raise ValueError("nested_kd terms are not supported with copies or in depth-wise training.")
     shape = (batch_size, family.in_channels, *input_size)
-    try:
-        net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"input_size {input_size} does not fit family {family.name!r}: {exc}".splitlines()[0]
-        ) from None
+    # Inputs the model cannot take are a ValueError here; any other failure of the pass below (torch refusing
+    # autograd, say) is not about the input and reaches the caller as itself.
+    family.check_input(input_size)
+    net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
     net.train()
     params = [p for m in (model, *others) for p in m.parameters()]
     tracker = _LiveBytes(granularity, convolution_workspace if device == "cpu" else None)
@@ -290,30 +288,25 @@ def _trace(
 
     if segment is not None:
         model.blocks[segment[0]].register_forward_pre_hook(segment_starts)
-    try:
-        with torch.enable_grad(), tracker:
-            inputs = torch.empty(*shape, device="meta")
-            targets = torch.empty(batch_size, dtype=torch.long, device="meta")
-            mask = torch.ones(family.num_classes, dtype=torch.bool, device="meta")
-            batch = tracker.live
-            held = {"gradients": 0}  # gradients left by an earlier micro-batch: counted as gradients, not here
+    with torch.enable_grad(), tracker:
+        inputs = torch.empty(*shape, device="meta")
+        targets = torch.empty(batch_size, dtype=torch.long, device="meta")
+        mask = torch.ones(family.num_classes, dtype=torch.bool, device="meta")
+        batch = tracker.live
+        held = {"gradients": 0}  # gradients left by an earlier micro-batch: counted as gradients, not here
 
-            def forwarded() -> None:  # the most alive at the end of a forward pass (of any copy)
-                marks["activations"] = max(marks.get("activations", 0), tracker.live - held["gradients"])
+        def forwarded() -> None:  # the most alive at the end of a forward pass (of any copy)
+            marks["activations"] = max(marks.get("activations", 0), tracker.live - held["gradients"])
 
+        value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
+                              teachers=teachers)
+        if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
+            held["gradients"] = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
             value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
                                   teachers=teachers)
-            if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
-                held["gradients"] = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
-                value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
-                                      teachers=teachers)
-            activations = marks["activations"]
-            after_backward = tracker.live
-            del value, inputs, targets, mask
-    except RuntimeError as exc:
-        raise ValueError(
-            f"input_size {input_size} does not fit family {family.name!r}: {exc}".splitlines()[0]
-        ) from None
+        activations = marks["activations"]
+        after_backward = tracker.live
+        del value, inputs, targets, mask
     return _Trace(
         parameters=sum(tracker._rounded(p.nbytes) for p in params),
         trainable=tuple(tracker._rounded(p.nbytes) for p in params if p.requires_grad),

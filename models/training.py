@@ -322,12 +322,14 @@ def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> N
 def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor, plan: TrainingPlan, *,
           labels: Sequence[int], num_classes: int, device: torch.device | str = "cpu",
           on_stage: Callable[[int, str], None] | None = None, copies: Sequence[FamilyNet] = (),
-          family: ModelFamily | None = None) -> TrainResult:
+          family: ModelFamily | None = None, on_step: Callable[[], None] | None = None) -> TrainResult:
     """Run ``plan`` on ``model`` (built from ``spec``) over the local data, in train mode (static BN).
 
     ``on_stage(index, "start" | "end")`` is called around every stage (the training child measures each stage's
     peak with it). ``copies`` are the plan's further copies (``plan.copies - 1`` models of ``spec``), trained
     alongside ``model`` and left trained in place. ``family`` (the model's) is needed by ``nested_kd`` terms.
+    ``on_step()`` is called after every optimizer step and every batch of a stage's buffered frozen outputs (the
+    training child reports its progress with it).
     """
     if any(term.kind == "nested_kd" for term in plan.loss):
         if family is None:
@@ -359,7 +361,8 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
         try:
             if cached:
                 assert segment is not None
-                inputs_of = frozen_outputs(model, segment[0], x, micro_batch_size(stage, plan.batch_size), device)
+                inputs_of = frozen_outputs(model, segment[0], x, micro_batch_size(stage, plan.batch_size), device,
+                                           on_batch=on_step)
             # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
             groups = [[p for p in m.parameters() if p.requires_grad] for m in (model, *copies)]
             params = [p for group in groups for p in group]
@@ -392,6 +395,8 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     total_loss += loss.item() / plan.copies * used
                     seen += used
                     steps += 1
+                    if on_step is not None:
+                        on_step()
         finally:
             # The stage's gradients and optimizer state go with it: the next stage freezes these parameters.
             for m in (model, *copies):

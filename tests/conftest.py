@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from functools import cache
 
 import pytest
 import structlog
 import torch
 
-from edge_agent import forkserver
+from edge_agent import forkserver, gpu_stack
 
 # As in the agent, whose default heap is "pooled": the training forkserver, whichever test starts it, has the page
 # pool preloaded (where it can be built), so tests of the pooled heap do not depend on the order they run in.
 forkserver.preload_page_pool()
+# The test process hosts agents of every device: its forkserver, whichever test starts it, is the one a process
+# with a CUDA agent gets (on a machine with a GPU: no CUDA and no backward pass in the server, the CPU children
+# hide the GPUs themselves), not one that hides the GPUs from every child because a CPU agent happened to start it.
+forkserver.declare_device("auto")
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +39,37 @@ def single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def gpu_settings_restored() -> Iterator[None]:
+    """A child's entry run in the test process (a decision, say) hides the GPUs from its process as a child does
+    (``edge_agent.gpu_stack``); the variables are put back so that later tests, and the forkserver they may
+    start, see the machine's GPUs."""
+    names = (gpu_stack.VISIBLE_DEVICES_ENV, gpu_stack.NVML_CHECK_ENV)
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@cache
+def cuda_usable() -> bool:
+    """Whether torch can train on a GPU here, asked in a process of its own (CUDA is never started in the test
+    process, whose children must be free to start it); False at once where no GPU driver is present."""
+    if not gpu_stack.gpu_present():
+        return False
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300, check=False).returncode == 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where torch can train on a GPU (``benchmarks/gpu_check.py`` checks the rest)."""
+    gpu_tests = [item for item in items if "gpu" in item.keywords]
+    if gpu_tests and not cuda_usable():
+        skip = pytest.mark.skip(reason="needs a GPU torch can train on")
+        for item in gpu_tests:
+            item.add_marker(skip)

@@ -85,16 +85,18 @@ class BudgetAnchor:
 
     @classmethod
     def estimate(cls, family: ModelFamily, plan: TrainingPlan, *, input_size: tuple[int, int],
-                 allocator: str = "pooled", margin: float = INITIAL_FACTOR) -> BudgetAnchor:
+                 allocator: str = "pooled", margin: float = INITIAL_FACTOR, device: str = "cpu") -> BudgetAnchor:
         """The anchor of ``family`` trained with ``plan``'s optimizer and batch size (its loss replaced by plain
-        cross-entropy, one copy, no stages) on ``input_size`` images under ``allocator``."""
+        cross-entropy, one copy, no stages) on ``input_size`` images under ``allocator`` on ``device`` ("cuda":
+        budgets in GPU memory, the CUDA allocator's figures)."""
         from models import SubmodelSpec, estimate_plan_memory
 
         plain = replace(plan, loss=(LossTerm.ce(),), copies=1, schedule=())
         masked = replace(plain, loss=(LossTerm.ce(masked=True),))
 
         def variable(spec: SubmodelSpec, loss_plan: TrainingPlan) -> tuple[int, int]:
-            estimate = estimate_plan_memory(family, spec, loss_plan, input_size=input_size, allocator=allocator)
+            estimate = estimate_plan_memory(family, spec, loss_plan, input_size=input_size, allocator=allocator,
+                                            device=device)
             return estimate.overhead, estimate.total - estimate.overhead
 
         def width_bytes(width: float) -> int:  # the r-width model with either loss a plain model trains with

@@ -31,7 +31,10 @@ PAPER_BASELINES = {
     "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
 }
 #: Settings that must agree for runs to be on the same fleet.
-FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "budget_variance", "allocator")
+FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "budget_variance", "allocator",
+              "device")
+#: What a report written before a fleet key existed ran with.
+FLEET_DEFAULTS = {"device": "cpu"}
 #: Parts of the resolved configuration that must agree too: they change the model and what a budget buys.
 FLEET_CONFIG_KEYS = (("model options", ("model", "options")), ("recipe", ("recipe",)))
 
@@ -54,7 +57,7 @@ def fleet_differences(reports: Sequence[dict[str, Any]]) -> list[str]:
     """The fleet settings in which the runs differ (each as ``key: a / b / ...``)."""
     found = []
     for key in FLEET_KEYS:
-        values = [str(report.get("settings", {}).get(key)) for report in reports]
+        values = [str(report.get("settings", {}).get(key, FLEET_DEFAULTS.get(key))) for report in reports]
         if len(set(values)) > 1:
             found.append(f"{key}: {' / '.join(values)}")
     for label, path in FLEET_CONFIG_KEYS:

@@ -55,6 +55,7 @@ class SimOptions:
     budgets: str = "tiers"
     budget_variance: float = 10.0
     allocator: str = "pooled"
+    device: str = "cpu"  # where the agents' training children train: "cpu" or "cuda" (budgets in GPU memory)
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
     runs_root: str = "runs"
@@ -77,12 +78,12 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-def budget_anchor(coordinator: Coordinator, allocator: str = "pooled") -> BudgetAnchor:
+def budget_anchor(coordinator: Coordinator, allocator: str = "pooled", device: str = "cpu") -> BudgetAnchor:
     """What the fleet's budgets are measured against (the same for every algorithm): the full model of the
     coordinator's family trained with plain cross-entropy at its recipe's batch size, by agents running
-    ``allocator``."""
+    ``allocator`` on ``device``."""
     return BudgetAnchor.estimate(coordinator.family, base_plan(coordinator.config.recipe),
-                                 input_size=coordinator.dataset.image_size, allocator=allocator)
+                                 input_size=coordinator.dataset.image_size, allocator=allocator, device=device)
 
 
 def prepare_run_dir(options: SimOptions) -> Path:
@@ -132,6 +133,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     ``label`` prefixes its lines; ``run_dir``: one :func:`prepare_run_dir` made already."""
     if options.agents < 1 or options.rounds < 1 or (options.workers is not None and options.workers < 1):
         raise ValueError("--agents, --rounds and --workers must be at least 1")
+    if options.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device is cpu or cuda, got {options.device!r}")
     started = time.time()
     dataset = load_dataset(options.dataset, options.base.data.root)
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
@@ -141,7 +144,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     threads = max(1, cores // workers)  # each training child's
     torch.set_num_threads(cores)  # this process's: the coordinator evaluates and aggregates while the fleet waits
     if progress is not None:
-        print(f"{label + ': ' if label else ''}training on {cores} core{'s' * (cores > 1)}: {workers} training "
+        where = "the GPU (CUDA)" if options.device == "cuda" else f"{cores} core{'s' * (cores > 1)}"
+        print(f"{label + ': ' if label else ''}training on {where}: {workers} training "
               f"process{'es' * (workers > 1)} at once, {threads} torch thread{'s' * (threads > 1)} each",
               file=progress, flush=True)
     broker = (external_broker(options.broker) if options.broker
@@ -158,7 +162,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
             schedules = list(device_budgets(options.budgets, options.agents,
-                                            budget_anchor(coordinator, options.allocator), options.seed,
+                                            budget_anchor(coordinator, options.allocator, options.device),
+                                            options.seed,
                                             options.budget_variance))
         coordinator.start()
         broker.add_logins([agent_id(index) for index in range(options.agents)])
@@ -172,7 +177,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                             device_kind=schedule.tier.name if schedule else "simulated",
                             budget_bytes=schedule(0) if schedule else None, data=data_config,
                             torch_threads=threads, state_dir=str(run_dir / "agents"),
-                            allocator=options.allocator),  # type: ignore[arg-type]
+                            allocator=options.allocator, device=options.device),  # type: ignore[arg-type]
                 to_local_data(dataset.x_train[indices], dataset.y_train[indices]),
                 executor=pool, budget_schedule=schedule,
             ))
@@ -191,7 +196,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                     "device_tiers": [s.tier.name if s else None for s in schedules],
                     # the heap the agents' children ran ("pooled" falls back to "compact" without the page pool)
                     "allocator": agents[0].runner.allocator if agents else options.allocator,
-                    "masked_ce": coordinator.strategy.masked_ce}
+                    "masked_ce": coordinator.strategy.masked_ce,
+                    "device": options.device}
         run = {"version": version_string(), "started_at": _utc(started), "ended_at": _utc(ended),
                "wall_seconds": round(ended - started, 3), "directory": str(run_dir), "config": _public(config),
                "overrides": list(options.overrides), "command": list(options.command),

@@ -304,7 +304,8 @@ def test_warm_up_runs_every_stage_of_the_plan_once_at_learning_rate_zero(monkeyp
     assert still.epochs == 1 and still.batch_size == 4
     assert still.schedule == (Stage(epochs=1, route="exit"), Stage(epochs=1, route="skip"))  # every stage, once
     assert still.loss == plan.loss and still.seed == plan.seed  # the same loss terms: the same code is mapped
-    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu", "copies": [], "family": None}
+    assert kwargs == {"labels": [0, 1, 2], "num_classes": 10, "device": "cpu", "copies": [], "family": None,
+                      "on_step": None}
 
 
 def test_warm_up_takes_two_samples_at_least_and_really_runs(monkeypatch):
@@ -348,6 +349,35 @@ def kill_runner_child(runner, kill_when_busy,
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     return watcher, killed
+
+
+def test_a_child_that_stops_making_progress_is_killed_and_its_task_failed(make_task, make_runner, kill_when_busy):
+    """A child that hangs (here: stopped once busy, as a deadlocked one would sit) is killed after the runner's
+    stall timeout, long before the task's deadline, and the task fails saying so."""
+    runner = make_runner(budget=2**30, limits=ENDLESS, stall_timeout=5.0)
+    watcher, stopped = kill_runner_child(runner, kill_when_busy, sig=signal.SIGSTOP)
+    started = time.monotonic()
+    failed = runner.run(make_task(U(1.0), epochs=LONG, deadline=time.time() + 3600))
+    watcher.join(10)
+    assert stopped == [True]
+    assert failed.status == "failed" and failed.weights == {}
+    assert failed.reason.startswith("the training process made no progress for 5 s"), failed.reason
+    assert "signs of progress before" in failed.reason and "killed" in failed.reason
+    assert time.monotonic() - started < 600  # the hour's deadline was not waited for
+    assert runner.child_pid is None
+    assert runner.run(make_task(U(0.5), task_id="r2-agent-0001")).status == "ok"  # the runner serves on
+
+
+def test_a_child_that_keeps_making_progress_outlives_the_stall_timeout(make_task, workdir_for):
+    """Progress resets the stall clock: a child training for longer than the stall timeout, step after step, is
+    not killed for it (the task's own time limit stops this one)."""
+    workdir = workdir_for(make_task(epochs=LONG))
+    started = time.monotonic()
+    outcome = run_in_child(workdir, 6.0, stall_timeout=3.0)
+    assert outcome.timed_out and not outcome.stalled
+    assert time.monotonic() - started >= 6.0
+    beats = int.from_bytes((workdir / "progress").read_bytes(), "little")
+    assert beats > 3  # it reported its start, its data, its warm-up and its steps
 
 
 def test_runner_survives_a_killed_child_and_serves_the_next_task(model_ref, make_task, make_runner, decider_for,
@@ -417,8 +447,9 @@ def test_a_crashing_child_fails_the_task_with_its_error(make_task, make_runner, 
 def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, monkeypatch):
     real_run_training = forkserver.run_training
 
-    def quick_timeout(workdir, timeout, on_start=None, cancel=None):
-        return real_run_training(workdir, 1.0, on_start=on_start, cancel=cancel)  # instead of the deadline + 30 s
+    def quick_timeout(workdir, timeout, on_start=None, cancel=None, stall_timeout=None):
+        return real_run_training(workdir, 1.0, on_start=on_start, cancel=cancel,
+                                 stall_timeout=stall_timeout)  # instead of the deadline + 30 s
 
     monkeypatch.setattr(forkserver, "run_training", quick_timeout)
     runner = make_runner(budget=2**30, limits=ENDLESS)

@@ -76,6 +76,51 @@ def test_a_decision_declines_over_the_limits_and_fails_an_unknown_family(tmp_pat
     assert decide_in_workdir(garbage).reason.startswith("invalid task: ")
 
 
+def test_an_estimate_that_fails_reaches_the_decision_as_itself(tmp_path, make_task, monkeypatch):
+    """Whatever stops the estimate is the reason, with its type, never relabelled as an input that does not fit."""
+    from edge_agent import decision
+
+    refusal = "Unable to handle autograd's threading in combination with fork-based multiprocessing."
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(decision, "estimate_plan_memory", refuse)
+    answer = decide_in_workdir(write_request(tmp_path / "work", make_task()))
+    assert (answer.status, answer.reason) == ("failed", f"RuntimeError: {refusal}")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_warm_up_leaves_autograd_cold_where_a_gpu_is_wanted(gpu):
+    """Where a GPU is wanted the server runs no backward pass (autograd's first would start CUDA there and, with a
+    GPU, make torch refuse autograd in every child) and hides nothing; where none is, it hides the GPUs from CUDA
+    and warms autograd up as before. Run in a process of its own, told a GPU is (not) present."""
+    script = textwrap.dedent(f"""
+        import json, os
+        import torch
+        from edge_agent import child_warmup, gpu_stack
+        gpu_stack.gpu_present = lambda: {gpu}
+        passes = []
+        backward = torch.autograd.backward
+        def counted(*args, **kwargs):
+            passes.append(1)
+            return backward(*args, **kwargs)
+        torch.autograd.backward = counted
+        child_warmup.prepare(light=False)
+        print(json.dumps({{"passes": len(passes), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          "nvml": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}}))
+    """)
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("CUDA_VISIBLE_DEVICES", "PYTORCH_NVML_BASED_CUDA_CHECK", "FEDFIT_TRAIN_ON_CPU_ONLY")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment, capture_output=True, text=True,
+                          timeout=300, check=True)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    if gpu:
+        assert seen == {"passes": 0, "visible": None, "nvml": "1"}
+    else:
+        assert seen == {"passes": 1, "visible": "", "nvml": None}
+
+
 def test_a_decision_child_that_fails_is_one_sentence(tmp_path, make_task):
     workdir = tmp_path / "work"
     workdir.mkdir()

@@ -219,6 +219,23 @@ def test_rejects_input_too_small_for_the_model() -> None:
         estimate_training_memory(family, None, batch_size=2, input_size=(4, 4), segment=(0, 1))
 
 
+def test_a_failure_of_the_traced_pass_reaches_the_caller_as_itself(monkeypatch) -> None:
+    """Only an input the model cannot take is "does not fit": torch refusing the pass (as it refuses autograd in
+    a child forked after a GPU's autograd threads started) keeps its own type and words."""
+    from models import memory
+
+    refusal = "Unable to handle autograd's threading in combination with fork-based multiprocessing."
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(memory, "backward_step", refuse)
+    family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
+    with pytest.raises(RuntimeError) as caught:
+        estimate_training_memory(family, None, batch_size=11, input_size=(28, 28))
+    assert str(caught.value) == refusal
+
+
 # ------------------------------------------------------------------------------------------------ the optimizer step
 @pytest.mark.parametrize(("slots", "device"), [(0, "cpu"), (1, "cpu"), (2, "cpu"), (1, "cuda"), (2, "cuda")])
 def test_step_temporaries_match_torch_optimizers(slots: int, device: str) -> None:
