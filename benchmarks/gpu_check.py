@@ -42,6 +42,7 @@ def _load_memory_benchmark() -> Any:
     spec = importlib.util.spec_from_file_location("fedfit_memory_benchmark", ROOT / "benchmarks" / "memory.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -55,7 +56,7 @@ def check_forkserver() -> bool:
     """Part 1: a CUDA task and a CPU task through one forkserver that holds no CUDA itself."""
     import multiprocessing.forkserver
 
-    from edge_agent import forkserver
+    from edge_agent import forkserver, gpu_stack
 
     bench = _load_memory_benchmark()
     row = bench.Row("cnn", 1, (28, 28), 1.0, 32)
@@ -77,9 +78,10 @@ def check_forkserver() -> bool:
                      if "cuda_context_bytes" in metrics else ""))
     server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     maps = Path(f"/proc/{server}/maps").read_text() if server else ""
-    cuda_in_server = "libcuda.so" in maps
-    print(f"  forkserver {server}: libcuda {'mapped' if cuda_in_server else 'not mapped'}")
-    ok = all(results.values()) and not cuda_in_server
+    held = gpu_stack.gpu_files_open(server) if server else ["(no server)"]
+    print(f"  forkserver {server}: CUDA's library {'loaded' if 'libcuda.so' in maps else 'not loaded'}, GPU device "
+          f"files open: {', '.join(held) or 'none'} (CUDA started: {'yes' if held else 'no'})")
+    ok = all(results.values()) and not held
     return _verdict("forkserver", ok, "a cuda and a cpu task trained, no CUDA in the server" if ok
                     else "see above")
 

@@ -220,13 +220,16 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
 
 
 def _cuda_start(free_before: int | None) -> dict[str, float]:
-    """What starting CUDA cost this process on the GPU (``cuda_context_bytes``): the drop of the GPU's free memory
-    from before CUDA started (``free_before``, from NVML) to now, less what torch's caching allocator holds; empty
-    where NVML is missing (a Jetson: its GPU memory is the system's RAM)."""
+    """What starting CUDA cost this warm process on the GPU beyond the allocations training will make
+    (``cuda_context_bytes``): the drop of the GPU's free memory from before CUDA started (``free_before``, from
+    NVML) to now, less the blocks torch's caching allocator holds free for training to reuse. It is the context
+    and what the warm-up left allocated (cuBLAS's workspace). Empty where NVML is missing (a Jetson: its GPU
+    memory is the system's RAM)."""
     if free_before is None:
         return {}
     free_now, _total = torch.cuda.mem_get_info()
-    return {"cuda_context_bytes": float(max(0, free_before - free_now - torch.cuda.memory_reserved()))}
+    cached_free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return {"cuda_context_bytes": float(max(0, free_before - free_now - cached_free))}
 
 
 def probe_cuda(workdir: Path) -> None:

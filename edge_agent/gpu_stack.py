@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["CPU_ONLY_ENV", "DEVICE_FILES", "DRIVER_LIBRARIES", "OPTIONAL_MODULES", "gpu_present", "gpu_wanted",
-           "hide_gpus", "keep_out", "probe_without_cuda"]
+__all__ = ["CPU_ONLY_ENV", "DEVICE_FILES", "DRIVER_LIBRARIES", "OPTIONAL_MODULES", "gpu_files_open", "gpu_present",
+           "gpu_wanted", "hide_gpus", "keep_out", "probe_without_cuda"]
 
 #: Set to "1" in the training forkserver's environment when every agent of the process that starts it trains on
 #: the CPU (``device: cpu``): a GPU may be present, but nothing there will use it.
@@ -97,4 +97,25 @@ def probe_without_cuda() -> None:
     CUDA (:data:`NVML_CHECK_ENV`), so that a check made by some import cannot make CUDA unusable in the
     children forked afterwards; where NVML is missing (a Jetson) torch falls back to asking CUDA."""
     os.environ.setdefault(NVML_CHECK_ENV, "1")
+
+
+#: Where GPU drivers' device files live: NVIDIA's (``/dev/nvidia*``), Jetson's (``/dev/nvhost-*``, ``/dev/nvmap``,
+#: ``/dev/nvgpu``), ROCm's and WSL 2's.
+DEVICE_FILE_PREFIXES = ("/dev/nvidia", "/dev/nvhost", "/dev/nvmap", "/dev/nvgpu", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_files_open(pid: int | str = "self") -> list[str]:
+    """The GPU driver's device files process ``pid`` holds open: a process that started CUDA holds them, one whose
+    library was merely loaded does not (the training forkserver must hold none: a CUDA started before the fork
+    is unusable in the child)."""
+    found = []
+    directory = Path(f"/proc/{pid}/fd")
+    for entry in directory.iterdir():
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith(DEVICE_FILE_PREFIXES):
+            found.append(target)
+    return sorted(set(found))
 

@@ -59,6 +59,9 @@ CLOSE_WAIT_S = 15.0
 #: What a CUDA training child's context is taken to cost until one measured it (bytes): a few hundred MB with CUDA
 #: 12-13 and lazy module loading (the runner keeps the figure its last CUDA child measured).
 CUDA_CONTEXT_BYTES = 512 * 2**20
+#: How a training child's error text starts when the CUDA caching allocator refused an allocation
+#: (``torch.OutOfMemoryError``): the GPU's own out-of-memory, which kills nothing.
+CUDA_OUT_OF_MEMORY = "OutOfMemoryError:"
 #: Seconds a training child may go without a sign of progress (a step, a stage, a batch of frozen outputs)
 #: before it is killed and its task failed: far above a step of the largest model on a Raspberry Pi 4, far below
 #: a round's deadline (a child deadlocked in its first convolution was waited for until then).
@@ -326,11 +329,12 @@ class TaskRunner:
         if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
             outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
         if outcome.update is None:
-            if outcome.out_of_memory:  # only the OOM killer's kills say the estimate was too low
+            detail = (outcome.error or "").strip().splitlines()[:1]
+            # Only the OOM killer's kills, and the CUDA allocator's refusal, say the estimate was too low.
+            if outcome.out_of_memory or (detail and detail[0].startswith(CUDA_OUT_OF_MEMORY)):
                 self.calibration_for(task.model).observe_failure(decision.raw_total, available,
                                                                  decision.raw_overhead)
             why = _killed(outcome) if outcome.killed_by else f"training process failed (exit code {outcome.exitcode})"
-            detail = (outcome.error or "").strip().splitlines()[:1]
             return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
                                 reason=f"{why}: {detail[0]}" if detail else why)
         try:

@@ -81,6 +81,9 @@ check_python() {
     die "FedFit needs Python >= $want, $PYTHON is $("$PYTHON" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo unknown) (pass --python python3.X)"
 }
 
+# PyTorch's index of CPU-only wheels (x86-64 and aarch64).
+CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+
 # The torch requirement (TORCH_ARGS, an array) for this machine; JETSON and TORCH_WHEELS/TORCH_SPEC from flags.
 torch_plan() {
   TORCH_ARGS=()
@@ -96,9 +99,11 @@ torch_plan() {
     die "--jetson needs --torch-wheel PATH_OR_URL: PyPI has no CUDA torch for Jetson, use NVIDIA's JetPack wheel (https://docs.nvidia.com/deeplearning/frameworks/install-pytorch-jetson-platform/) or give --torch-spec with --pip-args naming its index"
   fi
   case $(uname -m) in
-    x86_64 | amd64)  # plain `torch` would pull gigabytes of CUDA libraries: the CPU build
-      TORCH_ARGS=(torch torchvision --index-url https://download.pytorch.org/whl/cpu) ;;
-    aarch64 | arm64) TORCH_ARGS=(torch torchvision) ;;  # PyPI's aarch64 wheels are CPU builds
+    # Plain `torch` from PyPI is a CUDA build on both: on aarch64 too it pulls cuda-toolkit, the nvidia-* packages
+    # and triton (about 3 GB, a 5.7 GB venv; about 190 MB of CUDA libraries resident after `import torch` on a
+    # board without a GPU). PyTorch's CPU index has the CPU builds for both.
+    x86_64 | amd64 | aarch64 | arm64)
+      TORCH_ARGS=(torch torchvision --index-url "$CPU_TORCH_INDEX") ;;
     *) die "there is no torch wheel for $(uname -m) on PyPI (32-bit Raspberry Pi OS?): use a 64-bit OS, or give --torch-spec/--torch-wheel" ;;
   esac
 }

@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+# On aarch64 (a Raspberry Pi) PyPI's torch is a CUDA build that pulls about 3 GB of CUDA packages: the CPU build
+# comes from PyTorch's CPU index instead (TORCH_INDEX= empty keeps PyPI).
+if [ -z "${TORCH_INDEX+set}" ]; then
+  case $(uname -m) in
+    aarch64 | arm64) TORCH_INDEX=https://download.pytorch.org/whl/cpu ;;
+    *) TORCH_INDEX= ;;
+  esac
+fi
 
 want=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || want+=(mosquitto)
@@ -34,7 +42,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # shellcheck disable=SC2086
-.venv/bin/python -m pip install -q $TORCH_SPEC
+.venv/bin/python -m pip install -q $TORCH_SPEC ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 .venv/bin/python -m pip install -q -e '.[dev,embedded-broker]'
 .venv/bin/python - <<'PY'
 from edge_agent import page_pool

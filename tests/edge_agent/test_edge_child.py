@@ -460,6 +460,22 @@ def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, mo
     assert runner.calibration.factor == pytest.approx(1.10)
 
 
+@pytest.mark.parametrize(("error", "learns"), [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 3.9 GiB", True),
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", False),
+])
+def test_a_cuda_out_of_memory_teaches_the_calibration_as_an_oom_kill_does(make_task, make_runner, monkeypatch,
+                                                                         error, learns):
+    """The CUDA allocator's refusal kills nothing (the child raises): it alone among errors says the estimate was
+    too low, and the task fails with the error as it was."""
+    monkeypatch.setattr(forkserver, "run_training",
+                        lambda *args, **kwargs: ChildOutcome(None, 1, f"{error}\nTraceback (most recent call last):"))
+    runner = make_runner(budget=2**30)
+    update = runner.run(make_task(U(1.0)))
+    assert (update.status, update.reason) == ("failed", f"training process failed (exit code 1): {error}")
+    assert (runner.calibration.floor > 0) == learns
+
+
 @pytest.mark.parametrize(("samples", "warmed"), [(16, 4), (18, 6), (17, 4), (3, 3)],
                          ids=["whole batches", "short last batch", "last batch of one (skipped)", "under a batch"])
 def test_warm_up_also_runs_the_shorter_batch_an_epoch_ends_with(monkeypatch, samples, warmed):
