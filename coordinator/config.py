@@ -298,6 +298,9 @@ class CoordinatorConfig:
     adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
+    #: What the agents train on ("cpu" or "cuda"): the terms of the memory they report, in which level planning
+    #: estimates what each sub-model needs.
+    training_device: Literal["cpu", "cuda"] = "cpu"
     state_dir: str = "runs/coordinator"
     resume: bool = False
     seed: int = 0

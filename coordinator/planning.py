@@ -15,18 +15,20 @@ from protocol import TrainingPlan
 
 
 class TrainingMemory:
-    """Estimated peak memory of training a (spec, plan) on an agent (pooled heap, this host's CPU), cached: what
-    level planning compares with the budgets agents report."""
+    """Estimated peak memory of training a (spec, plan) on an agent (pooled heap on this host's CPU, or the CUDA
+    allocator's peak), cached: what level planning compares with the budgets agents report."""
 
-    def __init__(self, family: ModelFamily, input_size: tuple[int, int]) -> None:
+    def __init__(self, family: ModelFamily, input_size: tuple[int, int], device: str = "cpu") -> None:
         self.family = family
         self.input_size = input_size
+        self.device = device
         self._cache: dict[tuple[SubmodelSpec, TrainingPlan], MemoryEstimate] = {}
 
     def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
         key = (spec, replace(plan, seed=0))
         if key not in self._cache:
-            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size)
+            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size,
+                                                    device=self.device)
         return self._cache[key]
 
 
@@ -43,7 +45,7 @@ def strategy_for(config: CoordinatorConfig, dataset: Dataset, family: ModelFamil
     return make_strategy(config.algorithm, StrategyContext(
         family=family, config=config, input_size=dataset.image_size,
         server_x=torch.tensor(np.asarray(server_x)), server_y=torch.tensor(np.asarray(server_y), dtype=torch.long),
-        training_memory=TrainingMemory(family, dataset.image_size),
+        training_memory=TrainingMemory(family, dataset.image_size, config.training_device),
         training_sample=lambda count: _tensors(*subsample(dataset.x_train, dataset.y_train, count, config.seed + 1)),
         training_size=len(dataset.x_train)))
 

@@ -116,9 +116,10 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--budgets", type=budgets_type, default=None,
                       help="also show each device tier of this budget scenario (see sim --budgets): its bytes and "
                            "what every method would hand it")
-    plan.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    plan.add_argument("--device", choices=("cpu", "cuda"), default=None,
                       help="the training memory on this device: cpu (the pooled heap) or cuda (the CUDA caching "
-                           "allocator's peak, without the context each training process adds)")
+                           "allocator's peak, without what each training process's CUDA start adds; default: the "
+                           "config's training_device, else cpu)")
     plan.add_argument("--json", action="store_true",
                       help='print JSON: {"levels": [...], "tiers": [...]} (tiers empty without --budgets)')
     return parser
@@ -251,10 +252,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     dataset = load_dataset(config.data.dataset, config.data.root)
+    if args.device is not None:
+        config = replace(config, training_device=args.device)
     strategy = strategy_for(config, dataset)
     rows = strategy.describe()
     fedavg_set = "width" in mapping.get("fedavg", {}) if isinstance(mapping.get("fedavg"), dict) else False
-    tiers = (tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set, device=args.device)
+    tiers = (tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set, device=config.training_device)
              if args.budgets else [])
     setup = strategy.setup_summary()
     if args.json:
@@ -263,7 +266,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"{config.algorithm} | {config.model.family} | {dataset.name} {dataset.image_size[0]}x"
               f"{dataset.image_size[1]}x{dataset.in_channels}, {dataset.num_classes} classes | training memory at "
               f"batch {config.recipe.batch_size} ("
-              + ("CUDA allocator's peak, context excluded)" if args.device == "cuda" else "pooled heap, this CPU)"))
+              + ("CUDA allocator's peak, CUDA's start excluded)" if config.training_device == "cuda"
+                 else "pooled heap, this CPU)"))
         print(format_plan(rows))
         if setup:
             print("\nset-up:")

@@ -22,6 +22,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import RoundResult
 from coordinator.strategies.base import base_plan
+from edge_agent import forkserver
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
@@ -108,6 +109,7 @@ def coordinator_config(options: SimOptions, broker: Broker, run_dir: Path) -> Co
         rounds=options.rounds,
         min_agents=options.agents,
         seed=options.seed,
+        training_device=options.device,  # type: ignore[arg-type]
         state_dir=str(run_dir),
         resume=False,
     )
@@ -135,6 +137,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
         raise ValueError("--agents, --rounds and --workers must be at least 1")
     if options.device not in ("cpu", "cuda"):
         raise ValueError(f"--device is cpu or cuda, got {options.device!r}")
+    forkserver.declare_device(options.device)  # before its forkserver starts: "cuda" keeps CUDA usable in children
+    if options.device == "cuda" and not forkserver.cuda_available():
+        raise ValueError("--device cuda: torch sees no GPU on this machine (torch.cuda.is_available() is False)")
     started = time.time()
     dataset = load_dataset(options.dataset, options.base.data.root)
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)

@@ -37,6 +37,12 @@ def test_shard_must_be_in_range(shard, num_shards):
         valid(data=data).validate()
 
 
+@pytest.mark.parametrize("value", [0.0, -5.0])
+def test_the_stall_timeout_must_be_positive(value):
+    with pytest.raises(ValueError, match=f"stall_timeout_s must be positive, got {value}"):
+        valid(stall_timeout_s=value).validate()
+
+
 @pytest.mark.parametrize("kwargs", [{"ack_timeout_s": 0.0}, {"update_attempts": 0}, {"status_interval_s": -1.0}])
 def test_timing_settings_must_be_positive(kwargs):
     with pytest.raises(ValueError, match="ack_timeout_s and status_interval_s must be positive"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -84,3 +85,28 @@ def test_torch_trains_with_its_gpu_packages_kept_out():
                             check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == '[["triton", "cuda.bindings"], false, []]'
+
+
+def test_hiding_the_gpus_empties_cudas_list_and_the_nvml_check_keeps_a_setting_given(monkeypatch):
+    monkeypatch.setenv(gpu_stack.VISIBLE_DEVICES_ENV, "0,1")
+    monkeypatch.setenv(gpu_stack.NVML_CHECK_ENV, "0")
+    gpu_stack.hide_gpus()
+    gpu_stack.probe_without_cuda()
+    assert os.environ[gpu_stack.VISIBLE_DEVICES_ENV] == ""
+    assert os.environ[gpu_stack.NVML_CHECK_ENV] == "0"  # the user's choice stands
+    monkeypatch.delenv(gpu_stack.NVML_CHECK_ENV)
+    gpu_stack.probe_without_cuda()
+    assert os.environ[gpu_stack.NVML_CHECK_ENV] == "1"
+
+
+def test_the_gpu_files_a_process_holds_are_its_open_driver_device_files(tmp_path, monkeypatch):
+    """Only open files under a driver's device names count (a process that started CUDA holds /dev/nvidiactl)."""
+    fake = tmp_path / "dev" / "nvidiactl"
+    fake.parent.mkdir()
+    fake.write_text("")
+    monkeypatch.setattr(gpu_stack, "DEVICE_FILE_PREFIXES", (str(tmp_path / "dev" / "nvidia"),))
+    before = gpu_stack.gpu_files_open()
+    with open(fake) as _held, open(tmp_path / "other", "w") as _other:
+        assert gpu_stack.gpu_files_open() == [str(fake)]
+        assert gpu_stack.gpu_files_open(os.getpid()) == [str(fake)]
+    assert before == [] and gpu_stack.gpu_files_open() == []
