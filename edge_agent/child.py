@@ -38,7 +38,14 @@ from edge_agent import allocator as heap
 from edge_agent import gpu_stack
 from edge_agent.copies import CopyStore
 from edge_agent.memory import gpu_free_memory
-from edge_agent.workdir import TASK_FILE, UPDATE_FILE, ProgressBeacon, TrainingRequest, write_message
+from edge_agent.workdir import (
+    CUDA_START_FILE,
+    TASK_FILE,
+    UPDATE_FILE,
+    ProgressBeacon,
+    TrainingRequest,
+    write_message,
+)
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
 from protocol import ModelRef, Task, TrainingPlan, Update, decode
 
@@ -154,8 +161,6 @@ def train_in_workdir(workdir: Path) -> None:
 
 def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     request = TrainingRequest.read(workdir)
-    if request.device != "cuda":  # before anything here counts GPUs (autograd's first pass would)
-        gpu_stack.hide_gpus()
     torch.set_num_threads(request.torch_threads)
     applied = heap.configure(request.allocator) if request.device != "cuda" else None
     task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
@@ -175,6 +180,8 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, request.labels,
                      task.model.num_classes, device, request.allocator, family=family, on_step=beacon.beat)
     cuda = _cuda_start(gpu_free_before) if device == "cuda" else {}
+    if cuda:  # for the agent even if training then fails (an out-of-memory error the CUDA start caused, say)
+        (workdir / CUDA_START_FILE).write_text(json.dumps(cuda))
     baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
     reserved_baseline = torch.cuda.memory_reserved() if device == "cuda" else 0
     _reset_peak(device)
@@ -221,17 +228,25 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
 
 def _cuda_start(free_before: int | None) -> dict[str, float]:
     """What starting CUDA cost this warm process on the GPU beyond the allocations training will make
-    (``cuda_context_bytes``): the drop of the GPU's free memory from before CUDA started (``free_before``, from
-    NVML) to now, less the blocks torch's caching allocator holds free for training to reuse. It is the context
-    and what the warm-up left allocated (cuBLAS's workspace). Empty where NVML is missing (a Jetson: its GPU
-    memory is the system's RAM)."""
-    if free_before is None:
+    (``cuda_context_bytes``): the drop of the GPU's free memory from before CUDA started (``free_before``) to now,
+    both read from NVML on the GPU the agent watches, less the blocks torch's caching allocator holds free for
+    training to reuse. It is the context and what the warm-up left allocated (cuBLAS's workspace); another
+    process allocating on the GPU meanwhile moves it. Empty where NVML is missing (a Jetson: its GPU memory is the
+    system's RAM)."""
+    free_now = gpu_free_memory() if free_before is not None else None
+    if free_before is None or free_now is None:
         return {}
-    free_now, _total = torch.cuda.mem_get_info()
     cached_free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     return {"cuda_context_bytes": float(max(0, free_before - free_now - cached_free))}
 
 
 def probe_cuda(workdir: Path) -> None:
-    """A child's work that only tells whether torch sees a CUDA device (``cuda.json``)."""
-    (workdir / "cuda.json").write_text(json.dumps({"available": bool(torch.cuda.is_available())}))
+    """A child's work that only tells whether torch can train on a CUDA device (``cuda.json``): CUDA is started
+    here (not counted through NVML, which its server sets up for its other children) and one tensor allocated, so
+    a driver too old for torch's CUDA, or a GPU it has no code for, answers no."""
+    os.environ.pop(gpu_stack.NVML_CHECK_ENV, None)
+    try:
+        usable = bool(torch.cuda.is_available()) and torch.zeros(1, device="cuda").item() == 0.0
+    except (RuntimeError, AssertionError):
+        usable = False
+    (workdir / "cuda.json").write_text(json.dumps({"available": usable}))

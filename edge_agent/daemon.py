@@ -87,7 +87,8 @@ class EdgeAgent:
                                  state_dir=own_dir,
                                  torch_threads=config.torch_threads or available_cores(),
                                  allocator=config.allocator, limits=config.limits,
-                                 stall_timeout=config.stall_timeout_s)
+                                 stall_timeout=config.stall_timeout_s,
+                                 unified_memory=self.device_kind == "jetson")
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")

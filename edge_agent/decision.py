@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from edge_agent import gpu_stack
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
@@ -320,7 +319,6 @@ class Decider:
 
 def decide_in_workdir(workdir: Path) -> Decision:
     """Read the request and the task of ``workdir``, decide, write the decision (and the task to train)."""
-    gpu_stack.hide_gpus()  # estimates run on the meta device: CUDA need not start here (autograd would start it)
     request = DecisionRequest.read(workdir)
     try:
         task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)

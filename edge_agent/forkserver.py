@@ -118,12 +118,16 @@ def _ensure_running() -> None:
                 os.environ[name] = value
 
 
-def _enter(module: str, function: str, workdir: str) -> None:
-    """A child's target: ``module.function(Path(workdir))``, imported in the child (preloaded by the forkserver).
+def _enter(module: str, function: str, workdir: str, hide_gpus: bool = False) -> None:
+    """A child's target: ``module.function(Path(workdir))``, imported in the child (preloaded by the forkserver),
+    with every GPU hidden from CUDA first when ``hide_gpus`` (a child that trains or estimates on the CPU: before
+    anything in it counts GPUs, as autograd's first pass would; ``edge_agent.gpu_stack.hide_gpus``).
 
     Whatever it raises is written to the work directory's ``error.txt`` (the first line says what) and the child
     exits 1; otherwise it exits 0, without running the server's inherited exit handlers."""
     try:
+        if hide_gpus:
+            gpu_stack.hide_gpus()
         getattr(importlib.import_module(module), function)(Path(workdir))
     except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
         (Path(workdir) / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
@@ -159,14 +163,17 @@ class TorchUnavailable(RuntimeError):
 
 
 def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
-              cancel: threading.Event | None = None, stall_timeout: float | None = None) -> Exit:
+              cancel: threading.Event | None = None, stall_timeout: float | None = None,
+              hide_gpus: bool = False) -> Exit:
     """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
     as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`), or, with ``stall_timeout``, once the
     progress it writes into ``workdir`` (:class:`~edge_agent.workdir.ProgressBeacon`) has not moved for that many
     seconds since its start or its last beat (checked every :data:`PROGRESS_POLL_S`): a child deadlocked in a
-    kernel is noticed, not waited for until the deadline. Safe to call from several threads."""
+    kernel is noticed, not waited for until the deadline. ``hide_gpus``: the child sees no GPU (see
+    :func:`_enter`). Safe to call from several threads."""
     module, _, function = entry.partition(":")
-    process = process_context().Process(target=_enter, args=(module, function, str(workdir)), daemon=True)
+    process = process_context().Process(target=_enter, args=(module, function, str(workdir), hide_gpus),
+                                        daemon=True)
     try:
         # start() polls the other children (multiprocessing's clean-up of finished ones). The first start also
         # waits for the forkserver to import torch; other threads' status reads wait that long (seconds, once).
@@ -241,10 +248,12 @@ class ChildOutcome:
 
 
 def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
-                 cancel: threading.Event | None = None, stall_timeout: float | None = None) -> ChildOutcome:
-    """Train the task of ``workdir`` (``edge_agent.child``) in a child and wait at most ``timeout`` seconds,
-    until ``cancel`` is set, or until it has made no progress for ``stall_timeout`` seconds."""
-    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start, cancel, stall_timeout)
+                 cancel: threading.Event | None = None, stall_timeout: float | None = None,
+                 device: str = "cpu") -> ChildOutcome:
+    """Train the task of ``workdir`` (``edge_agent.child``) on ``device`` in a child and wait at most ``timeout``
+    seconds, until ``cancel`` is set, or until it has made no progress for ``stall_timeout`` seconds."""
+    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start, cancel, stall_timeout,
+                    hide_gpus=device != "cuda")
     if end.cancelled:
         return ChildOutcome(None, end.exitcode, "training was cancelled", cancelled=True)
     if end.stalled:
@@ -268,7 +277,8 @@ def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] 
                  cancel: threading.Event | None = None) -> Decision:
     """Decide what to train for the task of ``workdir`` (``edge_agent.decision``) in a child (killed when
     ``cancel`` is set)."""
-    end = run_child("edge_agent.decision:decide_in_workdir", workdir, timeout, on_start, cancel)
+    # Estimates run on the meta device: CUDA need not start there (autograd's pass would start it).
+    end = run_child("edge_agent.decision:decide_in_workdir", workdir, timeout, on_start, cancel, hide_gpus=True)
     if end.cancelled:
         raise DecisionFailed("deciding what to train was cancelled")
     if end.timed_out:

@@ -31,6 +31,7 @@ from edge_agent.forkserver import ChildOutcome, DecisionFailed
 from edge_agent.limits import TaskLimits
 from edge_agent.memory import available_memory, gpu_free_memory
 from edge_agent.workdir import (
+    CUDA_START_FILE,
     TASK_FILE,
     DataShape,
     Decision,
@@ -56,9 +57,9 @@ __all__ = ["BudgetFn", "LocalData", "TaskRejected", "TaskRunner"]
 DEADLINE_GRACE_S = 30.0
 #: How long closing waits for the task being served to end once its child is killed.
 CLOSE_WAIT_S = 15.0
-#: What a CUDA training child's context is taken to cost until one measured it (bytes): a few hundred MB with CUDA
-#: 12-13 and lazy module loading (the runner keeps the figure its last CUDA child measured).
-CUDA_CONTEXT_BYTES = 512 * 2**20
+#: What a CUDA training child's start (its context and cuBLAS's workspace) is taken to cost until one measured it:
+#: 832-869 MiB on an H100 with CUDA 13 (the runner keeps the figure its last CUDA child measured).
+CUDA_CONTEXT_BYTES = 2**30
 #: How a training child's error text starts when the CUDA caching allocator refused an allocation
 #: (``torch.OutOfMemoryError``): the GPU's own out-of-memory, which kills nothing.
 CUDA_OUT_OF_MEMORY = "OutOfMemoryError:"
@@ -140,6 +141,7 @@ class TaskRunner:
         allocator: str = "pooled",
         limits: TaskLimits | None = None,
         stall_timeout: float = STALL_TIMEOUT_S,
+        unified_memory: bool = False,
     ) -> None:
         self.agent_id = agent_id
         #: A training child that makes no progress for this many seconds is killed and its task failed.
@@ -147,6 +149,8 @@ class TaskRunner:
         #: What a CUDA training child's start costs on the GPU (its context), outside the allocator's peak that the
         #: estimate predicts: :data:`CUDA_CONTEXT_BYTES` until a child measured it (``cuda_context_bytes``).
         self.cuda_context_bytes = CUDA_CONTEXT_BYTES
+        #: The GPU trains in the system's RAM (a Jetson): its free memory is psutil's, not NVML's.
+        self.unified_memory = unified_memory
         self.limits = limits or TaskLimits()
         self.data: DataShape = data.shape()
         self.budget_for: BudgetFn = budget if callable(budget) else _constant(budget)
@@ -214,14 +218,17 @@ class TaskRunner:
     def available(self, round_number: int) -> int:
         """Memory training may use now: the round's budget, the cgroup's headroom and psutil's available, and on
         CUDA the GPU's free memory (NVML) less what a training child's CUDA start costs (its context:
-        :attr:`cuda_context_bytes`). A GPU without NVML (a Jetson) trains in the system's RAM, which psutil
-        already counts once: there the context comes out of that figure instead."""
+        :attr:`cuda_context_bytes`). A GPU with unified memory (a Jetson, :attr:`unified_memory`) trains in the
+        system's RAM, which psutil already counts once: there the CUDA start comes out of that figure instead. A
+        discrete GPU whose free memory NVML cannot tell (no NVML in a container, say) is left to the rest."""
         free = available_memory(self.budget_for(round_number))
         if self.device != "cuda":
             return free
-        gpu = gpu_free_memory()
-        if gpu is None:  # unified memory: CPU and GPU allocations come out of the same RAM
+        if self.unified_memory:  # CPU and GPU allocations come out of the same RAM
             return max(0, min(free, available_memory() - self.cuda_context_bytes))
+        gpu = gpu_free_memory()
+        if gpu is None:
+            return free
         return max(0, min(free, gpu - self.cuda_context_bytes))
 
     def calibration_for(self, model: ModelRef) -> Calibration:
@@ -317,7 +324,8 @@ class TaskRunner:
         forking = time.perf_counter()
         try:
             outcome = forkserver.run_training(workdir, self._timeout(task), on_start=self._started,
-                                              cancel=self._closing, stall_timeout=self.stall_timeout)
+                                              cancel=self._closing, stall_timeout=self.stall_timeout,
+                                              device=self.device)
         finally:
             self.child_pid = None
         memory["seconds_child"] = time.perf_counter() - forking
@@ -328,10 +336,14 @@ class TaskRunner:
             return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory, reason=outcome.error)
         if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
             outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
+        assumed_cuda_start = self.cuda_context_bytes
+        self._learn_cuda_start(workdir)
         if outcome.update is None:
             detail = (outcome.error or "").strip().splitlines()[:1]
-            # Only the OOM killer's kills, and the CUDA allocator's refusal, say the estimate was too low.
-            if outcome.out_of_memory or (detail and detail[0].startswith(CUDA_OUT_OF_MEMORY)):
+            # Only the OOM killer's kills, and the CUDA allocator's refusal, say the estimate was too low; not a
+            # refusal after a CUDA start that cost more than the budget assumed.
+            cuda_short = bool(detail) and detail[0].startswith(CUDA_OUT_OF_MEMORY)
+            if outcome.out_of_memory or (cuda_short and self.cuda_context_bytes <= assumed_cuda_start):
                 self.calibration_for(task.model).observe_failure(decision.raw_total, available,
                                                                  decision.raw_overhead)
             why = _killed(outcome) if outcome.killed_by else f"training process failed (exit code {outcome.exitcode})"
@@ -344,13 +356,20 @@ class TaskRunner:
         assert isinstance(update, Update)
         self.calibration_for(task.model).observe(decision.raw_total, int(update.metrics.get("peak_bytes", 0)),
                                                  decision.raw_overhead)
-        if "cuda_context_bytes" in update.metrics:
-            self.cuda_context_bytes = int(update.metrics["cuda_context_bytes"])
         update.status = decision.status
         update.reason = decision.reason
         update.metrics.update(memory)
         update.metrics.update(decision.metrics)
         return update
+
+    def _learn_cuda_start(self, workdir: Path) -> None:
+        """Keep what the CUDA training child just measured its CUDA start to cost, if it did."""
+        try:
+            measured = json.loads((workdir / CUDA_START_FILE).read_text())["cuda_context_bytes"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if isinstance(measured, (int, float)) and measured > 0:
+            self.cuda_context_bytes = int(measured)
 
     def _check_compatible(self, task: Task) -> None:
         if task.model.in_channels != self.data.in_channels:

@@ -25,6 +25,7 @@ PLAN_FILE = "plan.json"
 UPDATE_FILE = "update.msgpack"
 ERROR_FILE = "error.txt"
 PROGRESS_FILE = "progress"
+CUDA_START_FILE = "cuda_start.json"
 
 #: Statuses a decision may carry: train (``ok``, ``adapted``) or answer without training.
 TRAIN_STATUSES = ("ok", "adapted")

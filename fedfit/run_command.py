@@ -45,7 +45,7 @@ SETTINGS = {
     "budgets": Setting("--budgets", None, "tiers"),
     "budget_variance": Setting("--budget-variance", None, 10.0),
     "allocator": Setting("--allocator", None, "pooled"),
-    "device": Setting("--device", None, "cpu"),
+    "device": Setting("--device", ("training_device",), "cpu"),
     "workers": Setting("--workers", None, None),
 }
 

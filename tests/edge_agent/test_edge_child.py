@@ -447,9 +447,9 @@ def test_a_crashing_child_fails_the_task_with_its_error(make_task, make_runner, 
 def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, monkeypatch):
     real_run_training = forkserver.run_training
 
-    def quick_timeout(workdir, timeout, on_start=None, cancel=None, stall_timeout=None):
-        return real_run_training(workdir, 1.0, on_start=on_start, cancel=cancel,
-                                 stall_timeout=stall_timeout)  # instead of the deadline + 30 s
+    def quick_timeout(workdir, timeout, on_start=None, cancel=None, stall_timeout=None, device="cpu"):
+        return real_run_training(workdir, 1.0, on_start=on_start, cancel=cancel, stall_timeout=stall_timeout,
+                                 device=device)  # instead of the deadline + 30 s
 
     monkeypatch.setattr(forkserver, "run_training", quick_timeout)
     runner = make_runner(budget=2**30, limits=ENDLESS)
@@ -460,20 +460,30 @@ def test_a_timeout_is_not_counted_as_a_memory_failure(make_task, make_runner, mo
     assert runner.calibration.factor == pytest.approx(1.10)
 
 
-@pytest.mark.parametrize(("error", "learns"), [
-    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 3.9 GiB", True),
-    ("RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", False),
+CUDA_OOM = "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 3.9 GiB"
+
+
+@pytest.mark.parametrize(("error", "cuda_start", "learns"), [
+    (CUDA_OOM, None, True),
+    (CUDA_OOM, 600 * 2**20, True),  # CUDA's start cost what was assumed or less: the estimate was short
+    (CUDA_OOM, 3 * 2**30, False),  # it cost more than the budget left for it: the budget was wrong, not the estimate
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", None, False),
 ])
 def test_a_cuda_out_of_memory_teaches_the_calibration_as_an_oom_kill_does(make_task, make_runner, monkeypatch,
-                                                                         error, learns):
+                                                                         error, cuda_start, learns):
     """The CUDA allocator's refusal kills nothing (the child raises): it alone among errors says the estimate was
-    too low, and the task fails with the error as it was."""
-    monkeypatch.setattr(forkserver, "run_training",
-                        lambda *args, **kwargs: ChildOutcome(None, 1, f"{error}\nTraceback (most recent call last):"))
+    too low, and the task fails with the error as it was; what the child measured of CUDA's start is kept."""
+    def child(workdir, *args, **kwargs):
+        if cuda_start is not None:
+            (workdir / "cuda_start.json").write_text(json.dumps({"cuda_context_bytes": cuda_start}))
+        return ChildOutcome(None, 1, f"{error}\nTraceback (most recent call last):")
+
+    monkeypatch.setattr(forkserver, "run_training", child)
     runner = make_runner(budget=2**30)
     update = runner.run(make_task(U(1.0)))
     assert (update.status, update.reason) == ("failed", f"training process failed (exit code 1): {error}")
     assert (runner.calibration.floor > 0) == learns
+    assert runner.cuda_context_bytes == (cuda_start or 2**30)
 
 
 @pytest.mark.parametrize(("samples", "warmed"), [(16, 4), (18, 6), (17, 4), (3, 3)],

@@ -77,16 +77,18 @@ def test_a_decision_declines_over_the_limits_and_fails_an_unknown_family(tmp_pat
 
 
 def test_an_estimate_that_fails_reaches_the_decision_as_itself(tmp_path, make_task, monkeypatch):
-    """Whatever stops the estimate is the reason, with its type, never relabelled as an input that does not fit."""
-    from edge_agent import decision
+    """Whatever stops the estimator's traced pass is the reason, with its type, never relabelled as an input that
+    does not fit (as torch's refusal of autograd in a forked child once was)."""
+    import models.memory
 
     refusal = "Unable to handle autograd's threading in combination with fork-based multiprocessing."
 
     def refuse(*_args, **_kwargs):
         raise RuntimeError(refusal)
 
-    monkeypatch.setattr(decision, "estimate_plan_memory", refuse)
-    answer = decide_in_workdir(write_request(tmp_path / "work", make_task()))
+    monkeypatch.setattr(models.memory, "backward_step", refuse)
+    # A batch size no other test estimates: the estimator's cache cannot answer without the pass.
+    answer = decide_in_workdir(write_request(tmp_path / "work", make_task(batch_size=7)))
     assert (answer.status, answer.reason) == ("failed", f"RuntimeError: {refusal}")
 
 

@@ -332,15 +332,15 @@ def test_declines_when_corrected_estimate_exceeds_budget_although_raw_fits(famil
     assert "nothing fits" in update.reason
 
 
-@pytest.mark.parametrize(("gpu_free", "expected"), [
-    (3_000_000_000, 1_000_000_000),  # a discrete GPU: its free memory less the CUDA start, the budget's 2 GB apart
-    (None, 1_500_000_000),  # a Jetson: one RAM for CPU and GPU, the CUDA start taken off it once
+@pytest.mark.parametrize(("unified", "gpu_free", "expected"), [
+    (False, 3_000_000_000, 1_000_000_000),  # a discrete GPU: its free memory less the CUDA start (budget: 2 GB)
+    (True, None, 1_500_000_000),  # a Jetson: one RAM for CPU and GPU (no NVML), the CUDA start taken off it once
 ])
-def test_available_on_cuda_leaves_room_for_the_cuda_start(make_runner, monkeypatch, gpu_free, expected):
+def test_available_on_cuda_leaves_room_for_the_cuda_start(make_runner, monkeypatch, unified, gpu_free, expected):
     ram = 3_500_000_000
     monkeypatch.setattr(runner_module, "available_memory", lambda budget=None: min(ram, budget or ram))
     monkeypatch.setattr(runner_module, "gpu_free_memory", lambda: gpu_free)
-    runner = make_runner(budget=2_000_000_000, device="cuda")
+    runner = make_runner(budget=2_000_000_000, device="cuda", unified_memory=unified)
     runner.cuda_context_bytes = 2_000_000_000
     assert runner.available(1) == expected
     runner.cuda_context_bytes = 10**10  # nothing left: never a negative figure
@@ -348,6 +348,13 @@ def test_available_on_cuda_leaves_room_for_the_cuda_start(make_runner, monkeypat
     cpu = make_runner(budget=2_000_000_000, name="cpu")  # the CPU path knows nothing of CUDA
     cpu.cuda_context_bytes = 10**10
     assert cpu.available(1) == 2_000_000_000
+
+
+def test_a_discrete_gpu_nvml_cannot_see_is_left_to_the_budget_and_ram(make_runner, monkeypatch):
+    monkeypatch.setattr(runner_module, "available_memory", lambda budget=None: min(3_500_000_000, budget or 10**12))
+    monkeypatch.setattr(runner_module, "gpu_free_memory", lambda: None)
+    runner = make_runner(budget=2_000_000_000, device="cuda")
+    assert runner.available(1) == 2_000_000_000  # not the RAM less a CUDA start it does not come out of
 
 
 def test_declines_when_available_memory_is_short(make_task, make_runner, monkeypatch):
