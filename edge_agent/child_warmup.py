@@ -11,7 +11,9 @@
 2. torch, the children's modules (:data:`CHILD_MODULES`: the trainer, the estimator, the models) and
    ``torch._dynamo``, the lazy import behind the first ``torch.optim`` optimizer (sympy and about 890 modules,
    70 MB), are imported once here instead of in every child's measured peak.
-3. One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
+3. On aarch64 torch's OpenMP runtime starts with one thread (:func:`keep_blas_single_threaded`): its BLAS would
+   otherwise start OpenMP workers in the server at the warm-up's first matrix product, and children deadlock.
+   One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
    kernel dispatch tables, allocator arenas) happens once in the server and every forked training child starts
    warm instead of paying it again inside its measured peak. Where a GPU is wanted the step leaves its backward
    pass out: autograd's first pass would initialise CUDA here and make torch refuse autograd in every child
@@ -34,12 +36,34 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
+import platform
 from collections.abc import Callable
 
 from edge_agent import allocator, gpu_stack, mappings
 
 #: The modules forked children run, imported by the server.
 CHILD_MODULES = ("edge_agent.child", "edge_agent.decision")
+
+
+#: OpenMP's variable: the size of every team a library's OpenMP runtime starts, read when that runtime loads.
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def keep_blas_single_threaded() -> bool:
+    """On aarch64, start torch's OpenMP runtime with one thread (:data:`OMP_THREADS_ENV`, unless already set);
+    True where it did. Call before torch is imported.
+
+    PyPI's aarch64 torch multiplies matrices with NVIDIA's NVPL BLAS on GNU OpenMP, which sizes its own teams
+    whatever ``torch.set_num_threads`` says: the warm-up's first matrix product started OpenMP worker threads in
+    the server (3 -> 4 threads under emulation with a Pi 4's core), and a forked child's next parallel region
+    deadlocked waiting on them (GNU OpenMP's pool does not survive a fork). With one thread no worker starts; the
+    children still set their own count (``torch.set_num_threads``). Measured under qemu-user with a Cortex-A76
+    (benchmarks/arm64_check.sh): a child's step 0.51 s on one thread, 0.37 s on two."""
+    if platform.machine() not in ("aarch64", "arm64") or OMP_THREADS_ENV in os.environ:
+        return False
+    os.environ[OMP_THREADS_ENV] = "1"
+    return True
 
 
 def warm_up(*, autograd: bool = True) -> None:
@@ -76,6 +100,8 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
         if on_step is not None:
             on_step(name)
 
+    if keep_blas_single_threaded():
+        done("OpenMP started with one thread (aarch64)")
     gpu = gpu_stack.gpu_wanted()
     if not gpu:
         gpu_stack.hide_gpus()  # its children train on the CPU: autograd then counts no GPU, here or there

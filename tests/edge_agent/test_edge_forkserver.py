@@ -346,3 +346,20 @@ def test_an_agent_declares_its_training_device_before_its_forkserver_starts(monk
     finally:
         agent.executor.shutdown(wait=True)
         agent.runner.close()
+
+
+@pytest.mark.parametrize(("machine", "given", "expected"), [
+    ("aarch64", None, "1"),  # a Pi: OpenMP starts with one thread, no worker for a child to wait on
+    ("aarch64", "3", "3"),  # the operator's own setting stands
+    ("x86_64", None, None),  # torch.set_num_threads governs x86-64's BLAS: nothing to change
+])
+def test_the_forkserver_starts_openmp_single_threaded_on_aarch64(monkeypatch, machine, given, expected):
+    from edge_agent import child_warmup
+
+    monkeypatch.setattr(child_warmup.platform, "machine", lambda: machine)
+    if given is None:
+        monkeypatch.delenv(child_warmup.OMP_THREADS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(child_warmup.OMP_THREADS_ENV, given)
+    assert child_warmup.keep_blas_single_threaded() == (given is None and expected is not None)
+    assert os.environ.get(child_warmup.OMP_THREADS_ENV) == expected
