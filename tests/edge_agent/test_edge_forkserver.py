@@ -357,9 +357,8 @@ def test_the_forkserver_starts_openmp_single_threaded_on_aarch64(monkeypatch, ma
     from edge_agent import child_warmup
 
     monkeypatch.setattr(child_warmup.platform, "machine", lambda: machine)
+    monkeypatch.setenv(child_warmup.OMP_THREADS_ENV, given or "")  # recorded: put back as it was afterwards
     if given is None:
-        monkeypatch.delenv(child_warmup.OMP_THREADS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(child_warmup.OMP_THREADS_ENV, given)
+        monkeypatch.delenv(child_warmup.OMP_THREADS_ENV)
     assert child_warmup.keep_blas_single_threaded() == (given is None and expected is not None)
     assert os.environ.get(child_warmup.OMP_THREADS_ENV) == expected
