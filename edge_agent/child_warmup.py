@@ -60,7 +60,7 @@ def keep_blas_single_threaded() -> bool:
     deadlocked waiting on them (GNU OpenMP's pool does not survive a fork). With one thread no worker starts; the
     children still set their own count (``torch.set_num_threads``). Measured under qemu-user with a Cortex-A76
     (benchmarks/arm64_check.sh): a child's step 0.51 s on one thread, 0.37 s on two."""
-    if platform.machine() not in ("aarch64", "arm64") or OMP_THREADS_ENV in os.environ:
+    if platform.machine() not in ("aarch64", "arm64") or os.environ.get(OMP_THREADS_ENV):
         return False
     os.environ[OMP_THREADS_ENV] = "1"
     return True

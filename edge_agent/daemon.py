@@ -88,7 +88,7 @@ class EdgeAgent:
                                  torch_threads=config.torch_threads or available_cores(),
                                  allocator=config.allocator, limits=config.limits,
                                  stall_timeout=config.stall_timeout_s,
-                                 unified_memory=self.device_kind == "jetson")
+                                 unified_memory=detect_device_kind() == "jetson")  # the board, not its label
         self.log = get_logger("agent", agent=self.agent_id, federation=config.federation)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")

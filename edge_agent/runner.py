@@ -341,9 +341,10 @@ class TaskRunner:
         if outcome.update is None:
             detail = (outcome.error or "").strip().splitlines()[:1]
             # Only the OOM killer's kills, and the CUDA allocator's refusal, say the estimate was too low; not a
-            # refusal after a CUDA start that cost more than the budget assumed.
+            # refusal after a CUDA start that cost clearly more than the budget assumed (it moves by tens of MB).
             cuda_short = bool(detail) and detail[0].startswith(CUDA_OUT_OF_MEMORY)
-            if outcome.out_of_memory or (cuda_short and self.cuda_context_bytes <= assumed_cuda_start):
+            costlier_start = self.cuda_context_bytes > assumed_cuda_start + max(64 * 2**20, assumed_cuda_start // 20)
+            if outcome.out_of_memory or (cuda_short and not costlier_start):
                 self.calibration_for(task.model).observe_failure(decision.raw_total, available,
                                                                  decision.raw_overhead)
             why = _killed(outcome) if outcome.killed_by else f"training process failed (exit code {outcome.exitcode})"

@@ -141,7 +141,7 @@ def test_a_cancelled_decision_child_is_killed_and_said_so(tmp_path, make_task):
 def test_a_decision_child_answering_garbage_is_refused(tmp_path, make_task, monkeypatch):
     workdir = write_request(tmp_path / "work", make_task())
 
-    def child_writes_garbage(entry, workdir, timeout, on_start=None, cancel=None):
+    def child_writes_garbage(entry, workdir, timeout, on_start=None, cancel=None, **_settings):
         (workdir / DECISION_FILE).write_text('{"status": "perhaps"}')
         return Exit(0)
 
@@ -225,7 +225,7 @@ def test_the_idle_forkserver_leaves_out_what_it_does_not_run():
         from edge_agent import forkserver, gpu_stack, mappings
 
         if __name__ == "__main__":
-            end = forkserver.run_child("edge_agent.child:probe_cuda", Path(tempfile.mkdtemp()), 120)
+            end = forkserver.run_child("pathlib:Path", Path(tempfile.mkdtemp()), 120)  # a child doing nothing
             server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())][0]
             paths = [m.path for m in mappings.read(server.pid)]
             torch_pages = sum(m.rss - m.anonymous for m in mappings.read(server.pid) if "/torch/" in m.path)
@@ -311,7 +311,7 @@ def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
         for index in range(20):
             workdir = tmp_path / f"{thread}-{index}"
             workdir.mkdir()
-            codes.append(forkserver.run_child("edge_agent.child:probe_cuda", workdir, 120).exitcode)
+            codes.append(forkserver.run_child("pathlib:Path", workdir, 120).exitcode)  # a child doing nothing
         return codes
 
     with ThreadPoolExecutor(max_workers=8) as pool:  # the old code lost a status in about half the runs
