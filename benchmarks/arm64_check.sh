@@ -70,6 +70,9 @@ done
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 [ "$(id -u)" -eq 0 ] || { echo "arm64_check: needs root (debootstrap, chroot, mounts)" >&2; exit 2; }
+# One run at a time per root: a run's end ends every process left in its root, another run's included.
+exec 9>"$ROOT.lock"
+flock -n 9 || { echo "arm64_check: another run is using $ROOT" >&2; exit 2; }
 
 declare -A VERDICT TOOK
 ORDER=()

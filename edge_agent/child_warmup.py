@@ -11,8 +11,8 @@
 2. torch, the children's modules (:data:`CHILD_MODULES`: the trainer, the estimator, the models) and
    ``torch._dynamo``, the lazy import behind the first ``torch.optim`` optimizer (sympy and about 890 modules,
    70 MB), are imported once here instead of in every child's measured peak.
-3. On aarch64 torch's OpenMP runtime starts with one thread (:func:`keep_blas_single_threaded`): its BLAS would
-   otherwise start OpenMP workers in the server at the warm-up's first matrix product, and children deadlock.
+3. On aarch64 the server's OpenMP runtime starts with one thread (:func:`start_openmp_single_threaded`): the Arm
+   Compute Library's convolutions would otherwise start OpenMP workers in it, and children deadlock.
    One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
    kernel dispatch tables, allocator arenas) happens once in the server and every forked training child starts
    warm instead of paying it again inside its measured peak. Where a GPU is wanted the step leaves its backward
@@ -50,17 +50,19 @@ CHILD_MODULES = ("edge_agent.child", "edge_agent.decision")
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
 
 
-def keep_blas_single_threaded() -> bool:
-    """On aarch64, start torch's OpenMP runtime with one thread (:data:`OMP_THREADS_ENV`, unless already set);
-    True where it did. Call before torch is imported.
+def start_openmp_single_threaded() -> bool:
+    """On aarch64, start the server's OpenMP runtime with one thread (:data:`OMP_THREADS_ENV` = 1, whatever it
+    was); True where it did. Call before torch is imported.
 
-    PyPI's aarch64 torch multiplies matrices with NVIDIA's NVPL BLAS on GNU OpenMP, which sizes its own teams
-    whatever ``torch.set_num_threads`` says: the warm-up's first matrix product started OpenMP worker threads in
-    the server (3 -> 4 threads under emulation with a Pi 4's core), and a forked child's next parallel region
-    deadlocked waiting on them (GNU OpenMP's pool does not survive a fork). With one thread no worker starts; the
-    children still set their own count (``torch.set_num_threads``). Measured under qemu-user with a Cortex-A76
-    (benchmarks/arm64_check.sh): a child's step 0.51 s on one thread, 0.37 s on two."""
-    if platform.machine() not in ("aarch64", "arm64") or os.environ.get(OMP_THREADS_ENV):
+    On arm64 cores without SVE (a Raspberry Pi 4's Cortex-A72, a Pi 5's A76) oneDNN runs convolutions through the
+    Arm Compute Library, whose OpenMP scheduler sizes its teams from OpenMP's default (the core count) when it is
+    created, not from ``torch.set_num_threads``: the warm-up's first convolution left a GNU OpenMP worker in the
+    server (3 -> 4 threads), and a forked child's first parallel convolution waited for it forever at the pool's
+    barrier (native backtrace: ``arm_compute::OMPScheduler::run_workloads`` -> libgomp futex; emulated with both
+    cores, ``benchmarks/arm64_check.sh``). With one thread no worker starts. It is forced, not defaulted: an agent
+    started with ``OMP_NUM_THREADS=4`` would hang again. The children still set their own count for torch's
+    parallel loops; the Arm Compute Library's convolutions run on one thread in them."""
+    if platform.machine() not in ("aarch64", "arm64"):
         return False
     os.environ[OMP_THREADS_ENV] = "1"
     return True
@@ -100,7 +102,7 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
         if on_step is not None:
             on_step(name)
 
-    if keep_blas_single_threaded():
+    if start_openmp_single_threaded():
         done("OpenMP started with one thread (aarch64)")
     gpu = gpu_stack.gpu_wanted()
     if not gpu:

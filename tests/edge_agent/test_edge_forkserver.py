@@ -350,8 +350,9 @@ def test_an_agent_declares_its_training_device_before_its_forkserver_starts(monk
 
 @pytest.mark.parametrize(("machine", "given", "expected"), [
     ("aarch64", None, "1"),  # a Pi: OpenMP starts with one thread, no worker for a child to wait on
-    ("aarch64", "3", "3"),  # the operator's own setting stands
-    ("x86_64", None, None),  # torch.set_num_threads governs x86-64's BLAS: nothing to change
+    ("aarch64", "4", "1"),  # forced: an operator's OMP_NUM_THREADS=4 would bring the hang back
+    ("x86_64", None, None),  # torch.set_num_threads governs x86-64's threads: nothing to change
+    ("x86_64", "4", "4"),
 ])
 def test_the_forkserver_starts_openmp_single_threaded_on_aarch64(monkeypatch, machine, given, expected):
     from edge_agent import child_warmup
@@ -360,5 +361,5 @@ def test_the_forkserver_starts_openmp_single_threaded_on_aarch64(monkeypatch, ma
     monkeypatch.setenv(child_warmup.OMP_THREADS_ENV, given or "")  # recorded: put back as it was afterwards
     if given is None:
         monkeypatch.delenv(child_warmup.OMP_THREADS_ENV)
-    assert child_warmup.keep_blas_single_threaded() == (given is None and expected is not None)
+    assert child_warmup.start_openmp_single_threaded() == (machine == "aarch64")
     assert os.environ.get(child_warmup.OMP_THREADS_ENV) == expected
