@@ -206,6 +206,7 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     configuration, model and strategy. Returns the dataset."""
     from common.data import load_dataset, parse_partition, partition_indices
     from coordinator.planning import model_family, strategy_for
+    from fedfit.sim.harness import check_device
     from fedfit.sim.rundir import refuse_used_dir
     from protocol import validate_name
 
@@ -221,6 +222,7 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     for directory in (values["state_dir"], getattr(args, "out", None)):
         if directory:  # before the slow checks: the cheapest refusal, and the one that keeps a finished run safe
             refuse_used_dir(directory)
+    check_device(values["device"])
     _writable_file("--log-file", args.log_file)
     _writable_file("--report", getattr(args, "report", None))
     dataset = load_dataset(values["dataset"], base.data.root)

@@ -95,6 +95,17 @@ def cuda_workers(cores: int) -> int:
     return max(1, min(cores, free // CUDA_WORKER_BYTES))
 
 
+def check_device(device: str) -> None:
+    """Refuse, in one sentence, a device the agents cannot train on here (``cuda`` is asked in a forkserver child,
+    which starts CUDA and allocates); declares it to this process's forkserver before that starts."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device is cpu or cuda, got {device!r}")
+    forkserver.declare_device(device)  # before its forkserver starts: "cuda" keeps CUDA usable in children
+    if device == "cuda" and not forkserver.cuda_available():
+        raise ValueError("--device cuda: torch cannot train on a GPU here (it sees none, or CUDA could not start "
+                         "and allocate)")
+
+
 def budget_anchor(coordinator: Coordinator, allocator: str = "pooled", device: str = "cpu") -> BudgetAnchor:
     """What the fleet's budgets are measured against (the same for every algorithm): the full model of the
     coordinator's family trained with plain cross-entropy at its recipe's batch size, by agents running
@@ -151,11 +162,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     ``label`` prefixes its lines; ``run_dir``: one :func:`prepare_run_dir` made already."""
     if options.agents < 1 or options.rounds < 1 or (options.workers is not None and options.workers < 1):
         raise ValueError("--agents, --rounds and --workers must be at least 1")
-    if options.device not in ("cpu", "cuda"):
-        raise ValueError(f"--device is cpu or cuda, got {options.device!r}")
-    forkserver.declare_device(options.device)  # before its forkserver starts: "cuda" keeps CUDA usable in children
-    if options.device == "cuda" and not forkserver.cuda_available():
-        raise ValueError("--device cuda: torch sees no GPU on this machine (torch.cuda.is_available() is False)")
+    check_device(options.device)
     started = time.time()
     dataset = load_dataset(options.dataset, options.base.data.root)
     shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)

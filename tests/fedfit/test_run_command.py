@@ -149,3 +149,15 @@ def test_compare_runs_adaptivefl_ablations_by_name() -> None:
     assert compare_variant("adaptivefl-smart") == ("adaptivefl-smart", None)  # then refused as unknown
     assert compare_variant("adaptivefl-rl") == ("adaptivefl-rl", None)  # rl is adaptivefl itself: one row, one name
     assert compare_variant("heterofl") == ("heterofl", None)
+
+
+def test_a_gpu_that_cannot_train_is_refused_before_the_run_has_a_directory(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge_agent import forkserver
+
+    monkeypatch.setattr(forkserver, "cuda_available", lambda: False)  # what a machine without a GPU answers
+    run_dir = tmp_path / "run"
+    code = main(["sim", "--dataset", "digits", "--agents", "2", "--device", "cuda", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device cuda: torch cannot train on a GPU here" in err and "Traceback" not in err
+    assert not run_dir.exists()
