@@ -52,6 +52,7 @@ UNIT_TESTS=(
   tests/models/test_models_vgg.py tests/models/test_models_resnet.py tests/models/test_models_depthwise.py
   tests/models/test_models_training.py tests/models/test_models_family.py
   tests/edge_agent/test_edge_allocator.py tests/edge_agent/test_edge_gpu_stack.py tests/edge_agent/test_edge_page_pool.py
+  tests/common/test_blas_threads.py
 )
 # What qemu-user cannot tell: its heap keeps what malloc_trim gives back natively (4 MB left where < 1 MB is due).
 UNIT_DESELECT="test_settle_gives_back_what_the_default_heap_kept"

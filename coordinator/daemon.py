@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from common import heap
+from common.blas_threads import guard_blas_threads
 from common.data import Dataset, load_dataset, subsample
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
@@ -162,6 +163,8 @@ class Coordinator:
         self.config = config
         self.topics = Topics(config.federation)
         self.log = get_logger("coordinator", federation=config.federation)
+        if (blas := guard_blas_threads()) is not None:
+            self.log.warning("blas_threads_capped", reason=blas)
         self.dataset = dataset if dataset is not None else load_dataset(config.data.dataset, config.data.root)
         self.family: ModelFamily = model_family(config, self.dataset)
         self.model_ref = ModelRef(config.model.family, self.dataset.num_classes, self.dataset.in_channels,

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.blas_threads import guard_blas_threads
 from edge_agent import allocator as heap
 from edge_agent import gpu_stack
 from edge_agent.copies import CopyStore
@@ -162,6 +163,7 @@ def train_in_workdir(workdir: Path) -> None:
 def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     request = TrainingRequest.read(workdir)
     torch.set_num_threads(request.torch_threads)
+    guard_blas_threads()  # the server did (its children inherit it); again, for a child started without one
     applied = heap.configure(request.allocator) if request.device != "cuda" else None
     task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
     assert isinstance(task, Task)

@@ -12,7 +12,8 @@
    ``torch._dynamo``, the lazy import behind the first ``torch.optim`` optimizer (sympy and about 890 modules,
    70 MB), are imported once here instead of in every child's measured peak.
 3. On aarch64 the server's OpenMP runtime starts with one thread (:func:`start_openmp_single_threaded`): the Arm
-   Compute Library's convolutions would otherwise start OpenMP workers in it, and children deadlock.
+   Compute Library's convolutions would otherwise start OpenMP workers in it, and children deadlock. Where
+   torch's BLAS would crash the core on several threads, it runs on one (``common.blas_threads``).
    One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
    kernel dispatch tables, allocator arenas) happens once in the server and every forked training child starts
    warm instead of paying it again inside its measured peak. Where a GPU is wanted the step leaves its backward
@@ -40,6 +41,7 @@ import os
 import platform
 from collections.abc import Callable
 
+from common.blas_threads import guard_blas_threads
 from edge_agent import allocator, gpu_stack, mappings
 
 #: The modules forked children run, imported by the server.
@@ -114,6 +116,8 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
         gpu_stack.probe_without_cuda()
     importlib.import_module("torch")
     done("import torch")
+    if (blas := guard_blas_threads()) is not None:
+        done(blas)
     for name in CHILD_MODULES:
         importlib.import_module(name)
     done("FedFit's modules")

@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import torch
 
+from common.blas_threads import guard_blas_threads
 from common.cores import available_cores
 from common.data import load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
@@ -171,6 +172,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     workers = options.workers or (cores if options.device == "cpu" else cuda_workers(cores))
     threads = max(1, cores // workers)  # each training child's
     torch.set_num_threads(cores)  # this process's: the coordinator evaluates and aggregates while the fleet waits
+    guard_blas_threads()
     if progress is not None:
         where = "the GPU (CUDA)" if options.device == "cuda" else f"{cores} core{'s' * (cores > 1)}"
         print(f"{label + ': ' if label else ''}training on {where}: {workers} training "
