@@ -3,9 +3,7 @@
 The factor multiplies the model-dependent part of the raw estimate (everything but the runtime's fixed
 overhead, which the estimator states separately and which is measured, not predicted); a run whose
 model-dependent part is too small to measure against that overhead teaches nothing. The factor starts at
-``initial`` (a 10% margin: with the agent's default ``pooled`` heap (or ``compact``) the estimator under-predicts no
-benchmark row above 5 MB by more than 2%, the smallest ones, of 1-3 MB, by up to 10%), then follows a
-conservative envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded
+``initial`` (:data:`models.device_need.INITIAL_FACTOR`, a 10% margin), then follows a conservative envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded
 what was available, so the factor rises towards that (at most doubling per failure) and never falls below it
 again.
 Stored as JSON in the agent's state directory (never pickled).
@@ -19,16 +17,12 @@ import threading
 from pathlib import Path
 
 from common.durable import write_atomic
+from models.device_need import INITIAL_FACTOR, corrected
 
-#: The factor before any measurement: a 10% margin over the raw estimate (see the module docstring).
-INITIAL_FACTOR = 1.10
+__all__ = ["INITIAL_FACTOR", "Calibration", "corrected"]
+
 # A single measurement moves the factor at most this far (noise in a small run must not freeze the device).
 MIN_RATIO, MAX_RATIO = 0.5, 3.0
-
-
-def corrected(raw_estimate: int, overhead: int, factor: float) -> int:
-    """``raw_estimate`` with its model-dependent part (``raw_estimate - overhead``) times ``factor``."""
-    return overhead + int((raw_estimate - overhead) * factor)
 
 
 class Calibration:

@@ -22,6 +22,7 @@ from coordinator.aggregation import MaskedAggregator, restrict_rows
 from coordinator.config import CoordinatorConfig, RecipeConfig
 from coordinator.registry import AgentRecord
 from models import MemoryEstimate, ModelFamily, SubmodelSpec
+from models.device_need import INITIAL_FACTOR, device_need
 from protocol import Adaptation, LossTerm, OptimizerSettings, TrainingPlan
 
 State = dict[str, torch.Tensor]
@@ -36,7 +37,8 @@ class StrategyContext:
     sample); ``training_memory(spec, plan)`` estimates the peak memory of training ``spec`` with ``plan`` on an
     agent, with its parts (:class:`models.MemoryEstimate`); ``training_sample(count)`` draws ``count`` examples
     of the server's training split (of ``training_size``; never the test split): the proxy data of methods that
-    pre-train.
+    pre-train. ``device_factor``: the calibration factor a device applies to the estimate's model-dependent part
+    before it trains (a fresh agent's: :data:`models.device_need.INITIAL_FACTOR`).
     """
 
     family: ModelFamily
@@ -47,6 +49,7 @@ class StrategyContext:
     training_memory: Callable[[SubmodelSpec, TrainingPlan], MemoryEstimate]
     training_sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
     training_size: int = 0
+    device_factor: float = INITIAL_FACTOR
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,10 @@ class Strategy(ABC):
         return ["global"]
 
     def training_cost(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
-        """Estimated peak bytes of training ``spec`` with ``plan`` on an agent: what its reported budget must hold."""
-        return self.context.training_memory(spec, plan).total
+        """The bytes a fresh agent must have available to train ``spec`` with ``plan``, by its own rule (the
+        estimated peak with the agent's initial calibration margin: :func:`models.device_need.device_need`): what
+        its reported budget must hold."""
+        return device_need(self.context.training_memory(spec, plan), self.context.device_factor)
 
     def initial_states(self, seed: int) -> dict[str, State]:
         """Initial weights of every group: the global spec built with ``seed`` (BN statistics included)."""

@@ -110,5 +110,5 @@ class FeDepth(LevelStrategy):
             least = ladder[-1] if ladder else 0
             return {"trains": "nothing", "smallest_block_bytes": int(min(cost(b, b + 1, least) for b in range(blocks)))}
         return {"trains": "depth-wise" + (" via auxiliary classifiers" if route == "exit" else ""),
-                "segments": cut.describe(),
+                "segments": cut.describe(), "cut": [list(segment) for segment in cut.segments],
                 "train_bytes": [int(cost(*segment, cut.micro_batch(i))) for i, segment in enumerate(cut.segments)]}

@@ -26,7 +26,8 @@ def width_cost(spec: SubmodelSpec, plan: TrainingPlan) -> int:
 @pytest.fixture
 def make_context() -> Callable[..., StrategyContext]:
     """``make_context(config, family=None, cost=width_cost, overhead=0, input_size=(8, 8))``: a strategy context
-    whose training-memory estimate is ``cost(spec, plan)`` bytes plus ``overhead`` (its ``overhead`` part)."""
+    whose training-memory estimate is ``cost(spec, plan)`` bytes plus ``overhead`` (its ``overhead`` part), for
+    devices that need exactly that (calibration factor 1)."""
 
     def make(config: CoordinatorConfig, *, family: ModelFamily | None = None, cost: Cost = width_cost,
              overhead: int = 0, input_size: tuple[int, int] = (8, 8)) -> StrategyContext:
@@ -38,7 +39,7 @@ def make_context() -> Callable[..., StrategyContext]:
 
         return StrategyContext(family=family, config=config, input_size=input_size,
                                server_x=torch.zeros(4, 1, *input_size), server_y=torch.zeros(4, dtype=torch.long),
-                               training_memory=memory)
+                               training_memory=memory, device_factor=1.0)
 
     return make
 

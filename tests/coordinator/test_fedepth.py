@@ -78,7 +78,8 @@ def test_plan_for_budget_cuts_by_the_estimates(make_context):
     assert strategy.plan_for_budget(3000) == {"trains": "whole, 3 copies", "train_bytes": 3000}
     assert strategy.plan_for_budget(2500) == {"trains": "whole, 2 copies", "train_bytes": 2000}
     assert strategy.plan_for_budget(1000) == {"trains": "whole", "train_bytes": 1000}
-    assert strategy.plan_for_budget(600) == {"trains": "depth-wise", "segments": "0 | 1-2", "train_bytes": [500, 500]}
+    assert strategy.plan_for_budget(600) == {"trains": "depth-wise", "segments": "0 | 1-2", "cut": [[0, 1], [1, 3]],
+                                               "train_bytes": [500, 500]}
     described = strategy.plan_for_budget(300)
     assert described["trains"] == "depth-wise" and "skipped 0" in described["segments"]
     assert strategy.plan_for_budget(100) == {"trains": "nothing", "smallest_block_bytes": 200}
@@ -108,7 +109,7 @@ def test_plan_for_budget_through_auxiliary_classifiers_costs_each_segment_with_i
 
     strategy = fedepth(make_context, cost=cost, route="exit")
     assert strategy.plan_for_budget(600) == {"trains": "depth-wise via auxiliary classifiers", "segments": "0 | 1-2",
-                                             "train_bytes": [550, 500]}
+                                             "cut": [[0, 1], [1, 3]], "train_bytes": [550, 500]}
     assert SubmodelSpec(exits=(0,), segments=((0, 1),)) in seen and SubmodelSpec(segments=((1, 3),)) in seen
 
 

@@ -160,7 +160,8 @@ def context(config: CoordinatorConfig, cost=None, overhead: int = 0) -> Strategy
         return MemoryEstimate(cost(spec, plan), 0, 0, 0, 0, overhead)
 
     return StrategyContext(family=family, config=config, input_size=(8, 8), server_x=torch.zeros(4, 1, 8, 8),
-                           server_y=torch.zeros(4, dtype=torch.long), training_memory=memory)
+                           server_y=torch.zeros(4, dtype=torch.long), training_memory=memory,
+                           device_factor=1.0)  # devices need what is estimated: the costs read as written
 
 
 @pytest.fixture(scope="module")
