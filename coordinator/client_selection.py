@@ -6,8 +6,13 @@ S, M, L). Per client, the curiosity table ``T_c[type]`` counts how often the cli
 of that type and the resource table ``T_r[model]`` holds training scores; both start at 1.
 
 - **Resource reward** ``R_s(type, c)``: for each model ``k`` of the type, the share of the client's scores that
-  lie on ``k`` or larger models, averaged over the type's models (the paper divides by ``p``, the models per
-  type; the L type has one model, and the reference code divides its share by 1).
+  lie on ``k`` or larger models, summed over the type's models and divided by ``p`` (the models per type). The L
+  type has one model: ``large_divisor="paper"`` (the default) divides its share by ``p`` too, as the paper's
+  formula writes it for every type; ``"reference"`` divides it by 1, as the reference code does (the type's model
+  count). The S and M types have ``p`` models: both options agree there. For L the divisor scales every client's
+  ``R_s`` alike, so it moves the draw only through the cap: under ``"reference"`` every client with more than half
+  its scores on L is capped alike and curiosity alone ranks them; under ``"paper"`` (``p >= 2``) ``R_s(L) <= 1/p``
+  never reaches the cap and a client's L share weighs its draw.
 - **Curiosity reward** ``R_c(type, c) = 1 / sqrt(T_c[type][c])`` (MBIE-EB).
 - **Reward** ``R = min(cap, R_s) * R_c`` (cap 0.5: beyond a 50% success rate curiosity decides); a client is
   drawn for a model with probability ``R / sum R`` among the clients not yet given a model this round; a client
@@ -17,11 +22,26 @@ of that type and the resource table ``T_r[model]`` holds training scores; both s
   ``T_r[m'] += p`` and the scores from ``m'`` upwards lose ``tau = 0, 1, 2, ...`` (floored at 0).
 - **Nothing came back for memory** (the client declined: not even the smallest model nested in ``m`` fit; or its
   training was killed for memory), a case the paper's simulated clients never meet: the scores from that smallest
-  model (the one killed) upwards lose ``tau = 1, 2, ...``. A client whose every score has fallen to 0 has reward 0
-  and is never drawn again in the modes that weigh rewards: a device that cannot train the smallest model is left
-  out for good, and so is one that declined its first task for a passing shortage (its scores were still 1). Any
-  other ending (declined or failed for another reason, rejected, missed its deadline) counts as a selection only
-  (``T_c[type(m)] += 1``).
+  model (the one killed) upwards lose ``tau = 1, 2, ...``. Any other ending (declined or failed for another reason,
+  rejected, missed its deadline) counts as a selection only (``T_c[type(m)] += 1``).
+- **Re-admission** (not in the paper; ``readmit_after = K``, default 5): a client whose every score has fallen to 0
+  has reward 0 for every model in the modes that weigh rewards (``rl``, ``resource``), so under the paper's rule it
+  is never drawn again: not only a device that cannot train the smallest model, but also one whose first task met
+  a passing shortage (its scores were still 1, and a decline from the smallest model takes them all to 0). With
+  ``K > 0``, :meth:`SelectionTables.readmit`, called at the start of every round, notes the first round it finds
+  such a client out, and once ``K`` rounds have passed resets its resource table to the paper's initial 1s
+  (Algorithm 1, line 2); its curiosity counts stay (they count real selections and are never 0). A client that
+  declines in round ``r`` is out in rounds ``r + 1 .. r + K`` and has a positive reward for every model in round
+  ``r + K + 1``: no client is kept out of the draws for more than ``K`` rounds. ``K = 0`` (or None) keeps the
+  paper's strict rule. A client whose scores fell to 0 for its larger models only is not out (it is drawn for
+  smaller ones, and a whole return raises the larger scores again, as in the paper), and is left alone.
+
+  Why a reset after ``K`` rounds and not a curiosity floor (a least reward every client keeps): a floor changes
+  every client's odds in every draw, and would send the next task to a device that declined the round before; the
+  reset leaves Algorithm 1 untouched for every client the tables still rate, and forgets only evidence that is
+  ``K`` rounds old, the age at which the paper's premise (resources that fluctuate) makes it stale. The returning
+  client is rated as a new one: a device that recovered is found again by the paper's own updates, and one that
+  still cannot train costs at most one declined task per ``K + 1`` rounds.
 
 ``R`` is the paper's order: by type, then by ``I``. It is the order by size on VGG-16, not on every family (on a
 4-layer CNN ``S1 (0.4, 3)`` holds more parameters than ``M3 (0.66, 1)``); "larger" below means later in ``R``.
@@ -38,9 +58,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SELECTION_MODES", "PoolEntry", "SelectionTables"]
+__all__ = ["LARGE_DIVISORS", "SELECTION_MODES", "PoolEntry", "SelectionTables"]
 
 SELECTION_MODES = ("rl", "greedy", "random", "curiosity", "resource")
+#: How ``R_s`` divides the L type's share: by p (the paper's formula) or by its one model (the reference code).
+LARGE_DIVISORS = ("paper", "reference")
 
 
 @dataclass(frozen=True)
@@ -54,11 +76,18 @@ class PoolEntry:
 class SelectionTables:
     """The curiosity and resource tables of every client, and the draws they drive (see the module docstring).
 
-    ``pool`` lists the models smallest first (the paper's R); ``per_type`` is p, the models per level below L."""
+    ``pool`` lists the models smallest first (the paper's R); ``per_type`` is p, the models per level below L;
+    ``large_divisor`` is ``"paper"`` or ``"reference"``; ``readmit_after`` is K, the rounds a client whose scores
+    all fell to 0 stays out (0 or None: for good, the paper's rule)."""
 
-    def __init__(self, pool: Sequence[PoolEntry], per_type: int, *, cap: float = 0.5) -> None:
+    def __init__(self, pool: Sequence[PoolEntry], per_type: int, *, cap: float = 0.5,
+                 large_divisor: str = "paper", readmit_after: int | None = 5) -> None:
         if not pool:
             raise ValueError("client selection needs a pool of at least one model")
+        if large_divisor not in LARGE_DIVISORS:
+            raise ValueError(f"large_divisor must be one of {', '.join(LARGE_DIVISORS)}, got {large_divisor!r}")
+        if readmit_after is not None and readmit_after < 0:
+            raise ValueError(f"readmit_after must be a non-negative number of rounds or None, got {readmit_after}")
         names = [entry.name for entry in pool]
         if len(set(names)) != len(names):
             raise ValueError(f"pool model names must be distinct, got {names}")
@@ -68,8 +97,12 @@ class SelectionTables:
         self.rank = {name: index for index, name in enumerate(names)}
         self.per_type = per_type
         self.cap = cap
+        self.large_divisor = large_divisor
+        self.readmit_after = readmit_after or 0
         self.curiosity: dict[str, dict[str, float]] = {}
         self.resource: dict[str, dict[str, float]] = {}
+        #: Per client whose every score is 0: the first round :meth:`readmit` found it so.
+        self.out_since: dict[str, int] = {}
 
     # ------------------------------------------------------------------ tables
     def _ensure(self, client: str) -> None:
@@ -78,14 +111,39 @@ class SelectionTables:
             self.resource[client] = dict.fromkeys(self.names, 1.0)
 
     def resource_reward(self, client: str, model_type: str) -> float:
-        """``R_s``: the client's share of scores on each model of ``model_type`` or larger, averaged over them."""
+        """``R_s``: the client's share of scores on each model of ``model_type`` or larger, summed over them and
+        divided by p (``large_divisor="reference"``: by the type's model count, 1 for L)."""
         self._ensure(client)
         scores = [self.resource[client][name] for name in self.names]
         total = sum(scores)
         if total <= 0:
             return 0.0
         ranks = [index for index, name in enumerate(self.names) if self.type_of[name] == model_type]
-        return sum(sum(scores[rank:]) for rank in ranks) / (len(ranks) * total)
+        divisor = self.per_type if self.large_divisor == "paper" else len(ranks)
+        return sum(sum(scores[rank:]) for rank in ranks) / (divisor * total)
+
+    def is_out(self, client: str) -> bool:
+        """Whether every score of ``client`` is 0: reward 0 for every model in the modes that weigh rewards."""
+        return client in self.resource and sum(self.resource[client].values()) <= 0
+
+    def readmit(self, round_number: int) -> list[str]:
+        """At the start of round ``round_number``: note the clients newly found out (every score 0), and reset to
+        the initial 1s the resource table of every client out for ``readmit_after`` rounds (none when it is 0).
+        Returns the clients re-admitted. Idempotent within a round; rounds are the coordinator's numbers, so a
+        resumed run counts on from the checkpoint."""
+        back: list[str] = []
+        for client in sorted(self.resource):
+            if not self.is_out(client):
+                self.out_since.pop(client, None)
+                continue
+            since = self.out_since.setdefault(client, round_number)
+            if since > round_number:  # a clock that went back (not the coordinator's): count from now
+                since = self.out_since[client] = round_number
+            if self.readmit_after and round_number - since >= self.readmit_after:
+                self.resource[client] = dict.fromkeys(self.names, 1.0)
+                del self.out_since[client]
+                back.append(client)
+        return back
 
     def curiosity_reward(self, client: str, model_type: str) -> float:
         """``R_c = 1 / sqrt(T_c[type][client])``."""
@@ -166,18 +224,27 @@ class SelectionTables:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The tables, JSON-able: ``{"curiosity": {client: {type: n}}, "resource": {client: {model: score}}}``."""
+        """The tables, JSON-able: ``{"curiosity": {client: {type: n}}, "resource": {client: {model: score}},
+        "out_since": {client: round}}`` (``out_since``: the clients out, and since when, for re-admission)."""
         return {"curiosity": {c: dict(row) for c, row in self.curiosity.items()},
-                "resource": {c: dict(row) for c, row in self.resource.items()}}
+                "resource": {c: dict(row) for c, row in self.resource.items()},
+                "out_since": dict(self.out_since)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s tables; ValueError when they name other types or models."""
+        """Restore :meth:`state_dict`'s tables; ValueError when they name other types or models. Tables saved
+        before re-admission (no ``out_since``) load with no client out yet: :meth:`readmit` counts those it finds
+        out from the next round."""
         curiosity, resource = state.get("curiosity"), state.get("resource")
+        out_since = state.get("out_since", {})
         if not isinstance(curiosity, dict) or not isinstance(resource, dict) or set(curiosity) != set(resource):
             raise ValueError("the selection tables hold no curiosity and resource table for the same clients")
         for client in curiosity:
             if set(curiosity[client]) != set(self.types) or set(resource[client]) != set(self.names):
                 raise ValueError(f"the selection tables of {client!r} name other model types or pool models than "
                                  f"this pool's ({', '.join(self.names)})")
+        if (not isinstance(out_since, dict) or not set(out_since) <= set(resource)
+                or any(isinstance(r, bool) or not isinstance(r, int) for r in out_since.values())):
+            raise ValueError("the selection tables' out_since must map clients of the tables to round numbers")
         self.curiosity = {c: {t: float(v) for t, v in row.items()} for c, row in curiosity.items()}
         self.resource = {c: {m: float(v) for m, v in row.items()} for c, row in resource.items()}
+        self.out_since = dict(out_since)

@@ -39,6 +39,7 @@ from coordinator.planning import model_family, strategy_for
 from coordinator.registry import AgentRecord, FleetRegistry
 from coordinator.round import Answer, Examined, Receipt, Round
 from coordinator.screening import Change, change_of_result
+from coordinator.serving import ServiceLog, answer_text, unserved_text
 from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
 from coordinator.strategies.base import Skip
 from models import ModelFamily, SubmodelSpec
@@ -171,6 +172,7 @@ class Coordinator:
                                   dict(config.model.options))
         self.strategy = strategy_for(config, self.dataset, self.family)
         self.registry = FleetRegistry()
+        self.service_log = ServiceLog(self.strategy)
         #: Why the run cannot go on (the broker refused a publish it needs), one sentence; ends the round loop.
         self.fatal: str | None = None
         self._misfits_told: dict[str, str] = {}  # agents whose data does not fit, with the reason already logged
@@ -451,6 +453,7 @@ class Coordinator:
         if misfits and len(online) < self.config.min_agents:
             self.log.warning("fewer_fitting_agents_than_expected", fitting=len(online),
                              expected=self.config.min_agents)
+        self._tell_service(online)
         plan = self.strategy.configure_round(round_number, online, self.rng)
         plan.skipped.extend(misfits)
         deadline = time.time() + self.config.round_timeout_s
@@ -461,6 +464,18 @@ class Coordinator:
         planned.timing["planning"] = time.perf_counter() - planning
         self._install(planned)
         return planned
+
+    def _tell_service(self, online: Sequence[AgentRecord]) -> None:
+        """Log what the method hands each device by the budget it reports (once, and again when that changes):
+        a device it can serve nothing is named with the least it would need and the setting that would help."""
+        for agent_id, service in self.service_log.changes(online):
+            if service.served:
+                self.log.info("device_served", agent=agent_id, budget=service.budget,
+                              trains=answer_text(service.answer))
+            else:
+                self.log.warning("device_unserved", agent=agent_id, budget=service.budget,
+                                 needs=service.answer.get("needs_bytes"), to_fit=service.answer.get("to_fit"),
+                                 reason=unserved_text(service))
 
     def _resume_round(self, journaled: JournaledRound) -> None:
         """Open the round the journal holds, with the updates it had stored (taken again as if they arrived now,

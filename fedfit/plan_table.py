@@ -3,10 +3,11 @@ saying what every method would hand it."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
+
+from coordinator.serving import TierService, answer_text, bytes_text, unserved_text
 
 _FIRST = ("name", "tier", "budget_bytes", "trains", "segments", "spec", "params", "macs", "train_bytes")
 
@@ -17,14 +18,6 @@ def count_text(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value:g}"
-
-
-def bytes_text(value: float) -> str:
-    """Bytes in KiB, MiB or GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f} {unit}"
-    return f"{value / 2**10:.1f} KiB"
 
 
 def _cell(key: str, value: Any) -> str:
@@ -68,30 +61,6 @@ def format_setup(setup: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fractions(text: str) -> str:
-    """``width=0.166667`` (a spec's six digits) as ``width=1/6``: widths as the scenarios write them."""
-    def simpler(match: re.Match[str]) -> str:
-        value = float(match.group(1))
-        for denominator in (2, 3, 4, 6, 8, 16):
-            if 0 < value < 1 and abs(value * denominator - round(value * denominator)) < 1e-4:
-                return f"width={round(value * denominator)}/{denominator}"
-        return match.group(0)
-
-    return re.sub(r"width=([0-9.]+)", simpler, text)
-
-
-def tier_cell(entry: dict[str, Any]) -> str:
-    """What one method hands a tier, in a few words (``plan_for_budget``'s answer)."""
-    parts = [_fractions(str(entry.get("trains", "-")))]
-    if "segments" in entry:
-        parts.append(entry["segments"])
-    elif entry.get("spec") and entry.get("spec") != entry.get("trains"):
-        parts.append(f"({_fractions(entry['spec'])})")
-    if entry.get("fits") is False:
-        parts.append("[does not fit]")
-    return " ".join(parts)
-
-
 def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False,
               device: str = "cpu") -> list[dict[str, Any]]:
     """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
@@ -126,6 +95,11 @@ def format_tiers(rows: Sequence[dict[str, Any]]) -> str:
         return ""
     methods = list(rows[0]["methods"])
     table = [["tier", "budget", *methods]]
-    table += [[row["tier"], bytes_text(row["budget_bytes"]), *(tier_cell(row["methods"][name]) for name in methods)]
+    table += [[row["tier"], bytes_text(row["budget_bytes"]), *(answer_text(row["methods"][name]) for name in methods)]
               for row in rows]
-    return _align(table, left=range(2, 2 + len(methods)))
+    unserved = [f"{name}: {unserved_text(TierService(row['tier'], row['budget_bytes'], 0, row['methods'][name]))}"
+                for name in methods for row in rows
+                if not TierService(row["tier"], row["budget_bytes"], 0, row["methods"][name]).served]
+    notes = ["", ("Each method's answer is what a device of that budget then trains: the agent's own check (its "
+                  "initial calibration margin included)."), *unserved]
+    return "\n".join([_align(table, left=range(2, 2 + len(methods))), *notes])

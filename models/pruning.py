@@ -7,7 +7,13 @@ agents receive as the rungs of their adaptation ladder.
 - **APoZ** (Eq. 2, :func:`apoz_scores`): per prunable layer (a channel group of the family), the fraction of zero
   activations after its ReLU, over the C x H x W outputs of one sample, averaged over the samples; a group read
   by several ReLUs (a residual stream) gets their mean. A ReLU belongs to the group of the last declared layer
-  (convolution, linear layer or batch norm) that ran before it. A group no ReLU reads scores 0.
+  (convolution, linear layer or batch norm) that ran before it. A group no ReLU reads scores 0. ``at="before_bn"``
+  (an option, not the paper's) scores instead the input of each batch norm of the group: per channel, the
+  fraction of its values a ReLU would zero there (``<= 0``), averaged over the channels (each channel has the same
+  H x W, so this is also the fraction over C x H x W) and the samples; a group no batch norm reads keeps its
+  after-ReLU score. Behind a batch norm that normalises with batch statistics every channel's ReLU input has mean
+  ``beta`` and spread ``gamma``, so the after-ReLU score sits near 0.5 for every layer; before it, the score
+  follows the layer's own outputs (which that batch norm then re-centres).
 - **Adjustment weights** (Eq. 3, :func:`adjustment_weights`): ``AdjW(l) = log size(l) / log max_j size(l_j)``,
   size the parameters of the layers producing the group at full width (the classifier is not a group).
 - **Keep ratios** (Alg. 1, :func:`keep_ratios`): ``s_l = clamp((1 - A_l * AdjW_l) * gamma, floor, 1)``: layers
@@ -42,6 +48,7 @@ MIN_KEEP = 0.01
 
 SizeMeasure = Literal["params", "features"]
 Search = Literal["up", "down"]
+ApozAt = Literal["after_relu", "before_bn"]
 
 
 def group_sizes(family: ModelFamily) -> dict[str, int]:
@@ -62,15 +69,21 @@ def adjustment_weights(family: ModelFamily) -> dict[str, float]:
     return {group: (math.log(size) / math.log(largest) if size > 1 else 0.0) for group, size in sizes.items()}
 
 
-def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch_size: int = 100) -> dict[str, float]:
-    """APoZ of every prunable group of ``model`` (the full model of ``family``) over the samples ``x`` (see the
-    module docstring). The model runs as it trains (batch statistics; dropout off), without gradients, in batches of
-    ``batch_size`` (at least 2: static batch norm normalises with batch statistics)."""
+def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch_size: int = 100,
+                at: ApozAt = "after_relu") -> dict[str, float]:
+    """APoZ of every prunable group of ``model`` (the full model of ``family``) over the samples ``x``, after the
+    ReLUs (the paper) or ``before_bn`` (see the module docstring). The model runs as it trains (batch statistics;
+    dropout off), without gradients, in batches of ``batch_size`` (at least 2: static batch norm normalises with
+    batch statistics)."""
     if len(x) < 2:
         raise ValueError(f"APoZ needs at least 2 samples to score on, got {len(x)}")
+    if at not in ("after_relu", "before_bn"):
+        raise ValueError(f"APoZ is scored 'after_relu' or 'before_bn', got {at!r}")
     groups = set(family.prunable_layers())
     declared = {decl.name: decl.out_group for decl in family.layers()
                 if decl.exit is None and decl.out_group in groups}
+    norms = {decl.name: decl.out_group for decl in family.layers()
+             if at == "before_bn" and decl.kind == "bn" and decl.exit is None and decl.out_group in groups}
     last: dict[str, str | None] = {"group": None}
     zeros: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -91,10 +104,22 @@ def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch
         zeros[key] = zeros.get(key, 0.0) + float((output == 0).flatten(1).float().mean(1).sum())
         counts[key] = counts.get(key, 0) + len(output)
 
+    def norm_hook(group: str) -> Any:
+        def hook(module: nn.Module, inputs: Any) -> None:
+            key = f"{group}#{id(module)}"
+            readers.setdefault(f"{group}#bn", set()).add(id(module))
+            values = inputs[0].flatten(2) if inputs[0].dim() > 2 else inputs[0].unsqueeze(2)
+            per_channel = (values <= 0).float().mean(2)  # [samples, channels]
+            zeros[key] = zeros.get(key, 0.0) + float(per_channel.mean(1).sum())
+            counts[key] = counts.get(key, 0) + len(per_channel)
+        return hook
+
     for name, module in model.named_modules():
         group = declared.get(name)
         if group is not None:
             handles.append(module.register_forward_hook(producer(group)))
+            if name in norms:
+                handles.append(module.register_forward_pre_hook(norm_hook(group)))
         elif isinstance(module, nn.ReLU):
             handles.append(module.register_forward_hook(relu_hook))
     was_training = model.training
@@ -115,7 +140,8 @@ def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch
         model.train(was_training)
     scores: dict[str, float] = {}
     for group in family.prunable_layers():
-        keys = [f"{group}#{ident}" for ident in sorted(readers.get(group, ()))]
+        readers_of = readers.get(f"{group}#bn") or readers.get(group, ())
+        keys = [f"{group}#{ident}" for ident in sorted(readers_of)]
         scores[group] = sum(zeros[k] / counts[k] for k in keys) / len(keys) if keys else 0.0
     return scores
 

@@ -15,6 +15,13 @@ train what it received trains the largest of them that fits its memory now and s
 from that (or from a decline). Plain cross-entropy; aggregation (Algorithm 2) is masked and weighted by the samples
 each update trained on. Every pool model is evaluated each round. The tables are strategy state: saved with the
 checkpoint, restored on resume.
+
+Two settings depart from or choose within the paper (see :mod:`coordinator.client_selection`):
+``adaptivefl.readmit_after`` (K, default 5) re-admits a client whose every score fell to 0 (the paper's rule
+leaves it out for good, even after one passing shortage) by resetting its resource table once it has been out K
+rounds, so no device is kept out of the draws for more than K rounds (0 or null: the paper's strict rule);
+``adaptivefl.large_divisor`` divides the L type's resource reward by p (``paper``, the default: the paper's
+formula) or by 1 (``reference``: the reference code).
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ __all__ = ["TYPE_NAMES", "AdaptiveFL"]
 
 #: Model types (levels), largest width first.
 TYPE_NAMES = ("L", "M", "S", "XS", "XXS")
-STATE_VERSION = 1
+#: 2: the tables carry ``out_since`` (re-admission); version 1 states (without it) still load.
+STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class AdaptiveFL(LevelStrategy):
@@ -48,7 +57,9 @@ class AdaptiveFL(LevelStrategy):
         self.settings = context.config.adaptivefl
         super().__init__(context)
         pool = [PoolEntry(level.name, level.info["type"]) for level in reversed(self.levels)]
-        self.tables = SelectionTables(pool, self.per_type, cap=self.settings.success_cap)
+        self.tables = SelectionTables(pool, self.per_type, cap=self.settings.success_cap,
+                                      large_divisor=self.settings.large_divisor,
+                                      readmit_after=self.settings.readmit_after)
 
     # ------------------------------------------------------------------ pool
     @property
@@ -89,8 +100,10 @@ class AdaptiveFL(LevelStrategy):
 
     # ------------------------------------------------------------------ rounds
     def configure_round(self, round_number: int, agents: Sequence[AgentRecord], rng: random.Random) -> RoundPlan:
-        """Algorithm 1, lines 6-8: a model from the pool, then a client for it, ``fraction`` of the agents."""
+        """Algorithm 1, lines 6-8: a model from the pool, then a client for it, ``fraction`` of the agents; first
+        the clients out for ``readmit_after`` rounds are re-admitted."""
         plan = RoundPlan()
+        self.tables.readmit(round_number)
         if not agents:
             return plan
         by_name = {level.name: level for level in self.levels}
@@ -112,6 +125,24 @@ class AdaptiveFL(LevelStrategy):
             return None
         return Adaptation("ladder", [Candidate(other.spec.to_dict(), self.level_plan(other, round_number))
                                      for other in below])
+
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """What a device with ``budget`` bytes trains when it is sent the full model: the first model of its
+        ladder (largest memory first) that fits, as the device's own pruning picks (a smaller model sent trains
+        as it is, when it fits)."""
+        top = self.levels[0]
+        ladder = self.ladder(top, 1)
+        order = [top] + [level for candidate in (ladder.candidates if ladder else [])
+                         for level in self.levels if level.spec.to_dict() == candidate.spec]
+        for level in order:
+            if self.cost(level) <= budget:
+                return {"trains": level.name, "spec": level.spec.describe(), "train_bytes": self.cost(level)}
+        return self.nothing_fits(min(self.cost(level) for level in self.levels))
+
+    def to_fit(self) -> str:
+        widths, depth = self.settings.widths, min(self.full_layers)
+        return (f"a smaller last width in adaptivefl.widths (now {widths[-1]:g}) or fewer whole layers "
+                f"(adaptivefl.full_layers / min_full_layers, now I >= {depth})")
 
     def observe(self, round_number: int, outcomes: Sequence[TaskOutcome]) -> None:
         """Algorithm 1, lines 12-26: learn from what each task sent back (see :mod:`coordinator.client_selection`)."""
@@ -156,8 +187,11 @@ class AdaptiveFL(LevelStrategy):
         return rows
 
     def setup_summary(self) -> dict[str, Any]:
-        """The selection mode and the values of I (``fedfit plan`` shows them)."""
-        return {"selection": self.settings.selection, "full_layers": self.full_layers, "p": self.per_type}
+        """The selection mode, the values of I, p, the re-admission rounds K (0: never) and the L type's divisor
+        (``fedfit plan`` shows them)."""
+        return {"selection": self.settings.selection, "full_layers": self.full_layers, "p": self.per_type,
+                "readmit_after": self.tables.readmit_after,  # 0: never (the paper's rule)
+                "large_divisor": self.settings.large_divisor}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -167,9 +201,9 @@ class AdaptiveFL(LevelStrategy):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
-        if state.get("version") != STATE_VERSION or not isinstance(state.get("tables"), dict):
+        if state.get("version") not in READABLE_VERSIONS or not isinstance(state.get("tables"), dict):
             raise ValueError(f"the checkpoint's AdaptiveFL state is not one this version reads (no tables of version "
-                             f"{STATE_VERSION})")
+                             f"{' or '.join(map(str, READABLE_VERSIONS))}, got version {state.get('version')!r})")
         if state.get("specs") != [level.spec.to_dict() for level in self.levels]:
             raise ValueError("the checkpoint's AdaptiveFL tables were learnt for another pool (other model or "
                              "adaptivefl settings); use the settings they were made with, or another state_dir")

@@ -259,8 +259,19 @@ class Strategy(ABC):
                 if name != "global"]
 
     def plan_for_budget(self, budget: int) -> dict[str, Any]:
-        """What a device reporting ``budget`` bytes would be handed (for ``fedfit plan --budgets``)."""
+        """What a device reporting ``budget`` bytes would be handed (for ``fedfit plan --budgets`` and the
+        start-of-run statement, :mod:`coordinator.serving`): ``trains`` (a level, a pool model, ``"nothing"``...);
+        where nothing fits, ``needs_bytes`` (the least its smallest option needs) and ``to_fit``
+        (:meth:`to_fit`)."""
         return {}
+
+    def to_fit(self) -> str:
+        """The setting that would make this method's smallest option smaller, in a few words."""
+        return "a larger memory budget"
+
+    def nothing_fits(self, needs: int) -> dict[str, Any]:
+        """:meth:`plan_for_budget`'s answer for a device whose budget fits nothing: the least it would need."""
+        return {"trains": "nothing", "needs_bytes": int(needs), "to_fit": self.to_fit()}
 
     def setup_summary(self) -> dict[str, Any]:
         """What the strategy's set-up computed beyond its levels (e.g. FlexFL's scores), for ``fedfit plan``."""

@@ -31,7 +31,11 @@ class FedAvg(LevelStrategy):
         """The one model, whatever the budget (FedAvg ignores memory), and whether it would fit."""
         level = self.levels[0]
         cost = self.cost(level)
-        return {"trains": level.name, "spec": level.spec.describe(), "train_bytes": cost, "fits": cost <= budget}
+        answer = {"trains": level.name, "spec": level.spec.describe(), "train_bytes": cost, "fits": cost <= budget}
+        return answer if cost <= budget else {**answer, "needs_bytes": cost, "to_fit": self.to_fit()}
+
+    def to_fit(self) -> str:
+        return f"a smaller fedavg.width (now {self.config.fedavg.width:g})"
 
     def eval_targets(self) -> dict[str, EvalTarget]:
         full = self.levels[0]

@@ -35,6 +35,12 @@ class FeDepth(LevelStrategy):
 
     name = "fedepth"
 
+    def to_fit(self) -> str:
+        floor = self.config.fedepth.min_micro_batch
+        return (f"smaller micro-batches (fedepth.min_micro_batch, now {floor})" if floor > 2 else
+                "a model whose blocks are lighter (its parameters, gradients and momentum do not shrink with "
+                "micro-batches)")
+
     def make_levels(self) -> list[Level]:
         exits = self.family.exit_points if self.config.fedepth.route == "exit" else ()
         return [Level("full", SubmodelSpec(exits=exits), {})]
@@ -108,7 +114,7 @@ class FeDepth(LevelStrategy):
         cut = cut_segments(cost, blocks, budget, micro_cost=cost, micro_batches=ladder)
         if not cut.segments:
             least = ladder[-1] if ladder else 0
-            return {"trains": "nothing", "smallest_block_bytes": int(min(cost(b, b + 1, least) for b in range(blocks)))}
+            return self.nothing_fits(int(min(cost(b, b + 1, least) for b in range(blocks))))
         return {"trains": "depth-wise" + (" via auxiliary classifiers" if route == "exit" else ""),
                 "segments": cut.describe(), "cut": [list(segment) for segment in cut.segments],
                 "train_bytes": [int(cost(*segment, cut.micro_batch(i))) for i, segment in enumerate(cut.segments)]}

@@ -3,18 +3,25 @@ self-distillation.
 
 Pre-processing (once, at set-up; Alg. 2 lines 2-5): a proxy set is carved from the server's training data
 (``flexfl.proxy_fraction`` of the training split, never the test split); the global model is pre-trained on its
-training part (``proxy_train``) with the training-plan interpreter, then scored on the rest: APoZ per prunable
-layer and the adjustment weights of Eq. 3 (:mod:`models.pruning`). Algorithm 1 prunes the model to every target
-ratio of L_p (the pool models ``M1`` (smallest) .. ``Mn`` (the full model)), and each pool model to its adaptive
-variant ``Mi'`` (Gamma fewer parameters, the same rule): smaller gammas give nested models, so the pool is a chain
-``M1' < M1 < M2' < M2 < ... < Mn``. The global model is then reset (the paper) or starts from the pre-trained
+training part (``proxy_train``) with the training-plan interpreter for ``pretrain_rounds`` rounds (one round: one
+pass over that part; the paper trains "for 100 rounds", the default is shorter, see :class:`FlexFLConfig`), then
+scored on the rest: APoZ per prunable layer (``apoz_at``: after the ReLUs, the paper's, or before the batch norms)
+and the adjustment weights of Eq. 3 (:mod:`models.pruning`). Algorithm 1 prunes the model to every target ratio of
+L_p (the pool P: ``M1`` (smallest) .. ``Mn`` (the full model)) in the unit ``size`` (default ``memory``: the
+model-dependent part of the estimated training memory, the unit of the budgets devices report; ``params``: the
+paper's), and M2..Mn to their adaptive variants ``Mi'`` by the same rule, "Gamma x size(M)" less, size(M) the
+global model's (``adaptive_mode: global``; ``relative``: Gamma x the pool model's own); M1' only with
+``full_variant`` (the paper has none). Smaller gammas give nested models, so the pool is a chain
+``M1 < M2' < M2 < ... < Mn' < Mn``. The global model is then reset (the paper) or starts from the pre-trained
 weights (``init: pretrained``). The scores, the pool and a summary of the pre-training are strategy state: saved
 with the checkpoint and restored on resume without redoing them.
 
-Rounds: ``fraction`` of the online agents; each gets the largest pool model whose estimated training memory fits
-the budget it last reported (Step 1: the coordinator's resource table), with the pool models below it as its
-adaptation ladder (``M3 -> M3' -> M2 -> M2' -> M1 -> M1'``): an agent whose memory has dropped since trains the
-largest rung that fits now and says which. A device training ``Mi`` (or ``Mi'``) distils from the smaller pool
+Rounds: ``fraction`` of the online agents; the coordinator sends each a model of P only (Alg. 2 line 8: "m in
+P"): the largest pool model that fits the budget it last reported (Step 1: the coordinator's resource table), or,
+when the largest thing that fits is an adaptive variant ``Mi'``, its pool model ``Mi``, which the device prunes
+itself (AdaPrune). The ladder under a sent model is every smaller pool model and variant nested in it
+(``M3 -> M3' -> M2 -> M2' -> M1``, the paper's order): an agent trains the largest rung that fits its memory now
+and says which. A device training ``Mi`` (or ``Mi'``) distils from the smaller pool
 models ``M1..M(i-1)`` nested in it, run from its current weights without gradient (Eq. 4: cross-entropy plus
 ``lambda/(i-1) * sum_j tau^2 KL(softmax(y_j / tau) || softmax(y_i / tau))``, one ``nested_kd`` term per teacher).
 Aggregation is masked and weighted by the samples each update trained on; every pool model is a slice of the one
@@ -42,7 +49,7 @@ from protocol import LossTerm, TrainingPlan
 
 __all__ = ["FlexFL"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: pre-training in rounds, apoz_at, full_variant
 
 
 class FlexFL(LevelStrategy):
@@ -92,9 +99,10 @@ class FlexFL(LevelStrategy):
         torch.manual_seed(self.config.seed)
         model = family.build(track_bn_stats=False)
         summary: dict[str, Any] = {"train_samples": len(train_x), "score_samples": len(score_x),
-                                   "epochs": settings.pretrain_epochs}
-        if settings.pretrain_epochs > 0:
-            plan = TrainingPlan(optimizer=self.recipe_plan().optimizer, epochs=settings.pretrain_epochs,
+                                   "rounds": settings.pretrain_rounds}
+        if settings.pretrain_rounds > 0:
+            # One round: one pass over the proxy training part (the optimizer's state carries over between rounds).
+            plan = TrainingPlan(optimizer=self.recipe_plan().optimizer, epochs=settings.pretrain_rounds,
                                 batch_size=min(self.config.recipe.batch_size, len(train_x)), seed=self.config.seed)
             result = train(model, SubmodelSpec.full(), train_x, train_y, plan,
                            labels=sorted(set(train_y.tolist())), num_classes=family.num_classes)
@@ -104,14 +112,14 @@ class FlexFL(LevelStrategy):
         summary["score_accuracy"] = round(accuracies(model, score_x, score_y, batch_size=1000)[-1], 4)
         self._pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         started = time.monotonic()
-        apoz = apoz_scores(family, model, score_x)
+        apoz = apoz_scores(family, model, score_x, at=settings.apoz_at)
         weights = adjustment_weights(family)
         pool: list[dict[str, Any]] = []
         for number, ratio in enumerate(settings.ratios, start=1):
             pool.append(self._prune(f"M{number}", ratio, apoz, weights, None))
-            adaptive = settings.adaptive_target(ratio)
-            if settings.adaptive_cut > 0 and adaptive > 0:
-                pool.append(self._prune(f"M{number}'", adaptive, apoz, weights, f"M{number}"))
+            if settings.has_variant(number):
+                pool.append(self._prune(f"M{number}'", settings.adaptive_target(ratio), apoz, weights,
+                                        f"M{number}"))
         summary["pool_seconds"] = round(time.monotonic() - started, 2)
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "pretraining": summary,
                 "apoz": apoz, "adjustment": weights, "pool": pool}
@@ -154,6 +162,24 @@ class FlexFL(LevelStrategy):
                 raise ValueError(f"FlexFL's pool is not nested: {smaller.name} does not lie inside {larger.name}")
         return levels
 
+    def sends(self, level: Level) -> bool:
+        """The coordinator sends the pool models P = {M1..Mn} only (Alg. 2 line 8); an adaptive variant is
+        reached by the device's own pruning, down the ladder of the pool model it belongs to."""
+        return level.info.get("adaptive_of") is None
+
+    def to_fit(self) -> str:
+        return f"a smaller first ratio in flexfl.ratios (now {self.config.flexfl.ratios[0]:g})"
+
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """What a device reporting ``budget`` bytes trains; ``sent``: the pool model it is sent, when that is
+        larger (it prunes it to the adaptive variant it trains)."""
+        planned = super().plan_for_budget(budget)
+        level = next((level for level in self.levels if level.name == planned.get("trains")), None)
+        sent = self.sent_for(level) if level is not None else None
+        if sent is not None and sent is not level:
+            planned["sent"] = sent.name
+        return planned
+
     def teachers(self, level: Level) -> list[Level]:
         """The pool models (not adaptive variants) smaller than ``level`` and nested in it: its Eq. 4 teachers."""
         own = level.info.get("adaptive_of") or level.name
@@ -191,25 +217,46 @@ class FlexFL(LevelStrategy):
         return states
 
     def describe(self) -> list[dict[str, Any]]:
-        """Per pool model: the level rows, its share of the full model's parameters, its Eq. 4 teachers and the
-        ladder an agent given it may fall down."""
+        """Per pool model: the level rows (``target`` and ``share`` in the unit of ``flexfl.size``), its share of
+        the full model's parameters, whether the coordinator sends it (P) or it is an adaptive variant, its Eq. 4
+        teachers and the ladder an agent given it may fall down."""
         rows = super().describe()
         by_name = {level.name: level for level in self.levels}
         by_spec = {level.spec: level.name for level in self.levels}
         for row in rows:
             level = by_name[row["name"]]
             row["params_share"] = round(self.family.param_count(level.spec) / self.family.param_count(), 4)
+            row["sent"] = self.sends(level)  # False: an adaptive variant, reached only down a ladder
             row["teachers"] = [teacher.name for teacher in self.teachers(level)]
             ladder = self.ladder(level, self.config.rounds)
             row["ladder"] = [by_spec.get(SubmodelSpec.from_dict(candidate.spec), "?")
                              for candidate in (ladder.candidates if ladder else [])]
         return rows
 
+    def size_unit(self) -> str:
+        """In words, the unit the pool's ``target`` and ``share`` are shares of (``flexfl.size``)."""
+        return {"memory": "memory (the model-dependent part of each model's estimated training memory at batch "
+                          f"{self.config.recipe.batch_size}, the unit of the budgets devices report)",
+                "params": "params (all parameters, the paper's unit)",
+                "features": "features (all parameters but the final classifier's, the reference code's)",
+                }[self.settings.size]
+
     def setup_summary(self) -> dict[str, Any]:
-        """The pre-training summary, the APoZ scores and the adjustment weights (``fedfit plan`` shows them)."""
+        """The unit the pool is sized in, the pre-training summary, the APoZ scores (and where they were read) and
+        the adjustment weights (``fedfit plan`` shows them)."""
         setup = self.setup()
-        return {"pretraining": setup["pretraining"], **{key: {k: round(v, 4) for k, v in setup[key].items()}
-                                                        for key in ("apoz", "adjustment")}}
+        return {"pool_size": self.size_unit(), "adaptive_cut": self.adaptive_text(),
+                "pretraining": setup["pretraining"], "apoz_at": self.settings.apoz_at,
+                **{key: {k: round(v, 4) for k, v in setup[key].items()} for key in ("apoz", "adjustment")}}
+
+    def adaptive_text(self) -> str:
+        """In words, how the adaptive variants are cut (``flexfl.adaptive_cut``, ``adaptive_mode``)."""
+        settings = self.settings
+        if settings.adaptive_cut <= 0:
+            return "none (adaptive_cut 0)"
+        rule = "of the full model's size (global, the paper)" if settings.adaptive_mode == "global" else \
+            "of each pool model's own size (relative)"
+        return f"{settings.adaptive_cut:g} {rule}" + (", M1' included" if settings.full_variant else "")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -41,11 +41,12 @@ class LevelStrategy(Strategy):
         levels = self.make_levels()
         if not levels:
             raise ValueError(f"strategy {self.name!r} has no levels")
-        weights = self.config.level_proportions or [1.0] * len(levels)
-        if len(weights) != len(levels):
-            raise ValueError(f"level_proportions needs one weight per level of {self.name} ({len(levels)}), "
+        sent = [level for level in levels if self.sends(level)]
+        weights = self.config.level_proportions or [1.0] * len(sent)
+        if len(weights) != len(sent):
+            raise ValueError(f"level_proportions needs one weight per level of {self.name} ({len(sent)}), "
                              f"got {len(weights)}")
-        self.proportions = {level.name: w for level, w in zip(levels, weights)}
+        self.proportions = {level.name: w for level, w in zip(sent, weights)}
         self._levels = levels
         return levels
 
@@ -71,12 +72,27 @@ class LevelStrategy(Strategy):
         """Estimated training memory of a level on an agent."""
         return self.training_cost(level.spec, self.level_plan(level, round_number))
 
+    def sends(self, level: Level) -> bool:
+        """Whether the coordinator sends ``level`` itself (default: every level). A level it does not send
+        (FlexFL's adaptive variants) is reached only down the ladder of a level it sends."""
+        return True
+
+    def sent_for(self, level: Level) -> Level | None:
+        """The level sent to an agent whose budget fits ``level`` at most: ``level`` itself when it is sent, else
+        the smallest sent level it is nested in (the agent falls to ``level`` down that level's ladder)."""
+        if self.sends(level):
+            return level
+        above = [other for other in self.levels[:self.levels.index(level)]
+                 if self.sends(other) and self.family.is_nested(level.spec, other.spec)]
+        return above[-1] if above else None
+
     def choose_level(self, agent: AgentRecord, rng: random.Random, round_number: int) -> Level | None:
-        """The level this agent trains this round, or None when none fits its memory."""
+        """The level this agent is sent this round, or None when none fits its memory."""
         if self.config.level_assignment == "dynamic":
-            return pick_dynamic(self.levels, self.proportions, rng)
+            return pick_dynamic([level for level in self.levels if self.sends(level)], self.proportions, rng)
         candidates = affordable(self.levels, agent.budget(), lambda level: self.cost(level, round_number))
-        return candidates[0] if candidates else None
+        sent = [self.sent_for(level) for level in candidates]
+        return next((level for level in sent if level is not None), None)
 
     def ladder(self, level: Level, round_number: int) -> Adaptation | None:
         """The smaller levels nested in ``level`` that an agent short of memory may train instead, largest first
@@ -111,8 +127,11 @@ class LevelStrategy(Strategy):
         """The level ``fix`` assignment gives a device with ``budget`` bytes, and its training memory."""
         fitting = affordable(self.levels, budget, self.cost)
         if not fitting:
-            return {"trains": "nothing", "smallest_level_bytes": self.cost(self.levels[-1])}
+            return self.nothing_fits(min(self.cost(level) for level in self.levels))
         return {"trains": fitting[0].name, "spec": fitting[0].spec.describe(), "train_bytes": self.cost(fitting[0])}
+
+    def to_fit(self) -> str:
+        return f"a smaller last width in levels (now {self.config.levels[-1]:g})"
 
     def describe(self) -> list[dict[str, Any]]:
         """Per level: name, spec, parameters, FLOPs, estimated training memory at the recipe's batch size (with the

@@ -64,6 +64,9 @@ class ScaleFL(LevelStrategy):
         self.settings = context.config.scalefl
         super().__init__(context)
 
+    def to_fit(self) -> str:
+        return f"a smaller first ratio in scalefl.ratios (now {self.config.scalefl.ratios[0]:g})"
+
     def make_levels(self) -> list[Level]:
         settings = self.settings
         cost: str | Callable[[SubmodelSpec], float] = settings.cost

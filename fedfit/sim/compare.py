@@ -90,6 +90,9 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "exits": dict(final["exit_accuracy"]),
             "untrained": untrained,
             "trained": summary.get("trained", 0),
+            "served": summary.get("devices_served"),
+            "unserved_tiers": [f"{tier['tier']} ({tier['devices'] - tier['served']} of {tier['devices']})"
+                               for tier in report.get("tiers", []) if tier["served"] < tier["devices"]],
             "declined": tasks.get("declined", 0) + tasks.get("skipped", 0),
             "failed": tasks.get("failed", 0) + tasks.get("missing", 0),
             "rejected": tasks.get("rejected", 0),
@@ -134,6 +137,12 @@ def _pruned(row: dict[str, Any]) -> str:
     return f"{trend[0]:.0%}->{trend[1]:.0%}" if trend else "-"
 
 
+def _served(row: dict[str, Any]) -> str:
+    """Devices that trained at least once, of all (``6/8``)."""
+    served = row.get("served")
+    return f"{served[0]}/{served[1]}" if served else "-"
+
+
 def _accuracy(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -146,14 +155,15 @@ def _outputs(row: dict[str, Any]) -> str:
     return " ".join(parts) or "-"
 
 
-_COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "trained", "declined", "failed",
+_COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "served", "trained", "declined",
+            "failed",
             "rejected", "over budget", "waste", "pruned", "MB/round", "wall time")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     wall = row["wall_seconds"]
     return [row["method"], _accuracy(row["global"]), _accuracy(row["best_global"]), _accuracy(row["level_average"]),
-            _outputs(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
+            _outputs(row), _served(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
             str(row["over_budget"]), _waste(row), _pruned(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
 
 
@@ -178,6 +188,10 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
              "waste: communication waste, 1 - parameters returned / parameters sent, in all (the mean of the first "
              + "two rounds -> of the last two; one and one below 4 rounds); pruned: the share of tasks returned "
              + "pruned or declined for memory, the same way"]
+    notes.append("served: devices that trained at least once / devices in the fleet")
+    for row in rows:
+        if row.get("unserved_tiers"):
+            notes.append(f"{row['method']}: devices never trained, by tier: {', '.join(row['unserved_tiers'])}")
     if any(row.get("untrained") for row in rows):
         notes.append("* no device trained that level (or exit) itself in the last round")
     for row in rows:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -22,6 +23,7 @@ from common.data import load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import RoundResult
+from coordinator.serving import TierService, serve_tiers, service_lines
 from coordinator.strategies.base import base_plan
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig, AgentDataConfig
@@ -105,6 +107,19 @@ def check_device(device: str) -> None:
     if device == "cuda" and not forkserver.cuda_available():
         raise ValueError("--device cuda: torch cannot train on a GPU here (it sees none, or CUDA could not start "
                          "and allocate)")
+
+
+def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None]) -> list[TierService]:
+    """What the strategy hands each tier of the fleet (its devices counted, its budget before any fluctuation),
+    by the devices' own rule: the start-of-run statement (none for a fleet without budgets)."""
+    counts: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+    for schedule in schedules:
+        if schedule is not None:
+            counts[schedule.tier.name] = counts.get(schedule.tier.name, 0) + 1
+            budgets[schedule.tier.name] = schedule.anchor.tier_bytes(schedule.tier)
+    ordered = sorted(counts, key=lambda name: budgets[name])
+    return serve_tiers(strategy, [(name, budgets[name], counts[name]) for name in ordered])
 
 
 def budget_anchor(coordinator: Coordinator, allocator: str = "pooled", device: str = "cpu") -> BudgetAnchor:
@@ -195,6 +210,12 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                                             budget_anchor(coordinator, options.allocator, options.device),
                                             options.seed,
                                             options.budget_variance))
+        services = tier_services(coordinator.strategy, schedules)
+        if progress is not None:
+            for line in (service_lines(options.algorithm, services) if services else
+                         [(f"{options.algorithm} ignores memory budgets: every device trains "
+                          f"{coordinator.strategy.describe()[0]['spec']}")]):
+                print(f"{label + ': ' if label else ''}{line}", file=progress, flush=True)
         coordinator.start()
         broker.add_logins([agent_id(index) for index in range(options.agents)])
         for index, indices in enumerate(shards):
@@ -227,7 +248,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                     # the heap the agents' children ran ("pooled" falls back to "compact" without the page pool)
                     "allocator": agents[0].runner.allocator if agents else options.allocator,
                     "masked_ce": coordinator.strategy.masked_ce,
-                    "device": options.device}
+                    "device": options.device,
+                    "serving": [service.as_dict() for service in services]}
         run = {"version": version_string(), "started_at": _utc(started), "ended_at": _utc(ended),
                "wall_seconds": round(ended - started, 3), "directory": str(run_dir), "config": _public(config),
                "overrides": list(options.overrides), "command": list(options.command),

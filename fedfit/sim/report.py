@@ -132,6 +132,27 @@ def per_agent(tasks: list[dict[str, Any]], tiers: dict[str, str | None]) -> dict
     return agents
 
 
+def devices_served(agents: dict[str, dict[str, Any]]) -> list[int]:
+    """``[devices that trained at least once, devices]``."""
+    return [sum(1 for counts in agents.values() if counts.get("ok", 0) + counts.get("adapted", 0) > 0), len(agents)]
+
+
+def tier_outcomes(agents: dict[str, dict[str, Any]], planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per tier of devices: what the start-of-run statement planned for it (``planned``: the simulator's
+    ``settings.serving``), how many of its devices trained at least once, and its tasks by status."""
+    plans = {entry["tier"]: entry for entry in planned}
+    outcomes = []
+    names = sorted({str(counts.get("tier")) for counts in agents.values()},
+                   key=lambda name: (plans.get(name, {}).get("budget_bytes", 0), name))
+    for name in names:
+        own = [counts for counts in agents.values() if str(counts.get("tier")) == name]
+        served, devices = devices_served({str(i): counts for i, counts in enumerate(own)})
+        outcomes.append({"tier": name, "devices": devices, "served": served,
+                         "planned": plans.get(name, {}).get("trains"),
+                         **{status: sum(counts.get(status, 0) for counts in own) for status in STATUSES}})
+    return outcomes
+
+
 def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: list[RoundResult],
                  settings: dict[str, Any], *, secured: bool = False, run: dict[str, Any] | None = None,
                  tiers: dict[str, str | None] | None = None) -> dict[str, Any]:
@@ -143,14 +164,19 @@ def build_report(algorithm: str, broker_kind: str, broker_version: str, rounds: 
     round_entries = [_round(r, own) for r, own in zip(rounds, tasks_by_round)]
     tasks = [task for own in tasks_by_round for task in own]
     run = dict(run or {})
+    agents = per_agent(tasks, tiers or {})
+    summary = summarize(round_entries, tasks, run.get("wall_seconds"))
+    if rounds:
+        summary["devices_served"] = devices_served(agents)
     return {
         "algorithm": algorithm,
         "broker": {"kind": broker_kind, "version": broker_version, "secured": secured},
         "run": run,
-        "summary": summarize(round_entries, tasks, run.get("wall_seconds")),
+        "summary": summary,
         "rounds": round_entries,
         "tasks": tasks,
-        "agents": per_agent(tasks, tiers or {}),
+        "agents": agents,
+        "tiers": tier_outcomes(agents, settings.get("serving", [])),
         "settings": settings,
     }
 

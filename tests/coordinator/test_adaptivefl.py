@@ -163,6 +163,8 @@ def test_a_restart_restores_the_tables(tmp_path: Path) -> None:
     first = Coordinator(adaptivefl_config(tmp_path), dataset=digits)
     first.strategy.tables.record("sim-1", "M1", "S2")
     first.strategy.tables.record("sim-2", "L1", "L1")
+    first.strategy.tables.record("sim-3", "M1", None, declined_from="S3")  # every score 0: out
+    first.strategy.tables.readmit(3)
     saved = first.strategy.state_dict()
     save_checkpoint(first.checkpoint_path, first.states,
                     {"round": 3, "algorithm": "adaptivefl", "family": "cnn", "strategy": saved})
@@ -172,6 +174,7 @@ def test_a_restart_restores_the_tables(tmp_path: Path) -> None:
     assert resumed.completed_rounds == 3
     assert resumed.strategy.tables.resource == first.strategy.tables.resource
     assert resumed.strategy.tables.curiosity == first.strategy.tables.curiosity
+    assert resumed.strategy.tables.out_since == first.strategy.tables.out_since == {"sim-3": 3}
     # Tables learnt for another pool are refused, not silently reused.
     other = adaptivefl_config(tmp_path, widths=[1.0, 0.5])
     other.resume = True
@@ -181,4 +184,70 @@ def test_a_restart_restores_the_tables(tmp_path: Path) -> None:
 
 def test_registry_knows_adaptivefl(strategy: AdaptiveFL) -> None:
     assert STRATEGIES["adaptivefl"] is AdaptiveFL
-    assert strategy.setup_summary() == {"selection": "rl", "full_layers": [3, 2, 1], "p": 3}
+    assert strategy.setup_summary() == {"selection": "rl", "full_layers": [3, 2, 1], "p": 3, "readmit_after": 5,
+                                        "large_divisor": "paper"}
+
+
+def declined_once(strategy: AdaptiveFL, round_number: int, agent: str) -> None:
+    """``agent`` declines its first task (M2, its ladder down to S3) for memory in ``round_number``."""
+    task = task_for(strategy, agent, "M2")
+    strategy.observe(round_number, [TaskOutcome(task, "declined", None, {},
+                                                f"{MEMORY_DECLINE_REASON} the 9.0 MiB available")])
+
+
+def given(plan_tasks: list[TaskPlan]) -> set[str]:
+    return {task.agent_id for task in plan_tasks}
+
+
+def test_a_device_that_declined_once_is_dispatched_again_after_readmit_after_rounds() -> None:
+    config = adaptivefl_config(readmit_after=2)
+    config.fraction = 1.0  # every agent with a positive reward gets a task: a draw cannot leave a0 out
+    made = make_strategy("adaptivefl", context(config))
+    assert isinstance(made, AdaptiveFL)
+    fleet = agents(None, None)
+    assert given(made.configure_round(1, fleet, random.Random(1)).tasks) == {"a0", "a1"}
+    declined_once(made, 1, "a0")
+    for round_number in (2, 3):  # out for K = 2 rounds
+        assert given(made.configure_round(round_number, fleet, random.Random(round_number)).tasks) == {"a1"}
+    assert given(made.configure_round(4, fleet, random.Random(4)).tasks) == {"a0", "a1"}  # round 1 + K + 1
+    assert made.tables.resource["a0"] == dict.fromkeys(made.tables.names, 1.0)
+
+
+@pytest.mark.parametrize("strict", [0, None])
+def test_readmit_after_0_or_null_keeps_the_papers_rule(strict: int | None) -> None:
+    config = adaptivefl_config(readmit_after=strict)
+    config.fraction = 1.0
+    made = make_strategy("adaptivefl", context(config))
+    assert isinstance(made, AdaptiveFL)
+    declined_once(made, 1, "a0")
+    for round_number in range(2, 30):
+        assert given(made.configure_round(round_number, agents(None, None), random.Random(round_number)).tasks) \
+            == {"a1"}
+
+
+def test_the_settings_reach_the_tables_and_are_validated() -> None:
+    made = make_strategy("adaptivefl", context(adaptivefl_config(large_divisor="reference", readmit_after=7)))
+    assert isinstance(made, AdaptiveFL)
+    assert made.tables.large_divisor == "reference" and made.tables.readmit_after == 7
+    assert (AdaptiveFLConfig().readmit_after, AdaptiveFLConfig().large_divisor) == (5, "paper")
+    with pytest.raises(ValueError, match="adaptivefl.readmit_after must be"):
+        AdaptiveFLConfig(readmit_after=-1).validate()
+    with pytest.raises(ValueError, match="adaptivefl.large_divisor must be paper or reference"):
+        AdaptiveFLConfig(large_divisor="half").validate()  # type: ignore[arg-type]
+
+
+def test_the_state_carries_the_readmission_clock_and_reads_version_1(strategy: AdaptiveFL) -> None:
+    declined_once(strategy, 1, "a0")
+    strategy.configure_round(2, agents(None, None), random.Random(0))  # a0 out since round 2
+    state = strategy.state_dict()
+    assert state["version"] == 2 and state["tables"]["out_since"] == {"a0": 2}
+    fresh = make_strategy("adaptivefl", context(adaptivefl_config()))
+    fresh.load_state_dict(state)
+    assert isinstance(fresh, AdaptiveFL) and fresh.tables.out_since == {"a0": 2}
+    assert fresh.tables.readmit(6) == [] and fresh.tables.readmit(7) == ["a0"]  # K = 5 rounds out: 2 .. 6
+    # A version-1 checkpoint (before re-admission) still loads; an unknown version is refused, naming both.
+    old = {**state, "version": 1, "tables": {k: v for k, v in state["tables"].items() if k != "out_since"}}
+    fresh.load_state_dict(old)
+    assert fresh.tables.out_since == {}
+    with pytest.raises(ValueError, match="no tables of version 1 or 2, got version 3"):
+        fresh.load_state_dict({**state, "version": 3})

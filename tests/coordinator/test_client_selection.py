@@ -42,7 +42,7 @@ def test_the_tables_follow_algorithm_1_on_a_scripted_sequence_of_returns() -> No
     assert scores(t, "c") == [0, 1, 0, 0, 0]
     assert t.curiosity["c"] == {"S": 3, "M": 4, "L": 2}
     # Another client's tables are untouched (and start at 1).
-    assert t.resource_reward("d", "L") == pytest.approx(1 / 5)
+    assert t.resource_reward("d", "L") == pytest.approx(1 / (2 * 5))  # its share 1/5, divided by p
     assert scores(t, "d") == [1] * 5
     with pytest.raises(ValueError, match="not a pool model"):
         t.record("c", "X9", None)
@@ -55,14 +55,14 @@ def test_rewards_and_probabilities_on_hand_built_tables() -> None:
     # R_s: per model of the type, the share of scores on it or larger, averaged over the type's models.
     assert t.resource_reward("a", "S") == pytest.approx((9 + 8) / (2 * 9))
     assert t.resource_reward("a", "M") == pytest.approx((7 + 5) / (2 * 9))
-    assert t.resource_reward("a", "L") == pytest.approx(3 / 9)  # one model of type L: its share, not / p
+    assert t.resource_reward("a", "L") == pytest.approx(3 / (2 * 9))  # one model of type L, divided by p too
     assert t.resource_reward("b", "M") == pytest.approx((3 + 2) / (2 * 5))
     assert t.curiosity_reward("a", "M") == pytest.approx(1 / math.sqrt(4))
     # R = min(0.5, R_s) * R_c: for M, a has min(0.5, 2/3) * 1/2 = 0.25, b has min(0.5, 0.5) * 1 = 0.5.
     assert t.probabilities("M1", ["a", "b"]) == pytest.approx({"a": 1 / 3, "b": 2 / 3})
-    # For L: a 1/3 * 1, b 1/5 * 1.
-    assert t.probabilities("L1", ["a", "b"]) == pytest.approx({"a": (1 / 3) / (1 / 3 + 1 / 5),
-                                                              "b": (1 / 5) / (1 / 3 + 1 / 5)})
+    # For L: a 1/6 * 1, b 1/10 * 1.
+    assert t.probabilities("L1", ["a", "b"]) == pytest.approx({"a": (1 / 6) / (1 / 6 + 1 / 10),
+                                                              "b": (1 / 10) / (1 / 6 + 1 / 10)})
     # The ablations: curiosity alone, resource alone (uncapped), uniform.
     assert t.probabilities("M1", ["a", "b"], "curiosity") == pytest.approx({"a": 1 / 3, "b": 2 / 3})
     assert t.probabilities("M1", ["a", "b"], "resource") == pytest.approx({"a": (2 / 3) / (2 / 3 + 1 / 2),
@@ -121,3 +121,96 @@ def test_a_model_no_remaining_client_can_take_is_drawn_again_among_those_some_ca
     for _ in range(30):
         [(model, client)] = t.assign(1, ["a"], rng)
         assert client == "a" and t.type_of[model] == "S"
+
+
+# ---------------------------------------------------------------------- the L type's divisor
+def test_the_large_divisor_divides_the_l_share_by_p_or_by_one() -> None:
+    paper, reference = tables(), SelectionTables(POOL, per_type=2, large_divisor="reference")
+    for t in (paper, reference):
+        t.record("a", "M2", "M2")  # a: scores [1, 1, 2, 2, 3], total 9
+    assert paper.resource_reward("a", "L") == pytest.approx(3 / (2 * 9))
+    assert reference.resource_reward("a", "L") == pytest.approx(3 / 9)
+    for model_type in ("S", "M"):  # p models each: both divide by p
+        assert paper.resource_reward("a", model_type) == pytest.approx(reference.resource_reward("a", model_type))
+    # x has 3/4 of its scores on L1, y 1/2: under reference both meet the cap 0.5 and tie; under paper R_s(L) is
+    # 3/8 and 1/4, below the cap, and weighs the draw.
+    for t in (paper, reference):
+        t.resource["x"] = {"S2": 1.0, "S1": 0.0, "M2": 0.0, "M1": 0.0, "L1": 3.0}
+        t.resource["y"] = {"S2": 1.0, "S1": 0.0, "M2": 0.0, "M1": 0.0, "L1": 1.0}
+        for client in ("x", "y"):
+            t.curiosity[client] = {"S": 1.0, "M": 1.0, "L": 1.0}
+    assert reference.probabilities("L1", ["x", "y"]) == pytest.approx({"x": 0.5, "y": 0.5})
+    assert paper.probabilities("L1", ["x", "y"]) == pytest.approx({"x": (3 / 8) / (3 / 8 + 1 / 4),
+                                                                  "y": (1 / 4) / (3 / 8 + 1 / 4)})
+    with pytest.raises(ValueError, match="large_divisor"):
+        SelectionTables(POOL, per_type=2, large_divisor="half")
+
+
+# ---------------------------------------------------------------------- re-admission
+def decline(t: SelectionTables, client: str) -> None:
+    """Nothing fit down to the pool's smallest model: every score from it upwards falls to 0."""
+    t.record(client, "M1", None, declined_from="S2")
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_a_client_whose_scores_all_fell_to_0_is_out_k_rounds_then_back(k: int) -> None:
+    t = SelectionTables(POOL, per_type=2, readmit_after=k)
+    t.readmit(1)
+    decline(t, "c")  # in round 1, a fresh client (scores all 1) declines once
+    assert t.is_out("c") and scores(t, "c") == [0] * 5
+    curiosity = dict(t.curiosity["c"])
+    for round_number in range(2, 2 + k):  # rounds 2 .. k + 1: out, reward 0 for every model, never drawn
+        assert t.readmit(round_number) == []
+        assert all(t.probabilities(model, ["c", "d"])["c"] == 0 for model in t.names)
+        assert [client for _, client in t.assign(2, ["c", "d"], random.Random(round_number))] == ["d"]
+    # Round k + 2: back, rated as a new client (the initial 1s), its curiosity counts kept.
+    assert t.readmit(2 + k) == ["c"] and not t.is_out("c")
+    assert scores(t, "c") == [1] * 5 and t.curiosity["c"] == curiosity
+    assert all(t.probabilities(model, ["c", "d"])["c"] > 0 for model in t.names)
+    # Every client with a positive reward is drawn when the round has room for all: c is, whatever the draws.
+    assert {client for _, client in t.assign(2, ["c", "d"], random.Random(0))} == {"c", "d"}
+    assert t.readmit(2 + k) == []  # idempotent within a round
+    # Out again after another decline, and back k rounds later again: never out more than k rounds.
+    decline(t, "c")
+    assert all(t.readmit(n) == [] for n in range(3 + k, 3 + 2 * k))
+    assert t.readmit(3 + 2 * k) == ["c"]
+
+
+@pytest.mark.parametrize("strict", [0, None])
+def test_the_strict_option_keeps_a_client_out_for_good(strict: int | None) -> None:
+    t = SelectionTables(POOL, per_type=2, readmit_after=strict)
+    decline(t, "c")
+    for round_number in range(1, 200):
+        assert t.readmit(round_number) == []
+    assert t.is_out("c") and t.out_since == {"c": 1}
+    assert all(t.probabilities(model, ["c", "d"])["c"] == 0 for model in t.names)
+    with pytest.raises(ValueError, match="readmit_after"):
+        SelectionTables(POOL, per_type=2, readmit_after=-1)
+
+
+def test_a_client_out_of_the_larger_models_only_is_not_out() -> None:
+    t = SelectionTables(POOL, per_type=2, readmit_after=1)
+    t.record("c", "L1", "S2")
+    t.record("c", "L1", "S2")  # S2 gains p twice; S1 .. L1 fall to 0
+    assert scores(t, "c")[1:] == [0, 0, 0, 0] and not t.is_out("c")
+    for round_number in range(1, 10):
+        assert t.readmit(round_number) == []
+    assert scores(t, "c")[1:] == [0, 0, 0, 0] and t.out_since == {}
+
+
+def test_the_readmission_clock_round_trips_and_old_tables_load() -> None:
+    t = SelectionTables(POOL, per_type=2, readmit_after=3)
+    decline(t, "c")
+    t.readmit(4)  # c out since round 4: back in round 7
+    state = t.state_dict()
+    assert state["out_since"] == {"c": 4}
+    restored = SelectionTables(POOL, per_type=2, readmit_after=3)
+    restored.load_state_dict(state)
+    assert restored.out_since == t.out_since and restored.resource == t.resource
+    assert restored.readmit(6) == [] and restored.readmit(7) == ["c"]
+    # Tables saved before re-admission existed (no out_since): loaded, and the clock starts at the next round.
+    old = SelectionTables(POOL, per_type=2, readmit_after=3)
+    old.load_state_dict({"curiosity": state["curiosity"], "resource": state["resource"]})
+    assert old.out_since == {} and old.readmit(9) == [] and old.readmit(12) == ["c"]
+    with pytest.raises(ValueError, match="out_since"):
+        old.load_state_dict({**state, "out_since": {"nobody": 1}})

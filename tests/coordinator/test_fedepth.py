@@ -82,7 +82,7 @@ def test_plan_for_budget_cuts_by_the_estimates(make_context):
                                                "train_bytes": [500, 500]}
     described = strategy.plan_for_budget(300)
     assert described["trains"] == "depth-wise" and "skipped 0" in described["segments"]
-    assert strategy.plan_for_budget(100) == {"trains": "nothing", "smallest_block_bytes": 200}
+    assert strategy.plan_for_budget(100) == {"trains": "nothing", "needs_bytes": 200, "to_fit": strategy.to_fit()}
 
 
 def test_auxiliary_classifier_route_sends_an_exit_after_every_block(make_context, make_agent):

@@ -242,6 +242,8 @@ def test_many_threads_allocating_at_once_corrupt_nothing():
 def test_torch_trains_on_the_pool():
     out = run_probe("""
         import torch
+        from common.blas_threads import guard_blas_threads
+        guard_blas_threads()  # as every FedFit process that trains does (NVPL on a Pi 4's core)
         page_pool.enable(4096)
         model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
                                     torch.nn.Linear(16 * 26 * 26, 10))

@@ -42,7 +42,7 @@ def test_report_has_the_documented_shape(tmp_path: Path) -> None:
     run = {"version": "fedfit 0.1.0", "wall_seconds": 12.5, "config": {"algorithm": "heterofl"}}
     report = build_report("heterofl", "mosquitto", "2.0.11", sample_rounds(), {"agents": 2}, secured=True, run=run,
                           tiers={"sim-000": "r=1", "sim-001": "r=1/2"})
-    assert list(report) == ["algorithm", "broker", "run", "summary", "rounds", "tasks", "agents", "settings"]
+    assert list(report) == ["algorithm", "broker", "run", "summary", "rounds", "tasks", "agents", "tiers", "settings"]
     assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11", "secured": True}
     assert report["run"] == run
     assert report["rounds"][0] == {"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
@@ -58,6 +58,9 @@ def test_report_has_the_documented_shape(tmp_path: Path) -> None:
     assert report["tasks"][2]["over_budget"] is True
     assert report["agents"]["sim-001"] == {"tier": "r=1/2", "ok": 0, "adapted": 0, "declined": 1, "failed": 0,
                                            "rejected": 1, "skipped": 0, "missing": 0, "over_budget": 0}
+    assert report["summary"]["devices_served"] == [1, 2]  # sim-001 never trained
+    assert [(t["tier"], t["devices"], t["served"], t["declined"]) for t in report["tiers"]] == [
+        ("r=1", 1, 1, 0), ("r=1/2", 1, 0, 1)]
     assert report["agents"]["sim-000"]["ok"] == 2 and report["agents"]["sim-000"]["over_budget"] == 1
     path = tmp_path / "out" / "r.json"
     write_report(report, path)

@@ -45,6 +45,29 @@ def test_apoz_of_a_hand_built_layer() -> None:
     assert scores["conv2"] == pytest.approx(expected)
 
 
+def test_apoz_before_bn_reads_each_channel_before_its_batch_norm() -> None:
+    # The hand-built layer above, scored at the batch norm's input: channel 0 is a constant 5 (no value a ReLU
+    # would zero), channel 1 the input pixel (all <= 0 on a -1 image, none on a +1 image). Per sample, the mean over
+    # the two channels is (0 + 1) / 2 = 0.5 for a -1 image and 0 for a +1 image: 0.25 (after the ReLU: 0.75).
+    family = get_family("cnn", 3, 1, hidden=(2, 3))
+    model = family.build(track_bn_stats=False)
+    with torch.no_grad():
+        model.conv1.weight.zero_()
+        model.conv1.bias.copy_(torch.tensor([5.0, 0.0]))
+        model.conv1.weight[1, 0, 1, 1] = 1.0
+    x = torch.cat([-torch.ones(4, 1, 6, 6), torch.ones(4, 1, 6, 6)])
+    assert apoz_scores(family, model, x, batch_size=8)["conv1"] == pytest.approx(0.75)
+    before = apoz_scores(family, model, x, batch_size=8, at="before_bn")
+    assert before["conv1"] == pytest.approx(0.25)
+    inputs = {}
+    model.bn2.register_forward_pre_hook(lambda _m, args: inputs.setdefault("bn2", args[0]))
+    with torch.no_grad():
+        model(x)
+    assert before["conv2"] == pytest.approx(float((inputs["bn2"] <= 0).float().mean()))
+    with pytest.raises(ValueError, match="after_relu"):
+        apoz_scores(family, model, x, at="inside")  # type: ignore[arg-type]
+
+
 def test_apoz_averages_the_relus_reading_one_group() -> None:
     # PreResNet's residual stream is read by several ReLUs (each block's first one and the head's): its score is
     # their mean, and every prunable group gets one.
