@@ -61,11 +61,19 @@ class RecipeConfig:
             raise ValueError(f"recipe.clip_norm must be positive or null, got {self.clip_norm}")
 
 
+#: ScaleFL's default cost ratios (four levels, as in ALGORITHMS.md): ``scalefl.ratios`` where the fleet is not known.
+SCALEFL_RATIOS = (0.125, 0.25, 0.5, 1.0)
+
+
 @dataclass
 class ScaleFLConfig:
     """ScaleFL's settings (the ``scalefl`` section; used when ``algorithm: scalefl``).
 
-    ``ratios``: target cost ratios r_l of the levels, smallest first, the last 1 (the full model).
+    ``ratios``: target cost ratios r_l of the levels, smallest first, the last 1 (the full model), or ``auto``
+    (the default): one level per cluster of the budgets the fleet reports at its first round (each at the share
+    of the full model's ``memory`` cost its devices can train, at most three below the full model), so that the
+    weakest devices have a level; before the fleet is known (``fedfit plan`` without budgets) and with ``cost``
+    ``params``/``flops`` the fixed :data:`SCALEFL_RATIOS`.
     ``cost``: what a level's cost counts: ``memory`` (its estimated training memory at the recipe's batch size,
     what the budgets agents report limit), ``params`` or ``flops`` (per sample, at the dataset's image size; the
     paper's two, for comparing with its Table 1).
@@ -78,7 +86,7 @@ class ScaleFLConfig:
     ``paper`` (Eq. 5 as printed, ``i / (l (l + 1))``: the weights sum to 1/2, halving every ScaleFL step).
     """
 
-    ratios: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
+    ratios: list[float] | Literal["auto"] = "auto"
     cost: Literal["memory", "params", "flops"] = "memory"
     tolerance: float | list[float] = 0.1
     grid_step: float = 0.01
@@ -88,15 +96,24 @@ class ScaleFLConfig:
     detach_teacher: bool = False
     normalization: Literal["paper", "reference"] = "reference"
 
+    def fixed_ratios(self) -> list[float]:
+        """The configured ratios, or :data:`SCALEFL_RATIOS` where they are ``auto`` (before the fleet is known)."""
+        return list(SCALEFL_RATIOS) if self.ratios == "auto" else list(self.ratios)
+
     def tolerances(self) -> list[float]:
-        """eps_l for every level."""
+        """eps_l for every level of :meth:`fixed_ratios`."""
         if isinstance(self.tolerance, list):
             return list(self.tolerance)
-        return [self.tolerance] * len(self.ratios)
+        return [self.tolerance] * len(self.fixed_ratios())
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
-        ratios = self.ratios
+        if isinstance(self.ratios, str) and self.ratios != "auto":
+            raise ValueError(f"scalefl.ratios must be auto or a list of ratios, got {self.ratios!r}")
+        if self.ratios == "auto" and isinstance(self.tolerance, list):
+            raise ValueError("scalefl.tolerance must be one number with scalefl.ratios: auto (the levels come from "
+                             "the fleet)")
+        ratios = self.fixed_ratios()
         if (not ratios or any(not 0 < r <= 1 for r in ratios)
                 or any(a >= b for a, b in itertools.pairwise(ratios)) or ratios[-1] != 1.0):
             raise ValueError(f"scalefl.ratios must increase strictly within (0, 1] and end with 1, got {ratios}")

@@ -204,7 +204,11 @@ class Coordinator:
         self._round_lock = threading.Lock()
         if config.resume:
             pending = self.journal.load()
-            if pending is not None and pending.round == self.completed_rounds + 1:
+            if pending is not None and pending.round == self.completed_rounds + 1 and self.strategy.awaits_fleet:
+                # Its tasks were planned with models sized to the fleet, which no checkpoint kept: plan it again.
+                self.log.warning("first_round_planned_again", round=pending.round,
+                                 reason="the strategy is sized to the fleet at its first round")
+            elif pending is not None and pending.round == self.completed_rounds + 1:
                 self._resume_round(pending)  # the round in flight when the last run stopped: finish it
         self.rejected_messages = 0
         self.link = MqttLink(
@@ -453,6 +457,8 @@ class Coordinator:
         if misfits and len(online) < self.config.min_agents:
             self.log.warning("fewer_fitting_agents_than_expected", fitting=len(online),
                              expected=self.config.min_agents)
+        if self.strategy.awaits_fleet and self.completed_rounds == 0:
+            self.fit_to_fleet([budget for agent in online if (budget := agent.budget()) is not None])
         self._tell_service(online)
         plan = self.strategy.configure_round(round_number, online, self.rng)
         plan.skipped.extend(misfits)
@@ -464,6 +470,19 @@ class Coordinator:
         planned.timing["planning"] = time.perf_counter() - planning
         self._install(planned)
         return planned
+
+    def fit_to_fleet(self, budgets: Sequence[int]) -> None:
+        """Size what the strategy hands out from the fleet's ``budgets`` (its ``auto`` settings: ScaleFL's and
+        FlexFL's ratios, ...) before the first round, and make the initial states of the models it chose. The
+        round driver does it with the budgets of the agents online at round 1; the simulator before it starts,
+        with the budgets it gives its devices."""
+        if self.completed_rounds or self._round is not None:
+            raise RuntimeError("the strategy can only be sized to the fleet before the first round")
+        told = self.strategy.fit_to_fleet(budgets)
+        if told is not None:
+            self.states = self.strategy.initial_states(self.config.seed)
+            self.service_log = ServiceLog(self.strategy)
+            self.log.info("sized_to_fleet", detail=told)
 
     def _tell_service(self, online: Sequence[AgentRecord]) -> None:
         """Log what the method hands each device by the budget it reports (once, and again when that changes):

@@ -43,3 +43,27 @@ def pick_dynamic(candidates: Sequence[Level], proportions: Mapping[str, float], 
     if sum(weights) <= 0:
         weights = [1.0] * len(candidates)
     return rng.choices(list(candidates), weights=weights, k=1)[0]
+
+
+def affordable_share(budget: int, overhead: int, full_variable: float, factor: float) -> float:
+    """The share of the full model's model-dependent training memory (``full_variable``) a device with ``budget``
+    bytes can train by its own rule (``overhead + variable * factor <= budget``: :mod:`models.device_need`);
+    0 when the budget does not even hold the runtime's fixed overhead."""
+    if full_variable <= 0:
+        return 1.0
+    return max(0.0, (budget - overhead) / factor / full_variable)
+
+
+def fleet_shares(shares: Sequence[float], *, most: int, merge: float = 0.15) -> list[float]:
+    """The levels a fleet asks for, as shares of the full model (smallest first, ending with 1): one per cluster
+    of the devices' affordable ``shares`` below 1 (a share within ``merge`` (relative) above a cluster's smallest
+    joins it, and the cluster gets that smallest: every device of it can train its level), at most ``most``
+    below the full model (the smallest cluster always kept, the others spread over the rest)."""
+    clusters: list[float] = []
+    for share in sorted(s for s in shares if 0 < s < 1):
+        if not clusters or share > clusters[-1] * (1 + merge):
+            clusters.append(share)
+    if len(clusters) > most > 0:
+        step = (len(clusters) - 1) / (most - 1) if most > 1 else 0.0
+        clusters = [clusters[round(i * step)] for i in range(most)] if most > 1 else clusters[:1]
+    return [*clusters, 1.0]

@@ -241,7 +241,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from common.data import load_dataset
     from coordinator.planning import strategy_for
-    from fedfit.plan_table import format_plan, format_setup, format_tiers, tier_rows
+    from fedfit.plan_table import format_plan, format_setup, format_tiers, scenario_budgets, tier_rows
 
     mapping, config = _coordinator_settings(args.config, args.overrides)
     config = replace(config, algorithm=args.algorithm or config.algorithm,
@@ -255,6 +255,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.device is not None:
         config = replace(config, training_device=args.device)
     strategy = strategy_for(config, dataset)
+    sized = (strategy.fit_to_fleet([budget for _, budget in scenario_budgets(config, dataset, args.budgets,
+                                                                            config.training_device)])
+             if args.budgets else None)
+    unsized = strategy.awaits_fleet
     rows = strategy.describe()
     fedavg_set = "width" in mapping.get("fedavg", {}) if isinstance(mapping.get("fedavg"), dict) else False
     tiers = (tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set, device=config.training_device)
@@ -269,6 +273,11 @@ def _run_plan(args: argparse.Namespace) -> int:
               + ("CUDA allocator's peak, CUDA's start excluded)" if config.training_device == "cuda"
                  else "pooled heap, this CPU)"))
         print(format_plan(rows))
+        if sized:
+            print(f"\n{sized}")
+        elif unsized:
+            print(f"\n{config.algorithm} sizes its models to the budgets the fleet reports at its first round: shown "
+                  "here with its fixed defaults (--budgets SCENARIO shows them sized to a fleet)")
         if setup:
             print("\nset-up:")
             print(format_setup(setup))

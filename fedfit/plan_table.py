@@ -61,6 +61,17 @@ def format_setup(setup: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def scenario_budgets(config: Any, dataset: Any, scenario: str, device: str = "cpu") -> list[tuple[str, int]]:
+    """Each tier of ``scenario`` with its budget as ``fedfit sim`` gives it (the same for every method)."""
+    from coordinator.strategies.base import base_plan
+    from fedfit.sim.budgets import BudgetAnchor, scenario_tiers
+    from models import get_family
+
+    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
+    anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size, device=device)
+    return [(tier.name, anchor.tier_bytes(tier)) for tier in scenario_tiers(scenario)]
+
+
 def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False,
               device: str = "cpu") -> list[dict[str, Any]]:
     """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
@@ -81,6 +92,7 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
             width = width_for_all(scenario, anchor, config.levels)
             method = replace(method, fedavg=replace(config.fedavg, width=width))
         strategies[name] = strategy_for(method, dataset, family)
+        strategies[name].fit_to_fleet([anchor.tier_bytes(tier) for tier in scenario_tiers(scenario)])
     rows = []
     for tier in scenario_tiers(scenario):
         budget = anchor.tier_bytes(tier)

@@ -12,7 +12,8 @@ reaches a classifier by one of two routes:
 
 The same view serves the training interpreter (:mod:`models.training`) and the memory estimator
 (:mod:`models.memory`), so what is estimated is what runs. :func:`cut_segments` is FeDepth's memory-adaptive
-decomposition: the fewest consecutive segments that each fit a budget, skipping the blocks that never fit.
+decomposition: the fewest consecutive segments that each fit a budget, skipping the blocks that never fit, and
+the head alone on every block's frozen output where no block fits (the empty segment at the end).
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ class SegmentModel(nn.Module):
     changed in place, so ``[p for p in model.parameters() if p.requires_grad]`` is what an optimizer gets);
     :meth:`release` makes every parameter trainable again. ``forward_exits`` returns the one output.
     ``frozen_input``: inputs are already the frozen blocks' outputs (from :func:`frozen_outputs`);
-    ``input_shape`` is still that of the model's own input.
+    ``input_shape`` is still that of the model's own input. ``start == stop == len(model.blocks)`` trains the
+    head alone on the frozen output of every block (partial training where no block fits).
     """
 
     def __init__(self, model: FamilyNet, start: int, stop: int, input_shape: tuple[int, ...],
                  route: str = "skip", *, frozen_input: bool = False) -> None:
         super().__init__()
         count = len(model.blocks)
-        if not 0 <= start < stop <= count:
-            raise ValueError(f"a segment must be a block range [start, stop) within 0..{count}, got [{start}, {stop}).")
+        if not (0 <= start < stop <= count or start == stop == count):
+            raise ValueError(f"a segment must be a block range [start, stop) within 0..{count} (or [{count}, "
+                             f"{count}): the head alone), got [{start}, {stop}).")
         if route not in ("skip", "exit"):
             raise ValueError(f"route must be 'skip' or 'exit', got {route!r}.")
         self.model = model
@@ -79,6 +82,11 @@ class SegmentModel(nn.Module):
         for module in (*model.blocks[start:stop], classifier):
             for p in module.parameters():
                 p.requires_grad_(True)
+
+    @property
+    def classifier(self) -> nn.Module:
+        """The head the segment's output reaches (the final head, or the exit after the segment)."""
+        return self._classifier[0]
 
     def release(self) -> None:
         """Make every parameter of the model trainable again."""
@@ -153,12 +161,19 @@ class Decomposition:
         """The micro-batch segment ``index`` trains in (0: whole batches)."""
         return self.micro_batches[index] if self.micro_batches else 0
 
+    @property
+    def head_only(self) -> bool:
+        """Whether the head alone is trained (one empty segment: no block fits)."""
+        return len(self.segments) == 1 and self.segments[0][0] == self.segments[0][1]
+
     def describe(self) -> str:
-        """E.g. ``"0 (micro-batches of 8) | 1 | 2-3 | 4-8"`` (block numbers, 0-based), skipped blocks noted."""
+        """E.g. ``"0 (micro-batches of 8) | 1 | 2-3 | 4-8"`` (block numbers, 0-based), skipped blocks noted;
+        ``"head alone (skipped 0, 1, 2, 3)"`` when no block fits."""
         parts = []
         for index, (a, b) in enumerate(self.segments):
             micro = self.micro_batch(index)
-            parts.append((f"{a}" if b - a == 1 else f"{a}-{b - 1}") + (f" (micro-batches of {micro})" if micro else ""))
+            name = "head alone" if a == b else f"{a}" if b - a == 1 else f"{a}-{b - 1}"
+            parts.append(name + (f" (micro-batches of {micro})" if micro else ""))
         text = " | ".join(parts) or "nothing"
         return f"{text} (skipped {', '.join(map(str, self.skipped))})" if self.skipped else text
 
@@ -176,7 +191,7 @@ def micro_batch_ladder(batch_size: int, floor: int) -> list[int]:
 
 def cut_segments(cost: Callable[[int, int], float], num_blocks: int, budget: float, *,
                  micro_cost: Callable[[int, int, int], float] | None = None,
-                 micro_batches: Sequence[int] = ()) -> Decomposition:
+                 micro_batches: Sequence[int] = (), head_only: bool = False) -> Decomposition:
     """The fewest consecutive segments of blocks ``0..num_blocks-1`` whose training each fits ``budget``.
 
     ``cost(start, stop)`` is the memory of training blocks ``start..stop-1`` together (and the head) at the plan's
@@ -188,6 +203,10 @@ def cut_segments(cost: Callable[[int, int], float], num_blocks: int, budget: flo
     the next blocks while they fit at that micro-batch and do not fit alone at the whole batch (micro-batches only
     where they are needed). A block that fits at none of them is skipped (partial training) and the next segment
     starts after it.
+
+    ``head_only``: when every block is skipped, the head alone is trained on the frozen output of every block,
+    the empty segment ``(num_blocks, num_blocks)`` (its cost ``cost(num_blocks, num_blocks)``, or in the largest
+    micro-batch at which it fits), if that fits: partial training of what fits, where no block does.
     """
     segments: list[tuple[int, int]] = []
     micros: list[int] = []
@@ -215,6 +234,13 @@ def cut_segments(cost: Callable[[int, int], float], num_blocks: int, budget: flo
         segments.append((start, stop))
         micros.append(micro)
         start = stop
+    if head_only and not segments and num_blocks > 0:
+        end = num_blocks
+        if cost(end, end) <= budget:
+            return Decomposition(((end, end),), tuple(skipped))
+        micro = next((m for m in micro_batches if micro_cost is not None and micro_cost(end, end, m) <= budget), 0)
+        if micro:
+            return Decomposition(((end, end),), tuple(skipped), (micro,))
     return Decomposition(tuple(segments), tuple(skipped), tuple(micros) if any(micros) else ())
 
 

@@ -303,6 +303,9 @@ class ModelFamily(abc.ABC):
                              ".")
         if spec.segments is not None and max(stop for _, stop in spec.segments) > depth:
             raise ValueError(f"segments {[list(s) for s in spec.segments]} reach beyond the {depth} blocks kept.")
+        if spec.segments is not None and spec.segments[0][0] == spec.segments[0][1] != depth:
+            raise ValueError(f"an empty segment trains the head alone, after every kept block: [{depth}, {depth}), "
+                             f"got {list(spec.segments[0])}.")
         return spec
 
     def _depth(self, spec: SubmodelSpec) -> int:

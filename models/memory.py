@@ -28,7 +28,9 @@ How
 The parts of :class:`MemoryEstimate`
 ------------------------------------
 ``parameters``
-    Every weight of the (sub-)model, 4 bytes each (frozen blocks included).
+    Every weight of the (sub-)model, 4 bytes each (frozen blocks included), except on CPU for a spec that
+    trains the head alone (``SubmodelSpec.head_only``): the training child runs its frozen body from the
+    weights it received, which are in its baseline, and only the head has weights of its own.
 ``gradients``
     One gradient per trainable weight.
 ``optimizer_state``
@@ -287,8 +289,9 @@ def _trace(
         marks.setdefault("frozen", tracker.peak)
         marks.setdefault("segment_input", int(args[0].nbytes))
 
-    if segment is not None:
-        model.blocks[segment[0]].register_forward_pre_hook(segment_starts)
+    if isinstance(net, SegmentModel):  # the segment's first block, or the head when it trains alone
+        (model.blocks[segment[0]] if segment[0] < segment[1] else net.classifier).register_forward_pre_hook(
+            segment_starts)
     with torch.enable_grad(), tracker:
         inputs = torch.empty(*shape, device="meta")
         targets = torch.empty(batch_size, dtype=torch.long, device="meta")
@@ -308,8 +311,10 @@ def _trace(
         activations = marks["activations"]
         after_backward = tracker.live
         del value, inputs, targets, mask
+    # A CPU task that trains no body block runs the body from the weights it received (no copy of its own).
+    shared = device == "cpu" and spec.head_only
     return _Trace(
-        parameters=sum(tracker._rounded(p.nbytes) for p in params),
+        parameters=sum(tracker._rounded(p.nbytes) for p in params if p.requires_grad or not shared),
         trainable=tuple(tracker._rounded(p.nbytes) for p in params if p.requires_grad),
         activations=activations,
         fb_peak=tracker.peak,

@@ -140,7 +140,7 @@ def apoz_scores(family: ModelFamily, model: FamilyNet, x: torch.Tensor, *, batch
         model.train(was_training)
     scores: dict[str, float] = {}
     for group in family.prunable_layers():
-        readers_of = readers.get(f"{group}#bn") or readers.get(group, ())
+        readers_of = readers.get(f"{group}#bn") or readers.get(group) or set()
         keys = [f"{group}#{ident}" for ident in sorted(readers_of)]
         scores[group] = sum(zeros[k] / counts[k] for k in keys) / len(keys) if keys else 0.0
     return scores

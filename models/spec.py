@@ -64,12 +64,14 @@ def _check_segments(values: object) -> tuple[tuple[int, int], ...]:
     out: list[tuple[int, int]] = []
     for pair in values:
         if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_index(v) for v in pair)
-                or pair[0] >= pair[1]):
-            raise ValueError(f"every segment must be a block range [start, stop) with 0 <= start < stop, "
-                             f"got {pair!r}.")
+                or pair[0] > pair[1]):
+            raise ValueError(f"every segment must be a block range [start, stop) with 0 <= start < stop (or "
+                             f"start == stop: the head alone), got {pair!r}.")
         out.append((int(pair[0]), int(pair[1])))
     if not out:
         raise ValueError("segments must name at least one block range (None trains the whole model at once).")
+    if any(start == stop for start, stop in out) and len(out) > 1:
+        raise ValueError(f"an empty segment (the head alone) must be the only one, got {tuple(out)!r}.")
     ordered = sorted(out)
     for (_, stop), (start, _) in itertools.pairwise(ordered):
         if start < stop:
@@ -101,6 +103,8 @@ class SubmodelSpec:
     segments:
         ``None``: the whole sub-model is trained at once. Otherwise ``((start, stop), ...)``: block ranges
         trained one after another in the order given (depth-wise training); blocks in no segment are frozen.
+        One empty range at the depth, ``((depth, depth),)``, trains the final head alone on the frozen output
+        of every block (FeDepth's partial training where no block fits).
     """
 
     width: float = 1.0
@@ -180,6 +184,12 @@ class SubmodelSpec:
         """True when this spec describes the whole global model, trained whole: full width, all blocks kept,
         no early exits, no segments."""
         return self.full_width and self.depth is None and not self.exits and self.segments is None
+
+    @property
+    def head_only(self) -> bool:
+        """True when this spec trains the head alone (one empty segment, FeDepth's last resort): no body block
+        is trained, every one runs frozen."""
+        return self.segments is not None and self.segments[0][0] == self.segments[0][1]
 
     def describe(self) -> str:
         """Short readable form, e.g. ``"width=0.5"`` or ``"width=0.7 floor depth=35 exits=34"``."""

@@ -269,6 +269,18 @@ class Strategy(ABC):
         """The setting that would make this method's smallest option smaller, in a few words."""
         return "a larger memory budget"
 
+    @property
+    def awaits_fleet(self) -> bool:
+        """Whether what this strategy hands out is to be sized from the budgets the fleet reports
+        (:meth:`fit_to_fleet`) and has not been yet (default: never)."""
+        return False
+
+    def fit_to_fleet(self, budgets: Sequence[int]) -> str | None:
+        """Size what the strategy hands out to the devices' ``budgets`` (bytes, as they report them), where its
+        settings say ``auto``; a sentence of what it chose, None where nothing is sized by the fleet. The
+        caller then makes the initial states again (the global model may change)."""
+        return None
+
     def nothing_fits(self, needs: int) -> dict[str, Any]:
         """:meth:`plan_for_budget`'s answer for a device whose budget fits nothing: the least it would need."""
         return {"trains": "nothing", "needs_bytes": int(needs), "to_fit": self.to_fit()}

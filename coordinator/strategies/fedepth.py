@@ -7,7 +7,9 @@ fits (memory-adaptive decomposition, decided on the device from its own calibrat
 after another, each with the classifier head through the skip path, the blocks before it frozen (depth-wise
 sequential learning), or, with ``fedepth.route: exit``, each through the auxiliary classifier after it (the
 global model then carries one after every block, trained only by the devices whose segments end there). Blocks
-that fit nowhere are skipped (partial training): not trained, not uploaded. A device
+that fit nowhere are skipped (partial training): not trained, not uploaded; where no block fits, the device
+trains the classifier head alone on the frozen output of every block (partial training of what fits: on a CPU
+the frozen body runs from the weights it received, so only the head and one batch's pass count). A device
 that can hold more than one copy of the whole model trains up to ``fedepth.max_copies`` of them with mutual
 distillation (m-FeDepth) and uploads one. Aggregation is the sample-weighted mean of what each device trained
 (Alg. 1 line 7), masked so that skipped blocks do not dilute it.
@@ -29,6 +31,10 @@ from protocol import Adaptation, LossTerm, Stage, TrainingPlan
 
 __all__ = ["FeDepth"]
 
+#: What serves a budget that no block alone, nor the head alone, fits at any micro-batch.
+_LIGHTER = ("a model with lighter blocks (even the head alone runs every block frozen, whatever the micro-batch; "
+            "FeDepth's paper model: preresnet20)")
+
 
 class FeDepth(LevelStrategy):
     """The full model for every device, trained whole or depth-wise as its memory allows (see the module)."""
@@ -37,9 +43,8 @@ class FeDepth(LevelStrategy):
 
     def to_fit(self) -> str:
         floor = self.config.fedepth.min_micro_batch
-        return (f"smaller micro-batches (fedepth.min_micro_batch, now {floor})" if floor > 2 else
-                "a model whose blocks are lighter (its parameters, gradients and momentum do not shrink with "
-                "micro-batches)")
+        return (f"smaller micro-batches (fedepth.min_micro_batch, now {floor}{': none' * (floor == 0)})"
+                if floor != 2 else _LIGHTER)
 
     def make_levels(self) -> list[Level]:
         exits = self.family.exit_points if self.config.fedepth.route == "exit" else ()
@@ -91,8 +96,9 @@ class FeDepth(LevelStrategy):
         return [row]
 
     def plan_for_budget(self, budget: int) -> dict[str, Any]:
-        """The decomposition a device with ``budget`` bytes would train, from the coordinator's own estimates (a
-        device decides with its calibrated ones): its segments, the blocks it skips, and each segment's memory."""
+        """The decomposition a device with ``budget`` bytes would train, by the device's own rule
+        (:meth:`training_cost`): its segments, the blocks it skips, and each segment's memory; the head alone
+        where no block fits; nothing (with the least it would need) where not even the head fits."""
         capped = self.level_plan(self.levels[0], 1)
         for copies in range(capped.copies, 1, -1):
             train_bytes = self.training_cost(SubmodelSpec.full(), replace(capped, copies=copies))
@@ -111,10 +117,18 @@ class FeDepth(LevelStrategy):
             staged = replace(plan, schedule=(Stage(plan.epochs, route, micro_batch=micro),))
             return float(self.training_cost(SubmodelSpec(exits=exits, segments=((start, stop),)), staged))
 
-        cut = cut_segments(cost, blocks, budget, micro_cost=cost, micro_batches=ladder)
-        if not cut.segments:
+        cut = cut_segments(cost, blocks, budget, micro_cost=cost, micro_batches=ladder, head_only=True)
+        if not cut.segments:  # no block alone, nor the head alone on the frozen blocks
             least = ladder[-1] if ladder else 0
-            return self.nothing_fits(int(min(cost(b, b + 1, least) for b in range(blocks))))
+            answer = self.nothing_fits(int(min(cost(b, min(b + 1, blocks), least) for b in range(blocks + 1))))
+            if least != 2 and min(cost(b, min(b + 1, blocks), 2) for b in range(blocks + 1)) > budget:
+                answer["to_fit"] = _LIGHTER  # not even micro-batches of 2 would do
+            return answer
+        if cut.head_only:
+            micro = cut.micro_batch(0)
+            return {"trains": "head alone", "segments": f"on frozen blocks 0-{blocks - 1}" + (
+                        f" (micro-batches of {micro})" if micro else ""), "cut": [list(cut.segments[0])],
+                    "train_bytes": [int(cost(blocks, blocks, micro))]}
         return {"trains": "depth-wise" + (" via auxiliary classifiers" if route == "exit" else ""),
                 "segments": cut.describe(), "cut": [list(segment) for segment in cut.segments],
                 "train_bytes": [int(cost(*segment, cut.micro_batch(i))) for i, segment in enumerate(cut.segments)]}

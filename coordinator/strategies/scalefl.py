@@ -21,9 +21,11 @@ level's sub-model at its last exit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from coordinator.levels import Level
+from coordinator.config import SCALEFL_RATIOS
+from coordinator.levels import Level, affordable_share, fleet_shares
 from coordinator.split_search import NoSplitError, search_levels
 from coordinator.strategies.base import StrategyContext
 from coordinator.strategies.leveled import LevelStrategy
@@ -62,22 +64,66 @@ class ScaleFL(LevelStrategy):
 
     def __init__(self, context: StrategyContext) -> None:
         self.settings = context.config.scalefl
+        #: The (ratios, tolerances) sized from the fleet's budgets (``ratios: auto``), once it reported them.
+        self.fitted: tuple[list[float], list[float]] | None = None
         super().__init__(context)
 
     def to_fit(self) -> str:
-        return f"a smaller first ratio in scalefl.ratios (now {self.config.scalefl.ratios[0]:g})"
+        if self.by_fleet:
+            return "a larger memory budget (scalefl.ratios auto already gives the weakest devices a level)"
+        return f"a smaller first ratio in scalefl.ratios (now {self.targets()[0][0]:g})"
+
+    @property
+    def by_fleet(self) -> bool:
+        """Whether the levels are sized from the fleet's budgets: ``ratios: auto`` with the ``memory`` cost."""
+        return self.settings.ratios == "auto" and self.settings.cost == "memory"
+
+    @property
+    def awaits_fleet(self) -> bool:
+        return self.by_fleet and self.fitted is None
+
+    def targets(self) -> tuple[list[float], list[float]]:
+        """The levels' target ratios and tolerances: fitted to the fleet, or the configured (fixed) ones."""
+        if self.fitted is not None:
+            return self.fitted
+        return self.settings.fixed_ratios(), self.settings.tolerances()
+
+    def fit_to_fleet(self, budgets: Sequence[int]) -> str | None:
+        """``ratios: auto``: one level per cluster of the devices' affordable shares of the full model's memory cost
+        (:func:`coordinator.levels.fleet_shares`), each searched just below its share (its tolerance is at most
+        a fifth of it, and the target lies that far below), so that every device of the cluster can train it."""
+        if not self.by_fleet:
+            return None
+        estimate = self.context.training_memory(SubmodelSpec.full(), self._plan(1, distill=True))
+        full = float(estimate.total - estimate.overhead)
+        shares = [affordable_share(budget, estimate.overhead, full, self.context.device_factor) for budget in budgets]
+        wanted = fleet_shares(shares, most=len(SCALEFL_RATIOS) - 1)
+        tolerances = [min(self.settings.tolerances()[0], share / 2) for share in wanted[:-1]] + [0.0]
+        ratios = [share - tolerance for share, tolerance in zip(wanted[:-1], tolerances)] + [1.0]
+        self.fitted = (ratios, tolerances)
+        self._levels = None
+        dropped = len(wanted) - len(self.levels)  # made now: a share no split reaches is dropped here
+        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the full "
+                f"model's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
+                + (f" ({dropped} share{'s' * (dropped != 1)} too small to split)" if dropped else ""))
 
     def make_levels(self) -> list[Level]:
         settings = self.settings
         cost: str | Callable[[SubmodelSpec], float] = settings.cost
         if settings.cost == "memory":
             cost = self.memory_cost
-        try:
-            found = search_levels(self.family, settings.ratios, settings.tolerances(), cost=cost,
-                                  input_size=self.context.input_size, step=settings.grid_step)
-        except NoSplitError as exc:
-            raise ValueError(f"ScaleFL cannot split model {self.family.name!r}: {exc}; change scalefl.ratios or "
-                             "widen scalefl.tolerance") from None
+        ratios, tolerances = self.targets()
+        while True:
+            try:
+                found = search_levels(self.family, ratios, tolerances, cost=cost,
+                                      input_size=self.context.input_size, step=settings.grid_step)
+                break
+            except NoSplitError as exc:
+                if self.fitted is None or len(ratios) == 1:
+                    raise ValueError(f"ScaleFL cannot split model {self.family.name!r}: {exc}; change "
+                                     "scalefl.ratios or widen scalefl.tolerance") from None
+                ratios, tolerances = ratios[1:], tolerances[1:]  # a fleet's smallest share no split reaches
+                self.fitted = (ratios, tolerances)
         levels = []
         for number, level in enumerate(found, start=1):
             split = level.split
@@ -105,6 +151,18 @@ class ScaleFL(LevelStrategy):
     def global_spec(self) -> SubmodelSpec:
         """The full model with every level's exit."""
         return self.levels[0].spec
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ratios fitted to the fleet (``ratios: auto``), so that a resumed run keeps its levels."""
+        return {"fitted": [list(part) for part in self.fitted]} if self.fitted is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if set(state) - {"fitted"}:
+            raise ValueError(f"ScaleFL's state holds {sorted(state)}, expected only 'fitted'")
+        if "fitted" in state:
+            ratios, tolerances = ([float(value) for value in part] for part in state["fitted"])
+            self.fitted = (ratios, tolerances)
+            self._levels = None
 
     def distilling(self, round_number: int) -> bool:
         """Whether the round's plans distil (off for the first ``kd_warmup`` share of the rounds)."""

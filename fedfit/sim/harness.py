@@ -210,6 +210,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                                             budget_anchor(coordinator, options.allocator, options.device),
                                             options.seed,
                                             options.budget_variance))
+        if any(schedules):  # sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...)
+            coordinator.fit_to_fleet([schedule(1) for schedule in schedules if schedule is not None])
         services = tier_services(coordinator.strategy, schedules)
         if progress is not None:
             for line in (service_lines(options.algorithm, services) if services else

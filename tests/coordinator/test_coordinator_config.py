@@ -114,7 +114,12 @@ def test_unknown_model_family_is_rejected_by_validate():
 def test_scalefl_section_loads_and_defaults_are_valid():
     defaults = ScaleFLConfig()
     defaults.validate()
-    assert defaults.ratios == [0.125, 0.25, 0.5, 1.0] and defaults.tolerances() == [0.1] * 4
+    assert defaults.ratios == "auto"  # sized to the fleet at its first round
+    assert defaults.fixed_ratios() == [0.125, 0.25, 0.5, 1.0] and defaults.tolerances() == [0.1] * 4
+    with pytest.raises(ValueError, match="auto or a list"):
+        ScaleFLConfig(ratios="fleet").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one number with scalefl.ratios: auto"):
+        ScaleFLConfig(tolerance=[0.1, 0.1, 0.1, 0.0]).validate()
     config = from_mapping(CoordinatorConfig, {
         "algorithm": "scalefl",
         "scalefl": {"ratios": [0.25, 0.5, 1.0], "cost": "flops", "tolerance": [0.05, 0.1, 0.0], "tau": 2.0,

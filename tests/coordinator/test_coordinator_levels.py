@@ -8,7 +8,15 @@ from collections import Counter
 import pytest
 
 from coordinator.config import HETEROFL_RATES
-from coordinator.levels import LEVEL_NAMES, Level, affordable, pick_dynamic, width_levels
+from coordinator.levels import (
+    LEVEL_NAMES,
+    Level,
+    affordable,
+    affordable_share,
+    fleet_shares,
+    pick_dynamic,
+    width_levels,
+)
 from models import SubmodelSpec
 
 
@@ -88,3 +96,19 @@ def test_pick_dynamic_falls_back_to_uniform_when_candidates_have_no_weight():
     picked = Counter(pick_dynamic(candidates, {"a": 1.0}, rng).name for _ in range(600))
     assert set(picked) == {"c", "d", "e"}
     assert min(picked.values()) > 100
+
+
+# ------------------------------------------------------------------------- sizing from the fleet's budgets
+def test_affordable_share_applies_the_devices_rule():
+    # overhead + variable * factor <= budget  <=>  variable <= (budget - overhead) / factor
+    assert affordable_share(1100 + 500, 500, 1000.0, 1.1) == pytest.approx(1.0)
+    assert affordable_share(550 + 500, 500, 1000.0, 1.1) == pytest.approx(0.5)
+    assert affordable_share(400, 500, 1000.0, 1.1) == 0.0  # not even the overhead
+
+
+def test_fleet_shares_cluster_the_budgets_and_keep_the_weakest():
+    assert fleet_shares([0.1, 0.105, 0.3, 0.31, 2.0], most=3) == [0.1, 0.3, 1.0]
+    assert fleet_shares([1.5, 1.0], most=3) == [1.0]  # everyone trains the full model
+    assert fleet_shares([0.0, 0.2], most=3) == [0.2, 1.0]  # a device without room for anything adds no level
+    spread = fleet_shares([0.1, 0.2, 0.4, 0.6, 0.8], most=3)
+    assert spread[0] == 0.1 and len(spread) == 4 and spread[-1] == 1.0 and spread == sorted(spread)

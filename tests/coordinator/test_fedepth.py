@@ -72,7 +72,7 @@ def test_plan_for_budget_cuts_by_the_estimates(make_context):
         if spec.segments is None:
             return 1000 * plan.copies  # whole: 1000 a copy
         (start, stop), = spec.segments
-        return sum((500, 300, 200)[start:stop])  # per-block costs, as FeDepth's cut reads them
+        return sum((500, 300, 200)[start:stop]) or 150  # per-block costs, as FeDepth's cut reads them; the head 150
 
     strategy = fedepth(make_context, cost=cost, max_copies=3)
     assert strategy.plan_for_budget(3000) == {"trains": "whole, 3 copies", "train_bytes": 3000}
@@ -82,7 +82,39 @@ def test_plan_for_budget_cuts_by_the_estimates(make_context):
                                                "train_bytes": [500, 500]}
     described = strategy.plan_for_budget(300)
     assert described["trains"] == "depth-wise" and "skipped 0" in described["segments"]
-    assert strategy.plan_for_budget(100) == {"trains": "nothing", "needs_bytes": 200, "to_fit": strategy.to_fit()}
+    # No block fits alone (the cheapest needs 200): the head alone on the frozen blocks, down to its own need.
+    assert strategy.plan_for_budget(199) == {"trains": "head alone", "segments": "on frozen blocks 0-2",
+                                             "cut": [[3, 3]], "train_bytes": [150]}
+    assert strategy.plan_for_budget(150)["cut"] == [[3, 3]]
+    nothing = strategy.plan_for_budget(149)  # not even the head: smaller micro-batches would not change that
+    assert nothing == {"trains": "nothing", "needs_bytes": 150, "to_fit": nothing["to_fit"]}
+    assert "lighter blocks" in nothing["to_fit"] and "preresnet20" in nothing["to_fit"]
+
+
+def test_plan_for_budget_trains_the_head_alone_exactly_where_no_block_fits(make_context):
+    head = 120
+
+    def cost(spec: SubmodelSpec, plan: TrainingPlan) -> int:
+        if spec.segments is None:
+            return 10_000
+        (start, stop), = spec.segments
+        micro = plan.schedule[0].micro_batch if plan.schedule else 0
+        shrink = {0: 1.0, 16: 0.8, 8: 0.7, 2: 0.5}[micro]  # micro-batches cut the activations' share
+        return round((sum((900, 700, 800)[start:stop]) if stop > start else head) * shrink)
+
+    strategy = fedepth(make_context, cost=cost)
+    cheapest_block = round(700 * 0.7)  # block 1 in micro-batches of 8
+    below = strategy.plan_for_budget(cheapest_block - 1)
+    assert below["trains"] == "head alone" and below["cut"] == [[3, 3]]
+    assert below["train_bytes"] == [head]  # it fits at the whole batch: no micro-batches
+    at = strategy.plan_for_budget(cheapest_block)
+    assert at["trains"] == "depth-wise" and [1, 2] in at["cut"] and [3, 3] not in at["cut"]
+    micro = strategy.plan_for_budget(head - 1)  # the head fits only in micro-batches: the largest that fits
+    assert micro["cut"] == [[3, 3]] and micro["train_bytes"] == [round(head * 0.8)] and "16" in micro["segments"]
+    nothing = strategy.plan_for_budget(round(head * 0.7) - 1)  # below the floor's need: micro-batches of 2 would do
+    assert nothing["trains"] == "nothing" and nothing["needs_bytes"] == round(head * 0.7)
+    assert nothing["to_fit"] == strategy.to_fit() and "fedepth.min_micro_batch, now 8" in nothing["to_fit"]
+    assert "lighter blocks" in strategy.plan_for_budget(round(head * 0.5) - 1)["to_fit"]  # not even those
 
 
 def test_auxiliary_classifier_route_sends_an_exit_after_every_block(make_context, make_agent):

@@ -168,7 +168,7 @@ def test_dynamic_assignment_draws_from_the_pool_models_only(digits, make_agent) 
     config.level_proportions = [1.0, 1.0, 1.0]  # one weight per model of P (M3, M2, M1)
     made = make_strategy("flexfl", context(config, digits))
     rng = random.Random(0)
-    drawn = {made.choose_level(make_agent("a", None), rng, 1).name for _ in range(200)}  # type: ignore[union-attr]
+    drawn = {made.choose_level(make_agent("a", None), rng, 1).name for _ in range(200)}
     assert drawn == {"M1", "M2", "M3"}
 
 

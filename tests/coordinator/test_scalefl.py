@@ -301,9 +301,9 @@ def test_the_top_level_is_the_global_model_and_costs_most_with_its_distilling_pl
     assert strategy.cost(top, ROUNDS) == max(strategy.cost(top, r) for r in range(1, ROUNDS + 1))
 
 
-def test_state_is_empty(strategy):
+def test_state_is_empty_with_fixed_ratios(strategy):
     assert strategy.state_dict() == {}
-    with pytest.raises(ValueError, match="keeps no state"):
+    with pytest.raises(ValueError, match="expected only 'fitted'"):
         strategy.load_state_dict({"round": 3})
 
 
@@ -398,3 +398,38 @@ def test_memory_cost_leaves_the_fixed_overhead_out_and_plans_with_distillation()
 def test_impossible_ratios_give_a_clear_error():
     with pytest.raises(ValueError, match=r"ScaleFL cannot split model 'cnn'.*scalefl\.ratios.*scalefl\.tolerance"):
         make_strategy("scalefl", context(scalefl_config(ratios=[0.001, 1.0], tolerance=0.01)))
+
+
+# ----------------------------------------------------------------------- ratios: auto (sized to the fleet)
+def auto_strategy() -> ScaleFL:
+    made = make_strategy("scalefl", context(scalefl_config(ratios="auto", cost="memory")))
+    assert isinstance(made, ScaleFL)
+    return made
+
+
+def test_auto_waits_for_the_fleet_and_then_gives_every_budget_a_level():
+    strategy = auto_strategy()
+    assert strategy.awaits_fleet
+    fixed = [level.spec for level in strategy.levels]  # before the fleet: the fixed default ratios
+    smallest = min(strategy.cost(level) for level in strategy.levels)
+    budgets = [smallest // 3, smallest // 2, smallest * 2, strategy.cost(strategy.levels[0])]
+    told = strategy.fit_to_fleet(budgets)
+    assert told is not None and "auto" in told and not strategy.awaits_fleet
+    assert [level.spec for level in strategy.levels] != fixed
+    for budget in budgets:  # every device trains a level, by the device's rule
+        assert strategy.plan_for_budget(budget)["trains"] != "nothing", budget
+
+
+def test_auto_levels_survive_a_restart():
+    strategy = auto_strategy()
+    full = strategy.cost(strategy.levels[0])
+    strategy.fit_to_fleet([full // 20, full // 4, full])
+    restored = auto_strategy()
+    restored.load_state_dict(strategy.state_dict())
+    assert not restored.awaits_fleet
+    assert [level.spec for level in restored.levels] == [level.spec for level in strategy.levels]
+
+
+def test_fixed_ratios_are_not_sized_by_the_fleet():
+    strategy = make_strategy("scalefl", context(scalefl_config(cost="memory")))
+    assert not strategy.awaits_fleet and strategy.fit_to_fleet([1, 2, 3]) is None and strategy.state_dict() == {}

@@ -740,13 +740,40 @@ def test_depthwise_trains_a_block_that_fits_nowhere_whole_in_micro_batches(make_
     assert "(skipped 0)" in make_runner(budget=budget, name="floored").run(floored).reason
 
 
-def test_depthwise_declines_when_no_block_fits_alone(deep_family, make_deep_task, make_runner, task_plan):
+HEAD_ONLY = SubmodelSpec(segments=((3, 3),))  # the head alone on the frozen output of the deep CNN's three blocks
+
+
+def test_depthwise_trains_the_head_alone_exactly_where_no_block_fits(deep_family, make_deep_task, make_runner,
+                                                                      task_plan):
     plan = task_plan()
     smallest = min(corrected_cost(deep_family, SubmodelSpec(segments=((b, b + 1),)), plan) for b in range(3))
-    update = make_runner(budget=smallest - 1000).run(
+    head = corrected_cost(deep_family, HEAD_ONLY, plan)
+    assert head < smallest  # on a CPU the frozen body runs from the received weights: only the head is copied
+    task = make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise"))
+    update = make_runner(budget=smallest - 1).run(task)
+    assert update.status == "adapted", update.reason
+    assert update.spec_trained == HEAD_ONLY.to_dict()
+    assert update.reason.startswith("trained the head alone on the frozen output of blocks 0-2 (no block fits "
+                                    "alone); frozen blocks recomputed every batch")
+    assert update.metrics["head_only"] == 1.0 and update.metrics["skipped_blocks"] == 3.0
+    assert update.metrics["estimated_bytes"] <= smallest - 1
+    assert set(update.weights) == set(deep_family.head_keys())  # only what it trained goes up
+    assert changed(task.weights, update.weights) == set(deep_family.head_keys())
+    # Where a block fits, it trains that block, never the head alone.
+    fits = make_runner(budget=smallest, name="fits").run(task)
+    assert fits.status == "adapted" and fits.metrics["head_only"] == 0.0 and "blocks" in fits.reason, fits.reason
+
+
+def test_depthwise_declines_when_not_even_the_head_fits_alone(deep_family, make_deep_task, make_runner, task_plan):
+    plan = task_plan()
+    smallest = min(corrected_cost(deep_family, spec, plan)
+                   for spec in (HEAD_ONLY, *(SubmodelSpec(segments=((b, b + 1),)) for b in range(3))))
+    assert smallest == corrected_cost(deep_family, HEAD_ONLY, plan)
+    update = make_runner(budget=smallest - 1).run(
         make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
     assert update.status == "declined"
-    assert "no block fits alone, the smallest needs" in update.reason and update.weights == {}
+    assert "no block fits alone, nor the head alone on the frozen blocks, the smallest needs" in update.reason
+    assert update.weights == {}
 
 
 def test_depthwise_buffers_the_frozen_outputs_of_a_stage_of_several_epochs_when_they_fit(

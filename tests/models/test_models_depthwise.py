@@ -326,3 +326,64 @@ def test_without_micro_batches_nothing_changes() -> None:
                                                         (32, 17, []), (10, 2, [5, 2]), (8, 4, [4])])
 def test_the_micro_batch_ladder_halves_the_batch_down_to_the_floor(batch: int, floor: int, ladder: list[int]) -> None:
     assert micro_batch_ladder(batch, floor) == ladder
+
+
+# ---- the head alone: partial training where no block fits -----------------------------------------------------
+
+def test_the_head_alone_trains_only_the_head_on_every_blocks_frozen_output(case: Case) -> None:
+    family, size = case
+    n = family.num_blocks
+    model = _build(family, SubmodelSpec())
+    x = torch.randn(4, family.in_channels, *size)
+    net = SegmentModel(model, n, n, tuple(x.shape))
+    assert not net.skip and net.classifier is model.output_head()
+    assert {id(p) for p in model.parameters() if p.requires_grad} == _ids(model.output_head())
+    logits = net(x)
+    torch.testing.assert_close(logits, model(x))  # the real features: no skip path
+    F.cross_entropy(logits, torch.tensor([0, 1, 2, 3])).backward()
+    head = _ids(model.output_head())
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (id(p) in head), name
+    net.release()
+    buffered = frozen_outputs(model, n, x, batch_size=4)  # what a buffered head-only stage trains from
+    torch.testing.assert_close(SegmentModel(model, n, n, tuple(x.shape), frozen_input=True)(buffered), model(x))
+
+
+def test_the_head_alone_is_one_empty_segment_after_every_kept_block(case: Case) -> None:
+    family, _ = case
+    n = family.num_blocks
+    spec = family.validate_spec(SubmodelSpec(segments=((n, n),)))
+    assert spec.head_only and not SubmodelSpec(segments=((0, n),)).head_only and not SubmodelSpec().head_only
+    assert family.trained_blocks(spec) == ()
+    assert set(family.trainable_keys(spec)) == set(family.head_keys())  # what the update carries: the head
+    assert family.is_nested(spec, SubmodelSpec())
+    with pytest.raises(ValueError, match="after every kept block"):
+        family.validate_spec(SubmodelSpec(segments=((1, 1),)))
+    with pytest.raises(ValueError, match="the only one"):
+        SubmodelSpec(segments=((0, 1), (n, n)))
+
+
+def test_the_head_alone_is_cut_exactly_where_no_block_fits() -> None:
+    head = 0.1  # cost(5, 5): the head on the frozen output of every block, below any block in micro-batches
+
+    def cost(start: int, stop: int) -> float:
+        return whole_cost(start, stop) if stop > start else head
+
+    def micro(start: int, stop: int, size: int) -> float:
+        return cost(start, stop) * size / 32
+
+    ladder = (16, 8, 4)
+    least_block = min(micro(b, b + 1, 4) for b in range(5))
+    assert head < least_block  # the head alone is cheaper than any block at the smallest micro-batch
+    just_below = cut_segments(cost, 5, least_block - 1e-9, micro_cost=micro, micro_batches=ladder, head_only=True)
+    assert just_below == Decomposition(((5, 5),), (0, 1, 2, 3, 4)) and just_below.head_only
+    assert just_below.describe() == "head alone (skipped 0, 1, 2, 3, 4)"
+    at = cut_segments(cost, 5, least_block, micro_cost=micro, micro_batches=ladder, head_only=True)
+    assert at.segments and not at.head_only and (5, 5) not in at.segments  # a block fits: no head-only stage
+    assert at == cut_segments(cost, 5, least_block, micro_cost=micro, micro_batches=ladder)  # as without it
+    in_micro = cut_segments(cost, 5, head / 2, micro_cost=micro, micro_batches=ladder, head_only=True)
+    assert in_micro == Decomposition(((5, 5),), (0, 1, 2, 3, 4), (16,))  # the largest micro-batch that fits
+    assert in_micro.describe() == "head alone (micro-batches of 16) (skipped 0, 1, 2, 3, 4)"
+    nothing = cut_segments(cost, 5, micro(5, 5, 4) - 1e-9, micro_cost=micro, micro_batches=ladder, head_only=True)
+    assert nothing.segments == () and not nothing.head_only
+    assert cut_segments(cost, 5, least_block - 1e-9, micro_cost=micro, micro_batches=ladder).segments == ()

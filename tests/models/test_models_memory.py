@@ -378,6 +378,31 @@ def test_a_buffered_stage_adds_the_frozen_outputs_of_every_sample(case: Case) ->
         _estimate(family, size, spec=spec, segment=(2, 3), cache_samples=-1)
 
 
+def test_the_head_alone_on_a_cpu_counts_the_heads_weights_only(case: Case) -> None:
+    """FeDepth's last resort: the head alone on the frozen output of every block. On a CPU the frozen body runs
+    from the received weights (the training child's baseline), so only the head has weights of its own; on CUDA
+    the body is copied to the GPU and counts."""
+    family, size = case
+    n = family.num_blocks
+    spec = SubmodelSpec(segments=((n, n),))
+    head = _trained_bytes(family, spec, n, n)
+    cpu = _estimate(family, size, spec=spec, segment=(n, n))
+    assert cpu.parameters == cpu.gradients == head
+    cuda = _estimate(family, size, spec=spec, segment=(n, n), device="cuda")
+    assert cuda.parameters >= family.param_count(SubmodelSpec()) * BYTES_PER_ELEMENT > head
+    assert _estimate(family, size, spec=spec) == cpu  # the spec's one stage
+    # A block trained with the body held whole counts every weight, as before.
+    block = _estimate(family, size, spec=SubmodelSpec(segments=((n - 1, n),)), segment=(n - 1, n))
+    assert block.parameters == family.param_count(SubmodelSpec()) * BYTES_PER_ELEMENT
+    model = family.build(spec, track_bn_stats=False)
+    with torch.no_grad():
+        out = torch.randn(1, family.in_channels, *size)
+        for each in model.blocks:
+            out = each(out)
+    buffered = _estimate(family, size, spec=spec, segment=(n, n), cache_samples=10)
+    assert buffered.cache == 10 * out.nbytes and buffered.total == cpu.total + buffered.cache
+
+
 def _scalefl_loss(outputs: int) -> tuple[LossTerm, ...]:
     """ScaleFL's Eq. 5 over ``outputs`` outputs: CE of each, KD of each early exit towards the last."""
     terms = [LossTerm.ce(weight=i / outputs, output=i - 1) for i in range(1, outputs + 1)]

@@ -89,7 +89,7 @@ def test_exits_are_sorted_and_segments_keep_their_order() -> None:
         ({"segments": ()}, "at least one block range"),
         ({"segments": ((0, 2), (1, 3))}, "overlap"),
         ({"segments": ((2, 4), (0, 3))}, "overlap"),
-        ({"segments": ((1, 1),)}, "start < stop"),
+        ({"segments": ((1, 1), (2, 3))}, "the only one"),
         ({"segments": ((2, 1),)}, "start < stop"),
         ({"segments": ((-1, 1),)}, "start < stop"),
         ({"segments": ((0, 1, 2),)}, "block range"),
