@@ -156,6 +156,11 @@ class FeDepthConfig:
             raise ValueError(f"fedepth.route must be one of {', '.join(ROUTES)}, got {self.route!r}")
 
 
+#: FlexFL's default pool ratios (the reference code's 0.25 and 0.5 of the full model): ``flexfl.ratios`` where
+#: the fleet is not known.
+FLEXFL_RATIOS = (0.25, 0.5, 1.0)
+
+
 @dataclass
 class FlexFLConfig:
     """FlexFL's settings (the ``flexfl`` section; used when ``algorithm: flexfl``).
@@ -170,7 +175,11 @@ class FlexFLConfig:
     (the paper's Eq. 2) or, an option, of the values a ReLU would zero ``before_bn`` (per channel, at the input of
     the layer's batch norm; see :mod:`models.pruning`). ``init``: the initial global model is a fresh one
     (``fresh``, the paper: Alg. 2 resets the global model after scoring) or the pre-trained one (``pretrained``).
-    Algorithm 1: ``ratios`` (L_p, smallest first, the last 1: the full model) of ``size`` (``memory``, the default:
+    Algorithm 1: ``ratios`` (L_p, smallest first, the last 1: the full model; ``auto``, the default with ``size:
+    memory``: one pool model per cluster of the budgets the fleet reports at its first round, each just below the
+    share its devices can train, at most three below the full model, so that the weakest devices have one; before
+    the fleet is known, and with another ``size``, :data:`FLEXFL_RATIOS`; an adaptive variant that would not lie
+    between its pool model and the next smaller one is left out) of ``size`` (``memory``, the default:
     the model-dependent part of the estimated training memory at the recipe's batch size, the unit of the budgets
     devices report, as ScaleFL's ``cost: memory``; ``params``: all parameters, the paper's unit; ``features``: all
     but the final classifier's, the reference code's), gamma on a grid of ``step`` (xi) searched ``up`` from 0 (the
@@ -190,7 +199,7 @@ class FlexFLConfig:
     pretrain_rounds: int = 5
     apoz_at: Literal["after_relu", "before_bn"] = "after_relu"
     init: Literal["fresh", "pretrained"] = "fresh"
-    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
+    ratios: list[float] | Literal["auto"] = "auto"
     size: Literal["memory", "params", "features"] = "memory"
     step: float = 0.01
     tolerance: float = 0.01
@@ -205,7 +214,9 @@ class FlexFLConfig:
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
-        ratios = self.ratios
+        if isinstance(self.ratios, str) and self.ratios != "auto":
+            raise ValueError(f"flexfl.ratios must be auto or a list of ratios, got {self.ratios!r}")
+        ratios = self.fixed_ratios()
         if (not ratios or any(not 0 < r <= 1 for r in ratios)
                 or any(a >= b for a, b in itertools.pairwise(ratios)) or ratios[-1] != 1.0):
             raise ValueError(f"flexfl.ratios must increase strictly within (0, 1] and end with 1, got {ratios}")
@@ -235,9 +246,18 @@ class FlexFLConfig:
         ``ratio - Gamma`` (``global``, the paper) or ``ratio * (1 - Gamma)`` (``relative``)."""
         return ratio * (1 - self.adaptive_cut) if self.adaptive_mode == "relative" else ratio - self.adaptive_cut
 
+    def fixed_ratios(self) -> list[float]:
+        """The configured ratios, or :data:`FLEXFL_RATIOS` where they are ``auto`` (before the fleet is known)."""
+        return list(FLEXFL_RATIOS) if self.ratios == "auto" else list(self.ratios)
+
     def has_variant(self, number: int) -> bool:
         """Whether the pool model ``M{number}`` (1: the smallest) has an adaptive variant."""
         return self.adaptive_cut > 0 and (number > 1 or self.full_variant)
+
+
+#: AdaptiveFL's widths r_w of the L, M and S types (the paper's Table 1): ``adaptivefl.widths`` where the fleet is
+#: not known.
+ADAPTIVEFL_WIDTHS = (1.0, 0.66, 0.4)
 
 
 @dataclass
@@ -246,7 +266,10 @@ class AdaptiveFLConfig:
 
     The pool (the paper's Table 1): one model per width in ``widths`` (largest first; the first is type L, then M,
     S, XS, XXS) and value of I in ``full_layers`` (largest first; null: the family's default, VGG-16's 8, 6, 4, see
-    :func:`models.fine_grained.default_full_layers`); a width of 1 is the full model alone. No I may be below
+    :func:`models.fine_grained.default_full_layers`); a width of 1 is the full model alone. ``widths: auto`` (the
+    default): the paper's 1, 0.66, 0.4 (:data:`ADAPTIVEFL_WIDTHS`), the S type's narrowed, when the fleet reports its
+    budgets at its first round, to the widest that its weakest devices can train (its smallest model, at the
+    smallest I); where none can, the plan says so with what the smallest would need. No I may be below
     ``min_full_layers``: the shallow layers are never pruned. ``selection``: ``rl`` (Algorithm 1: the resource
     reward capped at ``success_cap`` times the curiosity reward), or the paper's ablations ``greedy`` (the largest
     model to random clients), ``random`` (a random model to a random client), ``curiosity`` (the curiosity reward
@@ -262,7 +285,7 @@ class AdaptiveFLConfig:
     L type's R_s meets ``success_cap`` (see :mod:`coordinator.client_selection`).
     """
 
-    widths: list[float] = field(default_factory=lambda: [1.0, 0.66, 0.4])
+    widths: list[float] | Literal["auto"] = "auto"
     full_layers: list[int] | None = None
     min_full_layers: int = 1
     selection: Literal["rl", "greedy", "random", "curiosity", "resource"] = "rl"
@@ -270,9 +293,15 @@ class AdaptiveFLConfig:
     readmit_after: int | None = 5
     large_divisor: Literal["paper", "reference"] = "paper"
 
+    def fixed_widths(self) -> list[float]:
+        """The configured widths, or :data:`ADAPTIVEFL_WIDTHS` where they are ``auto`` (before the fleet is known)."""
+        return list(ADAPTIVEFL_WIDTHS) if self.widths == "auto" else list(self.widths)
+
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
-        widths = self.widths
+        if isinstance(self.widths, str) and self.widths != "auto":
+            raise ValueError(f"adaptivefl.widths must be auto or a list of widths, got {self.widths!r}")
+        widths = self.fixed_widths()
         if (not widths or len(widths) > 5 or any(not 0 < w <= 1 for w in widths)
                 or any(a <= b for a, b in itertools.pairwise(widths))):
             raise ValueError(f"adaptivefl.widths must be 1 to 5 widths in (0, 1], strictly decreasing, got {widths}")

@@ -60,7 +60,8 @@ def fleet_shares(shares: Sequence[float], *, most: int, merge: float = 0.15) -> 
     joins it, and the cluster gets that smallest: every device of it can train its level), at most ``most``
     below the full model (the smallest cluster always kept, the others spread over the rest)."""
     clusters: list[float] = []
-    for share in sorted(s for s in shares if 0 < s < 1):
+    for share in sorted(s for s in shares if 0 < s < 1 - 1e-3):  # within 0.1% of 1: the full model (the
+        # device's rule truncates to whole bytes)
         if not clusters or share > clusters[-1] * (1 + merge):
             clusters.append(share)
     if len(clusters) > most > 0:

@@ -55,11 +55,57 @@ class AdaptiveFL(LevelStrategy):
 
     def __init__(self, context: StrategyContext) -> None:
         self.settings = context.config.adaptivefl
+        #: The widths sized to the fleet's weakest devices (``widths: auto``), once the fleet reported its budgets.
+        self.fitted: list[float] | None = None
         super().__init__(context)
+        self.tables = self._new_tables()
+
+    def _new_tables(self) -> SelectionTables:
         pool = [PoolEntry(level.name, level.info["type"]) for level in reversed(self.levels)]
-        self.tables = SelectionTables(pool, self.per_type, cap=self.settings.success_cap,
-                                      large_divisor=self.settings.large_divisor,
-                                      readmit_after=self.settings.readmit_after)
+        return SelectionTables(pool, self.per_type, cap=self.settings.success_cap,
+                               large_divisor=self.settings.large_divisor, readmit_after=self.settings.readmit_after)
+
+    # ------------------------------------------------------------------ sized to the fleet
+    @property
+    def widths(self) -> list[float]:
+        """The widths r_w of the types, largest first: fitted to the fleet, or the configured (fixed) ones."""
+        return list(self.fitted) if self.fitted is not None else self.settings.fixed_widths()
+
+    @property
+    def awaits_fleet(self) -> bool:
+        return self.settings.widths == "auto" and self.fitted is None
+
+    def smallest_need(self, width: float) -> int:
+        """What a device needs to train the pool's smallest model at ``width`` (its smallest I kept whole)."""
+        level = Level("S", fine_grained_spec(self.family, width, min(self.full_layers)), {})
+        return self.cost(level)
+
+    def fit_to_fleet(self, budgets: Sequence[int]) -> str | None:
+        """``widths: auto``: the smallest type's width narrowed (on a grid of 0.01, never below 0.01) until its
+        smallest model fits the weakest budget of the fleet that any width can serve, by the device's rule; the
+        paper's widths where they fit it already. Budgets below what the whole shallow layers alone need are
+        served by no width (:meth:`to_fit` says so)."""
+        if self.settings.widths != "auto":
+            return None
+        fixed = self.settings.fixed_widths()
+        floor = self.smallest_need(0.01)
+        weakest = min((budget for budget in budgets if budget >= floor), default=None)
+        chosen = fixed
+        if weakest is not None and self.smallest_need(fixed[-1]) > weakest:
+            grid = [round(fixed[-1] - 0.01 * step, 2) for step in range(1, round(fixed[-1] * 100))]
+            width = next((w for w in grid if self.smallest_need(w) <= weakest), None)
+            if width is not None:
+                chosen = [*fixed[:-1], width]
+        unserved = sum(1 for budget in budgets if budget < floor)
+        self.fitted = chosen
+        self._levels = None
+        self.tables = self._new_tables()
+        text = (f"adaptivefl.widths auto: the paper's {', '.join(f'{w:g}' for w in fixed)}" if chosen == fixed else
+                f"adaptivefl.widths auto: {', '.join(f'{w:g}' for w in chosen)}, the smallest type narrowed so that "
+                f"the weakest budget any width can serve trains its smallest model")
+        return text + (f"; {unserved} of {len(budgets)} budgets {'lies' if unserved == 1 else 'lie'} below what any "
+                       f"width needs: {self.to_fit()}"
+                       if unserved else "")
 
     # ------------------------------------------------------------------ pool
     @property
@@ -85,7 +131,7 @@ class AdaptiveFL(LevelStrategy):
             raise ValueError(f"adaptivefl.full_layers {depths}: I must be below the {layers} prunable layers of "
                              f"{self.family.name!r} (I = {layers} is the full model)")
         levels: list[Level] = []
-        for kind, width in zip(TYPE_NAMES, self.settings.widths):
+        for kind, width in zip(TYPE_NAMES, self.widths):
             if width == 1.0:
                 levels.append(Level(f"{kind}1", SubmodelSpec.full(), {"type": kind, "r_w": 1.0, "I": "-"}))
                 continue
@@ -140,8 +186,12 @@ class AdaptiveFL(LevelStrategy):
         return self.nothing_fits(min(self.cost(level) for level in self.levels))
 
     def to_fit(self) -> str:
-        widths, depth = self.settings.widths, min(self.full_layers)
-        return (f"a smaller last width in adaptivefl.widths (now {widths[-1]:g}) or fewer whole layers "
+        depth = min(self.full_layers)
+        if self.settings.widths == "auto":
+            return (f"fewer whole layers (adaptivefl.min_full_layers, now I >= {depth}; the paper keeps the shallow "
+                    f"layers whole): with the others at width 0.01 the smallest model still needs "
+                    f"{self.smallest_need(0.01) / 2**20:.1f} MiB")
+        return (f"a smaller last width in adaptivefl.widths (now {self.widths[-1]:g}) or fewer whole layers "
                 f"(adaptivefl.full_layers / min_full_layers, now I >= {depth})")
 
     def observe(self, round_number: int, outcomes: Sequence[TaskOutcome]) -> None:
@@ -196,7 +246,8 @@ class AdaptiveFL(LevelStrategy):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "pool": [level.name for level in self.levels],
-                "specs": [level.spec.to_dict() for level in self.levels], "tables": self.tables.state_dict()}
+                "specs": [level.spec.to_dict() for level in self.levels], "tables": self.tables.state_dict(),
+                **({"widths": list(self.fitted)} if self.fitted is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
@@ -204,6 +255,10 @@ class AdaptiveFL(LevelStrategy):
         if state.get("version") not in READABLE_VERSIONS or not isinstance(state.get("tables"), dict):
             raise ValueError(f"the checkpoint's AdaptiveFL state is not one this version reads (no tables of version "
                              f"{' or '.join(map(str, READABLE_VERSIONS))}, got version {state.get('version')!r})")
+        if "widths" in state:  # sized to the fleet: the same pool again
+            self.fitted = [float(width) for width in state["widths"]]
+            self._levels = None
+            self.tables = self._new_tables()
         if state.get("specs") != [level.spec.to_dict() for level in self.levels]:
             raise ValueError("the checkpoint's AdaptiveFL tables were learnt for another pool (other model or "
                              "adaptivefl settings); use the settings they were made with, or another state_dir")

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from coordinator.config import FLEXFL_RATIOS
 from coordinator.evaluation import accuracies
-from coordinator.levels import Level
+from coordinator.levels import Level, affordable_share, fleet_shares
 from coordinator.strategies.base import State, StrategyContext, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
@@ -114,15 +115,54 @@ class FlexFL(LevelStrategy):
         started = time.monotonic()
         apoz = apoz_scores(family, model, score_x, at=settings.apoz_at)
         weights = adjustment_weights(family)
-        pool: list[dict[str, Any]] = []
-        for number, ratio in enumerate(settings.ratios, start=1):
-            pool.append(self._prune(f"M{number}", ratio, apoz, weights, None))
-            if settings.has_variant(number):
-                pool.append(self._prune(f"M{number}'", settings.adaptive_target(ratio), apoz, weights,
-                                        f"M{number}"))
+        pool = self._pool(settings.fixed_ratios(), apoz, weights)
         summary["pool_seconds"] = round(time.monotonic() - started, 2)
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "pretraining": summary,
                 "apoz": apoz, "adjustment": weights, "pool": pool}
+
+    def _pool(self, ratios: Sequence[float], apoz: Mapping[str, float],
+              weights: Mapping[str, float]) -> list[dict[str, Any]]:
+        """Algorithm 1: the pool models of ``ratios`` (smallest first) and their adaptive variants, each variant only
+        where its target lies between its pool model and the next smaller one."""
+        settings = self.settings
+        pool: list[dict[str, Any]] = []
+        for number, ratio in enumerate(ratios, start=1):
+            pool.append(self._prune(f"M{number}", ratio, apoz, weights, None))
+            below = ratios[number - 2] if number > 1 else 0.0
+            if settings.has_variant(number) and below < settings.adaptive_target(ratio) < ratio:
+                pool.append(self._prune(f"M{number}'", settings.adaptive_target(ratio), apoz, weights,
+                                        f"M{number}"))
+        return pool
+
+    # ------------------------------------------------------------------ sized to the fleet
+    @property
+    def by_fleet(self) -> bool:
+        """Whether the pool is sized from the fleet's budgets: ``ratios: auto`` with ``size: memory``."""
+        return self.settings.ratios == "auto" and self.settings.size == "memory"
+
+    @property
+    def awaits_fleet(self) -> bool:
+        return self.by_fleet and "fitted" not in self.setup()
+
+    def fit_to_fleet(self, budgets: Sequence[int]) -> str | None:
+        """``ratios: auto``: one pool model per cluster of the devices' affordable shares of the full model's
+        ``memory`` size (:func:`coordinator.levels.fleet_shares`), each a ``tolerance`` below its share so that every
+        device of the cluster can train it; the APoZ scores and the pre-training are not redone."""
+        if not self.by_fleet:
+            return None
+        setup = self.setup()
+        estimate = self.context.training_memory(SubmodelSpec.full(), self.recipe_plan())
+        full = float(estimate.total - estimate.overhead)
+        shares = [affordable_share(budget, estimate.overhead, full, self.context.device_factor) for budget in budgets]
+        tolerance = self.settings.tolerance
+        ratios = [share - tolerance for share in fleet_shares(shares, most=len(FLEXFL_RATIOS))[:-1]
+                  if share - tolerance > tolerance] + [1.0]
+        setup["pool"] = self._pool(ratios, setup["apoz"], setup["adjustment"])
+        setup["fitted"] = [round(ratio, 6) for ratio in ratios]
+        self._levels = None
+        _ = self.levels  # checked now (nested, one proportion per model sent)
+        return (f"flexfl.ratios auto: pool models at {', '.join(f'{r:.3g}' for r in ratios)} of the full model's "
+                f"training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}")
 
     def _prune(self, name: str, target: float, apoz: Mapping[str, float], weights: Mapping[str, float],
                variant_of: str | None) -> dict[str, Any]:
@@ -168,7 +208,9 @@ class FlexFL(LevelStrategy):
         return level.info.get("adaptive_of") is None
 
     def to_fit(self) -> str:
-        return f"a smaller first ratio in flexfl.ratios (now {self.config.flexfl.ratios[0]:g})"
+        if self.by_fleet:
+            return "a larger memory budget (flexfl.ratios auto already sizes a pool model for the weakest devices)"
+        return f"a smaller first ratio in flexfl.ratios (now {self.settings.fixed_ratios()[0]:g})"
 
     def plan_for_budget(self, budget: int) -> dict[str, Any]:
         """What a device reporting ``budget`` bytes trains; ``sent``: the pool model it is sent, when that is

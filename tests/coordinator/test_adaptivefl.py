@@ -251,3 +251,29 @@ def test_the_state_carries_the_readmission_clock_and_reads_version_1(strategy: A
     assert fresh.tables.out_since == {}
     with pytest.raises(ValueError, match="no tables of version 1 or 2, got version 3"):
         fresh.load_state_dict({**state, "version": 3})
+
+
+# ----------------------------------------------------------------------- widths: auto (sized to the fleet)
+def test_auto_narrows_the_smallest_type_for_the_weakest_budget_it_can_serve() -> None:
+    made = make_strategy("adaptivefl", context(adaptivefl_config()))
+    assert isinstance(made, AdaptiveFL) and made.awaits_fleet
+    paper_smallest = made.smallest_need(0.4)
+    floor = made.smallest_need(0.01)
+    weak = (floor + paper_smallest) // 2  # between what the narrowest and the paper's S type need
+    told = made.fit_to_fleet([floor - 1, weak, made.cost(made.levels[0])])
+    assert told is not None and "1 of 3 budgets lies below" in told and not made.awaits_fleet
+    assert made.widths[:2] == [1.0, 0.66] and made.widths[2] < 0.4
+    assert made.plan_for_budget(weak)["trains"] != "nothing"
+    assert made.plan_for_budget(floor - 1)["trains"] == "nothing"  # the whole shallow layers alone need more
+    assert "min_full_layers" in made.to_fit()
+    restored = make_strategy("adaptivefl", context(adaptivefl_config()))
+    restored.load_state_dict(made.state_dict())
+    assert restored.widths == made.widths and not restored.awaits_fleet
+
+
+def test_auto_keeps_the_papers_widths_where_they_serve_the_fleet() -> None:
+    made = make_strategy("adaptivefl", context(adaptivefl_config()))
+    made.fit_to_fleet([made.smallest_need(0.4), made.cost(made.levels[0])])
+    assert made.widths == [1.0, 0.66, 0.4]
+    fixed = make_strategy("adaptivefl", context(adaptivefl_config(widths=[1.0, 0.5])))
+    assert not fixed.awaits_fleet and fixed.fit_to_fleet([1]) is None

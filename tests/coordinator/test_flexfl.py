@@ -334,3 +334,26 @@ def test_the_relative_cut_is_an_option_that_cuts_a_share_of_the_pool_models_own_
     assert glob["M2'"][2] == pytest.approx(0.35) and relative["M2'"][2] == pytest.approx(0.425)
     with_m1 = _tiny_pool(digits, monkeypatch, full_variant=True)
     assert list(with_m1) == ["M3", "M3'", "M2", "M2'", "M1", "M1'"] and with_m1["M1'"][2] == pytest.approx(0.15)
+
+
+# ----------------------------------------------------------------------- ratios: auto (sized to the fleet)
+def test_auto_sizes_a_pool_model_for_every_cluster_of_budgets(digits) -> None:
+    made = make_strategy("flexfl", context(flexfl_config(), digits))
+    assert isinstance(made, FlexFL) and made.awaits_fleet
+    full = made.training_cost(SubmodelSpec.full(), made.recipe_plan())
+    budgets = [full // 10, full // 3, full]
+    told = made.fit_to_fleet(budgets)
+    assert told is not None and "auto" in told and not made.awaits_fleet
+    for budget in budgets:  # every device trains a pool model (or a variant of one), by the device's rule
+        assert made.plan_for_budget(budget)["trains"] != "nothing", budget
+    sent = [level for level in made.levels if made.sends(level)]
+    assert len(sent) == 3  # one per cluster below the full model, and the full model
+    restored = make_strategy("flexfl", context(flexfl_config(), digits))
+    restored.load_state_dict(made.state_dict())
+    assert not restored.awaits_fleet and [lv.spec for lv in restored.levels] == [lv.spec for lv in made.levels]
+
+
+def test_fixed_ratios_or_the_paper_unit_are_not_sized_by_the_fleet(digits) -> None:
+    for settings in ({"ratios": [0.25, 0.5, 1.0]}, {"size": "params"}):
+        made = make_strategy("flexfl", context(flexfl_config(**settings), digits))
+        assert not made.awaits_fleet and made.fit_to_fleet([1, 2]) is None
