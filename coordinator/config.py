@@ -71,7 +71,7 @@ class ScaleFLConfig:
 
     ``ratios``: target cost ratios r_l of the levels, smallest first, the last 1 (the full model), or ``auto``
     (the default): one level per cluster of the budgets the fleet reports at its first round (each at the share
-    of the full model's ``memory`` cost its devices can train, at most three below the full model), so that the
+    of the full model's ``memory`` cost its devices can train, at most four below the full model), so that the
     weakest devices have a level; before the fleet is known (``fedfit plan`` without budgets) and with ``cost``
     ``params``/``flops`` the fixed :data:`SCALEFL_RATIOS`.
     ``cost``: what a level's cost counts: ``memory`` (its estimated training memory at the recipe's batch size,
@@ -177,7 +177,7 @@ class FlexFLConfig:
     (``fresh``, the paper: Alg. 2 resets the global model after scoring) or the pre-trained one (``pretrained``).
     Algorithm 1: ``ratios`` (L_p, smallest first, the last 1: the full model; ``auto``, the default with ``size:
     memory``: one pool model per cluster of the budgets the fleet reports at its first round, each just below the
-    share its devices can train, at most three below the full model, so that the weakest devices have one; before
+    share its devices can train, at most four below the full model, so that the weakest devices have one; before
     the fleet is known, and with another ``size``, :data:`FLEXFL_RATIOS`; an adaptive variant that would not lie
     between its pool model and the next smaller one is left out) of ``size`` (``memory``, the default:
     the model-dependent part of the estimated training memory at the recipe's batch size, the unit of the budgets
@@ -405,6 +405,11 @@ class CoordinatorConfig:
             any(p < 0 for p in self.level_proportions) or sum(self.level_proportions) <= 0
         ):
             raise ValueError("level_proportions needs one non-negative weight per level, not all zero")
+        sized = {"scalefl": self.scalefl.ratios == "auto" and self.scalefl.cost == "memory",
+                 "flexfl": self.flexfl.ratios == "auto" and self.flexfl.size == "memory"}
+        if self.level_proportions is not None and sized.get(self.algorithm):
+            raise ValueError(f"level_proportions needs fixed {self.algorithm}.ratios: with auto the number of levels "
+                             "comes from the fleet at its first round")
         if self.data.bn_samples < 1:
             raise ValueError("data.bn_samples must be at least 1")
         if self.round_timeout_s <= 0:

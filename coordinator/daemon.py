@@ -204,7 +204,8 @@ class Coordinator:
         self._round_lock = threading.Lock()
         if config.resume:
             pending = self.journal.load()
-            if pending is not None and pending.round == self.completed_rounds + 1 and self.strategy.awaits_fleet:
+            if (pending is not None and pending.round == self.completed_rounds + 1 == 1
+                    and self.strategy.awaits_fleet):
                 # Its tasks were planned with models sized to the fleet, which no checkpoint kept: plan it again.
                 self.log.warning("first_round_planned_again", round=pending.round,
                                  reason="the strategy is sized to the fleet at its first round")

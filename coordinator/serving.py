@@ -92,13 +92,17 @@ def unserved_text(service: TierService) -> str:
     return text
 
 
-def service_lines(method: str, services: Sequence[TierService]) -> list[str]:
-    """The start-of-run statement: one line per tier, then one per tier that trains nothing."""
+def service_lines(method: str, services: Sequence[TierService], largest: str | None = None) -> list[str]:
+    """The start-of-run statement: one line per tier, then one per tier that trains nothing, and one where no tier
+    trains the method's ``largest`` model (whose deepest parts then learn from no device)."""
     served = sum(s.devices for s in services if s.served)
     total = sum(s.devices for s in services)
     lines = [f"{method} serves {served} of {total} devices: "
              + "; ".join(f"{s.tier} ({bytes_text(s.budget)}) -> {answer_text(s.answer)}" for s in services)]
     lines += [f"{method}: {unserved_text(s)}" for s in services if not s.served]
+    if largest is not None and services and not any(s.answer.get("trains") == largest for s in services):
+        lines.append(f"{method}: no tier trains its largest model ({largest}): the parts only it holds learn from "
+                     "no device")
     return lines
 
 

@@ -29,6 +29,7 @@ import resource
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,23 @@ def _tensors_to_load(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {key: torch.from_numpy(value) for key, value in weights.items()}
 
 
+def _built(family: ModelFamily, spec: SubmodelSpec, weights: dict[str, torch.Tensor], device: str) -> FamilyNet:
+    """The model of ``spec`` with the received ``weights``: copied into its own parameters, except on CPU for a
+    spec that trains the head alone (FeDepth where no block fits), whose frozen body runs from the received
+    weights themselves (views on the task's bytes, already in the baseline; nothing writes to them) and only the
+    head gets a copy of its own, as the memory estimate counts it."""
+    if device == "cuda" or not spec.head_only:
+        model = family.build(spec, track_bn_stats=False)
+        model.load_state_dict(weights, strict=True)
+        return model
+    with torch.device("meta"):
+        model = family.build(spec, track_bn_stats=False)
+    trained = set(family.trainable_keys(spec))
+    model.load_state_dict({key: value.clone() if key in trained else value for key, value in weights.items()},
+                          strict=True, assign=True)
+    return model.train()
+
+
 def train_in_workdir(workdir: Path) -> None:
     """The training child's work: read task, request and data; train; write the update. Its progress goes into
     the work directory as it trains (:class:`~edge_agent.workdir.ProgressBeacon`)."""
@@ -179,7 +197,10 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     weights = _tensors_to_load(task.weights)
     gpu_free_before = gpu_free_memory() if device == "cuda" else None  # NVML: CUDA is not started yet
     beacon.beat()
-    warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, training, request.labels,
+    # The throwaway copy is built as the model will be (a head-only model's first build on the meta device costs
+    # about 1 MB of one-off runtime objects, paid here, before the baseline).
+    build = partial(_built, family, spec, weights, device)
+    warm_up_training(build, spec, x, y, training, request.labels,
                      task.model.num_classes, device, request.allocator, family=family, on_step=beacon.beat)
     cuda = _cuda_start(gpu_free_before) if device == "cuda" else {}
     if cuda:  # for the agent even if training then fails (an out-of-memory error the CUDA start caused, say)
@@ -187,9 +208,8 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     baseline = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
     reserved_baseline = torch.cuda.memory_reserved() if device == "cuda" else 0
     _reset_peak(device)
-    model = family.build(spec, track_bn_stats=False)
-    model.load_state_dict(weights, strict=True)
-    del weights
+    model = build()
+    del weights, build
     store = CopyStore(Path(request.copies_dir))
     copies = _load_copies(store, task.model, family, spec, training)
     peaks: list[int] = [_peak_above(device, baseline)]  # building and loading the model

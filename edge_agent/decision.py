@@ -65,8 +65,13 @@ class Cut:
     def describe(self) -> str:
         """E.g. ``"blocks 0 | 1-3 | 4-8 via the skip path; frozen blocks recomputed every batch in stages 2, 3
         (one epoch a stage)"``."""
-        text = f"blocks {self.decomposition.describe()} via " + (
-            "auxiliary classifiers" if self.route == "exit" else "the skip path")
+        if self.decomposition.head_only:  # partial training of what fits: no block does
+            micro = self.decomposition.micro_batch(0)
+            text = (f"the head alone on the frozen output of blocks 0-{self.decomposition.segments[0][0] - 1}"
+                    + (f" (micro-batches of {micro})" if micro else "") + " (no block fits alone)")
+        else:
+            text = f"blocks {self.decomposition.describe()} via " + (
+                "auxiliary classifiers" if self.route == "exit" else "the skip path")
         if self.cached:
             text += f"; frozen blocks' outputs buffered in stage{_numbers(self.cached)}"
         if self.recomputed:
@@ -164,7 +169,8 @@ class Decider:
         if choice.option is None:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"{MEMORY_DECLINE_REASON} the {size_text(available)} available (estimated: {tried}"
-                                           + (f"; no block fits alone, the smallest needs {size_text(cut.smallest)}"
+                                           + ("; no block fits alone, nor the head alone on the frozen blocks, the "
+                                              f"smallest needs {size_text(cut.smallest)}"
                                               + (f" in micro-batches of {cut.smallest_micro}" if cut.smallest_micro
                                                  else "")
                                               if cut is not None and cut.smallest is not None else "")
@@ -184,7 +190,9 @@ class Decider:
         reason: str | None = None
         metrics: dict[str, float] = {}
         if cut is not None and spec.segments is not None:
-            reason = f"trained depth-wise, {cut.describe()}, to fit {size_text(available)}"
+            reason = (f"trained {cut.describe()}" if spec.head_only else f"trained depth-wise, {cut.describe()}"
+                      ) + f", to fit {size_text(available)}"
+            metrics["head_only"] = float(spec.head_only)
             metrics["cached_stages"] = float(len(cut.cached))
             metrics["micro_batched_stages"] = float(sum(1 for m in cut.decomposition.micro_batches if m))
             metrics["skipped_blocks"] = float(len(cut.decomposition.skipped))
@@ -238,12 +246,12 @@ class Decider:
         for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
             decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget,
                                          micro_cost=lambda a, b, m: self.corrected(raw_cost(a, b, m)),
-                                         micro_batches=ladder)
-            if not decomposition.segments:  # every block was tried alone: their estimates are known
+                                         micro_batches=ladder, head_only=True)
+            if not decomposition.segments:  # every block and the head alone were tried: their estimates are known
                 if budget < available:  # a block fits alone, but not with the other segments' classifiers
                     return Cut(decomposition, None, route), None, raw_cost(0, 1)
                 least = ladder[-1] if ladder else 0
-                smallest = min(self.corrected(raw_cost(b, b + 1, least)) for b in range(blocks))
+                smallest = min(self.corrected(raw_cost(b, min(b + 1, blocks), least)) for b in range(blocks + 1))
                 return Cut(decomposition, smallest, route, smallest_micro=least), None, raw_cost(0, 1)
             spec = spec_for(decomposition.segments)
             micros = [decomposition.micro_batch(i) for i in range(len(decomposition.segments))]

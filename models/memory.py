@@ -290,7 +290,7 @@ def _trace(
         marks.setdefault("segment_input", int(args[0].nbytes))
 
     if isinstance(net, SegmentModel):  # the segment's first block, or the head when it trains alone
-        (model.blocks[segment[0]] if segment[0] < segment[1] else net.classifier).register_forward_pre_hook(
+        (model.blocks[net.start] if net.start < net.stop else net.classifier).register_forward_pre_hook(
             segment_starts)
     with torch.enable_grad(), tracker:
         inputs = torch.empty(*shape, device="meta")

@@ -255,6 +255,9 @@ class AdaptiveFL(LevelStrategy):
         if state.get("version") not in READABLE_VERSIONS or not isinstance(state.get("tables"), dict):
             raise ValueError(f"the checkpoint's AdaptiveFL state is not one this version reads (no tables of version "
                              f"{' or '.join(map(str, READABLE_VERSIONS))}, got version {state.get('version')!r})")
+        if "widths" in state and self.settings.widths != "auto":
+            raise ValueError("the checkpoint's AdaptiveFL pool was sized to the fleet (adaptivefl.widths: auto); "
+                             "resume with that setting, or use another state_dir")
         if "widths" in state:  # sized to the fleet: the same pool again
             self.fitted = [float(width) for width in state["widths"]]
             self._levels = None

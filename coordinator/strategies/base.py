@@ -269,6 +269,11 @@ class Strategy(ABC):
         """The setting that would make this method's smallest option smaller, in a few words."""
         return "a larger memory budget"
 
+    def largest(self) -> str | None:
+        """The name of the largest model this strategy hands out whole (the one whose deepest parts only it
+        holds), None where every device's training reaches the whole model (FeDepth's blocks)."""
+        return None
+
     @property
     def awaits_fleet(self) -> bool:
         """Whether what this strategy hands out is to be sized from the budgets the fleet reports

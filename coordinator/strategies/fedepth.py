@@ -41,6 +41,9 @@ class FeDepth(LevelStrategy):
 
     name = "fedepth"
 
+    def largest(self) -> str | None:
+        return None  # a device that cannot train the whole model trains it block by block
+
     def to_fit(self) -> str:
         floor = self.config.fedepth.min_micro_batch
         return (f"smaller micro-batches (fedepth.min_micro_batch, now {floor}{': none' * (floor == 0)})"

@@ -146,23 +146,60 @@ class FlexFL(LevelStrategy):
 
     def fit_to_fleet(self, budgets: Sequence[int]) -> str | None:
         """``ratios: auto``: one pool model per cluster of the devices' affordable shares of the full model's
-        ``memory`` size (:func:`coordinator.levels.fleet_shares`), each a ``tolerance`` below its share so that every
-        device of the cluster can train it; the APoZ scores and the pre-training are not redone."""
+        ``memory`` size (:func:`coordinator.levels.fleet_shares`), each a ``tolerance`` below its share; where a pool
+        model then needs more than its cluster's weakest device has as it trains (its Eq. 4 teachers add to the
+        plain size), its target shrinks by that much and the pool is made again (a few times at most). The APoZ
+        scores and the pre-training are not redone."""
         if not self.by_fleet:
             return None
         setup = self.setup()
-        estimate = self.context.training_memory(SubmodelSpec.full(), self.recipe_plan())
-        full = float(estimate.total - estimate.overhead)
-        shares = [affordable_share(budget, estimate.overhead, full, self.context.device_factor) for budget in budgets]
         tolerance = self.settings.tolerance
-        ratios = [share - tolerance for share in fleet_shares(shares, most=len(FLEXFL_RATIOS))[:-1]
-                  if share - tolerance > tolerance] + [1.0]
-        setup["pool"] = self._pool(ratios, setup["apoz"], setup["adjustment"])
-        setup["fitted"] = [round(ratio, 6) for ratio in ratios]
-        self._levels = None
+        if budgets:
+            estimate = self.context.training_memory(SubmodelSpec.full(), self.recipe_plan())
+            full = float(estimate.total - estimate.overhead)
+            factor = self.context.device_factor
+            share_of = {budget: affordable_share(budget, estimate.overhead, full, factor) for budget in budgets}
+            clusters = fleet_shares(list(share_of.values()), most=len(FLEXFL_RATIOS) + 1)[:-1]
+            # each cluster's weakest budget: the least budget whose share reaches the cluster's
+            weakest = [min(b for b, share in share_of.items() if share >= cluster) for cluster in clusters]
+            targets = [cluster - tolerance for cluster in clusters]
+        else:  # nothing reported: the fixed ratios
+            targets, weakest = self.settings.fixed_ratios()[:-1], []
+        dropped = 0
+        for _ in range(4):
+            kept = [(t, w) for t, w in itertools.zip_longest(targets, weakest) if t > tolerance]
+            dropped += len(targets) - len(kept)
+            targets, weakest = [t for t, _ in kept], [w for _, w in kept]
+            pool, reached = self._reachable_pool([*targets, 1.0], setup)
+            dropped += len(targets) + 1 - len(reached)
+            weakest = [w for t, w in zip(targets, weakest) if t in reached]
+            targets = reached[:-1]
+            setup["pool"] = pool
+            self._levels = None
+            needs = {level.name: self.cost(level) for level in self.levels if self.sends(level)}
+            over = [(index, needs[f"M{index + 1}"], budget) for index, budget in enumerate(weakest)
+                    if budget is not None and needs.get(f"M{index + 1}", 0) > budget]
+            if not over:
+                break
+            for index, need, budget in over:  # shrink by what the model needs beyond its devices' budget
+                targets[index] *= affordable_share(budget, 0, need, 1.0)
+        setup["fitted"] = [round(ratio, 6) for ratio in [*targets, 1.0]]
         _ = self.levels  # checked now (nested, one proportion per model sent)
-        return (f"flexfl.ratios auto: pool models at {', '.join(f'{r:.3g}' for r in ratios)} of the full model's "
-                f"training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}")
+        return (f"flexfl.ratios auto: pool models at {', '.join(f'{r:.3g}' for r in [*targets, 1.0])} of the full "
+                f"model's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
+                + (f" ({dropped} share{'s' * (dropped != 1)} no pruning reaches)" if dropped else ""))
+
+    def _reachable_pool(self, ratios: list[float], setup: Mapping[str, Any]) -> tuple[list[dict[str, Any]],
+                                                                                       list[float]]:
+        """The pool of ``ratios``, leaving out the smallest ratios no gamma reaches within tolerance (their
+        devices go unserved); with the ratios kept."""
+        while True:
+            try:
+                return self._pool(ratios, setup["apoz"], setup["adjustment"]), ratios
+            except ValueError:
+                if len(ratios) == 1:
+                    raise
+                ratios = ratios[1:]
 
     def _prune(self, name: str, target: float, apoz: Mapping[str, float], weights: Mapping[str, float],
                variant_of: str | None) -> dict[str, Any]:
@@ -209,7 +246,8 @@ class FlexFL(LevelStrategy):
 
     def to_fit(self) -> str:
         if self.by_fleet:
-            return "a larger memory budget (flexfl.ratios auto already sizes a pool model for the weakest devices)"
+            return ("a larger memory budget, or fixed flexfl.ratios with a smaller first one (auto sized the pool to "
+                    "the budgets the fleet reported at its first round)")
         return f"a smaller first ratio in flexfl.ratios (now {self.settings.fixed_ratios()[0]:g})"
 
     def plan_for_budget(self, budget: int) -> dict[str, Any]:

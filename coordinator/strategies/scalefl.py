@@ -22,6 +22,7 @@ level's sub-model at its last exit.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from coordinator.config import SCALEFL_RATIOS
@@ -70,7 +71,8 @@ class ScaleFL(LevelStrategy):
 
     def to_fit(self) -> str:
         if self.by_fleet:
-            return "a larger memory budget (scalefl.ratios auto already gives the weakest devices a level)"
+            return ("a larger memory budget, or fixed scalefl.ratios with a smaller first one (auto sized the levels "
+                    "to the budgets the fleet reported at its first round)")
         return f"a smaller first ratio in scalefl.ratios (now {self.targets()[0][0]:g})"
 
     @property
@@ -94,10 +96,18 @@ class ScaleFL(LevelStrategy):
         a fifth of it, and the target lies that far below), so that every device of the cluster can train it."""
         if not self.by_fleet:
             return None
-        estimate = self.context.training_memory(SubmodelSpec.full(), self._plan(1, distill=True))
-        full = float(estimate.total - estimate.overhead)
-        shares = [affordable_share(budget, estimate.overhead, full, self.context.device_factor) for budget in budgets]
-        wanted = fleet_shares(shares, most=len(SCALEFL_RATIOS) - 1)
+        if not budgets:  # nothing reported: the fixed ratios
+            self.fitted = (self.settings.fixed_ratios(), self.settings.tolerances())
+            self._levels = None
+            return "scalefl.ratios auto: no budgets reported, the fixed ratios"
+        # Shares of the costliest top level the search can make (the full model with an exit after every block it
+        # allows, trained with Eq. 5): the search's ratios are of the top level with its exits, so no level found
+        # for a share costs more than the share's devices can train.
+        top = replace(SubmodelSpec.full(), exits=tuple(self.family.exit_points))
+        overhead = self.context.training_memory(top, self._plan(self.family.num_outputs(top), distill=True)).overhead
+        full = self.memory_cost(top)
+        shares = [affordable_share(budget, overhead, full, self.context.device_factor) for budget in budgets]
+        wanted = fleet_shares(shares, most=len(SCALEFL_RATIOS))
         tolerances = [min(self.settings.tolerances()[0], share / 2) for share in wanted[:-1]] + [0.0]
         ratios = [share - tolerance for share, tolerance in zip(wanted[:-1], tolerances)] + [1.0]
         self.fitted = (ratios, tolerances)
@@ -119,11 +129,12 @@ class ScaleFL(LevelStrategy):
                                       input_size=self.context.input_size, step=settings.grid_step)
                 break
             except NoSplitError as exc:
-                if self.fitted is None or len(ratios) == 1:
+                if not self.by_fleet or len(ratios) == 1:
                     raise ValueError(f"ScaleFL cannot split model {self.family.name!r}: {exc}; change "
                                      "scalefl.ratios or widen scalefl.tolerance") from None
-                ratios, tolerances = ratios[1:], tolerances[1:]  # a fleet's smallest share no split reaches
-                self.fitted = (ratios, tolerances)
+                ratios, tolerances = ratios[1:], tolerances[1:]  # (auto) a smallest share no split reaches
+                if self.fitted is not None:
+                    self.fitted = (ratios, tolerances)
         levels = []
         for number, level in enumerate(found, start=1):
             split = level.split
@@ -159,6 +170,9 @@ class ScaleFL(LevelStrategy):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if set(state) - {"fitted"}:
             raise ValueError(f"ScaleFL's state holds {sorted(state)}, expected only 'fitted'")
+        if "fitted" in state and not self.by_fleet:
+            raise ValueError("the checkpoint's ScaleFL levels were sized to the fleet (scalefl.ratios: auto, cost: "
+                             "memory); resume with those settings, or use another state_dir")
         if "fitted" in state:
             ratios, tolerances = ([float(value) for value in part] for part in state["fitted"])
             self.fitted = (ratios, tolerances)

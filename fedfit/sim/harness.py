@@ -211,10 +211,12 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                                             options.seed,
                                             options.budget_variance))
         if any(schedules):  # sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...)
-            coordinator.fit_to_fleet([schedule(1) for schedule in schedules if schedule is not None])
+            # the tiers' budgets before any fluctuation, as fedfit plan --budgets and the statement below use
+            coordinator.fit_to_fleet([schedule.anchor.tier_bytes(schedule.tier) for schedule in schedules
+                                      if schedule is not None])
         services = tier_services(coordinator.strategy, schedules)
         if progress is not None:
-            for line in (service_lines(options.algorithm, services) if services else
+            for line in (service_lines(options.algorithm, services, coordinator.strategy.largest()) if services else
                          [(f"{options.algorithm} ignores memory budgets: every device trains "
                           f"{coordinator.strategy.describe()[0]['spec']}")]):
                 print(f"{label + ': ' if label else ''}{line}", file=progress, flush=True)

@@ -5,6 +5,7 @@ replaced by hand-made updates."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -689,3 +690,23 @@ def test_dispatch_leaves_a_window_of_chunks_in_flight_then_waits_for_the_broker(
     assert link.bytes_in_flight == 0
     heterofl._pace_dispatch("r1-dev-b")
     assert not heterofl._dispatch_unpaced  # paced again
+
+
+def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp_path: Path, digits) -> None:
+    auto = config(tmp_path, algorithm="scalefl", model=ModelConfig(family="cnn", options={"hidden": [4, 8, 16, 32]}),
+                  scalefl=ScaleFLConfig(grid_step=0.05))  # ratios: auto, cost: memory
+    first = Coordinator(auto, dataset=digits)
+    assert first.strategy.awaits_fleet
+    before = first.strategy.global_spec()
+    top = first.strategy.training_cost(before, first.strategy.level_plan(first.strategy.levels[0], 1))
+    first.fit_to_fleet([top // 30, top // 6, top * 2])
+    assert not first.strategy.awaits_fleet
+    spec = first.strategy.global_spec()
+    built = first.family.build(spec).state_dict()  # the states follow the new global model
+    assert set(first.states["global"]) == set(built) and spec != before
+    save_checkpoint(first.checkpoint_path, first.states, {"round": 1, "algorithm": "scalefl", "family": "cnn",
+                                                          "strategy": first.strategy.state_dict()})
+    resumed = Coordinator(replace(auto, resume=True), dataset=digits)
+    assert not resumed.strategy.awaits_fleet and resumed.strategy.global_spec() == spec
+    with pytest.raises(RuntimeError, match="before the first round"):
+        resumed.fit_to_fleet([top])

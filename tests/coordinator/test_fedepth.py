@@ -67,6 +67,36 @@ def test_aggregation_is_the_sample_weighted_mean_of_what_each_device_trained(mak
     assert torch.allclose(merged["conv3.weight"], torch.full_like(merged["conv3.weight"], (100 + 1200) / 400))
 
 
+def test_a_head_alone_update_counts_only_in_the_head(make_context):
+    strategy = fedepth(make_context)
+    family = strategy.family
+    level = strategy.levels[0]
+    n = family.num_blocks
+    head_only, block = SubmodelSpec(segments=((n, n),)), SubmodelSpec(segments=((n - 1, n),))
+    assert set(family.trainable_keys(head_only)) == set(family.head_keys())  # what the device uploads
+    assert family.is_nested(head_only, strategy.global_spec())  # the coordinator accepts it
+
+    def result(spec: SubmodelSpec, fill: float, samples: int) -> TaskResult:
+        keys = family.trainable_keys(spec)
+        shapes = family.shapes(spec, track_bn_stats=False)
+        index = family.index_map(spec)
+        task = TaskPlan("dev", level.name, SubmodelSpec.full(), strategy.level_plan(level, 1), "global")
+        return TaskResult(task, spec, {k: torch.full(shapes[k], fill) for k in keys}, {k: index[k] for k in keys},
+                          samples, list(range(10)))
+
+    states = strategy.initial_states(0)
+    before = states["global"]
+    merged = strategy.aggregate(1, [result(head_only, 2.0, 100), result(block, 6.0, 300)], states)["global"]
+    for key in family.head_keys():  # both trained the head: their sample-weighted mean
+        assert torch.allclose(merged[key], torch.full_like(merged[key], (200 + 1800) / 400))
+    for key in set(family.trainable_keys(block)) - set(family.head_keys()):  # only the block's device trained it
+        assert torch.allclose(merged[key], torch.full_like(merged[key], 6.0)), key
+    for key in set(before) - set(family.trainable_keys(block)):  # nobody trained it: unchanged
+        assert torch.equal(merged[key], before[key]), key
+    alone = strategy.aggregate(1, [result(head_only, 2.0, 100)], states)["global"]
+    assert all(torch.equal(alone[key], before[key]) for key in set(before) - set(family.head_keys()))
+
+
 def test_plan_for_budget_cuts_by_the_estimates(make_context):
     def cost(spec: SubmodelSpec, plan: TrainingPlan) -> int:
         if spec.segments is None:

@@ -54,3 +54,12 @@ def test_the_coordinator_tells_each_device_once_and_again_when_its_budget_crosse
     assert log.changes([make_agent("x", 600), make_agent("y", 40)]) == []  # nothing new to say
     again = log.changes([make_agent("x", 61), make_agent("y", 62)])
     assert [(agent, service.served) for agent, service in again] == [("x", False), ("y", True)]
+
+
+def test_the_statement_says_when_no_tier_trains_the_largest_model(make_context):
+    strategy = make_strategy("heterofl", make_context(config()))
+    services = serve_tiers(strategy, [("weak", 300, 2), ("medium", 600, 2)])
+    assert service_lines("heterofl", services, strategy.largest())[-1] == (
+        "heterofl: no tier trains its largest model (a): the parts only it holds learn from no device")
+    served = serve_tiers(strategy, [("strong", 1000, 1)])
+    assert not any("largest" in line for line in service_lines("heterofl", served, strategy.largest()))

@@ -1,7 +1,9 @@
 """What ``fedfit plan`` says a device trains is what that device's agent then decides to train: the strategies'
 ``plan_for_budget`` and the agent's decision (``edge_agent.decision``, a fresh calibration) apply one rule
-(``models.device_need``), for every method, at the ``fair`` and ``tiers`` budgets and exactly at the edge of
-every level the plan names."""
+(``models.device_need``), for every method sized (where it says ``auto``) to a fleet of the ``fair`` and ``tiers``
+budgets, at those budgets and exactly at the edge of
+every level the plan names (for FeDepth: of its costliest stage, and of the least a tier it cannot serve would
+need, where the head alone on the frozen blocks starts to fit)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,15 @@ def strategy_of(algorithm: str, dataset: Any) -> Strategy:
     config.data.dataset = "digits"
     if algorithm == "adaptivefl":  # the largest pool model to every client: the device then picks what fits
         config = replace(config, adaptivefl=AdaptiveFLConfig(selection="greedy"))
-    return strategy_for(config, dataset)
+    strategy = strategy_for(config, dataset)
+    strategy.fit_to_fleet(scenario_budgets(strategy, dataset))  # as a run sizes the methods that say auto
+    return strategy
+
+
+def scenario_budgets(strategy: Strategy, dataset: Any) -> list[int]:
+    """The budgets of the ``fair`` and ``tiers`` scenarios' devices."""
+    anchor = BudgetAnchor.estimate(strategy.family, base_plan(strategy.config.recipe), input_size=dataset.image_size)
+    return sorted({anchor.tier_bytes(tier) for scenario in ("fair", "tiers") for tier in scenario_tiers(scenario)})
 
 
 def agent(budget: int) -> AgentRecord:
@@ -65,10 +75,12 @@ def device_decides(strategy: Strategy, dataset: Any, budget: int) -> dict[str, A
 
 def budgets(strategy: Strategy, dataset: Any) -> list[int]:
     """The scenarios' tier budgets, and one byte either side of every level's need the plan names."""
-    anchor = BudgetAnchor.estimate(strategy.family, base_plan(strategy.config.recipe), input_size=dataset.image_size)
-    found = {anchor.tier_bytes(tier) for scenario in ("fair", "tiers") for tier in scenario_tiers(scenario)}
+    found = set(scenario_budgets(strategy, dataset))
     for row in list(found):
-        need = strategy.plan_for_budget(row).get("train_bytes")
+        said = strategy.plan_for_budget(row)
+        need = said.get("train_bytes")
+        if strategy.name == "fedepth":  # its costliest stage, or the least a tier it cannot serve would need
+            need = max(need) if isinstance(need, list) else said.get("needs_bytes", need)
         if isinstance(need, int):
             found |= {need, need - 1}
     return sorted(found)
@@ -83,8 +95,10 @@ def spec_text(strategy: Strategy, spec: dict[str, Any] | None) -> str | None:
 def test_the_plan_names_what_the_device_trains(algorithm: str, digits: Any) -> None:
     strategy = strategy_of(algorithm, digits)
     checked = 0
+    answers = set()
     for budget in budgets(strategy, digits):
         said = strategy.plan_for_budget(budget)
+        answers.add(said.get("trains"))
         done = device_decides(strategy, digits, budget)
         where = f"{algorithm} at {budget} B: plan {said}, device {done}"
         if said.get("trains") == "nothing" or said.get("fits") is False:
@@ -101,6 +115,8 @@ def test_the_plan_names_what_the_device_trains(algorithm: str, digits: Any) -> N
             assert spec_text(strategy, done["spec"]) == said["spec"], where
         checked += 1
     assert checked > 0, f"{algorithm}: no budget of the scenarios trains anything"
+    if algorithm == "fedepth":  # where no block fits alone, the head alone on the frozen blocks (the device agrees)
+        assert "head alone" in answers, answers
 
 
 def SubmodelSpec_is_whole(spec: dict[str, Any]) -> bool:
