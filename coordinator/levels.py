@@ -47,7 +47,7 @@ def pick_dynamic(candidates: Sequence[Level], proportions: Mapping[str, float], 
 
 def affordable_share(budget: int, overhead: int, full_variable: float, factor: float) -> float:
     """The share of the full model's model-dependent training memory (``full_variable``) a device with ``budget``
-    bytes can train by its own rule (``overhead + variable * factor <= budget``: :mod:`models.device_need`);
+    bytes can train by its own rule (``overhead + variable * factor <= budget``: :mod:`common.device_need`);
     0 when the budget does not even hold the runtime's fixed overhead."""
     if full_variable <= 0:
         return 1.0

@@ -18,11 +18,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from common.device_need import INITIAL_FACTOR, device_need
 from coordinator.aggregation import MaskedAggregator, restrict_rows
 from coordinator.config import CoordinatorConfig, RecipeConfig
 from coordinator.registry import AgentRecord
 from models import MemoryEstimate, ModelFamily, SubmodelSpec
-from models.device_need import INITIAL_FACTOR, device_need
 from protocol import Adaptation, LossTerm, OptimizerSettings, TrainingPlan
 
 State = dict[str, torch.Tensor]
@@ -38,7 +38,7 @@ class StrategyContext:
     agent, with its parts (:class:`models.MemoryEstimate`); ``training_sample(count)`` draws ``count`` examples
     of the server's training split (of ``training_size``; never the test split): the proxy data of methods that
     pre-train. ``device_factor``: the calibration factor a device applies to the estimate's model-dependent part
-    before it trains (a fresh agent's: :data:`models.device_need.INITIAL_FACTOR`).
+    before it trains (a fresh agent's: :data:`common.device_need.INITIAL_FACTOR`).
     """
 
     family: ModelFamily
@@ -213,7 +213,7 @@ class Strategy(ABC):
 
     def training_cost(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
         """The bytes a fresh agent must have available to train ``spec`` with ``plan``, by its own rule (the
-        estimated peak with the agent's initial calibration margin: :func:`models.device_need.device_need`): what
+        estimated peak with the agent's initial calibration margin: :func:`common.device_need.device_need`): what
         its reported budget must hold."""
         return device_need(self.context.training_memory(spec, plan), self.context.device_factor)
 

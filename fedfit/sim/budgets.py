@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from models.device_need import INITIAL_FACTOR, corrected
+from common.device_need import INITIAL_FACTOR, corrected
 from protocol import LossTerm, TrainingPlan
 
 if TYPE_CHECKING:  # the models (and torch) load only where an anchor is estimated: `fedfit agent` parses no budget

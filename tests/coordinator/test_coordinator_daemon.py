@@ -5,8 +5,8 @@ replaced by hand-made updates."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

@@ -1,6 +1,6 @@
 """What ``fedfit plan`` says a device trains is what that device's agent then decides to train: the strategies'
 ``plan_for_budget`` and the agent's decision (``edge_agent.decision``, a fresh calibration) apply one rule
-(``models.device_need``), for every method sized (where it says ``auto``) to a fleet of the ``fair`` and ``tiers``
+(``common.device_need``), for every method sized (where it says ``auto``) to a fleet of the ``fair`` and ``tiers``
 budgets, at those budgets and exactly at the edge of
 every level the plan names (for FeDepth: of its costliest stage, and of the least a tier it cannot serve would
 need, where the head alone on the frozen blocks starts to fit)."""
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from common.data import load_dataset
+from common.device_need import INITIAL_FACTOR
 from coordinator.config import AdaptiveFLConfig, CoordinatorConfig
 from coordinator.planning import strategy_for
 from coordinator.registry import AgentRecord
@@ -23,7 +24,6 @@ from coordinator.strategies.base import base_plan
 from edge_agent.decision import Decider
 from edge_agent.workdir import DataShape, DecisionRequest
 from fedfit.sim.budgets import BudgetAnchor, scenario_tiers
-from models.device_need import INITIAL_FACTOR
 from protocol import Capabilities, ModelRef, Task
 
 

@@ -4,12 +4,22 @@ calibration factor, which starts at :data:`INITIAL_FACTOR` before the device has
 
 The agent (``edge_agent.calibration``, ``edge_agent.decision``) and the coordinator's planning (``fedfit plan``,
 the strategies' level choice, the simulator's budgets) share this rule, so that what a plan says a device trains
-is what the device then trains.
+is what the device then trains. It imports nothing heavy: the agent process, which never imports torch, uses it.
 """
 
 from __future__ import annotations
 
-from models.memory import MemoryEstimate
+from typing import Protocol
+
+
+class Estimate(Protocol):
+    """An estimate of peak training memory (:class:`models.MemoryEstimate`): its total and its fixed overhead."""
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def overhead(self) -> int: ...
 
 __all__ = ["INITIAL_FACTOR", "corrected", "device_need"]
 
@@ -24,7 +34,7 @@ def corrected(raw_estimate: int, overhead: int, factor: float) -> int:
     return overhead + int((raw_estimate - overhead) * factor)
 
 
-def device_need(estimate: MemoryEstimate, factor: float = INITIAL_FACTOR) -> int:
+def device_need(estimate: Estimate, factor: float = INITIAL_FACTOR) -> int:
     """The bytes a device with calibration ``factor`` (a fresh one: :data:`INITIAL_FACTOR`) must have available to
     train what ``estimate`` estimates."""
     return corrected(estimate.total, estimate.overhead, factor)
