@@ -100,7 +100,8 @@ class Adaptation:
     ``"skip"``, the skip connection to the final head, or ``"exit"``, the auxiliary classifier after the
     segment, which the sent spec must carry); a block that does not fit alone at the plan's batch size trains in
     micro-batches (:attr:`Stage.micro_batch`) of at least ``min_micro_batch`` samples (0: never), and is skipped
-    only when even those do not fit. ``"width-levels"``: the hint of coordinators that predate ladders,
+    only when even those do not fit; where no block fits, the agent trains the head alone on the frozen output of
+    every block (one empty segment after the last block) if that fits. ``"width-levels"``: the hint of coordinators that predate ladders,
     HeteroFL's uniform width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
     """
 
