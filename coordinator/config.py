@@ -72,8 +72,8 @@ class ScaleFLConfig:
     ``ratios``: target cost ratios r_l of the levels, smallest first, the last 1 (the full model), or ``auto``
     (the default): one level per cluster of the budgets the fleet reports at its first round (each at the share
     of the full model's ``memory`` cost its devices can train, at most four below the full model), so that the
-    weakest devices have a level; before the fleet is known (``fedfit plan`` without budgets) and with ``cost``
-    ``params``/``flops`` the fixed :data:`SCALEFL_RATIOS`.
+    weakest devices have a level; before the fleet is known (``fedfit plan`` without budgets), where every device
+    can train the top level, and with ``cost`` ``params``/``flops`` the fixed :data:`SCALEFL_RATIOS`.
     ``cost``: what a level's cost counts: ``memory`` (its estimated training memory at the recipe's batch size,
     what the budgets agents report limit), ``params`` or ``flops`` (per sample, at the dataset's image size; the
     paper's two, for comparing with its Table 1).
@@ -178,7 +178,8 @@ class FlexFLConfig:
     Algorithm 1: ``ratios`` (L_p, smallest first, the last 1: the full model; ``auto``, the default with ``size:
     memory``: one pool model per cluster of the budgets the fleet reports at its first round, each just below the
     share its devices can train, at most four below the full model, so that the weakest devices have one; before
-    the fleet is known, and with another ``size``, :data:`FLEXFL_RATIOS`; an adaptive variant that would not lie
+    the fleet is known, where every device can train the full model, and with another ``size``,
+    :data:`FLEXFL_RATIOS`; an adaptive variant that would not lie
     between its pool model and the next smaller one is left out) of ``size`` (``memory``, the default:
     the model-dependent part of the estimated training memory at the recipe's batch size, the unit of the budgets
     devices report, as ScaleFL's ``cost: memory``; ``params``: all parameters, the paper's unit; ``features``: all

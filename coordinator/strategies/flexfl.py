@@ -154,7 +154,7 @@ class FlexFL(LevelStrategy):
             return None
         setup = self.setup()
         tolerance = self.settings.tolerance
-        if budgets:
+        if budgets and any(budget < self.cost(self.levels[0]) for budget in budgets):
             estimate = self.context.training_memory(SubmodelSpec.full(), self.recipe_plan())
             full = float(estimate.total - estimate.overhead)
             factor = self.context.device_factor
@@ -163,7 +163,7 @@ class FlexFL(LevelStrategy):
             # each cluster's weakest budget: the least budget whose share reaches the cluster's
             weakest = [min(b for b, share in share_of.items() if share >= cluster) for cluster in clusters]
             targets = [cluster - tolerance for cluster in clusters]
-        else:  # nothing reported: the fixed ratios
+        else:  # nothing reported, or every device trains the full model: the fixed ratios
             targets, weakest = self.settings.fixed_ratios()[:-1], []
         dropped = 0
         for _ in range(4):

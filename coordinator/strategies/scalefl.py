@@ -96,10 +96,12 @@ class ScaleFL(LevelStrategy):
         a fifth of it, and the target lies that far below), so that every device of the cluster can train it."""
         if not self.by_fleet:
             return None
-        if not budgets:  # nothing reported: the fixed ratios
+        if not budgets or all(budget >= self.cost(self.levels[0]) for budget in budgets):
+            # nothing reported, or every device trains the top level: the fixed ladder (its exits and Eq. 5)
             self.fitted = (self.settings.fixed_ratios(), self.settings.tolerances())
             self._levels = None
-            return "scalefl.ratios auto: no budgets reported, the fixed ratios"
+            return ("scalefl.ratios auto: " + ("no budgets reported" if not budgets else
+                                               "every device can train the top level") + ", the fixed ratios")
         # Shares of the costliest top level the search can make (the full model with an exit after every block it
         # allows, trained with Eq. 5): the search's ratios are of the top level with its exits, so no level found
         # for a share costs more than the share's devices can train.
