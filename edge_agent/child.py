@@ -156,7 +156,8 @@ def _built(family: ModelFamily, spec: SubmodelSpec, weights: dict[str, torch.Ten
     spec that trains the head alone (FeDepth where no block fits), whose frozen body runs from the received
     weights themselves (views on the task's bytes, already in the baseline; nothing writes to them) and only the
     head gets a copy of its own, as the memory estimate counts it."""
-    if device == "cuda" or not spec.head_only:
+    if device == "cuda" or not spec.head_only or any(value.dtype != torch.float32 for value in weights.values()):
+        # (weights of another float type are cast by the copy: the estimate counts float32 parameters)
         model = family.build(spec, track_bn_stats=False)
         model.load_state_dict(weights, strict=True)
         return model

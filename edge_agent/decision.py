@@ -246,7 +246,7 @@ class Decider:
         for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
             decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget,
                                          micro_cost=lambda a, b, m: self.corrected(raw_cost(a, b, m)),
-                                         micro_batches=ladder, head_only=True)
+                                         micro_batches=ladder, head_only=budget == available)
             if not decomposition.segments:  # every block and the head alone were tried: their estimates are known
                 if budget < available:  # a block fits alone, but not with the other segments' classifiers
                     return Cut(decomposition, None, route), None, raw_cost(0, 1)

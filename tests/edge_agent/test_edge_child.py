@@ -502,3 +502,20 @@ def test_warm_up_also_runs_the_shorter_batch_an_epoch_ends_with(monkeypatch, sam
                            TrainingPlan(batch_size=4), [0, 1], 10, "cpu", "default")
     [(x_, still)] = calls
     assert torch.equal(x_, x[:warmed]) and still.batch_size == 4  # one full batch, then the short one
+
+
+def test_a_head_alone_model_runs_its_frozen_body_from_the_received_weights_and_copies_only_the_head(deep_family):
+    # What the CPU estimate of a head-alone spec relies on: the body is not copied, the head is.
+    spec = SubmodelSpec(segments=((deep_family.num_blocks, deep_family.num_blocks),))
+    received = {key: value.detach().clone()
+                for key, value in deep_family.build(spec, track_bn_stats=False).state_dict().items()}
+    model = child._built(deep_family, spec, received, "cpu")
+    head = set(deep_family.trainable_keys(spec))
+    state = model.state_dict(keep_vars=True)
+    assert head and head < set(state)
+    for key, value in state.items():
+        shared = value.data_ptr() == received[key].data_ptr()
+        assert shared is (key not in head), key
+    half = {key: value.half() for key, value in received.items()}  # another float type: copied and cast, all of it
+    cast = child._built(deep_family, spec, half, "cpu")
+    assert all(value.dtype == torch.float32 for value in cast.state_dict().values())
