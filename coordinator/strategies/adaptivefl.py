@@ -188,9 +188,9 @@ class AdaptiveFL(LevelStrategy):
     def to_fit(self) -> str:
         depth = min(self.full_layers)
         if self.settings.widths == "auto":
-            return (f"fewer whole layers (adaptivefl.min_full_layers, now I >= {depth}; the paper keeps the shallow "
-                    f"layers whole): with the others at width 0.01 the smallest model still needs "
-                    f"{self.smallest_need(0.01) / 2**20:.1f} MiB")
+            return (f"fewer whole layers (now I >= {depth}; e.g. adaptivefl.full_layers [2, 1, 0] with "
+                    f"min_full_layers 0, a deviation: the paper keeps the shallow layers whole): with the others at "
+                    f"width 0.01 the smallest model still needs {self.smallest_need(0.01) / 2**20:.1f} MiB")
         return (f"a smaller last width in adaptivefl.widths (now {self.widths[-1]:g}) or fewer whole layers "
                 f"(adaptivefl.full_layers / min_full_layers, now I >= {depth})")
 
