@@ -3,8 +3,8 @@ a device with it, by the device's own rule (:meth:`~coordinator.strategies.Strat
 budget that can train nothing, the least it would need and the setting that would make the method's smallest
 option smaller.
 
-The simulator states it per tier at the start of a run and keeps it in the report; the coordinator logs it once
-per budget the devices report (:class:`ServiceLog`)."""
+The simulator states it per tier at the start of a run and keeps it in the report; the coordinator logs it per
+device from the budget it reports, again when that changes what it can train (:class:`ServiceLog`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ __all__ = ["ServiceLog", "TierService", "answer_text", "bytes_text", "serve_tier
 @dataclass(frozen=True)
 class TierService:
     """What a method would hand the devices of one tier: its name, its budget, how many devices it has (0: not
-    known), and
-    :meth:`~coordinator.strategies.Strategy.plan_for_budget`'s answer."""
+    known), and :meth:`~coordinator.strategies.Strategy.plan_for_budget`'s answer."""
 
     tier: str
     budget: int

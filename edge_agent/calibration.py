@@ -3,7 +3,8 @@
 The factor multiplies the model-dependent part of the raw estimate (everything but the runtime's fixed
 overhead, which the estimator states separately and which is measured, not predicted); a run whose
 model-dependent part is too small to measure against that overhead teaches nothing. The factor starts at
-``initial`` (:data:`common.device_need.INITIAL_FACTOR`, a 10% margin), then follows a conservative envelope of recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded
+``initial`` (:data:`common.device_need.INITIAL_FACTOR`, a 10% margin), then follows a conservative envelope of
+recent measured/estimated ratios. An out-of-memory kill suggests the real need exceeded
 what was available, so the factor rises towards that (at most doubling per failure) and never falls below it
 again.
 Stored as JSON in the agent's state directory (never pickled).
