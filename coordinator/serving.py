@@ -112,6 +112,7 @@ class ServiceLog:
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
         self._served: dict[str, bool] = {}
+        self._answers: dict[int, dict[str, Any]] = {}  # per budget: a fleet reports few distinct ones
 
     def changes(self, agents: Sequence[AgentRecord]) -> list[tuple[str, TierService]]:
         """``(agent id, what the method hands it)`` for every agent with a budget whose answer is new."""
@@ -120,8 +121,10 @@ class ServiceLog:
             budget = agent.budget()
             if budget is None:
                 continue
+            if budget not in self._answers:
+                self._answers[budget] = self.strategy.plan_for_budget(budget)
             service = TierService(agent.capabilities.device_kind if agent.capabilities else "?", budget, 1,
-                                  self.strategy.plan_for_budget(budget))
+                                  self._answers[budget])
             if self._served.get(agent.agent_id) != service.served:
                 self._served[agent.agent_id] = service.served
                 found.append((agent.agent_id, service))

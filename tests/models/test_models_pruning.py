@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -21,11 +22,9 @@ from models.pruning import (
 )
 
 
-def test_apoz_of_a_hand_built_layer() -> None:
-    # conv1 has two channels: channel 0 is constant (its batch norm makes it 0, so every activation is zero),
-    # channel 1 copies the input pixel. Half the images are all -1, half all +1: after batch norm channel 1 is
-    # negative (zero after ReLU) on the first half and positive on the second. Per sample, the zero fraction over
-    # C x H x W is (1 + 1) / 2 = 1 for a -1 image and (1 + 0) / 2 = 0.5 for a +1 image: APoZ 0.75.
+def hand_built_layer() -> tuple[Any, Any, torch.Tensor]:
+    """A CNN whose conv1 has two channels (channel 0 a constant 5, channel 1 a copy of the input pixel), and
+    images half all -1, half all +1."""
     family = get_family("cnn", 3, 1, hidden=(2, 3))
     model = family.build(track_bn_stats=False)
     with torch.no_grad():
@@ -33,6 +32,15 @@ def test_apoz_of_a_hand_built_layer() -> None:
         model.conv1.bias.copy_(torch.tensor([5.0, 0.0]))
         model.conv1.weight[1, 0, 1, 1] = 1.0
     x = torch.cat([-torch.ones(4, 1, 6, 6), torch.ones(4, 1, 6, 6)])
+    return family, model, x
+
+
+def test_apoz_of_a_hand_built_layer() -> None:
+    # conv1 has two channels: channel 0 is constant (its batch norm makes it 0, so every activation is zero),
+    # channel 1 copies the input pixel. Half the images are all -1, half all +1: after batch norm channel 1 is
+    # negative (zero after ReLU) on the first half and positive on the second. Per sample, the zero fraction over
+    # C x H x W is (1 + 1) / 2 = 1 for a -1 image and (1 + 0) / 2 = 0.5 for a +1 image: APoZ 0.75.
+    family, model, x = hand_built_layer()
     scores = apoz_scores(family, model, x, batch_size=8)
     assert set(scores) == {"conv1", "conv2"}
     assert scores["conv1"] == pytest.approx(0.75)
@@ -49,13 +57,7 @@ def test_apoz_before_bn_reads_each_channel_before_its_batch_norm() -> None:
     # The hand-built layer above, scored at the batch norm's input: channel 0 is a constant 5 (no value a ReLU
     # would zero), channel 1 the input pixel (all <= 0 on a -1 image, none on a +1 image). Per sample, the mean over
     # the two channels is (0 + 1) / 2 = 0.5 for a -1 image and 0 for a +1 image: 0.25 (after the ReLU: 0.75).
-    family = get_family("cnn", 3, 1, hidden=(2, 3))
-    model = family.build(track_bn_stats=False)
-    with torch.no_grad():
-        model.conv1.weight.zero_()
-        model.conv1.bias.copy_(torch.tensor([5.0, 0.0]))
-        model.conv1.weight[1, 0, 1, 1] = 1.0
-    x = torch.cat([-torch.ones(4, 1, 6, 6), torch.ones(4, 1, 6, 6)])
+    family, model, x = hand_built_layer()
     assert apoz_scores(family, model, x, batch_size=8)["conv1"] == pytest.approx(0.75)
     before = apoz_scores(family, model, x, batch_size=8, at="before_bn")
     assert before["conv1"] == pytest.approx(0.25)
