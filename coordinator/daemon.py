@@ -44,8 +44,10 @@ from coordinator.strategies import TaskOutcome, TaskPlan, TaskResult
 from coordinator.strategies.base import Skip
 from models import ModelFamily, SubmodelSpec
 from protocol import (
+    HEAD_ALONE_REVISION,
     PROTOCOL_VERSION,
     Ack,
+    Adaptation,
     AgentStatus,
     CoordinatorStatus,
     ModelRef,
@@ -672,7 +674,8 @@ class Coordinator:
         weights = self.family.extract(self.states[planned.group], spec, keys=self.family.state_keys(spec), views=True)
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.to_dict(), None,
                     {key: value.detach().cpu().numpy() for key, value in weights.items()},
-                    adaptation=planned.adaptation, plan=self._seeded(planned.plan, round_number, planned.agent_id))
+                    adaptation=self._readable(planned.adaptation, planned.agent_id),
+                    plan=self._seeded(planned.plan, round_number, planned.agent_id))
         version = self._protocol_version(planned.agent_id)
         payload = encode_parts(task, version=version)  # the weights are read as the chunks are made
         topic = self.topics.agent_task(planned.agent_id)
@@ -698,9 +701,20 @@ class Coordinator:
 
     def _protocol_version(self, agent_id: str) -> int:
         """The newest protocol version both this coordinator and the agent read (1 for an agent that predates 2)."""
+        return min(PROTOCOL_VERSION, self._revision(agent_id))
+
+    def _revision(self, agent_id: str) -> int:
+        """The protocol revision the agent announced (`protocol.PROTOCOL_REVISION`; 1 when it announced none)."""
         record = self.registry.get(agent_id)
-        readable = record.capabilities.protocol_version if record is not None and record.capabilities else 1
-        return min(PROTOCOL_VERSION, readable)
+        return record.capabilities.protocol_version if record is not None and record.capabilities else 1
+
+    def _readable(self, adaptation: Adaptation | None, agent_id: str) -> Adaptation | None:
+        """``adaptation`` without the fields the agent's revision does not read (it would refuse the task): an
+        agent older than `HEAD_ALONE_REVISION` is not offered the head alone, and so declines where it would
+        train only that."""
+        if adaptation is not None and adaptation.head_alone and self._revision(agent_id) < HEAD_ALONE_REVISION:
+            return replace(adaptation, head_alone=False)
+        return adaptation
 
     # ------------------------------------------------------------- collection
     def _outcomes(self, current: Round) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:

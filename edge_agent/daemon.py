@@ -32,7 +32,7 @@ from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
-    PROTOCOL_VERSION,
+    PROTOCOL_REVISION,
     Ack,
     AgentStatus,
     BytesLike,
@@ -270,7 +270,7 @@ class EdgeAgent:
             num_samples=self.data.samples,
             labels=list(self.data.labels),
             sample_shape=(self.data.in_channels, *self.data.image_size),
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=PROTOCOL_REVISION,
         )
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)
 

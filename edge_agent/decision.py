@@ -161,7 +161,8 @@ class Decider:
         if choice.option is None and task.adaptation is not None and depthwise:
             cut, option, segment_estimate = self.depthwise(task.model, family, sent, replace(plan, copies=1),
                                                            task.adaptation.route, available,
-                                                           task.adaptation.min_micro_batch)
+                                                           task.adaptation.min_micro_batch,
+                                                           head_alone=task.adaptation.head_alone)
             if option is not None:
                 raw[option] = segment_estimate
                 needed = self.corrected(segment_estimate)
@@ -169,8 +170,10 @@ class Decider:
         if choice.option is None:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
             raise TaskRejected("declined", f"{MEMORY_DECLINE_REASON} the {size_text(available)} available (estimated: {tried}"
-                                           + ("; no block fits alone, nor the head alone on the frozen blocks, the "
-                                              f"smallest needs {size_text(cut.smallest)}"
+                                           + ("; no block fits alone"
+                                              + (", nor the head alone on the frozen blocks" if
+                                                 task.adaptation is not None and task.adaptation.head_alone else "")
+                                              + f", the smallest needs {size_text(cut.smallest)}"
                                               + (f" in micro-batches of {cut.smallest_micro}" if cut.smallest_micro
                                                  else "")
                                               if cut is not None and cut.smallest is not None else "")
@@ -210,7 +213,8 @@ class Decider:
         return decision, adapted
 
     def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
-                  available: int, min_micro_batch: int = 0) -> tuple[Cut, Option | None, MemoryEstimate]:
+                  available: int, min_micro_batch: int = 0, *,
+                  head_alone: bool = False) -> tuple[Cut, Option | None, MemoryEstimate]:
         """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
 
         The (calibrated) estimate of training each candidate segment (its blocks, its classifier reached through
@@ -218,7 +222,8 @@ class Decider:
         are estimated together, when the cut first needs one of them, and remembered. A block that fits alone at
         no batch size trains in micro-batches, the largest of the plan's batch halved again and again down to
         ``min_micro_batch`` at which it fits (none when that is 0), with gradients accumulated up to the batch;
-        only a block that fits at none of them is skipped. The cut's spec carries the auxiliary classifier of every
+        only a block that fits at none of them is skipped; where none fits, the head alone on every frozen block
+        when ``head_alone`` (the task allows it) and that fits at the full budget. The cut's spec carries the auxiliary classifier of every
         segment (route ``"exit"``), whose weights all its stages hold: when they push a stage over, the cut is made
         again for that much less. A stage after the first buffers its frozen blocks' outputs when it runs more than
         one epoch and the buffer fits too. Returns the cut, the option to train (None when nothing fits) and its
@@ -246,12 +251,12 @@ class Decider:
         for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
             decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget,
                                          micro_cost=lambda a, b, m: self.corrected(raw_cost(a, b, m)),
-                                         micro_batches=ladder, head_only=budget == available)
+                                         micro_batches=ladder, head_only=head_alone and budget == available)
             if not decomposition.segments:  # every block and the head alone were tried: their estimates are known
                 if budget < available:  # a block fits alone, but not with the other segments' classifiers
                     return Cut(decomposition, None, route), None, raw_cost(0, 1)
                 least = ladder[-1] if ladder else 0
-                smallest = min(self.corrected(raw_cost(b, min(b + 1, blocks), least)) for b in range(blocks + 1))
+                smallest = min(self.corrected(raw_cost(b, min(b + 1, blocks), least)) for b in range(blocks + 1 if head_alone else blocks))
                 return Cut(decomposition, smallest, route, smallest_micro=least), None, raw_cost(0, 1)
             spec = spec_for(decomposition.segments)
             micros = [decomposition.micro_batch(i) for i in range(len(decomposition.segments))]

@@ -18,8 +18,10 @@ from protocol.errors import ProtocolError
 from protocol.framing import Encoded
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
+    HEAD_ALONE_REVISION,
     MEMORY_DECLINE_REASON,
     MEMORY_KILL_REASON,
+    PROTOCOL_REVISION,
     PROTOCOL_VERSION,
     READABLE_VERSIONS,
     Ack,
@@ -41,9 +43,11 @@ from protocol.topics import Topics, parse_agent_topic, validate_name
 __all__ = [
     "CHUNK_SIZE",
     "DEFAULT_LIMITS",
+    "HEAD_ALONE_REVISION",
     "MEMORY_DECLINE_REASON",
     "MEMORY_KILL_REASON",
     "PLAN_VERSION",
+    "PROTOCOL_REVISION",
     "PROTOCOL_VERSION",
     "READABLE_VERSIONS",
     "Ack",

@@ -93,7 +93,8 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
     if isinstance(obj, dict) and "kind" in obj and obj["kind"] not in ADAPTATION_KINDS:
         raise ProtocolError(f"{where}.kind: unknown adaptation kind {shown(obj.get('kind'))}; this side knows "
                             f"{', '.join(ADAPTATION_KINDS)} (upgrade it to run this task)")
-    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates", "route", "min_micro_batch"))
+    r = FieldReader(obj, where, limits, Adaptation, optional=("candidates", "rates", "route", "min_micro_batch",
+                                                                      "head_alone"))
     kind = r.text("kind", ADAPTATION_KINDS)
     route = "skip" if r.raw("route") is None else r.text("route", ROUTES)
     if route != "skip" and kind != "depthwise":
@@ -103,6 +104,10 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
     if micro == 1 or (micro and kind != "depthwise"):
         raise ProtocolError(f"{r.label('min_micro_batch')}: only a 'depthwise' adaptation takes one, and it is 0 or "
                             f"at least 2, got {micro} with {kind!r}")
+    head_alone = r.raw("head_alone") is not None and r.boolean("head_alone")
+    if head_alone and kind != "depthwise":
+        raise ProtocolError(f"{r.label('head_alone')}: only a 'depthwise' adaptation trains the head alone, got "
+                            f"{kind!r}")
     raw_candidates = r.raw("candidates")
     raw_candidates = [] if raw_candidates is None else raw_candidates
     if not isinstance(raw_candidates, list) or len(raw_candidates) > MAX_CANDIDATES:
@@ -120,7 +125,8 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
         raise ProtocolError(f"{where}: a 'ladder' adaptation needs at least one candidate")
     if kind == "width-levels" and not rates:
         raise ProtocolError(f"{where}: a 'width-levels' adaptation needs 'rates'")
-    return Adaptation(kind=kind, candidates=candidates, rates=rates, route=route, min_micro_batch=micro)
+    return Adaptation(kind=kind, candidates=candidates, rates=rates, route=route, min_micro_batch=micro,
+                      head_alone=head_alone)
 
 
 def read_agent_status(obj: object, limits: Limits) -> AgentStatus:

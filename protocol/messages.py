@@ -15,6 +15,13 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
+PROTOCOL_REVISION = 3
+"""What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
+Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
+field older agents refuse. A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents
+whose revision reads it; coordinators that predate revision 3 read an announced 3 as 2."""
+HEAD_ALONE_REVISION = 3
+"""The first revision an agent reads :attr:`Adaptation.head_alone` in."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -25,7 +32,7 @@ UPDATE_STATUSES: tuple[str, ...] = ("ok", "adapted", "declined", "failed")
 class Capabilities:
     """What an agent can afford: memory in bytes, its local data size, label set and the shape of one sample
     (``sample_shape``: channels, height, width; empty from agents that predate it), and the newest protocol
-    version it reads (``protocol_version``: 1 from agents that predate version 2; send it tasks in no newer one).
+    revision it reads (``protocol_version``: 1 from agents that predate version 2; see `PROTOCOL_REVISION`).
     """
 
     OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("sample_shape", "protocol_version")
@@ -100,18 +107,20 @@ class Adaptation:
     ``"skip"``, the skip connection to the final head, or ``"exit"``, the auxiliary classifier after the
     segment, which the sent spec must carry); a block that does not fit alone at the plan's batch size trains in
     micro-batches (:attr:`Stage.micro_batch`) of at least ``min_micro_batch`` samples (0: never), and is skipped
-    only when even those do not fit; where no block fits, the agent trains the head alone on the frozen output of
-    every block (one empty segment after the last block) if that fits. ``"width-levels"``: the hint of coordinators that predate ladders,
+    only when even those do not fit; where no block fits and ``head_alone`` allows it (a coordinator that aggregates
+    such updates, sent to agents of `HEAD_ALONE_REVISION` or later), the agent trains the head alone on the frozen
+    output of every block (one empty segment after the last block) if that fits. ``"width-levels"``: the hint of coordinators that predate ladders,
     HeteroFL's uniform width ``rates`` with the task's own plan. ``"none"``: train the spec or decline.
     """
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("route", "min_micro_batch")
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("route", "min_micro_batch", "head_alone")
 
     kind: str
     candidates: list[Candidate] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     route: str = "skip"
     min_micro_batch: int = 0
+    head_alone: bool = False
 
 
 @dataclass

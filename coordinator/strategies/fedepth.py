@@ -62,7 +62,8 @@ class FeDepth(LevelStrategy):
 
     def ladder(self, level: Level, round_number: int) -> Adaptation | None:
         settings = self.config.fedepth
-        return Adaptation("depthwise", route=settings.route, min_micro_batch=settings.min_micro_batch)
+        return Adaptation("depthwise", route=settings.route, min_micro_batch=settings.min_micro_batch,
+                          head_alone=True)  # the daemon clears it for agents that cannot read it
 
     def whole_once(self) -> tuple[SubmodelSpec, TrainingPlan]:
         """The full model trained whole, once (one copy, no auxiliary classifiers)."""

@@ -30,7 +30,7 @@ from coordinator.registry import AgentRecord
 from coordinator.round import DispatchedTask, Receipt
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec
-from protocol import Ack, AgentStatus, Capabilities, Update, decode
+from protocol import Ack, Adaptation, AgentStatus, Capabilities, Update, decode
 
 
 def offer(coordinator: Coordinator, update: Update, size: int = 10) -> Receipt:
@@ -690,6 +690,20 @@ def test_dispatch_leaves_a_window_of_chunks_in_flight_then_waits_for_the_broker(
     assert link.bytes_in_flight == 0
     heterofl._pace_dispatch("r1-dev-b")
     assert not heterofl._dispatch_unpaced  # paced again
+
+
+def test_the_head_alone_is_offered_only_to_agents_whose_revision_reads_it(heterofl: Coordinator) -> None:
+    from protocol import HEAD_ALONE_REVISION, PROTOCOL_REVISION, PROTOCOL_VERSION
+
+    assert PROTOCOL_REVISION >= HEAD_ALONE_REVISION > PROTOCOL_VERSION  # a revision, not a new layout
+    for name, revision in (("old", 2), ("new", PROTOCOL_REVISION)):
+        capabilities = replace(agent_record(name).capabilities, protocol_version=revision)
+        heterofl.registry.on_status(AgentStatus(name, "online", capabilities, time.time()))
+    offer = Adaptation("depthwise", min_micro_batch=4, head_alone=True)
+    assert heterofl._readable(offer, "new") == offer
+    assert heterofl._readable(offer, "old") == replace(offer, head_alone=False)  # it would refuse the field
+    assert heterofl._readable(offer, "unknown") == replace(offer, head_alone=False)
+    assert heterofl._protocol_version("old") == heterofl._protocol_version("new") == PROTOCOL_VERSION
 
 
 def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp_path: Path, digits) -> None:

@@ -27,7 +27,7 @@ def test_every_device_gets_the_full_model_to_train_whole_or_depth_wise(make_cont
     plan = strategy.configure_round(1, agents, random.Random(0))
     assert plan.skipped == [] and [t.agent_id for t in plan.tasks] == ["poor", "rich", "unknown"]
     for task in plan.tasks:
-        assert task.spec == SubmodelSpec.full() and task.adaptation == Adaptation("depthwise", min_micro_batch=8)
+        assert task.spec == SubmodelSpec.full() and task.adaptation == Adaptation("depthwise", min_micro_batch=8, head_alone=True)
         assert task.plan.copies == 2  # a cap: each device takes as many as its memory holds
         assert task.plan.loss == (*base_plan(strategy.config.recipe).loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
     spec, whole = strategy.whole_once()  # the describe row: one copy trained whole
@@ -153,7 +153,7 @@ def test_auxiliary_classifier_route_sends_an_exit_after_every_block(make_context
     assert exits == (0, 1)  # every block but the last (three blocks)
     [task] = strategy.configure_round(1, [make_agent("a", None)], random.Random(0)).tasks
     assert task.spec == SubmodelSpec(exits=exits) == strategy.global_spec()
-    assert task.adaptation == Adaptation("depthwise", route="exit", min_micro_batch=8)
+    assert task.adaptation == Adaptation("depthwise", route="exit", min_micro_batch=8, head_alone=True)
     assert strategy.whole_once()[0] == SubmodelSpec.full()  # a device that trains whole: no classifiers
     assert set(strategy.initial_states(0)["global"]) == set(strategy.family.shapes(SubmodelSpec(exits=exits)))
 

@@ -749,7 +749,7 @@ def test_depthwise_trains_the_head_alone_exactly_where_no_block_fits(deep_family
     smallest = min(corrected_cost(deep_family, SubmodelSpec(segments=((b, b + 1),)), plan) for b in range(3))
     head = corrected_cost(deep_family, HEAD_ONLY, plan)
     assert head < smallest  # on a CPU the frozen body runs from the received weights: only the head is copied
-    task = make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise"))
+    task = make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise", head_alone=True))
     update = make_runner(budget=smallest - 1).run(task)
     assert update.status == "adapted", update.reason
     assert update.spec_trained == HEAD_ONLY.to_dict()
@@ -762,6 +762,11 @@ def test_depthwise_trains_the_head_alone_exactly_where_no_block_fits(deep_family
     # Where a block fits, it trains that block, never the head alone.
     fits = make_runner(budget=smallest, name="fits").run(task)
     assert fits.status == "adapted" and fits.metrics["head_only"] == 0.0 and "blocks" in fits.reason, fits.reason
+    # A task that does not offer the head alone (a coordinator that predates it) is declined instead.
+    older = make_runner(budget=smallest - 1, name="older").run(
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+    assert older.status == "declined" and older.weights == {}
+    assert "no block fits alone, the smallest needs" in older.reason and "head alone" not in older.reason
 
 
 def test_depthwise_declines_when_not_even_the_head_fits_alone(deep_family, make_deep_task, make_runner, task_plan):
@@ -770,7 +775,7 @@ def test_depthwise_declines_when_not_even_the_head_fits_alone(deep_family, make_
                    for spec in (HEAD_ONLY, *(SubmodelSpec(segments=((b, b + 1),)) for b in range(3))))
     assert smallest == corrected_cost(deep_family, HEAD_ONLY, plan)
     update = make_runner(budget=smallest - 1).run(
-        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise")))
+        make_deep_task(SubmodelSpec.full(), plan=plan, adaptation=Adaptation("depthwise", head_alone=True)))
     assert update.status == "declined"
     assert "no block fits alone, nor the head alone on the frozen blocks, the smallest needs" in update.reason
     assert update.weights == {}

@@ -168,7 +168,7 @@ def test_plan_field_names_are_the_contract() -> None:
     assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher",
                                "teacher_spec"]
     assert names(Stage) == ["epochs", "route", "cache", "micro_batch"]
-    assert names(Adaptation) == ["kind", "candidates", "rates", "route", "min_micro_batch"]
+    assert names(Adaptation) == ["kind", "candidates", "rates", "route", "min_micro_batch", "head_alone"]
     assert names(Candidate) == ["spec", "plan"]
     assert names(Recipe) == [
         "epochs", "batch_size", "lr", "momentum", "weight_decay", "clip_norm", "masked_ce", "seed",
@@ -517,7 +517,7 @@ def _wire_value(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Fields added later stay off the wire at their default (see test_copies_stay_off_the_wire_at_their_...).
         later = {TrainingPlan: {"copies": 1}, Stage: {"cache": False, "micro_batch": 0},
-                 Adaptation: {"route": "skip", "min_micro_batch": 0}, LossTerm: {"teacher_spec": None}}
+                 Adaptation: {"route": "skip", "min_micro_batch": 0, "head_alone": False}, LossTerm: {"teacher_spec": None}}
         omitted = later.get(type(value), {})
         return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if not (f.name in omitted and getattr(value, f.name) == omitted[f.name])}
@@ -803,6 +803,26 @@ def test_a_bad_micro_batch_floor_is_one_protocol_error(adaptation: dict, said: s
     wire["adaptation"] = adaptation
     reason = _rejection(pack(wire))
     assert "task.adaptation.min_micro_batch" in reason and said in reason
+
+
+def test_the_head_alone_offer_stays_off_the_wire_unless_made_and_round_trips(messages: dict[str, Message]) -> None:
+    assert "head_alone" not in plain(Adaptation("depthwise", min_micro_batch=4))  # older agents refuse the field
+    offered = dataclasses.replace(messages["task"], adaptation=Adaptation("depthwise", head_alone=True))
+    wire = wire_of(offered)
+    assert wire["adaptation"]["head_alone"] is True
+    assert decode(pack(wire)).adaptation.head_alone is True
+
+
+@pytest.mark.parametrize(("adaptation", "said"), [
+    ({"kind": "none", "head_alone": True}, "only a 'depthwise' adaptation trains the head alone"),
+    ({"kind": "depthwise", "head_alone": 1}, "must be true or false"),
+])  # fmt: skip
+def test_a_bad_head_alone_offer_is_one_protocol_error(adaptation: dict, said: str,
+                                                      messages: dict[str, Message]) -> None:
+    wire = wire_of(messages["task"])
+    wire["adaptation"] = adaptation
+    reason = _rejection(pack(wire))
+    assert "task.adaptation.head_alone" in reason and said in reason
 
 
 # ---- nested_kd: distillation from nested sub-models (FlexFL) ---------------------------------------------

@@ -17,7 +17,7 @@ EXPORTS = {
     "Update", "Ack", "Message", "encode", "decode", "encode_tensor", "decode_tensor", "split_payload",
     "Reassembler", "TransferRefused", "CHUNK_SIZE", "PLAN_VERSION", "TrainingPlan", "OptimizerSettings", "LossTerm", "Stage",
     "Adaptation", "Candidate", "MEMORY_DECLINE_REASON", "MEMORY_KILL_REASON",
-    "READABLE_VERSIONS", "BytesLike", "Encoded", "encode_parts", "iter_chunks", "payload_version", "Reassembled",
+    "READABLE_VERSIONS", "PROTOCOL_REVISION", "HEAD_ALONE_REVISION", "BytesLike", "Encoded", "encode_parts", "iter_chunks", "payload_version", "Reassembled",
 }  # fmt: skip
 
 
