@@ -15,7 +15,6 @@ Run: ``.venv/bin/python benchmarks/round_throughput.py [--agents 100] [--model r
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import random
 import tempfile
@@ -28,7 +27,8 @@ import numpy as np
 import psutil
 
 from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
-from coordinator.daemon import Coordinator, single_threaded_torch
+from coordinator.daemon import Coordinator
+from coordinator.intake import single_threaded_torch
 from coordinator.registry import AgentRecord
 from models import SubmodelSpec
 from protocol import Capabilities, Update, decode, encode
@@ -94,11 +94,15 @@ def measure(agents: int, family: str, hidden: list[int]) -> Throughput:
         rss = [(0, process.memory_info().rss)]
         receiving = journaling = 0.0
 
-        def store(update: Update, payload: bytes) -> None:
+        journal_store = coordinator.intake.store
+
+        def store(update: Update, payload: bytes | bytearray | memoryview) -> None:  # the intake's, timed
             nonlocal journaling
             began = time.perf_counter()
-            coordinator.journal.store(update, payload)
+            journal_store(update, payload)
             journaling += time.perf_counter() - began
+
+        coordinator.intake.store = store  # type: ignore[method-assign,assignment]
 
         def take() -> None:  # on a thread of its own, as the daemon's message thread
             nonlocal receiving
@@ -107,8 +111,7 @@ def measure(agents: int, family: str, hidden: list[int]) -> Throughput:
                 began = time.perf_counter()
                 update = decode(payload, expected=Update)
                 assert isinstance(update, Update)
-                receipt = current.receive(update, len(payload), str(index), coordinator._examine,
-                                          functools.partial(store, update, payload))
+                receipt = current.receive(update, payload, str(index))
                 del update
                 receiving += time.perf_counter() - began
                 assert receipt.refusal is None, receipt.refusal
@@ -119,7 +122,7 @@ def measure(agents: int, family: str, hidden: list[int]) -> Throughput:
         taker.start()
         taker.join()
         began = time.perf_counter()
-        current.close(coordinator._reload)
+        current.close()
         states = current.finish()
         closing = time.perf_counter() - began
         rejected = [a.rejection for a in current.answers.values() if a.rejection]

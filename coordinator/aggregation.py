@@ -1,4 +1,5 @@
-"""Masked (index-aware) aggregation of sub-model updates into the global model.
+"""Masked (index-aware) aggregation of sub-model updates into the global model: `MaskedAggregator` per tensor
+group, `RoundAggregate` for a round's updates across the strategy's groups.
 
 Each global element becomes the weighted mean of the updates whose sub-model contains it; an element
 no update touched keeps its old value (HeteroFL Eq. 1-3, ScaleFL Eq. 2, FlexFL, AdaptiveFL Alg. 2).
@@ -15,9 +16,13 @@ a round is reproducible to that, not bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the strategies' types; they import this module
+    from coordinator.strategies.base import State, TaskResult
 
 IndexMap = Mapping[str, Sequence[torch.Tensor]]
 
@@ -159,3 +164,47 @@ def restrict_rows(
         state[key] = state[key][positions]
         new_map[key] = (local_rows[positions], *index_map[key][1:])
     return state, new_map
+
+
+class RoundAggregate:
+    """A round's updates folded in one by one as they are accepted, per group: masked (index-aware) aggregation
+    (each element the weighted mean of the updates that hold it, the others unchanged). Where a task's plan masks
+    absent classes, that update's classifier rows of those classes are left out. Memory stays one accumulator per
+    group, whatever the number of updates. ``states`` must not change until :meth:`result`."""
+
+    def __init__(self, states: Mapping[str, State], weight: Callable[[TaskResult], float],
+                 classifier_keys: Sequence[str]) -> None:
+        self._states = states
+        self._weight = weight
+        self._classifier_keys = list(classifier_keys)
+        self._aggregators: dict[str, MaskedAggregator] = {}
+
+    @property
+    def updates(self) -> int:
+        """How many updates are folded in now."""
+        return sum(aggregator.updates for aggregator in self._aggregators.values())
+
+    def _prepared(self, result: TaskResult) -> tuple[State, dict[str, tuple[torch.Tensor, ...]]]:
+        state, index_map = result.state, {key: tuple(idx) for key, idx in result.index_map.items()}
+        if result.task.plan.uses_masked_ce:
+            state, index_map = restrict_rows(state, index_map, self._classifier_keys, result.labels)
+        return state, index_map
+
+    def add(self, result: TaskResult) -> None:
+        """Fold one validated update in (ValueError, folding nothing, when it does not fit its group's model)."""
+        group = result.task.group
+        if group not in self._aggregators:
+            self._aggregators[group] = MaskedAggregator(self._states[group])
+        self._aggregators[group].add(*self._prepared(result), self._weight(result))
+
+    def fresh(self) -> RoundAggregate:
+        """An empty aggregate over the same states, weighting and classifier."""
+        return RoundAggregate(self._states, self._weight, self._classifier_keys)
+
+    def result(self) -> dict[str, State]:
+        """The new states: each group's aggregate, the groups no update reached unchanged."""
+        merged = dict(self._states)
+        for group, aggregator in self._aggregators.items():
+            if aggregator.updates:
+                merged[group] = aggregator.result()
+        return merged

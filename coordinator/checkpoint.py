@@ -13,6 +13,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.durable import sync_directory
+from coordinator.config import CoordinatorConfig
+from coordinator.strategies.base import State, Strategy
 
 FORMAT = "fedfit-checkpoint-v1"
 
@@ -62,3 +64,22 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]
             raise CheckpointError(f"checkpoint {path} has a tensor {name!r} of an undeclared group")
         states[group][key] = tensor
     return states, metadata
+
+
+def restore_checkpoint(path: Path, config: CoordinatorConfig, strategy: Strategy) -> tuple[dict[str, State], int]:
+    """The states and the completed round of the run ``path`` holds, for ``strategy`` to go on from: its own
+    state first (what its set-up computed, e.g. FlexFL's pool, is restored, not redone), then its model groups,
+    which must be the strategy's and hold its tensors (ValueError otherwise, naming the file)."""
+    states, meta = load_checkpoint(path)
+    if meta.get("algorithm") != config.algorithm or meta.get("family") != config.model.family:
+        raise ValueError(f"checkpoint {path} is for {meta.get('algorithm')}/{meta.get('family')}, not "
+                         f"{config.algorithm}/{config.model.family}; use another state_dir or set resume: false")
+    strategy.load_state_dict(meta.get("strategy", {}))
+    fresh = strategy.initial_states(config.seed)
+    if set(states) != set(fresh):
+        raise ValueError(f"checkpoint {path} holds model groups {sorted(states)}, this {config.algorithm} run "
+                         f"keeps {sorted(fresh)}; use another state_dir")
+    for group, state in states.items():
+        if set(state) != set(fresh[group]):
+            raise ValueError(f"checkpoint {path} does not match this model (group {group})")
+    return states, int(meta.get("round", 0))

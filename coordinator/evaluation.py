@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
+from common.data import Dataset, subsample
 from models import FamilyNet, ModelFamily, Scaler, SubmodelSpec
 
 EVAL_BATCH = 100
@@ -71,6 +73,16 @@ class Evaluator:
         self.bn_x = bn_x
         self.test_x = test_x
         self.test_y = test_y
+
+    @classmethod
+    def for_test_set(cls, family: ModelFamily, dataset: Dataset, samples: int | None, seed: int,
+                     bn_x: torch.Tensor) -> Evaluator:
+        """An evaluator on ``dataset``'s test set (``samples`` of it, drawn with ``seed``, when not None), its
+        BN statistics computed on ``bn_x``."""
+        test_x, test_y = dataset.x_test, dataset.y_test
+        if samples is not None:
+            test_x, test_y = subsample(test_x, test_y, samples, seed)
+        return cls(family, bn_x, torch.tensor(np.asarray(test_x)), torch.tensor(np.asarray(test_y), dtype=torch.long))
 
     def prepare(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec) -> FamilyNet:
         """The sub-model ``spec`` of ``state`` with fresh static-BN statistics, in eval mode (its convolutions'

@@ -100,6 +100,18 @@ class RoundResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What the coordinator is doing, for a live display: ``phase`` "fleet" (waiting for ``expected`` agents
+    before the first round, ``done`` online) or "round" (round ``round``, ``done`` of its ``expected`` updates
+    in). ``on_progress`` gets these on the round's thread and on the one handling messages: it must not block."""
+
+    phase: str
+    round: int
+    done: int
+    expected: int
+
+
 class MetricsWriter:
     """Appends each round's result to ``metrics.jsonl`` in the state directory."""
 

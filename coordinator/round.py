@@ -3,8 +3,8 @@
 - **planned**: its tasks are chosen and journaled (a fresh round) or read back from the journal (a round resumed
   after a crash). Nothing is taken yet.
 - **collecting** (:meth:`Round.open`): updates are taken as they come (:meth:`Round.receive`, on the thread that
-  handles messages). Each is examined once (validated against its task by the daemon), stored (journaled) before its
-  ack, measured (its change, for screening) and folded into the round's aggregate at once; the round keeps only
+  handles messages). Each is examined once (validated against its task by the round's :class:`Intake`), stored
+  (journaled) before its ack, measured (its change, for screening) and folded into the round's aggregate at once; the round keeps only
   what the report needs of it, never its weights, so its memory is one aggregate whatever the number of updates.
   Screening's first rule (the plan's reach) needs nothing but the update, so an update beyond it is not folded.
 - **aggregating** (:meth:`Round.close`): no update is taken any more. Screening's second rule needs the round's
@@ -24,16 +24,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Protocol
 
+from coordinator.aggregation import RoundAggregate
 from coordinator.config import ScreeningConfig
 from coordinator.metrics import TaskRecord
 from coordinator.screening import Change, beyond_reach, outliers
-from coordinator.strategies import RoundAggregate, TaskPlan, TaskResult
+from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import Skip, State
 from models import SubmodelSpec
-from protocol import Update
+from protocol import BytesLike, Update
 
-__all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Phase", "Receipt", "Round"]
+__all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Intake", "Phase", "Receipt", "Round", "Verdict"]
 
 #: The update metric each device phase is read from (the agent's TaskRunner and daemon write them).
 DEVICE_METRICS = {"queued": "seconds_queued", "decision": "seconds_decision", "training": "seconds"}
@@ -97,27 +99,50 @@ class Answer:
         return self.change is not None and self.rejection is None
 
 
+class Verdict(str, Enum):
+    """How a round took an update: new, the same message again, another update for a task that has one, after the
+    round stopped collecting, or for no task of the round."""
+
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    CONFLICT = "conflict"
+    LATE = "late"
+    UNKNOWN = "unknown"
+
+
 @dataclass(frozen=True)
 class Receipt:
-    """How a round took an update: ``verdict`` "accepted" (new), "duplicate" (the same message again), "conflict"
-    (another update for a task that has one), "late" or "unknown"; ``refusal``: why it will never be aggregated
-    (None: it is stored)."""
+    """How a round took an update (``verdict``) and why it will never be aggregated (``refusal``; None: it is
+    stored)."""
 
-    verdict: str
+    verdict: Verdict
     refusal: str | None = None
+
+
+class Intake(Protocol):
+    """What a round asks of the coordinator about its updates (`coordinator.intake.UpdateIntake`): the one way
+    the round talks to it."""
+
+    def examine(self, update: Update, task: TaskPlan) -> Examined:
+        """Read an update against its task: its record and the result to fold, or why it is refused."""
+
+    def store(self, update: Update, payload: BytesLike) -> None:
+        """Keep the update as it arrived (the journal) before its ack; an OSError means it is not kept."""
+
+    def measure(self, result: TaskResult) -> Change:
+        """How far the update moved the weights its task sent, and how far its plan could (screening)."""
+
+    def reload(self, task_id: str, task: TaskPlan) -> TaskResult:
+        """A stored update read back and examined again, for the aggregate to be built anew."""
 
 
 class Round:
     """One round (see the module docstring). Thread-safe: :meth:`receive` runs on the message thread while the
-    round's own thread waits, closes and finishes it.
-
-    ``measure(result)`` gives an update's :class:`Change` (against the weights its task sent); ``reload(task_id)``
-    reads a stored update back (from the journal) when screening's second rule takes it out again.
-    """
+    round's own thread waits, closes and finishes it. It examines, stores, measures and reads back its updates
+    through ``intake``."""
 
     def __init__(self, number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
-                 aggregate: RoundAggregate, screening: ScreeningConfig,
-                 measure: Callable[[TaskResult], Change]) -> None:
+                 aggregate: RoundAggregate, screening: ScreeningConfig, intake: Intake) -> None:
         self.number = number
         self.tasks = {task_id: DispatchedTask(task_id, number, task, deadline) for task_id, task in tasks.items()}
         self.skipped = skipped
@@ -128,7 +153,7 @@ class Round:
         self.timing: dict[str, float] = {"validation": 0.0, "aggregation": 0.0}
         self._aggregate = aggregate
         self._screening = screening
-        self._measure = measure
+        self._intake = intake
         self._sent_at: dict[str, float] = {}  # task id -> time.monotonic() when it was (last) sent
         self._taking = 0  # updates being taken (examined, stored, folded) outside the lock
         self._interrupted = False
@@ -141,29 +166,30 @@ class Round:
             self._expect(Phase.PLANNED)
             self.phase = Phase.COLLECTING
 
-    def receive(self, update: Update, size: int, digest: str, examine: Callable[[Update, TaskPlan], Examined],
-                store: Callable[[], None]) -> Receipt:
-        """Take an update (see :class:`Receipt`). A new one is examined, stored with ``store()`` unless refused
-        (an OSError from it leaves the round as it was: the agent sends the update again), then folded in.
+    def receive(self, update: Update, payload: BytesLike, digest: str, *, stored: bool = False) -> Receipt:
+        """Take an update, decoded from ``payload`` (see :class:`Receipt`). A new one is examined, stored (unless
+        refused, or ``stored`` already: a round resumed from the journal) and folded in; an OSError from storing
+        it leaves the round as it was (the agent sends the update again).
 
         Called from one thread at a time (the message thread; before the link starts, the resume). The work is
         done outside the round's lock, so that the round's own thread (dispatching, waiting) is never held up by
         it; :meth:`close` waits for an update being taken to be in."""
         with self._done:
             verdict = self._verdict(update, digest)
-            if verdict == "duplicate":
+            if verdict is Verdict.DUPLICATE:
                 return Receipt(verdict, self.answers[update.task_id].refusal)
-            if verdict != "accepted":
+            if verdict is not Verdict.ACCEPTED:
                 return Receipt(verdict, self._refusal(update, verdict))
             self._taking += 1
         try:
             started = time.perf_counter()
-            examined = examine(update, self.tasks[update.task_id].task)
+            examined = self._intake.examine(update, self.tasks[update.task_id].task)
             self.timing["validation"] += time.perf_counter() - started
-            answer = Answer(replace(update, weights={}), size, digest, examined.record, examined.refusal,
+            answer = Answer(replace(update, weights={}), len(payload), digest, examined.record, examined.refusal,
                             arrived=time.monotonic())
             if examined.refusal is None:
-                store()
+                if not stored:
+                    self._intake.store(update, payload)
                 if examined.result is not None:
                     try:
                         self._fold(answer, examined.result)
@@ -182,21 +208,21 @@ class Round:
             self._done.notify_all()
         return Receipt(verdict, answer.refusal)
 
-    def _verdict(self, update: Update, digest: str) -> str:
+    def _verdict(self, update: Update, digest: str) -> Verdict:
         dispatched = self.tasks.get(update.task_id)
         if dispatched is None or update.round != self.number or dispatched.task.agent_id != update.agent_id:
-            return "unknown"
+            return Verdict.UNKNOWN
         if update.task_id in self.answers:
             first = self.answers[update.task_id].digest
-            return "conflict" if digest and first and digest != first else "duplicate"
+            return Verdict.CONFLICT if digest and first and digest != first else Verdict.DUPLICATE
         if self.phase is not Phase.COLLECTING:
-            return "late" if self.phase in (Phase.AGGREGATING, Phase.CLOSED) else "unknown"
-        return "accepted"
+            return Verdict.LATE if self.phase in (Phase.AGGREGATING, Phase.CLOSED) else Verdict.UNKNOWN
+        return Verdict.ACCEPTED
 
-    def _refusal(self, update: Update, verdict: str) -> str:
-        if verdict == "late":
+    def _refusal(self, update: Update, verdict: Verdict) -> str:
+        if verdict is Verdict.LATE:
             return f"round {update.round} closed before the update arrived"
-        if verdict == "conflict":
+        if verdict is Verdict.CONFLICT:
             return (f"another update for task {update.task_id!r} arrived first and is the one kept (is this device's "
                     f"login used elsewhere?)")
         return f"unknown task {update.task_id!r} of round {update.round}: round {self.number} is in progress"
@@ -204,7 +230,7 @@ class Round:
     def _fold(self, answer: Answer, result: TaskResult) -> None:
         """Measure a valid update, and fold it in unless it is beyond its plan's reach (screening's first rule)."""
         started = time.perf_counter()
-        change = self._measure(result)
+        change = self._intake.measure(result)
         measured = time.perf_counter()
         self.timing["validation"] += measured - started
         answer.spec, answer.keys, answer.change = result.spec, frozenset(result.state), change
@@ -252,10 +278,10 @@ class Round:
             return len(self.answers) == len(self.tasks)
 
     # ------------------------------------------------------------------ aggregating
-    def close(self, reload: Callable[[str], TaskResult]) -> None:
+    def close(self) -> None:
         """collecting -> aggregating: take no more updates (one being received finishes first) and run
         screening's second rule over the kept changes; when it rejects any, build the aggregate again from the
-        updates that stay in (read back one at a time with ``reload(task_id)``, in task id order)."""
+        updates that stay in (read back one at a time through the intake, in task id order)."""
         with self._done:
             self._expect(Phase.COLLECTING)
             self.phase = Phase.AGGREGATING
@@ -274,7 +300,7 @@ class Round:
                 self._aggregate = self._aggregate.fresh()
                 for task_id, answer in sorted(self.answers.items()):
                     if answer.aggregated:
-                        self._aggregate.add(reload(task_id))
+                        self._aggregate.add(self._intake.reload(task_id, self.tasks[task_id].task))
         self.timing["aggregation"] += time.perf_counter() - started
 
     def finish(self) -> dict[str, State]:

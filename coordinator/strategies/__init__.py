@@ -5,7 +5,6 @@ from __future__ import annotations
 from coordinator.strategies.adaptivefl import AdaptiveFL
 from coordinator.strategies.base import (
     EvalTarget,
-    RoundAggregate,
     RoundPlan,
     Skip,
     Strategy,
@@ -44,7 +43,6 @@ __all__ = [
     "ALGORITHM_NAMES",
     "STRATEGIES",
     "EvalTarget",
-    "RoundAggregate",
     "RoundPlan",
     "Skip",
     "Strategy",

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from common.device_need import INITIAL_FACTOR, device_need
-from coordinator.aggregation import MaskedAggregator, restrict_rows
+from coordinator.aggregation import RoundAggregate
 from coordinator.config import CoordinatorConfig, RecipeConfig
 from coordinator.registry import AgentRecord
 from models import MemoryEstimate, ModelFamily, SubmodelSpec
@@ -133,50 +133,6 @@ def select_fraction(agents: Sequence[AgentRecord], fraction: float, rng: random.
         return []
     count = max(1, round(fraction * len(agents)))
     return sorted(rng.sample(list(agents), count), key=lambda a: a.agent_id)
-
-
-class RoundAggregate:
-    """A round's updates folded in one by one as they are accepted, per group: masked (index-aware) aggregation
-    (each element the weighted mean of the updates that hold it, the others unchanged). Where a task's plan masks
-    absent classes, that update's classifier rows of those classes are left out. Memory stays one accumulator per
-    group, whatever the number of updates. ``states`` must not change until :meth:`result`."""
-
-    def __init__(self, states: Mapping[str, State], weight: Callable[[TaskResult], float],
-                 classifier_keys: Sequence[str]) -> None:
-        self._states = states
-        self._weight = weight
-        self._classifier_keys = list(classifier_keys)
-        self._aggregators: dict[str, MaskedAggregator] = {}
-
-    @property
-    def updates(self) -> int:
-        """How many updates are folded in now."""
-        return sum(aggregator.updates for aggregator in self._aggregators.values())
-
-    def _prepared(self, result: TaskResult) -> tuple[State, dict[str, tuple[torch.Tensor, ...]]]:
-        state, index_map = result.state, {key: tuple(idx) for key, idx in result.index_map.items()}
-        if result.task.plan.uses_masked_ce:
-            state, index_map = restrict_rows(state, index_map, self._classifier_keys, result.labels)
-        return state, index_map
-
-    def add(self, result: TaskResult) -> None:
-        """Fold one validated update in (ValueError, folding nothing, when it does not fit its group's model)."""
-        group = result.task.group
-        if group not in self._aggregators:
-            self._aggregators[group] = MaskedAggregator(self._states[group])
-        self._aggregators[group].add(*self._prepared(result), self._weight(result))
-
-    def fresh(self) -> RoundAggregate:
-        """An empty aggregate over the same states, weighting and classifier."""
-        return RoundAggregate(self._states, self._weight, self._classifier_keys)
-
-    def result(self) -> dict[str, State]:
-        """The new states: each group's aggregate, the groups no update reached unchanged."""
-        merged = dict(self._states)
-        for group, aggregator in self._aggregators.items():
-            if aggregator.updates:
-                merged[group] = aggregator.result()
-        return merged
 
 
 class Strategy(ABC):

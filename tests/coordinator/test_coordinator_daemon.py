@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from common.data import load_dataset
+from coordinator import reporting
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.config import (
     CoordinatorConfig,
@@ -36,7 +37,7 @@ from protocol import Ack, Adaptation, AgentStatus, Capabilities, Update, decode
 def offer(coordinator: Coordinator, update: Update, size: int = 10) -> Receipt:
     """Hand an update to the round in progress as if it had arrived (stored nowhere)."""
     assert coordinator._round is not None
-    return coordinator._round.receive(update, size, "", coordinator._examine, lambda: None)
+    return coordinator._round.receive(update, bytes(size), "", stored=True)
 
 
 def open_round(coordinator: Coordinator, round_number: int, tasks: dict[str, TaskPlan]) -> None:
@@ -152,7 +153,7 @@ def test_nested_update_is_accepted(heterofl: Coordinator) -> None:
     half = SubmodelSpec.uniform(0.5)
     task = task_for(heterofl, "b")
     assert task.spec == half
-    result = heterofl._unpack_update(update_for(heterofl, half, labels=[0, 1, 42], fill=2.0), task)
+    result = heterofl.intake.unpack(update_for(heterofl, half, labels=[0, 1, 42], fill=2.0), task)
     assert isinstance(result, TaskResult)
     assert result.task is task and result.spec == half
     assert set(result.state) == set(result.index_map) == set(heterofl.family.trainable_keys(half))
@@ -166,56 +167,56 @@ def test_nested_update_is_accepted(heterofl: Coordinator) -> None:
 
 def test_update_without_a_trained_spec_is_taken_as_the_sent_spec(heterofl: Coordinator) -> None:
     task = task_for(heterofl, "b")
-    result = heterofl._unpack_update(update_for(heterofl, None, shapes_of=task.spec), task)
+    result = heterofl.intake.unpack(update_for(heterofl, None, shapes_of=task.spec), task)
     assert result.spec == task.spec
 
 
 def test_wider_update_than_sent_is_rejected(heterofl: Coordinator) -> None:
     with pytest.raises(ValueError, match=r"agent trained width=1, which is not inside the width=0\.5 sent"):
-        heterofl._unpack_update(update_for(heterofl, SubmodelSpec.full()), task_for(heterofl, "b"))
+        heterofl.intake.unpack(update_for(heterofl, SubmodelSpec.full()), task_for(heterofl, "b"))
 
 
 def test_update_with_an_extra_exit_is_rejected(heterofl: Coordinator, scalefl: Coordinator) -> None:
     with_exit = SubmodelSpec(width=0.5, exits=(0,))
     with pytest.raises(ValueError, match="not inside"):
-        heterofl._unpack_update(update_for(heterofl, with_exit), task_for(heterofl, "b"))
+        heterofl.intake.unpack(update_for(heterofl, with_exit), task_for(heterofl, "b"))
     lowest = level_spec(scalefl, "1")
     assert lowest.depth is not None and lowest.depth >= 2
     extra = SubmodelSpec(width=lowest.width, rounding="floor", depth=lowest.depth,
                          exits=tuple(sorted({0, *lowest.exits})))
     assert extra != lowest
     with pytest.raises(ValueError, match="not inside"):
-        scalefl._unpack_update(update_for(scalefl, extra), task_for(scalefl, "1"))
+        scalefl.intake.unpack(update_for(scalefl, extra), task_for(scalefl, "1"))
 
 
 def test_update_deeper_than_sent_is_rejected(scalefl: Coordinator) -> None:
     lowest = level_spec(scalefl, "1")
     deeper = SubmodelSpec(width=lowest.width, rounding="floor", exits=lowest.exits)  # every block, final head
     with pytest.raises(ValueError, match="not inside"):
-        scalefl._unpack_update(update_for(scalefl, deeper), task_for(scalefl, "1"))
+        scalefl.intake.unpack(update_for(scalefl, deeper), task_for(scalefl, "1"))
 
 
 def test_update_with_missing_or_extra_tensors_is_rejected(heterofl: Coordinator, scalefl: Coordinator) -> None:
     half, task = SubmodelSpec.uniform(0.5), task_for(heterofl, "b")
     with pytest.raises(ValueError, match=r"missing \['conv1\.bias'\], unexpected \[\]"):
-        heterofl._unpack_update(update_for(heterofl, half, drop="conv1.bias"), task)
+        heterofl.intake.unpack(update_for(heterofl, half, drop="conv1.bias"), task)
     with pytest.raises(ValueError, match=r"missing \[\], unexpected \['bogus\.weight'\]"):
-        heterofl._unpack_update(update_for(heterofl, half, extra={"bogus.weight": np.zeros(2, np.float32)}), task)
+        heterofl.intake.unpack(update_for(heterofl, half, extra={"bogus.weight": np.zeros(2, np.float32)}), task)
     # BN statistics are not trained: an update must not carry them.
     with pytest.raises(ValueError, match=r"unexpected \['bn1\.running_mean'\]"):
-        heterofl._unpack_update(update_for(heterofl, half, extra={"bn1.running_mean": np.zeros(2, np.float32)}),
+        heterofl.intake.unpack(update_for(heterofl, half, extra={"bn1.running_mean": np.zeros(2, np.float32)}),
                                 task)
     # A cut level has no final classifier.
     lowest = level_spec(scalefl, "1")
     with pytest.raises(ValueError, match=r"unexpected \['classifier\.weight'\]"):
-        scalefl._unpack_update(update_for(scalefl, lowest, extra={"classifier.weight": np.zeros((10, 32), np.float32)}),
+        scalefl.intake.unpack(update_for(scalefl, lowest, extra={"classifier.weight": np.zeros((10, 32), np.float32)}),
                                task_for(scalefl, "1"))
 
 
 def test_update_with_a_wrong_shape_is_rejected(heterofl: Coordinator) -> None:
     half = SubmodelSpec.uniform(0.5)
     with pytest.raises(ValueError, match=r"tensor 'conv1\.bias' has shape \(4,\), expected \(2,\)"):
-        heterofl._unpack_update(update_for(heterofl, half, extra={"conv1.bias": np.zeros(4, np.float32)}),
+        heterofl.intake.unpack(update_for(heterofl, half, extra={"conv1.bias": np.zeros(4, np.float32)}),
                                 task_for(heterofl, "b"))
 
 
@@ -223,17 +224,17 @@ def test_update_with_a_spec_the_family_cannot_build_is_rejected(heterofl: Coordi
     bad = update_for(heterofl, SubmodelSpec.uniform(0.5))
     bad.spec_trained = {"width": 0.5, "exits": [5]}
     with pytest.raises(ValueError, match="no exit point after block 5"):
-        heterofl._unpack_update(bad, task_for(heterofl, "b"))
+        heterofl.intake.unpack(bad, task_for(heterofl, "b"))
     bad.spec_trained = {"width": 0.5, "colour": "red"}
     with pytest.raises(ValueError, match="unknown sub-model spec key 'colour'"):
-        heterofl._unpack_update(bad, task_for(heterofl, "b"))
+        heterofl.intake.unpack(bad, task_for(heterofl, "b"))
 
 
 def test_nested_adapted_update_is_accepted(scalefl: Coordinator) -> None:
     top, middle = task_for(scalefl, "3"), level_spec(scalefl, "2")
     assert scalefl.family.is_nested(middle, top.spec) and middle != top.spec
     assert middle.to_dict() in [c.spec for c in top.adaptation.candidates]
-    result = scalefl._unpack_update(update_for(scalefl, middle, status="adapted"), top)
+    result = scalefl.intake.unpack(update_for(scalefl, middle, status="adapted"), top)
     assert result.spec == middle and result.task is top
     assert set(result.state) == set(scalefl.family.trainable_keys(middle))
     exit_keys = [k for k in result.state if k.startswith("exits.")]
@@ -246,7 +247,7 @@ def test_masked_cross_entropy_keeps_absent_class_rows(tmp_path: Path, digits) ->
     coordinator = Coordinator(cfg, dataset=digits)
     task = task_for(coordinator, "a")
     assert task.plan.uses_masked_ce
-    result = coordinator._unpack_update(update_for(coordinator, SubmodelSpec.full(), labels=[2, 5]), task)
+    result = coordinator.intake.unpack(update_for(coordinator, SubmodelSpec.full(), labels=[2, 5]), task)
     assert result.labels == [2, 5]
     before = coordinator.states["global"]
     merged = coordinator.strategy.aggregate(1, [result], coordinator.states)["global"]
@@ -273,9 +274,9 @@ def test_a_rounds_answers_become_records_outcomes_and_an_aggregate(scalefl: Coor
         assert offer(scalefl, update, 100).verdict == "accepted"
     current = scalefl._round
     assert current is not None
-    current.close(scalefl._reload)
+    current.close()
     current.finish()
-    records, outcomes = scalefl._outcomes(current)
+    records, outcomes = reporting.outcomes(current, scalefl.family, scalefl.log)
     verdicts = {a.update.agent_id: a.rejection for a in current.answers.values() if a.screened}
     assert verdicts == {"adapted": None, "ok": None}  # screening is off here: both aggregated
     assert [(a.update.agent_id, a.spec) for a in current.aggregated()] == [("adapted", spec["2"]), ("ok", spec["3"])]
@@ -302,7 +303,7 @@ def test_evaluate_reports_every_exit_of_the_global_model(scalefl: Coordinator) -
     strategy = scalefl.strategy
     global_spec = strategy.global_spec()
     before = {k: v.clone() for k, v in scalefl.states["global"].items()}
-    results = scalefl._evaluate()
+    results = reporting.evaluate_targets(scalefl._evaluator, strategy.eval_targets(), scalefl.states)
     assert set(results) == set(strategy.eval_targets()) == {"1", "2", "3", "global"}
     assert len(results["global"]) == len(global_spec.exits) + 1 >= 3
     for name, target in strategy.eval_targets().items():
@@ -318,7 +319,7 @@ def test_evaluate_reports_every_exit_of_the_global_model(scalefl: Coordinator) -
 
 def test_evaluate_without_exits_reports_one_accuracy_per_target(heterofl: Coordinator) -> None:
     before = {k: v.clone() for k, v in heterofl.states["global"].items()}
-    results = heterofl._evaluate()
+    results = reporting.evaluate_targets(heterofl._evaluator, heterofl.strategy.eval_targets(), heterofl.states)
     assert set(results) == {"global", "a", "b"}
     assert all(len(accs) == 1 for accs in results.values())
     expected, bn_state = heterofl._evaluator.evaluate(before, SubmodelSpec.full())
@@ -351,7 +352,7 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
         assert offer(coordinator, update, 1000).verdict == "accepted"
         return 10
 
-    monkeypatch.setattr(coordinator, "_dispatch", dispatch)
+    monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
     published: list[tuple[str, bytes]] = []
     monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: published.append((topic, payload)))
     seen: list[RoundResult] = []
@@ -397,7 +398,7 @@ def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinato
                                          "no memory"))
         return 10
 
-    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
     result = heterofl.run_round(1)
     assert result.exit_accuracy == {} and result.participants == 0
     assert set(result.level_accuracy) == {"a", "b"}
@@ -429,7 +430,7 @@ def test_the_first_round_waits_for_the_fleet_to_settle_later_rounds_do_not(heter
                                          "no memory"))
         return 10
 
-    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
     assert heterofl.run_round(1).selected == 2 and heterofl.run_round(2).selected == 2
     assert calls == [f"settled 1 {REGISTRY_SETTLE_S}", "wait_for"]
 
@@ -462,7 +463,7 @@ def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reas
     wide = update_for(heterofl, SubmodelSpec.full(), task_id="r2-dev-2", agent="dev", status="ok", round_number=2,
                       fill=0.1)
     assert send(wide).reason.startswith("update rejected: agent trained width=1, which is not inside the width=0.5")
-    heterofl._round.close(heterofl._reload)  # the round closes
+    heterofl._round.close()  # the round closes
     late = update_for(heterofl, spec, task_id="r2-dev-3", agent="dev", status="ok", round_number=2, fill=0.1)
     heterofl._round.tasks["r2-dev-3"] = DispatchedTask("r2-dev-3", 2, task, time.time())
     assert send(late).reason == "round 2 closed before the update arrived"
@@ -485,7 +486,7 @@ def test_a_journaled_round_takes_resent_updates_before_it_runs(tmp_path: Path, d
     assert answers == [Ack("r1-dev-1", 1, "dev")]  # stored: acked without a reason
     assert [u.task_id for u, _ in restarted.journal.stored(1)] == ["r1-dev-1"]
     sent: list[str] = []
-    monkeypatch.setattr(restarted, "_dispatch", lambda round_number, task_id, *_: sent.append(task_id) or 0)
+    monkeypatch.setattr(restarted.dispatcher, "send", lambda round_number, task_id, *_: sent.append(task_id) or 0)
     restarted._round.deadline = time.time() + 0.5
     result = restarted.run_round(1)
     assert sent == ["r1-dev-2"]  # the answered task is not sent again
@@ -508,7 +509,7 @@ def test_the_retained_status_carries_the_round_in_progress_then_the_last_complet
                                          "no memory"))
         return 10
 
-    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
     heterofl.run_round(1)
     heterofl.run_round(2)
     assert said == [1, 1, 2, 2]  # round 1 in progress, 1 completed, round 2 in progress, 2 completed
@@ -526,7 +527,7 @@ def test_a_task_is_sent_again_when_its_agent_comes_back_online_without_having_an
         paced.append(options.get("paced", True))
         return 0
 
-    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
     tasks = {name: DispatchedTask(name, 1, task_for(heterofl, "b", agent=agent), time.time() + 60)
              for name, agent in (("r1-dev-1", "dev"), ("r1-other-1", "other"))}
     open_round(heterofl, 1, {name: dispatched.task for name, dispatched in tasks.items()})
@@ -606,7 +607,7 @@ def test_an_agent_whose_data_does_not_fit_the_model_is_skipped_with_the_reason(h
                                          "no memory"))
         return 10
 
-    monkeypatch.setattr(heterofl, "_dispatch", dispatch)
+    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
     result = heterofl.run_round(1)
     assert sent == ["fits"]
     skipped = {record.agent: record for record in result.tasks if record.status == "skipped"}
@@ -626,11 +627,11 @@ def test_the_first_round_waits_for_the_fleet_to_settle_across_the_federation_che
                                                                                    monkeypatch) -> None:
     import threading
 
-    from coordinator import daemon as daemon_module
+    from coordinator import fleet as fleet_module
 
-    monkeypatch.setattr(daemon_module, "FEDERATIONS_CHECK_S", 0.3)
-    monkeypatch.setattr(daemon_module, "REGISTRY_SETTLE_S", 0.5)
-    monkeypatch.setattr(heterofl, "_federations_hint", lambda: "none here")
+    monkeypatch.setattr(fleet_module, "FEDERATIONS_CHECK_S", 0.3)
+    monkeypatch.setattr(fleet_module, "REGISTRY_SETTLE_S", 0.5)
+    monkeypatch.setattr(heterofl.fleet, "federations_hint", lambda: "none here")
     heterofl.config.wait_for_agents_s = 20.0
     arrived = threading.Event()
 
@@ -641,7 +642,7 @@ def test_the_first_round_waits_for_the_fleet_to_settle_across_the_federation_che
         arrived.set()
 
     threading.Thread(target=arrive, daemon=True).start()
-    online = heterofl._wait_for_first_fleet(1)
+    online = heterofl.fleet.wait_for_first(lambda count: None, lambda: False)
     assert arrived.is_set() and [record.agent_id for record in online] == ["sim-0", "sim-1"]
 
 
@@ -663,33 +664,33 @@ def test_dispatch_leaves_a_window_of_chunks_in_flight_then_waits_for_the_broker(
     # queues them for the broker's return) until the broker takes the backlog below the window again.
     import functools
 
-    from coordinator import daemon as daemon_module
+    from coordinator import dispatch as dispatch_module
     from protocol import iter_chunks
 
-    monkeypatch.setattr(daemon_module, "iter_chunks", functools.partial(iter_chunks, chunk_size=512))
-    monkeypatch.setattr(daemon_module, "DISPATCH_WAIT_S", 0.01)
+    monkeypatch.setattr(dispatch_module, "iter_chunks", functools.partial(iter_chunks, chunk_size=512))
+    monkeypatch.setattr(dispatch_module, "DISPATCH_WAIT_S", 0.01)
     client = QueuingClient()
     link = heterofl.link
     link._client = client  # type: ignore[assignment]
     planned = task_for(heterofl, "a")
-    heterofl._dispatch(1, "r1-dev-a", planned, time.time() + 60)  # once unpaced, to see the chunks' sizes
+    heterofl.dispatcher.send(1, "r1-dev-a", planned, time.time() + 60)  # once unpaced, to see the chunks' sizes
     sizes = [len(payload) for payload in client.payloads]
     assert len(sizes) > 5
-    monkeypatch.setattr(daemon_module, "DISPATCH_WINDOW_BYTES", sum(sizes[:3]))
+    monkeypatch.setattr(dispatch_module, "DISPATCH_WINDOW_BYTES", sum(sizes[:3]))
     link._pending_topics.clear()
     link._in_flight = 0
     client.payloads.clear()
     with structlog.testing.capture_logs() as logs:
-        sent = heterofl._dispatch(1, "r1-dev-a", planned, time.time() + 60)
+        sent = heterofl.dispatcher.send(1, "r1-dev-a", planned, time.time() + 60)
     assert [len(payload) for payload in client.payloads] == sizes
     assert sent == sum(sizes) == link.bytes_in_flight
     waited = [entry["in_flight"] for entry in logs if entry["event"] == "dispatch_not_paced"]
-    assert waited == [sum(sizes[:3])] and heterofl._dispatch_unpaced
+    assert waited == [sum(sizes[:3])] and heterofl.dispatcher.unpaced
     for mid in range(1, len(sizes) + 1):  # the broker is back and takes them all
         link._on_publish(None, None, mid, None, None)
     assert link.bytes_in_flight == 0
-    heterofl._pace_dispatch("r1-dev-b")
-    assert not heterofl._dispatch_unpaced  # paced again
+    heterofl.dispatcher.pace("r1-dev-b")
+    assert not heterofl.dispatcher.unpaced  # paced again
 
 
 def test_the_head_alone_is_offered_only_to_agents_whose_revision_reads_it(heterofl: Coordinator) -> None:
@@ -700,10 +701,10 @@ def test_the_head_alone_is_offered_only_to_agents_whose_revision_reads_it(hetero
         capabilities = replace(agent_record(name).capabilities, protocol_version=revision)
         heterofl.registry.on_status(AgentStatus(name, "online", capabilities, time.time()))
     offer = Adaptation("depthwise", min_micro_batch=4, head_alone=True)
-    assert heterofl._readable(offer, "new") == offer
-    assert heterofl._readable(offer, "old") == replace(offer, head_alone=False)  # it would refuse the field
-    assert heterofl._readable(offer, "unknown") == replace(offer, head_alone=False)
-    assert heterofl._protocol_version("old") == heterofl._protocol_version("new") == PROTOCOL_VERSION
+    assert heterofl.dispatcher.readable(offer, "new") == offer
+    assert heterofl.dispatcher.readable(offer, "old") == replace(offer, head_alone=False)  # it would refuse the field
+    assert heterofl.dispatcher.readable(offer, "unknown") == replace(offer, head_alone=False)
+    assert heterofl.dispatcher.protocol_version("old") == heterofl.dispatcher.protocol_version("new") == PROTOCOL_VERSION
 
 
 def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp_path: Path, digits) -> None:

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.aggregation import RoundAggregate
 from coordinator.config import ScreeningConfig
 from coordinator.metrics import TaskRecord
 from coordinator.round import Examined, Phase, Round
 from coordinator.screening import Change
-from coordinator.strategies import RoundAggregate, TaskPlan, TaskResult
+from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec
 from protocol import TrainingPlan, Update
 
@@ -34,8 +35,8 @@ def update(agent: str, task_id: str | None = None, round_number: int = ROUND, st
 
 
 class Harness:
-    """A round over a 4-element model, whose updates' changes are their fill values (so screening can be steered)
-    and whose examinations and stores are counted."""
+    """A round over a 4-element model and its intake, whose updates' changes are their fill values (so screening
+    can be steered) and whose examinations, stores and read-backs are counted."""
 
     def __init__(self, agents=("a0", "a1"), deadline: float | None = None, screening: ScreeningConfig | None = None,
                  bound: float | None = None) -> None:
@@ -43,11 +44,13 @@ class Harness:
         self.examined: list[str] = []
         self.stored: list[str] = []
         self.kept: dict[str, Update] = {}  # what a journal would hold
+        self.reloaded: list[str] = []
+        self.fail_store = False
         deadline = time.time() + 60 if deadline is None else deadline
         tasks = {f"t-{agent}": task_plan(agent) for agent in agents}
         self.aggregate = RoundAggregate(STATES, lambda result: float(result.num_samples), [])
         self.round = Round(ROUND, tasks, [], deadline, self.aggregate, screening or ScreeningConfig(min_peers=2),
-                           self.measure)
+                           self)
 
     def measure(self, result: TaskResult) -> Change:
         norm = float(result.state["w"].double().norm())
@@ -67,16 +70,20 @@ class Harness:
             return Examined(record, refusal="update rejected: negative samples")
         return Examined(record, self.result_of(message))
 
-    def offer(self, message: Update, digest: str = "", fail_store: bool = False):
-        def store() -> None:
-            if fail_store:
-                raise OSError("disk full")
-            self.stored.append(message.task_id)
-            self.kept[message.task_id] = message
-        return self.round.receive(message, 100, digest, self.examine, store)
+    def store(self, message: Update, payload: bytes) -> None:
+        if self.fail_store:
+            raise OSError("disk full")
+        self.stored.append(message.task_id)
+        self.kept[message.task_id] = message
 
-    def reload(self, task_id: str) -> TaskResult:
+    def reload(self, task_id: str, task: TaskPlan) -> TaskResult:
+        assert task is self.round.tasks[task_id].task
+        self.reloaded.append(task_id)
         return self.result_of(self.kept[task_id])
+
+    def offer(self, message: Update, digest: str = "", fail_store: bool = False):
+        self.fail_store = fail_store
+        return self.round.receive(message, bytes(100), digest)
 
 
 def opened(**kwargs) -> Harness:
@@ -161,9 +168,8 @@ def test_an_outlier_at_close_leaves_the_aggregate_of_the_others_rebuilt_from_the
     for agent, fill in zip(agents, (1.0, 2.0, 3.0, outlier)):
         harness.offer(update(agent, fill=fill, samples=1))
     assert harness.aggregate.updates == 4
-    reloaded: list[str] = []
-    harness.round.close(lambda task_id: reloaded.append(task_id) or harness.reload(task_id))
-    assert harness.round.phase is Phase.AGGREGATING and reloaded == ["t-a0", "t-a1", "t-a2"]
+    harness.round.close()
+    assert harness.round.phase is Phase.AGGREGATING and harness.reloaded == ["t-a0", "t-a1", "t-a2"]
     assert "medians of the round's 3 other updates" in harness.round.answers["t-a3"].rejection
     assert [a.update.agent_id for a in harness.round.aggregated()] == ["a0", "a1", "a2"]
     states = harness.round.finish()
@@ -175,24 +181,25 @@ def test_a_round_without_outliers_is_not_rebuilt():
     harness = opened()
     harness.offer(update("a0"))
     harness.offer(update("a1"))
-    harness.round.close(lambda task_id: pytest.fail("nothing to read back"))
+    harness.round.close()
+    assert harness.reloaded == []  # nothing read back
 
 
 def test_the_aggregate_is_the_sample_weighted_mean_of_the_updates_that_stayed_in():
     harness = opened()
     harness.offer(update("a0", fill=1.0, samples=1))
     harness.offer(update("a1", fill=4.0, samples=3))
-    harness.round.close(harness.reload)
+    harness.round.close()
     torch.testing.assert_close(harness.round.finish()["global"]["w"], torch.full((4,), 13.0 / 4))
 
 
 def test_after_closing_updates_are_late_and_phases_go_one_way():
     harness = opened()
-    harness.round.close(harness.reload)
+    harness.round.close()
     receipt = harness.offer(update("a0"))
     assert receipt.verdict == "late" and receipt.refusal == f"round {ROUND} closed before the update arrived"
     with pytest.raises(RuntimeError, match="is aggregating, not collecting"):
-        harness.round.close(harness.reload)
+        harness.round.close()
     with pytest.raises(RuntimeError, match="is aggregating, not planned"):
         harness.round.open()
     harness.round.finish()
@@ -206,7 +213,7 @@ def test_unanswered_lists_an_agents_tasks_without_an_update_until_the_round_clos
     assert harness.round.unanswered("stranger") == []
     harness.offer(update("a0"))
     assert harness.round.unanswered("a0") == [] and [t.task_id for t in harness.round.unanswered("a1")] == ["t-a1"]
-    harness.round.close(harness.reload)
+    harness.round.close()
     assert harness.round.unanswered("a1") == []
 
 
@@ -281,7 +288,7 @@ def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_wait
     seen_at_close: list[str] = []
 
     def close() -> None:
-        harness.round.close(harness.reload)
+        harness.round.close()
         seen_at_close.extend(harness.round.answers)
 
     closer = threading.Thread(target=close)
@@ -307,7 +314,16 @@ def test_an_update_that_cannot_be_folded_after_it_was_stored_is_refused_not_left
         return Examined(TaskRecord(message.agent_id, task.level, message.status, "full"),
                         TaskResult(task, FULL, {"w": tensor}, {"w": (torch.arange(4),)}, 1, [0]))
 
-    receipt = harness.round.receive(message, 10, "", examine, lambda: None)
+    harness.examine = examine  # type: ignore[method-assign]
+    receipt = harness.round.receive(message, bytes(10), "")
     assert receipt.verdict == "accepted" and receipt.refusal.startswith("update rejected: ")
     answer = harness.round.answers["t-a0"]
     assert answer.record.status == "rejected" and not answer.screened and harness.aggregate.updates == 0
+
+
+def test_an_update_read_back_from_the_journal_is_taken_without_being_stored_again():
+    harness = opened()
+    receipt = harness.round.receive(update("a0", fill=2.0), bytes(40), "d0", stored=True)
+    assert receipt.verdict == "accepted" and receipt.refusal is None
+    assert harness.stored == [] and harness.examined == ["t-a0"] and harness.aggregate.updates == 1
+    assert harness.round.answers["t-a0"].size == 40

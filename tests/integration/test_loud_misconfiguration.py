@@ -13,7 +13,7 @@ import torch
 
 from common.data import load_dataset
 from common.mqtt_link import BrokerRefused
-from coordinator import daemon as coordinator_daemon
+from coordinator import fleet as coordinator_fleet
 from coordinator.daemon import Coordinator, NoAgentsError
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
@@ -101,7 +101,7 @@ def test_a_coordinator_without_agents_of_its_federation_names_the_ones_the_broke
         mosquitto: Broker, tmp_path, monkeypatch) -> None:
     import structlog
 
-    monkeypatch.setattr(coordinator_daemon, "FEDERATIONS_CHECK_S", 1.0)
+    monkeypatch.setattr(coordinator_fleet, "FEDERATIONS_CHECK_S", 1.0)
     others = [agent(mosquitto.client_config(name), name, "lab", tmp_path) for name in ("pi-01", "pi-02")]
     for other in others:
         other.start()

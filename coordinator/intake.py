@@ -1,0 +1,204 @@
+"""Update intake: an agent's update from its chunks to the result a round folds in.
+
+`UpdateIntake` puts the chunks of one transfer back together, decodes the update once, hands it to the round in
+progress and acks it (an ack says stored for aggregation, or why it never will be); as the round's
+:class:`~coordinator.round.Intake` it examines it against its task (the spec trained must sit inside the one sent,
+its tensors be exactly that spec's and of its shapes), stores it in the journal before its ack, measures how far it
+moved the weights its task sent (screening), and reads a stored one back when screening takes an update out.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.mqtt_link import MqttLink
+from coordinator.journal import RoundJournal
+from coordinator.metrics import TaskRecord
+from coordinator.round import Examined, Receipt, Round, Verdict
+from coordinator.screening import Change, change_of_result
+from coordinator.strategies import TaskPlan, TaskResult
+from coordinator.strategies.base import State, Strategy
+from models import ModelFamily, SubmodelSpec
+from protocol import Ack, BytesLike, ProtocolError, Reassembler, Topics, Update, decode, encode
+
+#: Update statuses whose weights are aggregated.
+AGGREGATED = ("ok", "adapted")
+
+#: Index maps kept, one per trained spec (levels, exits, FeDepth's segments, AdaptiveFL's models).
+INDEX_MAPS_KEPT = 256
+
+#: Transfers reassembled at once at most (their bytes are bounded by ``MAX_BUFFERED_BYTES``).
+MAX_TRANSFERS = 100_000
+
+#: Bytes of incomplete transfers kept at most: bounded by bytes, not by count, since a large fleet uploads at once.
+MAX_BUFFERED_BYTES = 2 * 2**30
+
+
+_message_thread = threading.local()
+
+
+def single_threaded_torch() -> None:
+    """Run this thread's torch operations on one core (once per thread; other threads keep their setting).
+
+    The thread that takes messages folds each update in and measures its change: passes over memory that one core
+    does at memory speed, while torch's intra-op threads, contending with the round's own thread and the broker,
+    made them up to 20 times slower here (an add of 1M floats: 0.3-0.6 ms on one thread, 7-10 ms on two)."""
+    if not getattr(_message_thread, "single", False):
+        torch.set_num_threads(1)
+        _message_thread.single = True
+
+
+def spec_or_none(spec: dict[str, object] | None) -> SubmodelSpec | None:
+    """The spec an agent named, or None when it named none or a malformed one."""
+    try:
+        return SubmodelSpec.from_dict(spec) if spec is not None else None
+    except ValueError:
+        return None
+
+
+def _describe(spec: dict[str, object]) -> str:
+    """A readable form of a spec dict from an agent, or a note that it is malformed."""
+    parsed = spec_or_none(spec)
+    return parsed.describe() if parsed is not None else "(malformed spec)"
+
+
+def _float_tensor(array: np.ndarray) -> torch.Tensor:
+    """A float32 tensor of ``array``: a view when it is float32 already, even a read-only one (a decoded update
+    holds views on the message as it arrived; aggregation and screening only read it)."""
+    values = np.ascontiguousarray(array, dtype=np.float32)
+    if values.flags.writeable:
+        return torch.from_numpy(values)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
+
+
+class UpdateIntake:
+    """Updates in, from chunks to results (see the module docstring). ``states()`` gives the states the round's
+    tasks were cut from (what an update is measured against); ``num_classes`` is the dataset's."""
+
+    def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
+                 states: Callable[[], Mapping[str, State]], link: MqttLink, topics: Topics, log: Any) -> None:
+        self.link = link
+        self.topics = topics
+        self.family = family
+        self.strategy = strategy
+        self.journal = journal
+        self.num_classes = num_classes
+        self._states = states
+        self.log = log
+        self.reassembler = Reassembler(max_buffered_bytes=MAX_BUFFERED_BYTES, max_transfers=MAX_TRANSFERS)
+        self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}
+
+    def on_chunk(self, agent_id: str, payload: bytes, current: Round | None,
+                 on_accepted: Callable[[Round], None]) -> None:
+        """Feed one chunk of ``agent_id``'s upload; once its transfer is whole, decode the update (once: the round
+        examines this object), give it to the round in progress ``current`` (``on_accepted(current)`` when it takes
+        it as new) and ack it. ProtocolError for a malformed update or one that names another agent."""
+        whole = self.reassembler.feed_transfer(payload, source=agent_id)
+        if whole is None:
+            return
+        complete = whole.payload  # a read-only view; its sha256 was computed as its chunks came
+        update = decode(complete, expected=Update)
+        assert isinstance(update, Update)
+        if update.agent_id != agent_id:
+            raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
+        if current is None:
+            receipt = Receipt(Verdict.UNKNOWN, f"unknown task {update.task_id!r} of round {update.round}: no round "
+                                               f"is in progress")
+        else:
+            try:  # stored (journaled) before the ack goes out, and folded into the round's aggregate
+                receipt = current.receive(update, complete, whole.sha256)
+            except OSError as exc:
+                self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
+                return  # no ack: the agent sends it again
+            if receipt.verdict is Verdict.ACCEPTED:
+                on_accepted(current)
+        # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
+        # round may close and screen it before this ack goes out; its verdict ack settles the device either way.)
+        self.link.publish(self.topics.agent_ack(agent_id),
+                          encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
+        self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
+                      status=update.status, verdict=receipt.verdict.value, bytes=len(complete),
+                      refused=receipt.refusal)
+
+    # ----------------------------------------------------------- the round's Intake
+    def examine(self, update: Update, task: TaskPlan) -> Examined:
+        """Read an update against its task: its record and, for a trained one, the result to aggregate (or why it
+        is refused)."""
+        record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(), reason=update.reason,
+                            num_samples=update.num_samples, metrics=dict(update.metrics),
+                            params_sent=self.family.param_count(task.spec))
+        if update.spec_trained is not None:
+            record.spec_trained = _describe(update.spec_trained)
+        if update.status not in AGGREGATED:
+            return Examined(record)
+        try:
+            result = self.unpack(update, task)
+        except ValueError as exc:
+            record.status, record.reason = "rejected", str(exc)
+            self.log.warning("update_rejected", agent=update.agent_id, task=update.task_id, reason=str(exc))
+            return Examined(record, refusal=f"update rejected: {exc}")
+        record.spec_trained = result.spec.describe()
+        record.level_trained = self.level_of(result.spec)
+        record.params_returned = self.family.param_count(result.spec)
+        return Examined(record, result)
+
+    def store(self, update: Update, payload: BytesLike) -> None:
+        """Journal the update as it arrived, before its ack."""
+        self.journal.store(update, payload)
+
+    def measure(self, result: TaskResult) -> Change:
+        """How far an update moved the weights its task sent, and how far its plan could (screening)."""
+        sent = self.family.extract(self._states()[result.task.group], result.spec, keys=result.state.keys(),
+                                   views=True)
+        return change_of_result(result, sent)
+
+    def reload(self, task_id: str, task: TaskPlan) -> TaskResult:
+        """A stored update of the round in progress, read back from the journal and unpacked."""
+        return self.unpack(self.journal.read_update(task_id), task)
+
+    # ------------------------------------------------------------------ reading
+    def unpack(self, update: Update, task: TaskPlan) -> TaskResult:
+        """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
+        spec = SubmodelSpec.from_dict(update.spec_trained) if update.spec_trained is not None else task.spec
+        self.family.validate_spec(spec)
+        if not self.family.is_nested(spec, task.spec):
+            raise ValueError(f"agent trained {spec.describe()}, which is not inside the {task.spec.describe()} sent")
+        expected = set(self.family.trainable_keys(spec))
+        if set(update.weights) != expected:
+            missing, extra = sorted(expected - set(update.weights)), sorted(set(update.weights) - expected)
+            raise ValueError(f"update tensors do not match {spec.describe()} (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]})")
+        full_map = self.index_map(spec)
+        index_map = {key: full_map[key] for key in expected}
+        state = {}
+        for key in expected:
+            tensor = _float_tensor(update.weights[key])
+            shape = tuple(len(idx) for idx in index_map[key])
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            state[key] = tensor
+        labels = [label for label in update.labels if label < self.num_classes]
+        return TaskResult(task, spec, state, index_map, update.num_samples, labels)
+
+    def index_map(self, spec: SubmodelSpec) -> dict[str, tuple[torch.Tensor, ...]]:
+        """``family.index_map(spec)``, made once per spec (every update of a level has the same one; aggregation
+        only reads it)."""
+        made = self._index_maps.get(spec)
+        if made is None:
+            if len(self._index_maps) >= INDEX_MAPS_KEPT:
+                self._index_maps.clear()
+            made = self._index_maps[spec] = self.family.index_map(spec)
+        return made
+
+    def level_of(self, spec: SubmodelSpec) -> str | None:
+        """The name of the level (pool model) whose spec ``spec`` is, if any."""
+        return next((name for name, target in self.strategy.eval_targets().items()
+                     if name != "global" and target.spec == spec), None)

@@ -1,0 +1,123 @@
+"""What a finished round reports: each device's task record and outcome, the verdicts devices hear, the accuracy of
+every evaluation target, and the round's result as `metrics.jsonl` keeps it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from common.mqtt_link import MqttLink
+from coordinator.evaluation import Evaluator
+from coordinator.intake import spec_or_none
+from coordinator.metrics import RoundResult, TaskRecord, round_timing
+from coordinator.round import Answer, Round
+from coordinator.strategies import TaskOutcome
+from coordinator.strategies.base import EvalTarget, State
+from models import ModelFamily, SubmodelSpec
+from protocol import Ack, Topics, encode
+
+
+def outcomes(current: Round, family: ModelFamily, log: Any) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
+    """Every selected agent's record (skipped, missing or answered) and how every task ended, for the strategy
+    (answered tasks by task id, then the missing ones)."""
+    records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in current.skipped}
+    ended: list[TaskOutcome] = []
+    for task_id, answer in sorted(current.answers.items()):
+        update, record = answer.update, answer.record
+        records[update.agent_id] = record
+        if answer.rejection is not None:
+            log.warning("update_rejected", agent=update.agent_id, task=task_id, reason=answer.rejection)
+        ended.append(TaskOutcome(current.tasks[task_id].task, record.status,
+                                 answer.spec if answer.aggregated else None, dict(update.metrics),
+                                 update.reason, spec_or_none(update.spec_trained)))
+    for task_id, dispatched in current.tasks.items():
+        if task_id not in current.answers:
+            task = dispatched.task
+            records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
+                                                reason="no update by deadline",
+                                                params_sent=family.param_count(task.spec))
+            ended.append(TaskOutcome(task, "missing", None, {}))
+    return records, ended
+
+
+def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Any) -> None:
+    """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
+    for task_id, answer in sorted(current.answers.items(), key=lambda item: item[1].update.agent_id):
+        if not answer.screened:
+            continue
+        agent, reason = answer.update.agent_id, answer.rejection
+        try:  # best effort: the round is stored already, and the device's uplink settled at the first ack
+            link.publish(topics.agent_ack(agent), encode(Ack(
+                task_id, current.number, agent, reason, "rejected" if reason else "aggregated")))
+        except Exception as exc:  # noqa: BLE001 - one device's verdict never ends the round
+            log.warning("verdict_not_sent", agent=agent, round=current.number, error=str(exc))
+
+
+def trained(targets: Mapping[str, EvalTarget], family: ModelFamily,
+            aggregated: Sequence[Answer]) -> tuple[list[str], list[int]]:
+    """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the
+    global model (1-based, depth order: its exits, then its final head) some update's tensors reached."""
+    levels = sorted(name for name, target in targets.items()
+                    if name != "global" and any(answer.spec == target.spec for answer in aggregated))
+    global_spec = targets["global"].spec
+    heads = [set(family.head_keys(block)) for block in (*sorted(global_spec.exits), None)]
+    exits = [number for number, keys in enumerate(heads, start=1) if any(keys & answer.keys for answer in aggregated)]
+    return levels, exits
+
+
+def evaluate_targets(evaluator: Evaluator, targets: Mapping[str, EvalTarget],
+                     states: dict[str, State]) -> dict[str, list[float]]:
+    """Accuracy of every output of each evaluation target (a model shared by several targets is evaluated once);
+    the BN statistics of ``store_bn`` targets are written into their group's state in ``states``."""
+    results: dict[str, list[float]] = {}
+    done: dict[tuple[str, SubmodelSpec], tuple[list[float], dict[str, torch.Tensor]]] = {}
+    for name, target in targets.items():
+        key = (target.group, target.spec)
+        if key not in done:
+            done[key] = evaluator.evaluate(states[target.group], target.spec)
+        accuracies, bn_state = done[key]
+        if target.store_bn:
+            store_bn(states[target.group], bn_state)
+        results[name] = accuracies
+    return results
+
+
+def store_bn(state: State, bn_state: Mapping[str, torch.Tensor]) -> None:
+    """Write a sub-model's BN statistics into the leading slices of the global tensors they belong to."""
+    for key, value in bn_state.items():
+        target = state[key]
+        if value.shape == target.shape:
+            state[key] = value
+        else:
+            target = target.clone()
+            region = target
+            for dim, size in enumerate(value.shape):
+                region = region.narrow(dim, 0, size)
+            region.copy_(value)
+            state[key] = target
+
+
+def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: dict[str, list[float]],
+                 trained_outputs: tuple[list[str], list[int]], bytes_down: int, seconds: float) -> RoundResult:
+    """The round as `metrics.jsonl` keeps it: accuracies (the global model's outputs, each level's last), who
+    took part, traffic, what was trained and where the time went."""
+    global_outputs = accuracies.pop("global")
+    levels, exits = trained_outputs
+    return RoundResult(
+        round=current.number,
+        global_accuracy=global_outputs[-1],
+        level_accuracy={name: outputs[-1] for name, outputs in accuracies.items()},
+        exit_accuracy={f"exit{i}": acc for i, acc in enumerate(global_outputs, start=1)}
+        if len(global_outputs) > 1 else {},
+        participants=sum(1 for _ in current.aggregated()),
+        selected=len(current.tasks) + len(current.skipped),
+        bytes_down=bytes_down,
+        bytes_up=current.bytes_up,
+        seconds=round(seconds, 3),
+        tasks=[records[agent] for agent in sorted(records)],
+        trained_levels=levels,
+        trained_exits=[f"exit{i}" for i in exits] if len(global_outputs) > 1 else [],
+        timing=round_timing(current.timing, current.device_times()),
+    )
