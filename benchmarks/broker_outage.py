@@ -2,7 +2,7 @@
 trained updates are lost (the goal: none), and whether the other agents stayed up.
 
 Everything runs as separate processes over a secured mosquitto made by ``fedfit broker init`` and the bundles of
-``fedfit broker add-device``, as in the README's walkthrough: ``--agents`` agents on digits shards, a coordinator of
+``fedfit broker add-device``, as in the walkthrough of docs/deployment.md: ``--agents`` agents on digits shards, a coordinator of
 ``--rounds`` HeteroFL rounds. When every agent has its first task, mosquitto is stopped; once the agents have
 trained (their updates now wait for the ack), one agent is stopped (SIGTERM) and started again the way systemd's
 ``Restart=on-failure`` would (again and again while the broker is away, since an agent cannot start without it).

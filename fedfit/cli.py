@@ -62,7 +62,8 @@ class _Version(argparse.Action):
 
 def _parser(light: bool = False) -> argparse.ArgumentParser:
     """The command line; ``light``: only the commands of :data:`LIGHT_COMMANDS` (the rest import torch)."""
-    parser = argparse.ArgumentParser(prog="fedfit", description=__doc__.split("\n\n")[0])
+    # The module docstring's first paragraph, without its reStructuredText backticks: help is plain text.
+    parser = argparse.ArgumentParser(prog="fedfit", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("-V", "--version", action=_Version, help="print FedFit's version (and git revision) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -92,7 +93,7 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
                              description="Run several algorithms on the same fleet, data partition, budgets and seed "
                                          "(--algorithms), or read existing run directories, and write one comparison: "
                                          "a table, a PNG and a self-contained HTML page.")
-    compare.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories of `fedfit sim` to compare")
+    compare.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories of fedfit sim to compare")
     compare.add_argument("--algorithms", default=None, metavar="A,B,...",
                          help=f"the algorithms to run, comma-separated, of {', '.join(ALGORITHM_NAMES)} (fedavg runs "
                               "at the smallest width every device can train unless fedavg.width is set; "

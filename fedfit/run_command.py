@@ -104,7 +104,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
     parser.add_argument("--budgets", type=budgets_type, default=None,
                         help=f"device memory budgets: {', '.join(BUDGET_SCENARIOS)}, widths:A,B,... (each tier can "
                              "train the r-width model; fair/lack/surplus are FeDepth's lists) or fractions:A,B,... "
-                             "(shares of the full model's training memory); see the README" + default("budgets"))
+                             "(shares of the full model's training memory); see docs/budgets.md" + default("budgets"))
     parser.add_argument("--budget-variance", type=float, default=None,
                         help="sigma^2 of the per-round fluctuation of tiers-fluctuating, in percentage points squared"
                              + default("budget_variance"))

@@ -22,7 +22,7 @@ UNITS = ROOT / "systemd"
 AGENT = UNITS / "fedfit-agent.service"
 COORDINATOR = UNITS / "fedfit-coordinator.service"
 JETSON = UNITS / "fedfit-agent.service.d" / "jetson.conf"
-EXEC = "/opt/fedfit/.venv/bin/fedfit"  # where the README installs the package; absent on a test machine
+EXEC = "/opt/fedfit/.venv/bin/fedfit"  # where docs/deployment.md installs the package; absent on a test machine
 
 # systemd's own table (src/analyze/analyze-security.c, badness_table): an exposure of 7.5 or more is EXPOSED,
 # 5.0 up to 7.4 MEDIUM, 1.0 up to 4.9 OK, 0.1 up to 0.9 SAFE, 0.0 PERFECT. The figure is printed in tenths.

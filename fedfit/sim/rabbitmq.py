@@ -23,7 +23,7 @@ on 127.0.0.1 only; a deployment sets ``listeners.tcp = none``).
 
 RabbitMQ 3.10 speaks MQTT 3.1 and 3.1.1 only (FedFit's link falls back to 3.1.1 on its own), keeps retained messages
 on the node they were published to (not replicated), and sends none to a subscription with a wildcard: see the
-README's section on broker clusters for what that means for FedFit.
+docs/deployment.md's section on broker clusters for what that means for FedFit.
 """
 
 from __future__ import annotations

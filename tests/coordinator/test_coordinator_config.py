@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -15,23 +16,20 @@ from coordinator.config import (
     RecipeConfig,
     ScaleFLConfig,
 )
-from coordinator.strategies import ALGORITHM_NAMES, check_algorithm
+from coordinator.strategies import ALGORITHM_NAMES, check_algorithm, make_strategy
 
 
 def test_defaults_are_valid():
     config = CoordinatorConfig()
     config.validate()
     assert config.levels == list(HETEROFL_RATES)
+    assert config.fraction == 1.0  # the upper bound of (0, 1] is valid: every online agent
 
 
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.01])
 def test_fraction_outside_unit_interval_is_rejected(fraction):
     with pytest.raises(ValueError, match="fraction must be in"):
         CoordinatorConfig(fraction=fraction).validate()
-
-
-def test_fraction_of_one_is_accepted():
-    CoordinatorConfig(fraction=1.0).validate()
 
 
 @pytest.mark.parametrize("levels", [[0.5, 1.0], [1.0, 0.25, 0.5], [1.0, 1.0, 0.5]])
@@ -53,8 +51,15 @@ def test_level_proportions_need_nonnegative_weights_not_all_zero(proportions):
         CoordinatorConfig(level_proportions=proportions).validate()
 
 
-def test_matching_level_proportions_are_accepted():
-    CoordinatorConfig(levels=[1.0, 0.5], level_proportions=[0.0, 2.0]).validate()
+def test_a_zero_weight_is_valid_and_keeps_its_level_out_of_the_round(make_context, make_agent):
+    config = CoordinatorConfig(model=ModelConfig(family="cnn", options={"hidden": [4, 8]}), levels=[1.0, 0.5],
+                               level_assignment="dynamic", level_proportions=[0.0, 2.0])
+    config.validate()
+    strategy = make_strategy(config.algorithm, make_context(config))
+    plan = strategy.configure_round(1, [make_agent(f"x{i}", 10**6) for i in range(8)], random.Random(0))
+    smaller = strategy.levels[1]
+    assert smaller.spec.width == 0.5
+    assert len(plan.tasks) == 8 and {task.level for task in plan.tasks} == {smaller.name}
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,34 @@ def valid(**kwargs) -> AgentConfig:
     return AgentConfig(**kwargs)
 
 
-def test_valid_configs_pass():
-    valid().validate()
-    valid(budget_bytes=1, data=AgentDataConfig(dataset="digits", num_shards=4, shard=3)).validate()
+def refusal(config: AgentConfig) -> str | None:
+    """What ``validate`` says of ``config``; None when it is valid."""
+    try:
+        config.validate()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_an_id_and_a_data_source_make_a_valid_config():
+    # Every other setting has a valid default; the data may be a file or a shard of a known dataset.
+    assert refusal(valid()) is None
+    assert refusal(valid(data=AgentDataConfig(dataset="digits"))) is None
+
+
+@pytest.mark.parametrize(("last_valid", "first_refused", "said"), [
+    ({"budget_bytes": 1}, {"budget_bytes": 0}, "budget_bytes must be positive"),
+    ({"data": AgentDataConfig(dataset="digits", num_shards=4, shard=3)},
+     {"data": AgentDataConfig(dataset="digits", num_shards=4, shard=4)}, "data.shard must be in [0, num_shards)"),
+    ({"data": AgentDataConfig(dataset="digits", num_shards=4, shard=0)},
+     {"data": AgentDataConfig(dataset="digits", num_shards=4, shard=-1)}, "data.shard must be in [0, num_shards)"),
+    ({"stall_timeout_s": 0.001}, {"stall_timeout_s": 0.0}, "stall_timeout_s must be positive"),
+])  # fmt: skip
+def test_the_last_valid_value_passes_and_the_next_is_refused(last_valid, first_refused, said):
+    # The value at the edge of the documented range passes, its neighbour outside it is refused with that sentence.
+    assert refusal(valid(**last_valid)) is None
+    message = refusal(valid(**first_refused))
+    assert message is not None and said in message, message
 
 
 def test_data_source_is_required():

@@ -59,6 +59,7 @@ def test_sim_bad_partition_and_broker(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 2 and "HOST:PORT" in err
 
 
+@pytest.mark.broker
 def test_coordinator_without_agents_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fedfit.sim.broker import find_mosquitto, start_mosquitto
 

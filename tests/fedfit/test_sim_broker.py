@@ -32,6 +32,7 @@ def test_free_port_is_free() -> None:
     assert not wait_for_port("127.0.0.1", free_port(), 0.2)
 
 
+@pytest.mark.broker
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_a_broker_that_cannot_be_secured_is_one_sentence_and_leaves_no_files(monkeypatch, tmp_path) -> None:
     made: list[Path] = []

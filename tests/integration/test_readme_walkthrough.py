@@ -1,6 +1,7 @@
-"""The README's walkthrough of a secured fleet on one machine, run as written: its bash block, taken from the
-README, in a real shell, with separate processes for mosquitto, three agents and the coordinator. Only the port is
-changed (to a free one), and the test kills whatever the block leaves running should it fail half-way."""
+"""The walkthrough of a secured fleet on one machine (docs/deployment.md, linked from the README), run as written:
+its bash block, taken from that page, in a real shell, with separate processes for mosquitto, three agents and the
+coordinator. Only the port is changed (to a free one), and the test kills whatever the block leaves running should
+it fail half-way."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from fedfit.sim.broker import find_mosquitto, free_port
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADING = "### A secured fleet on one machine"
+PAGE = ROOT / "docs" / "deployment.md"
+HEADING = "## A secured fleet on one machine"
 
 
 def walkthrough() -> str:
-    """The first bash block after the walkthrough's heading in the README."""
-    text = (ROOT / "README.md").read_text()
-    assert HEADING in text, "the README lost its walkthrough"
+    """The first bash block after the walkthrough's heading in docs/deployment.md."""
+    text = PAGE.read_text()
+    assert HEADING in text, "docs/deployment.md lost its walkthrough"
     block = re.search(r"```bash\n(.*?)```", text.split(HEADING, 1)[1], re.DOTALL)
     assert block is not None
     return block.group(1)
