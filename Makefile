@@ -19,7 +19,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy protocol models common coordinator edge_agent fedfit
+	$(VENV)/bin/mypy protocol models common coordinator edge_agent fedfit loadrig
 
 clean:
 	rm -rf runs .pytest_cache

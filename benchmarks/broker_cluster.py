@@ -1,4 +1,4 @@
-"""FedFit on a 3-node RabbitMQ cluster (``fedfit.sim.rabbitmq``): what the broker does with what FedFit needs, and
+"""FedFit on a 3-node RabbitMQ cluster (``loadrig.rabbitmq``): what the broker does with what FedFit needs, and
 federations whose agents are spread over the nodes.
 
 Modes (each starts its own cluster on loopback and stops it, leaving no process behind):
@@ -14,7 +14,7 @@ Modes (each starts its own cluster on loopback and stops it, leaving no process 
   the coordinator's wildcard subscription, so it learns of each agent when the agent answers the coordinator's
   "online" status with its own (before that answer existed: at the agent's next periodic status,
   ``--status-interval``). ``--mosquitto`` runs the same federation on one secured mosquitto too, for comparison.
-- ``load``: ``--agents`` synthetic agents (``fedfit.sim.load``: they answer tasks with updates of the right shape
+- ``load``: ``--agents`` synthetic agents (``loadrig.load``: they answer tasks with updates of the right shape
   without training) spread over the nodes, driving one coordinator on node 0 for ``--rounds`` rounds; prints the
   round times, the coordinator's RSS and each node's CPU and RSS. ``--mosquitto`` runs the same load over one
   mosquitto afterwards.
@@ -50,6 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import _shared  # noqa: F401 - the repository's root on sys.path, for loadrig
 import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion
@@ -65,8 +66,8 @@ from edge_agent.data_source import to_local_data
 from fedfit.sim.broker import Broker, BrokerStartError, start_mosquitto
 from fedfit.sim.budgets import device_budgets
 from fedfit.sim.harness import budget_anchor
-from fedfit.sim.load import LoadOptions, format_outcome, run_load
-from fedfit.sim.rabbitmq import RabbitCluster, start_rabbitmq_cluster
+from loadrig.load import LoadOptions, format_outcome, run_load
+from loadrig.rabbitmq import RabbitCluster, start_rabbitmq_cluster
 
 WAIT_S = 10.0
 MIB = 2**20
@@ -564,7 +565,7 @@ def main() -> int:
     parser.add_argument("--memory-limit", default="2GB", help="each node's memory high watermark (default 2GB)")
     args = parser.parse_args()
     started = time.monotonic()
-    # The load mode's agents log in anonymously (fedfit.sim.load takes HOST:PORT brokers).
+    # The load mode's agents log in anonymously (loadrig.load takes HOST:PORT brokers).
     secured = not args.insecure and args.mode != "load"
     try:
         cluster = start_rabbitmq_cluster(args.nodes, federation="cluster" if secured else None,

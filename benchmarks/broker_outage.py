@@ -30,26 +30,13 @@ import time
 from pathlib import Path
 
 import yaml
+from _shared import ROOT, fedfit, wait_until
 
 from fedfit.sim.broker import find_mosquitto, free_port, wait_for_port
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def fedfit(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedfit.cli", *args]
 
 
 def count(log: Path, event: str) -> int:
     return log.read_text(errors="replace").count(f'"event": "{event}"') if log.exists() else 0
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.2)
 
 
 class Supervised:

@@ -37,13 +37,12 @@ from typing import Any
 import msgpack
 import paho.mqtt.client as mqtt
 import yaml
+from _shared import ROOT, fedfit, wait_until
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedfit.sim.broker import Broker, start_mosquitto
-from fedfit.sim.raw_client import RawClient
+from loadrig.raw_client import RawClient
 from protocol import ProtocolError, Reassembler, Task, Topics, Update, decode, encode, split_payload
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -102,7 +101,7 @@ class Run:
 
 
 def _daemon(kind: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "fedfit.cli", kind, "--config", str(config)],
+    return subprocess.Popen(fedfit(kind, "--config", str(config)),
                             stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -147,14 +146,6 @@ def events(log: Path, *names: str) -> list[dict[str, Any]]:
             if entry.get("event") in names:
                 found.append(entry)
     return found
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def wait_mid_round(run: Run, rng: random.Random, after_round: int, timeout: float = 300) -> int:

@@ -1,6 +1,6 @@
 """One coordinator driven by a large fleet of SYNTHETIC agents (no training: accuracy is meaningless) over MQTT.
 
-``fedfit.sim.load`` starts an anonymous mosquitto on loopback (or uses ``--brokers``), the coordinator daemon in a
+``loadrig.load`` starts an anonymous mosquitto on loopback (or uses ``--brokers``), the coordinator daemon in a
 process of its own and ``--workers`` processes of synthetic agents, each agent its own MQTT client and agent id
 answering every task at once with the weights it was sent plus a little noise (accepted by validation and
 screening, aggregated for real). It prints per round: time, updates, traffic, when the tasks were all dispatched
@@ -20,8 +20,10 @@ import json
 import sys
 from pathlib import Path
 
+import _shared  # noqa: F401 - the repository's root on sys.path, for loadrig
+
 from fedfit.sim.broker import BrokerStartError
-from fedfit.sim.load import DEFAULT_MODEL_OPTIONS, LoadError, LoadOptions, format_outcome, run_load
+from loadrig.load import DEFAULT_MODEL_OPTIONS, LoadError, LoadOptions, format_outcome, run_load
 
 
 def main() -> int:

@@ -100,12 +100,12 @@ from typing import Any
 
 import numpy as np
 import yaml
+from _shared import ROOT, fedfit, wait_until
 
 from common.data import load_shard
 from fedfit.sim.broker import free_port, start_mosquitto, wait_for_port
 from models import SubmodelSpec, get_family
 
-ROOT = Path(__file__).resolve().parent.parent
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 FLWR_VERSION = "1.42.0"
 FEDERATION = "race"
@@ -119,24 +119,6 @@ MIB = 2**20
 
 
 # ---------------------------------------------------------------------------------------------------- plumbing
-def fedfit(*args: str) -> list[str]:
-    """The ``fedfit`` command run by this interpreter."""
-    return [sys.executable, "-m", "fedfit.cli", *args]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
-               alive: Callable[[], str | None] = lambda: None) -> None:
-    """Poll ``predicate`` every 0.2 s; TimeoutError after ``timeout`` s, RuntimeError when ``alive`` says why not."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        problem = alive()
-        if problem is not None:
-            raise RuntimeError(f"{what}: {problem}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.2)
-
-
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a daemon's log (other lines skipped)."""
     events = []

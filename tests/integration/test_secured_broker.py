@@ -28,7 +28,7 @@ from edge_agent.runner import LocalData
 from fedfit.cli import main
 from fedfit.secure_broker import BrokerDirectory
 from fedfit.sim.broker import find_mosquitto, free_port, wait_for_login, wait_for_port
-from fedfit.sim.raw_client import RawClient
+from loadrig.raw_client import RawClient
 from protocol import ModelRef, Recipe, Task, Topics, Update, encode, split_payload
 
 from .conftest import SecuredBroker, on_broker, tiny_config

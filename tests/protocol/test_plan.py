@@ -794,8 +794,7 @@ def test_a_bad_micro_batch_is_one_protocol_error(where: str, value: object, said
 
 
 @pytest.mark.parametrize(("adaptation", "said"), [
-    ({"kind": "depthwise", "min_micro_batch": 1}, "min_micro_batch: only a 'depthwise' adaptation takes one, and it "
-                                                  "is 0 or at least 2, got 1"),
+    ({"kind": "depthwise", "min_micro_batch": 1}, "min_micro_batch: only a 'depthwise' adaptation takes one, and it is 0 or at least 2, got 1"),
     ({"kind": "none", "min_micro_batch": 4}, "min_micro_batch: only a 'depthwise' adaptation takes one"),
     ({"kind": "none", "head_alone": True}, "head_alone: only a 'depthwise' adaptation trains the head alone"),
     ({"kind": "depthwise", "head_alone": 1}, "head_alone must be true or false"),

@@ -1,10 +1,10 @@
 """The coordinator of a load run, in a process of its own (so that its memory and CPU are its own).
 
-``python -m fedfit.sim.load_coordinator --config FILE --events FILE [--log-file FILE] [--profile]`` runs the
+``python -m loadrig.coordinator_process --config FILE --events FILE [--log-file FILE] [--profile]`` runs the
 coordinator daemon as ``fedfit coordinator --config FILE`` does, and writes to ``--events`` (JSON) what the load
 run reads of it: when the fleet was online, each round's dispatch, its last update and its end (wall-clock times),
 the process's RSS at each of those moments and its peak (``ru_maxrss``), its CPU seconds and, with ``--profile``,
-where every thread spent its time during the rounds (:class:`fedfit.sim.load_profile.StackSampler`). A line per
+where every thread spent its time during the rounds (:class:`loadrig.sampler.StackSampler`). A line per
 finished round goes to standard output, after a line ``connected`` once it is subscribed.
 """
 
@@ -28,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator, Progress
 from coordinator.metrics import RoundResult
 from coordinator.strategies import check_algorithm
-from fedfit.sim.load_profile import StackSampler
+from loadrig.sampler import StackSampler
 
 __all__ = ["main"]
 
@@ -76,7 +76,7 @@ class _Recorder:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the coordinator of a load run (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m fedfit.sim.load_coordinator")
+    parser = argparse.ArgumentParser(prog="python -m loadrig.coordinator_process")
     parser.add_argument("--config", required=True)
     parser.add_argument("--events", required=True)
     parser.add_argument("--log-file", default=None)

@@ -24,7 +24,7 @@ from typing import Any
 __all__ = ["StackSampler"]
 
 _WAITING = ("select(", ".wait(", "acquire(", "sleep(", ".get(", "recv(", "poll(")
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 _LABELS: dict[CodeType, str] = {}

@@ -4,12 +4,12 @@ A synthetic agent speaks the agents' protocol (``edge_agent.daemon``): a retaine
 Last Will, its task chunks in (put together by a :class:`protocol.Reassembler`), its update out in chunks
 (``protocol.encode`` and ``protocol.split_payload``, transfer ``<task id>.<attempt>``), sent again every
 ``ack_timeout_s`` until the coordinator acks it, as the agents' uplink does; "busy" while it answers a task. It
-answers with a SYNTHETIC update (:mod:`fedfit.sim.load_synthetic`) at once: no training. It skips the start-up
+answers with a SYNTHETIC update (:mod:`loadrig.synthetic`) at once: no training. It skips the start-up
 check for a second process of its id.
 
 One paho thread per client would be a thousand threads fighting for the interpreter, so a worker drives all of its
 clients from one thread through paho's external-loop hooks (socket open/close, register/unregister write) and a
-selector. ``python -m fedfit.sim.load_agents SPEC.json RESULT.json`` runs one worker: it prints ``ready N`` once its
+selector. ``python -m loadrig.agents SPEC.json RESULT.json`` runs one worker: it prints ``ready N`` once its
 N agents are online (or ``error ...``), runs until its standard input closes, says "offline" for every agent, and
 writes what it saw to RESULT.json (:class:`WorkerResult`).
 """
@@ -32,7 +32,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedfit.sim.load_synthetic import UpdateMaker
+from loadrig.synthetic import UpdateMaker
 from protocol import (
     Ack,
     AgentStatus,
@@ -457,10 +457,10 @@ class LoadWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedfit.sim.load_agents SPEC.json RESULT.json`` (see the module docstring)."""
+    """``python -m loadrig.agents SPEC.json RESULT.json`` (see the module docstring)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m fedfit.sim.load_agents SPEC.json RESULT.json", file=sys.stderr)
+        print("usage: python -m loadrig.agents SPEC.json RESULT.json", file=sys.stderr)
         return 2
     spec = WorkerSpec.from_json(Path(args[0]).read_text())
     import models  # noqa: F401 - torch, imported now rather than when the first task arrives

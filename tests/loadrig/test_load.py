@@ -14,9 +14,9 @@ from coordinator.config import RecipeConfig
 from coordinator.screening import change_of
 from coordinator.strategies.base import base_plan
 from fedfit.sim.broker import find_mosquitto
-from fedfit.sim.load import LoadOptions, agent_name, broker_for, format_outcome, run_load
-from fedfit.sim.load_agents import WorkerResult
-from fedfit.sim.load_synthetic import SYNTHETIC_NOTICE, UpdateMaker, synthetic_change
+from loadrig.agents import WorkerResult
+from loadrig.load import LoadOptions, agent_name, broker_for, format_outcome, run_load
+from loadrig.synthetic import SYNTHETIC_NOTICE, UpdateMaker, synthetic_change
 from models import SubmodelSpec, get_family
 from protocol import ModelRef, Task, decode, encode
 

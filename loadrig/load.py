@@ -1,8 +1,8 @@
 """Load mode: one real coordinator driven by a fleet of SYNTHETIC agents (no training) through real brokers.
 
 :func:`run_load` starts (unless brokers are given) an anonymous mosquitto on a free loopback port, the coordinator
-in a process of its own (:mod:`fedfit.sim.load_coordinator`: its RSS and CPU are its own) and ``workers``
-processes of synthetic agents (:mod:`fedfit.sim.load_agents`), each its own MQTT client and agent id; agent ``i``
+in a process of its own (:mod:`loadrig.coordinator_process`: its RSS and CPU are its own) and ``workers``
+processes of synthetic agents (:mod:`loadrig.agents`), each its own MQTT client and agent id; agent ``i``
 connects to ``brokers[i % len(brokers)]`` (a broker cluster's nodes, say), the coordinator to
 ``coordinator_broker`` (default: the first). It watches every process's RSS and CPU while the rounds run, and
 returns a :class:`LoadOutcome`: per round its time, traffic, where the time went (as the coordinator's progress
@@ -32,14 +32,14 @@ import yaml
 from common.cores import available_cores
 from common.data import load_dataset
 from fedfit.sim.broker import Broker, start_mosquitto
-from fedfit.sim.load_agents import AgentSlot, WorkerResult, WorkerSpec
-from fedfit.sim.load_synthetic import SYNTHETIC_NOTICE
 from fedfit.sim.rundir import claim_run_dir, new_run_dir
+from loadrig.agents import AgentSlot, WorkerResult, WorkerSpec
+from loadrig.synthetic import SYNTHETIC_NOTICE
 
 __all__ = ["SYNTHETIC_NOTICE", "LoadError", "LoadOptions", "LoadOutcome", "LoadRound", "agent_name", "broker_for",
            "format_outcome", "run_load"]
 
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[1]
 #: The ~1M-parameter model of the load runs: HeteroFL's CNN with a last block of 256 channels (963,722 parameters
 #: at 10 classes and one input channel).
 DEFAULT_MODEL_OPTIONS: dict[str, Any] = {"hidden": [64, 128, 256, 256]}
@@ -427,7 +427,7 @@ def run_load(options: LoadOptions, progress: IO[str] | None = sys.stderr) -> Loa
             print(f"{SYNTHETIC_NOTICE}\nload run in {run_dir}: {options.agents} synthetic agents in {options.workers} "
                   f"worker processes, {broker_text}", file=progress, flush=True)
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "fedfit.sim.load_coordinator", "--config", str(config_path), "--events",
+            [sys.executable, "-m", "loadrig.coordinator_process", "--config", str(config_path), "--events",
              str(events_path), "--log-file", str(run_dir / "coordinator.log"),
              *(["--profile"] if options.profile else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(options.coordinator_env))
@@ -444,7 +444,7 @@ def run_load(options: LoadOptions, progress: IO[str] | None = sys.stderr) -> Loa
             spec_path.write_text(spec.to_json())
             with open(run_dir / f"agents-{number}.log", "w", encoding="utf-8") as log:
                 worker = subprocess.Popen(
-                    [sys.executable, "-m", "fedfit.sim.load_agents", str(spec_path),
+                    [sys.executable, "-m", "loadrig.agents", str(spec_path),
                      str(run_dir / f"agents-{number}-result.json")],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=_env())
             workers.append(worker)

@@ -1,4 +1,4 @@
-"""FedFit unchanged on a 3-node RabbitMQ cluster (``fedfit.sim.rabbitmq``): a coordinator on one node, agents on
+"""FedFit unchanged on a 3-node RabbitMQ cluster (``loadrig.rabbitmq``): a coordinator on one node, agents on
 the others, secured (TLS, a login per client, topic permissions as FedFit's ACL gives), over MQTT 3.1.1 (RabbitMQ
 3.10 speaks no MQTT 5). Skipped where rabbitmq-server is not installed."""
 
@@ -20,7 +20,7 @@ from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
-from fedfit.sim.rabbitmq import (
+from loadrig.rabbitmq import (
     RabbitCluster,
     find_rabbitmq,
     routing_key,
@@ -28,7 +28,7 @@ from fedfit.sim.rabbitmq import (
     topic_permissions,
 )
 
-from .conftest import tiny_config
+from ..integration.conftest import tiny_config
 
 FEDERATION = "cluster"
 
