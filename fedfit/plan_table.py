@@ -62,14 +62,22 @@ def format_setup(setup: dict[str, Any]) -> str:
 
 
 def scenario_budgets(config: Any, dataset: Any, scenario: str, device: str = "cpu") -> list[tuple[str, int]]:
-    """Each tier of ``scenario`` with its budget as ``fedfit sim`` gives it (the same for every method)."""
+    """Each tier of ``scenario`` with its budget as ``fedfit sim`` gives it (the same for every method; a
+    fluctuating tier's in all but its rarest rounds, at the default variance)."""
+    return _anchored_budgets(config, dataset, scenario, device)[2]
+
+
+def _anchored_budgets(config: Any, dataset: Any, scenario: str,
+                      device: str) -> tuple[Any, Any, list[tuple[str, int]]]:
+    """The model family, the scenario's budget anchor, and :func:`scenario_budgets`."""
     from coordinator.strategies.base import base_plan
-    from fedfit.sim.budgets import BudgetAnchor, scenario_tiers
+    from fedfit.sim.budgets import BudgetAnchor, dependable_bytes, scenario_tiers, scenario_variance
     from models import get_family
 
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
     anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size, device=device)
-    return [(tier.name, anchor.tier_bytes(tier)) for tier in scenario_tiers(scenario)]
+    variance = scenario_variance(scenario)
+    return family, anchor, [(tier.name, dependable_bytes(anchor, tier, variance)) for tier in scenario_tiers(scenario)]
 
 
 def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False,
@@ -79,12 +87,9 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
     unless ``fedavg.width`` is set, as ``fedfit compare`` runs it)."""
     from coordinator.planning import strategy_for
     from coordinator.strategies import ALGORITHM_NAMES
-    from coordinator.strategies.base import base_plan
-    from fedfit.sim.budgets import BudgetAnchor, scenario_tiers, width_for_all
-    from models import get_family
+    from fedfit.sim.budgets import width_for_all
 
-    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
-    anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size, device=device)
+    family, anchor, budgets = _anchored_budgets(config, dataset, scenario, device)
     strategies = {}
     for name in ALGORITHM_NAMES:
         method = replace(config, algorithm=name)
@@ -92,13 +97,10 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
             width = width_for_all(scenario, anchor, config.levels)
             method = replace(method, fedavg=replace(config.fedavg, width=width))
         strategies[name] = strategy_for(method, dataset, family)
-        strategies[name].fit_to_fleet([anchor.tier_bytes(tier) for tier in scenario_tiers(scenario)])
-    rows = []
-    for tier in scenario_tiers(scenario):
-        budget = anchor.tier_bytes(tier)
-        rows.append({"tier": tier.name, "budget_bytes": budget,
-                     "methods": {name: strategy.plan_for_budget(budget) for name, strategy in strategies.items()}})
-    return rows
+        strategies[name].fit_to_fleet([budget for _, budget in budgets])
+    return [{"tier": name, "budget_bytes": budget,
+             "methods": {method: strategy.plan_for_budget(budget) for method, strategy in strategies.items()}}
+            for name, budget in budgets]
 
 
 def format_tiers(rows: Sequence[dict[str, Any]]) -> str:

@@ -21,7 +21,8 @@ Two kinds of tier:
   ``tiers`` weak / medium / strong, 40 / 30 / 30% of the fleet, with 35 / 60 / 110% (FlexFL's setting);
   ``tiers-fluctuating`` the same, and every round each device has r = r_M - |u|, u ~ N(0, sigma^2) percentage
   points (FlexFL: sigma^2 in {5, 8, 10}; the coordinator learns the new figure from the device's next status, so
-  the device adapts at task time); ``fractions:A,B,...`` one equal share of the fleet per fraction.
+  the device adapts at task time); methods are sized and planned for the budget such a device has in all but its
+  rarest rounds (:func:`dependable_bytes`); ``fractions:A,B,...`` one equal share of the fleet per fraction.
 
 Every budget is rounded up to a whole number of :data:`BUDGET_GRANULE` (64 KiB): a measured CPU peak moves by about
 0.3 MB between identical runs, so a budget finer than that means nothing, while the next width up, megabytes away,
@@ -45,6 +46,12 @@ from protocol import LossTerm, TrainingPlan
 if TYPE_CHECKING:  # the models (and torch) load only where an anchor is estimated: `fedfit agent` parses no budget
     from models import ModelFamily, SubmodelSpec
 
+#: sigma^2 of ``tiers-fluctuating`` unless ``--budget-variance`` says otherwise (FlexFL's largest).
+DEFAULT_VARIANCE = 10.0
+#: A fluctuating device's methods are sized (``auto``) and planned for the budget it has in all but its rarest
+#: rounds: its shortfall |u| exceeds this many sigmas in 4.6% of rounds. Sized for its budget before fluctuation,
+#: a model that just fits it fits in no round, since the shortfall is never negative.
+DEPENDABLE_SIGMAS = 2.0
 #: Budgets are whole multiples of this (see the module docstring).
 BUDGET_GRANULE = 64 * 1024
 #: The named scenarios (``widths:A,B,...`` and ``fractions:A,B,...`` are accepted too, see :func:`scenario_tiers`).
@@ -147,6 +154,22 @@ class DeviceBudget:
             shortfall = abs(random.Random(f"{self.seed}:{round_number}").gauss(0.0, math.sqrt(self.variance)))
         return self.anchor.tier_bytes(self.tier, shortfall)
 
+    def dependable(self) -> int:
+        """The budget this device has in all but its rarest rounds (:func:`dependable_bytes`)."""
+        return dependable_bytes(self.anchor, self.tier, self.variance)
+
+
+def dependable_bytes(anchor: BudgetAnchor, tier: Tier, variance: float) -> int:
+    """The budget a device of ``tier`` has in all but its rarest rounds when its share fluctuates with
+    ``variance`` (its budget less :data:`DEPENDABLE_SIGMAS` sigmas); its budget when it does not fluctuate."""
+    fluctuates = variance > 0 and tier.percent is not None
+    return anchor.tier_bytes(tier, DEPENDABLE_SIGMAS * math.sqrt(variance) if fluctuates else 0.0)
+
+
+def scenario_variance(scenario: str, variance: float = DEFAULT_VARIANCE) -> float:
+    """The fluctuation of ``scenario``'s budgets: ``variance`` for ``tiers-fluctuating``, else none."""
+    return variance if scenario == "tiers-fluctuating" else 0.0
+
 
 def fraction_name(value: float) -> str:
     """``1/6``, ``0.3`` or ``2``: a fraction as the scenarios write it."""
@@ -212,11 +235,11 @@ def width_for_all(scenario: str, anchor: BudgetAnchor, widths: Sequence[float]) 
 
 
 def device_budgets(scenario: str, count: int, anchor: BudgetAnchor, seed: int,
-                   variance: float = 10.0) -> list[DeviceBudget]:
+                   variance: float = DEFAULT_VARIANCE) -> list[DeviceBudget]:
     """Budget schedules for ``count`` devices under ``scenario``; ValueError for an unknown one."""
     tiers_of_scenario = scenario_tiers(scenario)
     if variance < 0:
         raise ValueError(f"the budget variance must be non-negative, got {variance}")
     tiers = assign_tiers(count, tiers_of_scenario, seed)
-    fluctuation = variance if scenario == "tiers-fluctuating" else 0.0
+    fluctuation = scenario_variance(scenario, variance)
     return [DeviceBudget(tier, anchor, fluctuation, seed * 100_003 + index) for index, tier in enumerate(tiers)]

@@ -110,14 +110,14 @@ def check_device(device: str) -> None:
 
 
 def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None]) -> list[TierService]:
-    """What the strategy hands each tier of the fleet (its devices counted, its budget before any fluctuation),
-    by the devices' own rule: the start-of-run statement (none for a fleet without budgets)."""
+    """What the strategy hands each tier of the fleet (its devices counted, the budget they have in all but their
+    rarest rounds), by the devices' own rule: the start-of-run statement (none for a fleet without budgets)."""
     counts: dict[str, int] = {}
     budgets: dict[str, int] = {}
     for schedule in schedules:
         if schedule is not None:
             counts[schedule.tier.name] = counts.get(schedule.tier.name, 0) + 1
-            budgets[schedule.tier.name] = schedule.anchor.tier_bytes(schedule.tier)
+            budgets[schedule.tier.name] = schedule.dependable()
     ordered = sorted(counts, key=lambda name: budgets[name])
     return serve_tiers(strategy, [(name, budgets[name], counts[name]) for name in ordered])
 
@@ -211,9 +211,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                                             options.seed,
                                             options.budget_variance))
         if any(schedules):  # sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...)
-            # the tiers' budgets before any fluctuation, as fedfit plan --budgets and the statement below use
-            coordinator.fit_to_fleet([schedule.anchor.tier_bytes(schedule.tier) for schedule in schedules
-                                      if schedule is not None])
+            # the budgets they have in all but their rarest rounds, as fedfit plan --budgets and the statement use
+            coordinator.fit_to_fleet([schedule.dependable() for schedule in schedules if schedule is not None])
         services = tier_services(coordinator.strategy, schedules)
         if progress is not None:
             for line in (service_lines(options.algorithm, services, coordinator.strategy.largest()) if services else

@@ -129,6 +129,17 @@ def test_device_budgets_follow_the_shares_and_fluctuate_only_when_asked() -> Non
         device_budgets("tiers", 3, anchor, seed=0, variance=-1.0)
 
 
+def test_a_fluctuating_device_is_planned_for_the_budget_it_has_in_all_but_its_rarest_rounds() -> None:
+    anchor = fake_anchor()
+    steady = device_budgets("tiers", 10, anchor, seed=3)
+    assert all(budget.dependable() == budget(1) == anchor.tier_bytes(budget.tier) for budget in steady)
+    moving = device_budgets("tiers-fluctuating", 10, anchor, seed=3, variance=10.0)
+    for budget in moving:
+        assert budget.dependable() < anchor.tier_bytes(budget.tier)  # the shortfall is never negative
+        rounds = [budget(r) for r in range(1, 201)]
+        assert sum(got >= budget.dependable() for got in rounds) >= 180  # |u| < 2 sigma in 95.4% of rounds
+
+
 def test_assign_tiers_by_largest_remainders() -> None:
     tiers = scenario_tiers("tiers")
     assigned = assign_tiers(10, tiers, seed=0)
