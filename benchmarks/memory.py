@@ -20,7 +20,7 @@ forkserver, and the measured peak is the ``peak_bytes`` the child reports in the
 peak on GPU.
 
 With ``--allocator default`` (glibc's default heap) measured peaks on CPU vary between runs of one configuration
-by up to about 10% (heap fragmentation depends on the address-space layout; see ``models/memory.py``); with
+by up to about 10% (heap fragmentation depends on the address-space layout; see docs/edge-runtime.md); with
 ``pooled`` or ``compact`` they repeat to within about 0.4 MB.
 """
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from edge_agent import allocator as heap
-    from models import estimate_plan_memory, estimate_training_memory, get_family
+    from models import estimate_plan_memory, estimate_plan_stages, get_family
 
     allocator = heap.resolve(args.allocator)
     if allocator != args.allocator:
@@ -209,13 +209,12 @@ def main(argv: list[str] | None = None) -> None:
                     f"{measured / MB:12.2f} {ratio:6.3f} {seconds * 1000:8.0f}{cuda}",
                     flush=True,
                 )
+                stage_estimates = estimate_plan_stages(family, spec, row.plan(), input_size=row.image_size,
+                                                       device=device, allocator=allocator, samples=samples)
                 for index, segment in enumerate(spec.segments or ()):  # every stage of a depth-wise run
                     if len(spec.segments) == 1:
                         break
-                    stage = estimate_training_memory(
-                        family, spec, batch_size=row.micro or row.batch_size, input_size=row.image_size,
-                        device=device, allocator=allocator, segment=segment, route=row.route,
-                        cache_samples=samples if row.buffered else 0, accumulate=bool(row.micro)).total
+                    stage = stage_estimates[index].total
                     stage_measured = metrics[f"stage_peak_bytes.{index}"]
                     print(f"{'':6s} {'':12s} {'  stage ' + str(index) + ': blocks ' + str(segment):34s} "
                           f"{'':5s} {stage / MB:12.2f} {stage_measured / MB:12.2f} {stage / stage_measured:6.3f}",

@@ -145,11 +145,12 @@ def measure(row: Row, glibc: str, steps: int, threads: int) -> dict[str, float]:
 
 
 def estimate(row: Row) -> int:
-    from models import SubmodelSpec, estimate_training_memory, get_family
+    from models import SubmodelSpec, estimate_plan_memory, get_family
+    from protocol import TrainingPlan
 
     family = get_family(row.family, NUM_CLASSES, row.in_channels)
-    return estimate_training_memory(family, SubmodelSpec(width=row.width), batch_size=row.batch_size,
-                                    input_size=row.image_size, allocator="pooled").total
+    return estimate_plan_memory(family, SubmodelSpec(width=row.width), TrainingPlan(batch_size=row.batch_size),
+                                input_size=row.image_size, allocator="pooled").total
 
 
 def run_one(row: Row, arrangement: Arrangement, library: str, steps: int, threads: int) -> dict[str, float]:

@@ -25,7 +25,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -132,6 +133,74 @@ _PENDING_TOPICS = 10_000
 _PULSE = ("", b"")
 
 
+class LinkState(Enum):
+    """Where a link is in its life. ``CONNECTING`` until its subscriptions are first acknowledged, then ``READY``
+    (through an outage too: paho reconnects and resubscribes); ``STOPPING`` once ``stop()`` began, and
+    ``TAKEN_OVER`` when another connection took its client id: both final, a disconnect then is no outage."""
+
+    CONNECTING = "connecting"
+    READY = "ready"
+    STOPPING = "stopping"
+    TAKEN_OVER = "taken over"
+
+    @property
+    def ending(self) -> bool:
+        """Stopping or taken over: the link will not connect again."""
+        return self in (LinkState.STOPPING, LinkState.TAKEN_OVER)
+
+
+@dataclass
+class _Handshake:
+    """What one connection attempt of ``start()`` heard from the broker, paho's reconnects within it included:
+    its CONNACK, the SUBACK of our subscriptions, and connections closed between the two."""
+
+    connack: threading.Event = field(default_factory=threading.Event)  # a CONNACK came (or a close before it)
+    connack_reason: str = ""  # "ok", or why there was no connection
+    subscribe_mid: int | None = None  # the message id of our SUBSCRIBE
+    subscribed: threading.Event = field(default_factory=threading.Event)  # a SUBACK came, granted or not
+    refusals: list[tuple[str, str]] = field(default_factory=list)  # (topic, reason) the last SUBACK refused
+    closes_before_suback: int = 0  # accepted connections closed before any SUBACK
+    closed_before_suback: str | None = None  # set when start() must stop: a refusal by closing
+
+    @property
+    def awaiting_suback(self) -> bool:
+        """Accepted and subscribed, no SUBACK yet."""
+        return self.connack_reason == "ok" and self.subscribe_mid is not None and not self.subscribed.is_set()
+
+
+@dataclass
+class _Uptime:
+    """The link's time with and without the broker (monotonic seconds)."""
+
+    connected_at: float = 0.0
+    down_since: float | None = None  # when the link lost the broker (None: connected, or never was)
+    down_total: float = 0.0  # outages that ended
+    short_drops: int = 0  # consecutive connections the broker dropped within _SHORT_CONNECTION_S
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def connected(self) -> None:
+        """A connection was accepted: an outage, if any, ends."""
+        self.connected_at = time.monotonic()
+        with self.lock:
+            if self.down_since is not None:
+                self.down_total += self.connected_at - self.down_since
+                self.down_since = None
+
+    def dropped(self) -> float:
+        """The connection dropped: an outage begins (if none has); the seconds the connection lasted."""
+        with self.lock:
+            if self.down_since is None:
+                self.down_since = time.monotonic()
+        lasted = time.monotonic() - self.connected_at
+        self.short_drops = self.short_drops + 1 if lasted < _SHORT_CONNECTION_S else 0
+        return lasted
+
+    def outage_seconds(self) -> float:
+        with self.lock:
+            current = 0.0 if self.down_since is None else time.monotonic() - self.down_since
+            return self.down_total + current
+
+
 class MqttLink:
     """A resilient client: connect, subscribe, dispatch off the network thread, publish.
 
@@ -169,31 +238,58 @@ class MqttLink:
         self._early_acks: OrderedDict[int, str | None] = OrderedDict()  # PUBACKs that beat publish(): the refusal
         self.refused_publishes = 0
         self._last_pulse = time.monotonic()  # when the dispatcher last got through a pulse
-        self.taken_over = False
-        self._connected_at = 0.0
-        self._outage_total = 0.0
-        self._outage_lock = threading.Lock()
-        self._down_since: float | None = None  # monotonic time the ready link lost the broker
-        self._short_drops = 0  # consecutive connections the broker dropped within _SHORT_CONNECTION_S
+        self._state = LinkState.CONNECTING
+        self._state_lock = threading.Lock()
+        self.ready = threading.Event()  # set when the link first becomes READY, and stays set
+        self._handshake = _Handshake()
+        self._uptime = _Uptime()
         self._inbox: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=queue_limit)
         self._client: mqtt.Client | None = None
-        self._connack = threading.Event()
-        self._connack_reason: str = ""
-        self._subscribe_mid: int | None = None
-        self._subscribed = threading.Event()  # a SUBACK for our subscriptions came, granted or not
-        self._subscription_refusals: list[tuple[str, str]] = []  # (topic, reason) the last SUBACK refused
-        self._closed_before_suback: str | None = None  # set when start() must stop: a refusal by closing
-        self._closes_before_suback = 0  # accepted connections of this attempt closed before any SUBACK
-        self.ready = threading.Event()
         self.protocol_name = ""
         self._dispatcher: threading.Thread | None = None
-        self._stopping = False
         self._log = get_logger("mqtt", client_id=client_id)
         self.dropped_messages = 0
 
     # ----------------------------------------------------------------- lifecycle
+    @property
+    def state(self) -> LinkState:
+        return self._state
+
+    @property
+    def taken_over(self) -> bool:
+        """Another connection took this client id: the link stays down."""
+        return self._state is LinkState.TAKEN_OVER
+
+    def _become(self, state: LinkState) -> None:
+        """Move to ``state``: to ``TAKEN_OVER`` from any state, to another only while the link is not ending."""
+        with self._state_lock:
+            if state is LinkState.TAKEN_OVER or not self._state.ending:
+                self._state = state
+
+    # ----------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
         """Connect (MQTT 5, else 3.1.1), subscribe and wait until the subscriptions are acknowledged."""
+        self._warn_if_insecure()
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"{self.client_id}-dispatch",
+                                            daemon=True)
+        self._dispatcher.start()
+        deadline = time.monotonic() + timeout
+        delay = 0.2
+        while True:
+            outcome = self._connect(deadline)
+            if outcome == "ok":
+                self._await_subscriptions(deadline, timeout)
+                return
+            self._raise_if_refused(outcome)
+            if time.monotonic() + delay > deadline:
+                hint = "" if self.broker.tls else "; if the broker takes only TLS there, set broker.tls: true"
+                raise BrokerUnavailable(f"cannot reach the MQTT broker at {self.broker} ({outcome}); check "
+                                        f"that it is running and that host and port are right{hint}")
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _warn_if_insecure(self) -> None:
+        """Warn, once per broker address in this process, of a connection without TLS or login."""
         if not self.broker.secured and str(self.broker) not in _warned_insecure:
             _warned_insecure.add(str(self.broker))
             self._log.warning("mqtt_insecure", broker=str(self.broker), tls=self.broker.tls,
@@ -201,64 +297,63 @@ class MqttLink:
                               message="no TLS or no login: anyone who can reach the broker can read and forge this "
                                       "federation's messages; use it only for quick local tries (fedfit broker init "
                                       "makes a secured one)")
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"{self.client_id}-dispatch",
-                                            daemon=True)
-        self._dispatcher.start()
-        deadline = time.monotonic() + timeout
-        delay = 0.2
-        last_error = "no attempt made"
-        while True:
-            known = _accepted_protocol.get(str(self.broker))
-            for protocol in (known,) if known is not None else (mqtt.MQTTv5, mqtt.MQTTv311):
-                outcome = self._attempt(protocol, deadline)
-                if outcome == "ok":
-                    _accepted_protocol[str(self.broker)] = protocol
-                    remaining = max(0.5, deadline - time.monotonic())
-                    self._subscribed.wait(remaining)
-                    if self._subscription_refusals:
-                        self._abandon_client()
-                        topics = ", ".join(f"{topic} ({reason})" for topic, reason in self._subscription_refusals)
-                        raise BrokerRefused(
-                            f"the MQTT broker at {self.broker} refused client '{self.client_id}' (user "
-                            f"{self.broker.username!r}) the subscription to {topics}: its ACL does not let this "
-                            f"login read there; check the agent_id / federation / username of the configuration")
-                    if self._closed_before_suback is not None and not self.ready.is_set():
-                        self._abandon_client()
-                        raise BrokerRefused(
-                            f"the MQTT broker at {self.broker} accepted client '{self.client_id}' (user "
-                            f"{self.broker.username!r}), then closed the connection at its subscriptions to "
-                            f"{', '.join(self.subscriptions)} without acknowledging them, "
-                            f"{self._closes_before_suback} time(s) in a row ({self._closed_before_suback}): "
-                            f"RabbitMQ does so when the login may not read one of them; check the agent_id / "
-                            f"federation / username of the configuration and the broker's permissions")
-                    if not self.ready.is_set():
-                        self._abandon_client()
-                        raise BrokerUnavailable(
-                            f"the MQTT broker at {self.broker} accepted the connection but did not acknowledge "
-                            f"the subscriptions within {timeout:.0f} s; check the broker's ACLs for "
-                            f"client '{self.client_id}'")
-                    return
-                last_error = outcome
-                if outcome not in (_UNSUPPORTED_PROTOCOL, _NO_CONNACK):
-                    break  # a protocol downgrade would not help
-            if "Not authorized" in last_error or "Bad user name or password" in last_error:
-                raise BrokerUnavailable(f"the MQTT broker at {self.broker} refused client '{self.client_id}' "
-                                        f"(user {self.broker.username!r}): {last_error}; check the username and "
-                                        f"password")
-            if last_error.startswith(_TLS_FAILED):
-                raise BrokerUnavailable(f"the TLS handshake with the MQTT broker at {self.broker} failed "
-                                        f"({last_error[len(_TLS_FAILED):]}); check broker.ca_file and that the "
-                                        f"broker's certificate names {self.broker.host!r}")
-            if time.monotonic() + delay > deadline:
-                hint = "" if self.broker.tls else "; if the broker takes only TLS there, set broker.tls: true"
-                raise BrokerUnavailable(f"cannot reach the MQTT broker at {self.broker} ({last_error}); check "
-                                        f"that it is running and that host and port are right{hint}")
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+
+    def _connect(self, deadline: float) -> str:
+        """One round of connection tries: the protocol this broker address accepted before, else MQTT 5 and then
+        3.1.1 (only where MQTT 5 was refused as such or went unanswered). "ok", or why the last try failed."""
+        known = _accepted_protocol.get(str(self.broker))
+        outcome = "no attempt made"
+        for protocol in (known,) if known is not None else (mqtt.MQTTv5, mqtt.MQTTv311):
+            outcome = self._attempt(protocol, deadline)
+            if outcome == "ok":
+                _accepted_protocol[str(self.broker)] = protocol
+                return outcome
+            if outcome not in (_UNSUPPORTED_PROTOCOL, _NO_CONNACK):
+                break  # a protocol downgrade would not help
+        return outcome
+
+    def _await_subscriptions(self, deadline: float, timeout: float) -> None:
+        """Wait for the SUBACK of the accepted connection; raise, the client abandoned, unless it made the link
+        ready (a refused subscription, a connection closed at the subscriptions, or no answer in time)."""
+        handshake = self._handshake
+        handshake.subscribed.wait(max(0.5, deadline - time.monotonic()))
+        if handshake.refusals:
+            self._abandon_client()
+            topics = ", ".join(f"{topic} ({reason})" for topic, reason in handshake.refusals)
+            raise BrokerRefused(
+                f"the MQTT broker at {self.broker} refused client '{self.client_id}' (user "
+                f"{self.broker.username!r}) the subscription to {topics}: its ACL does not let this "
+                f"login read there; check the agent_id / federation / username of the configuration")
+        if handshake.closed_before_suback is not None and not self.ready.is_set():
+            self._abandon_client()
+            raise BrokerRefused(
+                f"the MQTT broker at {self.broker} accepted client '{self.client_id}' (user "
+                f"{self.broker.username!r}), then closed the connection at its subscriptions to "
+                f"{', '.join(self.subscriptions)} without acknowledging them, "
+                f"{handshake.closes_before_suback} time(s) in a row ({handshake.closed_before_suback}): "
+                f"RabbitMQ does so when the login may not read one of them; check the agent_id / "
+                f"federation / username of the configuration and the broker's permissions")
+        if not self.ready.is_set():
+            self._abandon_client()
+            raise BrokerUnavailable(
+                f"the MQTT broker at {self.broker} accepted the connection but did not acknowledge "
+                f"the subscriptions within {timeout:.0f} s; check the broker's ACLs for "
+                f"client '{self.client_id}'")
+
+    def _raise_if_refused(self, outcome: str) -> None:
+        """Raise at once for a failed connection that no retry mends: a refused login, a failed TLS handshake."""
+        if "Not authorized" in outcome or "Bad user name or password" in outcome:
+            raise BrokerUnavailable(f"the MQTT broker at {self.broker} refused client '{self.client_id}' "
+                                    f"(user {self.broker.username!r}): {outcome}; check the username and "
+                                    f"password")
+        if outcome.startswith(_TLS_FAILED):
+            raise BrokerUnavailable(f"the TLS handshake with the MQTT broker at {self.broker} failed "
+                                    f"({outcome[len(_TLS_FAILED):]}); check broker.ca_file and that the "
+                                    f"broker's certificate names {self.broker.host!r}")
 
     def stop(self, final: tuple[str, bytes, bool] | None = None, timeout: float = 5.0) -> None:
         """Publish ``final`` (topic, payload, retain) if given, disconnect cleanly and stop the threads."""
-        self._stopping = True
+        self._become(LinkState.STOPPING)
         client = self._client
         if client is not None:
             if final is not None and client.is_connected():
@@ -322,9 +417,7 @@ class MqttLink:
 
     def outage_seconds(self) -> float:
         """Seconds the link has been without the broker since it was first ready (the current outage included)."""
-        with self._outage_lock:
-            current = 0.0 if self._down_since is None else time.monotonic() - self._down_since
-            return self._outage_total + current
+        return self._uptime.outage_seconds()
 
     @property
     def connected(self) -> bool:
@@ -356,11 +449,7 @@ class MqttLink:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.reconnect_delay_set(min_delay=1, max_delay=30)
-        self._connack.clear()
-        self._connack_reason = ""
-        self._closed_before_suback = None
-        self._closes_before_suback = 0
-        self._subscribe_mid = None
+        self._handshake = handshake = _Handshake()
         self._client = client
         try:
             client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive)
@@ -375,11 +464,11 @@ class MqttLink:
             return str(exc) or type(exc).__name__
         client.loop_start()
         wait = max(0.5, min(_CONNACK_WAIT_S, deadline - time.monotonic()))
-        if not self._connack.wait(wait):
+        if not handshake.connack.wait(wait):
             self._abandon_client()
             return _NO_CONNACK
-        if self._connack_reason != "ok":
-            reason = self._connack_reason
+        if handshake.connack_reason != "ok":
+            reason = handshake.connack_reason
             self._abandon_client()
             return reason
         self.protocol_name = "MQTT 5" if protocol == mqtt.MQTTv5 else "MQTT 3.1.1"
@@ -397,42 +486,41 @@ class MqttLink:
 
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
                     properties: Any) -> None:
+        handshake = self._handshake
         if reason_code.is_failure:
-            self._connack_reason = str(reason_code)
-            self._connack.set()
+            handshake.connack_reason = str(reason_code)
+            handshake.connack.set()
             if self.ready.is_set():  # a reconnect that failed: paho will retry
                 self._log.warning("mqtt_reconnect_refused", reason=str(reason_code))
             return
-        self._connack_reason = "ok"
-        self._connected_at = time.monotonic()
-        with self._outage_lock:
-            if self._down_since is not None:
-                self._outage_total += self._connected_at - self._down_since
-                self._down_since = None
+        handshake.connack_reason = "ok"
+        self._uptime.connected()
         result, mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
-        self._subscribe_mid = mid if result == mqtt.MQTT_ERR_SUCCESS else None
-        self._connack.set()
+        handshake.subscribe_mid = mid if result == mqtt.MQTT_ERR_SUCCESS else None
+        handshake.connack.set()
         if self.ready.is_set():
             self._log.info("mqtt_reconnected", broker=str(self.broker))
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any,
                       properties: Any) -> None:
-        if mid != self._subscribe_mid:
+        handshake = self._handshake
+        if mid != handshake.subscribe_mid:
             return
         refused = [(topic, str(code)) for topic, code in zip(self.subscriptions, reason_codes) if code.is_failure]
         if refused:
             # (Mosquitto 2.0 grants every subscription and filters what it delivers; other brokers refuse here.)
-            self._subscription_refusals = refused
-            self._subscribed.set()
+            handshake.refusals = refused
+            handshake.subscribed.set()
             self._log.error("mqtt_subscription_refused", refused=refused)
             if self.ready.is_set():  # a resubscription after a reconnect: the owner decides
                 for topic, reason in refused:
                     self._refused(topic, reason, "subscription")
             return
-        self._subscription_refusals = []
+        handshake.refusals = []
         first = not self.ready.is_set()
-        self.ready.set()  # before _subscribed: start() reads ready once _subscribed wakes it
-        self._subscribed.set()
+        self._become(LinkState.READY)
+        self.ready.set()  # before subscribed: start() reads ready once subscribed wakes it
+        handshake.subscribed.set()
         if self._on_ready is not None:
             try:
                 self._on_ready()
@@ -443,38 +531,35 @@ class MqttLink:
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any,
                        properties: Any) -> None:
-        if not self._connack.is_set():
-            self._connack_reason = (_UNSUPPORTED_PROTOCOL if client.protocol == mqtt.MQTTv5
-                                    else f"connection closed before CONNACK ({reason_code})")
-            self._connack.set()
-        elif (not self._stopping and not self.ready.is_set() and not self._subscribed.is_set()
-              and self._connack_reason == "ok" and self._subscribe_mid is not None
+        handshake = self._handshake
+        if not handshake.connack.is_set():
+            handshake.connack_reason = (_UNSUPPORTED_PROTOCOL if client.protocol == mqtt.MQTTv5
+                                        else f"connection closed before CONNACK ({reason_code})")
+            handshake.connack.set()
+        elif (not self._state.ending and not self.ready.is_set() and handshake.awaiting_suback
               and getattr(reason_code, "value", None) != _SESSION_TAKEN_OVER):
             # Accepted and subscribed, then closed without a SUBACK: how a broker that refuses a subscription by
             # closing the connection (RabbitMQ) answers, and also what a dropped connection looks like. paho
             # reconnects and subscribes again; a second close in a row (or MQTT 5's "Not authorized") is a
             # refusal, which start() then reports at once instead of waiting out its timeout.
-            self._closes_before_suback += 1
-            if (self._closes_before_suback >= _CLOSES_BEFORE_SUBACK
+            handshake.closes_before_suback += 1
+            if (handshake.closes_before_suback >= _CLOSES_BEFORE_SUBACK
                     or getattr(reason_code, "value", None) == _NOT_AUTHORIZED):
-                self._closed_before_suback = str(reason_code)
-                self._subscribed.set()
+                handshake.closed_before_suback = str(reason_code)
+                handshake.subscribed.set()
             else:
                 self._log.warning("mqtt_closed_before_suback", reason=str(reason_code),
                                   message="the broker closed the connection before acknowledging the "
                                           "subscriptions; trying once more")
-        elif not self._stopping:
-            with self._outage_lock:
-                if self._down_since is None:
-                    self._down_since = time.monotonic()
-            lasted = time.monotonic() - self._connected_at
-            self._short_drops = self._short_drops + 1 if lasted < _SHORT_CONNECTION_S else 0
-            if getattr(reason_code, "value", None) == _SESSION_TAKEN_OVER or self._short_drops >= _TAKEOVERS:
+        elif not self._state.ending:
+            lasted = self._uptime.dropped()
+            if getattr(reason_code, "value", None) == _SESSION_TAKEN_OVER or self._uptime.short_drops >= _TAKEOVERS:
                 # Another client connected with this client id (the broker said so, or dropped every connection
                 # within seconds, again and again): reconnecting would knock it off in turn, and the two would
                 # take turns on the broker. Stop instead and say so.
-                self.taken_over = self._stopping = True
-                self._log.error("mqtt_session_taken_over", reason=str(reason_code), short_drops=self._short_drops)
+                self._become(LinkState.TAKEN_OVER)
+                self._log.error("mqtt_session_taken_over", reason=str(reason_code),
+                                short_drops=self._uptime.short_drops)
                 threading.Thread(target=self._give_up, args=(client,), name=f"{self.client_id}-taken-over",
                                  daemon=True).start()
             else:

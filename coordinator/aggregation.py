@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.shapes import check_shape
+
 if TYPE_CHECKING:  # the strategies' types; they import this module
     from coordinator.strategies.base import State, TaskResult
 
@@ -88,9 +90,7 @@ class MaskedAggregator:
                 raise ValueError(f"no index map for tensor {key!r}")
             if not self._global[key].is_floating_point():
                 continue  # counters such as BN's num_batches_tracked are not averaged
-            expected = tuple(len(idx) for idx in index_map[key])
-            if tuple(local.shape) != expected:
-                raise ValueError(f"tensor {key!r} has shape {tuple(local.shape)}, its index map says {expected}")
+            check_shape(key, local.shape, index_map[key])
             keys.append(key)
         return keys
 

@@ -13,8 +13,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
+from common.logs import Logger
 from common.mqtt_link import MqttLink
 from coordinator.registry import FleetRegistry
 from coordinator.round import Round
@@ -44,7 +44,7 @@ class Dispatcher:
     from; ``seed`` makes each task's training seed (per round and agent)."""
 
     def __init__(self, link: MqttLink, topics: Topics, registry: FleetRegistry, family: ModelFamily,
-                 model_ref: ModelRef, states: Callable[[], Mapping[str, State]], seed: int, log: Any) -> None:
+                 model_ref: ModelRef, states: Callable[[], Mapping[str, State]], seed: int, log: Logger) -> None:
         self.link = link
         self.topics = topics
         self.registry = registry

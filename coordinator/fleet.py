@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from common.data import Dataset
+from common.logs import Logger
 from coordinator.config import CoordinatorConfig
 from coordinator.data_fit import data_misfit
 from coordinator.federations import federations_seen
@@ -42,7 +42,7 @@ class FleetWatch:
     """The registry's reactions to agents' statuses, and the fleet a round is planned for."""
 
     def __init__(self, config: CoordinatorConfig, registry: FleetRegistry, dataset: Dataset, strategy: Strategy,
-                 log: Any) -> None:
+                 log: Logger) -> None:
         self.config = config
         self.registry = registry
         self.dataset = dataset

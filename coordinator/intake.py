@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 import torch
 
+from common.logs import Logger
 from common.mqtt_link import MqttLink
 from coordinator.journal import RoundJournal
 from coordinator.metrics import TaskRecord
@@ -24,7 +24,7 @@ from coordinator.round import Examined, Receipt, Round, Verdict
 from coordinator.screening import Change, change_of_result
 from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import State, Strategy
-from models import ModelFamily, SubmodelSpec
+from models import ModelFamily, SubmodelSpec, check_shapes
 from protocol import Ack, BytesLike, ProtocolError, Reassembler, Topics, Update, decode, encode
 
 #: Update statuses whose weights are aggregated.
@@ -84,7 +84,7 @@ class UpdateIntake:
     tasks were cut from (what an update is measured against); ``num_classes`` is the dataset's."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
-                 states: Callable[[], Mapping[str, State]], link: MqttLink, topics: Topics, log: Any) -> None:
+                 states: Callable[[], Mapping[str, State]], link: MqttLink, topics: Topics, log: Logger) -> None:
         self.link = link
         self.topics = topics
         self.family = family
@@ -178,13 +178,8 @@ class UpdateIntake:
                              f"unexpected {extra[:3]})")
         full_map = self.index_map(spec)
         index_map = {key: full_map[key] for key in expected}
-        state = {}
-        for key in expected:
-            tensor = _float_tensor(update.weights[key])
-            shape = tuple(len(idx) for idx in index_map[key])
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
-            state[key] = tensor
+        check_shapes({key: update.weights[key] for key in expected}, index_map, says="expected")
+        state = {key: _float_tensor(update.weights[key]) for key in expected}
         labels = [label for label in update.labels if label < self.num_classes]
         return TaskResult(task, spec, state, index_map, update.num_samples, labels)
 

@@ -4,10 +4,10 @@ every evaluation target, and the round's result as `metrics.jsonl` keeps it."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
+from common.logs import Logger
 from common.mqtt_link import MqttLink
 from coordinator.evaluation import Evaluator
 from coordinator.intake import spec_or_none
@@ -19,7 +19,7 @@ from models import ModelFamily, SubmodelSpec
 from protocol import Ack, Topics, encode
 
 
-def outcomes(current: Round, family: ModelFamily, log: Any) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
+def outcomes(current: Round, family: ModelFamily, log: Logger) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
     """Every selected agent's record (skipped, missing or answered) and how every task ended, for the strategy
     (answered tasks by task id, then the missing ones)."""
     records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in current.skipped}
@@ -42,7 +42,7 @@ def outcomes(current: Round, family: ModelFamily, log: Any) -> tuple[dict[str, T
     return records, ended
 
 
-def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Any) -> None:
+def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Logger) -> None:
     """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
     for task_id, answer in sorted(current.answers.items(), key=lambda item: item[1].update.agent_id):
         if not answer.screened:

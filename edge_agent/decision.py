@@ -9,7 +9,7 @@ task to train (weights cut out of the received ones, plan chosen). The agent pro
 reads that and starts the training child (``edge_agent.forkserver``).
 
 The estimator's first use in a process imports what meta tensors need (about 160 MB of RSS, see
-``models.memory``); the forkserver has paid that, so a decision child adds about 25 MB for a moment and the agent
+docs/edge-runtime.md); the forkserver has paid that, so a decision child adds about 25 MB for a moment and the agent
 process does not grow at all.
 """
 
@@ -26,7 +26,7 @@ from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.calibration import corrected as calibrated
 from edge_agent.memory import size_text
 from edge_agent.workdir import TASK_FILE, Decision, DecisionRequest, TaskRejected, model_key, write_message
-from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
+from models import MemoryEstimate, ModelFamily, SubmodelSpec, check_shapes, estimate_plan_memory, get_family
 from models.depthwise import Decomposition, cut_segments, micro_batch_ladder
 from protocol import (
     MEMORY_DECLINE_REASON,
@@ -79,6 +79,16 @@ class Cut:
                    else f"buffering needs {size_text(self.buffer_needs)}")
             text += f"; frozen blocks recomputed every batch in stage{_numbers(self.recomputed)} ({why})"
         return text
+
+
+@dataclass(frozen=True)
+class DepthwisePlan:
+    """What FeDepth's decomposition settled on (:meth:`Decider.depthwise`): the cut, the option to train (None when
+    nothing fits) and its raw estimate (its costliest stage; without an option, that of block 0 alone)."""
+
+    cut: Cut
+    option: Option | None
+    estimate: MemoryEstimate
 
 
 def estimate_key(model: ModelRef, option: Option) -> str:
@@ -159,26 +169,18 @@ class Decider:
         depthwise = task.adaptation is not None and task.adaptation.kind == "depthwise"
         whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
         if choice.option is None and task.adaptation is not None and depthwise:
-            cut, option, segment_estimate = self.depthwise(task.model, family, sent, replace(plan, copies=1),
-                                                           task.adaptation.route, available,
-                                                           task.adaptation.min_micro_batch,
-                                                           head_alone=task.adaptation.head_alone)
-            if option is not None:
-                raw[option] = segment_estimate
-                needed = self.corrected(segment_estimate)
-                choice = Choice(option, needed, (*choice.tried, (option.describe(), needed)))
+            found = self.depthwise(task.model, family, sent, replace(plan, copies=1), task.adaptation.route,
+                                   available, task.adaptation.min_micro_batch, head_alone=task.adaptation.head_alone)
+            cut = found.cut
+            if found.option is not None:
+                raw[found.option] = found.estimate
+                needed = self.corrected(found.estimate)
+                choice = Choice(found.option, needed, (*choice.tried, (found.option.describe(), needed)))
         if choice.option is None:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
-            raise TaskRejected("declined", f"{MEMORY_DECLINE_REASON} the {size_text(available)} available (estimated: {tried}"
-                                           + ("; no block fits alone"
-                                              + (", nor the head alone on the frozen blocks" if
-                                                 task.adaptation is not None and task.adaptation.head_alone else "")
-                                              + f", the smallest needs {size_text(cut.smallest)}"
-                                              + (f" in micro-batches of {cut.smallest_micro}" if cut.smallest_micro
-                                                 else "")
-                                              if cut is not None and cut.smallest is not None else "")
-                                           + ("; no cut fits with its auxiliary classifiers"
-                                              if cut is not None and cut.smallest is None else "") + ")")
+            head_alone = task.adaptation is not None and task.adaptation.head_alone
+            raise TaskRejected("declined", f"{MEMORY_DECLINE_REASON} the {size_text(available)} available (estimated: "
+                                           f"{tried}{_why_no_cut(cut, head_alone)})")
         spec, chosen_plan = choice.option.spec, choice.option.plan
         estimate = raw[choice.option]
         adapted: Task | None = None
@@ -213,8 +215,7 @@ class Decider:
         return decision, adapted
 
     def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
-                  available: int, min_micro_batch: int = 0, *,
-                  head_alone: bool = False) -> tuple[Cut, Option | None, MemoryEstimate]:
+                  available: int, min_micro_batch: int = 0, *, head_alone: bool = False) -> DepthwisePlan:
         """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
 
         The (calibrated) estimate of training each candidate segment (its blocks, its classifier reached through
@@ -223,76 +224,14 @@ class Decider:
         no batch size trains in micro-batches, the largest of the plan's batch halved again and again down to
         ``min_micro_batch`` at which it fits (none when that is 0), with gradients accumulated up to the batch;
         only a block that fits at none of them is skipped; where none fits, the head alone on every frozen block
-        when ``head_alone`` (the task allows it) and that fits at the full budget. The cut's spec carries the auxiliary classifier of every
-        segment (route ``"exit"``), whose weights all its stages hold: when they push a stage over, the cut is made
-        again for that much less. A stage after the first buffers its frozen blocks' outputs when it runs more than
-        one epoch and the buffer fits too. Returns the cut, the option to train (None when nothing fits) and its
-        raw estimate (its costliest stage).
+        when ``head_alone`` (the task allows it) and that fits at the full budget. The cut's spec carries the
+        auxiliary classifier of every segment (route ``"exit"``), whose weights all its stages hold: when they push
+        a stage over, the cut is made again for that much less. A stage after the first buffers its frozen blocks'
+        outputs when it runs more than one epoch and the buffer fits too. The search is :class:`_DepthwiseSearch`'s.
         """
-        blocks = sent.depth or family.num_blocks
-        starts: set[int] = set()
-        ladder = micro_batch_ladder(plan.batch_size, min_micro_batch)
-
-        def spec_for(segments: tuple[tuple[int, int], ...]) -> SubmodelSpec:
-            ends = tuple(stop - 1 for _, stop in segments if stop < blocks) if route == "exit" else ()
-            return replace(sent, segments=segments, exits=ends)
-
-        def staged(count: int, cache: bool = False, micro: int = 0) -> TrainingPlan:
-            return replace(plan, schedule=(Stage(plan.epochs, route, cache, micro),) * count)
-
-        def raw_cost(start: int, stop: int, micro: int = 0) -> MemoryEstimate:
-            if not micro and start not in starts:  # every segment from this block at once
-                starts.add(start)
-                self.raw_estimates(model, [Option(spec_for(((start, end),)), staged(1))
-                                           for end in range(start + 1, blocks + 1)])
-            return self.raw_estimate(model, spec_for(((start, stop),)), staged(1, micro=micro))
-
-        budget = available
-        for _ in range(8):  # each pass lowers the budget by what the auxiliary classifiers added
-            decomposition = cut_segments(lambda a, b: self.corrected(raw_cost(a, b)), blocks, budget,
-                                         micro_cost=lambda a, b, m: self.corrected(raw_cost(a, b, m)),
-                                         micro_batches=ladder, head_only=head_alone and budget == available)
-            if not decomposition.segments:  # every block and the head alone were tried: their estimates are known
-                if budget < available:  # a block fits alone, but not with the other segments' classifiers
-                    return Cut(decomposition, None, route), None, raw_cost(0, 1)
-                least = ladder[-1] if ladder else 0
-                smallest = min(self.corrected(raw_cost(b, min(b + 1, blocks), least)) for b in range(blocks + 1 if head_alone else blocks))
-                return Cut(decomposition, smallest, route, smallest_micro=least), None, raw_cost(0, 1)
-            spec = spec_for(decomposition.segments)
-            micros = [decomposition.micro_batch(i) for i in range(len(decomposition.segments))]
-            each = [Option(replace(spec, segments=(segment,)), staged(1, micro=micro))
-                    for segment, micro in zip(decomposition.segments, micros)]
-            buffered = [Option(replace(spec, segments=(segment,)), staged(1, cache=True, micro=micro))
-                        for segment, micro in zip(decomposition.segments, micros)
-                        if segment[0] > 0 and plan.epochs > 1]
-            made = self.raw_estimates(model, each + buffered)
-            worst = max(self.corrected(made[option]) for option in each)
-            if worst <= available:
-                break
-            budget -= worst - available
-        else:
-            return Cut(Decomposition((), ()), None, route), None, raw_cost(0, 1)
-        chosen: list[MemoryEstimate] = []
-        cached: list[int] = []
-        recomputed: list[int] = []
-        needs: list[int] = []
-        for number, (option, segment, micro) in enumerate(zip(each, decomposition.segments, micros), start=1):
-            estimate = made[option]
-            if segment[0] > 0 and plan.epochs > 1:
-                with_buffer = made[replace(option, plan=staged(1, cache=True, micro=micro))]
-                if self.corrected(with_buffer) <= available:
-                    estimate = with_buffer
-                    cached.append(number)
-                else:
-                    recomputed.append(number)
-                    needs.append(self.corrected(with_buffer))
-            elif segment[0] > 0:
-                recomputed.append(number)
-            chosen.append(estimate)
-        schedule = tuple(Stage(plan.epochs, route, number in cached, micros[number - 1])
-                         for number in range(1, len(decomposition.segments) + 1))
-        cut = Cut(decomposition, None, route, tuple(cached), tuple(recomputed), min(needs) if needs else None)
-        return cut, Option(spec, replace(plan, schedule=schedule)), max(chosen, key=lambda e: e.total)
+        search = _DepthwiseSearch(self, model, sent, plan, route, sent.depth or family.num_blocks,
+                                  micro_batch_ladder(plan.batch_size, min_micro_batch), head_alone)
+        return search.plan_for(available)
 
     def _check_limits(self, task: Task, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan) -> None:
         """Decline a task beyond the agent's ``limits`` (epochs, steps, deadline horizon, model size)."""
@@ -318,16 +257,150 @@ class Decider:
 
     @staticmethod
     def _check_weights(family: ModelFamily, spec: SubmodelSpec, task: Task) -> None:
-        shapes = {key: tuple(len(idx) for idx in index) for key, index in family.index_map(spec).items()}
+        """Fail a task whose weights are not the spec's tensors, of the shapes its index map says."""
+        index_map = family.index_map(spec)
         expected = set(family.state_keys(spec))
         if set(task.weights) != expected:
             missing = sorted(expected - set(task.weights))[:3]
             extra = sorted(set(task.weights) - expected)[:3]
             raise TaskRejected("failed", f"task weights do not fit the spec (missing {missing}, unexpected {extra})")
-        for key, array in task.weights.items():
-            if tuple(array.shape) != shapes[key]:
-                raise TaskRejected("failed", f"tensor {key!r} has shape {tuple(array.shape)}, the spec needs "
-                                             f"{shapes[key]}")
+        try:
+            check_shapes(task.weights, index_map, says="the spec needs")
+        except ValueError as exc:
+            raise TaskRejected("failed", str(exc)) from exc
+
+
+def _why_no_cut(cut: Cut | None, head_alone: bool) -> str:
+    """What a memory decline adds when a depth-wise cut was tried and none fits (empty when none was tried)."""
+    if cut is None:
+        return ""
+    if cut.smallest is None:
+        return "; no cut fits with its auxiliary classifiers"
+    return ("; no block fits alone" + (", nor the head alone on the frozen blocks" if head_alone else "")
+            + f", the smallest needs {size_text(cut.smallest)}"
+            + (f" in micro-batches of {cut.smallest_micro}" if cut.smallest_micro else ""))
+
+
+#: How often a cut is made again for a budget lowered by what its auxiliary classifiers added (route ``"exit"``).
+_CUT_PASSES = 8
+
+
+@dataclass(frozen=True)
+class _StageCost:
+    """One stage of a cut: its segment, micro-batch (0: whole batches) and option to train recomputing its frozen
+    blocks every batch, with the raw estimates of that and, where buffering could pay (a stage after the first
+    running more than one epoch), of buffering their outputs instead."""
+
+    segment: tuple[int, int]
+    micro: int
+    recomputing: MemoryEstimate
+    buffering: MemoryEstimate | None
+
+
+class _DepthwiseSearch:
+    """The search behind :meth:`Decider.depthwise` for one task: the estimates of candidate segments of ``sent``
+    (each a one-stage spec and plan, its classifier reached through ``route``), the cut they allow, and the stages
+    of that cut."""
+
+    def __init__(self, decider: Decider, model: ModelRef, sent: SubmodelSpec, plan: TrainingPlan, route: str,
+                 blocks: int, ladder: list[int], head_alone: bool) -> None:
+        self.decider = decider
+        self.model = model
+        self.sent = sent
+        self.base = plan
+        self.route = route
+        self.blocks = blocks
+        self.ladder = ladder
+        self.head_alone = head_alone
+        self._starts: set[int] = set()  # blocks whose segments have all been estimated
+
+    def spec(self, segments: tuple[tuple[int, int], ...]) -> SubmodelSpec:
+        """``sent`` trained in ``segments``, with the auxiliary classifier closing each (route ``"exit"``)."""
+        ends = tuple(stop - 1 for _, stop in segments if stop < self.blocks) if self.route == "exit" else ()
+        return replace(self.sent, segments=segments, exits=ends)
+
+    def staged(self, count: int, cache: bool = False, micro: int = 0) -> TrainingPlan:
+        """The plan with ``count`` like stages."""
+        return replace(self.base, schedule=(Stage(self.base.epochs, self.route, cache, micro),) * count)
+
+    def raw(self, start: int, stop: int, micro: int = 0) -> MemoryEstimate:
+        """The raw estimate of training blocks ``start..stop-1`` as one stage (at whole batches, every segment from
+        ``start`` is estimated at once, the first time)."""
+        if not micro and start not in self._starts:
+            self._starts.add(start)
+            self.decider.raw_estimates(self.model, [Option(self.spec(((start, end),)), self.staged(1))
+                                                    for end in range(start + 1, self.blocks + 1)])
+        return self.decider.raw_estimate(self.model, self.spec(((start, stop),)), self.staged(1, micro=micro))
+
+    def cost(self, start: int, stop: int, micro: int = 0) -> int:
+        """:meth:`raw`, calibrated: what ``models.depthwise.cut_segments`` weighs."""
+        return self.decider.corrected(self.raw(start, stop, micro))
+
+    def plan_for(self, available: int) -> DepthwisePlan:
+        """The cut for ``available`` bytes: made for a budget lowered, pass after pass, by what the auxiliary
+        classifiers add to its costliest stage, until every stage fits."""
+        budget = available
+        for _ in range(_CUT_PASSES):
+            decomposition = cut_segments(self.cost, self.blocks, budget, micro_cost=self.cost,
+                                         micro_batches=self.ladder, head_only=self.head_alone and budget == available)
+            if not decomposition.segments:  # every block and the head alone were tried: their estimates are known
+                return self._nothing_fits(decomposition, lowered=budget < available)
+            stages = self._stages(decomposition)
+            worst = max(self.decider.corrected(stage.recomputing) for stage in stages)
+            if worst <= available:
+                return self._trained(decomposition, stages, available)
+            budget -= worst - available
+        return DepthwisePlan(Cut(Decomposition((), ()), None, self.route), None, self.raw(0, 1))
+
+    def _nothing_fits(self, decomposition: Decomposition, lowered: bool) -> DepthwisePlan:
+        """No cut: with a ``lowered`` budget a block fits alone, but not with the other segments' classifiers;
+        otherwise the cut names the least any block (or the head alone) needs, at the smallest micro-batch."""
+        if lowered:
+            return DepthwisePlan(Cut(decomposition, None, self.route), None, self.raw(0, 1))
+        least = self.ladder[-1] if self.ladder else 0
+        smallest = min(self.cost(b, min(b + 1, self.blocks), least)
+                       for b in range(self.blocks + 1 if self.head_alone else self.blocks))
+        return DepthwisePlan(Cut(decomposition, smallest, self.route, smallest_micro=least), None, self.raw(0, 1))
+
+    def _stages(self, decomposition: Decomposition) -> list[_StageCost]:
+        """The stages of ``decomposition``, estimated together."""
+        spec = self.spec(decomposition.segments)
+        micros = [decomposition.micro_batch(i) for i in range(len(decomposition.segments))]
+        each = [Option(replace(spec, segments=(segment,)), self.staged(1, micro=micro))
+                for segment, micro in zip(decomposition.segments, micros)]
+        buffered = [Option(replace(spec, segments=(segment,)), self.staged(1, cache=True, micro=micro))
+                    for segment, micro in zip(decomposition.segments, micros)
+                    if segment[0] > 0 and self.base.epochs > 1]
+        made = self.decider.raw_estimates(self.model, each + buffered)
+        return [_StageCost(segment, micro, made[option],
+                           made[replace(option, plan=self.staged(1, cache=True, micro=micro))]
+                           if segment[0] > 0 and self.base.epochs > 1 else None)
+                for option, segment, micro in zip(each, decomposition.segments, micros)]
+
+    def _trained(self, decomposition: Decomposition, stages: list[_StageCost], available: int) -> DepthwisePlan:
+        """The option to train the cut, each stage after the first buffering its frozen blocks' outputs where that
+        fits (and pays: more than one epoch)."""
+        chosen: list[MemoryEstimate] = []
+        cached: list[int] = []
+        recomputed: list[int] = []
+        needs: list[int] = []
+        for number, stage in enumerate(stages, start=1):
+            estimate = stage.recomputing
+            if stage.buffering is not None:
+                if self.decider.corrected(stage.buffering) <= available:
+                    estimate = stage.buffering
+                    cached.append(number)
+                else:
+                    recomputed.append(number)
+                    needs.append(self.decider.corrected(stage.buffering))
+            elif stage.segment[0] > 0:
+                recomputed.append(number)
+            chosen.append(estimate)
+        schedule = tuple(Stage(self.base.epochs, self.route, number in cached, stage.micro)
+                         for number, stage in enumerate(stages, start=1))
+        cut = Cut(decomposition, None, self.route, tuple(cached), tuple(recomputed), min(needs) if needs else None)
+        option = Option(self.spec(decomposition.segments), replace(self.base, schedule=schedule))
+        return DepthwisePlan(cut, option, max(chosen, key=lambda e: e.total))
 
 
 def decide_in_workdir(workdir: Path) -> Decision:

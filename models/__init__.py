@@ -8,9 +8,10 @@ Pure torch (and the wire contract's plain data types); nothing here knows about 
 from models.depthwise import SegmentModel
 from models.family import LayerDecl, ModelFamily
 from models.layers import Scaler
-from models.memory import MemoryEstimate, estimate_plan_memory, estimate_training_memory
+from models.memory import MemoryEstimate, estimate_plan_memory, estimate_plan_stages
 from models.net import FamilyNet
 from models.registry import FAMILY_NAMES, get_family
+from models.shapes import check_shapes
 from models.spec import SubmodelSpec
 from models.training import TrainResult, train
 from models.width import ROUNDINGS, scaled_channels
@@ -26,8 +27,9 @@ __all__ = [
     "SegmentModel",
     "SubmodelSpec",
     "TrainResult",
+    "check_shapes",
     "estimate_plan_memory",
-    "estimate_training_memory",
+    "estimate_plan_stages",
     "get_family",
     "scaled_channels",
     "train",

@@ -1,140 +1,14 @@
-"""Training-memory estimates: the peak bytes of training a sub-model, predicted before training.
+"""Training-memory estimates: the peak bytes of training a sub-model with its training plan, before training.
 
-What is estimated
------------------
-The peak memory of a training process for one sub-model, as the edge agent measures it: in a training child
-forked from the agent's warm forkserver, holding the local data and the received weights (the baseline), the
-peak resident set size (high-water mark reset at the baseline) minus that baseline while it builds the model,
-loads the weights, creates ``torch.optim.SGD`` and runs training steps of its training plan (forward in train mode
-over every output, the plan's loss terms, backward, ``clip_grad_norm_``, ``step``, ``zero_grad(set_to_none=True)``).
-``benchmarks/memory.py`` measures exactly this and compares it with the estimate.
+:func:`estimate_plan_memory` is the entry (:func:`estimate_plan_stages` gives each stage's estimate): the peak a
+training child of the edge agent measures above its baseline, in the parts of a :class:`MemoryEstimate`. One
+training step of the plan (:func:`models.training.backward_step`, every stage of a depth-wise plan) runs on the
+``meta`` device, shapes without data, under a dispatch mode that follows every storage's live bytes (and, on CPU,
+oneDNN's convolution copies); the optimizer step is added analytically, then the device terms (the CPU runtime and
+heap, the CUDA allocator's rounding).
 
-How
----
-1. **Shape propagation without real tensors.** The sub-model is built on the ``meta`` device and one
-   forward and backward pass at the real batch size runs on meta tensors (shapes, no data) under a
-   ``TorchDispatchMode`` that sees every tensor an ATen operator creates and, through a weak reference to its
-   storage, when the storage is freed. That gives the exact live-byte timeline of the step: what autograd saves
-   for backward (shared storages counted once), the gradients as they accumulate and the activation gradients
-   alive together during backward. Nothing batch-sized is allocated, so a batch of 100 000 costs the same as a
-   batch of 10. On CPU, every convolution also counts, for the duration of the call, the blocked copies oneDNN
-   makes inside it (``models.conv_workspace``), which no tensor shows. The optimizer step is added
-   analytically (``_step_temporaries``).
-2. **The steady-state peak** of the tensors is ``parameters + optimizer state + max(peak of forward/backward,
-   end of backward + optimizer-step temporaries)``: from the second step on, the optimizer state exists during
-   the whole forward and backward pass.
-3. **Device terms**, documented below, turn the tensor peak into the process peak.
-
-The parts of :class:`MemoryEstimate`
-------------------------------------
-``parameters``
-    Every weight of the (sub-)model, 4 bytes each (frozen blocks included), except on CPU for a spec that
-    trains the head alone (``SubmodelSpec.head_only``): the training child runs its frozen body from the
-    weights it received, which are in its baseline, and only the head has weights of its own.
-``gradients``
-    One gradient per trainable weight.
-``optimizer_state``
-    ``optimizer_slots`` tensors per trainable weight (SGD with momentum 1, without 0, Adam 2).
-``activations``
-    The batch tensors alive at the end of the forward pass: the input batch, the labels and every tensor
-    autograd saved for backward (each storage once). Frozen blocks (depth-wise training) run without autograd,
-    so only their output exists.
-``workspace``
-    What the step needs beyond that at its peak: activation gradients alive together during backward, on CPU
-    the convolutions' internal copies (where they make the peak), and the
-    optimizer's temporaries (weight decay makes one gradient-sized temporary per parameter; CUDA's ``foreach``
-    implementation makes them for all parameters at once), that is ``max(0, tensor peak - the four parts
-    above)`` (where the tensor peak comes before every gradient exists the total is conservative by at most the
-    gradients not yet computed); on CPU with glibc's default heap plus the freed memory it keeps (heap
-    retention, below).
-``overhead``
-    The fixed cost of the training process, the same for every model and batch: on CPU the runtime's one-off
-    memory; on CUDA none (the context and cuBLAS's workspace come before training: see the device terms).
-
-Device terms, and how they were measured
-----------------------------------------
-All numbers below were measured on x86-64 Linux (glibc 2.36) with torch 2.14.1 (oneDNN convolutions),
-``torch.set_num_threads(1)``, with ``benchmarks/memory.py`` and small probes; other platforms differ, which is why
-the agent also learns a per-device calibration factor from its own measurements. Two threads instead of one
-changed no measured peak by more than 1 MB.
-
-CPU: ``overhead = CPU_RUNTIME_BYTES``. How the process's C heap is managed decides the rest (``allocator``):
-
-- ``"pooled"`` (the edge agent's default) has the same estimate as ``"compact"``: the page pool
-  (``edge_agent.page_pool``) maps every block of a page or more on its own like the compact heap, and the pages
-  it keeps of freed blocks never take the mapped total above the high-water mark of the live ones, so the peak
-  is the compact heap's; it only spares the kernel faulting the same pages in again each step.
-- ``"compact"`` (``edge_agent.allocator``): glibc's mmap threshold is fixed at 4 KiB,
-  so every tensor of a page or more is mapped when allocated and given back when freed, and the resident peak
-  follows the live tensors and the convolutions' internal copies: no heap term is added. Every benchmark row
-  (CNN and PreResNet-18, widths 1 to 1/16, batches 10 to 128, block training) is within 15% of the measured
-  peak, all that need more than 5 MB within 6%, and runs repeat to about 0.4 MB. The price is speed: the kernel
-  faults the pages in again each step (steps 1.5-3 times slower on the benchmark rows).
-- ``"default"`` (glibc untouched): ``workspace`` also includes ``CPU_HEAP_RETENTION * working set``, where
-  the working set is the tensor peak less the parameters and the optimizer state, plus the peak of the frozen
-  blocks' forward pass (block training). This mode is faster but its peak is higher and noisy (below), and its
-  estimate is rough: 0.65-1.24 times the measured peak on the benchmark rows over two runs (the narrowest CNN
-  at batch 128 keeps far more than one working set, PreResNet-18 at width 1 less); calibration has to carry
-  this mode.
-
-- ``CPU_RUNTIME_BYTES`` (0.12 MB) is what the edge agent's training child (forked from its warm forkserver,
-  ``edge_agent.child``) adds beyond the tensors whatever the model: blocks under a page in the heap, the page
-  rounding of the mapped ones, autograd's small structures. Over three runs of the benchmark with the compact
-  heap, the rows peaked between 0.34 MB below and 0.46 MB above their tensors and convolution copies, by
-  amounts that move about 0.3 MB between runs; this value keeps the smallest rows (CNN width 1/16 and 1/8 at
-  batch 10, which need 0.8-1.8 MB) within 11% in all three. Code and per-shape runtime objects are not
-  counted: before its baseline the child runs one training step of a throwaway copy on one batch and trims the
-  heap (``edge_agent.child.warm_up_training``),
-  because libtorch's code pages are file-backed, not copied on fork, and how many of them a first execution
-  adds to the RSS depends on the page cache (the same CNN task measured 40 MB above the baseline in one
-  virtualenv and 101 MB in a freshly installed one without a warm-up step), and because oneDNN's primitives and
-  JIT kernels for the batch's shapes (0.5-1.4 MB) otherwise landed in the heap wherever it had room, which
-  moved the smallest rows by half a megabyte from run to run.
-  A *fresh* process pays about 180 MB instead: about 157 MB is the first ``torch.optim`` optimizer lazily
-  importing ``torch._dynamo`` and its dependencies (sympy, ... about 890 modules), measured as the RSS growth of
-  ``torch.optim.SGD(...)`` right after ``import torch``; the forkserver's warm-up step pays that once for all
-  children. The same lazy import happens the first time a process runs meta tensors, so the estimator itself
-  costs the calling process that much once (the edge agent therefore estimates in a child of its forkserver).
-- ``CPU_HEAP_RETENTION`` (1.0, ``"default"`` only): with glibc's default settings the memory a step frees is not
-  returned to the system but stays in the heap, and the next step does not fit into it in place. The first free
-  of a large mapped chunk raises glibc's mmap threshold (up to 32 MiB), after which tensors come from the heap,
-  and oneDNN's temporary buffers (``malloc_stats`` shows a convolution over 26 MB NCHW tensors allocating and
-  freeing one (forward) or two (backward) more buffers of about that size) and autograd's small allocations
-  fragment it. Over five runs of the benchmark rows, the default-setting peak exceeds the fixed-threshold peak
-  by 0.93 times the working set (median; 0.5-1.6 for most rows): the heap holds about two copies of the working
-  set. Frozen blocks count because their short-lived outputs are allocated and freed in the heap before the
-  trained block's tensors. This is the noisiest part: repeated runs of one configuration differ by up to 10%
-  (address-space layout randomisation changes the fragmentation; with it and hash randomisation switched off
-  runs repeat to 0.1 MB), which bounds what any estimate of this mode can do, and it grows over long runs.
-  ``"compact"`` removes the retention, with it the noise, and lowers the peak by the whole working set.
-
-CUDA (``device="cuda"``): every block the caching allocator hands out is rounded up to 512 bytes (the tracker
-rounds each storage), the optimizer uses the ``foreach`` path, and ``overhead`` is 0. The estimate is the caching
-allocator's peak of allocations (``torch.cuda.max_memory_allocated()``) above what the warm training child holds
-before its model is built: what the agent measures. What CUDA's start costs the process (its context, and the
-cuBLAS workspace its warm-up step allocated and keeps: 767-803 MiB together on an H100 with CUDA 13) is not in it:
-the agent measures that once per child (``cuda_context_bytes``) and takes it off the GPU's free memory before it
-compares. cuDNN's per-algorithm workspace is not modelled: it depends on the algorithm cuDNN's heuristics pick
-for each shape (the CNN at width 1 measured 25.6 MB more at batch 10 than its tensors need, 5.0 and 3.7 MB more
-at 32 and 128). On an H100 (torch 2.11, CUDA 13) the 50 rows of ``benchmarks/memory.py`` ran 0.528-1.019, 37 of
-them within 15% and every one of the others below 1 (the workspace): the agent's calibration learns each model's
-factor from its first measurement, and a CUDA out-of-memory error teaches it as an OOM kill does on the CPU.
-
-What is traced
---------------
-The step is the training interpreter's own (:func:`models.training.backward_step`): the forward pass over every
-output of the sub-model (early exits included) and the plan's loss terms (cross-entropy, distillation among
-exits with its softmax temporaries), then backward; a plan with several copies (m-FeDepth) runs all of them,
-their parameters and optimizer state included; ``nested_kd`` terms (FlexFL) first run their nested teachers
-without autograd on views of the trained weights (:func:`models.training.nested_teachers`, built alike), so
-their transient activations and kept outputs count, and no weights of their own. Depth-wise training (a spec
-with segments, FeDepth) is traced one stage at a time through the same :class:`models.depthwise.SegmentModel`
-the interpreter trains: blocks before the segment run without autograd (frozen: no gradients, no optimizer
-state, nothing saved), the segment and its head are trained; the estimate of a run is that of its most
-expensive stage. A stage whose
-frozen blocks' outputs are buffered for its epochs (``Stage.cache``) adds the buffer, ``samples`` times the
-segment input's bytes per sample, to that stage's traced peak (an upper bound of both building the buffer and
-training from it, which no longer runs the frozen blocks per batch).
+What it counts, how, and how its constants were measured: ``docs/edge-runtime.md``, section "Memory estimator:
+what it counts and how it was measured".
 """
 
 from __future__ import annotations
@@ -165,14 +39,15 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "MemoryEstimate",
     "estimate_plan_memory",
-    "estimate_training_memory",
+    "estimate_plan_stages",
 ]
 
 #: Memory a training child of the agent's warm forkserver needs beyond tensors (small blocks, page rounding).
 CPU_RUNTIME_BYTES = 120_000
-#: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set (module docstring).
+#: Extra heap glibc keeps with its default settings, as a multiple of the per-step working set
+#: (docs/edge-runtime.md).
 CPU_HEAP_RETENTION = 1.0
-#: How the training process's C heap is managed (see the module docstring): ``"compact"`` returns every freed
+#: How the training process's C heap is managed (see docs/edge-runtime.md): ``"compact"`` returns every freed
 #: block of a page or more to the system at once (``edge_agent.allocator``), ``"pooled"`` keeps their pages for
 #: reuse within the live high-water mark (the same peak), ``"default"`` is glibc's default.
 CPU_ALLOCATORS = ("pooled", "compact", "default")
@@ -343,7 +218,8 @@ def _step_temporaries(trainable: Sequence[int], slots: int, device: str) -> int:
 # ---------------------------------------------------------------------------------------------------- estimate
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated peak training memory in bytes, and its parts (see the module docstring).
+    """Estimated peak training memory in bytes, and its parts (each explained in docs/edge-runtime.md, "The parts
+    of ``MemoryEstimate``").
 
     ``total`` is the sum of the seven parts (``cache``: the buffered outputs of frozen blocks, depth-wise stages
     only).
@@ -406,7 +282,7 @@ def _check_segment(segment: object) -> tuple[int, int] | None:
     return int(segment[0]), int(segment[1])
 
 
-def estimate_training_memory(
+def _estimate_training_memory(
     family: ModelFamily,
     spec: SubmodelSpec | None = None,
     *,
@@ -422,7 +298,9 @@ def estimate_training_memory(
     cache_samples: int = 0,
     accumulate: bool = False,
 ) -> MemoryEstimate:
-    """Estimate the peak memory of training ``family`` at ``spec`` (see the module docstring).
+    """Estimate the peak memory of one training step of ``family`` at ``spec``, described by keywords, some of
+    which go only together (a ``segment`` with its ``route`` and ``cache_samples``, ``copies`` only whole):
+    :func:`estimate_plan_memory` derives them from a training plan, which is how the rest of FedFit asks.
 
     Parameters
     ----------
@@ -438,7 +316,7 @@ def estimate_training_memory(
         ``"cpu"`` (process RSS) or ``"cuda"`` (caching-allocator peak, CUDA context excluded).
     allocator:
         CPU only: how the training process's heap is managed, ``"pooled"`` or ``"compact"`` (no heap
-        retention) or ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see the module docstring.
+        retention) or ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see docs/edge-runtime.md.
     loss:
         The loss terms of the step (default: cross-entropy of the last output).
     segment, route:
@@ -456,7 +334,7 @@ def estimate_training_memory(
         (``Stage.micro_batch``): two passes are traced, the second beside the gradients of the first.
 
     Results are cached per family and arguments. The first call in a process takes about a second (torch loads
-    its meta kernels, see the module docstring for the memory this costs); later ones take about 40 ms for the
+    its meta kernels; docs/edge-runtime.md says what memory this costs); later ones take about 40 ms for the
     CNN and 60-120 ms for PreResNet18 on one x86 core, a cached result microseconds.
     """
     spec = family.validate_spec(spec)
@@ -477,9 +355,9 @@ def estimate_training_memory(
     if copies > 1 and (segment is not None or spec.segments is not None):
         raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
     if segment is None and spec.segments is not None:
-        estimates = [estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
-                                              optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
-                                              loss=terms, segment=seg, route="skip", accumulate=accumulate)
+        estimates = [_estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
+                                               optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
+                                               loss=terms, segment=seg, route="skip", accumulate=accumulate)
                      for seg in spec.segments]
         return max(estimates, key=lambda e: e.total)
     accumulate = bool(accumulate)
@@ -542,16 +420,36 @@ def estimate_plan_memory(
     """The estimated peak of running ``plan`` on ``spec``: its batch size (a stage's micro-batches, with their
     accumulated gradients), its optimizer (SGD with momentum keeps one state tensor per parameter), its loss, and
     each of its stages; the most expensive stage counts. ``samples``: the local data's size, which the buffer of a
-    stage with ``cache`` holds."""
+    stage with ``cache`` holds.
+
+    ``device``: ``"cpu"`` (the process's RSS) or ``"cuda"`` (the caching allocator's peak, CUDA's context
+    excluded); ``allocator``, on CPU: how the training process's heap is managed, ``"pooled"`` or ``"compact"``
+    (no heap retention) or ``"default"`` (glibc's default settings). Results are cached per family and arguments:
+    the first estimate in a process takes about a second, later ones tens of milliseconds (docs/edge-runtime.md).
+    """
+    return max(estimate_plan_stages(family, spec, plan, input_size=input_size, device=device, allocator=allocator,
+                                    samples=samples), key=lambda e: e.total)
+
+
+def estimate_plan_stages(
+    family: ModelFamily,
+    spec: SubmodelSpec | None,
+    plan: TrainingPlan,
+    *,
+    input_size: tuple[int, int] = (28, 28),
+    device: str = "cpu",
+    allocator: str = "pooled",
+    samples: int = 0,
+) -> list[MemoryEstimate]:
+    """The estimate of each stage ``plan`` runs on ``spec``, in order (one for a spec trained whole); the
+    arguments are :func:`estimate_plan_memory`'s, whose estimate is the largest of these."""
     spec = family.validate_spec(spec)
     slots = 1 if plan.optimizer.momentum > 0 else 0
-
-    estimates = [
-        estimate_training_memory(family, spec, batch_size=micro_batch_size(stage, plan.batch_size),
-                                 input_size=input_size, optimizer_slots=slots, device=device, allocator=allocator,
-                                 loss=plan.loss, segment=segment, route=stage.route, copies=plan.copies,
-                                 cache_samples=samples if stage.cache else 0,
-                                 accumulate=micro_batch_size(stage, plan.batch_size) < plan.batch_size)
+    return [
+        _estimate_training_memory(family, spec, batch_size=micro_batch_size(stage, plan.batch_size),
+                                  input_size=input_size, optimizer_slots=slots, device=device, allocator=allocator,
+                                  loss=plan.loss, segment=segment, route=stage.route, copies=plan.copies,
+                                  cache_samples=samples if stage.cache else 0,
+                                  accumulate=micro_batch_size(stage, plan.batch_size) < plan.batch_size)
         for segment, stage in stages(spec, plan)
     ]
-    return max(estimates, key=lambda e: e.total)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import paho.mqtt.client as mqtt
 
-from common.mqtt_link import BrokerConfig, MqttLink
+from common.mqtt_link import BrokerConfig, LinkState, MqttLink
 
 
 @dataclass
@@ -45,20 +45,20 @@ def link(on_refused: Refusals) -> MqttLink:
 def test_a_refused_subscription_is_kept_for_start_and_not_taken_for_ready() -> None:
     refusals = Refusals()
     probe = link(refusals)
-    probe._subscribe_mid = 7
+    probe._handshake.subscribe_mid = 7
     probe._on_subscribe(None, None, 7, [GRANTED, REFUSED], None)
-    assert probe._subscribed.is_set() and not probe.ready.is_set()
-    assert probe._subscription_refusals == [("a/ack", "Not authorized")]
+    assert probe._handshake.subscribed.is_set() and not probe.ready.is_set()
+    assert probe._handshake.refusals == [("a/ack", "Not authorized")]
     assert refusals.seen == []  # start() reports it, with the sentence
 
 
 def test_a_subscription_refused_after_a_reconnect_goes_to_on_refused() -> None:
     refusals = Refusals()
     probe = link(refusals)
-    probe._subscribe_mid = 1
+    probe._handshake.subscribe_mid = 1
     probe._on_subscribe(None, None, 1, [GRANTED, GRANTED], None)
     assert probe.ready.is_set()
-    probe._subscribe_mid = 2
+    probe._handshake.subscribe_mid = 2
     probe._on_subscribe(None, None, 2, [REFUSED, GRANTED], None)
     assert refusals.event.wait(5) and refusals.seen == [("a/task", "Not authorized")]
 
@@ -76,20 +76,21 @@ def test_a_refused_puback_names_its_topic_whichever_comes_first() -> None:
 
 def accepted(probe: MqttLink, mid: int) -> None:
     """What paho's on_connect leaves behind: CONNACK accepted, the subscriptions sent as message ``mid``."""
-    probe._connack_reason = "ok"
-    probe._connack.set()
-    probe._subscribe_mid = mid
+    probe._handshake.connack_reason = "ok"
+    probe._handshake.connack.set()
+    probe._handshake.subscribe_mid = mid
 
 
 def test_a_connection_closed_twice_before_any_suback_is_a_refusal_not_an_outage() -> None:
     probe = link(Refusals())
     accepted(probe, 1)
     probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
-    assert not probe._subscribed.is_set()  # once may be a dropped connection: paho reconnects and subscribes again
+    # Once may be a dropped connection: paho reconnects and subscribes again.
+    assert not probe._handshake.subscribed.is_set()
     accepted(probe, 2)
     probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
-    assert probe._subscribed.is_set() and not probe.ready.is_set()  # start() wakes now and says why
-    assert probe._closed_before_suback == "Unspecified error" and probe._down_since is None
+    assert probe._handshake.subscribed.is_set() and not probe.ready.is_set()  # start() wakes now and says why
+    assert probe._handshake.closed_before_suback == "Unspecified error" and probe._uptime.down_since is None
 
 
 def test_a_connection_dropped_once_before_its_suback_still_gets_ready() -> None:
@@ -98,9 +99,9 @@ def test_a_connection_dropped_once_before_its_suback_still_gets_ready() -> None:
     probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)
     accepted(probe, 2)
     probe._on_subscribe(None, None, 2, [GRANTED, GRANTED], None)
-    assert probe.ready.is_set() and probe._closed_before_suback is None
+    assert probe.ready.is_set() and probe._handshake.closed_before_suback is None
     probe._on_disconnect(None, None, None, Code("Unspecified error", True), None)  # once ready: an outage to ride out
-    assert probe._closed_before_suback is None and probe._down_since is not None
+    assert probe._handshake.closed_before_suback is None and probe._uptime.down_since is not None
 
 
 def test_a_refusing_suback_then_a_close_keeps_the_refused_topics() -> None:
@@ -108,7 +109,27 @@ def test_a_refusing_suback_then_a_close_keeps_the_refused_topics() -> None:
     accepted(probe, 1)
     probe._on_subscribe(None, None, 1, [GRANTED, REFUSED], None)
     probe._on_disconnect(None, None, None, Code("Not authorized", True), None)
-    assert probe._subscription_refusals == [("a/ack", "Not authorized")] and probe._closed_before_suback is None
+    assert probe._handshake.refusals == [("a/ack", "Not authorized")] and probe._handshake.closed_before_suback is None
+
+
+@dataclass
+class NumberedCode(Code):
+    value: int = 0
+
+
+def test_a_session_taken_over_is_final_and_stop_leaves_it_so() -> None:
+    taken = threading.Event()
+    probe = MqttLink(client_id="probe", broker=BrokerConfig(), subscriptions=["a/task"],
+                     handler=lambda topic, payload: None, on_taken_over=taken.set)
+    assert probe.state is LinkState.CONNECTING
+    accepted(probe, 1)
+    probe._on_subscribe(None, None, 1, [GRANTED], None)
+    assert probe.state is LinkState.READY and not probe.taken_over
+    client = SimpleNamespace(loop_stop=lambda: None)
+    probe._on_disconnect(client, None, None, NumberedCode("Session taken over", True, 142), None)
+    assert taken.wait(5) and probe.taken_over and probe.state is LinkState.TAKEN_OVER
+    probe.stop()
+    assert probe.state is LinkState.TAKEN_OVER and probe.state.ending
 
 
 class QueuingClient:

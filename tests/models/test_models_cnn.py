@@ -9,7 +9,7 @@ from torch import nn
 from models import SubmodelSpec, get_family
 from models.cnn import ConvFamily
 from models.layers import Scaler
-from models.memory import estimate_training_memory
+from models.memory import _estimate_training_memory
 
 
 def tiny() -> ConvFamily:
@@ -99,13 +99,13 @@ def test_training_memory_hand_computed() -> None:
     family = tiny()
     params = (2 * 9 + 2) + 4 + (4 * 2 * 9 + 4) + 8 + (4 * 3 + 3)
     assert family.param_count() == params == 123
-    estimate = estimate_training_memory(family, batch_size=2, input_size=(4, 4))
+    estimate = _estimate_training_memory(family, batch_size=2, input_size=(4, 4))
     assert estimate.parameters == estimate.gradients == estimate.optimizer_state == 4 * params
-    assert estimate_training_memory(family, batch_size=2, input_size=(4, 4), optimizer_slots=0).optimizer_state == 0
+    assert _estimate_training_memory(family, batch_size=2, input_size=(4, 4), optimizer_slots=0).optimizer_state == 0
     assert estimate.total == sum(estimate.as_dict()[part] for part in (  # type: ignore[misc]
         "parameters", "gradients", "optimizer_state", "activations", "workspace", "overhead"))
     # Training block 1 alone: every weight is loaded, only block 1 and the head have gradients and momentum.
-    second = estimate_training_memory(family, batch_size=2, input_size=(4, 4), segment=(1, 2))
+    second = _estimate_training_memory(family, batch_size=2, input_size=(4, 4), segment=(1, 2))
     trained = (4 * 2 * 9 + 4) + 8 + (4 * 3 + 3)
     assert second.parameters == 4 * params
     assert second.gradients == second.optimizer_state == 4 * trained

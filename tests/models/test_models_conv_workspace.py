@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import get_family
 from models.conv_workspace import channel_block, convolution_workspace
-from models.memory import estimate_training_memory
+from models.memory import _estimate_training_memory
 
 F32 = 4
 CONV = torch.ops.aten.convolution.default
@@ -116,7 +116,7 @@ def test_cpu_estimate_includes_the_workspace(monkeypatch: pytest.MonkeyPatch) ->
 
     def estimate() -> int:
         family = get_family("preresnet18", 10, 3)  # a new family object: the estimate cache is per family
-        return estimate_training_memory(family, None, batch_size=32, input_size=(32, 32), segment=(0, 1)).total
+        return _estimate_training_memory(family, None, batch_size=32, input_size=(32, 32), segment=(0, 1)).total
 
     with_workspace = estimate()
     monkeypatch.setattr("models.memory.convolution_workspace", lambda *_: 0)

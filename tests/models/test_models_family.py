@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family
-from models.memory import estimate_training_memory
+from models.memory import _estimate_training_memory
 
 #: HeteroFL levels a..e (the same as the ``spec`` fixture's).
 RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -258,7 +258,7 @@ def test_flops_decrease_with_rate(case: Case) -> None:
 def test_training_memory_shrinks_with_rate(case: Case) -> None:
     family, size = case
     mems = [
-        estimate_training_memory(family, SubmodelSpec.uniform(r), batch_size=10, input_size=size).total
+        _estimate_training_memory(family, SubmodelSpec.uniform(r), batch_size=10, input_size=size).total
         for r in RATES
     ]
     assert all(a > b for a, b in itertools.pairwise(mems))
@@ -277,7 +277,7 @@ def test_training_memory_shrinks_with_rate(case: Case) -> None:
 def test_training_memory_rejects_bad_arguments(case: Case, kwargs: dict[str, object]) -> None:
     family, _ = case
     with pytest.raises(ValueError):
-        estimate_training_memory(family, None, **kwargs)  # type: ignore[arg-type]
+        _estimate_training_memory(family, None, **kwargs)  # type: ignore[arg-type]
 
 
 def test_extract_errors(case: Case) -> None:
@@ -619,4 +619,4 @@ def test_invalid_specs_are_rejected_everywhere(case: Case, make: Callable[[int],
         with pytest.raises(ValueError):
             call(spec)
     with pytest.raises(ValueError):
-        estimate_training_memory(family, spec, batch_size=2)
+        _estimate_training_memory(family, spec, batch_size=2)

@@ -10,17 +10,24 @@ import pytest
 import torch
 from torch import nn
 
-from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
+from models import (
+    MemoryEstimate,
+    ModelFamily,
+    SubmodelSpec,
+    estimate_plan_memory,
+    estimate_plan_stages,
+    get_family,
+)
 from models.conv_workspace import convolution_workspace
 from models.family import BYTES_PER_ELEMENT
 from models.memory import (
     CPU_HEAP_RETENTION,
     CPU_RUNTIME_BYTES,
     CUDA_BLOCK_BYTES,
+    _estimate_training_memory,
     _LiveBytes,
     _step_temporaries,
     _trace,
-    estimate_training_memory,
 )
 from models.training import backward_step, nested_teachers
 from protocol.plan import LossTerm, OptimizerSettings, Stage, TrainingPlan
@@ -34,7 +41,7 @@ PARTS = ("parameters", "gradients", "optimizer_state", "activations", "workspace
 
 def _estimate(family: ModelFamily, size: tuple[int, int], **kwargs: object) -> MemoryEstimate:
     kwargs.setdefault("batch_size", 8)
-    return estimate_training_memory(family, input_size=size, **kwargs)  # type: ignore[arg-type]
+    return _estimate_training_memory(family, input_size=size, **kwargs)  # type: ignore[arg-type]
 
 
 def _rss() -> int:
@@ -101,7 +108,7 @@ def test_activations_and_total_shrink_with_width(case: Case) -> None:
 def test_activations_cover_what_autograd_saves() -> None:
     """A conv -> BN -> ReLU stack: the hand-counted saved tensors of a tiny CNN."""
     family = get_family("cnn", 3, 1, hidden=(2,))
-    est = estimate_training_memory(family, batch_size=4, input_size=(4, 4))
+    est = _estimate_training_memory(family, batch_size=4, input_size=(4, 4))
     b, c, hw = 4, 2, 16
     # Input batch (saved by conv), labels (saved by the loss), conv output after the Scaler (saved by BN), BN
     # mean and inverse std, ReLU output (saved by ReLU and by the average pool), the pooled features (saved by
@@ -137,7 +144,7 @@ def test_default_heap_adds_the_retention_to_the_workspace(case: Case) -> None:
     same = ("parameters", "gradients", "optimizer_state", "activations", "overhead")
     assert [getattr(default, part) for part in same] == [getattr(compact, part) for part in same]
     # The working set (the tensor peak less parameters and optimizer state) once more, with CPU_HEAP_RETENTION 1.
-    # Where the compact workspace is zero the tensor peak may lie below the four parts (module docstring), so the
+    # Where the compact workspace is zero the tensor peak may lie below the four parts (docs/edge-runtime.md), so the
     # parts only bound the working set from above there.
     working_set = compact.total - compact.overhead - compact.parameters - compact.optimizer_state
     retained = default.workspace - compact.workspace
@@ -177,16 +184,16 @@ def test_cuda_estimate_without_gpu(case: Case) -> None:
 def test_rejects_unknown_device(case: Case, device: object) -> None:
     family, size = case
     with pytest.raises(ValueError, match="device"):
-        estimate_training_memory(family, None, batch_size=4, input_size=size, device=device)  # type: ignore[arg-type]
+        _estimate_training_memory(family, None, batch_size=4, input_size=size, device=device)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------ meta only
 def test_big_batch_allocates_nothing_real() -> None:
     family = get_family("cnn", 10, 1, hidden=(16, 32, 32, 64))
-    estimate_training_memory(family, batch_size=2)  # first call: torch loads its meta kernels
+    _estimate_training_memory(family, batch_size=2)  # first call: torch loads its meta kernels
     before = _rss()
     started = time.monotonic()
-    est = estimate_training_memory(family, batch_size=100_000)
+    est = _estimate_training_memory(family, batch_size=100_000)
     elapsed = time.monotonic() - started
     assert est.activations > 10 * 2**30  # tens of GB if they were real
     assert _rss() - before < 64 * 2**20
@@ -207,15 +214,15 @@ def test_results_are_cached(case: Case) -> None:
 def test_rejects_bad_arguments(case: Case, kwargs: dict[str, object]) -> None:
     family, _ = case
     with pytest.raises(ValueError):
-        estimate_training_memory(family, None, **kwargs)  # type: ignore[arg-type]
+        _estimate_training_memory(family, None, **kwargs)  # type: ignore[arg-type]
 
 
 def test_rejects_input_too_small_for_the_model() -> None:
     family = get_family("cnn", 10, 1)  # three 2x2 max pools need at least 8x8 pixels
     with pytest.raises(ValueError, match="input_size"):
-        estimate_training_memory(family, None, batch_size=2, input_size=(4, 4))
+        _estimate_training_memory(family, None, batch_size=2, input_size=(4, 4))
     with pytest.raises(ValueError, match="input_size"):
-        estimate_training_memory(family, None, batch_size=2, input_size=(4, 4), segment=(0, 1))
+        _estimate_training_memory(family, None, batch_size=2, input_size=(4, 4), segment=(0, 1))
 
 
 def test_a_failure_of_the_traced_pass_reaches_the_caller_as_itself(monkeypatch) -> None:
@@ -231,7 +238,7 @@ def test_a_failure_of_the_traced_pass_reaches_the_caller_as_itself(monkeypatch) 
     monkeypatch.setattr(memory, "backward_step", refuse)
     family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
     with pytest.raises(RuntimeError) as caught:
-        estimate_training_memory(family, None, batch_size=11, input_size=(28, 28))
+        _estimate_training_memory(family, None, batch_size=11, input_size=(28, 28))
     assert str(caught.value) == refusal
 
 
@@ -324,7 +331,7 @@ def test_frozen_prefix_saves_nothing() -> None:
     """A segment's activations do not depend on how many frozen blocks run before it at the same resolution."""
     family = get_family("preresnet18", 10, 3, hidden=(8, 16), blocks=(3, 1))
     size = (8, 8)
-    ests = [estimate_training_memory(family, None, batch_size=8, input_size=size, segment=(b, b + 1))
+    ests = [_estimate_training_memory(family, None, batch_size=8, input_size=size, segment=(b, b + 1))
             for b in (1, 2)]
     assert ests[0].activations == ests[1].activations  # layer1.1 and layer1.2 are identical residual blocks
     assert ests[0].gradients == ests[1].gradients
@@ -473,6 +480,7 @@ def test_plan_memory_takes_each_stages_route() -> None:
     plan = TrainingPlan(batch_size=4, schedule=(Stage(route="exit"), Stage(epochs=2)))
     stages = [_estimate(family, size, spec=spec, batch_size=4, segment=(0, 2), route="exit"),
               _estimate(family, size, spec=spec, batch_size=4, segment=(2, n))]
+    assert estimate_plan_stages(family, spec, plan, input_size=size) == stages
     assert estimate_plan_memory(family, spec, plan, input_size=size) == max(stages, key=lambda e: e.total)
     # Without a schedule every stage takes the skip path.
     assert estimate_plan_memory(family, spec, TrainingPlan(batch_size=4), input_size=size) == _estimate(
@@ -486,17 +494,17 @@ def test_plan_memory_takes_each_stages_route() -> None:
 def test_copies_add_their_parameters_gradients_and_state_but_not_their_activations() -> None:
     family = get_family("cnn", 10, 1, hidden=(8, 16))
     mutual = (LossTerm.ce(), LossTerm.mutual_kd(weight=1.0, tau=1.0))
-    one = estimate_training_memory(family, batch_size=32, input_size=(16, 16), loss=mutual)
-    two = estimate_training_memory(family, batch_size=32, input_size=(16, 16), loss=mutual, copies=2)
+    one = _estimate_training_memory(family, batch_size=32, input_size=(16, 16), loss=mutual)
+    two = _estimate_training_memory(family, batch_size=32, input_size=(16, 16), loss=mutual, copies=2)
     assert two.parameters == 2 * one.parameters and two.gradients == 2 * one.gradients
     assert two.optimizer_state == 2 * one.optimizer_state
     # One copy's activations are alive at a time (plus the others' predictions): far below twice one copy's.
     assert one.activations <= two.activations < 1.5 * one.activations
     assert two.total < 2 * one.total
     with pytest.raises(ValueError, match="copies are trained whole"):
-        estimate_training_memory(family, SubmodelSpec(segments=((0, 1),)), batch_size=8, copies=2)
+        _estimate_training_memory(family, SubmodelSpec(segments=((0, 1),)), batch_size=8, copies=2)
     with pytest.raises(ValueError, match="copies"):
-        estimate_training_memory(family, batch_size=8, copies=0)
+        _estimate_training_memory(family, batch_size=8, copies=0)
 
 
 @pytest.mark.parametrize("segment", [(0, 1), (3, 9)])
@@ -504,8 +512,8 @@ def test_accumulated_micro_batches_count_their_gradients_once(segment: tuple[int
     # The second micro-batch's pass runs beside the first one's gradients: they are the estimate's gradients, and
     # its activations are the same pass's as a single micro-batch's (the first pass's loss, a scalar, aside).
     family = get_family("preresnet20", 10, 1)
-    one = estimate_training_memory(family, batch_size=16, segment=segment)
-    two = estimate_training_memory(family, batch_size=16, segment=segment, accumulate=True)
+    one = _estimate_training_memory(family, batch_size=16, segment=segment)
+    two = _estimate_training_memory(family, batch_size=16, segment=segment, accumulate=True)
     assert two.gradients == one.gradients > 0
     assert one.activations <= two.activations < one.activations + two.gradients
     assert two.total >= one.total
@@ -526,9 +534,9 @@ def test_nested_teachers_cost_their_outputs_and_no_weights(name: str, allocator:
     spec, teacher = NESTED_CASES[name]
     ce = (LossTerm.ce(),)
     nested = (*ce, LossTerm.nested_kd(teacher.to_dict(), weight=10.0, tau=3.0))
-    without = estimate_training_memory(family, spec, batch_size=32, input_size=(16, 16), loss=ce, allocator=allocator)
-    with_teacher = estimate_training_memory(family, spec, batch_size=32, input_size=(16, 16), loss=nested,
-                                            allocator=allocator)
+    without = _estimate_training_memory(family, spec, batch_size=32, input_size=(16, 16), loss=ce, allocator=allocator)
+    with_teacher = _estimate_training_memory(family, spec, batch_size=32, input_size=(16, 16), loss=nested,
+                                             allocator=allocator)
     # No weights, gradients or state of its own; its logits (and their softmax) stay for the student's backward.
     assert (with_teacher.parameters, with_teacher.gradients, with_teacher.optimizer_state) == (
         without.parameters, without.gradients, without.optimizer_state)
@@ -538,9 +546,9 @@ def test_nested_teachers_cost_their_outputs_and_no_weights(name: str, allocator:
     with pytest.raises(ValueError, match="is not nested"):  # a student narrower than its teacher
         estimate_plan_memory(family, SubmodelSpec.uniform(0.125), plan, input_size=(16, 16))
     with pytest.raises(ValueError, match="not supported"):
-        estimate_training_memory(family, spec, batch_size=8, loss=nested, segment=(0, 1))
+        _estimate_training_memory(family, spec, batch_size=8, loss=nested, segment=(0, 1))
     with pytest.raises(ValueError, match="not supported"):
-        estimate_training_memory(family, spec, batch_size=8, loss=nested, copies=2)
+        _estimate_training_memory(family, spec, batch_size=8, loss=nested, copies=2)
 
 
 @pytest.mark.parametrize("name", list(NESTED_CASES))

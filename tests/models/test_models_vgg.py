@@ -9,7 +9,7 @@ from torch import nn
 
 from models import SubmodelSpec, get_family
 from models.layers import Scaler
-from models.memory import estimate_training_memory
+from models.memory import _estimate_training_memory
 from models.vgg import VGG16_CONFIG, Vgg11Family, Vgg13Family, Vgg16Family, VggFamily
 
 SMALL = {"config": (4, "M", 8, 8, "M", 8, "M"), "head": (12, 6)}
@@ -212,8 +212,8 @@ def test_training_memory_with_dropout() -> None:
     """Dropout keeps its mask and its output for backward: two batch x width float tensors per hidden layer. (The
     total need not grow: here the step peaks in the convolutions' backward pass, after the head's tensors are
     freed.)"""
-    with_dropout = estimate_training_memory(small(dropout=0.5), batch_size=8, input_size=(28, 28))
-    without = estimate_training_memory(small(dropout=0.0), batch_size=8, input_size=(28, 28))
+    with_dropout = _estimate_training_memory(small(dropout=0.5), batch_size=8, input_size=(28, 28))
+    without = _estimate_training_memory(small(dropout=0.0), batch_size=8, input_size=(28, 28))
     assert with_dropout.parameters == without.parameters
     assert with_dropout.activations - without.activations == 2 * 8 * (12 + 6) * 4
     assert with_dropout.total >= without.total > 0
