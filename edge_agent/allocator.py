@@ -10,7 +10,7 @@ loaded, ``"pooled"`` resolves to ``"compact"``: the same peaks, the slower steps
 
 With glibc's default settings, memory a training step frees stays in the process heap and the next step does
 not fit into it in place, so the resident peak carries about one more copy of the step's working set, and by how
-much varies from run to run (see ``models.memory``). ``"compact"`` fixes glibc's mmap threshold at 4 KiB (which
+much varies from run to run (see docs/edge-runtime.md, "Memory estimator"). ``"compact"`` fixes glibc's mmap threshold at 4 KiB (which
 also switches off its dynamic growth): every block of a page or more, every tensor but the tiniest, is mapped on
 allocation and returned to the system when freed, so the peak follows the live tensors page by page. (At 64 KiB
 the small tensors of narrow models stayed in the heap, and how much of them the heap's free chunks absorbed
