@@ -66,6 +66,18 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]
     return states, metadata
 
 
+def starting_states(path: Path, config: CoordinatorConfig, strategy: Strategy) -> tuple[dict[str, State], int]:
+    """The states a run starts from and the rounds already done: the checkpoint's with ``resume`` (see
+    :func:`restore_checkpoint`), else the strategy's initial ones; ValueError when ``path`` holds an earlier run
+    that ``resume`` does not ask to continue."""
+    if config.resume and path.exists():
+        return restore_checkpoint(path, config, strategy)
+    if path.exists():
+        raise ValueError(f"state_dir {path.parent} holds an earlier run (checkpoint.safetensors): set resume: "
+                         f"true to continue it, or give this run another state_dir")
+    return strategy.initial_states(config.seed), 0
+
+
 def restore_checkpoint(path: Path, config: CoordinatorConfig, strategy: Strategy) -> tuple[dict[str, State], int]:
     """The states and the completed round of the run ``path`` holds, for ``strategy`` to go on from: its own
     state first (what its set-up computed, e.g. FlexFL's pool, is restored, not redone), then its model groups,

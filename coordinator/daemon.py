@@ -26,7 +26,7 @@ from common.data import Dataset, load_dataset
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from coordinator import reporting
-from coordinator.checkpoint import restore_checkpoint, save_checkpoint
+from coordinator.checkpoint import save_checkpoint, starting_states
 from coordinator.config import CoordinatorConfig
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluator
@@ -47,6 +47,8 @@ __all__ = ["REGISTRY_SETTLE_S", "Coordinator", "NoAgentsError", "Progress", "sin
 
 #: Seconds a round resumed from the journal waits at least for the updates its agents are still resending.
 RESUME_GRACE_S = 60.0
+#: Seconds a resumed round waits at most for its agents' statuses before its tasks go out again.
+RESUME_SETTLE_S = 10.0
 
 
 class Coordinator:
@@ -77,33 +79,28 @@ class Coordinator:
         self.state_dir = Path(config.state_dir)
         self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
         self.metrics = MetricsWriter(self.state_dir / "metrics.jsonl")
-        self.completed_rounds = 0
-        if config.resume and self.checkpoint_path.exists():
-            self.states, self.completed_rounds = restore_checkpoint(self.checkpoint_path, config, self.strategy)
+        self.states, self.completed_rounds = starting_states(self.checkpoint_path, config, self.strategy)
+        if self.completed_rounds:
             self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
-        elif self.checkpoint_path.exists():
-            raise ValueError(f"state_dir {self.state_dir} holds an earlier run (checkpoint.safetensors): set resume: "
-                             f"true to continue it, or give this run another state_dir")
-        else:
-            self.states = self.strategy.initial_states(config.seed)
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
+        self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
+                                   lambda: self.states, lambda topic, payload: self.link.publish(topic, payload),
+                                   self.topics, self.log)
         self._evaluator = Evaluator.for_test_set(self.family, self.dataset, config.data.eval_samples, config.seed,
                                                  self.strategy.context.server_x)
         #: The round in progress (collecting or aggregating), None between rounds; guarded by _round_lock.
         self._round: Round | None = None
         self._round_lock = threading.Lock()
         self.rejected_messages = 0  # messages refused as malformed
-        self.link = MqttLink(
+        if config.resume:
+            self._resume_pending_round()
+        self.link = MqttLink(  # after the resume: its Last Will names the round in progress
             client_id=f"fedfit-coordinator-{config.federation}", broker=config.broker,
             subscriptions=[self.topics.all_agent_status(), self.topics.all_agent_updates()],
             handler=self._on_message, will=Will(self.topics.coordinator_status(), encode(self._status("offline"))),
             on_ready=self._announce, on_refused=self._on_refused)
-        self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
-                                   lambda: self.states, self.link, self.topics, self.log)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
                                      lambda: self.states, config.seed, self.log)
-        if config.resume:
-            self._resume_pending_round()
 
     def _resume_pending_round(self) -> None:
         """Open the round the journal holds, if it is the next one, with the updates it had stored (taken again as
@@ -166,7 +163,6 @@ class Coordinator:
         if self.fatal is not None:
             raise BrokerRefused(self.fatal)
 
-    # ---------------------------------------------------------------- messages
     def _on_message(self, topic: str, payload: bytes) -> None:
         single_threaded_torch()
         try:
@@ -197,6 +193,10 @@ class Coordinator:
         current = self._current()
         if current is None or current.number != round_number:
             current = self._plan_round(round_number)
+        elif not self._fleet_settled:  # resumed: its tasks go out in what each agent reads, so hear them first
+            agents = {dispatched.task.agent_id for dispatched in current.tasks.values()}
+            self.registry.wait_settled(len(agents), REGISTRY_SETTLE_S, RESUME_SETTLE_S)
+            self._fleet_settled = True
         self._announce()
         bytes_down = self.dispatcher.send_round(current)
         self._progress("round", current.number, len(current.answers), len(current.tasks))

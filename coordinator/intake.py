@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from common.logs import Logger
-from common.mqtt_link import MqttLink
 from coordinator.journal import RoundJournal
 from coordinator.metrics import TaskRecord
 from coordinator.round import Examined, Receipt, Round, Verdict
@@ -84,8 +83,9 @@ class UpdateIntake:
     tasks were cut from (what an update is measured against); ``num_classes`` is the dataset's."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
-                 states: Callable[[], Mapping[str, State]], link: MqttLink, topics: Topics, log: Logger) -> None:
-        self.link = link
+                 states: Callable[[], Mapping[str, State]], publish: Callable[[str, bytes], object], topics: Topics,
+                 log: Logger) -> None:
+        self.publish = publish  # the link's: acks go out through it
         self.topics = topics
         self.family = family
         self.strategy = strategy
@@ -122,7 +122,7 @@ class UpdateIntake:
                 on_accepted(current)
         # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
         # round may close and screen it before this ack goes out; its verdict ack settles the device either way.)
-        self.link.publish(self.topics.agent_ack(agent_id),
+        self.publish(self.topics.agent_ack(agent_id),
                           encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
                       status=update.status, verdict=receipt.verdict.value, bytes=len(complete),

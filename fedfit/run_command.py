@@ -288,7 +288,7 @@ def _fedavg_width(values: dict[str, Any], base: Any, dataset: Any) -> float:
     family = get_family(values["model"], dataset.num_classes, dataset.in_channels, **base.model.options)
     anchor = BudgetAnchor.estimate(family, base_plan(base.recipe), input_size=dataset.image_size,
                                    allocator=values["allocator"], device=values["device"])
-    return width_for_all(values["budgets"], anchor, base.levels)
+    return width_for_all(values["budgets"], anchor, base.levels, values["budget_variance"])
 
 
 def compare_variant(label: str) -> tuple[str, str | None]:

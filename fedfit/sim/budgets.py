@@ -220,14 +220,17 @@ def smallest_width(scenario: str) -> float | None:
     return min(min(widths), 1.0) if widths else None
 
 
-def width_for_all(scenario: str, anchor: BudgetAnchor, widths: Sequence[float]) -> float:
+def width_for_all(scenario: str, anchor: BudgetAnchor, widths: Sequence[float],
+                  variance: float = DEFAULT_VARIANCE) -> float:
     """The widest uniform width every device of ``scenario`` can train, FedAvg's "smallest" baseline: min r for
     width tiers; for share tiers the largest of ``widths`` whose need (as the agent's check asks, plain
-    cross-entropy) fits the weakest tier's budget, else the smallest of ``widths``."""
+    cross-entropy) fits the weakest tier's budget (in all but its rarest rounds where budgets fluctuate with
+    ``variance``), else the smallest of ``widths``."""
     smallest = smallest_width(scenario)
     if smallest is not None:
         return smallest
-    weakest = min(anchor.tier_bytes(tier) for tier in scenario_tiers(scenario))
+    fluctuation = scenario_variance(scenario, variance)
+    weakest = min(dependable_bytes(anchor, tier, fluctuation) for tier in scenario_tiers(scenario))
     fitting = [width for width in widths
                if corrected(anchor.overhead + (anchor.full_bytes if width >= 1 else anchor.width_bytes(width)),
                             anchor.overhead, anchor.margin) <= weakest]

@@ -488,6 +488,8 @@ def test_a_journaled_round_takes_resent_updates_before_it_runs(tmp_path: Path, d
     sent: list[str] = []
     monkeypatch.setattr(restarted.dispatcher, "send", lambda round_number, task_id, *_: sent.append(task_id) or 0)
     restarted._round.deadline = time.time() + 0.5
+    # Its tasks go out once the agent's status is in (what it reads decides what it is sent).
+    restarted.registry.on_status(AgentStatus("dev", "online", agent_record("dev").capabilities, time.time()))
     result = restarted.run_round(1)
     assert sent == ["r1-dev-2"]  # the answered task is not sent again
     assert result.participants == 1  # and the update taken before it ran was aggregated

@@ -19,6 +19,7 @@ from fedfit.sim.budgets import (
     parse_fractions,
     scenario_tiers,
     smallest_width,
+    width_for_all,
 )
 from models import SubmodelSpec, estimate_plan_memory, get_family
 from protocol import LossTerm, TrainingPlan
@@ -138,6 +139,17 @@ def test_a_fluctuating_device_is_planned_for_the_budget_it_has_in_all_but_its_ra
         assert budget.dependable() < anchor.tier_bytes(budget.tier)  # the shortfall is never negative
         rounds = [budget(r) for r in range(1, 201)]
         assert sum(got >= budget.dependable() for got in rounds) >= 180  # |u| < 2 sigma in 95.4% of rounds
+
+
+def test_fedavgs_width_for_all_fits_the_weakest_budget_a_fluctuating_device_can_count_on() -> None:
+    anchor = BudgetAnchor(0, 100 * 2**20, lambda width: int(100 * 2**20 * width))  # no part that does not shrink
+    widths = [1.0, 0.5, 0.3, 0.25, 0.125]
+    steady = width_for_all("tiers", anchor, widths, variance=10.0)
+    moving = width_for_all("tiers-fluctuating", anchor, widths, variance=10.0)
+    assert moving < steady  # the weak tier's 35% is 35% - 2 sigma in all but its rarest rounds
+    weak = min(device_budgets("tiers-fluctuating", 10, anchor, seed=0, variance=10.0), key=lambda b: b.dependable())
+    assert anchor.width_bytes(moving) * anchor.margin <= weak.dependable() < anchor.width_bytes(steady) * anchor.margin
+    assert width_for_all("tiers-fluctuating", anchor, widths, variance=0.0) == steady
 
 
 def test_assign_tiers_by_largest_remainders() -> None:
