@@ -70,7 +70,7 @@ def _describe(spec: dict[str, object]) -> str:
 def _float_tensor(array: np.ndarray) -> torch.Tensor:
     """A float32 tensor of ``array``: a view when it is float32 already, even a read-only one (a decoded update
     holds views on the message as it arrived; aggregation and screening only read it)."""
-    values = np.ascontiguousarray(array, dtype=np.float32)
+    values = np.ascontiguousarray(array, dtype=np.float32).reshape(np.shape(array))  # (keeps a 0-d shape)
     if values.flags.writeable:
         return torch.from_numpy(values)
     with warnings.catch_warnings():
