@@ -203,16 +203,16 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
              algorithms: Sequence[str]) -> Any:
     """Everything a run can refuse at its start, checked before its directory is made: the settings, the files it
     will write, the partition of this dataset among the agents and, for each of ``algorithms``, the coordinator's
-    configuration, model and strategy. Returns the dataset."""
-    from common.data import load_dataset, parse_partition, partition_indices
+    configuration, model and strategy. Returns the dataset and its partition, for the runs to use as they are."""
+    from common.data import parse_partition
     from coordinator.planning import model_family, strategy_for
-    from fedfit.sim.harness import check_device
+    from fedfit.sim.harness import check_device, fleet_data
     from fedfit.sim.rundir import refuse_used_dir
     from protocol import validate_name
 
     if min(values["agents"], values["rounds"], values["workers"] or 1) < 1:
         raise ValueError("--agents, --rounds and --workers must be at least 1")
-    spec = parse_partition(values["partition"])
+    parse_partition(values["partition"])  # refused here, before the slower checks
     validate_name(values["federation"], "--federation")
     if values["budget_variance"] < 0:
         raise ValueError(f"--budget-variance must be non-negative, got {values['budget_variance']}")
@@ -225,15 +225,15 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     check_device(values["device"])
     _writable_file("--log-file", args.log_file)
     _writable_file("--report", getattr(args, "report", None))
-    dataset = load_dataset(values["dataset"], base.data.root)
-    partition_indices(dataset.y_train, values["agents"], spec, values["seed"])
+    data = fleet_data(values["dataset"], base.data.root, values["agents"], values["partition"], values["seed"])
+    dataset = data[0]
     for algorithm in algorithms:
         config = replace(base, algorithm=algorithm, model=replace(base.model, family=values["model"]),
                          data=replace(base.data, dataset=values["dataset"]), rounds=values["rounds"],
                          seed=values["seed"])
         config.validate()
         strategy_for(config, dataset, model_family(config, dataset))
-    return dataset
+    return data
 
 
 def _options(values: dict[str, Any], args: argparse.Namespace, base: Any, given: list[str], **changes: Any) -> Any:
@@ -259,12 +259,12 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
 
     mapping, base = _load(args, load)
     values, given = resolve(args, mapping, base)
-    _checked(values, base, mapping, args, [values["algorithm"]])
+    data = _checked(values, base, mapping, args, [values["algorithm"]])
     options = _options(values, args, base, given)
     run_dir = prepare_run_dir(options)
     _logging(args, run_dir)
     print(f"run directory: {run_dir}", file=sys.stderr, flush=True)
-    outcome = run_simulation(options, run_dir=run_dir)
+    outcome = run_simulation(options, run_dir=run_dir, data=data)
     print(_heading(options, outcome.report))
     print(format_table(outcome.report["rounds"]))
     timing = format_timing(outcome.report["rounds"])
@@ -337,7 +337,8 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
         mapping, base = _load(args, load)
         values, given = resolve(args, mapping, base)
         algorithms = list(dict.fromkeys(algorithm for algorithm, _ in variants.values()))
-        dataset = _checked({**values, "state_dir": None}, base, mapping, args, algorithms)
+        data = _checked({**values, "state_dir": None}, base, mapping, args, algorithms)
+        dataset = data[0]
         fedavg_base = base
         if "fedavg" in algorithms and not _present(mapping, ("fedavg", "width")):
             # FedAvg at the widest width every device can train: FeDepth's and HeteroFL's baseline.
@@ -357,7 +358,7 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
             options = _options({**values, "algorithm": algorithm, "state_dir": str(run_dir)}, args, run_base, given)
             print(f"{name}: running in {run_dir}", file=sys.stderr, flush=True)
             try:
-                reports.append(run_simulation(options, label=name, run_dir=run_dir).report)
+                reports.append(run_simulation(options, label=name, run_dir=run_dir, data=data).report)
             except BaseException:  # Ctrl-C too: the runs that finished are compared
                 if reports:  # what finished is compared: a failure late in a long comparison keeps the rest
                     write_comparison(reports, out)

@@ -15,11 +15,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from common.blas_threads import guard_blas_threads
 from common.cores import available_cores
-from common.data import load_dataset, parse_partition, partition_indices
+from common.data import Dataset, load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import RoundResult
@@ -171,17 +172,28 @@ def _utc(moment: float) -> str:
     return datetime.fromtimestamp(moment, timezone.utc).isoformat(timespec="seconds")
 
 
+FleetData = tuple[Dataset, list[np.ndarray]]
+"""A dataset and its partition among the agents: each agent's training indices."""
+
+
+def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: str, seed: int) -> FleetData:
+    """Load ``dataset`` and partition its training set among ``agents`` (ValueError for a bad partition)."""
+    loaded = load_dataset(dataset, root)
+    return loaded, partition_indices(loaded.y_train, agents, parse_partition(partition), seed)
+
+
 def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *, label: str = "",
-                   run_dir: Path | None = None) -> SimOutcome:
+                   run_dir: Path | None = None, data: FleetData | None = None) -> SimOutcome:
     """Start broker, coordinator and fleet; run the rounds; stop everything; write the run's directory (report,
     CSV, summary, plots) and return the results. ``progress``: where the live display goes (None: nowhere);
-    ``label`` prefixes its lines; ``run_dir``: one :func:`prepare_run_dir` made already."""
+    ``label`` prefixes its lines; ``run_dir``: one :func:`prepare_run_dir` made already; ``data``: the dataset
+    and its partition among the agents when the caller has them already (:func:`fleet_data` of these options)."""
     if options.agents < 1 or options.rounds < 1 or (options.workers is not None and options.workers < 1):
         raise ValueError("--agents, --rounds and --workers must be at least 1")
     check_device(options.device)
     started = time.time()
-    dataset = load_dataset(options.dataset, options.base.data.root)
-    shards = partition_indices(dataset.y_train, options.agents, parse_partition(options.partition), options.seed)
+    dataset, shards = data or fleet_data(options.dataset, options.base.data.root, options.agents,
+                                         options.partition, options.seed)
     run_dir = run_dir or prepare_run_dir(options)
     cores = available_cores()
     workers = options.workers or (cores if options.device == "cpu" else cuda_workers(cores))
