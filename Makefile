@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 # Tests run in TEST_WORKERS processes (pytest-xdist): much of a test's time is waiting on brokers and training
 # processes, so more workers than cores still shorten the run. On 2 cores: 4 workers 7:16, 8 workers 9:02 (the
-# workers' own start-up and contention), one process about 10 min.
+# workers' own start-up and contention), one process 10:55.
 TEST_WORKERS ?= 4
 
 test: $(STAMP)
