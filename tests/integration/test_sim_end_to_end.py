@@ -74,7 +74,7 @@ def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_
 def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_directory(mosquitto_installed: None,
                                                                                    tmp_path: Path) -> None:
     config = tmp_path / "scalefl.yaml"
-    config.write_text("algorithm: scalefl\nrounds: 3\nseed: 7\n"
+    config.write_text("algorithm: scalefl\nrounds: 2\nseed: 7\n"
                       "model: {family: resnet20, options: {hidden: [8, 16, 32], exit_convs: 1}}\n"
                       "data: {bn_samples: 300}\nrecipe: {epochs: 1, batch_size: 16}\n")
     report = tmp_path / "r.json"
@@ -87,12 +87,12 @@ def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_director
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("scalefl | 3 agents | digits iid | resnet20 | budgets fractions:1.5 | broker ")
     assert "(TLS, logins, ACL)" in result.stdout and "exit1" in result.stdout
-    assert f"run directory: {run_dir}" in result.stderr and "round 3/3: global" in result.stderr
+    assert f"run directory: {run_dir}" in result.stderr and "round 2/2: global" in result.stderr
     data = json.loads(report.read_text())
     assert data == json.loads((run_dir / "report.json").read_text())
-    assert data["algorithm"] == "scalefl" and len(data["rounds"]) == 3
-    assert (data["settings"]["model"], data["settings"]["seed"], data["settings"]["rounds"]) == ("resnet20", 7, 3)
-    assert data["run"]["config"]["algorithm"] == "scalefl" and data["run"]["config"]["rounds"] == 3
+    assert data["algorithm"] == "scalefl" and len(data["rounds"]) == 2
+    assert (data["settings"]["model"], data["settings"]["seed"], data["settings"]["rounds"]) == ("resnet20", 7, 2)
+    assert data["run"]["config"]["algorithm"] == "scalefl" and data["run"]["config"]["rounds"] == 2
     assert sorted(data["run"]["overrides"]) == sorted(["--agents 3", "--dataset digits", "--federation cli-test",
                                                        "--run-dir " + str(run_dir), "--budgets fractions:1.5",
                                                        "--allocator default"])
