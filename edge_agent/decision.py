@@ -368,14 +368,12 @@ class _DepthwiseSearch:
         micros = [decomposition.micro_batch(i) for i in range(len(decomposition.segments))]
         each = [Option(replace(spec, segments=(segment,)), self.staged(1, micro=micro))
                 for segment, micro in zip(decomposition.segments, micros)]
-        buffered = [Option(replace(spec, segments=(segment,)), self.staged(1, cache=True, micro=micro))
-                    for segment, micro in zip(decomposition.segments, micros)
-                    if segment[0] > 0 and self.base.epochs > 1]
-        made = self.decider.raw_estimates(self.model, each + buffered)
-        return [_StageCost(segment, micro, made[option],
-                           made[replace(option, plan=self.staged(1, cache=True, micro=micro))]
-                           if segment[0] > 0 and self.base.epochs > 1 else None)
-                for option, segment, micro in zip(each, decomposition.segments, micros)]
+        buffered = [replace(option, plan=self.staged(1, cache=True, micro=micro))
+                    if segment[0] > 0 and self.base.epochs > 1 else None
+                    for option, segment, micro in zip(each, decomposition.segments, micros)]
+        made = self.decider.raw_estimates(self.model, each + [option for option in buffered if option is not None])
+        return [_StageCost(segment, micro, made[option], made[buffer] if buffer is not None else None)
+                for option, buffer, segment, micro in zip(each, buffered, decomposition.segments, micros)]
 
     def _trained(self, decomposition: Decomposition, stages: list[_StageCost], available: int) -> DepthwisePlan:
         """The option to train the cut, each stage after the first buffering its frozen blocks' outputs where that
