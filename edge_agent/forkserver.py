@@ -9,8 +9,9 @@ when the first child is asked for, or at once with :func:`start` (the agent's ``
 page pool (``edge_agent.page_pool``) preloaded when a pooled runner asked for it first (:func:`preload_page_pool`):
 idle until a training child enables it.
 
-A child gets its work directory (``edge_agent.workdir``) and nothing else: its target is named by module and
-function (:func:`_enter`), so this module never imports the code the child runs.
+A child gets its work directory (``edge_agent.workdir``) and nothing else: its target is a :class:`ChildEntry`, a
+module and function named rather than imported, so this module (and the agent) never imports the code the child runs
+and torch with it. The entries the agent runs are :data:`TRAIN`, :data:`DECIDE` and :data:`PROBE_CUDA`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,34 @@ CPU_PEAK_RESOLUTION_BYTES = 300_000
 CANCEL_POLL_S = 0.1
 #: How often a waiting caller looks at a training child's progress (seconds).
 PROGRESS_POLL_S = 1.0
+
+
+
+@dataclass(frozen=True)
+class ChildEntry:
+    """What a forkserver child runs: ``module.function(workdir)``, imported in the child (the forkserver preloaded
+    it), named here so that the agent's own process never imports it."""
+
+    module: str
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.function}"
+
+    def resolve(self) -> Callable[[Path], Any]:
+        """The function itself (imports its module: torch, for the agent's entries)."""
+        function = getattr(importlib.import_module(self.module), self.function)
+        if not callable(function):
+            raise TypeError(f"{self} is not callable")
+        return function  # type: ignore[no-any-return]
+
+
+#: The training child: trains the task of its work directory and writes the update (``edge_agent.child``).
+TRAIN = ChildEntry("edge_agent.child", "train_in_workdir")
+#: The decision child: checks, estimates and adapts the task before training (``edge_agent.decision``).
+DECIDE = ChildEntry("edge_agent.decision", "decide_in_workdir")
+#: Whether torch sees a CUDA device, written as ``cuda.json`` (``edge_agent.child``).
+PROBE_CUDA = ChildEntry("edge_agent.child", "probe_cuda")
 
 _context: Any = None
 #: The page pool to preload into the forkserver when it starts (:func:`preload_page_pool`), None for none.
@@ -118,8 +147,8 @@ def _ensure_running() -> None:
                 os.environ[name] = value
 
 
-def _enter(module: str, function: str, workdir: str, hide_gpus: bool = False) -> None:
-    """A child's target: ``module.function(Path(workdir))``, imported in the child (preloaded by the forkserver),
+def _enter(entry: ChildEntry, workdir: str, hide_gpus: bool = False) -> None:
+    """A child's target: ``entry`` run on ``Path(workdir)``, imported in the child (preloaded by the forkserver),
     with every GPU hidden from CUDA first when ``hide_gpus`` (a child that trains or estimates on the CPU: before
     anything in it counts GPUs, as autograd's first pass would; ``edge_agent.gpu_stack.hide_gpus``).
 
@@ -128,7 +157,7 @@ def _enter(module: str, function: str, workdir: str, hide_gpus: bool = False) ->
     try:
         if hide_gpus:
             gpu_stack.hide_gpus()
-        getattr(importlib.import_module(module), function)(Path(workdir))
+        entry.resolve()(Path(workdir))
     except BaseException as exc:  # noqa: BLE001 - everything becomes a reported failure
         (Path(workdir) / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
         sys.stderr.flush()
@@ -162,17 +191,16 @@ class TorchUnavailable(RuntimeError):
     or broken, say)."""
 
 
-def run_child(entry: str, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
+def run_child(entry: ChildEntry, workdir: Path, timeout: float, on_start: Callable[[int], None] | None = None,
               cancel: threading.Event | None = None, stall_timeout: float | None = None,
               hide_gpus: bool = False) -> Exit:
-    """Run ``entry`` (``"module:function"``) on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
+    """Run ``entry`` on ``workdir`` in a forkserver child; kill it after ``timeout`` s,
     as soon as ``cancel`` is set (checked every :data:`CANCEL_POLL_S`), or, with ``stall_timeout``, once the
     progress it writes into ``workdir`` (:class:`~edge_agent.workdir.ProgressBeacon`) has not moved for that many
     seconds since its start or its last beat (checked every :data:`PROGRESS_POLL_S`): a child deadlocked in a
     kernel is noticed, not waited for until the deadline. ``hide_gpus``: the child sees no GPU (see
     :func:`_enter`). Safe to call from several threads."""
-    module, _, function = entry.partition(":")
-    process = process_context().Process(target=_enter, args=(module, function, str(workdir), hide_gpus),
+    process = process_context().Process(target=_enter, args=(entry, str(workdir), hide_gpus),
                                         daemon=True)
     try:
         # start() polls the other children (multiprocessing's clean-up of finished ones). The first start also
@@ -252,7 +280,7 @@ def run_training(workdir: Path, timeout: float, on_start: Callable[[int], None] 
                  device: str = "cpu") -> ChildOutcome:
     """Train the task of ``workdir`` (``edge_agent.child``) on ``device`` in a child and wait at most ``timeout``
     seconds, until ``cancel`` is set, or until it has made no progress for ``stall_timeout`` seconds."""
-    end = run_child("edge_agent.child:train_in_workdir", workdir, timeout, on_start, cancel, stall_timeout,
+    end = run_child(TRAIN, workdir, timeout, on_start, cancel, stall_timeout,
                     hide_gpus=device != "cuda")
     if end.cancelled:
         return ChildOutcome(None, end.exitcode, "training was cancelled", cancelled=True)
@@ -278,7 +306,7 @@ def run_decision(workdir: Path, timeout: float, on_start: Callable[[int], None] 
     """Decide what to train for the task of ``workdir`` (``edge_agent.decision``) in a child (killed when
     ``cancel`` is set)."""
     # Estimates run on the meta device: CUDA need not start there (autograd's pass would start it).
-    end = run_child("edge_agent.decision:decide_in_workdir", workdir, timeout, on_start, cancel, hide_gpus=True)
+    end = run_child(DECIDE, workdir, timeout, on_start, cancel, hide_gpus=True)
     if end.cancelled:
         raise DecisionFailed("deciding what to train was cancelled")
     if end.timed_out:
@@ -298,7 +326,7 @@ def cuda_available(timeout: float = 120.0) -> bool:
     :class:`TorchUnavailable` with the child's error when it cannot say."""
     with tempfile.TemporaryDirectory(prefix="fedfit-cuda-") as workdir:
         try:
-            end = run_child("edge_agent.child:probe_cuda", Path(workdir), timeout)
+            end = run_child(PROBE_CUDA, Path(workdir), timeout)
         except TorchUnavailable as exc:
             raise TorchUnavailable(f"device: auto could not ask torch whether CUDA is available: {exc}") from None
         answer = Path(workdir) / "cuda.json"

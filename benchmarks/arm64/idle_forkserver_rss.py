@@ -43,7 +43,7 @@ def main() -> int:
     started = time.monotonic()
     forkserver.start()
     with tempfile.TemporaryDirectory() as workdir:  # pathlib.Path(workdir): a child that does nothing
-        end = forkserver.run_child("pathlib:Path", Path(workdir), timeout=900)
+        end = forkserver.run_child(forkserver.ChildEntry("pathlib", "Path"), Path(workdir), timeout=900)
     start_s = time.monotonic() - started
     if end.exitcode != 0:
         print(f"the trivial child failed: exit {end.exitcode}", file=sys.stderr)

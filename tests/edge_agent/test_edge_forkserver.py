@@ -37,6 +37,18 @@ def write_request(workdir: Path, task: Task, available: int = 2**30, **kwargs) -
     return workdir
 
 
+def test_the_entries_the_agent_runs_name_functions_of_a_path():
+    from edge_agent import child, decision
+
+    assert forkserver.TRAIN.resolve() is child.train_in_workdir
+    assert forkserver.DECIDE.resolve() is decision.decide_in_workdir
+    assert forkserver.PROBE_CUDA.resolve() is child.probe_cuda
+    with pytest.raises(TypeError, match="edge_agent.forkserver:PRELOAD is not callable"):
+        forkserver.ChildEntry("edge_agent.forkserver", "PRELOAD").resolve()
+    with pytest.raises(AttributeError):
+        forkserver.ChildEntry("edge_agent.child", "no_such_function").resolve()
+
+
 def test_a_decision_child_decides_and_writes_the_adapted_task(tmp_path, make_task, family, decider_for,
                                                               make_runner):
     task = make_task(SubmodelSpec.uniform(1.0), adaptation=Adaptation("width-levels", rates=[1.0, 0.5, 0.25]))
@@ -225,7 +237,8 @@ def test_the_idle_forkserver_leaves_out_what_it_does_not_run():
         from edge_agent import forkserver, gpu_stack, mappings
 
         if __name__ == "__main__":
-            end = forkserver.run_child("pathlib:Path", Path(tempfile.mkdtemp()), 120)  # a child doing nothing
+            nothing = forkserver.ChildEntry("pathlib", "Path")  # a child doing nothing
+            end = forkserver.run_child(nothing, Path(tempfile.mkdtemp()), 120)
             server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())][0]
             paths = [m.path for m in mappings.read(server.pid)]
             torch_pages = sum(m.rss - m.anonymous for m in mappings.read(server.pid) if "/torch/" in m.path)
@@ -291,7 +304,7 @@ def test_a_forkserver_that_cannot_start_is_one_sentence(tmp_path):
         forkserver.PRELOAD = [*forkserver.PRELOAD, "broken_torch"]
 
         if __name__ == "__main__":
-            for ask in (lambda: forkserver.run_child("edge_agent.child:probe_cuda", Path(tempfile.mkdtemp()), 60),
+            for ask in (lambda: forkserver.run_child(forkserver.PROBE_CUDA, Path(tempfile.mkdtemp()), 60),
                         forkserver.cuda_available):
                 try:
                     ask()
@@ -311,7 +324,8 @@ def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
         for index in range(20):
             workdir = tmp_path / f"{thread}-{index}"
             workdir.mkdir()
-            codes.append(forkserver.run_child("pathlib:Path", workdir, 120).exitcode)  # a child doing nothing
+            nothing = forkserver.ChildEntry("pathlib", "Path")  # a child doing nothing
+            codes.append(forkserver.run_child(nothing, workdir, 120).exitcode)
         return codes
 
     with ThreadPoolExecutor(max_workers=8) as pool:  # the old code lost a status in about half the runs
