@@ -18,16 +18,13 @@ import torch
 
 from common.logs import Logger
 from coordinator.journal import RoundJournal
-from coordinator.metrics import TaskRecord
+from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.round import Examined, Receipt, Round, Verdict
 from coordinator.screening import Change, change_of_result
 from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import State, Strategy
 from models import ModelFamily, SubmodelSpec, check_shapes
 from protocol import Ack, BytesLike, ProtocolError, Reassembler, Topics, Update, decode, encode
-
-#: Update statuses whose weights are aggregated.
-AGGREGATED = ("ok", "adapted")
 
 #: Index maps kept, one per trained spec (levels, exits, FeDepth's segments, AdaptiveFL's models).
 INDEX_MAPS_KEPT = 256
@@ -125,24 +122,24 @@ class UpdateIntake:
         self.publish(self.topics.agent_ack(agent_id),
                           encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
-                      status=update.status, verdict=receipt.verdict.value, bytes=len(complete),
+                      status=update.status, verdict=receipt.verdict, bytes=len(complete),
                       refused=receipt.refusal)
 
     # ----------------------------------------------------------- the round's Intake
     def examine(self, update: Update, task: TaskPlan) -> Examined:
         """Read an update against its task: its record and, for a trained one, the result to aggregate (or why it
         is refused)."""
-        record = TaskRecord(update.agent_id, task.level, update.status, task.spec.describe(), reason=update.reason,
+        record = TaskRecord(update.agent_id, task.level, TaskStatus.answered(update.status), task.spec.describe(), reason=update.reason,
                             num_samples=update.num_samples, metrics=dict(update.metrics),
                             params_sent=self.family.param_count(task.spec))
         if update.spec_trained is not None:
             record.spec_trained = _describe(update.spec_trained)
-        if update.status not in AGGREGATED:
+        if not update.status.trained:
             return Examined(record)
         try:
             result = self.unpack(update, task)
         except ValueError as exc:
-            record.status, record.reason = "rejected", str(exc)
+            record.status, record.reason = TaskStatus.REJECTED, str(exc)
             self.log.warning("update_rejected", agent=update.agent_id, task=update.task_id, reason=str(exc))
             return Examined(record, refusal=f"update rejected: {exc}")
         record.spec_trained = result.spec.describe()

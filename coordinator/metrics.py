@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol import TextEnum, UpdateStatus
+
 #: A round's phases on the coordinator, in order (seconds in :attr:`RoundResult.timing`): waiting for the fleet,
 #: planning (the strategy and the journal), dispatch (encoding and publishing the tasks), collecting (waiting for
 #: the updates: the devices' work), validation (decoding is not in it: examining each update against its task and
@@ -35,13 +37,37 @@ def round_timing(coordinator: Mapping[str, float], devices: Iterable[Mapping[str
     return timing
 
 
+class TaskStatus(TextEnum):
+    """How a task of a round ended, as the report counts it: the agent's answer (:class:`protocol.UpdateStatus`),
+    or ``rejected`` (its update could not be aggregated: invalid, not fitting its model, or screened out),
+    ``skipped`` (the device was selected but served no task) or ``missing`` (no update by the deadline)."""
+
+    OK = "ok"
+    ADAPTED = "adapted"
+    DECLINED = "declined"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    SKIPPED = "skipped"
+    MISSING = "missing"
+
+    @classmethod
+    def answered(cls, status: UpdateStatus) -> TaskStatus:
+        """The record of an update the agent answered with ``status``."""
+        return cls(status.value)
+
+    @property
+    def trained(self) -> bool:
+        """Whether the device trained and its update counts (ok or adapted)."""
+        return self in (TaskStatus.OK, TaskStatus.ADAPTED)
+
+
 @dataclass
 class TaskRecord:
     """What happened to one task of a round."""
 
     agent: str
     level: str
-    status: str
+    status: TaskStatus
     spec_sent: str
     spec_trained: str | None = None
     reason: str | None = None
@@ -55,6 +81,9 @@ class TaskRecord:
     #: update screening refused did come back and counts).
     params_sent: int = 0
     params_returned: int = 0
+
+    def __post_init__(self) -> None:
+        self.status = TaskStatus(self.status)
 
     @property
     def waste(self) -> float | None:

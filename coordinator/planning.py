@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,23 +15,34 @@ from coordinator.strategies import Strategy, StrategyContext, make_strategy
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from protocol import TrainingPlan
 
+#: Estimates kept for every strategy this process sets up (the start-of-run checks, the run's coordinator and its
+#: sizing to the fleet, each run of a comparison): an estimate depends on nothing but the model, the input size,
+#: the device, the spec and the plan, and ScaleFL's split search alone makes hundreds, a quarter second each.
+SHARED_ESTIMATES_KEPT = 20_000
+_shared_estimates: dict[tuple[Any, ...], MemoryEstimate] = {}
+
 
 class TrainingMemory:
     """Estimated peak memory of training a (spec, plan) on an agent (pooled heap on this host's CPU, or the CUDA
-    allocator's peak), cached: what level planning compares with the budgets agents report."""
+    allocator's peak): what level planning compares with the budgets agents report. Estimates are kept for the
+    process (the oldest dropped past :data:`SHARED_ESTIMATES_KEPT`), shared by every estimator of the same model."""
 
     def __init__(self, family: ModelFamily, input_size: tuple[int, int], device: str = "cpu") -> None:
         self.family = family
         self.input_size = input_size
         self.device = device
-        self._cache: dict[tuple[SubmodelSpec, TrainingPlan], MemoryEstimate] = {}
+        self._model = (family.name, family.num_classes, family.in_channels,
+                       json.dumps(family.options, sort_keys=True, default=str), tuple(input_size), device)
 
     def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
-        key = (spec, replace(plan, seed=0))
-        if key not in self._cache:
-            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size,
-                                                    device=self.device)
-        return self._cache[key]
+        key = (self._model, spec, replace(plan, seed=0))  # the seed draws batches: it moves no estimate
+        estimate = _shared_estimates.get(key)
+        if estimate is None:
+            estimate = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size, device=self.device)
+            if len(_shared_estimates) >= SHARED_ESTIMATES_KEPT:
+                _shared_estimates.pop(next(iter(_shared_estimates)), None)
+            _shared_estimates[key] = estimate
+        return estimate
 
 
 def model_family(config: CoordinatorConfig, dataset: Dataset) -> ModelFamily:

@@ -11,7 +11,7 @@ from common.logs import Logger
 from common.mqtt_link import MqttLink
 from coordinator.evaluation import Evaluator
 from coordinator.intake import spec_or_none
-from coordinator.metrics import RoundResult, TaskRecord, round_timing
+from coordinator.metrics import RoundResult, TaskRecord, TaskStatus, round_timing
 from coordinator.round import Answer, Round
 from coordinator.strategies import TaskOutcome
 from coordinator.strategies.base import EvalTarget, State
@@ -22,7 +22,7 @@ from protocol import Ack, Topics, encode
 def outcomes(current: Round, family: ModelFamily, log: Logger) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
     """Every selected agent's record (skipped, missing or answered) and how every task ended, for the strategy
     (answered tasks by task id, then the missing ones)."""
-    records = {s.agent_id: TaskRecord(s.agent_id, "-", "skipped", "-", reason=s.reason) for s in current.skipped}
+    records = {s.agent_id: TaskRecord(s.agent_id, "-", TaskStatus.SKIPPED, "-", reason=s.reason) for s in current.skipped}
     ended: list[TaskOutcome] = []
     for task_id, answer in sorted(current.answers.items()):
         update, record = answer.update, answer.record
@@ -35,10 +35,10 @@ def outcomes(current: Round, family: ModelFamily, log: Logger) -> tuple[dict[str
     for task_id, dispatched in current.tasks.items():
         if task_id not in current.answers:
             task = dispatched.task
-            records[task.agent_id] = TaskRecord(task.agent_id, task.level, "missing", task.spec.describe(),
+            records[task.agent_id] = TaskRecord(task.agent_id, task.level, TaskStatus.MISSING, task.spec.describe(),
                                                 reason="no update by deadline",
                                                 params_sent=family.param_count(task.spec))
-            ended.append(TaskOutcome(task, "missing", None, {}))
+            ended.append(TaskOutcome(task, TaskStatus.MISSING, None, {}))
     return records, ended
 
 

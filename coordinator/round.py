@@ -28,12 +28,12 @@ from typing import Protocol
 
 from coordinator.aggregation import RoundAggregate
 from coordinator.config import ScreeningConfig
-from coordinator.metrics import TaskRecord
+from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.screening import Change, beyond_reach, outliers
 from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import Skip, State
 from models import SubmodelSpec
-from protocol import BytesLike, Update
+from protocol import BytesLike, TextEnum, Update
 
 __all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Intake", "Phase", "Receipt", "Round", "Verdict"]
 
@@ -99,7 +99,7 @@ class Answer:
         return self.change is not None and self.rejection is None
 
 
-class Verdict(str, Enum):
+class Verdict(TextEnum):
     """How a round took an update: new, the same message again, another update for a task that has one, after the
     round stopped collecting, or for no task of the round."""
 
@@ -195,7 +195,7 @@ class Round:
                         self._fold(answer, examined.result)
                     except ValueError as exc:  # it does not fit its group's model: stored, never aggregated
                         answer.refusal = f"update rejected: {exc}"
-                        answer.record.status, answer.record.reason = "rejected", str(exc)
+                        answer.record.status, answer.record.reason = TaskStatus.REJECTED, str(exc)
                         answer.change = None
         except BaseException:
             with self._done:
@@ -245,7 +245,7 @@ class Round:
     @staticmethod
     def _reject(answer: Answer, reason: str) -> None:
         answer.rejection = reason
-        answer.record.status, answer.record.reason = "rejected", reason
+        answer.record.status, answer.record.reason = TaskStatus.REJECTED, reason
 
     def mark_sent(self, task_id: str) -> None:
         """Note that ``task_id``'s task went out (again) now: its update's transfer time counts from here."""

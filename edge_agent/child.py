@@ -49,7 +49,7 @@ from edge_agent.workdir import (
     write_message,
 )
 from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
-from protocol import ModelRef, Task, TrainingPlan, Update, decode
+from protocol import ModelRef, Task, TrainingPlan, Update, UpdateStatus, decode
 
 
 def rss_bytes() -> int:
@@ -244,8 +244,8 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
             for weights in (copy.state_dict() for copy in copies)])
     if spec.segments is not None:  # depth-wise: the peak of every stage, in order
         metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
-    update = Update(task.task_id, task.round, task.agent_id, "ok", spec.to_dict(), len(y), list(request.labels),
-                    state, metrics, None)
+    update = Update(task.task_id, task.round, task.agent_id, UpdateStatus.OK, spec.to_dict(), len(y),
+                    list(request.labels), state, metrics, None)
     write_message(workdir / UPDATE_FILE, update)
 
 

@@ -44,6 +44,7 @@ from protocol import (
     Topics,
     TransferRefused,
     Update,
+    UpdateStatus,
     decode,
     encode,
     parse_agent_topic,
@@ -416,7 +417,7 @@ class EdgeAgent:
         self.log.warning("task_refused", task=refused.transfer, round=refused.round, reason=refused.reason,
                          answered=True)
         self.uplink.send(Update(task_id=refused.transfer, round=refused.round, agent_id=self.agent_id,
-                                status="declined", spec_trained=None, num_samples=self.data.samples,
+                                status=UpdateStatus.DECLINED, spec_trained=None, num_samples=self.data.samples,
                                 labels=list(self.data.labels), weights={}, metrics={}, reason=refused.reason))
 
     def _first_sight(self, task_id: str) -> bool:
@@ -436,7 +437,7 @@ class EdgeAgent:
             queued = time.perf_counter() - received
             update = self.runner.run(task, payload)
             update.metrics["seconds_queued"] = queued
-            if self._stop.is_set() and update.status == "failed":
+            if self._stop.is_set() and update.status is UpdateStatus.FAILED:
                 # Cut short by this agent's own stop (a restart, an upgrade): no answer, so that the coordinator
                 # sends the task again to the next process, which trains it.
                 self.log.info("task_left_for_next_start", task=task.task_id, reason=update.reason)

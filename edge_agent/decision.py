@@ -35,6 +35,7 @@ from protocol import (
     Stage,
     Task,
     TrainingPlan,
+    UpdateStatus,
     decode,
 )
 
@@ -159,7 +160,7 @@ class Decider:
             sent = family.validate_spec(SubmodelSpec.from_dict(task.spec))
             candidates = options(family, sent, plan, task.adaptation)
         except ValueError as exc:
-            raise TaskRejected("failed", f"invalid task: {exc}") from exc
+            raise TaskRejected(UpdateStatus.FAILED, f"invalid task: {exc}") from exc
         self._check_weights(family, sent, task)
         self._check_limits(task, family, sent, plan)
         raw = self.raw_estimates(task.model, candidates)
@@ -179,8 +180,8 @@ class Decider:
         if choice.option is None:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
             head_alone = task.adaptation is not None and task.adaptation.head_alone
-            raise TaskRejected("declined", f"{MEMORY_DECLINE_REASON} the {size_text(available)} available (estimated: "
-                                           f"{tried}{_why_no_cut(cut, head_alone)})")
+            raise TaskRejected(UpdateStatus.DECLINED, f"{MEMORY_DECLINE_REASON} the {size_text(available)} available "
+                                                      f"(estimated: {tried}{_why_no_cut(cut, head_alone)})")
         spec, chosen_plan = choice.option.spec, choice.option.plan
         estimate = raw[choice.option]
         adapted: Task | None = None
@@ -191,7 +192,7 @@ class Decider:
                 adapted = replace(task, spec=spec.to_dict(), recipe=None, plan=chosen_plan, adaptation=None,
                                   weights=cut_nested(task.weights, family.index_map(spec), family.state_keys(spec)))
             except ValueError as exc:
-                raise TaskRejected("failed", f"cannot adapt: {exc}") from exc
+                raise TaskRejected(UpdateStatus.FAILED, f"cannot adapt: {exc}") from exc
         reason: str | None = None
         metrics: dict[str, float] = {}
         if cut is not None and spec.segments is not None:
@@ -209,7 +210,8 @@ class Decider:
         elif plan.copies > 1:
             reason = (f"trained 1 of up to {plan.copies} copies (no mutual distillation: a second copy does not fit "
                       f"{size_text(available)})")
-        decision = Decision("ok" if spec in (sent, whole) else "adapted", reason, spec.to_dict(),
+        status = UpdateStatus.OK if spec in (sent, whole) else UpdateStatus.ADAPTED
+        decision = Decision(status, reason, spec.to_dict(),
                             raw_total=estimate.total, raw_overhead=estimate.overhead, estimate=choice.estimate,
                             metrics=metrics, estimates=self.made)
         return decision, adapted
@@ -253,7 +255,7 @@ class Decider:
             why = f"its model has {parameters} parameters, more than limits.max_parameters {limits.max_parameters}"
         else:
             return
-        raise TaskRejected("declined", f"task refused: {why}")
+        raise TaskRejected(UpdateStatus.DECLINED, f"task refused: {why}")
 
     @staticmethod
     def _check_weights(family: ModelFamily, spec: SubmodelSpec, task: Task) -> None:
@@ -263,11 +265,12 @@ class Decider:
         if set(task.weights) != expected:
             missing = sorted(expected - set(task.weights))[:3]
             extra = sorted(set(task.weights) - expected)[:3]
-            raise TaskRejected("failed", f"task weights do not fit the spec (missing {missing}, unexpected {extra})")
+            raise TaskRejected(UpdateStatus.FAILED,
+                               f"task weights do not fit the spec (missing {missing}, unexpected {extra})")
         try:
             check_shapes(task.weights, index_map, says="the spec needs")
         except ValueError as exc:
-            raise TaskRejected("failed", str(exc)) from exc
+            raise TaskRejected(UpdateStatus.FAILED, str(exc)) from exc
 
 
 def _why_no_cut(cut: Cut | None, head_alone: bool) -> str:
@@ -407,13 +410,13 @@ def decide_in_workdir(workdir: Path) -> Decision:
     try:
         task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
     except ProtocolError as exc:
-        decision = Decision("failed", f"invalid task: {exc}")
+        decision = Decision(UpdateStatus.FAILED, f"invalid task: {exc}")
     else:
         assert isinstance(task, Task)
         try:
             decision, adapted = Decider(request).decide(task)
         except Exception as exc:  # noqa: BLE001 - an unknown family, a broken model option: the task fails
-            decision, adapted = Decision("failed", f"{type(exc).__name__}: {exc}"), None
+            decision, adapted = Decision(UpdateStatus.FAILED, f"{type(exc).__name__}: {exc}"), None
         if adapted is not None:
             write_message(workdir / TASK_FILE, adapted)
     decision.write(workdir)

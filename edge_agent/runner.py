@@ -48,6 +48,7 @@ from protocol import (
     ProtocolError,
     Task,
     Update,
+    UpdateStatus,
     decode,
 )
 
@@ -211,7 +212,7 @@ class TaskRunner:
         except TaskRejected as exc:
             update = self._answer(task, exc.status, reason=exc.reason)
         except Exception as exc:  # noqa: BLE001 - the agent outlives any task
-            update = self._answer(task, "failed", reason=f"{type(exc).__name__}: {exc}")
+            update = self._answer(task, UpdateStatus.FAILED, reason=f"{type(exc).__name__}: {exc}")
         update.metrics["seconds_task"] = time.perf_counter() - started
         return update
 
@@ -275,9 +276,9 @@ class TaskRunner:
     # --------------------------------------------------------------- internals
     def _serve(self, task: Task, payload: BytesLike | None) -> Update:
         if self._closing.is_set():
-            raise TaskRejected("declined", "the agent is stopping")
+            raise TaskRejected(UpdateStatus.DECLINED, "the agent is stopping")
         if time.time() > task.deadline:
-            raise TaskRejected("declined", "the task's deadline passed before training could start")
+            raise TaskRejected(UpdateStatus.DECLINED, "the task's deadline passed before training could start")
         self._check_compatible(task)
         self._last_model = task.model
         # Named by a digest: a task id is wire data and must never become a path ("..", say).
@@ -310,7 +311,7 @@ class TaskRunner:
         try:
             decision = forkserver.run_decision(workdir, self._timeout(task), cancel=self._closing)
         except DecisionFailed as exc:
-            raise TaskRejected("failed", str(exc)) from None
+            raise TaskRejected(UpdateStatus.FAILED, str(exc)) from None
         self._remember(task.model, decision.estimates)
         return decision
 
@@ -330,10 +331,11 @@ class TaskRunner:
             self.child_pid = None
         memory["seconds_child"] = time.perf_counter() - forking
         if outcome.cancelled:
-            return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
+            return self._answer(task, UpdateStatus.FAILED, spec_trained=decision.spec, metrics=memory,
                                 reason="the agent stopped while training")
         if outcome.stalled:
-            return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory, reason=outcome.error)
+            return self._answer(task, UpdateStatus.FAILED, spec_trained=decision.spec, metrics=memory,
+                                reason=outcome.error)
         if outcome.killed_by == "SIGKILL" and not outcome.timed_out:
             outcome = replace(outcome, out_of_memory=oom.struck(before, self.oom_kills()))
         assumed_cuda_start = self.cuda_context_bytes
@@ -348,12 +350,13 @@ class TaskRunner:
                 self.calibration_for(task.model).observe_failure(decision.raw_total, available,
                                                                  decision.raw_overhead)
             why = _killed(outcome) if outcome.killed_by else f"training process failed (exit code {outcome.exitcode})"
-            return self._answer(task, "failed", spec_trained=decision.spec, metrics=memory,
+            return self._answer(task, UpdateStatus.FAILED, spec_trained=decision.spec, metrics=memory,
                                 reason=f"{why}: {detail[0]}" if detail else why)
         try:
             update = decode(outcome.update, expected=Update)
         except ProtocolError as exc:
-            return self._answer(task, "failed", metrics=memory, reason=f"training child answered garbage: {exc}")
+            return self._answer(task, UpdateStatus.FAILED, metrics=memory,
+                                reason=f"training child answered garbage: {exc}")
         assert isinstance(update, Update)
         self.calibration_for(task.model).observe(decision.raw_total, int(update.metrics.get("peak_bytes", 0)),
                                                  decision.raw_overhead)
@@ -374,18 +377,19 @@ class TaskRunner:
 
     def _check_compatible(self, task: Task) -> None:
         if task.model.in_channels != self.data.in_channels:
-            raise TaskRejected("failed", f"model expects {task.model.in_channels} input channels, local data has "
-                                         f"{self.data.in_channels}")
+            raise TaskRejected(UpdateStatus.FAILED, f"model expects {task.model.in_channels} input channels, local "
+                                                    f"data has {self.data.in_channels}")
         if self.data.labels[-1] >= task.model.num_classes:
-            raise TaskRejected("failed", f"local label {self.data.labels[-1]} is outside the model's "
+            raise TaskRejected(UpdateStatus.FAILED, f"local label {self.data.labels[-1]} is outside the model's "
                                          f"{task.model.num_classes} classes")
         if task.training_plan().batch_size < 2:
-            raise TaskRejected("failed", "batch_size must be at least 2: static BN normalises with batch statistics")
+            raise TaskRejected(UpdateStatus.FAILED,
+                               "batch_size must be at least 2: static BN normalises with batch statistics")
 
     def _started(self, pid: int) -> None:
         self.child_pid = pid
 
-    def _answer(self, task: Task, status: str, *, spec_trained: dict | None = None,
+    def _answer(self, task: Task, status: UpdateStatus, *, spec_trained: dict | None = None,
                 metrics: dict[str, float] | None = None, reason: str | None = None) -> Update:
         return Update(task_id=task.task_id, round=task.round, agent_id=self.agent_id, status=status,
                       spec_trained=spec_trained, num_samples=self.data.samples, labels=list(self.data.labels),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.limits import TaskLimits
-from protocol import BytesLike, Message, ModelRef, encode_parts
+from protocol import BytesLike, Message, ModelRef, UpdateStatus, encode_parts
 
 TASK_FILE = "task.msgpack"
 DECISION_REQUEST_FILE = "decide.json"
@@ -27,15 +27,10 @@ ERROR_FILE = "error.txt"
 PROGRESS_FILE = "progress"
 CUDA_START_FILE = "cuda_start.json"
 
-#: Statuses a decision may carry: train (``ok``, ``adapted``) or answer without training.
-TRAIN_STATUSES = ("ok", "adapted")
-ANSWER_STATUSES = ("declined", "failed")
-
-
 class TaskRejected(Exception):
-    """The task cannot be served; ``status`` is "declined" (not affordable, too late) or "failed"."""
+    """The task cannot be served; ``status`` is declined (not affordable, too late) or failed."""
 
-    def __init__(self, status: str, reason: str) -> None:
+    def __init__(self, status: UpdateStatus, reason: str) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
@@ -120,7 +115,7 @@ class Decision:
     estimates this decision made (the agent remembers them for the next).
     """
 
-    status: str
+    status: UpdateStatus
     reason: str | None = None
     spec: dict[str, Any] | None = None
     raw_total: int = 0
@@ -130,14 +125,17 @@ class Decision:
     estimates: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.status not in TRAIN_STATUSES + ANSWER_STATUSES:
-            raise ValueError(f"a decision's status is one of {TRAIN_STATUSES + ANSWER_STATUSES}, got {self.status!r}")
-        if self.status in TRAIN_STATUSES and self.spec is None:
+        try:
+            object.__setattr__(self, "status", UpdateStatus(self.status))
+        except ValueError:
+            known = tuple(status.value for status in UpdateStatus)
+            raise ValueError(f"a decision's status is one of {known}, got {self.status!r}") from None
+        if self.status.trained and self.spec is None:
             raise ValueError("a decision to train names the spec")
 
     @property
     def trains(self) -> bool:
-        return self.status in TRAIN_STATUSES
+        return self.status.trained
 
     def write(self, workdir: Path) -> None:
         _write_json(workdir / DECISION_FILE, asdict(self))
@@ -145,7 +143,7 @@ class Decision:
     @classmethod
     def read(cls, workdir: Path) -> Decision:
         raw = _read_json(workdir / DECISION_FILE)
-        return cls(status=str(raw["status"]), reason=raw.get("reason"), spec=raw.get("spec"),
+        return cls(status=raw["status"], reason=raw.get("reason"), spec=raw.get("spec"),
                    raw_total=int(raw.get("raw_total", 0)), raw_overhead=int(raw.get("raw_overhead", 0)),
                    estimate=int(raw.get("estimate", 0)),
                    metrics={str(k): float(v) for k, v in raw.get("metrics", {}).items()},

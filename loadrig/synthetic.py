@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocol import Task, TrainingPlan, Update
+from protocol import Task, TrainingPlan, Update, UpdateStatus
 
 __all__ = ["CHANGE_SHARE", "SYNTHETIC_NOTICE", "UpdateMaker", "synthetic_change"]
 
@@ -103,10 +103,10 @@ class UpdateMaker:
         # What a device's metrics say of its time (edge_agent.runner): here none waited, decided or trained.
         metrics = {"synthetic": 1.0, "make_seconds": made, "seconds_task": made, "seconds_queued": 0.0,
                    "seconds_decision": 0.0, "seconds": 0.0}
-        return Update(task.task_id, task.round, agent_id, "ok", dict(task.spec), num_samples, list(labels),
+        return Update(task.task_id, task.round, agent_id, UpdateStatus.OK, dict(task.spec), num_samples, list(labels),
                       weights, metrics)
 
     @staticmethod
     def _failed(task: Task, agent_id: str, num_samples: int, labels: list[int], reason: str) -> Update:
-        return Update(task.task_id, task.round, agent_id, "failed", None, num_samples, list(labels), {},
+        return Update(task.task_id, task.round, agent_id, UpdateStatus.FAILED, None, num_samples, list(labels), {},
                       {"synthetic": 1.0}, reason)

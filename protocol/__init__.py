@@ -33,7 +33,9 @@ from protocol.messages import (
     Message,
     ModelRef,
     Task,
+    TextEnum,
     Update,
+    UpdateStatus,
 )
 from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
 from protocol.reassembly import Reassembled, Reassembler, TransferRefused
@@ -69,10 +71,12 @@ __all__ = [
     "Recipe",
     "Stage",
     "Task",
+    "TextEnum",
     "Topics",
     "TrainingPlan",
     "TransferRefused",
     "Update",
+    "UpdateStatus",
     "decode",
     "decode_tensor",
     "encode",

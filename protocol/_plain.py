@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -24,4 +25,6 @@ def plain(value: object) -> object:
         return value.tolist()
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, Enum):
+        return value.value
     return value

@@ -27,6 +27,7 @@ from protocol.messages import (
     ModelRef,
     Task,
     Update,
+    UpdateStatus,
 )
 from protocol.plan import ROUTES, Recipe, read_training_plan
 
@@ -175,7 +176,7 @@ def read_update(obj: object, limits: Limits, section: TensorSection | None = Non
         task_id=r.task_id("task_id"),
         round=r.integer("round", minimum=0),
         agent_id=r.name("agent_id"),
-        status=r.text("status", UPDATE_STATUSES),
+        status=UpdateStatus(r.text("status", UPDATE_STATUSES)),
         spec_trained=r.opt_tree("spec_trained"),
         num_samples=r.integer("num_samples", minimum=0),
         labels=r.labels("labels"),

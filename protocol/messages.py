@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar, TypeAlias
 
 import numpy as np
@@ -25,7 +26,34 @@ HEAD_ALONE_REVISION = 3
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
-UPDATE_STATUSES: tuple[str, ...] = ("ok", "adapted", "declined", "failed")
+
+
+class TextEnum(str, Enum):
+    """A closed set of strings: each member compares, prints, formats and serialises as its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class UpdateStatus(TextEnum):
+    """How an agent answers a task: trained what was sent (``ok``), trained a smaller model than sent
+    (``adapted``), could not afford it or it came too late (``declined``), or something broke (``failed``)."""
+
+    OK = "ok"
+    ADAPTED = "adapted"
+    DECLINED = "declined"
+    FAILED = "failed"
+
+    @property
+    def trained(self) -> bool:
+        """Whether the answer carries trained weights."""
+        return self in (UpdateStatus.OK, UpdateStatus.ADAPTED)
+
+
+UPDATE_STATUSES: tuple[str, ...] = tuple(status.value for status in UpdateStatus)
 
 
 @dataclass
@@ -160,18 +188,21 @@ MEMORY_KILL_REASON = "training process was killed by the kernel's OOM killer"
 
 @dataclass
 class Update:
-    """An agent's answer to a task; status is "ok", "adapted", "declined" or "failed"."""
+    """An agent's answer to a task (its :class:`UpdateStatus`; a string naming one is taken as it)."""
 
     task_id: str
     round: int
     agent_id: str
-    status: str
+    status: UpdateStatus
     spec_trained: dict[str, Any] | None
     num_samples: int
     labels: list[int]
     weights: dict[str, np.ndarray]
     metrics: dict[str, float]
     reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.status = UpdateStatus(self.status)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from typing import Any
 
 from coordinator.client_selection import PoolEntry, SelectionTables
 from coordinator.levels import Level
+from coordinator.metrics import TaskStatus
 from coordinator.registry import AgentRecord
 from coordinator.strategies.base import RoundPlan, StrategyContext, TaskOutcome, TaskPlan, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
@@ -199,17 +200,17 @@ class AdaptiveFL(LevelStrategy):
         by_spec = {level.spec: level.name for level in self.levels}
         for outcome in outcomes:
             task = outcome.task
-            if outcome.status == "ok":
+            if outcome.status is TaskStatus.OK:
                 self.tables.record(task.agent_id, task.level, task.level)
-            elif outcome.status == "adapted":
+            elif outcome.status is TaskStatus.ADAPTED:
                 # An update that trained no pool model (not one this strategy offered) teaches nothing of its size.
                 returned = by_spec.get(outcome.spec_trained) if outcome.spec_trained is not None else None
                 self.tables.record(task.agent_id, task.level, returned)
-            elif outcome.status == "declined" and (outcome.reason or "").startswith(MEMORY_DECLINE_REASON):
+            elif outcome.status is TaskStatus.DECLINED and (outcome.reason or "").startswith(MEMORY_DECLINE_REASON):
                 ladder = task.adaptation.candidates if task.adaptation is not None else ()
                 smallest = by_spec.get(SubmodelSpec.from_dict(ladder[-1].spec)) if ladder else task.level
                 self.tables.record(task.agent_id, task.level, None, declined_from=smallest or task.level)
-            elif outcome.status == "failed" and (outcome.reason or "").startswith(MEMORY_KILL_REASON):
+            elif outcome.status is TaskStatus.FAILED and (outcome.reason or "").startswith(MEMORY_KILL_REASON):
                 # Killed for memory training what it tried: nothing from that model upwards fits.
                 tried = by_spec.get(outcome.spec_tried) if outcome.spec_tried is not None else None
                 self.tables.record(task.agent_id, task.level, None, declined_from=tried or task.level)

@@ -21,6 +21,7 @@ import torch
 from common.device_need import INITIAL_FACTOR, device_need
 from coordinator.aggregation import RoundAggregate
 from coordinator.config import CoordinatorConfig, RecipeConfig
+from coordinator.metrics import TaskStatus
 from coordinator.registry import AgentRecord
 from models import MemoryEstimate, ModelFamily, SubmodelSpec
 from protocol import Adaptation, LossTerm, OptimizerSettings, TrainingPlan
@@ -99,11 +100,14 @@ class TaskOutcome:
     the spec of the aggregated update, the agent's metrics and reason, and the spec it tried (for a failure)."""
 
     task: TaskPlan
-    status: str
+    status: TaskStatus
     spec_trained: SubmodelSpec | None
     metrics: Mapping[str, float]
     reason: str | None = None
     spec_tried: SubmodelSpec | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TaskStatus(self.status))
 
 
 @dataclass(frozen=True)

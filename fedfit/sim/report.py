@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from coordinator.metrics import RoundResult, TaskRecord
+from coordinator.metrics import RoundResult, TaskRecord, TaskStatus
 
 #: Task statuses in the order reports count them.
-STATUSES = ("ok", "adapted", "declined", "failed", "rejected", "skipped", "missing")
+STATUSES = tuple(status.value for status in TaskStatus)
 
 
 def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord
+import pytest
+
+from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord, TaskStatus
+from protocol import UpdateStatus
 
 
 def result(round_number: int) -> RoundResult:
@@ -55,3 +58,19 @@ def test_to_dict_round_trips_through_json():
     data = result(3).to_dict()
     assert json.loads(json.dumps(data)) == data
     assert data["selected"] == 3 and data["bytes_up"] == 900
+
+
+def test_a_task_status_is_an_answer_or_what_the_coordinator_made_of_the_task():
+    assert [TaskStatus.answered(status) for status in UpdateStatus] == [
+        TaskStatus.OK, TaskStatus.ADAPTED, TaskStatus.DECLINED, TaskStatus.FAILED]
+    assert [status for status in TaskStatus if status.trained] == [TaskStatus.OK, TaskStatus.ADAPTED]
+    record = TaskRecord("sim-000", "a", "missing", "width=1")  # a string naming a status is taken as it
+    assert record.status is TaskStatus.MISSING
+    with pytest.raises(ValueError, match="'lost' is not a valid TaskStatus"):
+        TaskRecord("sim-000", "a", "lost", "width=1")
+
+
+def test_task_statuses_are_written_as_their_values(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(path).write(result(1))
+    assert [task["status"] for task in json.loads(path.read_text())["tasks"]] == ["ok", "skipped"]

@@ -18,6 +18,7 @@ from protocol import (
     ProtocolError,
     Task,
     Update,
+    UpdateStatus,
     decode,
     encode,
 )
@@ -318,6 +319,18 @@ def test_update_reason_defaults_to_none() -> None:
     assert update.reason is None
     decoded = decode(encode(update), expected=Update)
     assert isinstance(decoded, Update) and decoded.reason is None
+
+
+def test_an_update_status_is_its_type_and_reads_as_its_value() -> None:
+    update = Update("t", 0, "a", "adapted", None, 0, [], {}, {})  # a string naming a status is taken as it
+    assert update.status is UpdateStatus.ADAPTED and update.status.trained
+    assert (str(update.status), f"{update.status:>8}", update.status == "adapted") == ("adapted", " adapted", True)
+    assert not UpdateStatus.DECLINED.trained and not UpdateStatus.FAILED.trained
+    decoded = decode(encode(update), expected=Update)
+    assert isinstance(decoded, Update) and decoded.status is UpdateStatus.ADAPTED
+    assert wire_of(update)["status"] == "adapted" and type(wire_of(update)["status"]) is str
+    with pytest.raises(ValueError, match="'trained' is not a valid UpdateStatus"):
+        Update("t", 0, "a", "trained", None, 0, [], {}, {})
 
 
 def test_message_union_lists_the_top_level_messages() -> None:

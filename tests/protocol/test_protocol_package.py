@@ -45,8 +45,8 @@ def test_imports_neither_torch_nor_paho_nor_other_packages() -> None:
 
 
 def test_sources_import_only_stdlib_numpy_msgpack_and_themselves() -> None:
-    allowed = {"numpy", "msgpack", "protocol", "__future__", "collections", "dataclasses", "hashlib", "math",
-               "re", "struct", "threading", "time", "typing"}  # fmt: skip
+    allowed = {"numpy", "msgpack", "protocol", "__future__", "collections", "dataclasses", "enum", "hashlib",
+               "math", "re", "struct", "threading", "time", "typing"}  # fmt: skip
     sources = sorted(PACKAGE_DIR.glob("*.py"))
     assert len(sources) >= 8
     for source in sources:
