@@ -20,7 +20,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 4
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -129,8 +129,8 @@ class UpdateIntake:
     def examine(self, update: Update, task: TaskPlan) -> Examined:
         """Read an update against its task: its record and, for a trained one, the result to aggregate (or why it
         is refused)."""
-        record = TaskRecord(update.agent_id, task.level, TaskStatus.answered(update.status), task.spec.describe(), reason=update.reason,
-                            num_samples=update.num_samples, metrics=dict(update.metrics),
+        record = TaskRecord(update.agent_id, task.level, TaskStatus.answered(update.status), task.spec.describe(),
+                            reason=update.reason, num_samples=update.num_samples, metrics=dict(update.metrics),
                             params_sent=self.family.param_count(task.spec))
         if update.spec_trained is not None:
             record.spec_trained = _describe(update.spec_trained)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from protocol import TrainingPlan
 #: the device, the spec and the plan, and ScaleFL's split search alone makes hundreds, a quarter second each.
 SHARED_ESTIMATES_KEPT = 20_000
 _shared_estimates: dict[tuple[Any, ...], MemoryEstimate] = {}
+_shared_lock = threading.Lock()
 
 
 class TrainingMemory:
@@ -31,17 +33,19 @@ class TrainingMemory:
         self.family = family
         self.input_size = input_size
         self.device = device
-        self._model = (family.name, family.num_classes, family.in_channels,
+        self._model = (type(family).__module__, type(family).__qualname__, family.num_classes, family.in_channels,
                        json.dumps(family.options, sort_keys=True, default=str), tuple(input_size), device)
 
     def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
         key = (self._model, spec, replace(plan, seed=0))  # the seed draws batches: it moves no estimate
-        estimate = _shared_estimates.get(key)
-        if estimate is None:
+        with _shared_lock:
+            estimate = _shared_estimates.get(key)
+        if estimate is None:  # (two threads missing one key both estimate it: the same figure)
             estimate = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size, device=self.device)
-            if len(_shared_estimates) >= SHARED_ESTIMATES_KEPT:
-                _shared_estimates.pop(next(iter(_shared_estimates)), None)
-            _shared_estimates[key] = estimate
+            with _shared_lock:
+                if len(_shared_estimates) >= SHARED_ESTIMATES_KEPT:
+                    _shared_estimates.pop(next(iter(_shared_estimates)))
+                _shared_estimates[key] = estimate
         return estimate
 
 

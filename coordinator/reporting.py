@@ -22,7 +22,8 @@ from protocol import Ack, Topics, encode
 def outcomes(current: Round, family: ModelFamily, log: Logger) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
     """Every selected agent's record (skipped, missing or answered) and how every task ended, for the strategy
     (answered tasks by task id, then the missing ones)."""
-    records = {s.agent_id: TaskRecord(s.agent_id, "-", TaskStatus.SKIPPED, "-", reason=s.reason) for s in current.skipped}
+    records = {s.agent_id: TaskRecord(s.agent_id, "-", TaskStatus.SKIPPED, "-", reason=s.reason)
+               for s in current.skipped}
     ended: list[TaskOutcome] = []
     for task_id, answer in sorted(current.answers.items()):
         update, record = answer.update, answer.record

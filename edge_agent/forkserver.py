@@ -49,7 +49,6 @@ CANCEL_POLL_S = 0.1
 PROGRESS_POLL_S = 1.0
 
 
-
 @dataclass(frozen=True)
 class ChildEntry:
     """What a forkserver child runs: ``module.function(workdir)``, imported in the child (the forkserver preloaded

@@ -381,7 +381,7 @@ class TaskRunner:
                                                     f"data has {self.data.in_channels}")
         if self.data.labels[-1] >= task.model.num_classes:
             raise TaskRejected(UpdateStatus.FAILED, f"local label {self.data.labels[-1]} is outside the model's "
-                                         f"{task.model.num_classes} classes")
+                                                    f"{task.model.num_classes} classes")
         if task.training_plan().batch_size < 2:
             raise TaskRejected(UpdateStatus.FAILED,
                                "batch_size must be at least 2: static BN normalises with batch statistics")

@@ -27,6 +27,7 @@ ERROR_FILE = "error.txt"
 PROGRESS_FILE = "progress"
 CUDA_START_FILE = "cuda_start.json"
 
+
 class TaskRejected(Exception):
     """The task cannot be served; ``status`` is declined (not affordable, too late) or failed."""
 

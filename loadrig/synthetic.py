@@ -103,8 +103,8 @@ class UpdateMaker:
         # What a device's metrics say of its time (edge_agent.runner): here none waited, decided or trained.
         metrics = {"synthetic": 1.0, "make_seconds": made, "seconds_task": made, "seconds_queued": 0.0,
                    "seconds_decision": 0.0, "seconds": 0.0}
-        return Update(task.task_id, task.round, agent_id, UpdateStatus.OK, dict(task.spec), num_samples, list(labels),
-                      weights, metrics)
+        return Update(task.task_id, task.round, agent_id, UpdateStatus.OK, dict(task.spec), num_samples,
+                      list(labels), weights, metrics)
 
     @staticmethod
     def _failed(task: Task, agent_id: str, num_samples: int, labels: list[int], reason: str) -> Update:

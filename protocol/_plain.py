@@ -11,7 +11,8 @@ import numpy as np
 
 def plain(value: object) -> object:
     """Dataclasses to maps (without the fields named in their ``OMITTED_AT_DEFAULT`` that hold their default),
-    every mapping (e.g. a ``FrozenMap``) to a dict, tuples to lists, numpy scalars and arrays to Python values."""
+    every mapping (e.g. a ``FrozenMap``) to a dict, tuples to lists, numpy scalars and arrays to Python values,
+    enum members (e.g. an ``UpdateStatus``) to their values."""
     if is_dataclass(value) and not isinstance(value, type):
         # Fields added after a message's first version stay off the wire at their default (older readers).
         omit = getattr(value, "OMITTED_AT_DEFAULT", ())

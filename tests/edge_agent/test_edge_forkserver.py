@@ -104,6 +104,7 @@ def test_an_estimate_that_fails_reaches_the_decision_as_itself(tmp_path, make_ta
     assert (answer.status, answer.reason) == ("failed", f"RuntimeError: {refusal}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpu", [False, True])
 def test_the_warm_up_leaves_autograd_cold_where_a_gpu_is_wanted(gpu):
     """Where a GPU is wanted the server runs no backward pass (autograd's first would start CUDA there and, with a
@@ -200,6 +201,7 @@ def test_the_agent_process_imports_no_torch():
     assert out.strip() == "2 []"
 
 
+@pytest.mark.slow
 def test_start_brings_the_forkserver_up_with_torch_while_the_caller_has_none():
     out = run_python("""
         import json, sys, time
@@ -293,6 +295,7 @@ def test_a_cuda_probe_that_cannot_answer_is_one_sentence(monkeypatch):
         forkserver.cuda_available()
 
 
+@pytest.mark.slow
 def test_a_forkserver_that_cannot_start_is_one_sentence(tmp_path):
     """A preload that fails other than by ImportError (a broken libtorch, say) kills the server as it starts."""
     (tmp_path / "broken_torch.py").write_text('raise OSError("libtorch_cpu.so: cannot open shared object file")\n')

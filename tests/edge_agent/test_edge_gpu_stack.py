@@ -64,6 +64,7 @@ def test_kept_out_modules_cannot_be_imported_and_imported_ones_stay(monkeypatch)
     assert sys.modules["json"] is not None
 
 
+@pytest.mark.slow
 def test_torch_trains_with_its_gpu_packages_kept_out():
     """torch, torch._dynamo and an optimizer step take their path for a machine without triton and
     cuda.bindings (torch's CPU builds install neither)."""

@@ -238,6 +238,7 @@ def test_many_threads_allocating_at_once_corrupt_nothing():
     assert out.split() == ["0", "True"]
 
 
+@pytest.mark.slow
 @needs_pool
 def test_torch_trains_on_the_pool():
     out = run_probe("""

@@ -798,6 +798,7 @@ def test_depthwise_buffers_the_frozen_outputs_of_a_stage_of_several_epochs_when_
     assert update.metrics["estimated_bytes"] <= budget
 
 
+@pytest.mark.slow
 def test_depthwise_recomputes_the_frozen_blocks_when_their_buffer_does_not_fit(
         deep_family, make_deep_task, make_runner, task_plan, local_data):
     plan = task_plan(epochs=2)

@@ -81,6 +81,7 @@ def test_a_status_left_by_a_process_that_is_gone_does_not_block_the_id(secured_m
         agent.stop()
 
 
+@pytest.mark.slow
 def test_an_agent_whose_session_is_taken_over_stops_instead_of_fighting(secured_mosquitto: SecuredBroker,
                                                                           tmp_path) -> None:
     mosquitto = secured_mosquitto("takeover")

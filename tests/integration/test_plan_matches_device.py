@@ -91,6 +91,7 @@ def spec_text(strategy: Strategy, spec: dict[str, Any] | None) -> str | None:
     return None if spec is None else SubmodelSpec.from_dict(spec).describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHM_NAMES)
 def test_the_plan_names_what_the_device_trains(algorithm: str, digits: Any) -> None:
     strategy = strategy_of(algorithm, digits)

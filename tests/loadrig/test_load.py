@@ -70,6 +70,7 @@ def test_malformed_options_are_refused():
         LoadOptions(protocol="4").validate()
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_a_synthetic_fleet_drives_a_real_coordinator_through_mosquitto(tmp_path):

@@ -165,6 +165,7 @@ def test_the_first_install_needs_a_password_file(tmp_path: Path, fake_bin: Path,
     assert len(result.stderr.splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="fedfit broker init needs openssl")
 def test_the_coordinator_install_makes_the_broker_the_bundles_and_a_config_an_agent_install_accepts(
         tmp_path: Path, fake_bin: Path) -> None:
