@@ -8,6 +8,10 @@ import sys
 from collections.abc import Iterator
 from functools import cache
 
+# The suite runs several workers, each with training children, on the same cores: an OpenMP thread that waits for
+# work sleeps instead of spinning (set before torch loads its OpenMP, and inherited by every child and forkserver).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import structlog
 import torch

@@ -31,7 +31,7 @@ SAY_IT_WITHIN_S = 30.0
 def agent(broker_config, agent_id: str, federation: str, tmp_path, shape: tuple[int, int, int] = (1, 8, 8)
           ) -> EdgeAgent:
     config = AgentConfig(agent_id=agent_id, federation=federation, broker=broker_config,
-                         data=AgentDataConfig(dataset="digits"), state_dir=str(tmp_path / agent_id))
+                         data=AgentDataConfig(dataset="digits"), state_dir=str(tmp_path / agent_id), torch_threads=1)
     return EdgeAgent(config, LocalData(torch.zeros(4, *shape), torch.tensor([0, 1, 0, 1])))
 
 

@@ -54,8 +54,11 @@ def agent(budget: int) -> AgentRecord:
     return AgentRecord("device", "online", capabilities, 0.0)
 
 
-def device_decides(strategy: Strategy, dataset: Any, budget: int) -> dict[str, Any] | None:
-    """What a fresh agent with ``budget`` bytes decides for the task the strategy sends it (None: sent nothing)."""
+def device_decides(strategy: Strategy, dataset: Any, budget: int,
+                   known: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """What an agent with ``budget`` bytes decides for the task the strategy sends it (None: sent nothing). Its
+    calibration is fresh; it remembers the estimates of its earlier decisions (``known``, added to), as an agent
+    does."""
     round_plan = strategy.configure_round(1, [agent(budget)], random.Random(0))
     if not round_plan.tasks:
         return None
@@ -68,7 +71,8 @@ def device_decides(strategy: Strategy, dataset: Any, budget: int) -> dict[str, A
                 {key: value.detach().cpu().numpy() for key, value in weights.items()},
                 adaptation=planned.adaptation, plan=planned.plan)
     data = DataShape(64, tuple(range(10)), dataset.in_channels, dataset.image_size)
-    decision, _ = Decider(DecisionRequest("cpu", "pooled", budget, INITIAL_FACTOR, data)).decide(task)
+    decision, _ = Decider(DecisionRequest("cpu", "pooled", budget, INITIAL_FACTOR, data, known=known)).decide(task)
+    known.update(decision.estimates)
     return {"status": decision.status, "spec": decision.spec, "reason": decision.reason,
             "copies": (planned.plan.copies if decision.spec == planned.spec.to_dict() else None)}
 
@@ -97,10 +101,11 @@ def test_the_plan_names_what_the_device_trains(algorithm: str, digits: Any) -> N
     strategy = strategy_of(algorithm, digits)
     checked = 0
     answers = set()
+    known: dict[str, dict[str, Any]] = {}
     for budget in budgets(strategy, digits):
         said = strategy.plan_for_budget(budget)
         answers.add(said.get("trains"))
-        done = device_decides(strategy, digits, budget)
+        done = device_decides(strategy, digits, budget, known)
         where = f"{algorithm} at {budget} B: plan {said}, device {done}"
         if said.get("trains") == "nothing" or said.get("fits") is False:
             assert done is None or done["status"] == "declined", where

@@ -58,7 +58,8 @@ def test_a_federation_runs_with_its_agents_on_different_nodes(cluster: RabbitClu
     cluster.add_logins(names)
     # Agent i on node i: the coordinator shares node 0 with one of them; the others reach it through the cluster.
     fleet = [EdgeAgent(AgentConfig(agent_id=name, federation=FEDERATION, broker=cluster.client_config(name, node=index),
-                                   data=AgentDataConfig(dataset="digits"), state_dir=str(tmp_path / "agents")),
+                                   data=AgentDataConfig(dataset="digits"), state_dir=str(tmp_path / "agents"),
+                                   torch_threads=1),
                        to_local_data(dataset.x_train[shard], dataset.y_train[shard]))
              for index, (name, shard) in enumerate(zip(names, shards))]
     assert len({agent.config.broker.port for agent in fleet}) == 3
