@@ -339,6 +339,20 @@ class FedAvgConfig:
 
 
 @dataclass
+class FedRolexConfig:
+    """FedRolex's setting (the ``fedrolex`` section): which way the window of channels rolls, one channel a round:
+    ``forward`` (the paper: the window of round t starts at channel t mod C) or ``backward`` (the reference
+    code's ``torch.roll``: it starts at -t mod C)."""
+
+    direction: Literal["forward", "backward"] = "forward"
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if self.direction not in ("forward", "backward"):
+            raise ValueError(f"fedrolex.direction must be forward or backward, got {self.direction!r}")
+
+
+@dataclass
 class ScreeningConfig:
     """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true); ``max_ratio``
     (default 10), how many times the median change per step of the round's other updates of the same trained spec
@@ -377,6 +391,7 @@ class CoordinatorConfig:
     scalefl: ScaleFLConfig = field(default_factory=ScaleFLConfig)
     fedepth: FeDepthConfig = field(default_factory=FeDepthConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
+    fedrolex: FedRolexConfig = field(default_factory=FedRolexConfig)
     flexfl: FlexFLConfig = field(default_factory=FlexFLConfig)
     adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
@@ -421,5 +436,6 @@ class CoordinatorConfig:
         self.fedepth.validate()
         self.screening.validate()
         self.fedavg.validate()
+        self.fedrolex.validate()
         self.flexfl.validate()
         self.adaptivefl.validate()

@@ -72,8 +72,9 @@ class Dispatcher:
         spec = planned.spec
         weights = self.family.extract(self._states()[planned.group], spec, keys=self.family.state_keys(spec),
                                       views=True)
-        task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.to_dict(), None,
-                    {key: value.detach().cpu().numpy() for key, value in weights.items()},
+        # (A rolled window is where the sub-model sits in the global model: the agent trains it as any other.)
+        task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.unrolled().to_dict(),
+                    None, {key: value.detach().cpu().numpy() for key, value in weights.items()},
                     adaptation=self.readable(planned.adaptation, planned.agent_id),
                     plan=self.seeded(planned.plan, round_number, planned.agent_id))
         version = self.protocol_version(planned.agent_id)

@@ -164,7 +164,9 @@ class UpdateIntake:
     # ------------------------------------------------------------------ reading
     def unpack(self, update: Update, task: TaskPlan) -> TaskResult:
         """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
-        spec = SubmodelSpec.from_dict(update.spec_trained) if update.spec_trained is not None else task.spec
+        # Where the trained tensors sit is the coordinator's to say (a rolled window: the task's), not the agent's.
+        spec = (SubmodelSpec.from_dict(update.spec_trained).rolled(task.spec.roll)
+                if update.spec_trained is not None else task.spec)
         self.family.validate_spec(spec)
         if not self.family.is_nested(spec, task.spec):
             raise ValueError(f"agent trained {spec.describe()}, which is not inside the {task.spec.describe()} sent")
@@ -193,4 +195,4 @@ class UpdateIntake:
     def level_of(self, spec: SubmodelSpec) -> str | None:
         """The name of the level (pool model) whose spec ``spec`` is, if any."""
         return next((name for name, target in self.strategy.eval_targets().items()
-                     if name != "global" and target.spec == spec), None)
+                     if name != "global" and target.spec == spec.unrolled()), None)

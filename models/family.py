@@ -183,6 +183,7 @@ class ModelFamily(abc.ABC):
         self._layers: tuple[LayerDecl, ...] = body_layers + exit_layers
         self._check_declaration()
         self._spatial_cache: dict[tuple[int, int], dict[str, int]] = {}
+        self._groups_of_keys: dict[str, tuple[str | None, ...]] | None = None
 
     # ------------------------------------------------------------------ what a family declares
     def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -413,12 +414,43 @@ class ModelFamily(abc.ABC):
 
         For each key, one int64 index tensor per dimension, so that
         ``global[key][torch.meshgrid(*idx, indexing="ij")]`` has the sub-model's shape. Scalars
-        (``num_batches_tracked``) map to ``()``. All indices are leading prefixes (see the module docstring).
+        (``num_batches_tracked``) map to ``()``. The indices are leading prefixes (see the module docstring),
+        except under a ``roll``: a narrowed hidden channel group of ``C`` channels keeping ``k`` takes
+        ``(roll + i) mod C`` for ``i < k`` (FedRolex's window); input channels, classes, kernels and whole groups
+        stay as they are.
         """
-        return {
-            key: tuple(torch.arange(n, dtype=torch.int64) for n in shape)
-            for key, shape in self.shapes(spec).items()
-        }
+        spec = self.validate_spec(spec)
+        prefix = {key: tuple(torch.arange(n, dtype=torch.int64) for n in shape)
+                  for key, shape in self.shapes(spec).items()}
+        if not spec.roll:
+            return prefix
+        groups = self._key_groups()
+        return {key: tuple(self._window(groups[key][dim], idx, spec.roll) if dim < len(groups[key]) else idx
+                           for dim, idx in enumerate(indices))
+                for key, indices in prefix.items()}
+
+    def _key_groups(self) -> dict[str, tuple[str | None, ...]]:
+        """The channel group of each channel dimension of every state key (output, then input; None: classes or
+        input channels)."""
+        if self._groups_of_keys is None:
+            found: dict[str, tuple[str | None, ...]] = {}
+            for d in self._layers:
+                if d.kind == "bn":
+                    for part in ("weight", "bias", "running_mean", "running_var"):
+                        found[f"{d.name}.{part}"] = (d.out_group,)
+                    found[f"{d.name}.num_batches_tracked"] = ()
+                    continue
+                found[f"{d.name}.weight"] = (d.out_group, d.in_group)
+                if d.bias:
+                    found[f"{d.name}.bias"] = (d.out_group,)
+            self._groups_of_keys = found
+        return self._groups_of_keys
+
+    def _window(self, group: str | None, kept: torch.Tensor, roll: int) -> torch.Tensor:
+        """The global positions of a dimension's ``kept`` channels under ``roll``."""
+        if group is None or kept.numel() == self._groups[group]:
+            return kept
+        return (kept + roll) % self._groups[group]
 
     def state_keys(self, spec: SubmodelSpec | None = None) -> tuple[str, ...]:
         """``state_dict`` keys of ``build(spec, track_bn_stats=False)``: the weights a task sends down."""
@@ -502,7 +534,10 @@ class ModelFamily(abc.ABC):
                     f"these options expects {gshapes[key]}."
                 )
             for dim, idx in enumerate(imap[key]):
-                tensor = tensor.narrow(dim, 0, idx.numel())
+                if idx.numel() and int(idx[-1]) == idx.numel() - 1 and int(idx[0]) == 0 and _ascending(idx):
+                    tensor = tensor.narrow(dim, 0, idx.numel())  # a leading prefix: a view
+                else:  # a rolled window: gathered (a copy)
+                    tensor = tensor.index_select(dim, idx)
             out[key] = tensor if views else tensor.clone(memory_format=torch.contiguous_format)
         return out
 
@@ -598,3 +633,8 @@ def _ranges(values: Sequence[int]) -> str:
         if v is not None:
             start = prev = v
     return ", ".join(parts) if items else "none"
+
+
+def _ascending(idx: torch.Tensor) -> bool:
+    """Whether ``idx`` goes up by one at every step."""
+    return idx.numel() < 2 or bool((idx[1:] - idx[:-1] == 1).all())

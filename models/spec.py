@@ -12,6 +12,9 @@ The fields cover the five methods FedFit implements:
 - FlexFL / AdaptiveFL: per-layer rates in ``layer_widths`` (keys are the family's ``layer_names()``).
 - FeDepth: ``segments``, the consecutive block ranges trained one after another, in order (blocks outside
   every segment are frozen: run, not trained, not uploaded).
+- FedRolex: ``width`` and ``roll``, the start of a cyclic window of each hidden layer's channels
+  (``roll + i mod C``): where the sub-model sits in the global model, which only the coordinator needs (the
+  sub-model itself is the same as without it, and goes to agents without it: :meth:`SubmodelSpec.unrolled`).
 
 Block indices are 0-based positions in the family's body (block 0 is the one nearest the input and holds the
 stem). Every invalid value raises ``ValueError`` (also for wrong types): a spec usually arrives as decoded wire
@@ -23,14 +26,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from models.width import ROUNDINGS
 
 __all__ = ["SubmodelSpec"]
 
-_FIELDS = ("width", "layer_widths", "rounding", "depth", "exits", "segments")
+_FIELDS = ("width", "layer_widths", "rounding", "depth", "exits", "segments", "roll")
 
 
 def _check_rate(what: str, rate: object) -> float:
@@ -105,6 +108,10 @@ class SubmodelSpec:
         trained one after another in the order given (depth-wise training); blocks in no segment are frozen.
         One empty range at the depth, ``((depth, depth),)``, trains the final head alone on the frozen output
         of every block (FeDepth's partial training where no block fits).
+    roll:
+        Where the kept channels of every narrowed hidden layer start in the global model: channel ``i`` of the
+        sub-model is global channel ``(roll + i) mod C`` (FedRolex's rolling window; any integer, negative rolls
+        backwards). 0: the leading prefix. It moves no shape, only the positions of the index maps.
     """
 
     width: float = 1.0
@@ -113,8 +120,11 @@ class SubmodelSpec:
     depth: int | None = None
     exits: tuple[int, ...] = ()
     segments: tuple[tuple[int, int], ...] | None = None
+    roll: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.roll, bool) or not isinstance(self.roll, int):
+            raise ValueError(f"roll must be an integer, got {self.roll!r}.")  # noqa: TRY004 - wire data
         object.__setattr__(self, "width", _check_rate("width", self.width))
 
         raw: Any = self.layer_widths
@@ -166,6 +176,14 @@ class SubmodelSpec:
         """The global model itself."""
         return cls()
 
+    def rolled(self, roll: int) -> SubmodelSpec:
+        """This sub-model with its window starting at ``roll``."""
+        return replace(self, roll=roll)
+
+    def unrolled(self) -> SubmodelSpec:
+        """This sub-model at the leading prefix: what an agent is told it trains (its shapes are the same)."""
+        return replace(self, roll=0) if self.roll else self
+
     # ------------------------------------------------------------------ queries
     def rate_for(self, layer: str) -> float:
         """Width rate of ``layer``: its override in ``layer_widths`` or the uniform ``width``."""
@@ -203,6 +221,8 @@ class SubmodelSpec:
             parts.append("exits=" + ",".join(str(i) for i in self.exits))
         if self.segments is not None:
             parts.append("segments=" + ",".join(f"{start}:{stop}" for start, stop in self.segments))
+        if self.roll:
+            parts.append(f"roll={self.roll}")
         return " ".join(parts)
 
     def __str__(self) -> str:
@@ -224,6 +244,8 @@ class SubmodelSpec:
             out["exits"] = list(self.exits)
         if self.segments is not None:
             out["segments"] = [[start, stop] for start, stop in self.segments]
+        if self.roll:
+            out["roll"] = self.roll
         return out
 
     @classmethod
@@ -267,6 +289,9 @@ class SubmodelSpec:
             elif key == "depth":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                     raise ValueError(f"sub-model spec key 'depth' must be an integer, got {value!r}.")
+            elif key == "roll":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"sub-model spec key 'roll' must be an integer, got {value!r}.")
             elif key == "exits":
                 if not isinstance(value, (list, tuple)) or any(
                     isinstance(v, bool) or not isinstance(v, int) for v in value

@@ -29,6 +29,7 @@ PAPER_BASELINES = {
     "decoupled": "a separate model per level, never aggregated across levels",
     "flexfl": "heterofl, scalefl",
     "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
+    "fedrolex": "heterofl, federated dropout (non-IID: fedrolex >= heterofl)",
 }
 #: Settings that must agree for runs to be on the same fleet.
 FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "budget_variance", "allocator",

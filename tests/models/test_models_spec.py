@@ -174,6 +174,8 @@ def test_to_dict_omits_defaults() -> None:
         ({"segments": [[0, 2], [1, 3]]}, "invalid sub-model spec: segments must not overlap"),
         ({"segments": []}, "at least one block range"),
         ({1: 0.5}, "unknown sub-model spec key 1"),
+        ({"roll": 1.5}, "'roll' must be an integer"),
+        ({"roll": True}, "'roll' must be an integer"),
     ],
 )
 def test_from_dict_is_strict(d: dict[object, object], message: str) -> None:
@@ -214,3 +216,10 @@ def test_frozen() -> None:
     spec = SubmodelSpec()
     with pytest.raises(AttributeError):
         spec.width = 0.5  # type: ignore[misc]
+
+
+def test_a_roll_moves_positions_only_and_stays_off_the_wire_at_zero() -> None:
+    rolled = SubmodelSpec.uniform(0.25).rolled(-3)
+    assert rolled.to_dict() == {"width": 0.25, "roll": -3} and SubmodelSpec.from_dict(rolled.to_dict()) == rolled
+    assert rolled.describe() == "width=0.25 roll=-3" and rolled.unrolled() == SubmodelSpec.uniform(0.25)
+    assert SubmodelSpec.uniform(0.25).rolled(0).to_dict() == {"width": 0.25}
