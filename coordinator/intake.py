@@ -194,5 +194,4 @@ class UpdateIntake:
 
     def level_of(self, spec: SubmodelSpec) -> str | None:
         """The name of the level (pool model) whose spec ``spec`` is, if any."""
-        return next((name for name, target in self.strategy.eval_targets().items()
-                     if name != "global" and target.spec == spec.unrolled()), None)
+        return self.strategy.level_of(spec)

@@ -416,8 +416,8 @@ class ModelFamily(abc.ABC):
         ``global[key][torch.meshgrid(*idx, indexing="ij")]`` has the sub-model's shape. Scalars
         (``num_batches_tracked``) map to ``()``. The indices are leading prefixes (see the module docstring),
         except under a ``roll``: a narrowed hidden channel group of ``C`` channels keeping ``k`` takes
-        ``(roll + i) mod C`` for ``i < k`` (FedRolex's window); input channels, classes, kernels and whole groups
-        stay as they are.
+        ``(roll + i) mod C`` for ``i < k`` (FedRolex's window; a whole group, ``k = C``, is rotated alike); input
+        channels, classes and kernels stay as they are.
         """
         spec = self.validate_spec(spec)
         prefix = {key: tuple(torch.arange(n, dtype=torch.int64) for n in shape)
@@ -448,8 +448,10 @@ class ModelFamily(abc.ABC):
 
     def _window(self, group: str | None, kept: torch.Tensor, roll: int) -> torch.Tensor:
         """The global positions of a dimension's ``kept`` channels under ``roll``."""
-        if group is None or kept.numel() == self._groups[group]:
+        if group is None:
             return kept
+        # A whole group rolls too (a permutation, the same in every layer it connects): a smaller window, cut
+        # from the front of what an agent was sent, is then always the front of the larger one.
         return (kept + roll) % self._groups[group]
 
     def state_keys(self, spec: SubmodelSpec | None = None) -> tuple[str, ...]:

@@ -213,6 +213,12 @@ class Strategy(ABC):
         """Name -> model to evaluate: ``"global"`` (the reported global model: every output of it is reported,
         its last output is the global accuracy) and one per level (its last output)."""
 
+    def level_of(self, spec: SubmodelSpec) -> str | None:
+        """The name of the level (or pool model) whose sub-model ``spec`` is, wherever it sits in the global
+        model (its roll aside), if any (default: one of the evaluation targets)."""
+        return next((name for name, target in self.eval_targets().items()
+                     if name != "global" and target.spec == spec.unrolled()), None)
+
     def describe(self) -> list[dict[str, Any]]:
         """What each level or pool model would be, for ``fedfit plan``: at least ``name`` and ``spec``."""
         return [{"name": name, "spec": target.spec} for name, target in self.eval_targets().items()

@@ -34,8 +34,9 @@ class FedRolex(HeteroFL):
     def configure_round(self, round_number: int, agents: Sequence[AgentRecord], rng: random.Random) -> RoundPlan:
         plan = super().configure_round(round_number, agents, rng)
         roll = self.roll(round_number)
-        plan.tasks = [task if task.spec.full_width else replace(task, spec=task.spec.rolled(roll))
-                      for task in plan.tasks]  # (a full-width window is every channel, in place)
+        # Every task, the full width's too (its window is every channel, from r on): an agent that falls down its
+        # ladder trains the front of what it was sent, the smaller window at the same start.
+        plan.tasks = [replace(task, spec=task.spec.rolled(roll)) for task in plan.tasks]
         return plan
 
     def eval_targets(self) -> dict[str, EvalTarget]:

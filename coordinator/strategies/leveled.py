@@ -18,6 +18,7 @@ from coordinator.strategies.base import (
     TaskPlan,
     select_fraction,
 )
+from models import SubmodelSpec
 from protocol import Adaptation, Candidate, TrainingPlan
 
 
@@ -117,6 +118,9 @@ class LevelStrategy(Strategy):
             plan.tasks.append(TaskPlan(agent.agent_id, level.name, level.spec, self.level_plan(level, round_number),
                                        self.group_of(level), self.ladder(level, round_number)))
         return plan
+
+    def level_of(self, spec: SubmodelSpec) -> str | None:
+        return next((level.name for level in self.levels if level.spec == spec.unrolled()), None)
 
     def eval_targets(self) -> dict[str, EvalTarget]:
         targets = {level.name: EvalTarget(self.group_of(level), level.spec) for level in self.levels}

@@ -36,9 +36,21 @@ def test_the_window_rolls_one_channel_a_round_wrapping_around(make_context, make
     half = make_agent("half", 500)  # the width cost of the conftest: 1000 bytes for the whole model, 500 for b
     assert [windows(strategy, half, t)["conv1"] for t in (1, 2, 3, 4)] == [[0, 1], [1, 2], [2, 3], [3, 0]]
     assert [windows(strategy, half, t)["conv2"] for t in (1, 2, 3)] == [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5]]
-    # The input channel and the classes stay whole; a device of full width trains every channel.
+    # The input channel and the classes stay whole; a device of full width trains every channel, from the start.
     assert windows(strategy, half, 3)["inputs"] == [0] and windows(strategy, half, 3)["classes"] == list(range(10))
-    assert windows(strategy, make_agent("whole", 1000), 3)["conv2"] == list(range(8))
+    assert windows(strategy, make_agent("whole", 1000), 3)["conv2"] == [2, 3, 4, 5, 6, 7, 0, 1]
+
+
+def test_a_smaller_level_is_the_front_of_the_larger_window_as_an_agent_cuts_it():
+    # An agent short of memory trains the front of the tensors it was sent (a smaller level down its ladder); the
+    # intake places that at the task's roll: it must be the front of the sent window, whole groups included.
+    family = get_family("cnn", 10, 1, hidden=[8, 64])  # 0.9 keeps all 8 channels of conv1, 58 of conv2's 64
+    for roll in (0, 3, 61, -5):
+        sent = family.index_map(SubmodelSpec.uniform(0.9).rolled(roll))
+        smaller = family.index_map(SubmodelSpec.uniform(0.5).rolled(roll))
+        for key, indices in smaller.items():
+            for dim, positions in enumerate(indices):
+                assert torch.equal(positions, sent[key][dim][:len(positions)]), (roll, key, dim)
 
 
 def test_the_reference_codes_window_rolls_backwards(make_context, make_agent):

@@ -71,13 +71,12 @@ def test_fedrolex_rolls_every_narrowed_window_one_channel_a_round(mosquitto_inst
     outcome = simulate(tmp_path, "fedrolex", budgets="widths:1,1/2,1/4")
     tasks, rounds = outcome.report["tasks"], outcome.report["rounds"]
     assert {task["status"] for task in tasks} == {"ok"} and all(r["participants"] == 5 for r in rounds)
-    # Round 1's windows are the leading channels (HeteroFL's slices), round 2's start one channel later; the full
-    # model is the full model whatever the round. The agents trained their widths as sent: nothing was adapted.
+    # Round 1's windows are the leading channels (HeteroFL's slices), round 2's start one channel later. The agents
+    # trained their widths as sent: nothing was adapted.
     for task in tasks:
         width = task["spec_sent"].split()[0]
-        rolled = task["round"] == 2 and width != "width=1"
-        assert task["spec_sent"] == (f"{width} roll=1" if rolled else width), task
-        assert task["spec_trained"] == task["spec_sent"], task
+        assert task["spec_sent"] == (f"{width} roll=1" if task["round"] == 2 else width), task
+        assert task["spec_trained"] == task["spec_sent"] and task["level_trained"] == task["level"], task
     assert list(rounds[-1]["level_accuracy"]) == [] or set(rounds[-1]["level_accuracy"]) <= {"global"}
     assert rounds[-1]["global_accuracy"] > 0.4, rounds  # 10 digits: chance is 0.1
 
