@@ -13,7 +13,7 @@ The fields cover the five methods FedFit implements:
 - FeDepth: ``segments``, the consecutive block ranges trained one after another, in order (blocks outside
   every segment are frozen: run, not trained, not uploaded).
 - FedRolex: ``width`` and ``roll``, the start of a cyclic window of each hidden layer's channels
-  (``roll + i mod C``): where the sub-model sits in the global model, which only the coordinator needs (the
+  (``(roll + i) mod C``): where the sub-model sits in the global model, which only the coordinator needs (the
   sub-model itself is the same as without it, and goes to agents without it: :meth:`SubmodelSpec.unrolled`).
 
 Block indices are 0-based positions in the family's body (block 0 is the one nearest the input and holds the
@@ -109,7 +109,7 @@ class SubmodelSpec:
         One empty range at the depth, ``((depth, depth),)``, trains the final head alone on the frozen output
         of every block (FeDepth's partial training where no block fits).
     roll:
-        Where the kept channels of every narrowed hidden layer start in the global model: channel ``i`` of the
+        Where the kept channels of every hidden layer start in the global model: channel ``i`` of the
         sub-model is global channel ``(roll + i) mod C`` (FedRolex's rolling window; any integer, negative rolls
         backwards). 0: the leading prefix. It moves no shape, only the positions of the index maps.
     """
