@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import threading
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -16,37 +13,23 @@ from coordinator.strategies import Strategy, StrategyContext, make_strategy
 from models import MemoryEstimate, ModelFamily, SubmodelSpec, estimate_plan_memory, get_family
 from protocol import TrainingPlan
 
-#: Estimates kept for every strategy this process sets up (the start-of-run checks, the run's coordinator and its
-#: sizing to the fleet, each run of a comparison): an estimate depends on nothing but the model, the input size,
-#: the device, the spec and the plan, and ScaleFL's split search alone makes hundreds, a quarter second each.
-SHARED_ESTIMATES_KEPT = 20_000
-_shared_estimates: dict[tuple[Any, ...], MemoryEstimate] = {}
-_shared_lock = threading.Lock()
-
 
 class TrainingMemory:
     """Estimated peak memory of training a (spec, plan) on an agent (pooled heap on this host's CPU, or the CUDA
-    allocator's peak): what level planning compares with the budgets agents report. Estimates are kept for the
-    process (the oldest dropped past :data:`SHARED_ESTIMATES_KEPT`), shared by every estimator of the same model."""
+    allocator's peak), cached: what level planning compares with the budgets agents report."""
 
     def __init__(self, family: ModelFamily, input_size: tuple[int, int], device: str = "cpu") -> None:
         self.family = family
         self.input_size = input_size
         self.device = device
-        self._model = (type(family).__module__, type(family).__qualname__, family.num_classes, family.in_channels,
-                       json.dumps(family.options, sort_keys=True, default=str), tuple(input_size), device)
+        self._cache: dict[tuple[SubmodelSpec, TrainingPlan], MemoryEstimate] = {}
 
     def __call__(self, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
-        key = (self._model, spec, replace(plan, seed=0))  # the seed draws batches: it moves no estimate
-        with _shared_lock:
-            estimate = _shared_estimates.get(key)
-        if estimate is None:  # (two threads missing one key both estimate it: the same figure)
-            estimate = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size, device=self.device)
-            with _shared_lock:
-                if len(_shared_estimates) >= SHARED_ESTIMATES_KEPT:
-                    _shared_estimates.pop(next(iter(_shared_estimates)))
-                _shared_estimates[key] = estimate
-        return estimate
+        key = (spec, replace(plan, seed=0))
+        if key not in self._cache:
+            self._cache[key] = estimate_plan_memory(self.family, spec, plan, input_size=self.input_size,
+                                                    device=self.device)
+        return self._cache[key]
 
 
 def model_family(config: CoordinatorConfig, dataset: Dataset) -> ModelFamily:

@@ -520,7 +520,9 @@ class ModelFamily(abc.ABC):
         keys:
             Keys to extract (default: every key of ``index_map(spec)``); e.g. ``state_keys(spec)``.
         """
+        spec = self.validate_spec(spec)
         imap = self.index_map(spec)
+        gather = spec.roll != 0  # a rolled window is gathered (a copy); leading prefixes are views
         wanted = list(imap) if keys is None else list(keys)
         gshapes = self.global_shapes()
         out: dict[str, torch.Tensor] = {}
@@ -536,10 +538,7 @@ class ModelFamily(abc.ABC):
                     f"these options expects {gshapes[key]}."
                 )
             for dim, idx in enumerate(imap[key]):
-                if idx.numel() and int(idx[-1]) == idx.numel() - 1 and int(idx[0]) == 0 and _ascending(idx):
-                    tensor = tensor.narrow(dim, 0, idx.numel())  # a leading prefix: a view
-                else:  # a rolled window: gathered (a copy)
-                    tensor = tensor.index_select(dim, idx)
+                tensor = tensor.index_select(dim, idx) if gather else tensor.narrow(dim, 0, idx.numel())
             out[key] = tensor if views else tensor.clone(memory_format=torch.contiguous_format)
         return out
 
@@ -635,8 +634,3 @@ def _ranges(values: Sequence[int]) -> str:
         if v is not None:
             start = prev = v
     return ", ".join(parts) if items else "none"
-
-
-def _ascending(idx: torch.Tensor) -> bool:
-    """Whether ``idx`` goes up by one at every step."""
-    return idx.numel() < 2 or bool((idx[1:] - idx[:-1] == 1).all())

@@ -13,6 +13,7 @@ what it counts and how it was measured".
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -59,9 +60,16 @@ CUDA_BLOCK_BYTES = 512
 
 _DEVICES = ("cpu", "cuda")
 
-# Per family: estimates and block counts by their arguments.
-_cache: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+# Per model (two instances of one family with the same classes, channels and options are one model: the start-of-run
+# checks, a coordinator and each run of a comparison make their own), estimates and block counts by their arguments.
+_cache: dict[tuple[Any, ...], dict[tuple[Any, ...], Any]] = {}
 _lock = threading.Lock()
+
+
+def _model_of(family: ModelFamily) -> tuple[Any, ...]:
+    """What a family's estimates depend on: its class, classes, input channels and options."""
+    return (type(family).__module__, type(family).__qualname__, family.num_classes, family.in_channels,
+            json.dumps(family.options, sort_keys=True, default=str))
 
 
 # ---------------------------------------------------------------------------------------------------- tracking
@@ -333,7 +341,7 @@ def _estimate_training_memory(
         ``batch_size`` is a micro-batch whose gradients accumulate with others' before the optimizer steps
         (``Stage.micro_batch``): two passes are traced, the second beside the gradients of the first.
 
-    Results are cached per family and arguments. The first call in a process takes about a second (torch loads
+    Results are cached per model (family class, classes, channels, options) and arguments. The first call in a process takes about a second (torch loads
     its meta kernels; docs/edge-runtime.md says what memory this costs); later ones take about 40 ms for the
     CNN and 60-120 ms for PreResNet18 on one x86 core, a cached result microseconds.
     """
@@ -365,7 +373,7 @@ def _estimate_training_memory(
     key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
            route, copies, accumulate)
     with _lock:
-        cached = _cache.get(family, {}).get(key)
+        cached = _cache.get(_model_of(family), {}).get(key)
     if cached is not None:
         known, per_sample = cached
         return _with_cache(known, per_sample, cache_samples, segment)
@@ -394,7 +402,7 @@ def _estimate_training_memory(
     )
     per_sample = trace.segment_input // batch_size
     with _lock:
-        _cache.setdefault(family, {})[key] = (estimate, per_sample)
+        _cache.setdefault(_model_of(family), {})[key] = (estimate, per_sample)
     return _with_cache(estimate, per_sample, cache_samples, segment)
 
 
@@ -424,7 +432,7 @@ def estimate_plan_memory(
 
     ``device``: ``"cpu"`` (the process's RSS) or ``"cuda"`` (the caching allocator's peak, CUDA's context
     excluded); ``allocator``, on CPU: how the training process's heap is managed, ``"pooled"`` or ``"compact"``
-    (no heap retention) or ``"default"`` (glibc's default settings). Results are cached per family and arguments:
+    (no heap retention) or ``"default"`` (glibc's default settings). Results are cached per model and arguments:
     the first estimate in a process takes about a second, later ones tens of milliseconds (docs/edge-runtime.md).
     """
     return max(estimate_plan_stages(family, spec, plan, input_size=input_size, device=device, allocator=allocator,

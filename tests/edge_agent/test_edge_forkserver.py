@@ -99,7 +99,7 @@ def test_an_estimate_that_fails_reaches_the_decision_as_itself(tmp_path, make_ta
         raise RuntimeError(refusal)
 
     monkeypatch.setattr(models.memory, "backward_step", refuse)
-    # A batch size no other test estimates: the estimator's cache cannot answer without the pass.
+    monkeypatch.setattr(models.memory, "_cache", {})  # the estimator's cache cannot answer without the pass
     answer = decide_in_workdir(write_request(tmp_path / "work", make_task(batch_size=7)))
     assert (answer.status, answer.reason) == ("failed", f"RuntimeError: {refusal}")
 

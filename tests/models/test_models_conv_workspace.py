@@ -115,7 +115,8 @@ def test_cpu_estimate_includes_the_workspace(monkeypatch: pytest.MonkeyPatch) ->
         pytest.skip("no oneDNN here")
 
     def estimate() -> int:
-        family = get_family("preresnet18", 10, 3)  # a new family object: the estimate cache is per family
+        monkeypatch.setattr("models.memory._cache", {})  # estimated anew, not read back
+        family = get_family("preresnet18", 10, 3)
         return _estimate_training_memory(family, None, batch_size=32, input_size=(32, 32), segment=(0, 1)).total
 
     with_workspace = estimate()

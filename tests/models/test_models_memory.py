@@ -207,6 +207,17 @@ def test_results_are_cached(case: Case) -> None:
     assert _estimate(family, size, spec=SubmodelSpec.uniform(0.5), batch_size=13) is not first
 
 
+def test_instances_of_one_model_share_their_estimates_and_other_models_do_not() -> None:
+    # A start-of-run check, the run's coordinator and each run of a comparison make their own instance of one model.
+    first = _estimate(get_family("cnn", 10, 1, hidden=(8, 16)), (8, 8), spec=SubmodelSpec.uniform(0.5))
+    assert _estimate(get_family("cnn", 10, 1, hidden=[8, 16]), (8, 8), spec=SubmodelSpec.uniform(0.5)) is first
+    others = [_estimate(get_family("cnn", 10, 1, hidden=(8, 32)), (8, 8), spec=SubmodelSpec.uniform(0.5)),
+              _estimate(get_family("cnn", 10, 3, hidden=(8, 16)), (8, 8), spec=SubmodelSpec.uniform(0.5)),
+              _estimate(get_family("cnn", 5, 1, hidden=(8, 16)), (8, 8), spec=SubmodelSpec.uniform(0.5))]
+    assert all(other is not first for other in others)
+    assert others[0].total > first.total and others[1].total > first.total  # wider; three input channels
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"batch_size": 0}, {"batch_size": 4, "optimizer_slots": -1}, {"batch_size": 4, "input_size": (0, 2)}],
@@ -236,6 +247,7 @@ def test_a_failure_of_the_traced_pass_reaches_the_caller_as_itself(monkeypatch) 
         raise RuntimeError(refusal)
 
     monkeypatch.setattr(memory, "backward_step", refuse)
+    monkeypatch.setattr(memory, "_cache", {})  # estimated anew, whatever an earlier test estimated of this model
     family = get_family("cnn", 10, 1, hidden=(4, 8, 8))
     with pytest.raises(RuntimeError) as caught:
         _estimate_training_memory(family, None, batch_size=11, input_size=(28, 28))
