@@ -47,6 +47,7 @@ SETTINGS = {
     "allocator": Setting("--allocator", None, "pooled"),
     "device": Setting("--device", ("training_device",), "cpu"),
     "workers": Setting("--workers", None, None),
+    "train_samples": Setting("--train-samples", None, None),
 }
 
 
@@ -88,6 +89,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
                         help="iid, dirichlet:ALPHA or shards:N (labels per agent)" + default("partition"))
     parser.add_argument("--model", choices=family_names, default=None, help="model family" + default("model"))
     parser.add_argument("--seed", type=int, default=None, help="seed of data, budgets and weights" + default("seed"))
+    parser.add_argument("--train-samples", type=_positive, default=None, metavar="N",
+                        help="train on a seeded random N of the training set, partitioned among the agents as the "
+                             "whole would be (default: all of it)")
     parser.add_argument("--federation", default=None, help="federation name (one MQTT topic level)"
                         + default("federation"))
     parser.add_argument("--broker", default=None, metavar="HOST:PORT",
@@ -225,7 +229,8 @@ def _checked(values: dict[str, Any], base: Any, mapping: dict[str, Any], args: a
     check_device(values["device"])
     _writable_file("--log-file", args.log_file)
     _writable_file("--report", getattr(args, "report", None))
-    data = fleet_data(values["dataset"], base.data.root, values["agents"], values["partition"], values["seed"])
+    data = fleet_data(values["dataset"], base.data.root, values["agents"], values["partition"], values["seed"],
+                      train_samples=values["train_samples"])
     dataset = data[0]
     for algorithm in algorithms:
         config = replace(base, algorithm=algorithm, model=replace(base.model, family=values["model"]),

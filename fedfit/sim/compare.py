@@ -32,8 +32,8 @@ PAPER_BASELINES = {
     "fedrolex": "heterofl, federated dropout (non-IID: fedrolex >= heterofl)",
 }
 #: Settings that must agree for runs to be on the same fleet.
-FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "budgets", "budget_variance", "allocator",
-              "device")
+FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "train_samples", "budgets",
+              "budget_variance", "allocator", "device")
 #: What a report written before a fleet key existed ran with.
 FLEET_DEFAULTS = {"device": "cpu"}
 #: Parts of the resolved configuration that must agree too: they change the model and what a budget buys.

@@ -62,6 +62,7 @@ class SimOptions:
     budget_variance: float = 10.0
     allocator: str = "pooled"
     device: str = "cpu"  # where the agents' training children train: "cpu" or "cuda" (budgets in GPU memory)
+    train_samples: int | None = None  # a seeded random subset of the training set this many samples (None: all)
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
     runs_root: str = "runs"
@@ -176,10 +177,19 @@ FleetData = tuple[Dataset, list[np.ndarray]]
 """A dataset and its partition among the agents: each agent's training indices."""
 
 
-def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: str, seed: int) -> FleetData:
-    """Load ``dataset`` and partition its training set among ``agents`` (ValueError for a bad partition)."""
+def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: str, seed: int, *,
+               train_samples: int | None = None) -> FleetData:
+    """Load ``dataset`` and partition its training set among ``agents`` (ValueError for a bad partition), or only
+    a seeded random ``train_samples`` of it (None, or at least the whole set: all of it), partitioned as the whole
+    would be."""
     loaded = load_dataset(dataset, root)
-    return loaded, partition_indices(loaded.y_train, agents, parse_partition(partition), seed)
+    if train_samples is not None and train_samples < 1:
+        raise ValueError(f"--train-samples must be at least 1, got {train_samples}")
+    kept = np.arange(len(loaded.y_train))
+    if train_samples is not None and train_samples < len(kept):
+        kept = np.sort(np.random.default_rng(seed).choice(len(kept), size=train_samples, replace=False))
+    shards = partition_indices(loaded.y_train[kept], agents, parse_partition(partition), seed)
+    return loaded, [kept[shard] for shard in shards]
 
 
 def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *, label: str = "",
@@ -193,7 +203,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     check_device(options.device)
     started = time.time()
     dataset, shards = data or fleet_data(options.dataset, options.base.data.root, options.agents,
-                                         options.partition, options.seed)
+                                         options.partition, options.seed, train_samples=options.train_samples)
     run_dir = run_dir or prepare_run_dir(options)
     cores = available_cores()
     workers = options.workers or (cores if options.device == "cpu" else cuda_workers(cores))
@@ -255,6 +265,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
         rejected = coordinator.rejected_messages + sum(agent.rejected_messages for agent in agents)
         settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
                     "partition": options.partition, "model": options.model, "seed": options.seed,
+                    # None: the whole training set (as reports that predate the setting ran)
+                    "train_samples": (options.train_samples if options.train_samples is not None
+                                      and options.train_samples < len(dataset.y_train) else None),
                     "federation": options.federation, "level_assignment": config.level_assignment,
                     "levels": [entry["name"] for entry in coordinator.strategy.describe()],
                     "budgets": options.budgets,
