@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -353,6 +354,28 @@ class FedRolexConfig:
 
 
 @dataclass
+class DepthFLConfig:
+    """DepthFL's settings (the ``depthfl`` section): ``kd_weight`` (default 1, the paper's mutual distillation;
+    0 turns it off: each classifier learns from the labels alone), the weight of the KL terms against the
+    cross-entropy ones; ``kd_rampup`` (default 0: none, the paper), rounds over which that weight rises as
+    ``exp(-5 (1 - r / R)^2)``, as the reference code does with R = 300; ``tau`` (default 1, the paper's), the
+    distillation temperature."""
+
+    kd_weight: float = 1.0
+    kd_rampup: int = 0
+    tau: float = 1.0
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if not (self.kd_weight >= 0 and math.isfinite(self.kd_weight)):
+            raise ValueError(f"depthfl.kd_weight must be a non-negative number, got {self.kd_weight}")
+        if self.kd_rampup < 0:
+            raise ValueError(f"depthfl.kd_rampup must be a number of rounds (0: none), got {self.kd_rampup}")
+        if not (self.tau > 0 and math.isfinite(self.tau)):
+            raise ValueError(f"depthfl.tau must be positive, got {self.tau}")
+
+
+@dataclass
 class ScreeningConfig:
     """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true); ``max_ratio``
     (default 10), how many times the median change per step of the round's other updates of the same trained spec
@@ -392,6 +415,7 @@ class CoordinatorConfig:
     fedepth: FeDepthConfig = field(default_factory=FeDepthConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     fedrolex: FedRolexConfig = field(default_factory=FedRolexConfig)
+    depthfl: DepthFLConfig = field(default_factory=DepthFLConfig)
     flexfl: FlexFLConfig = field(default_factory=FlexFLConfig)
     adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
@@ -437,5 +461,6 @@ class CoordinatorConfig:
         self.screening.validate()
         self.fedavg.validate()
         self.fedrolex.validate()
+        self.depthfl.validate()
         self.flexfl.validate()
         self.adaptivefl.validate()

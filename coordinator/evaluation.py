@@ -54,13 +54,18 @@ def recompute_bn_statistics(model: FamilyNet, x: torch.Tensor, batch_size: int =
 
 
 @torch.no_grad()
-def accuracies(model: FamilyNet, x: torch.Tensor, y: torch.Tensor, batch_size: int = EVAL_BATCH) -> list[float]:
-    """Top-1 accuracy of every output of ``model`` (depth order, the last output last), in eval mode."""
+def accuracies(model: FamilyNet, x: torch.Tensor, y: torch.Tensor, batch_size: int = EVAL_BATCH, *,
+               ensemble: bool = False) -> list[float]:
+    """Top-1 accuracy of every output of ``model`` (depth order, the last output last), in eval mode; with
+    ``ensemble``, then that of the mean of all outputs' logits (DepthFL's ensemble of its classifiers)."""
     model.eval()
-    correct = [0] * model.num_outputs
+    correct = [0] * (model.num_outputs + ensemble)
     for start in range(0, len(x), batch_size):
         targets = y[start:start + batch_size]
-        for index, logits in enumerate(model.forward_exits(channels_last(x[start:start + batch_size]))):
+        outputs = model.forward_exits(channels_last(x[start:start + batch_size]))
+        if ensemble:
+            outputs = [*outputs, torch.stack(list(outputs)).mean(dim=0)]
+        for index, logits in enumerate(outputs):
             correct[index] += int((logits.argmax(dim=1) == targets).sum())
     return [count / max(1, len(x)) for count in correct]
 
@@ -93,11 +98,11 @@ class Evaluator:
         recompute_bn_statistics(model, self.bn_x)
         return model
 
-    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec
+    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec, *, ensemble: bool = False
                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
-        """Accuracy of every output of the sub-model (the last output last) and its BN statistics (to store back
-        into the global state)."""
+        """Accuracy of every output of the sub-model (the last output last; with ``ensemble``, then that of their
+        mean logits) and its BN statistics (to store back into the global state)."""
         model = self.prepare(state, spec)
         bn_state = {key: value for key, value in model.state_dict().items() if "running_" in key
                     or key.endswith("num_batches_tracked")}
-        return accuracies(model, self.test_x, self.test_y), bn_state
+        return accuracies(model, self.test_x, self.test_y, ensemble=ensemble), bn_state

@@ -61,7 +61,8 @@ def trained(targets: Mapping[str, EvalTarget], family: ModelFamily,
     """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the
     global model (1-based, depth order: its exits, then its final head) some update's tensors reached."""
     levels = sorted(name for name, target in targets.items()
-                    if name != "global" and any(answer.spec == target.spec for answer in aggregated))
+                    if name != "global" and not target.ensemble and any(answer.spec == target.spec
+                                                                         for answer in aggregated))
     global_spec = targets["global"].spec
     heads = [set(family.head_keys(block)) for block in (*sorted(global_spec.exits), None)]
     exits = [number for number, keys in enumerate(heads, start=1) if any(keys & answer.keys for answer in aggregated)]
@@ -74,14 +75,15 @@ def evaluate_targets(evaluator: Evaluator, targets: Mapping[str, EvalTarget],
     the BN statistics of ``store_bn`` targets are written into their group's state in ``states``."""
     results: dict[str, list[float]] = {}
     done: dict[tuple[str, SubmodelSpec], tuple[list[float], dict[str, torch.Tensor]]] = {}
+    ensembles = {(target.group, target.spec) for target in targets.values() if target.ensemble}
     for name, target in targets.items():
         key = (target.group, target.spec)
-        if key not in done:
-            done[key] = evaluator.evaluate(states[target.group], target.spec)
+        if key not in done:  # with the ensemble's accuracy last when some target of this model asks for it
+            done[key] = evaluator.evaluate(states[target.group], target.spec, ensemble=key in ensembles)
         accuracies, bn_state = done[key]
         if target.store_bn:
             store_bn(states[target.group], bn_state)
-        results[name] = accuracies
+        results[name] = accuracies[-1:] if target.ensemble else accuracies[:-1] if key in ensembles else accuracies
     return results
 
 

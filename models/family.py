@@ -260,6 +260,15 @@ class ModelFamily(abc.ABC):
         """Blocks an early-exit head may follow."""
         return self._exit_points
 
+    @property
+    def stage_ends(self) -> tuple[int, ...]:
+        """The depth (blocks kept) at the end of each stage, deepest last: a stage is a run of consecutive blocks
+        writing the same channel stream (PreResNet-20's three stages of three blocks: ``(3, 6, 9)``; every block
+        of a plain CNN, whose blocks each write their own)."""
+        body = [d for d in self._layers if d.exit is None]
+        outputs = [self._block_output_group(b, body) for b in range(self._num_blocks)]
+        return tuple(b + 1 for b in range(self._num_blocks) if b + 1 == self._num_blocks or outputs[b + 1] != outputs[b])
+
     def layer_names(self) -> tuple[str, ...]:
         """Names that ``SubmodelSpec.layer_widths`` may use for this family (exit heads' groups included)."""
         return tuple(self._groups)

@@ -14,6 +14,7 @@ from coordinator.strategies.base import (
     TaskResult,
 )
 from coordinator.strategies.decoupled import Decoupled
+from coordinator.strategies.depthfl import DepthFL
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedepth import FeDepth
 from coordinator.strategies.fedrolex import FedRolex
@@ -22,7 +23,8 @@ from coordinator.strategies.heterofl import HeteroFL
 from coordinator.strategies.scalefl import ScaleFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth, FlexFL, AdaptiveFL, FedRolex)
+    cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth, FlexFL, AdaptiveFL, FedRolex,
+                                        DepthFL)
 }
 #: The algorithm names a coordinator config, ``fedfit sim`` and ``fedfit plan`` accept.
 ALGORITHM_NAMES: tuple[str, ...] = tuple(STRATEGIES)

@@ -113,11 +113,13 @@ class TaskOutcome:
 @dataclass(frozen=True)
 class EvalTarget:
     """A model to evaluate each round: the sub-model ``spec`` of the state kept for ``group``. ``store_bn``: its
-    recomputed BN statistics are kept in that state (the global model's)."""
+    recomputed BN statistics are kept in that state (the global model's). ``ensemble``: the target is the mean
+    of the sub-model's outputs' logits (one accuracy), not each output."""
 
     group: str
     spec: SubmodelSpec
     store_bn: bool = False
+    ensemble: bool = False
 
 
 def base_plan(recipe: RecipeConfig, loss: Sequence[LossTerm] | None = None, *, masked: bool = False) -> TrainingPlan:

@@ -30,6 +30,7 @@ PAPER_BASELINES = {
     "flexfl": "heterofl, scalefl",
     "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
     "fedrolex": "heterofl, federated dropout (non-IID: fedrolex >= heterofl)",
+    "depthfl": "heterofl, fedavg at each depth (deepest classifier and ensemble >= heterofl)",
 }
 #: Settings that must agree for runs to be on the same fleet.
 FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "train_samples", "budgets",

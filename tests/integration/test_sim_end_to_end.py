@@ -81,6 +81,26 @@ def test_fedrolex_rolls_every_narrowed_window_one_channel_a_round(mosquitto_inst
     assert rounds[-1]["global_accuracy"] > 0.4, rounds  # 10 digits: chance is 0.1
 
 
+def test_depthfl_trains_each_tier_to_the_depth_it_affords_with_a_classifier_per_stage(
+        mosquitto_installed: None, tmp_path: Path) -> None:
+    # The CNN's three blocks are its stages: levels 1, 2 and 3 (1, 2 and 3 classifiers); the tiers' budgets (of
+    # the full model's plain training memory) afford level 3 (with its exits and distillation: more than the plain
+    # full model), 2 and 1.
+    outcome = simulate(tmp_path, "depthfl", budgets="fractions:1.5,0.8,0.5")
+    tasks, rounds = outcome.report["tasks"], outcome.report["rounds"]
+    tiers = {agent: entry["tier"] for agent, entry in outcome.report["agents"].items()}
+    level_of = {"3/2 of full": "3", "0.8 of full": "2", "1/2 of full": "1"}
+    assert {task["status"] for task in tasks} == {"ok"}, tasks
+    assert all(task["level"] == level_of[tiers[task["agent"]]] for task in tasks), tasks
+    assert {task["spec_trained"] for task in tasks} == {"width=1 exits=0,1", "width=1 depth=2 exits=0,1",
+                                                         "width=1 depth=1 exits=0"}
+    last = rounds[-1]
+    assert set(last["level_accuracy"]) == {"1", "2", "3", "ensemble"}
+    assert set(last["exit_accuracy"]) == {"exit1", "exit2", "exit3"} == set(last["trained_exits"])
+    assert last["global_accuracy"] == last["exit_accuracy"]["exit3"]
+    assert max(last["exit_accuracy"].values()) > 0.4, last  # 10 digits: chance is 0.1
+
+
 def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_path: Path) -> None:
     outcome = simulate(tmp_path, "heterofl", partition="shards:2", agents=5, rounds=2)
     assert outcome.report["settings"]["masked_ce"] is True  # HeteroFL's default (recipe.masked_ce unset)
