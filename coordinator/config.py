@@ -375,6 +375,27 @@ class DepthFLConfig:
             raise ValueError(f"depthfl.tau must be positive, got {self.tau}")
 
 
+#: FjORD's grid of ordered-dropout widths (the paper's and the reference code's).
+FJORD_WIDTHS = (1.0, 0.8, 0.6, 0.4, 0.2)
+
+
+@dataclass
+class FjORDConfig:
+    """FjORD's settings (the ``fjord`` section): ``widths``, the grid of uniform widths, largest first (default
+    the paper's 1, 0.8, 0.6, 0.4, 0.2: a device's p_max is the widest it affords, and each batch trains a width
+    drawn from those up to it); ``distill`` (default true), the paper's D-KD: each batch trains p_max and then the
+    drawn width towards p_max's prediction (false: the drawn width alone, on the labels)."""
+
+    widths: list[float] = field(default_factory=lambda: list(FJORD_WIDTHS))
+    distill: bool = True
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if (not self.widths or any(not 0 < width <= 1 for width in self.widths)
+                or sorted(self.widths, reverse=True) != list(self.widths) or len(set(self.widths)) != len(self.widths)):
+            raise ValueError(f"fjord.widths must be distinct width rates in (0, 1], largest first, got {self.widths}")
+
+
 @dataclass
 class ScreeningConfig:
     """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true); ``max_ratio``
@@ -416,6 +437,7 @@ class CoordinatorConfig:
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     fedrolex: FedRolexConfig = field(default_factory=FedRolexConfig)
     depthfl: DepthFLConfig = field(default_factory=DepthFLConfig)
+    fjord: FjORDConfig = field(default_factory=FjORDConfig)
     flexfl: FlexFLConfig = field(default_factory=FlexFLConfig)
     adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
@@ -462,5 +484,6 @@ class CoordinatorConfig:
         self.fedavg.validate()
         self.fedrolex.validate()
         self.depthfl.validate()
+        self.fjord.validate()
         self.flexfl.validate()
         self.adaptivefl.validate()

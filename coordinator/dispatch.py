@@ -23,6 +23,7 @@ from coordinator.strategies.base import State
 from models import ModelFamily
 from protocol import (
     HEAD_ALONE_REVISION,
+    ORDERED_DROPOUT_REVISION,
     PROTOCOL_VERSION,
     Adaptation,
     ModelRef,
@@ -76,7 +77,8 @@ class Dispatcher:
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.unrolled().to_dict(),
                     None, {key: value.detach().cpu().numpy() for key, value in weights.items()},
                     adaptation=self.readable(planned.adaptation, planned.agent_id),
-                    plan=self.seeded(planned.plan, round_number, planned.agent_id))
+                    plan=self.readable_plan(self.seeded(planned.plan, round_number, planned.agent_id),
+                                            planned.agent_id))
         version = self.protocol_version(planned.agent_id)
         payload = encode_parts(task, version=version)  # the weights are read as the chunks are made
         topic = self.topics.agent_task(planned.agent_id)
@@ -141,5 +143,18 @@ class Dispatcher:
         agent older than `HEAD_ALONE_REVISION` is not offered the head alone, and so declines where it would
         train only that."""
         if adaptation is not None and adaptation.head_alone and self.revision(agent_id) < HEAD_ALONE_REVISION:
-            return replace(adaptation, head_alone=False)
+            adaptation = replace(adaptation, head_alone=False)
+        if adaptation is not None and any(candidate.plan.ordered_dropout for candidate in adaptation.candidates):
+            adaptation = replace(adaptation, candidates=[
+                replace(candidate, plan=self.readable_plan(candidate.plan, agent_id))
+                for candidate in adaptation.candidates])
         return adaptation
+
+    def readable_plan(self, plan: TrainingPlan, agent_id: str) -> TrainingPlan:
+        """``plan`` as the agent's revision reads it: an agent older than `ORDERED_DROPOUT_REVISION` is sent the
+        plan without ordered dropout (it trains the spec itself, on the other terms), with a warning."""
+        if not plan.ordered_dropout or self.revision(agent_id) >= ORDERED_DROPOUT_REVISION:
+            return plan
+        self.log.warning("ordered_dropout_not_read", agent=agent_id, revision=self.revision(agent_id),
+                         message="the agent predates ordered dropout: it trains its widest sub-model alone")
+        return plan.without_ordered_dropout()

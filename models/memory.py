@@ -30,7 +30,7 @@ from models.conv_workspace import convolution_workspace
 from models.depthwise import SegmentModel
 from models.family import ModelFamily
 from models.spec import SubmodelSpec
-from models.training import backward_step, micro_batch_size, nested_teachers, stages
+from models.training import OrderedDropout, backward_step, micro_batch_size, nested_teachers, stages
 from protocol.plan import LossTerm, TrainingPlan
 
 __all__ = [
@@ -148,6 +148,7 @@ def _trace(
     route: str,
     copies: int = 1,
     accumulate: bool = False,
+    widths: tuple[float, ...] = (),
 ) -> _Trace:
     granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
     with torch.device("meta"):
@@ -156,6 +157,12 @@ def _trace(
     teachers = nested_teachers(family, spec, loss, model)  # the interpreter's own, built alike
     if teachers is not None and (segment is not None or copies > 1):
         raise ValueError("nested_kd terms are not supported with copies or in depth-wise training.")
+    # Ordered dropout: with width_kd terms a batch's second pass trains a narrower width beside the gradients the
+    # first left; the widest narrower one is the costliest. Without them a batch trains one width, the spec's the
+    # largest: the spec alone is traced.
+    distils = any(term.kind == "width_kd" for term in loss)
+    dropout = OrderedDropout(family, spec, widths, model, 0) if widths and distils else None
+    width = dropout.widest_narrower() if dropout is not None else None
     shape = (batch_size, family.in_channels, *input_size)
     # Inputs the model cannot take are a ValueError here; any other failure of the pass below (torch refusing
     # autograd, say) is not about the input and reaches the caller as itself.
@@ -186,11 +193,11 @@ def _trace(
             marks["activations"] = max(marks.get("activations", 0), tracker.live - held["gradients"])
 
         value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
-                              teachers=teachers)
+                              teachers=teachers, width=width)
         if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
             held["gradients"] = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
             value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
-                                  teachers=teachers)
+                                  teachers=teachers, width=width)
         activations = marks["activations"]
         after_backward = tracker.live
         del value, inputs, targets, mask
@@ -305,6 +312,7 @@ def _estimate_training_memory(
     copies: int = 1,
     cache_samples: int = 0,
     accumulate: bool = False,
+    widths: Sequence[float] = (),
 ) -> MemoryEstimate:
     """Estimate the peak memory of one training step of ``family`` at ``spec``, described by keywords, some of
     which go only together (a ``segment`` with its ``route`` and ``cache_samples``, ``copies`` only whole):
@@ -340,6 +348,9 @@ def _estimate_training_memory(
     accumulate:
         ``batch_size`` is a micro-batch whose gradients accumulate with others' before the optimizer steps
         (``Stage.micro_batch``): two passes are traced, the second beside the gradients of the first.
+    widths:
+        Ordered dropout's widths (``TrainingPlan.widths``): with ``width_kd`` terms the batch's second pass, at the
+        widest width narrower than ``spec``, is traced after the spec's. Only with the whole sub-model.
 
     Results are cached per model (family class, classes, channels, options) and arguments. The first call in a process takes about a second (torch loads
     its meta kernels; docs/edge-runtime.md says what memory this costs); later ones take about 40 ms for the
@@ -362,6 +373,9 @@ def _estimate_training_memory(
         raise ValueError(f"cache_samples must be a non-negative integer, got {cache_samples!r}.")
     if copies > 1 and (segment is not None or spec.segments is not None):
         raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
+    widths = tuple(float(width) for width in widths)
+    if widths and (copies > 1 or segment is not None or spec.segments is not None):
+        raise ValueError("ordered dropout (widths) trains one copy of a spec trained whole.")
     if segment is None and spec.segments is not None:
         estimates = [_estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
                                                optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
@@ -371,14 +385,14 @@ def _estimate_training_memory(
     accumulate = bool(accumulate)
     allocator = _SAME_ESTIMATE.get(allocator, allocator)
     key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
-           route, copies, accumulate)
+           route, copies, accumulate, widths)
     with _lock:
         cached = _cache.get(_model_of(family), {}).get(key)
     if cached is not None:
         known, per_sample = cached
         return _with_cache(known, per_sample, cache_samples, segment)
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
-        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies, accumulate)
+        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies, accumulate, widths)
     gradients = sum(trace.trainable)
     state = optimizer_slots * gradients
     step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)
@@ -457,7 +471,7 @@ def estimate_plan_stages(
         _estimate_training_memory(family, spec, batch_size=micro_batch_size(stage, plan.batch_size),
                                   input_size=input_size, optimizer_slots=slots, device=device, allocator=allocator,
                                   loss=plan.loss, segment=segment, route=stage.route, copies=plan.copies,
-                                  cache_samples=samples if stage.cache else 0,
+                                  widths=plan.widths, cache_samples=samples if stage.cache else 0,
                                   accumulate=micro_batch_size(stage, plan.batch_size) < plan.batch_size)
         for segment, stage in stages(spec, plan)
     ]

@@ -28,14 +28,23 @@ current weights cut to the teacher's shapes as views (leading prefixes, as :meth
 train mode (batch statistics) like the student (:class:`NestedTeachers`). Their last outputs are the terms'
 fixed targets; they are computed before the student's forward pass, so their activations are gone before the
 student's pile up. Not with copies or depth-wise stages (:func:`check_plan` refuses both).
+
+A plan with ``widths`` (FjORD's ordered dropout) needs the model family too: every width's sub-model (the spec at
+that uniform width, nested in it) is built once on the meta device, and every batch draws one width uniformly
+(seeded by the plan's seed) and runs it through ``functional_call`` with the model's own weights narrowed to its
+shapes, with autograd: its gradients land in the leading slices of the model's (:class:`OrderedDropout`). With
+``width_kd`` terms, each batch trains the whole spec first and then the drawn width towards it
+(:func:`ordered_dropout_step`). One optimizer step per batch either way. Not with copies, depth-wise stages or
+``nested_kd`` terms.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,8 +59,9 @@ from models.net import FamilyNet
 from models.spec import SubmodelSpec
 from protocol.plan import LossTerm, Stage, TrainingPlan
 
-__all__ = ["NestedTeachers", "TrainResult", "backward_step", "check_plan", "forward_loss", "label_mask", "loss_of",
-           "masked_cross_entropy", "nested_teachers", "stages", "train"]
+__all__ = ["NestedTeachers", "OrderedDropout", "TrainResult", "WidthNet", "backward_step", "check_plan", "forward_loss",
+           "label_mask", "loss_of", "masked_cross_entropy", "nested_teachers", "ordered_dropout",
+           "ordered_dropout_step", "stages", "train", "width_spec"]
 
 #: The last outputs of a plan's nested teachers, by the ``teacher_spec`` of their terms.
 TeacherLogits = Mapping[Mapping[str, Any], torch.Tensor]
@@ -94,13 +104,14 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tenso
 
 def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Sequence[LossTerm],
             mask: torch.Tensor | None = None, peers: Sequence[Sequence[torch.Tensor]] = (),
-            teacher_logits: TeacherLogits | None = None) -> torch.Tensor:
+            teacher_logits: TeacherLogits | None = None, width_teacher: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of ``terms`` over the model's ``outputs`` (see :mod:`protocol.plan` for each kind).
 
     ``kd`` is ``tau^2 * KL(softmax(t / tau) || softmax(s / tau))`` averaged over the batch (ScaleFL Eq. 5's
     ``L_KL(y_s, y_t)``); ``mask`` is the local label set, needed by masked cross-entropy terms; ``peers`` are
     the outputs of the other copies, the fixed targets of ``mutual_kd`` terms (0 without peers);
-    ``teacher_logits`` those of ``nested_kd`` terms, by their ``teacher_spec`` (:class:`NestedTeachers`).
+    ``teacher_logits`` those of ``nested_kd`` terms, by their ``teacher_spec`` (:class:`NestedTeachers`);
+    ``width_teacher`` the whole sub-model's last output, the target of ``width_kd`` terms (0 without it).
     """
     total: torch.Tensor | None = None
     for term in terms:
@@ -130,11 +141,18 @@ def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Seque
             if teacher_logits is None or term.teacher_spec not in teacher_logits:
                 raise ValueError("a nested_kd term needs its teacher's logits (train with the model family).")
             value = _kl(_output(outputs, term.output), teacher_logits[term.teacher_spec].detach(), term.tau)
+        elif term.kind == "width_kd":
+            assert term.tau is not None
+            if width_teacher is None:
+                continue  # the spec's own pass: it is the teacher
+            value = _kl(_output(outputs, term.output), width_teacher.detach(), term.tau)
         else:
             raise ValueError(f"unknown loss term kind {term.kind!r}.")
         weighted = value * term.weight
         total = weighted if total is None else total + weighted
     if total is None:
+        if terms and all(term.kind in ("mutual_kd", "width_kd") for term in terms):
+            return outputs[-1].new_zeros(())  # terms that are 0 here (no peers, no narrower width)
         raise ValueError("a training plan needs at least one loss term.")
     return total
 
@@ -220,6 +238,93 @@ def nested_teachers(family: ModelFamily, spec: SubmodelSpec, terms: Sequence[Los
     return NestedTeachers(model, nets, specs)
 
 
+# ---------------------------------------------------------------------------------------------- ordered dropout
+class WidthNet:
+    """One width of ordered dropout: a net of that width (built on the meta device) run through
+    ``torch.func.functional_call`` with the student's parameters and buffers narrowed to its shapes (leading
+    prefixes: views, whose gradients flow into the student's)."""
+
+    def __init__(self, student: nn.Module, net: FamilyNet, width: float) -> None:
+        self.student = student
+        self.outputs = _AllOutputs(net)
+        self.width = width
+        self._shapes = [(name, tuple(t.shape)) for name, t in (*net.named_parameters(), *net.named_buffers())]
+
+    def forward_exits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """Every output of the width's sub-model on ``inputs``, from the student's current weights."""
+        current = {**dict(self.student.named_parameters()), **dict(self.student.named_buffers())}
+        weights = {}
+        for name, shape in self._shapes:
+            tensor = current[name]
+            for dim, size in enumerate(shape):
+                tensor = tensor.narrow(dim, 0, size)
+            weights[f"net.{name}"] = tensor
+        return list(functional_call(self.outputs, weights, (inputs,), strict=True))
+
+
+class _AllOutputs(nn.Module):
+    """A net whose ``forward`` gives every output (``functional_call`` runs ``forward``)."""
+
+    def __init__(self, net: FamilyNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        return self.net.forward_exits(inputs)
+
+
+class OrderedDropout:
+    """FjORD's ordered dropout over a plan's ``widths``: :meth:`draw` picks one uniformly at random per batch (a
+    generator seeded by the plan's seed, apart from the data order's), and gives the :class:`WidthNet` to train,
+    or None when the drawn width is the spec's own (the student itself)."""
+
+    def __init__(self, family: ModelFamily, spec: SubmodelSpec, widths: Sequence[float], student: nn.Module,
+                 seed: int) -> None:
+        self.widths = tuple(widths)
+        self.rng = random.Random(seed)
+        self.nets: dict[float, WidthNet | None] = {}
+        with torch.device("meta"):
+            for width in self.widths:
+                sub = width_spec(family, spec, width)
+                if sub == spec:
+                    self.nets[width] = None
+                    continue
+                net = family.build(sub, track_bn_stats=False).train()
+                self.nets[width] = WidthNet(student, net, width)
+
+    def draw(self) -> WidthNet | None:
+        """The width a batch trains, drawn uniformly from the plan's widths."""
+        return self.nets[self.rng.choice(self.widths)]
+
+    def widest_narrower(self) -> WidthNet | None:
+        """The widest width narrower than the spec (the estimator traces it: the costliest second pass)."""
+        narrower = [net for net in self.nets.values() if net is not None]
+        return max(narrower, key=lambda net: net.width) if narrower else None
+
+
+def width_spec(family: ModelFamily, spec: SubmodelSpec, width: float) -> SubmodelSpec:
+    """The sub-model of ordered dropout's ``width``: ``spec`` at that uniform width; ``ValueError`` (one sentence)
+    unless it is a valid spec nested in ``spec``."""
+    try:
+        sub = family.validate_spec(replace(spec, width=width))
+    except ValueError as exc:
+        raise ValueError(f"ordered dropout's width {width:g} is not a valid sub-model of {spec.describe()}: "
+                         f"{str(exc).rstrip('.')}.") from None
+    if not family.is_nested(sub, spec):
+        raise ValueError(f"ordered dropout's width {width:g} ({sub.describe()}) is not nested in the trained spec "
+                         f"{spec.describe()}.")
+    return sub
+
+
+def ordered_dropout(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan,
+                    model: nn.Module) -> OrderedDropout | None:
+    """The ordered dropout of ``plan`` for ``model`` (built from ``spec``), or None when the plan has no
+    ``widths``."""
+    if not plan.widths:
+        return None
+    return OrderedDropout(family, spec, plan.widths, model, plan.seed)
+
+
 # ---------------------------------------------------------------------------------------------- steps
 def forward_loss(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
                  mask: torch.Tensor | None = None, teachers: NestedTeachers | None = None) -> torch.Tensor:
@@ -233,7 +338,7 @@ def forward_loss(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, te
 def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
                   mask: torch.Tensor | None = None, copies: Sequence[nn.Module] = (),
                   after_forward: Callable[[], None] | None = None, scale: float = 1.0,
-                  teachers: NestedTeachers | None = None) -> torch.Tensor:
+                  teachers: NestedTeachers | None = None, width: WidthNet | None = None) -> torch.Tensor:
     """Forward and backward of one batch, gradients accumulated, no optimizer step: the part of a training step
     the estimator traces too (``after_forward`` is called after every forward pass, before its backward).
     ``scale`` multiplies the loss that is backpropagated (a micro-batch's share of its batch), not the one returned.
@@ -241,8 +346,13 @@ def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
     With further ``copies`` of the model, each copy's loss is taken towards the others' predictions (see the
     module docstring); the result is the detached sum of the losses (the caller checks it is finite before it
     steps). ``teachers`` (:func:`nested_teachers`, not with copies) run first, their outputs the targets of the
-    ``nested_kd`` terms.
+    ``nested_kd`` terms. ``width``: the width ordered dropout drew for the batch (:class:`OrderedDropout`; None:
+    the spec's own), trained as :func:`ordered_dropout_step` says.
     """
+    if width is not None or any(term.kind == "width_kd" for term in terms):
+        if copies or teachers is not None:
+            raise ValueError("ordered dropout is not supported with copies or nested_kd terms.")
+        return ordered_dropout_step(net, inputs, targets, terms, mask, width, after_forward, scale)
     if teachers is not None and copies:
         raise ValueError("nested_kd terms are not supported with copies.")
     nested = teachers(inputs) if teachers is not None else None  # before the student's activations exist
@@ -266,6 +376,42 @@ def backward_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
         del loss
     del nested
     assert total is not None
+    return total
+
+
+def ordered_dropout_step(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, terms: Sequence[LossTerm],
+                         mask: torch.Tensor | None, width: WidthNet | None,
+                         after_forward: Callable[[], None] | None = None, scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of one batch under ordered dropout, gradients accumulated (FjORD). Without
+    ``width_kd`` terms the drawn ``width`` (None: ``net`` itself) trains on the plan's terms. With them (D-KD),
+    ``net`` first trains on the other terms (or, with none, only runs, without autograd), and then the drawn
+    width, when it is narrower, on the ``width_kd`` terms towards ``net``'s last output, detached: two passes
+    one after the other, the first's activations gone before the second's. Returns the detached sum of the
+    losses."""
+    own = tuple(term for term in terms if term.kind != "width_kd")
+    distil = tuple(term for term in terms if term.kind == "width_kd")
+
+    def run(model: Any, chosen: Sequence[LossTerm], teacher: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs = model.forward_exits(inputs)
+        last = outputs[-1].detach()
+        loss = loss_of(outputs, targets, chosen, mask, width_teacher=teacher)
+        del outputs
+        if after_forward is not None:
+            after_forward()
+        (loss * scale if scale != 1.0 else loss).backward()
+        return loss.detach(), last
+
+    if not distil:
+        return run(width if width is not None else net, own)[0]
+    if own:
+        total, teacher = run(net, own)
+    else:
+        with torch.no_grad():
+            teacher = net.forward_exits(inputs)[-1]  # type: ignore[operator]
+        total = teacher.new_zeros(())
+    if width is not None:
+        total = total + run(width, distil, teacher)[0]
     return total
 
 
@@ -311,6 +457,14 @@ def check_plan(family: ModelFamily, spec: SubmodelSpec, plan: TrainingPlan) -> N
         raise ValueError(f"the plan trains {plan.copies} copies, which only a spec trained whole can do.")
     if plan.copies > 1 and any(term.kind == "nested_kd" for term in plan.loss):
         raise ValueError(f"the plan trains {plan.copies} copies, which nested_kd terms do not support.")
+    if plan.ordered_dropout:
+        if not plan.widths:
+            raise ValueError("width_kd terms need the plan's widths (ordered dropout).")
+        if plan.copies > 1 or spec.segments is not None or any(term.kind == "nested_kd" for term in plan.loss):
+            raise ValueError("ordered dropout (the plan's widths) trains one copy of a spec trained whole, "
+                             "without nested_kd terms.")
+        for width in plan.widths:
+            width_spec(family, spec, width)
     _nested_specs(family, spec, plan.loss)
     for segment, _ in stages(spec, plan):
         available = outputs if segment is None else 1
@@ -327,13 +481,15 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
 
     ``on_stage(index, "start" | "end")`` is called around every stage (the training child measures each stage's
     peak with it). ``copies`` are the plan's further copies (``plan.copies - 1`` models of ``spec``), trained
-    alongside ``model`` and left trained in place. ``family`` (the model's) is needed by ``nested_kd`` terms.
+    alongside ``model`` and left trained in place. ``family`` (the model's) is needed by ``nested_kd`` terms and
+    ordered dropout (the plan's ``widths``: every batch draws one, :class:`OrderedDropout`).
     ``on_step()`` is called after every optimizer step and every batch of a stage's buffered frozen outputs (the
     training child reports its progress with it).
     """
-    if any(term.kind == "nested_kd" for term in plan.loss):
+    if any(term.kind == "nested_kd" for term in plan.loss) or plan.ordered_dropout:
         if family is None:
-            raise ValueError("a plan with nested_kd terms needs the model family (train(..., family=...)).")
+            raise ValueError("a plan with nested_kd terms or ordered dropout needs the model family "
+                             "(train(..., family=...)).")
         check_plan(family, spec, plan)
     if len(copies) != plan.copies - 1:
         raise ValueError(f"the plan trains {plan.copies} copies, {len(copies) + 1} model(s) were given")
@@ -348,6 +504,7 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
         copy.to(device).train()
     mask = label_mask(labels, num_classes).to(device)
     teachers = nested_teachers(family, spec, plan.loss, model) if family is not None else None
+    dropout = ordered_dropout(family, spec, plan, model) if family is not None else None
     settings = plan.optimizer
     total_loss, steps, seen = 0.0, 0, 0
     planned = stages(spec, plan)
@@ -377,12 +534,13 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
                     optimizer.zero_grad(set_to_none=True)
                     parts = micro_batches(batch, micro_batch_size(stage, plan.batch_size))
                     used = sum(len(part) for part in parts)
+                    width = dropout.draw() if dropout is not None else None  # one width for the whole batch
                     loss: torch.Tensor | None = None
                     for part in parts:
                         share = len(part) / used
                         inputs, targets = inputs_of[part].to(device), y[part].to(device)
                         step = backward_step(net, inputs, targets, plan.loss, mask, copies, scale=share,
-                                             teachers=teachers) * share
+                                             teachers=teachers, width=width) * share
                         loss = step if loss is None else loss + step
                         del inputs, targets
                     assert loss is not None

@@ -16,13 +16,16 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 3
+PROTOCOL_REVISION = 4
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
-field older agents refuse. A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents
-whose revision reads it; coordinators that predate revision 3 read an announced 3 as 2."""
+field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
+``width_kd`` loss terms). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents
+whose revision reads it; coordinators that predate revision 3 read an announced 3 or 4 as 2."""
 HEAD_ALONE_REVISION = 3
 """The first revision an agent reads :attr:`Adaptation.head_alone` in."""
+ORDERED_DROPOUT_REVISION = 4
+"""The first revision an agent reads a training plan's ordered dropout in (:attr:`TrainingPlan.ordered_dropout`)."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")

@@ -20,6 +20,16 @@ Loss term kinds (``LOSS_KINDS``):
   the sub-model ``teacher_spec`` (a sub-model spec in wire form, ``SubmodelSpec.to_dict()``, nested in the
   trained one) run on the same batch with the trained model's current weights cut to its shapes (leading
   prefixes), without gradient: the smaller model's predictions are fixed targets. One term per teacher.
+- ``"width_kd"``: FjORD's self-distillation under ordered dropout (a plan with ``widths``): ``weight * tau^2 *
+  KL(softmax(t / tau) || softmax(s / tau))`` averaged over the batch, with ``s = outputs[output]`` of the width
+  drawn for the batch and ``t`` the last output of the whole sub-model on the same batch, without gradient. With
+  such terms every batch first trains the whole sub-model on the plan's other terms, then the drawn width on
+  these (nothing more when the drawn width is the whole sub-model's).
+
+``widths`` (default empty) is ordered dropout (FjORD): uniform width rates of the global model, each giving a
+sub-model nested in the spec (the spec with that ``width``); every batch trains one of them, drawn uniformly at
+random (seeded by the plan's seed), or, with ``width_kd`` terms, the spec itself and then the drawn one. It is
+written only when not empty, so that agents that predate it still read every other plan.
 
 ``copies`` (default 1) is how many models of the spec the agent trains side by side on the same batches: the
 first starts from the task's weights and is the one uploaded, the others are the device's own auxiliary models,
@@ -37,19 +47,20 @@ The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from protocol._frozen import freeze
 from protocol._ids import shown
 from protocol._plain import plain
-from protocol._reader import FieldReader, check_int
+from protocol._reader import FieldReader, check_int, check_number
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
     "LOSS_KINDS",
     "MAX_COPIES",
+    "MAX_WIDTHS",
     "PLAN_VERSION",
     "ROUTES",
     "LossTerm",
@@ -61,7 +72,7 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-LOSS_KINDS: tuple[str, ...] = ("ce", "kd", "mutual_kd", "nested_kd")
+LOSS_KINDS: tuple[str, ...] = ("ce", "kd", "mutual_kd", "nested_kd", "width_kd")
 OPTIMIZERS: tuple[str, ...] = ("sgd",)
 #: How a depth-wise stage's output reaches a classifier: FeDepth's skip connection to the final head
 #: (spatial subsampling, zero-padded channels) or the early exit after the stage's last block.
@@ -69,6 +80,7 @@ ROUTES: tuple[str, ...] = ("skip", "exit")
 MAX_LOSS_TERMS = 64
 MAX_STAGES = 1024
 MAX_COPIES = 8
+MAX_WIDTHS = 32
 
 
 @dataclass
@@ -142,6 +154,12 @@ class LossTerm:
         of a spec nested in the trained one)."""
         return cls("nested_kd", weight=weight, output=output, tau=tau, teacher_spec=teacher_spec)
 
+    @classmethod
+    def width_kd(cls, *, weight: float = 1.0, tau: float = 1.0, output: int = -1) -> LossTerm:
+        """Distillation of output ``output`` of the width drawn for a batch towards the whole sub-model's last
+        output (ordered dropout's self-distillation: a plan with ``widths``)."""
+        return cls("width_kd", weight=weight, output=output, tau=tau)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -183,9 +201,24 @@ class TrainingPlan:
     schedule: tuple[Stage, ...] = ()
     version: int = PLAN_VERSION
     copies: int = 1
+    widths: tuple[float, ...] = ()
 
     #: Written only when not at their default, so that agents that predate them still read the plan.
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("copies",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("copies", "widths")
+
+    @property
+    def ordered_dropout(self) -> bool:
+        """Whether the plan draws a width per batch (``widths``) or distils towards the whole sub-model from one
+        (``width_kd`` terms): what agents before `ORDERED_DROPOUT_REVISION` cannot read."""
+        return bool(self.widths) or any(term.kind == "width_kd" for term in self.loss)
+
+    def without_ordered_dropout(self) -> TrainingPlan:
+        """The plan without ``widths`` and ``width_kd`` terms: the spec itself trained on the other terms (what an
+        agent that predates ordered dropout is sent), or the plan itself when it has neither."""
+        if not self.ordered_dropout:
+            return self
+        loss = tuple(term for term in self.loss if term.kind != "width_kd") or (LossTerm("ce"),)
+        return replace(self, widths=(), loss=loss)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> TrainingPlan:
@@ -265,6 +298,9 @@ def _read_loss_term(obj: object, where: str, limits: Limits) -> LossTerm:
     if kind == "mutual_kd" and (term.tau is None or term.teacher is not None or term.masked or term.detach_teacher):
         raise ProtocolError(f"{where}: a 'mutual_kd' term needs 'tau' and takes no 'teacher', 'masked' or "
                             "'detach_teacher' (the other copies are the teachers, always detached)")
+    if kind == "width_kd" and (term.tau is None or term.teacher is not None or term.masked or term.detach_teacher):
+        raise ProtocolError(f"{where}: a 'width_kd' term needs 'tau' and takes no 'teacher', 'masked' or "
+                            "'detach_teacher' (the whole sub-model is the teacher, always detached)")
     if kind == "nested_kd" and (term.teacher_spec is None or term.tau is None or term.teacher is not None
                                 or term.masked or term.detach_teacher):
         raise ProtocolError(f"{where}: a 'nested_kd' term needs 'teacher_spec' (a map) and 'tau' and takes no "
@@ -307,7 +343,7 @@ def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
         if type(version) is not int or version != PLAN_VERSION:
             raise ProtocolError(f"{where}.version: the training plan is version {shown(version)}, this side "
                                 f"runs version {PLAN_VERSION}: upgrade the older side")
-    r = FieldReader(obj, where, limits, TrainingPlan, optional=("copies",))
+    r = FieldReader(obj, where, limits, TrainingPlan, optional=("copies", "widths"))
     terms = _read_list(r.raw("loss"), r.label("loss"), MAX_LOSS_TERMS)
     if not terms:
         raise ProtocolError(f"{r.label('loss')} must hold at least one term")
@@ -321,7 +357,19 @@ def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
         schedule=tuple(_read_stage(stage, f"{r.label('schedule')}[{i}]", limits) for i, stage in enumerate(stages)),
         version=PLAN_VERSION,
         copies=_read_copies(r),
+        widths=_read_widths(r),
     )
+
+
+def _read_widths(r: FieldReader) -> tuple[float, ...]:
+    value = r.raw("widths")
+    if value is None:
+        return ()
+    items = _read_list(value, r.label("widths"), MAX_WIDTHS)
+    widths = tuple(check_number(item, f"{r.label('widths')} item", above=0.0) for item in items)
+    if any(width > 1.0 for width in widths) or len(set(widths)) != len(widths):
+        raise ProtocolError(f"{r.label('widths')} must hold distinct width rates in (0, 1], got {list(widths)}")
+    return widths
 
 
 def _read_copies(r: FieldReader) -> int:

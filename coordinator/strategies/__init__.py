@@ -18,13 +18,14 @@ from coordinator.strategies.depthfl import DepthFL
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedepth import FeDepth
 from coordinator.strategies.fedrolex import FedRolex
+from coordinator.strategies.fjord import FjORD
 from coordinator.strategies.flexfl import FlexFL
 from coordinator.strategies.heterofl import HeteroFL
 from coordinator.strategies.scalefl import ScaleFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (HeteroFL, FedAvg, Decoupled, ScaleFL, FeDepth, FlexFL, AdaptiveFL, FedRolex,
-                                        DepthFL)
+                                        DepthFL, FjORD)
 }
 #: The algorithm names a coordinator config, ``fedfit sim`` and ``fedfit plan`` accept.
 ALGORITHM_NAMES: tuple[str, ...] = tuple(STRATEGIES)

@@ -31,6 +31,7 @@ PAPER_BASELINES = {
     "adaptivefl": "heterofl, scalefl, decoupled, all-large (fedavg width 1)",
     "fedrolex": "heterofl, federated dropout (non-IID: fedrolex >= heterofl)",
     "depthfl": "heterofl, fedavg at each depth (deepest classifier and ensemble >= heterofl)",
+    "fjord": "each width alone (fedavg at that width), the widths without distillation",
 }
 #: Settings that must agree for runs to be on the same fleet.
 FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "train_samples", "budgets",

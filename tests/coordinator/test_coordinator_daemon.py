@@ -709,6 +709,22 @@ def test_the_head_alone_is_offered_only_to_agents_whose_revision_reads_it(hetero
     assert heterofl.dispatcher.protocol_version("old") == heterofl.dispatcher.protocol_version("new") == PROTOCOL_VERSION
 
 
+def test_ordered_dropout_is_sent_only_to_agents_whose_revision_reads_it(heterofl: Coordinator) -> None:
+    from protocol import ORDERED_DROPOUT_REVISION, PROTOCOL_REVISION, Candidate, LossTerm, TrainingPlan
+
+    assert PROTOCOL_REVISION >= ORDERED_DROPOUT_REVISION
+    for name, revision in (("old", ORDERED_DROPOUT_REVISION - 1), ("new", PROTOCOL_REVISION)):
+        capabilities = replace(agent_record(name).capabilities, protocol_version=revision)
+        heterofl.registry.on_status(AgentStatus(name, "online", capabilities, time.time()))
+    plan = TrainingPlan(loss=(LossTerm.ce(), LossTerm.width_kd()), widths=(0.5, 0.25))
+    ladder = Adaptation("ladder", [Candidate({"width": 0.5}, plan), Candidate({"width": 0.25}, TrainingPlan())])
+    assert heterofl.dispatcher.readable_plan(plan, "new") is plan
+    assert heterofl.dispatcher.readable(ladder, "new") == ladder
+    # An older agent would refuse the fields: it is sent its widest sub-model, trained on the labels alone.
+    assert heterofl.dispatcher.readable_plan(plan, "old") == TrainingPlan(loss=(LossTerm.ce(),))
+    assert [c.plan for c in heterofl.dispatcher.readable(ladder, "old").candidates] == [TrainingPlan()] * 2
+
+
 def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp_path: Path, digits) -> None:
     auto = config(tmp_path, algorithm="scalefl", model=ModelConfig(family="cnn", options={"hidden": [4, 8, 16, 32]}),
                   scalefl=ScaleFLConfig(grid_step=0.05))  # ratios: auto, cost: memory

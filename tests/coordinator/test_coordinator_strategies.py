@@ -390,7 +390,7 @@ def test_make_strategy_builds_known_strategies(make, name):
 
 def test_registry_names():
     assert ALGORITHM_NAMES == ("heterofl", "fedavg", "decoupled", "scalefl", "fedepth", "flexfl", "adaptivefl",
-                               "fedrolex", "depthfl")
+                               "fedrolex", "depthfl", "fjord")
     assert STRATEGIES["heterofl"] is HeteroFL and STRATEGIES["fedavg"] is FedAvg
     assert STRATEGIES["decoupled"] is Decoupled
     for name in ALGORITHM_NAMES:

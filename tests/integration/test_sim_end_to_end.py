@@ -101,6 +101,19 @@ def test_depthfl_trains_each_tier_to_the_depth_it_affords_with_a_classifier_per_
     assert max(last["exit_accuracy"].values()) > 0.4, last  # 10 digits: chance is 0.1
 
 
+def test_fjord_serves_each_tier_its_widest_width_and_evaluates_every_width(mosquitto_installed: None,
+                                                                          tmp_path: Path) -> None:
+    # Each tier affords the model of its width (ordered dropout and D-KD included): its p_max on FjORD's grid.
+    outcome = simulate(tmp_path, "fjord", budgets="widths:1,0.6,0.2")
+    tasks, rounds = outcome.report["tasks"], outcome.report["rounds"]
+    tiers = {agent: entry["tier"] for agent, entry in outcome.report["agents"].items()}
+    assert {task["status"] for task in tasks} == {"ok"}, tasks
+    assert all(task["level"] == {"r=1": "a", "r=0.6": "c", "r=0.2": "e"}[tiers[task["agent"]]] for task in tasks)
+    assert all(task["spec_trained"] == task["spec_sent"] for task in tasks)
+    assert set(rounds[-1]["level_accuracy"]) == {"a", "b", "c", "d", "e"}
+    assert rounds[-1]["global_accuracy"] > 0.4, rounds  # 10 digits: chance is 0.1
+
+
 def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_path: Path) -> None:
     outcome = simulate(tmp_path, "heterofl", partition="shards:2", agents=5, rounds=2)
     assert outcome.report["settings"]["masked_ce"] is True  # HeteroFL's default (recipe.masked_ce unset)

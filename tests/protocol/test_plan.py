@@ -121,8 +121,9 @@ def test_every_adaptation_kind_round_trips(adaptation: Adaptation | None, messag
         TrainingPlan.from_recipe(Recipe(1, 2, 1e-3, 0.0, 0.0, None, False, -7)),
         TrainingPlan(seed=2**63 - 1, loss=tuple(LossTerm.ce(output=-i) for i in range(1, 65))),
         TrainingPlan(schedule=tuple(Stage(1 + i % 3, "exit" if i % 2 else "skip", i % 5 == 0) for i in range(1024))),
+        TrainingPlan(loss=(LossTerm.ce(), LossTerm.width_kd(tau=2.0)), widths=(1.0, 0.75, 0.5, 0.25)),
     ],
-    ids=["default", "sample", "candidate", "segments", "from-recipe", "64-terms", "1024-stages"],
+    ids=["default", "sample", "candidate", "segments", "from-recipe", "64-terms", "1024-stages", "ordered-dropout"],
 )
 def test_plan_to_dict_from_dict_round_trip(plan: TrainingPlan) -> None:
     data = plan.to_dict()
@@ -163,7 +164,8 @@ def test_plan_field_names_are_the_contract() -> None:
     def names(cls: type) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies"]
+    assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies",
+                                   "widths"]
     assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
     assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher",
                                "teacher_spec"]
@@ -516,7 +518,7 @@ def _wire_value(value: object) -> object:
     """Message values as msgpack primitives, written independently of the codec (and without its checks)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Fields added later stay off the wire at their default (see test_copies_stay_off_the_wire_at_their_...).
-        later = {TrainingPlan: {"copies": 1}, Stage: {"cache": False, "micro_batch": 0},
+        later = {TrainingPlan: {"copies": 1, "widths": ()}, Stage: {"cache": False, "micro_batch": 0},
                  Adaptation: {"route": "skip", "min_micro_batch": 0, "head_alone": False}, LossTerm: {"teacher_spec": None}}
         omitted = later.get(type(value), {})
         return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
@@ -905,3 +907,23 @@ def test_a_teacher_spec_is_held_to_the_readers_limits() -> None:
     long_name = TrainingPlan(loss=(LossTerm.nested_kd({"layer_widths": {"x" * 13: 0.5}}, weight=1.0, tau=3.0),))
     with pytest.raises(ProtocolError, match=r"plan.loss\[0\].teacher_spec.layer_widths key is 13 characters long"):
         TrainingPlan.from_dict(long_name.to_dict(), Limits(max_str_len=12))
+
+
+def test_ordered_dropout_stays_off_the_wire_unless_used_and_is_refused_malformed() -> None:
+    plain = TrainingPlan()
+    assert "widths" not in plain.to_dict() and not plain.ordered_dropout
+    dropout = TrainingPlan(loss=(LossTerm.ce(), LossTerm.width_kd()), widths=(1.0, 0.5))
+    assert dropout.to_dict()["widths"] == [1.0, 0.5] and dropout.ordered_dropout
+    # What an agent that predates it is sent: the spec itself, on the other terms.
+    assert dropout.without_ordered_dropout() == TrainingPlan(loss=(LossTerm.ce(),))
+    assert TrainingPlan(loss=(LossTerm.width_kd(),), widths=(0.5,)).without_ordered_dropout().loss == (LossTerm("ce"),)
+    assert plain.without_ordered_dropout() is plain
+    for widths, message in (([1.5], "distinct width rates in \\(0, 1\\]"), ([0.5, 0.5], "distinct"),
+                            ([0], "must be > 0"), (["1"], "widths item"), (list(range(1, 40)), "limit of 32")):
+        data = {**dropout.to_dict(), "widths": widths}
+        with pytest.raises(ProtocolError, match=message):
+            TrainingPlan.from_dict(data)
+    bad_term = {**dropout.to_dict()}
+    bad_term["loss"] = [*bad_term["loss"][:1], {**bad_term["loss"][1], "teacher": 0}]
+    with pytest.raises(ProtocolError, match="a 'width_kd' term needs 'tau' and takes no 'teacher'"):
+        TrainingPlan.from_dict(bad_term)
