@@ -211,7 +211,7 @@ class Coordinator:
         records, outcomes = reporting.outcomes(current, self.family, self.log)
         self.strategy.observe(current.number, outcomes)
         targets = self.strategy.eval_targets()
-        trained = reporting.trained(targets, self.family, list(current.aggregated()))
+        trained = reporting.trained(targets, self.family, list(current.aggregated()), self.strategy.trained_targets)
         phase = time.perf_counter()
         accuracies = reporting.evaluate_targets(self._evaluator, targets, self.states)
         current.timing["evaluation"] = time.perf_counter() - phase

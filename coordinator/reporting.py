@@ -3,7 +3,7 @@ every evaluation target, and the round's result as `metrics.jsonl` keeps it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -56,16 +56,18 @@ def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Logger) -
             log.warning("verdict_not_sent", agent=agent, round=current.number, error=str(exc))
 
 
-def trained(targets: Mapping[str, EvalTarget], family: ModelFamily,
-            aggregated: Sequence[Answer]) -> tuple[list[str], list[int]]:
-    """Which levels some aggregated update trained as such (its spec is the level's), and which outputs of the
-    global model (1-based, depth order: its exits, then its final head) some update's tensors reached."""
-    levels = sorted(name for name, target in targets.items()
-                    if name != "global" and not target.ensemble and any(answer.spec == target.spec
-                                                                         for answer in aggregated))
+def trained(targets: Mapping[str, EvalTarget], family: ModelFamily, aggregated: Sequence[Answer],
+            trains: Callable[[SubmodelSpec], set[str]]) -> tuple[list[str], list[int]]:
+    """Which evaluation targets some aggregated update trained (``trains(spec)``: those an update of that spec
+    trains, :meth:`Strategy.trained_targets`; an ensemble when some update reached one of its outputs), and which
+    outputs of the global model (1-based, depth order: its exits, then its final head) some update's tensors
+    reached."""
     global_spec = targets["global"].spec
     heads = [set(family.head_keys(block)) for block in (*sorted(global_spec.exits), None)]
     exits = [number for number, keys in enumerate(heads, start=1) if any(keys & answer.keys for answer in aggregated)]
+    named = set().union(*(trains(answer.spec) for answer in aggregated)) if aggregated else set()
+    levels = sorted(name for name, target in targets.items() if name != "global" and (
+        name in named if not target.ensemble else bool(exits)))
     return levels, exits
 
 

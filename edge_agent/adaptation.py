@@ -49,6 +49,9 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
     if hint is not None and hint.kind == "depthwise" and any(term.kind == "nested_kd" for term in plan.loss):
         raise ValueError("a depth-wise adaptation cannot train a plan with nested_kd terms (its stages have no "
                          "nested teachers)")
+    if hint is not None and hint.kind == "depthwise" and plan.ordered_dropout:
+        raise ValueError("a depth-wise adaptation cannot train a plan with ordered dropout (its widths are of the "
+                         "whole model)")
     whole = replace(sent, exits=()) if hint is not None and hint.kind == "depthwise" else sent
     found = [Option(whole, replace(plan, copies=count)) for count in range(plan.copies, 0, -1)]
     if hint is None or hint.kind == "none":

@@ -94,8 +94,11 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     by 0.5 MB from run to run while the warm-up ran at another shape. The trim then gives back what the step
     freed, above all the working set glibc's default heap would keep below the baseline. Afterwards the peak above
     the baseline is the memory training allocates, which is what the estimate predicts. The warm-up's own peak is
-    that of one training step, so it needs no more memory than the run. ``family`` (the model's) is needed by a
-    plan with ``nested_kd`` terms; ``on_step`` is called after each of its steps.
+    that of one training step, so it needs no more memory than the run. Ordered dropout (the plan's ``widths``)
+    draws a width per batch, each width its own shapes: the warm-up runs every width once (with ``width_kd``
+    terms, the spec's pass and then that width's), not the one or two the run's first batches would draw.
+    ``family`` (the model's) is needed by a plan with ``nested_kd`` terms or ``widths``; ``on_step`` is called
+    after each of its steps.
     """
     warm, others = build(), [build() for _ in range(plan.copies - 1)]
     batch = max(2, plan.batch_size)
@@ -106,8 +109,9 @@ def warm_up_training(build: Callable[[], FamilyNet], spec: SubmodelSpec, x: torc
     take = batch + (rest if rest >= 2 else 0)
     still = replace(plan, epochs=1, batch_size=batch, optimizer=replace(plan.optimizer, lr=0.0),
                     schedule=tuple(replace(stage, epochs=1) for stage in plan.schedule))
-    train(warm, spec, x[:take], y[:take], still, labels=labels, num_classes=num_classes, device=device,
-          copies=others, family=family, on_step=on_step)
+    for each in [replace(still, widths=(width,)) for width in plan.widths] or [still]:
+        train(warm, spec, x[:take], y[:take], each, labels=labels, num_classes=num_classes, device=device,
+              copies=others, family=family, on_step=on_step)
     del warm, others
     gc.collect()
     if device != "cuda":

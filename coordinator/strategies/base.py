@@ -221,6 +221,12 @@ class Strategy(ABC):
         return next((name for name, target in self.eval_targets().items()
                      if name != "global" and target.spec == spec.unrolled()), None)
 
+    def trained_targets(self, spec: SubmodelSpec) -> set[str]:
+        """The evaluation targets (besides the global model and ensembles) an aggregated update of ``spec`` trained
+        (default: those whose sub-model ``spec`` is, its roll aside)."""
+        return {name for name, target in self.eval_targets().items()
+                if name != "global" and not target.ensemble and target.spec == spec.unrolled()}
+
     def describe(self) -> list[dict[str, Any]]:
         """What each level or pool model would be, for ``fedfit plan``: at least ``name`` and ``spec``."""
         return [{"name": name, "spec": target.spec} for name, target in self.eval_targets().items()

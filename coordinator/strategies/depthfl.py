@@ -2,7 +2,7 @@
 with mutual self-distillation among the classifiers.
 
 Levels are the model's depths at the end of each stage (:attr:`models.ModelFamily.stage_ends`: PreResNet-20's
-3, 6 and 9 blocks; every block of a plain CNN), named ``1`` (the first stage) to ``S`` (the whole body). A level of
+3, 6 and 9 blocks; every block of a plain CNN; or ``depthfl.depths``), named ``1`` (the first stage) to ``S`` (the whole body). A level of
 depth ``d`` keeps the first ``d`` blocks with an auxiliary classifier after every stage it holds (the model's
 early-exit heads, the last stage's the final head for the full depth), so a client of level ``k`` has ``k``
 classifiers. Each trains with the paper's loss: ``sum_i [CE(z_i, y) + w / (k - 1) sum_{j != i}
@@ -30,6 +30,7 @@ from coordinator.strategies.base import EvalTarget
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
 from protocol import LossTerm, TrainingPlan
+from protocol.plan import MAX_LOSS_TERMS
 
 __all__ = ["DepthFL", "kd_ramp", "mutual_distillation_loss"]
 
@@ -66,8 +67,15 @@ class DepthFL(LevelStrategy):
     name = "depthfl"
 
     def make_levels(self) -> list[Level]:
-        ends = self.family.stage_ends
+        ends = tuple(self.config.depthfl.depths or self.family.stage_ends)
         blocks = self.family.num_blocks
+        if ends[-1] != blocks or any(end - 1 not in self.family.exit_points for end in ends[:-1]):
+            raise ValueError(f"depthfl.depths {list(ends)} must end with every block of model "
+                             f"{self.family.name!r} ({blocks}) and cut only where an exit may follow a block")
+        if len(ends) ** 2 > MAX_LOSS_TERMS:  # k cross-entropies and k(k-1) distillation terms
+            raise ValueError(f"DepthFL's {len(ends)} classifiers on model {self.family.name!r} need {len(ends) ** 2} "
+                             f"loss terms, more than a plan holds ({MAX_LOSS_TERMS}): set depthfl.depths to at most "
+                             f"{int(MAX_LOSS_TERMS ** 0.5)} stage ends")
         levels = []
         for number, depth in enumerate(ends, start=1):
             exits = tuple(end - 1 for end in ends[:number] if end < blocks)

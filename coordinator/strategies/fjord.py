@@ -27,6 +27,7 @@ from dataclasses import replace
 from coordinator.levels import Level, width_levels
 from coordinator.strategies.base import TaskResult
 from coordinator.strategies.leveled import LevelStrategy
+from models import SubmodelSpec
 from protocol import LossTerm, TrainingPlan
 
 __all__ = ["FjORD"]
@@ -54,6 +55,10 @@ class FjORD(LevelStrategy):
             return self.recipe_plan((ce,))
         loss = (ce, LossTerm.width_kd(tau=1.0)) if self.config.fjord.distill else (ce,)
         return replace(self.recipe_plan(loss), widths=widths)
+
+    def trained_targets(self, spec: SubmodelSpec) -> set[str]:
+        """Every width up to the update's p_max: ordered dropout trains each of them."""
+        return {level.name for level in self.levels if level.spec.width <= spec.width}
 
     def weight(self, result: TaskResult) -> float:
         """Sample-weighted, whatever ``weighting`` says (FjORD aggregates by the clients' data)."""

@@ -144,3 +144,20 @@ def test_bad_settings_are_refused():
                               ({"tau": 0.0}, "tau")):
         with pytest.raises(ValueError, match=message):
             CoordinatorConfig(depthfl=DepthFLConfig(**settings)).validate()
+
+
+def test_depths_may_be_set_and_too_many_classifiers_are_refused_at_set_up(make_context):
+    vgg16 = get_family("vgg16", 10, 1, exit_convs=0)
+    config = CoordinatorConfig(model=ModelConfig(family="vgg16", options={"exit_convs": 0}))
+    with pytest.raises(ValueError, match="13 classifiers on model 'vgg16' need 169 loss terms"):
+        make_strategy("depthfl", make_context(config, family=vgg16))
+    pooled = CoordinatorConfig(model=config.model, depthfl=DepthFLConfig(depths=[2, 4, 7, 10, 13]))
+    strategy = make_strategy("depthfl", make_context(pooled, family=vgg16))
+    assert [level.spec for level in strategy.levels][::-1] == [
+        SubmodelSpec(depth=2, exits=(1,)), SubmodelSpec(depth=4, exits=(1, 3)), SubmodelSpec(depth=7, exits=(1, 3, 6)),
+        SubmodelSpec(depth=10, exits=(1, 3, 6, 9)), SubmodelSpec(exits=(1, 3, 6, 9))]
+    short = CoordinatorConfig(model=config.model, depthfl=DepthFLConfig(depths=[2, 4]))
+    with pytest.raises(ValueError, match="must end with every block of model 'vgg16' \\(13\\)"):
+        make_strategy("depthfl", make_context(short, family=vgg16))
+    with pytest.raises(ValueError, match="depthfl.depths must be increasing"):
+        CoordinatorConfig(depthfl=DepthFLConfig(depths=[4, 2])).validate()

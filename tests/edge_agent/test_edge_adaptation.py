@@ -444,3 +444,10 @@ def test_a_depthwise_hint_with_nested_teachers_is_an_invalid_task(family, task_p
     with pytest.raises(ValueError, match="depth-wise adaptation cannot train a plan with nested_kd"):
         options(family, U(1.0), plan, Adaptation("depthwise"))
     assert options(family, U(1.0), replace(plan, loss=(LossTerm.ce(),)), Adaptation("depthwise"))
+
+
+def test_a_depthwise_hint_with_ordered_dropout_is_an_invalid_task(family, task_plan):
+    plan = replace(task_plan(loss=(LossTerm.ce(), LossTerm.width_kd())), widths=(1.0, 0.5))
+    with pytest.raises(ValueError, match="depth-wise adaptation cannot train a plan with ordered dropout"):
+        options(family, U(1.0), plan, Adaptation("depthwise"))
+    assert options(family, U(1.0), plan, None)  # trained whole, it runs

@@ -340,6 +340,27 @@ def test_warm_up_takes_two_samples_at_least_and_really_runs(monkeypatch):
     assert all(torch.equal(after[key], before) for key, before in models[1].items())
 
 
+def test_warm_up_runs_every_width_of_ordered_dropout_once(monkeypatch):
+    # Each width has its own shapes (its own oneDNN primitives): the run's first batches would draw one or two.
+    family = get_family("cnn", 10, 1, hidden=(8, 8))
+    spec = SubmodelSpec.uniform(0.5)
+    plan = TrainingPlan(batch_size=4, seed=3, loss=(LossTerm.ce(), LossTerm.width_kd()), widths=(0.5, 0.25, 0.125))
+    x, y = torch.randn(8, 1, 8, 8), torch.arange(8) % 10
+    real_train = child.train
+    plans, results = [], []
+
+    def recording_train(*args, **kwargs):
+        plans.append(args[4])
+        results.append(real_train(*args, **kwargs))
+
+    monkeypatch.setattr(child, "train", recording_train)
+    child.warm_up_training(lambda: family.build(spec, track_bn_stats=False), spec, x, y, plan, list(range(8)), 10,
+                           "cpu", "compact", family=family)
+    assert [each.widths for each in plans] == [(0.5,), (0.25,), (0.125,)]
+    assert all(each.loss == plan.loss and each.optimizer.lr == 0.0 for each in plans)
+    assert [result.steps for result in results] == [1, 1, 1]
+
+
 # ---------------------------------------------------------------------------------------------- runner
 def kill_runner_child(runner, kill_when_busy,
                       sig: int = signal.SIGKILL) -> tuple[threading.Thread, list[bool]]:

@@ -95,7 +95,7 @@ def test_depthfl_trains_each_tier_to_the_depth_it_affords_with_a_classifier_per_
     assert {task["spec_trained"] for task in tasks} == {"width=1 exits=0,1", "width=1 depth=2 exits=0,1",
                                                          "width=1 depth=1 exits=0"}
     last = rounds[-1]
-    assert set(last["level_accuracy"]) == {"1", "2", "3", "ensemble"}
+    assert set(last["level_accuracy"]) == set(last["trained_levels"]) == {"1", "2", "3", "ensemble"}
     assert set(last["exit_accuracy"]) == {"exit1", "exit2", "exit3"} == set(last["trained_exits"])
     assert last["global_accuracy"] == last["exit_accuracy"]["exit3"]
     assert max(last["exit_accuracy"].values()) > 0.4, last  # 10 digits: chance is 0.1
@@ -110,8 +110,10 @@ def test_fjord_serves_each_tier_its_widest_width_and_evaluates_every_width(mosqu
     assert {task["status"] for task in tasks} == {"ok"}, tasks
     assert all(task["level"] == {"r=1": "a", "r=0.6": "c", "r=0.2": "e"}[tiers[task["agent"]]] for task in tasks)
     assert all(task["spec_trained"] == task["spec_sent"] for task in tasks)
-    assert set(rounds[-1]["level_accuracy"]) == {"a", "b", "c", "d", "e"}
+    # Ordered dropout trains every width up to a device's p_max: each is trained, each evaluated.
+    assert set(rounds[-1]["level_accuracy"]) == set(rounds[-1]["trained_levels"]) == {"a", "b", "c", "d", "e"}
     assert rounds[-1]["global_accuracy"] > 0.4, rounds  # 10 digits: chance is 0.1
+    assert "ordered_dropout_not_read" not in (tmp_path / "fjord" / "daemons.log").read_text()  # no agent got less
 
 
 def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_path: Path) -> None:

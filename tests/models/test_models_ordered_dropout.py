@@ -110,6 +110,11 @@ def test_train_runs_ordered_dropout_and_is_reproducible():
 
     first, second = run(), run()
     assert all(torch.equal(first[key], second[key]) for key in first)
+    torch.manual_seed(0)
+    whole = FAMILY.build(FULL, track_bn_stats=False)
+    train(whole, FULL, x, y, replace(plan, widths=(1.0,), loss=(LossTerm.ce(),)), labels=list(range(5)),
+          num_classes=5, family=FAMILY)  # the same batches, the whole model alone: other weights
+    assert not all(torch.equal(first[key], value) for key, value in whole.state_dict().items())
     with pytest.raises(ValueError, match="needs the model family"):
         train(FAMILY.build(FULL, track_bn_stats=False), FULL, x, y, plan, labels=[0], num_classes=5)
 
@@ -135,3 +140,8 @@ def test_the_estimate_counts_the_second_pass_beside_the_first_ones_gradients():
     assert estimate_plan_memory(family, FULL, alone, input_size=(8, 8)) == base
     # With it the second pass (at 0.8) runs beside the full gradients: never less than the spec's own pass.
     assert estimate_plan_memory(family, FULL, distilled, input_size=(8, 8)).total >= base.total
+    # Where the gradients outweigh the activations (wide layers, two samples), that second pass is the peak.
+    wide = get_family("cnn", 10, 1, hidden=[64, 256])
+    tiny, tiny_distilled = replace(plain, batch_size=2), replace(distilled, batch_size=2)
+    assert (estimate_plan_memory(wide, FULL, tiny_distilled, input_size=(8, 8)).total
+            > estimate_plan_memory(wide, FULL, tiny, input_size=(8, 8)).total)
