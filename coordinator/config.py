@@ -10,6 +10,7 @@ from typing import Any, Literal
 from common.mqtt_link import BrokerConfig
 from models import FAMILY_NAMES
 from protocol import validate_name
+from protocol.plan import MAX_WIDTHS
 from protocol.plan import MAX_COPIES, ROUTES
 
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -399,6 +400,8 @@ class FjORDConfig:
         if (not self.widths or any(not 0 < width <= 1 for width in self.widths)
                 or sorted(self.widths, reverse=True) != list(self.widths) or len(set(self.widths)) != len(self.widths)):
             raise ValueError(f"fjord.widths must be distinct width rates in (0, 1], largest first, got {self.widths}")
+        if len(self.widths) > MAX_WIDTHS:
+            raise ValueError(f"fjord.widths holds {len(self.widths)} widths, more than a plan carries ({MAX_WIDTHS})")
 
 
 @dataclass

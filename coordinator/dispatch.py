@@ -74,6 +74,10 @@ class Dispatcher:
         weights = self.family.extract(self._states()[planned.group], spec, keys=self.family.state_keys(spec),
                                       views=True)
         # (A rolled window is where the sub-model sits in the global model: the agent trains it as any other.)
+        if planned.plan.ordered_dropout and self.revision(planned.agent_id) < ORDERED_DROPOUT_REVISION:
+            self.log.warning("ordered_dropout_not_read", agent=planned.agent_id, task=task_id,
+                             revision=self.revision(planned.agent_id),
+                             message="the agent predates ordered dropout: it trains its widest sub-model alone")
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.unrolled().to_dict(),
                     None, {key: value.detach().cpu().numpy() for key, value in weights.items()},
                     adaptation=self.readable(planned.adaptation, planned.agent_id),
@@ -141,7 +145,7 @@ class Dispatcher:
     def readable(self, adaptation: Adaptation | None, agent_id: str) -> Adaptation | None:
         """``adaptation`` without the fields the agent's revision does not read (it would refuse the task): an
         agent older than `HEAD_ALONE_REVISION` is not offered the head alone, and so declines where it would
-        train only that."""
+        train only that; its candidates' plans are as :meth:`readable_plan` makes them."""
         if adaptation is not None and adaptation.head_alone and self.revision(agent_id) < HEAD_ALONE_REVISION:
             adaptation = replace(adaptation, head_alone=False)
         if adaptation is not None and any(candidate.plan.ordered_dropout for candidate in adaptation.candidates):
@@ -152,9 +156,7 @@ class Dispatcher:
 
     def readable_plan(self, plan: TrainingPlan, agent_id: str) -> TrainingPlan:
         """``plan`` as the agent's revision reads it: an agent older than `ORDERED_DROPOUT_REVISION` is sent the
-        plan without ordered dropout (it trains the spec itself, on the other terms), with a warning."""
+        plan without ordered dropout (it trains the spec itself, on the other terms; :meth:`send` logs it once)."""
         if not plan.ordered_dropout or self.revision(agent_id) >= ORDERED_DROPOUT_REVISION:
             return plan
-        self.log.warning("ordered_dropout_not_read", agent=agent_id, revision=self.revision(agent_id),
-                         message="the agent predates ordered dropout: it trains its widest sub-model alone")
         return plan.without_ordered_dropout()
