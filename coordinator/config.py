@@ -10,8 +10,7 @@ from typing import Any, Literal
 from common.mqtt_link import BrokerConfig
 from models import FAMILY_NAMES
 from protocol import validate_name
-from protocol.plan import MAX_WIDTHS
-from protocol.plan import MAX_COPIES, ROUTES
+from protocol.plan import MAX_COPIES, MAX_WIDTHS, ROUTES
 
 HETEROFL_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
