@@ -57,15 +57,15 @@ def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Logger) -
 
 
 def trained(targets: Mapping[str, EvalTarget], family: ModelFamily, aggregated: Sequence[Answer],
-            trains: Callable[[SubmodelSpec], set[str]]) -> tuple[list[str], list[int]]:
-    """Which evaluation targets some aggregated update trained (``trains(spec)``: those an update of that spec
-    trains, :meth:`Strategy.trained_targets`; an ensemble when some update reached one of its outputs), and which
+            trains: Callable[[SubmodelSpec, Mapping[str, EvalTarget]], set[str]]) -> tuple[list[str], list[int]]:
+    """Which evaluation targets some aggregated update trained (``trains(spec, targets)``: those an update of that
+    spec trains, :meth:`Strategy.trained_targets`; an ensemble when some update reached one of its outputs), and which
     outputs of the global model (1-based, depth order: its exits, then its final head) some update's tensors
     reached."""
     global_spec = targets["global"].spec
     heads = [set(family.head_keys(block)) for block in (*sorted(global_spec.exits), None)]
     exits = [number for number, keys in enumerate(heads, start=1) if any(keys & answer.keys for answer in aggregated)]
-    named = set().union(*(trains(answer.spec) for answer in aggregated)) if aggregated else set()
+    named = set().union(set(), *(trains(answer.spec, targets) for answer in aggregated if answer.spec is not None))
     levels = sorted(name for name, target in targets.items() if name != "global" and (
         name in named if not target.ensemble else bool(exits)))
     return levels, exits

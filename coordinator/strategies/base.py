@@ -221,10 +221,10 @@ class Strategy(ABC):
         return next((name for name, target in self.eval_targets().items()
                      if name != "global" and target.spec == spec.unrolled()), None)
 
-    def trained_targets(self, spec: SubmodelSpec) -> set[str]:
-        """The evaluation targets (besides the global model and ensembles) an aggregated update of ``spec`` trained
-        (default: those whose sub-model ``spec`` is, its roll aside)."""
-        return {name for name, target in self.eval_targets().items()
+    def trained_targets(self, spec: SubmodelSpec, targets: Mapping[str, EvalTarget]) -> set[str]:
+        """Which of the round's evaluation ``targets`` (besides the global model and ensembles) an aggregated update
+        of ``spec`` trained (default: those whose sub-model ``spec`` is, its roll aside)."""
+        return {name for name, target in targets.items()
                 if name != "global" and not target.ensemble and target.spec == spec.unrolled()}
 
     def describe(self) -> list[dict[str, Any]]:

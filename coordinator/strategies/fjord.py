@@ -22,10 +22,11 @@ width method here. Agents that predate ordered dropout (protocol revision 4) are
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from coordinator.levels import Level, width_levels
-from coordinator.strategies.base import TaskResult
+from coordinator.strategies.base import EvalTarget, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec
 from protocol import LossTerm, TrainingPlan
@@ -56,7 +57,7 @@ class FjORD(LevelStrategy):
         loss = (ce, LossTerm.width_kd(tau=1.0)) if self.config.fjord.distill else (ce,)
         return replace(self.recipe_plan(loss), widths=widths)
 
-    def trained_targets(self, spec: SubmodelSpec) -> set[str]:
+    def trained_targets(self, spec: SubmodelSpec, targets: Mapping[str, EvalTarget]) -> set[str]:
         """Every width up to the update's p_max: ordered dropout trains each of them."""
         return {level.name for level in self.levels if level.spec.width <= spec.width}
 

@@ -113,7 +113,6 @@ def test_fjord_serves_each_tier_its_widest_width_and_evaluates_every_width(mosqu
     # Ordered dropout trains every width up to a device's p_max: each is trained, each evaluated.
     assert set(rounds[-1]["level_accuracy"]) == set(rounds[-1]["trained_levels"]) == {"a", "b", "c", "d", "e"}
     assert rounds[-1]["global_accuracy"] > 0.4, rounds  # 10 digits: chance is 0.1
-    assert "ordered_dropout_not_read" not in (tmp_path / "fjord" / "daemons.log").read_text()  # no agent got less
 
 
 def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_path: Path) -> None:
