@@ -47,14 +47,19 @@ def _narrowed(student: torch.nn.Module, width: float) -> torch.nn.Module:
     return model
 
 
-def test_the_distillation_step_matches_the_papers_d_kd_by_hand():
-    torch.manual_seed(0)
+def _half_step(seed: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, WidthNet]:
+    """A whole student, a batch and the student's half width (as ordered dropout runs it)."""
+    torch.manual_seed(seed)
     student = FAMILY.build(FULL, track_bn_stats=False).train()
     x, y = torch.randn(6, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4, 0])
     with torch.device("meta"):
         net = FAMILY.build(width_spec(FAMILY, FULL, 0.5), track_bn_stats=False).train()
-    terms = (LossTerm.ce(), LossTerm.width_kd(tau=1.0))
-    loss = ordered_dropout_step(student, x, y, terms, None, WidthNet(student, net, 0.5))
+    return student, x, y, WidthNet(student, net, 0.5)
+
+
+def test_the_distillation_step_matches_the_papers_d_kd_by_hand():
+    student, x, y, half_width = _half_step(0)
+    loss = ordered_dropout_step(student, x, y, (LossTerm.ce(), LossTerm.width_kd(tau=1.0)), None, half_width)
 
     # By hand: CE of the whole model on the labels, then KL(p_whole || p_half) with the whole model's prediction
     # fixed, each backpropagated into the weights it reads (the half model's into the leading slices).
@@ -79,12 +84,8 @@ def test_the_distillation_step_matches_the_papers_d_kd_by_hand():
 
 
 def test_without_distillation_the_drawn_width_alone_trains_on_the_labels():
-    torch.manual_seed(1)
-    student = FAMILY.build(FULL, track_bn_stats=False).train()
-    x, y = torch.randn(6, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4, 0])
-    with torch.device("meta"):
-        net = FAMILY.build(width_spec(FAMILY, FULL, 0.5), track_bn_stats=False).train()
-    ordered_dropout_step(student, x, y, (LossTerm.ce(),), None, WidthNet(student, net, 0.5))
+    student, x, y, half_width = _half_step(1)
+    ordered_dropout_step(student, x, y, (LossTerm.ce(),), None, half_width)
     half = _narrowed(student, 0.5)
     F.cross_entropy(half(x), y).backward()
     for name, parameter in student.named_parameters():
