@@ -15,8 +15,8 @@ demo: $(STAMP)
 		--partition iid --seed 0
 
 # Tests run in TEST_WORKERS processes (pytest-xdist, work stealing): much of a test's time is waiting on brokers and
-# training processes, so more workers than cores still shorten the run. On 2 cores, 4 workers: 4:57 on a clean
-# clone (7:18 with its setup), 2026-11-28.
+# training processes, so more workers than cores still shorten the run. On 2 cores, 4 workers: 4:21 on a clean
+# clone (6:30 with its setup; a niced simulation ran beside it), 2026-11-28.
 TEST_WORKERS ?= 4
 
 test: $(STAMP)
