@@ -8,7 +8,8 @@ with two epochs a stage training from buffered frozen outputs, one through auxil
 micro-batches with accumulated gradients), rows
 of several copies trained with mutual distillation (m-FeDepth), a few early-exit rows (ScaleFL levels trained
 with self-distillation) and a few rows distilling from nested narrower sub-models (FlexFL's ``nested_kd``: lambda
-10 shared by the teachers, tau 3), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
+10 shared by the teachers, tau 3) and a few of FjORD's ordered dropout (a width drawn per batch from a grid up to
+the spec's, distilled from the spec: ``widths`` and a ``width_kd`` term), it prints the estimate of ``models.memory`` for the task's spec and training plan, the
 measured peak, their ratio and the milliseconds per training step; the last line is ``worst ratio: X`` (the
 ratio farthest from 1).
 
@@ -55,6 +56,7 @@ class Row:
     buffered: bool = False  # depth-wise: two epochs a stage, the frozen blocks' outputs buffered (Stage.cache)
     micro: int = 0  # depth-wise: micro-batches of this many samples, gradients accumulated (Stage.micro_batch)
     nested: tuple[float, ...] = ()  # FlexFL: uniform widths of the nested teachers (nested_kd terms)
+    ordered: tuple[float, ...] = ()  # FjORD: the ordered-dropout widths (the plan's widths, with a width_kd term)
 
     @property
     def scalefl(self) -> bool:
@@ -81,14 +83,18 @@ class Row:
             loss = (*loss, LossTerm.mutual_kd(weight=1.0, tau=1.0))
         loss = (*loss, *(LossTerm.nested_kd(type(self.spec()).uniform(width).to_dict(), weight=10.0 / len(self.nested),
                                             tau=3.0) for width in self.nested))
+        if self.ordered:
+            loss = (*loss, LossTerm.width_kd())
         schedule = tuple(Stage(self.epochs, self.route, self.buffered, self.micro) for _ in self.segments or ())
         return TrainingPlan(optimizer=OptimizerSettings("sgd", 0.01, 0.9, 5e-4, 1.0), epochs=self.epochs,
-                            batch_size=self.batch_size, loss=loss, copies=self.copies, schedule=schedule)
+                            batch_size=self.batch_size, loss=loss, copies=self.copies, schedule=schedule,
+                            widths=self.ordered)
 
     def label(self) -> str:
         return (self.spec().describe() + (f" x{self.copies} copies" if self.copies > 1 else "")
                 + (" buffered" if self.buffered else "") + (f" micro {self.micro}" if self.micro else "")
-                + (" kd<" + ",".join(f"{width:g}" for width in self.nested) if self.nested else ""))
+                + (" kd<" + ",".join(f"{width:g}" for width in self.nested) if self.nested else "")
+                + (" od " + ",".join(f"{width:g}" for width in self.ordered) if self.ordered else ""))
 
 
 def rows() -> list[Row]:
@@ -122,6 +128,9 @@ def rows() -> list[Row]:
         Row("cnn", 1, (28, 28), 1, 32, nested=(0.5, 0.25, 0.125)),
         Row("cnn", 1, (28, 28), 1, 128, nested=(0.5,)),
         Row("preresnet18", 3, (32, 32), 0.5, 32, nested=(0.25, 0.125)),
+        Row("cnn", 1, (28, 28), 1, 32, ordered=(1.0, 0.8, 0.6, 0.4, 0.2)),
+        Row("cnn", 1, (28, 28), 0.6, 128, ordered=(0.6, 0.4, 0.2)),
+        Row("preresnet20", 1, (28, 28), 1, 32, ordered=(1.0, 0.8, 0.6, 0.4, 0.2)),
     ]
     return out
 
