@@ -73,16 +73,16 @@ class Dispatcher:
         spec = planned.spec
         weights = self.family.extract(self._states()[planned.group], spec, keys=self.family.state_keys(spec),
                                       views=True)
-        # (A rolled window is where the sub-model sits in the global model: the agent trains it as any other.)
-        if planned.plan.ordered_dropout and self.revision(planned.agent_id) < ORDERED_DROPOUT_REVISION:
+        seeded = self.seeded(planned.plan, round_number, planned.agent_id)
+        plan = self.readable_plan(seeded, planned.agent_id)
+        if plan is not seeded:
             self.log.warning("ordered_dropout_not_read", agent=planned.agent_id, task=task_id,
                              revision=self.revision(planned.agent_id),
                              message="the agent predates ordered dropout: it trains its widest sub-model alone")
+        # (A rolled window is where the sub-model sits in the global model: the agent trains it as any other.)
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.unrolled().to_dict(),
                     None, {key: value.detach().cpu().numpy() for key, value in weights.items()},
-                    adaptation=self.readable(planned.adaptation, planned.agent_id),
-                    plan=self.readable_plan(self.seeded(planned.plan, round_number, planned.agent_id),
-                                            planned.agent_id))
+                    adaptation=self.readable(planned.adaptation, planned.agent_id), plan=plan)
         version = self.protocol_version(planned.agent_id)
         payload = encode_parts(task, version=version)  # the weights are read as the chunks are made
         topic = self.topics.agent_task(planned.agent_id)
@@ -156,7 +156,8 @@ class Dispatcher:
 
     def readable_plan(self, plan: TrainingPlan, agent_id: str) -> TrainingPlan:
         """``plan`` as the agent's revision reads it: an agent older than `ORDERED_DROPOUT_REVISION` is sent the
-        plan without ordered dropout (it trains the spec itself, on the other terms; :meth:`send` logs it once)."""
+        plan without ordered dropout (it trains the spec itself, on the other terms; :meth:`send` logs it once);
+        ``plan`` itself when the agent reads it."""
         if not plan.ordered_dropout or self.revision(agent_id) >= ORDERED_DROPOUT_REVISION:
             return plan
         return plan.without_ordered_dropout()

@@ -156,6 +156,23 @@ def loss_of(outputs: Sequence[torch.Tensor], targets: torch.Tensor, terms: Seque
 
 
 # ---------------------------------------------------------------------------------------------- nested teachers
+def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's parameters and buffers by name."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _narrowed(tensors: Mapping[str, torch.Tensor], shapes: Sequence[tuple[str, tuple[int, ...]]],
+              prefix: str = "") -> dict[str, torch.Tensor]:
+    """Each named tensor cut to its shape's leading prefix (views), keyed ``prefix + name``."""
+    out = {}
+    for name, shape in shapes:
+        tensor = tensors[name]
+        for dim, size in enumerate(shape):
+            tensor = tensor.narrow(dim, 0, size)
+        out[prefix + name] = tensor
+    return out
+
+
 class NestedTeachers:
     """The nested sub-models a plan's ``nested_kd`` terms distil from, run on the student's current weights.
 
@@ -177,17 +194,11 @@ class NestedTeachers:
                         for spec, net in self.nets.items()}
 
     def __call__(self, inputs: torch.Tensor) -> dict[Mapping[str, Any], torch.Tensor]:
-        current = {**dict(self.student.named_parameters()), **dict(self.student.named_buffers())}
+        current = {name: tensor.detach() for name, tensor in _state_tensors(self.student).items()}
         logits: dict[SubmodelSpec, torch.Tensor] = {}
         with torch.no_grad():
             for spec, net in self.nets.items():
-                weights = {}
-                for name, shape in self._shapes[spec]:
-                    tensor = current[name].detach()
-                    for dim, size in enumerate(shape):
-                        tensor = tensor.narrow(dim, 0, size)
-                    weights[name] = tensor
-                logits[spec] = functional_call(net, weights, (inputs,), strict=True)
+                logits[spec] = functional_call(net, _narrowed(current, self._shapes[spec]), (inputs,), strict=True)
         return {key: logits[spec] for key, spec in self.specs.items()}
 
 
@@ -250,13 +261,7 @@ class WidthNet:
 
     def forward_exits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         """Every output of the width's sub-model on ``inputs``, from the student's current weights."""
-        current = {**dict(self.student.named_parameters()), **dict(self.student.named_buffers())}
-        weights = {}
-        for name, shape in self._shapes:
-            tensor = current[name]
-            for dim, size in enumerate(shape):
-                tensor = tensor.narrow(dim, 0, size)
-            weights[f"net.{name}"] = tensor
+        weights = _narrowed(_state_tensors(self.student), self._shapes, prefix="net.")
         return list(functional_call(self.outputs, weights, (inputs,), strict=True))
 
 
