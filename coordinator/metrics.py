@@ -128,6 +128,13 @@ class RoundResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoundResult:
+        """The result :meth:`to_dict` gave (a line of ``metrics.jsonl``)."""
+        fields = dict(data)
+        fields["tasks"] = [TaskRecord(**task) for task in fields.get("tasks", [])]
+        return cls(**fields)
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -152,3 +159,21 @@ class MetricsWriter:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(result.to_dict(), sort_keys=True) + "\n")
             handle.flush()
+
+
+def read_metrics(path: str | Path) -> list[RoundResult]:
+    """The rounds ``metrics.jsonl`` holds, in the order written (none when there is no file); a line cut short by
+    a crash while it was written, the last one only, is left out."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    results = []
+    for index, line in enumerate(lines):
+        try:
+            results.append(RoundResult.from_dict(json.loads(line)))
+        except json.JSONDecodeError:
+            if index == len(lines) - 1:
+                break
+            raise ValueError(f"{path} line {index + 1} is not a round's result") from None
+    return results

@@ -101,6 +101,17 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
                               "selection)")
     compare.add_argument("--out", default=None, metavar="DIR",
                          help="where the comparison (and the runs) go (default: a new runs/<time>-compare/)")
+    compare.add_argument("--seeds", default=None, metavar="S,T,...",
+                         help="run every method once per seed (data, budgets and weights), each seed's runs in "
+                              "OUT/seed-S/; the table gives each column's mean and spread over the seeds, the plot "
+                              "the mean with a band (default: the experiment file's seeds, else the one --seed)")
+    compare.add_argument("--baseline", default=None, metavar="all-large,all-small",
+                         help="add baselines: all-large (FedAvg on the full model, every device, no budgets: the "
+                              "upper bound) and/or all-small (FedAvg at the widest width the smallest tier trains: "
+                              "the lower bound)")
+    compare.add_argument("--resume", default=None, metavar="DIR",
+                         help="go on with the comparison DIR holds, stopped part-way: its finished runs are read, "
+                              "a run stopped part-way goes on from its last round, the rest run (no other flag)")
     add_run_arguments(compare, ALGORITHM_NAMES, FAMILY_NAMES, compare=True)
 
     plan = sub.add_parser("plan", help="print the levels or pool a strategy would use, before deploying")
@@ -154,9 +165,10 @@ def _mapping(path: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = (),
-          check: Callable[[Any], None] | None = None) -> Any:
-    """The configuration of ``cls`` from ``path`` with ``overrides``, validated (and ``check``-ed)."""
-    mapping = _mapping(path, overrides)
+          check: Callable[[Any], None] | None = None, mapping: dict[str, Any] | None = None) -> Any:
+    """The configuration of ``cls`` from ``path`` with ``overrides`` (or from ``mapping``, read from ``path``
+    already), validated (and ``check``-ed)."""
+    mapping = _mapping(path, overrides) if mapping is None else mapping
     config = from_mapping(cls, mapping, where="")
     try:
         config.validate()
@@ -167,17 +179,21 @@ def _load(cls: type[Any], path: str | None, overrides: Sequence[str] = (),
     return config
 
 
-def _load_coordinator(path: str | None, overrides: Sequence[str] = ()) -> Any:
+def _load_coordinator(path: str | None, overrides: Sequence[str] = (), mapping: dict[str, Any] | None = None) -> Any:
     """A coordinator configuration whose algorithm is known."""
     from coordinator.config import CoordinatorConfig
     from coordinator.strategies import check_algorithm
 
-    return _load(CoordinatorConfig, path, overrides, lambda config: check_algorithm(config.algorithm))
+    return _load(CoordinatorConfig, path, overrides, lambda config: check_algorithm(config.algorithm), mapping)
 
 
-def _coordinator_settings(path: str | None, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Any]:
-    """The mapping the file and ``overrides`` give (what they set) and the validated configuration."""
-    return _mapping(path, overrides), _load_coordinator(path, overrides)
+def _coordinator_settings(path: str | None, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Any, Any]:
+    """The mapping the file and ``overrides`` give (what they set, without an experiment file's ``experiment``
+    section), the validated configuration, and the :class:`fedfit.experiment.Experiment` (None: none given)."""
+    from fedfit.experiment import split_experiment
+
+    mapping, experiment = split_experiment(_mapping(path, overrides), path or "the configuration")
+    return mapping, _load_coordinator(path, overrides, mapping), experiment
 
 
 def _stop_on_signals(stop: Any) -> None:
@@ -232,7 +248,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from fedfit.run_command import run_compare
+    from fedfit.compare_command import run_compare
 
     return run_compare(args, _coordinator_settings)
 
@@ -244,7 +260,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from coordinator.planning import strategy_for
     from fedfit.plan_table import format_plan, format_setup, format_tiers, scenario_budgets, tier_rows
 
-    mapping, config = _coordinator_settings(args.config, args.overrides)
+    mapping, config, _ = _coordinator_settings(args.config, args.overrides)
     config = replace(config, algorithm=args.algorithm or config.algorithm,
                      model=replace(config.model, family=args.model or config.model.family),
                      data=replace(config.data, dataset=args.dataset or config.data.dataset))

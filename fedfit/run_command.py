@@ -1,4 +1,5 @@
-"""``fedfit sim`` and ``fedfit compare``: run a federation (or several, on the same fleet) on this machine.
+"""``fedfit sim``, and what ``fedfit compare`` shares with it: the flags, how a setting is resolved, the checks
+before a run. (``fedfit compare`` itself: :mod:`fedfit.compare_command`.)
 
 A setting comes from its flag when the flag is given, else from ``--config``/``--set`` when they set it, else from
 the default shown in ``--help``: a configuration naming scalefl, 20 rounds and resnet20 runs exactly that.
@@ -16,10 +17,12 @@ from typing import Any
 from common.config import ConfigError
 from common.data import DATASET_NAMES
 from common.logs import configure_logging
+from fedfit.experiment import Experiment
 from fedfit.sim.budgets import BUDGET_SCENARIOS, scenario_tiers
 
-#: Reads ``--config`` with ``--set``: the mapping they give (what they set) and the validated coordinator config.
-Loader = Callable[[str | None, Sequence[str]], tuple[dict[str, Any], Any]]
+#: Reads ``--config`` with ``--set``: the mapping they give (what they set, an experiment file's ``experiment``
+#: section apart), the validated coordinator config and that section (None: the file has none).
+Loader = Callable[[str | None, Sequence[str]], tuple[dict[str, Any], Any, Experiment | None]]
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,10 @@ def _config_value(config: Any, path: tuple[str, ...]) -> Any:
     return value
 
 
-def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> tuple[dict[str, Any], list[str]]:
-    """The value of every :data:`SETTINGS` entry (flag, else configuration, else default) and the flags that
-    were given (for the report)."""
+def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any,
+            file_settings: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The value of every :data:`SETTINGS` entry (flag, else an experiment file's ``experiment`` section, else the
+    configuration, else default) and the flags that were given (for the report)."""
     values: dict[str, Any] = {}
     given: list[str] = []
     for name, setting in SETTINGS.items():
@@ -160,6 +164,8 @@ def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> t
         if flag_value is not None:
             values[name] = flag_value
             given.append(f"{setting.flag} {flag_value}")
+        elif file_settings and name in file_settings:
+            values[name] = file_settings[name]
         elif setting.path is not None and _present(mapping, setting.path):
             values[name] = _config_value(config, setting.path)
         else:
@@ -174,13 +180,14 @@ def resolve(args: argparse.Namespace, mapping: dict[str, Any], config: Any) -> t
 SIM_ROUND_TIMEOUT_S = 4 * 3600.0
 
 
-def _load(args: argparse.Namespace, load: Loader) -> tuple[dict[str, Any], Any]:
-    """The mapping ``--config`` and ``--set`` give (what they set) and the coordinator configuration, with a
-    simulation's round deadline where they set none."""
-    mapping, config = load(args.config, args.overrides)
+def _load(args: argparse.Namespace, load: Loader) -> tuple[dict[str, Any], Any, Experiment]:
+    """The mapping ``--config`` and ``--set`` give (what they set), the coordinator configuration, with a
+    simulation's round deadline where they set none, and the experiment file's ``experiment`` section (empty when
+    the file has none)."""
+    mapping, config, experiment = load(args.config, args.overrides)
     if not _present(mapping, ("round_timeout_s",)):
         config = replace(config, round_timeout_s=SIM_ROUND_TIMEOUT_S)
-    return mapping, config
+    return mapping, config, experiment or Experiment()
 
 
 def _logging(args: argparse.Namespace, run_dir: Path) -> None:
@@ -262,8 +269,8 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
     from fedfit.sim.harness import prepare_run_dir, run_simulation
     from fedfit.sim.report import format_table, format_timing, write_report
 
-    mapping, base = _load(args, load)
-    values, given = resolve(args, mapping, base)
+    mapping, base, experiment = _load(args, load)
+    values, given = resolve(args, mapping, base, experiment.settings())
     data = _checked(values, base, mapping, args, [values["algorithm"]])
     options = _options(values, args, base, given)
     run_dir = prepare_run_dir(options)
@@ -281,95 +288,4 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
     written = [name for name in ("report.json", "metrics.csv", "summary.txt", "accuracy.png", "traffic.png")
                if (run_dir / name).exists()]
     print(f"results in {run_dir}: {', '.join(written)}")
-    return 0
-
-
-def _fedavg_width(values: dict[str, Any], base: Any, dataset: Any) -> float:
-    """FedAvg's width in a comparison: the widest every device of the scenario can train (its smallest tier)."""
-    from coordinator.strategies.base import base_plan
-    from fedfit.sim.budgets import BudgetAnchor, width_for_all
-    from models import get_family
-
-    family = get_family(values["model"], dataset.num_classes, dataset.in_channels, **base.model.options)
-    anchor = BudgetAnchor.estimate(family, base_plan(base.recipe), input_size=dataset.image_size,
-                                   allocator=values["allocator"], device=values["device"])
-    return width_for_all(values["budgets"], anchor, base.levels, values["budget_variance"])
-
-
-def compare_variant(label: str) -> tuple[str, str | None]:
-    """The algorithm a ``--algorithms`` entry runs, and AdaptiveFL's selection mode when the entry names an
-    ablation (``adaptivefl-random``, ``adaptivefl-greedy``, ``adaptivefl-curiosity``, ``adaptivefl-resource``)."""
-    from coordinator.client_selection import SELECTION_MODES
-
-    algorithm, _, mode = label.partition("-")
-    if algorithm == "adaptivefl" and mode in SELECTION_MODES and mode != "rl":  # rl is plain adaptivefl
-        return algorithm, mode
-    return label, None
-
-
-def run_compare(args: argparse.Namespace, load: Loader) -> int:
-    """``fedfit compare``: run each of ``--algorithms`` on the same fleet, or read the runs given, and write the
-    comparison."""
-    from fedfit.sim.compare import write_comparison
-    from fedfit.sim.harness import run_simulation
-    from fedfit.sim.report import read_report
-    from fedfit.sim.rundir import REPORT_FILE, claim_run_dir, new_run_dir
-
-    if args.runs and args.algorithms:
-        raise ConfigError("fedfit compare takes either run directories or --algorithms, not both")
-    if not args.runs and not args.algorithms:
-        raise ConfigError("fedfit compare needs --algorithms A,B,... (to run them) or run directories (to read them)")
-    if args.runs:
-        ignored = [setting.flag for name, setting in SETTINGS.items()
-                   if getattr(args, "run_dir" if name == "state_dir" else name, None) is not None]
-        ignored += ["--config"] * bool(args.config) + ["--set"] * bool(args.overrides)
-        if ignored:
-            raise ConfigError(f"fedfit compare reads finished runs as they are: {', '.join(ignored)} only apply to "
-                              f"runs it makes (--algorithms)")
-        reports = [read_report(Path(run) / REPORT_FILE if Path(run).is_dir() else Path(run)) for run in args.runs]
-        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
-    else:
-        from coordinator.strategies import check_algorithm
-
-        labels = [name.strip() for name in args.algorithms.split(",") if name.strip()]
-        if not labels:
-            raise ConfigError(f"--algorithms names no algorithm: {args.algorithms!r}")
-        variants = {label: compare_variant(label) for label in labels}
-        for algorithm, _ in variants.values():
-            check_algorithm(algorithm)
-        if len(set(labels)) != len(labels):
-            raise ConfigError(f"--algorithms names one more than once: {args.algorithms}")
-        mapping, base = _load(args, load)
-        values, given = resolve(args, mapping, base)
-        algorithms = list(dict.fromkeys(algorithm for algorithm, _ in variants.values()))
-        data = _checked({**values, "state_dir": None}, base, mapping, args, algorithms)
-        dataset = data[0]
-        fedavg_base = base
-        if "fedavg" in algorithms and not _present(mapping, ("fedavg", "width")):
-            # FedAvg at the widest width every device can train: FeDepth's and HeteroFL's baseline.
-            fedavg_base = replace(base, fedavg=replace(base.fedavg, width=_fedavg_width(values, base, dataset)))
-        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
-        reports = []
-        for name in labels:
-            algorithm, selection = variants[name]
-            run_dir = claim_run_dir(out / name)
-            if not args.log_file:
-                _logging(args, run_dir)
-            elif not reports:
-                _logging(args, out)
-            run_base = fedavg_base if name == "fedavg" else base
-            if selection is not None:
-                run_base = replace(run_base, adaptivefl=replace(run_base.adaptivefl, selection=selection))
-            options = _options({**values, "algorithm": algorithm, "state_dir": str(run_dir)}, args, run_base, given)
-            print(f"{name}: running in {run_dir}", file=sys.stderr, flush=True)
-            try:
-                reports.append(run_simulation(options, label=name, run_dir=run_dir, data=data).report)
-            except BaseException:  # Ctrl-C too: the runs that finished are compared
-                if reports:  # what finished is compared: a failure late in a long comparison keeps the rest
-                    write_comparison(reports, out)
-                    print(f"{name} failed; the comparison of the runs before it is in {out}", file=sys.stderr)
-                raise
-    paths = write_comparison(reports, out)
-    print(paths["txt"].read_text(encoding="utf-8").rstrip())
-    print(f"comparison in {out}: comparison.txt, comparison.png, comparison.html, comparison.json")
     return 0

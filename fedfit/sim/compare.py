@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedfit.experiment import BASELINES
 from fedfit.sim.budgets import fraction_name
-from fedfit.sim.plots import plot_comparison
+from fedfit.sim.plots import plot_comparison, plot_seed_comparison
 from fedfit.sim.progress import duration_text
 from fedfit.sim.report import level_average
+from fedfit.sim.seeds import SEED_COLUMNS, late_change, seed_cells, seed_notes, seed_row
 
 #: What each method's paper compares it with (the baselines FedFit runs are named as ``fedfit compare`` takes them).
 PAPER_BASELINES = {
@@ -33,6 +35,11 @@ PAPER_BASELINES = {
     "depthfl": "heterofl, fedavg at each depth (deepest classifier and ensemble >= heterofl)",
     "fjord": "each width alone (fedavg at that width), the widths without distillation",
 }
+#: What a baseline of ``--baseline`` is.
+BASELINE_MEANING = {
+    "all-large": "the upper bound: every device trains the full model, as if memory did not matter",
+    "all-small": "the lower bound: every device trains the width the smallest tier can",
+}
 #: Settings that must agree for runs to be on the same fleet.
 FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "train_samples", "budgets",
               "budget_variance", "allocator", "device")
@@ -43,7 +50,12 @@ FLEET_CONFIG_KEYS = (("model options", ("model", "options")), ("recipe", ("recip
 
 
 def method_name(report: dict[str, Any]) -> str:
-    """The algorithm, with FedAvg's width when it is not 1 (``fedavg x1/6``)."""
+    """The algorithm, with FedAvg's width when it is not 1 (``fedavg x1/6``); a baseline by its name
+    (``all-large``, ``all-small (fedavg x1/6)``)."""
+    label = report.get("run", {}).get("label")
+    if label in BASELINES:
+        width = report.get("run", {}).get("config", {}).get("fedavg", {}).get("width", 1.0)
+        return label if width == 1.0 else f"{label} (fedavg x{fraction_name(width)})"
     name = report["algorithm"]
     if name == "adaptivefl":
         selection = report.get("run", {}).get("config", {}).get("adaptivefl", {}).get("selection", "rl")
@@ -56,10 +68,10 @@ def method_name(report: dict[str, Any]) -> str:
     return name
 
 
-def fleet_differences(reports: Sequence[dict[str, Any]]) -> list[str]:
-    """The fleet settings in which the runs differ (each as ``key: a / b / ...``)."""
+def fleet_differences(reports: Sequence[dict[str, Any]], keys: Sequence[str] = FLEET_KEYS) -> list[str]:
+    """The fleet settings (of ``keys``) in which the runs differ (each as ``key: a / b / ...``)."""
     found = []
-    for key in FLEET_KEYS:
+    for key in keys:
         values = [str(report.get("settings", {}).get(key, FLEET_DEFAULTS.get(key))) for report in reports]
         if len(set(values)) > 1:
             found.append(f"{key}: {' / '.join(values)}")
@@ -109,7 +121,10 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "shrunk_first_last": _first_last(report["rounds"], "shrunk"),
             "mb_per_round": (summary.get("bytes_per_round") or 0) / 1e6,
             "wall_seconds": summary.get("wall_seconds"),
-            "paper_baselines": PAPER_BASELINES.get(report["algorithm"], ""),
+            "late_change": late_change([r["global_accuracy"] for r in report["rounds"]]),
+            "paper_baselines": ("" if report.get("run", {}).get("label") in BASELINES
+                                else PAPER_BASELINES.get(report["algorithm"], "")),
+            "baseline": BASELINE_MEANING.get(report.get("run", {}).get("label", ""), ""),
             "run": report.get("run", {}).get("directory"),
         })
     return rows
@@ -160,28 +175,45 @@ def _outputs(row: dict[str, Any]) -> str:
 
 _COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "served", "trained", "declined",
             "failed",
-            "rejected", "over budget", "waste", "pruned", "MB/round", "wall time")
+            "rejected", "over budget", "waste", "pruned", "MB/round", "wall time", "last-5 change")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     wall = row["wall_seconds"]
     return [row["method"], _accuracy(row["global"]), _accuracy(row["best_global"]), _accuracy(row["level_average"]),
             _outputs(row), _served(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
-            str(row["over_budget"]), _waste(row), _pruned(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-"]
+            str(row["over_budget"]), _waste(row), _pruned(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-",
+            "-" if row.get("late_change") is None else f"{row['late_change'] * 100:+.1f}"]
+
+
+def aligned(header: Sequence[str], cells: Sequence[Sequence[str]], left: Sequence[int]) -> str:
+    """Rows of cells as aligned text under ``header`` (the columns in ``left`` flush left, the others right)."""
+    table = [list(header)] + [list(row) for row in cells]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as aligned text, then each method's paper baselines."""
-    table = [list(_COLUMNS)] + [_cells(row) for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) if i in (0, 4) else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-             for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("")
+    lines = [aligned(_COLUMNS, [_cells(row) for row in rows], left=(0, 4)), ""]
     lines += footnotes(rows)
-    lines += [f"{row['method']}: its paper compares with {row['paper_baselines']}" for row in rows
-              if row["paper_baselines"]]
+    lines += method_notes(rows)
     return "\n".join(lines)
+
+
+def method_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Once per method: what its paper compares it with, or what the baseline is."""
+    notes: dict[str, str] = {}
+    for row in rows:
+        name = row["method"].split(" (seed ")[0]
+        if row.get("baseline"):
+            notes.setdefault(name, f"{name}: {row['baseline']}")
+        elif row["paper_baselines"]:
+            notes.setdefault(name, f"{name}: its paper compares with {row['paper_baselines']}")
+    return list(notes.values())
 
 
 def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -192,6 +224,8 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
              + "two rounds -> of the last two; one and one below 4 rounds); pruned: the share of tasks returned "
              + "pruned or declined for memory, the same way"]
     notes.append("served: devices that trained at least once / devices in the fleet")
+    notes.append("last-5 change: the mean global accuracy of the last five rounds minus that of the five before, in "
+                 "points (a quarter of the rounds each below 20 rounds): near 0 once the curve has flattened")
     for row in rows:
         if row.get("unserved_tiers"):
             notes.append(f"{row['method']}: devices never trained, by tier: {', '.join(row['unserved_tiers'])}")
@@ -210,8 +244,10 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
 def _heading(reports: Sequence[dict[str, Any]]) -> str:
     settings = reports[0].get("settings", {})
     rounds = len(reports[0]["rounds"])
+    seeds = list(dict.fromkeys(str(report.get("settings", {}).get("seed", "?")) for report in reports))
     return (f"{settings.get('agents', '?')} agents | {settings.get('dataset', '?')} {settings.get('partition', '')} | "
-            f"{settings.get('model', '?')} | budgets {settings.get('budgets', '?')} | seed {settings.get('seed', '?')} "
+            f"{settings.get('model', '?')} | budgets {settings.get('budgets', '?')} | seed{'s' * (len(seeds) > 1)} "
+            f"{','.join(seeds)} "
             f"| {rounds} round{'' if rounds == 1 else 's'}")
 
 
@@ -222,8 +258,7 @@ def comparison_html(reports: Sequence[dict[str, Any]], rows: Sequence[dict[str, 
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _cells(row)) + "</tr>"
                    for row in rows)
     notes = "".join(f"<li>{html.escape(note)}</li>" for note in footnotes(rows))
-    notes += "".join(f"<li><b>{html.escape(row['method'])}</b>: its paper compares with "
-                     f"{html.escape(row['paper_baselines'])}</li>" for row in rows if row["paper_baselines"])
+    notes += "".join(f"<li>{html.escape(note)}</li>" for note in method_notes(rows))
     differences = fleet_differences(reports)
     warning = ("<p class='warn'>The runs are not on the same fleet: " + html.escape("; ".join(differences)) + "</p>"
                if differences else "")
@@ -250,23 +285,91 @@ budget counts tasks whose measured peak exceeded the device's budget.</p>
 """
 
 
-def write_comparison(reports: Sequence[dict[str, Any]], directory: Path) -> dict[str, Path]:
-    """Write ``comparison.txt``, ``comparison.json``, ``comparison.png`` and ``comparison.html`` into
-    ``directory``; returns their paths by kind."""
+def seed_groups(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]] | None:
+    """The runs by method when some method ran more than once, each time with another seed (None otherwise:
+    nothing to average, or two runs of one method with one seed, which are not seeds of one experiment)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for report in reports:
+        groups.setdefault(method_name(report), []).append(report)
+    if all(len(group) == 1 for group in groups.values()):
+        return None
+    for group in groups.values():
+        seeds = [report.get("settings", {}).get("seed") for report in group]
+        if len(set(seeds)) != len(seeds):
+            return None
+    return groups
+
+
+def _seed_differences(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Where runs averaged over seeds are not one fleet: a fleet key other than the seed, or methods that ran on
+    other seeds."""
+    reports = [report for group in groups.values() for report in group]
+    found = fleet_differences(reports, [key for key in FLEET_KEYS if key != "seed"])
+    seed_sets = {name: sorted(str(report.get("settings", {}).get("seed")) for report in group)
+                 for name, group in groups.items()}
+    if len({tuple(seeds) for seeds in seed_sets.values()}) > 1:
+        found.append("seeds: " + " / ".join(f"{name} {','.join(seeds)}" for name, seeds in seed_sets.items()))
+    return found
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured Markdown table (``|`` in a cell escaped)."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(header), line(["---"] * len(header)), *(line(row) for row in rows)])
+
+
+def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
+                     experiment: dict[str, str] | None = None) -> dict[str, Path]:
+    """Write ``comparison.txt``, ``comparison.md``, ``comparison.json``, ``comparison.png`` and ``comparison.html``
+    into ``directory``; returns their paths by kind. Where a method ran with several seeds, the text, Markdown and
+    JSON lead with its mean and spread over them and the PNG draws its mean with a band; ``experiment``: the claim
+    and the paper's figures the comparison tests (:meth:`fedfit.experiment.Experiment.describe`)."""
     if not reports:
         raise ValueError("a comparison needs at least one run")
     directory.mkdir(parents=True, exist_ok=True)
     rows = comparison_rows(reports)
-    differences = fleet_differences(reports)
-    text = _heading(reports) + "\n"
-    if differences:
-        text += "NOT THE SAME FLEET: " + "; ".join(differences) + "\n"
+    groups = seed_groups(reports)
+    if groups is not None:  # every run's row says its seed
+        for row, report in zip(rows, reports):
+            row["method"] += f" (seed {report.get('settings', {}).get('seed')})"
+    heading = _heading(reports)
+    quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
+    text = "\n".join([heading, *quoted]) + "\n"
+    markdown = "\n\n".join([heading, *quoted]) + "\n\n"
+    seed_table: list[dict[str, Any]] = []
+    if groups is not None:
+        differences = _seed_differences(groups)
+        row_of = {id(report): row for row, report in zip(rows, reports)}
+        seed_table = [seed_row(name, group, [row_of[id(report)] for report in group]) for name, group in groups.items()]
+        if differences:
+            text += "NOT THE SAME FLEET: " + "; ".join(differences) + "\n"
+        cells = [seed_cells(row) for row in seed_table]
+        text += "\nover the seeds:\n" + aligned(SEED_COLUMNS, cells, left=(0, 6)) + "\n\n"
+        text += "\n".join(seed_notes(seed_table)) + "\n\nevery run:\n"
+        markdown += markdown_table(SEED_COLUMNS, cells) + "\n\n" + "\n".join(
+            f"- {note}" for note in seed_notes(seed_table)) + "\n\nEvery run:\n\n"
+    else:
+        differences = fleet_differences(reports)
+        if differences:
+            text += "NOT THE SAME FLEET: " + "; ".join(differences) + "\n"
     text += "\n" + comparison_table(rows) + "\n"
-    paths = {"txt": directory / "comparison.txt", "json": directory / "comparison.json",
-             "png": directory / "comparison.png", "html": directory / "comparison.html"}
+    markdown += markdown_table(_COLUMNS, [_cells(row) for row in rows]) + "\n\n" + "\n".join(
+        f"- {note}" for note in footnotes(rows)) + "\n"
+    if differences:
+        markdown = markdown.replace("\n\n", f"\n\n**Not the same fleet:** {'; '.join(differences)}\n\n", 1)
+    paths = {"txt": directory / "comparison.txt", "md": directory / "comparison.md",
+             "json": directory / "comparison.json", "png": directory / "comparison.png",
+             "html": directory / "comparison.html"}
     paths["txt"].write_text(text, encoding="utf-8")
-    paths["json"].write_text(json.dumps({"heading": _heading(reports), "differences": differences, "rows": rows},
-                                        indent=2) + "\n", encoding="utf-8")
-    plot_comparison(reports, [row["method"] for row in rows], paths["png"])
+    paths["md"].write_text(markdown, encoding="utf-8")
+    paths["json"].write_text(json.dumps({"heading": heading, **(experiment or {}), "differences": differences,
+                                         "over_seeds": seed_table, "rows": rows}, indent=2) + "\n",
+                             encoding="utf-8")
+    if groups is not None:
+        plot_seed_comparison(groups, paths["png"])
+    else:
+        plot_comparison(reports, [row["method"] for row in rows], paths["png"])
     paths["html"].write_text(comparison_html(reports, rows, paths["png"]), encoding="utf-8")
     return paths

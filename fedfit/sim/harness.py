@@ -23,7 +23,7 @@ from common.cores import available_cores
 from common.data import Dataset, load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
-from coordinator.metrics import RoundResult
+from coordinator.metrics import RoundResult, read_metrics
 from coordinator.serving import TierService, serve_tiers, service_lines
 from coordinator.strategies.base import base_plan
 from edge_agent import forkserver
@@ -43,8 +43,10 @@ from fedfit.version import version_string
 class SimOptions:
     """What to simulate; the defaults of everything not given come from ``base`` (a coordinator config).
 
-    ``state_dir`` is the run's directory (it must not hold a run already; default: a new
-    ``<runs_root>/<time>-<algorithm>/``); ``overrides`` and ``command`` are recorded in the report.
+    ``state_dir`` is the run's directory (it must not hold a run already, unless ``resume``; default: a new
+    ``<runs_root>/<time>-<algorithm>/``); ``overrides`` and ``command`` are recorded in the report. ``resume``:
+    go on with the run ``state_dir`` holds, stopped before its last round (its checkpoint, its metrics, its agents'
+    calibrations), or start it there when it stopped before its first round was done.
     """
 
     algorithm: str = "heterofl"
@@ -68,6 +70,7 @@ class SimOptions:
     runs_root: str = "runs"
     overrides: list[str] = field(default_factory=list)
     command: list[str] = field(default_factory=list)
+    resume: bool = False
 
 
 @dataclass
@@ -133,8 +136,10 @@ def budget_anchor(coordinator: Coordinator, allocator: str = "pooled", device: s
 
 
 def prepare_run_dir(options: SimOptions) -> Path:
-    """The run's directory: ``options.state_dir`` (refused when it holds a run) or a new one under
-    ``options.runs_root``."""
+    """The run's directory: ``options.state_dir`` (refused when it holds a run, unless the run is resumed) or a new
+    one under ``options.runs_root``."""
+    if options.state_dir and options.resume and Path(options.state_dir).is_dir():
+        return Path(options.state_dir)
     if options.state_dir:
         return claim_run_dir(options.state_dir)
     return new_run_dir(options.runs_root, options.algorithm)
@@ -156,7 +161,7 @@ def coordinator_config(options: SimOptions, broker: Broker, run_dir: Path) -> Co
         seed=options.seed,
         training_device=options.device,  # type: ignore[arg-type]
         state_dir=str(run_dir),
-        resume=False,
+        resume=options.resume,
     )
 
 
@@ -192,7 +197,24 @@ def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: st
     return loaded, [kept[shard] for shard in shards]
 
 
-def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *, label: str = "",
+def _earlier_rounds(run_dir: Path, completed: int) -> list[RoundResult]:
+    """The results of the ``completed`` rounds a resumed run did before it stopped, from its ``metrics.jsonl``
+    (ValueError when the file lacks one: the run cannot be reported whole)."""
+    if not completed:
+        return []
+    earlier = [result for result in read_metrics(run_dir / "metrics.jsonl") if result.round <= completed]
+    if [result.round for result in earlier] != list(range(1, completed + 1)):
+        raise ValueError(f"{run_dir} holds a checkpoint after round {completed} but metrics.jsonl has rounds "
+                         f"{[result.round for result in earlier]}: it cannot be resumed into a whole report")
+    return earlier
+
+
+#: ``run_simulation``'s default live display: the standard error stream of the moment it runs (not of the moment this
+#: module was imported: a test's captured stream is closed by then).
+STDERR = "stderr"
+
+
+def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR, *, label: str = "",
                    run_dir: Path | None = None, data: FleetData | None = None) -> SimOutcome:
     """Start broker, coordinator and fleet; run the rounds; stop everything; write the run's directory (report,
     CSV, summary, plots) and return the results. ``progress``: where the live display goes (None: nowhere);
@@ -200,6 +222,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
     and its partition among the agents when the caller has them already (:func:`fleet_data` of these options)."""
     if options.agents < 1 or options.rounds < 1 or (options.workers is not None and options.workers < 1):
         raise ValueError("--agents, --rounds and --workers must be at least 1")
+    if isinstance(progress, str):
+        progress = sys.stderr
     check_device(options.device)
     started = time.time()
     dataset, shards = data or fleet_data(options.dataset, options.base.data.root, options.agents,
@@ -225,6 +249,10 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
         config = coordinator_config(options, broker, run_dir)
         coordinator = Coordinator(config, dataset=dataset, on_round=printer.on_round if printer else None,
                                   on_progress=printer)
+        earlier = _earlier_rounds(run_dir, coordinator.completed_rounds)
+        if earlier and progress is not None:
+            print(f"{label + ': ' if label else ''}resumed after round {coordinator.completed_rounds} of "
+                  f"{options.rounds}", file=progress, flush=True)
         # FedAvg ignores memory: its devices train its one model (the full one, or fedavg.width) whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
@@ -232,7 +260,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                                             budget_anchor(coordinator, options.allocator, options.device),
                                             options.seed,
                                             options.budget_variance))
-        if any(schedules):  # sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...)
+        # Sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...); a resumed run's checkpoint
+        # holds what the sizing chose.
+        if any(schedules) and not coordinator.completed_rounds:
             # the budgets they have in all but their rarest rounds, as fedfit plan --budgets and the statement use
             coordinator.fit_to_fleet([schedule.dependable() for schedule in schedules if schedule is not None])
         services = tier_services(coordinator.strategy, schedules)
@@ -260,7 +290,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="sim-connect") as connector:
             for started_agent in [connector.submit(agent.start) for agent in agents]:
                 started_agent.result()  # re-raises a connection failure
-        rounds = coordinator.run()
+        rounds = earlier + coordinator.run()
         ended = time.time()
         rejected = coordinator.rejected_messages + sum(agent.rejected_messages for agent in agents)
         settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
@@ -278,10 +308,14 @@ def run_simulation(options: SimOptions, progress: IO[str] | None = sys.stderr, *
                     "masked_ce": coordinator.strategy.masked_ce,
                     "device": options.device,
                     "serving": [service.as_dict() for service in services]}
+        # A resumed run's time: this process's, and the rounds the earlier one finished (its set-up is not known).
+        wall = ended - started + sum(result.seconds for result in earlier)
         run = {"version": version_string(), "started_at": _utc(started), "ended_at": _utc(ended),
-               "wall_seconds": round(ended - started, 3), "directory": str(run_dir), "config": _public(config),
+               "wall_seconds": round(wall, 3), "directory": str(run_dir), "config": _public(config),
                "overrides": list(options.overrides), "command": list(options.command),
-               "cores": cores, "workers": workers, "torch_threads": threads}
+               "cores": cores, "workers": workers, "torch_threads": threads,
+               **({"label": label} if label else {}),
+               **({"resumed_after_round": len(earlier)} if earlier else {})}
         tiers = {agent_id(index): (s.tier.name if s else None) for index, s in enumerate(schedules)}
         report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings,
                               secured=broker.secured, run=run, tiers=tiers)

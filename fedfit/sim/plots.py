@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.axes import Axes
-from matplotlib.figure import Figure  # drawn by Agg on save, without pyplot: nothing global changes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator  # drawn by Agg on save, without pyplot: nothing global changes
 
 from fedfit.sim.report import level_average
 
@@ -103,3 +104,70 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
     figure.tight_layout()
     figure.savefig(path, dpi=_DPI)
     return path
+
+
+def _band(ax: Axes, rounds: list[int], means: list[float], spreads: list[float], label: str, width: float = 1.6,
+          style: str = "-") -> None:
+    line, = ax.plot(rounds, means, style, linewidth=width, label=label)
+    if any(spreads):
+        ax.fill_between(rounds, [m - s for m, s in zip(means, spreads)], [m + s for m, s in zip(means, spreads)],
+                        color=line.get_color(), alpha=0.18, linewidth=0)
+
+
+def _finish(ax: Axes, title: str, unit: str) -> None:
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel(unit)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_seed_comparison(groups: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    """Methods run with several seeds, in one PNG: each method's global accuracy and mean over levels per round as
+    the mean over its seeds with a band (plus and minus the spread), and its traffic; below, each method's global
+    model and levels (means over the seeds)."""
+    from fedfit.sim.seeds import mean_curve
+
+    rows = 1 + -(-len(groups) // 3)
+    figure = Figure(figsize=(15.6, 3.8 * rows))
+    grid = figure.add_gridspec(rows, 3)
+    overview = [figure.add_subplot(grid[0, i]) for i in range(3)]
+    for name, reports in groups.items():
+        label = f"{name} ({len(reports)} seed{'s' * (len(reports) > 1)})"
+        _band(overview[0], *mean_curve(reports, "global"), label)
+        _band(overview[1], *mean_curve(reports, "levels"), label)
+        traffic: dict[int, list[float]] = {}
+        for report in reports:
+            for r in report["rounds"]:
+                traffic.setdefault(r["round"], []).append((r["bytes_down"] + r["bytes_up"]) / 1e6)
+        numbers = sorted(traffic)
+        overview[2].plot(numbers, [sum(traffic[n]) / len(traffic[n]) for n in numbers], "-", label=name)
+    for ax, title, unit in zip(overview, ("global model (mean over seeds, band: ± spread)",
+                                          "mean over the levels trained", "traffic (mean over seeds)"),
+                               ("test accuracy", "test accuracy", "MB per round")):
+        _finish(ax, title, unit)
+    for index, (name, reports) in enumerate(groups.items()):
+        ax = figure.add_subplot(grid[1 + index // 3, index % 3])
+        _band(ax, *mean_curve(reports, "global"), "global", width=2.2)
+        for output in sorted({n for report in reports for r in report["rounds"] for n in r["level_accuracy"]}):
+            _band(ax, *_output_curve(reports, "level_accuracy", output), f"level {output}", width=1.0)
+        for output in sorted({n for report in reports for r in report["rounds"] for n in r["exit_accuracy"]},
+                             key=lambda n: (len(n), n)):
+            _band(ax, *_output_curve(reports, "exit_accuracy", output), output, width=1.0, style="--")
+        _finish(ax, name, "test accuracy")
+    figure.tight_layout()
+    figure.savefig(path, dpi=_DPI)
+    return path
+
+
+def _output_curve(reports: Sequence[dict[str, Any]], key: str, name: str) -> tuple[list[int], list[float],
+                                                                                   list[float]]:
+    """One level's (or exit's) accuracy per round: the mean over the runs that report it, without a band."""
+    values: dict[int, list[float]] = {}
+    for report in reports:
+        for r in report["rounds"]:
+            if name in r[key]:
+                values.setdefault(r["round"], []).append(r[key][name])
+    rounds = sorted(values)
+    return rounds, [sum(values[n]) / len(values[n]) for n in rounds], [0.0] * len(rounds)

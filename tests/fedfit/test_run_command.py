@@ -10,7 +10,8 @@ import pytest
 from coordinator.config import CoordinatorConfig, ModelConfig
 from coordinator.strategies import ALGORITHM_NAMES
 from fedfit.cli import _coordinator_settings, main
-from fedfit.run_command import SETTINGS, add_run_arguments, compare_variant, resolve
+from fedfit.compare_command import compare_variant
+from fedfit.run_command import SETTINGS, add_run_arguments, resolve
 from models import FAMILY_NAMES
 
 
@@ -25,7 +26,7 @@ def test_the_configuration_is_honoured_where_no_flag_is_given(tmp_path: Path) ->
     config.write_text("algorithm: scalefl\nrounds: 20\nseed: 7\nmodel: {family: resnet20}\n"
                       f"state_dir: {tmp_path / 'run'}\n")
     args = parse("--config", str(config))
-    mapping, loaded = _coordinator_settings(args.config, args.overrides)
+    mapping, loaded, _ = _coordinator_settings(args.config, args.overrides)
     values, given = resolve(args, mapping, loaded)
     assert (values["algorithm"], values["rounds"], values["seed"], values["model"]) == ("scalefl", 20, 7, "resnet20")
     assert values["state_dir"] == str(tmp_path / "run") and values["dataset"] == "fashion-mnist"
@@ -36,7 +37,7 @@ def test_flags_given_win_and_are_recorded(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("algorithm: scalefl\nrounds: 20\n")
     args = parse("--config", str(config), "--rounds", "3", "--algorithm", "fedepth", "--set", "seed=5")
-    mapping, loaded = _coordinator_settings(args.config, args.overrides)
+    mapping, loaded, _ = _coordinator_settings(args.config, args.overrides)
     values, given = resolve(args, mapping, loaded)
     assert (values["algorithm"], values["rounds"], values["seed"]) == ("fedepth", 3, 5)  # --set counts as config
     assert given == ["--algorithm fedepth", "--rounds 3"]

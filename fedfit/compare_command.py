@@ -1,0 +1,266 @@
+"""``fedfit compare``: run several methods on the same fleet (once per seed, with the baselines asked for), or read
+finished runs, and write the comparison; ``--resume`` goes on with one stopped part-way.
+
+Layout of a comparison's directory (``--seeds``, or an experiment file's ``seeds``, put each seed's runs apart)::
+
+    comparison.{txt,md,json,png,html}   the comparison of every run (over the seeds: mean and spread)
+    compare.json, config.yaml           what it was run with (the flags, a copy of --config): what --resume reads
+    seed-S/<label>/                     one run directory per method (and baseline) and seed, as fedfit sim's
+    seed-S/comparison.*                 that seed's own comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError
+from fedfit.experiment import BASELINES, Experiment, parse_baselines, parse_seeds
+from fedfit.run_command import SETTINGS, Loader, _checked, _load, _logging, _options, resolve
+
+#: What a comparison keeps of how it was run (the parsed flags), for ``--resume``.
+SETUP_FILE = "compare.json"
+#: The copy of ``--config`` a comparison keeps beside it: a resumed one runs with what the first part ran with.
+CONFIG_COPY = "config.yaml"
+SETUP_FORMAT = "fedfit-compare-v1"
+
+
+def _fedavg_width(values: dict[str, Any], base: Any, dataset: Any) -> float:
+    """FedAvg's width in a comparison: the widest every device of the scenario can train (its smallest tier)."""
+    from coordinator.strategies.base import base_plan
+    from fedfit.sim.budgets import BudgetAnchor, width_for_all
+    from models import get_family
+
+    family = get_family(values["model"], dataset.num_classes, dataset.in_channels, **base.model.options)
+    anchor = BudgetAnchor.estimate(family, base_plan(base.recipe), input_size=dataset.image_size,
+                                   allocator=values["allocator"], device=values["device"])
+    return width_for_all(values["budgets"], anchor, base.levels, values["budget_variance"])
+
+
+def compare_variant(label: str) -> tuple[str, str | None]:
+    """The algorithm a ``--algorithms`` entry runs, and AdaptiveFL's selection mode when the entry names an
+    ablation (``adaptivefl-random``, ``adaptivefl-greedy``, ``adaptivefl-curiosity``, ``adaptivefl-resource``).
+    A baseline (``all-large``, ``all-small``) runs FedAvg."""
+    from coordinator.client_selection import SELECTION_MODES
+
+    if label in BASELINES:
+        return "fedavg", None
+    algorithm, _, mode = label.partition("-")
+    if algorithm == "adaptivefl" and mode in SELECTION_MODES and mode != "rl":  # rl is plain adaptivefl
+        return algorithm, mode
+    return label, None
+
+
+def _resumed(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags the comparison in ``--resume DIR`` was started with, to go on with it (ConfigError when DIR holds
+    none, or when other flags were given: a resumed comparison runs as it started)."""
+    directory = Path(args.resume)
+    given = [arg for arg in getattr(args, "argv", []) if arg.startswith("-")
+             and arg.split("=")[0] not in ("--resume", "--workers", "--log-file")]
+    if args.runs or given:
+        raise ConfigError(f"fedfit compare --resume goes on as the comparison started: leave out "
+                          f"{', '.join(given) or 'the run directories'} (only --workers and --log-file may change)")
+    try:
+        setup = json.loads((directory / SETUP_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {directory}: no {SETUP_FILE} there: it is not a comparison fedfit compare "
+                          f"--algorithms started (or it predates --resume)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--resume {directory}: cannot read {SETUP_FILE}: {exc}") from None
+    if setup.get("format") != SETUP_FORMAT:
+        raise ConfigError(f"--resume {directory}: {SETUP_FILE} is not of format {SETUP_FORMAT}")
+    stored = dict(setup["arguments"])
+    if stored.get("config"):
+        stored["config"] = str(directory / CONFIG_COPY)
+    for name in ("workers", "log_file"):
+        if getattr(args, name) is not None:
+            stored[name] = getattr(args, name)
+    return argparse.Namespace(**{**stored, "out": str(directory), "resume": str(directory), "runs": [],
+                                 "argv": getattr(args, "argv", [])})
+
+
+def _keep_setup(args: argparse.Namespace, out: Path) -> None:
+    """Write what ``--resume`` needs: the parsed flags and a copy of ``--config``."""
+    arguments = {key: value for key, value in vars(args).items() if key not in ("argv", "resume", "out")}
+    if args.config:
+        shutil.copyfile(args.config, out / CONFIG_COPY)
+    (out / SETUP_FILE).write_text(json.dumps({"format": SETUP_FORMAT, "arguments": arguments}, indent=2) + "\n",
+                                  encoding="utf-8")
+
+
+def _read_runs(args: argparse.Namespace) -> tuple[list[dict[str, Any]], Path]:
+    """``fedfit compare RUN_DIR...``: the reports of finished runs, and the comparison's directory."""
+    from fedfit.sim.report import read_report
+    from fedfit.sim.rundir import claim_run_dir, new_run_dir
+
+    ignored = [setting.flag for name, setting in SETTINGS.items()
+               if getattr(args, "run_dir" if name == "state_dir" else name, None) is not None]
+    ignored += ["--config"] * bool(args.config) + ["--set"] * bool(args.overrides)
+    ignored += ["--seeds"] * bool(args.seeds) + ["--baseline"] * bool(args.baseline)
+    if ignored:
+        raise ConfigError(f"fedfit compare reads finished runs as they are: {', '.join(ignored)} only apply to "
+                          f"runs it makes (--algorithms)")
+    reports = [read_report(path) for run in args.runs for path in _report_paths(Path(run))]
+    return reports, (claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare"))
+
+
+def _report_paths(path: Path) -> list[Path]:
+    """The reports ``path`` names: a report, a run's directory, or a comparison's directory (every run in it, seed
+    by seed)."""
+    from fedfit.sim.rundir import REPORT_FILE
+
+    if not path.is_dir() or (path / REPORT_FILE).exists():
+        return [path / REPORT_FILE if path.is_dir() else path]
+    found = sorted(path.glob(f"*/{REPORT_FILE}")) + sorted(path.glob(f"seed-*/*/{REPORT_FILE}"),
+                                                           key=lambda p: (_seed_of(p.parent.parent), p))
+    if not found:
+        raise ConfigError(f"{path} holds no run (no {REPORT_FILE} in it, its directories or their seed-*/ ones)")
+    return found
+
+
+def _seed_of(directory: Path) -> int:
+    try:
+        return int(directory.name.removeprefix("seed-"))
+    except ValueError:
+        return 0
+
+
+def _labels(args: argparse.Namespace, experiment: Experiment) -> list[str]:
+    """What runs, in order: the methods (``--algorithms``, else the experiment file's), then the baselines."""
+    from coordinator.strategies import check_algorithm
+
+    if args.algorithms is not None:
+        methods = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+        if not methods:
+            raise ConfigError(f"--algorithms names no algorithm: {args.algorithms!r}")
+    else:
+        methods = list(experiment.algorithms)
+    baselines = parse_baselines(args.baseline) if args.baseline else list(experiment.baselines)
+    labels = methods + baselines
+    if not labels:
+        raise ConfigError("fedfit compare needs --algorithms A,B,... (to run them), an experiment file naming its "
+                          "algorithms, or run directories (to read them)")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"fedfit compare names one more than once: {', '.join(labels)}")
+    for label in labels:
+        check_algorithm(compare_variant(label)[0])
+    return labels
+
+
+def _run_bases(labels: list[str], mapping: dict[str, Any], base: Any, values: dict[str, Any],
+               dataset: Any) -> dict[str, Any]:
+    """Each label's coordinator configuration: FedAvg at the widest width every device can train (unless
+    ``fedavg.width`` is set; always for all-small), all-large at width 1, AdaptiveFL's ablations' selection."""
+    small = None
+    fedavg_set = _present_width(mapping)
+    if "all-small" in labels or ("fedavg" in labels and not fedavg_set):
+        small = _fedavg_width(values, base, dataset)
+    bases = {}
+    for label in labels:
+        selection = compare_variant(label)[1]
+        run_base = base
+        if label == "all-large":
+            run_base = replace(base, fedavg=replace(base.fedavg, width=1.0))
+        elif label == "all-small" or (label == "fedavg" and not fedavg_set):
+            run_base = replace(base, fedavg=replace(base.fedavg, width=small))
+        if selection is not None:
+            run_base = replace(run_base, adaptivefl=replace(run_base.adaptivefl, selection=selection))
+        bases[label] = run_base
+    return bases
+
+
+def _present_width(mapping: dict[str, Any]) -> bool:
+    fedavg = mapping.get("fedavg")
+    return isinstance(fedavg, dict) and "width" in fedavg
+
+
+def run_compare(args: argparse.Namespace, load: Loader) -> int:
+    """``fedfit compare``: run each method (and baseline) on the same fleet once per seed, or read the runs given,
+    or go on with a comparison stopped part-way; write the comparison."""
+    from fedfit.sim.compare import write_comparison
+
+    if args.resume:
+        args = _resumed(args)
+    if args.runs and (args.algorithms or args.baseline):
+        raise ConfigError("fedfit compare takes either run directories or --algorithms/--baseline, not both")
+    if args.runs:
+        reports, out = _read_runs(args)
+        experiment = None
+    else:
+        reports, out, experiment = _run_methods(args, load)
+    paths = write_comparison(reports, out, experiment.describe() if experiment else None)
+    print(paths["txt"].read_text(encoding="utf-8").rstrip())
+    print(f"comparison in {out}: " + ", ".join(path.name for path in paths.values()))
+    return 0
+
+
+def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str, Any]], Path, Experiment]:
+    """Run every label once per seed (a resumed comparison: what is not finished) and return the reports."""
+    from fedfit.sim.compare import write_comparison
+    from fedfit.sim.harness import fleet_data, run_simulation
+    from fedfit.sim.report import read_report
+    from fedfit.sim.rundir import REPORT_FILE, claim_run_dir, new_run_dir
+
+    resuming = bool(args.resume)
+    if args.seeds and args.seed is not None:
+        raise ConfigError("fedfit compare takes --seed or --seeds, not both")
+    mapping, base, experiment = _load(args, load)
+    labels = _labels(args, experiment)
+    values, given = resolve(args, mapping, base, experiment.settings())
+    seeds = parse_seeds(args.seeds) if args.seeds else list(experiment.seeds)
+    apart = bool(seeds)  # each seed's runs in a directory of their own
+    seeds = seeds or [values["seed"]]
+    algorithms = list(dict.fromkeys(compare_variant(label)[0] for label in labels))
+    checked = {**values, "seed": seeds[0], "state_dir": None}
+    # a resumed comparison's directory is in use, by itself
+    check_args = argparse.Namespace(**{**vars(args), "out": None}) if resuming else args
+    data = _checked(checked, base, mapping, check_args, algorithms)
+    bases = _run_bases(labels, mapping, base, values, data[0])
+    if resuming:
+        out = Path(args.out)
+    else:
+        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
+        _keep_setup(args, out)
+    if seeds[1:] or apart:
+        given = [entry for entry in given if not entry.startswith("--seed ")] + [f"--seeds {','.join(map(str, seeds))}"]
+    reports: list[dict[str, Any]] = []
+    for seed in seeds:
+        if seed != seeds[0]:
+            data = fleet_data(values["dataset"], base.data.root, values["agents"], values["partition"], seed,
+                              train_samples=values["train_samples"])
+        seed_dir = out / f"seed-{seed}" if apart else out
+        seed_reports: list[dict[str, Any]] = []
+        for label in labels:
+            run_dir = seed_dir / label
+            if resuming and (run_dir / REPORT_FILE).exists():
+                print(f"{label} (seed {seed}): finished already, read from {run_dir}", file=sys.stderr, flush=True)
+                seed_reports.append(read_report(run_dir / REPORT_FILE))
+                continue
+            going_on = resuming and run_dir.is_dir()
+            run_dir = run_dir if going_on else claim_run_dir(run_dir)
+            if not args.log_file:
+                _logging(args, run_dir)
+            elif not reports and not seed_reports:
+                _logging(args, out)
+            options = _options({**values, "seed": seed, "algorithm": compare_variant(label)[0],
+                                "state_dir": str(run_dir)}, args, bases[label], given, resume=going_on)
+            name = label if not apart else f"{label} (seed {seed})"
+            print(f"{name}: {'going on' if going_on else 'running'} in {run_dir}", file=sys.stderr, flush=True)
+            try:
+                seed_reports.append(run_simulation(options, label=label, run_dir=run_dir, data=data).report)
+            except BaseException:  # Ctrl-C too: the runs that finished are compared
+                done = reports + seed_reports
+                if done:  # what finished is compared: a failure late in a long comparison keeps the rest
+                    write_comparison(done, out, experiment.describe())
+                    print(f"{name} failed; the comparison of the runs before it is in {out} (fedfit compare --resume "
+                          f"{out} goes on)", file=sys.stderr)
+                raise
+        if apart and len(seeds) > 1:
+            write_comparison(seed_reports, seed_dir, experiment.describe())
+        reports += seed_reports
+    return reports, out, experiment
