@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord, TaskStatus
+from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord, TaskStatus, read_metrics
 from protocol import UpdateStatus
 
 
@@ -74,3 +75,20 @@ def test_task_statuses_are_written_as_their_values(tmp_path):
     path = tmp_path / "metrics.jsonl"
     MetricsWriter(path).write(result(1))
     assert [task["status"] for task in json.loads(path.read_text())["tasks"]] == ["ok", "skipped"]
+
+
+def test_the_rounds_written_are_read_back_as_they_were(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    assert read_metrics(path) == []
+    writer = MetricsWriter(path)
+    for number in (1, 2):
+        writer.write(result(number))
+    back = read_metrics(path)
+    assert back == [result(1), result(2)]
+    assert back[0].tasks[1].status is TaskStatus.SKIPPED
+    with path.open("a") as handle:  # a crash while the third line was written
+        handle.write('{"round": 3, "global_acc')
+    assert read_metrics(path) == [result(1), result(2)]
+    path.write_text('{"round": 1,\n' + json.dumps(result(2).to_dict()) + "\n")
+    with pytest.raises(ValueError, match="line 1 is not a round's result"):
+        read_metrics(path)

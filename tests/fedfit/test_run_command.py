@@ -73,6 +73,12 @@ def test_version_without_torch(capsys: pytest.CaptureFixture[str]) -> None:
     (["compare", "runs/a", "--rounds", "3", "--seed", "1"], "--rounds, --seed only apply to runs it makes"),
     (["compare", "--algorithms", "heterofl,nope"], "unknown algorithm 'nope'"),
     (["compare", "--algorithms", "heterofl,heterofl"], "names one more than once"),
+    (["compare", "--algorithms", "all-large", "--baseline", "all-large"], "names one more than once"),
+    (["compare", "--algorithms", "heterofl", "--baseline", "all-medium"], "all-large and/or all-small"),
+    (["compare", "--algorithms", "heterofl", "--seeds", "0,x"], "--seeds takes whole numbers"),
+    (["compare", "--algorithms", "heterofl", "--seeds", "0,1", "--seed", "2"], "--seed or --seeds, not both"),
+    (["compare", "runs/a", "--seeds", "0,1"], "--seeds only apply to runs it makes"),
+    (["compare", "runs/a", "--baseline", "all-large"], "either run directories or --algorithms/--baseline"),
 ])  # fmt: skip
 def test_user_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str],
                                       said: str) -> None:
@@ -83,6 +89,16 @@ def test_user_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], tmp_pa
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and said in err and "Traceback" not in err
+
+
+def test_resume_goes_on_as_the_comparison_started(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["compare", "--resume", str(tmp_path)]) == 2
+    assert "no compare.json there" in capsys.readouterr().err
+    assert main(["compare", "--resume", str(tmp_path), "--rounds", "3", "--seed=1"]) == 2
+    assert "leave out --rounds, --seed=1" in capsys.readouterr().err
+    (tmp_path / "compare.json").write_text('{"format": "something else"}')
+    assert main(["compare", "--resume", str(tmp_path)]) == 2
+    assert "not of format fedfit-compare-v1" in capsys.readouterr().err
 
 
 def test_compare_reads_runs_that_are_not_there(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
