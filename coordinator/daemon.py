@@ -56,7 +56,8 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, *, dataset: Dataset | None = None,
                  on_round: Callable[[RoundResult], None] | None = None,
-                 on_progress: Callable[[Progress], None] | None = None) -> None:
+                 on_progress: Callable[[Progress], None] | None = None,
+                 resume_grace_s: float = RESUME_GRACE_S) -> None:
         config.validate()
         self.config = config
         self.topics = Topics(config.federation)
@@ -75,7 +76,9 @@ class Coordinator:
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
         self.on_round = on_round
         self.on_progress = on_progress
-        self.rng = random.Random(config.seed)
+        #: Seconds a round resumed from the journal waits at least (a simulator whose agents restarted with it and
+        #: train its tasks again gives it a whole round's deadline).
+        self.resume_grace_s = resume_grace_s
         self.state_dir = Path(config.state_dir)
         self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
         self.metrics = MetricsWriter(self.state_dir / "metrics.jsonl")
@@ -114,7 +117,7 @@ class Coordinator:
             self.log.warning("first_round_planned_again", round=pending.round,
                              reason="the strategy is sized to the fleet at its first round")
             return
-        deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, RESUME_GRACE_S))
+        deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, self.resume_grace_s))
         resumed = self._new_round(pending.round, pending.tasks, pending.skipped, deadline)
         self._install(resumed)
         for update, payload in self.journal.stored(pending.round):
@@ -246,7 +249,9 @@ class Coordinator:
         if self.strategy.awaits_fleet and self.completed_rounds == 0:
             self.fit_to_fleet([budget for agent in online if (budget := agent.budget()) is not None])
         self.fleet.tell_service(online)
-        plan = self.strategy.configure_round(round_number, online, self.rng)
+        # A generator of the round's own: a run resumed after round k selects as one never stopped would.
+        rng = random.Random(f"{self.config.seed}:{round_number}")
+        plan = self.strategy.configure_round(round_number, online, rng)
         plan.skipped.extend(misfits)
         deadline = time.time() + self.config.round_timeout_s
         tasks = {self.dispatcher.task_id(round_number, t.agent_id): t for t in plan.tasks}

@@ -131,9 +131,12 @@ class RoundResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundResult:
         """The result :meth:`to_dict` gave (a line of ``metrics.jsonl``)."""
-        fields = dict(data)
-        fields["tasks"] = [TaskRecord(**task) for task in fields.get("tasks", [])]
-        return cls(**fields)
+        try:
+            fields = dict(data)
+            fields["tasks"] = [TaskRecord(**task) for task in fields.get("tasks", [])]
+            return cls(**fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not a round's result as this version writes it: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -176,4 +179,6 @@ def read_metrics(path: str | Path) -> list[RoundResult]:
             if index == len(lines) - 1:
                 break
             raise ValueError(f"{path} line {index + 1} is not a round's result") from None
+        except ValueError as exc:
+            raise ValueError(f"{path} line {index + 1}: {exc}") from None
     return results

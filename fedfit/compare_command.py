@@ -212,7 +212,9 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     mapping, base, experiment = _load(args, load)
     labels = _labels(args, experiment)
     values, given = resolve(args, mapping, base, experiment.settings())
-    seeds = parse_seeds(args.seeds) if args.seeds else list(experiment.seeds)
+    # --seed wins over the file's seeds as any flag does: that one seed, laid out as the file's would be
+    seeds = (parse_seeds(args.seeds) if args.seeds else [args.seed] if args.seed is not None and experiment.seeds
+             else list(experiment.seeds))
     apart = bool(seeds)  # each seed's runs in a directory of their own
     seeds = seeds or [values["seed"]]
     algorithms = list(dict.fromkeys(compare_variant(label)[0] for label in labels))
@@ -229,6 +231,7 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     if seeds[1:] or apart:
         given = [entry for entry in given if not entry.startswith("--seed ")] + [f"--seeds {','.join(map(str, seeds))}"]
     reports: list[dict[str, Any]] = []
+    logged = False  # --log-file: configured once, by the first run that runs (a resumed comparison reads some)
     for seed in seeds:
         if seed != seeds[0]:
             data = fleet_data(values["dataset"], base.data.root, values["agents"], values["partition"], seed,
@@ -245,8 +248,9 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
             run_dir = run_dir if going_on else claim_run_dir(run_dir)
             if not args.log_file:
                 _logging(args, run_dir)
-            elif not reports and not seed_reports:
+            elif not logged:
                 _logging(args, out)
+                logged = True
             options = _options({**values, "seed": seed, "algorithm": compare_variant(label)[0],
                                 "state_dir": str(run_dir)}, args, bases[label], given, resume=going_on)
             name = label if not apart else f"{label} (seed {seed})"

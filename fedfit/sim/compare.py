@@ -12,6 +12,7 @@ import base64
 import html
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,14 +197,6 @@ def aligned(header: Sequence[str], cells: Sequence[Sequence[str]], left: Sequenc
     return "\n".join(lines)
 
 
-def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as aligned text, then each method's paper baselines."""
-    lines = [aligned(_COLUMNS, [_cells(row) for row in rows], left=(0, 4)), ""]
-    lines += footnotes(rows)
-    lines += method_notes(rows)
-    return "\n".join(lines)
-
-
 def method_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Once per method: what its paper compares it with, or what the baseline is."""
     notes: dict[str, str] = {}
@@ -225,7 +218,7 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
              + "pruned or declined for memory, the same way"]
     notes.append("served: devices that trained at least once / devices in the fleet")
     notes.append("last-5 change: the mean global accuracy of the last five rounds minus that of the five before, in "
-                 "points (a quarter of the rounds each below 20 rounds): near 0 once the curve has flattened")
+                 "points (fewer below 20 rounds: a quarter of them each, at least one): near 0 once the curve has flattened")
     for row in rows:
         if row.get("unserved_tiers"):
             notes.append(f"{row['method']}: devices never trained, by tier: {', '.join(row['unserved_tiers'])}")
@@ -251,31 +244,53 @@ def _heading(reports: Sequence[dict[str, Any]]) -> str:
             f"| {rounds} round{'' if rounds == 1 else 's'}")
 
 
-def comparison_html(reports: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], png: Path) -> str:
-    """A self-contained page: the heading, the table, the paper baselines and the plot (embedded)."""
+@dataclass
+class Comparison:
+    """What a comparison says, before it is written as text, Markdown, JSON or HTML."""
+
+    heading: str
+    quoted: list[str]  # the experiment's claim and paper figures
+    differences: list[str]  # where the runs are not one fleet
+    rows: list[dict[str, Any]]  # one per run
+    seed_table: list[dict[str, Any]]  # one per method over its seeds (empty: not averaged)
+    remarks: list[str]  # e.g. why runs were not averaged, the fleet's memory against All-Large's
+
+    def notes(self) -> list[str]:
+        """The notes under the tables: the seeds table's, the runs table's, what each method is compared with."""
+        return [*(seed_notes(self.seed_table) if self.seed_table else []), *footnotes(self.rows),
+                *method_notes(self.rows)]
+
+
+def comparison_html(comparison: Comparison, png: Path) -> str:
+    """A self-contained page: the heading, the tables, the notes and the plot (embedded)."""
+    def table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+        head = "".join(f"<th>{html.escape(name)}</th>" for name in header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in cells)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
     image = base64.b64encode(png.read_bytes()).decode("ascii")
-    header = "".join(f"<th>{html.escape(name)}</th>" for name in _COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _cells(row)) + "</tr>"
-                   for row in rows)
-    notes = "".join(f"<li>{html.escape(note)}</li>" for note in footnotes(rows))
-    notes += "".join(f"<li>{html.escape(note)}</li>" for note in method_notes(rows))
-    differences = fleet_differences(reports)
-    warning = ("<p class='warn'>The runs are not on the same fleet: " + html.escape("; ".join(differences)) + "</p>"
-               if differences else "")
+    paragraphs = "".join(f"<p>{html.escape(line)}</p>" for line in (*comparison.quoted, *comparison.remarks))
+    warning = ("<p class='warn'>The runs are not on the same fleet: " + html.escape("; ".join(comparison.differences))
+               + "</p>" if comparison.differences else "")
+    seeds = (f"<h2>Over the seeds</h2>{table(SEED_COLUMNS, [seed_cells(r) for r in comparison.seed_table])}"
+             f"<h2>Every run</h2>" if comparison.seed_table else "")
+    notes = "".join(f"<li>{html.escape(note)}</li>" for note in comparison.notes())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>FedFit comparison</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
-td:first-child, td:nth-child(5), th {{ text-align: left; }}
+td:first-child, th {{ text-align: left; }}
 .warn {{ color: #a00; }}
 img {{ max-width: 100%; }}
 </style></head><body>
 <h1>FedFit comparison</h1>
-<p>{html.escape(_heading(reports))}</p>
+<p>{html.escape(comparison.heading)}</p>
+{paragraphs}
 {warning}
-<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>
+{seeds}
+{table(_COLUMNS, [_cells(row) for row in comparison.rows])}
 <p>Accuracy on the test set at the last round (best: the best round's). Declined counts tasks refused or skipped for
 memory, failed those that crashed or missed the deadline, rejected those the coordinator's screening refused; over
 budget counts tasks whose measured peak exceeded the device's budget.</p>
@@ -285,31 +300,62 @@ budget counts tasks whose measured peak exceeded the device's budget.</p>
 """
 
 
-def seed_groups(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]] | None:
-    """The runs by method when some method ran more than once, each time with another seed (None otherwise:
-    nothing to average, or two runs of one method with one seed, which are not seeds of one experiment)."""
+def seed_groups(reports: Sequence[dict[str, Any]]) -> tuple[dict[str, list[dict[str, Any]]] | None, str]:
+    """The runs by method when some method ran more than once, each time with another seed, or None and why not
+    (empty: nothing to average; two runs of one method with one seed are not seeds of one experiment)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for report in reports:
         groups.setdefault(method_name(report), []).append(report)
     if all(len(group) == 1 for group in groups.values()):
-        return None
-    for group in groups.values():
+        return None, ""
+    for name, group in groups.items():
         seeds = [report.get("settings", {}).get("seed") for report in group]
-        if len(set(seeds)) != len(seeds):
-            return None
-    return groups
+        repeated = sorted({str(seed) for seed in seeds if seeds.count(seed) > 1})
+        if repeated:
+            return None, (f"not averaged over seeds: {name} has more than one run with seed {', '.join(repeated)} "
+                          f"(runs of one experiment differ in their seed)")
+    return groups, ""
+
+
+#: Parts of a run's resolved configuration that may differ between the seeds of one method.
+_PER_RUN_CONFIG = ("seed", "state_dir", "broker", "federation", "min_agents")
 
 
 def _seed_differences(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Where runs averaged over seeds are not one fleet: a fleet key other than the seed, or methods that ran on
-    other seeds."""
+    """Where runs averaged over seeds are not one fleet and one method: a fleet key other than the seed, a method
+    setting that differs between one method's seeds, or methods that ran on other seeds."""
     reports = [report for group in groups.values() for report in group]
     found = fleet_differences(reports, [key for key in FLEET_KEYS if key != "seed"])
+    for name, group in groups.items():
+        configs = [{key: value for key, value in report.get("run", {}).get("config", {}).items()
+                    if key not in _PER_RUN_CONFIG} for report in group]
+        keys = sorted({key for config in configs for key in config
+                       if len({json.dumps(c.get(key), sort_keys=True) for c in configs}) > 1})
+        if keys:
+            found.append(f"{name}: its seeds' runs differ in {', '.join(keys)}")
     seed_sets = {name: sorted(str(report.get("settings", {}).get("seed")) for report in group)
                  for name, group in groups.items()}
     if len({tuple(seeds) for seeds in seed_sets.values()}) > 1:
         found.append("seeds: " + " / ".join(f"{name} {','.join(seeds)}" for name, seeds in seed_sets.items()))
     return found
+
+
+def fleet_memory(reports: Sequence[dict[str, Any]]) -> str | None:
+    """The fleet's memory against All-Large's: the mean budget of a device (the first run with budgets) and the
+    most an All-Large task was estimated to need in the same terms (None without both)."""
+    serving = next((report["settings"]["serving"] for report in reports
+                    if report.get("settings", {}).get("serving")), None)
+    large = [task.get("estimated_bytes") for report in reports if report.get("run", {}).get("label") == "all-large"
+             for task in report.get("tasks", [])]
+    needs = [need for need in large if need]
+    if not serving or not needs:
+        return None
+    devices = sum(tier["devices"] for tier in serving)
+    if not devices:
+        return None
+    mean = sum(tier["budget_bytes"] * tier["devices"] for tier in serving) / devices
+    return (f"memory: the fleet's budgets average {mean / 2**20:.1f} MiB a device, {mean / max(needs):.2f} of what "
+            f"All-Large asks of every device ({max(needs) / 2**20:.1f} MiB, its estimate with the same margin)")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -320,56 +366,69 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), line(["---"] * len(header)), *(line(row) for row in rows)])
 
 
-def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
-                     experiment: dict[str, str] | None = None) -> dict[str, Path]:
-    """Write ``comparison.txt``, ``comparison.md``, ``comparison.json``, ``comparison.png`` and ``comparison.html``
-    into ``directory``; returns their paths by kind. Where a method ran with several seeds, the text, Markdown and
-    JSON lead with its mean and spread over them and the PNG draws its mean with a band; ``experiment``: the claim
-    and the paper's figures the comparison tests (:meth:`fedfit.experiment.Experiment.describe`)."""
+def _markdown_item(note: str) -> str:
+    """A note as a Markdown list item (a leading ``*`` escaped: it would start a list of its own)."""
+    return "- " + ("\\" + note if note.startswith("*") else note)
+
+
+def comparison_of(reports: Sequence[dict[str, Any]], experiment: dict[str, str] | None = None) -> Comparison:
+    """What the comparison of ``reports`` says (see :func:`write_comparison`)."""
     if not reports:
         raise ValueError("a comparison needs at least one run")
-    directory.mkdir(parents=True, exist_ok=True)
     rows = comparison_rows(reports)
-    groups = seed_groups(reports)
-    if groups is not None:  # every run's row says its seed
+    groups, not_averaged = seed_groups(reports)
+    seeds = {str(report.get("settings", {}).get("seed")) for report in reports}
+    if len(seeds) > 1:  # every run's row says its seed
         for row, report in zip(rows, reports):
             row["method"] += f" (seed {report.get('settings', {}).get('seed')})"
-    heading = _heading(reports)
-    quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
-    text = "\n".join([heading, *quoted]) + "\n"
-    markdown = "\n\n".join([heading, *quoted]) + "\n\n"
     seed_table: list[dict[str, Any]] = []
     if groups is not None:
         differences = _seed_differences(groups)
         row_of = {id(report): row for row, report in zip(rows, reports)}
-        seed_table = [seed_row(name, group, [row_of[id(report)] for report in group]) for name, group in groups.items()]
-        if differences:
-            text += "NOT THE SAME FLEET: " + "; ".join(differences) + "\n"
-        cells = [seed_cells(row) for row in seed_table]
-        text += "\nover the seeds:\n" + aligned(SEED_COLUMNS, cells, left=(0, 6)) + "\n\n"
-        text += "\n".join(seed_notes(seed_table)) + "\n\nevery run:\n"
-        markdown += markdown_table(SEED_COLUMNS, cells) + "\n\n" + "\n".join(
-            f"- {note}" for note in seed_notes(seed_table)) + "\n\nEvery run:\n\n"
+        seed_table = [seed_row(name, group, [row_of[id(report)] for report in group])
+                      for name, group in groups.items()]
     else:
         differences = fleet_differences(reports)
-        if differences:
-            text += "NOT THE SAME FLEET: " + "; ".join(differences) + "\n"
-    text += "\n" + comparison_table(rows) + "\n"
-    markdown += markdown_table(_COLUMNS, [_cells(row) for row in rows]) + "\n\n" + "\n".join(
-        f"- {note}" for note in footnotes(rows)) + "\n"
-    if differences:
-        markdown = markdown.replace("\n\n", f"\n\n**Not the same fleet:** {'; '.join(differences)}\n\n", 1)
+    remarks = [remark for remark in (not_averaged, fleet_memory(reports)) if remark]
+    quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
+    return Comparison(_heading(reports), quoted, differences, rows, seed_table, remarks)
+
+
+def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
+                     experiment: dict[str, str] | None = None) -> dict[str, Path]:
+    """Write ``comparison.txt``, ``comparison.md``, ``comparison.json``, ``comparison.png`` and ``comparison.html``
+    into ``directory``; returns their paths by kind. Where a method ran with several seeds, each leads with its
+    mean and spread over them and the PNG draws its mean with a band; ``experiment``: the claim and the paper's
+    figures the comparison tests (:meth:`fedfit.experiment.Experiment.describe`)."""
+    comparison = comparison_of(reports, experiment)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows, seed_table = comparison.rows, comparison.seed_table
+    seed_cells_ = [seed_cells(row) for row in seed_table]
+    warning = ["NOT THE SAME FLEET: " + "; ".join(comparison.differences)] if comparison.differences else []
+    text = "\n".join([comparison.heading, *comparison.quoted, *comparison.remarks, *warning]) + "\n\n"
+    markdown = "\n\n".join([comparison.heading, *comparison.quoted, *comparison.remarks,
+                             *(f"**Not the same fleet:** {'; '.join(comparison.differences)}"
+                               for _ in warning)]) + "\n\n"
+    if seed_table:
+        text += "over the seeds:\n" + aligned(SEED_COLUMNS, seed_cells_, left=(0, 6)) + "\n\nevery run:\n"
+        markdown += markdown_table(SEED_COLUMNS, seed_cells_) + "\n\nEvery run:\n\n"
+    text += aligned(_COLUMNS, [_cells(row) for row in rows], left=(0, 4)) + "\n\n"
+    text += "\n".join(comparison.notes()) + "\n"
+    markdown += markdown_table(_COLUMNS, [_cells(row) for row in rows]) + "\n\n"
+    markdown += "\n".join(_markdown_item(note) for note in comparison.notes()) + "\n"
     paths = {"txt": directory / "comparison.txt", "md": directory / "comparison.md",
              "json": directory / "comparison.json", "png": directory / "comparison.png",
              "html": directory / "comparison.html"}
     paths["txt"].write_text(text, encoding="utf-8")
     paths["md"].write_text(markdown, encoding="utf-8")
-    paths["json"].write_text(json.dumps({"heading": heading, **(experiment or {}), "differences": differences,
+    paths["json"].write_text(json.dumps({"heading": comparison.heading, **(experiment or {}),
+                                         "remarks": comparison.remarks, "differences": comparison.differences,
                                          "over_seeds": seed_table, "rows": rows}, indent=2) + "\n",
                              encoding="utf-8")
+    groups = seed_groups(reports)[0]
     if groups is not None:
         plot_seed_comparison(groups, paths["png"])
     else:
         plot_comparison(reports, [row["method"] for row in rows], paths["png"])
-    paths["html"].write_text(comparison_html(reports, rows, paths["png"]), encoding="utf-8")
+    paths["html"].write_text(comparison_html(comparison, paths["png"]), encoding="utf-8")
     return paths

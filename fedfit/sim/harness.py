@@ -6,6 +6,8 @@ small training pool. Nothing is short-circuited: tasks and updates cross the bro
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -197,16 +199,24 @@ def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: st
     return loaded, [kept[shard] for shard in shards]
 
 
-def _earlier_rounds(run_dir: Path, completed: int) -> list[RoundResult]:
-    """The results of the ``completed`` rounds a resumed run did before it stopped, from its ``metrics.jsonl``
-    (ValueError when the file lacks one: the run cannot be reported whole)."""
-    if not completed:
-        return []
-    earlier = [result for result in read_metrics(run_dir / "metrics.jsonl") if result.round <= completed]
-    if [result.round for result in earlier] != list(range(1, completed + 1)):
+def _earlier_rounds(run_dir: Path, completed: int) -> tuple[list[RoundResult], int | None]:
+    """The results of the ``completed`` rounds a resumed run did before it stopped, from its ``metrics.jsonl``,
+    which is written again with exactly those (a line cut short by the stop, or a round after the checkpoint's,
+    would spoil the lines appended next); and the last round when it was checkpointed but stopped before its line
+    was written (its figures are lost; ValueError when more than that is missing)."""
+    path = run_dir / "metrics.jsonl"
+    earlier = [result for result in read_metrics(path) if result.round <= completed]
+    numbers = [result.round for result in earlier]
+    unrecorded = completed if numbers == list(range(1, completed)) and completed else None
+    if numbers != list(range(1, completed + 1)) and unrecorded is None:
         raise ValueError(f"{run_dir} holds a checkpoint after round {completed} but metrics.jsonl has rounds "
-                         f"{[result.round for result in earlier]}: it cannot be resumed into a whole report")
-    return earlier
+                         f"{numbers}: it cannot be resumed into a whole report (start it again in a new directory)")
+    if path.exists():
+        kept = path.with_name(f".{path.name}.tmp")
+        kept.write_text("".join(json.dumps(result.to_dict(), sort_keys=True) + "\n" for result in earlier),
+                        encoding="utf-8")
+        os.replace(kept, path)
+    return earlier, unrecorded
 
 
 #: ``run_simulation``'s default live display: the standard error stream of the moment it runs (not of the moment this
@@ -247,12 +257,16 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
     printer = ProgressPrinter(progress, options.rounds, label) if progress is not None else None
     try:
         config = coordinator_config(options, broker, run_dir)
+        # A round resumed from the journal is trained again from scratch by this process's agents: it gets a whole
+        # round's deadline, however long the run was stopped.
         coordinator = Coordinator(config, dataset=dataset, on_round=printer.on_round if printer else None,
-                                  on_progress=printer)
-        earlier = _earlier_rounds(run_dir, coordinator.completed_rounds)
-        if earlier and progress is not None:
-            print(f"{label + ': ' if label else ''}resumed after round {coordinator.completed_rounds} of "
-                  f"{options.rounds}", file=progress, flush=True)
+                                  on_progress=printer, resume_grace_s=config.round_timeout_s)
+        resumed_after = coordinator.completed_rounds
+        earlier, unrecorded = _earlier_rounds(run_dir, resumed_after)
+        if resumed_after and progress is not None:
+            print(f"{label + ': ' if label else ''}resumed after round {resumed_after} of "
+                  f"{options.rounds}" + (f" (round {unrecorded} was checkpointed but not recorded: the report "
+                                         f"lacks its figures)" if unrecorded else ""), file=progress, flush=True)
         # FedAvg ignores memory: its devices train its one model (the full one, or fedavg.width) whatever they have.
         schedules: list[DeviceBudget | None] = [None] * options.agents
         if options.algorithm != "fedavg":
@@ -261,8 +275,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                                             options.seed,
                                             options.budget_variance))
         # Sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...); a resumed run's checkpoint
-        # holds what the sizing chose.
-        if any(schedules) and not coordinator.completed_rounds:
+        # holds what the sizing chose, and a strategy that sizes nothing is never asked (a round resumed from the
+        # journal is in progress already).
+        if any(schedules) and coordinator.strategy.awaits_fleet:
             # the budgets they have in all but their rarest rounds, as fedfit plan --budgets and the statement use
             coordinator.fit_to_fleet([schedule.dependable() for schedule in schedules if schedule is not None])
         services = tier_services(coordinator.strategy, schedules)
@@ -315,7 +330,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                "overrides": list(options.overrides), "command": list(options.command),
                "cores": cores, "workers": workers, "torch_threads": threads,
                **({"label": label} if label else {}),
-               **({"resumed_after_round": len(earlier)} if earlier else {})}
+               **({"resumed_after_round": resumed_after} if resumed_after else {}),
+               **({"rounds_not_recorded": [unrecorded]} if unrecorded else {})}
         tiers = {agent_id(index): (s.tier.name if s else None) for index, s in enumerate(schedules)}
         report = build_report(options.algorithm, broker.kind, broker.version, rounds, settings,
                               secured=broker.secured, run=run, tiers=tiers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -193,11 +194,14 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:
-    """Write the report as standard JSON (a non-finite number as null), creating the parent folder."""
+    """Write the report as standard JSON (a non-finite number as null), creating the parent folder; whole or not at
+    all (a temporary file renamed)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(_json_safe(report), indent=2, sort_keys=False, allow_nan=False) + "\n",
-                      encoding="utf-8")
+    partial = target.with_name(f".{target.name}.tmp")
+    partial.write_text(json.dumps(_json_safe(report), indent=2, sort_keys=False, allow_nan=False) + "\n",
+                       encoding="utf-8")
+    os.replace(partial, target)
 
 
 def read_report(path: str | Path) -> dict[str, Any]:

@@ -153,10 +153,10 @@ def summary_text(report: dict[str, Any]) -> str:
 def write_run_outputs(report: dict[str, Any], directory: Path) -> list[Path]:
     """Write the report and what is read from it (CSV, summary, plots) into ``directory``; returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    write_report(report, directory / REPORT_FILE)
     write_metrics_csv(report, directory / "metrics.csv")
     (directory / "summary.txt").write_text(summary_text(report), encoding="utf-8")
-    written = [directory / REPORT_FILE, directory / "metrics.csv", directory / "summary.txt"]
+    written = [directory / "metrics.csv", directory / "summary.txt"]
     if report["rounds"]:
         written += plot_run(report, directory)
-    return written
+    write_report(report, directory / REPORT_FILE)  # last: a run with its report is a finished run (--resume)
+    return [directory / REPORT_FILE, *written]

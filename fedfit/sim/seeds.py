@@ -4,7 +4,7 @@ its curves as the mean over the seeds with a band.
 The spread is the sample standard deviation over the seeds (n - 1 in the denominator; none for one seed). A
 curve's band is the mean plus and minus that spread, round by round, over the seeds that reached the round.
 Whether a run has converged is read from its last rounds: ``last-5 change`` is the mean global accuracy of the
-last five rounds minus that of the five before (fewer for short runs: a quarter of the rounds each).
+last five rounds minus that of the five before (fewer below 20 rounds: a quarter of the rounds each, at least one).
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ def curve(report: dict[str, Any], kind: str) -> dict[int, float]:
 
 
 def mean_curve(reports: Sequence[dict[str, Any]], kind: str) -> tuple[list[int], list[float], list[float]]:
-    """Rounds, the mean over the runs and its spread (0 where one run reached the round) for :func:`curve`."""
+    """The rounds every run reached, the mean over the runs and its spread (0 for one run) for :func:`curve`: a
+    round some seeds did not reach would average other seeds than the rest of the curve."""
     curves = [curve(report, kind) for report in reports]
-    rounds = sorted({number for one in curves for number in one})
+    rounds = sorted(set.intersection(*(set(one) for one in curves))) if curves else []
     means, spreads = [], []
     for number in rounds:
-        mean, spread = mean_spread([one[number] for one in curves if number in one])
+        mean, spread = mean_spread([one[number] for one in curves])
         means.append(mean)
         spreads.append(spread or 0.0)
     return rounds, means, spreads

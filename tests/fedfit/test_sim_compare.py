@@ -114,6 +114,8 @@ def test_a_level_nobody_trained_is_marked_and_left_out_of_the_average(tmp_path: 
     for document in (text, page):
         assert "no device trained that level (or exit) itself in the last round" in document
         assert "rejected per agent: sim-001 1" in document
+    # In Markdown the mark is escaped: "- * ..." would be a list in a list, the mark lost.
+    assert "\n- \\* no device trained that level" in paths["md"].read_text()
 
 
 def test_runs_with_other_recipes_or_model_options_are_not_the_same_fleet() -> None:
@@ -127,3 +129,76 @@ def test_runs_with_other_recipes_or_model_options_are_not_the_same_fleet() -> No
     other = {"recipe": {"batch_size": 16}, "model": {"options": {"hidden": [8, 16]}}}
     assert fleet_differences([with_config(same), with_config(other)]) == [
         'recipe: {"batch_size": 32} / {"batch_size": 16}']
+
+
+def seeded(algorithm: str, accuracies: dict[int, float], **config: object) -> list[dict]:
+    """One synthetic run of ``algorithm`` per seed, its final accuracy as given."""
+    runs = []
+    for seed, accuracy in accuracies.items():
+        report = run(algorithm, accuracy, seed=seed)
+        report["run"]["config"].update(config)
+        runs.append(report)
+    return runs
+
+
+def test_methods_over_seeds_lead_with_their_mean_and_spread(tmp_path: Path) -> None:
+    import statistics
+
+    reports = seeded("heterofl", {0: 0.5, 1: 0.6, 2: 0.4}) + seeded("fedepth", {0: 0.7, 1: 0.8, 2: 0.6})
+    paths = write_comparison(reports, tmp_path, {"claim": "fedepth above heterofl"})
+    data = json.loads(paths["json"].read_text())
+    assert data["claim"] == "fedepth above heterofl" and data["differences"] == []
+    rows = {row["method"]: row for row in data["over_seeds"]}
+    assert list(rows) == ["heterofl", "fedepth"] and rows["fedepth"]["seeds"] == [0, 1, 2]
+    assert rows["fedepth"]["global"]["mean"] == pytest.approx(0.7)
+    assert rows["fedepth"]["global"]["spread"] == pytest.approx(statistics.stdev([0.7, 0.8, 0.6]))
+    assert rows["fedepth"]["outputs"] == {"a": pytest.approx(0.7)}
+    assert rows["fedepth"]["trained"] == 3 * 2 and rows["fedepth"]["over_budget"] == 3 * 2  # summed over seeds
+    assert rows["fedepth"]["late_change"]["mean"] == pytest.approx(0.35)  # each run: 0.5*acc then acc
+    text = paths["txt"].read_text()
+    assert text.splitlines()[:2] == ["2 agents | digits iid | cnn | budgets fair | seeds 0,1,2 | 2 rounds",
+                                     "claim: fedepth above heterofl"]
+    fedepth_line = next(line for line in text.splitlines() if line.startswith("fedepth "))
+    assert fedepth_line.split()[:4] == ["fedepth", "3", "0.7000", "±0.1000"]
+    assert "heterofl (seed 2)" in text and "NOT THE SAME FLEET" not in text
+    page = paths["html"].read_text()
+    assert "Over the seeds" in page and "not on the same fleet" not in page and "0.7000 ±0.1000" in page
+    markdown = paths["md"].read_text()
+    assert "| fedepth | 3 | 0.7000 ±0.1000 |" in markdown
+    assert "- fedepth: its paper compares with" in markdown  # the method notes, once each
+    assert markdown.count("- heterofl: its paper compares with") == 1
+
+
+def test_seeds_of_one_method_that_differ_in_a_setting_are_said_to(tmp_path: Path) -> None:
+    reports = seeded("fjord", {0: 0.5}, fjord={"widths": [1, 0.5]}) + seeded("fjord", {1: 0.6},
+                                                                            fjord={"widths": [1, 0.2]})
+    text = write_comparison(reports, tmp_path)["txt"].read_text()
+    assert "NOT THE SAME FLEET: fjord: its seeds' runs differ in fjord" in text
+
+
+def test_runs_of_one_method_with_one_seed_are_not_averaged_and_say_why(tmp_path: Path) -> None:
+    reports = seeded("heterofl", {0: 0.5, 1: 0.6}) + seeded("heterofl", {0: 0.7})
+    paths = write_comparison(reports, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["over_seeds"] == []
+    assert data["remarks"] == [("not averaged over seeds: heterofl has more than one run with seed 0 (runs of one "
+                                "experiment differ in their seed)")]
+    assert [row["method"] for row in data["rows"]] == ["heterofl (seed 0)", "heterofl (seed 1)", "heterofl (seed 0)"]
+
+
+def test_the_baselines_by_name_and_the_fleets_memory_against_all_large(tmp_path: Path) -> None:
+    large = run("fedavg", 0.9)
+    large["run"]["label"] = "all-large"
+    small = run("fedavg", 0.4, width=1 / 6)
+    small["run"]["label"] = "all-small"
+    method = run("heterofl", 0.8)
+    method["settings"]["serving"] = [{"tier": "r=1/2", "budget_bytes": 2**20, "devices": 3},
+                                     {"tier": "r=1", "budget_bytes": 5 * 2**20, "devices": 1}]
+    large["tasks"][0]["estimated_bytes"] = 4 * 2**20
+    assert [method_name(report) for report in (large, small)] == ["all-large", "all-small (fedavg x1/6)"]
+    paths = write_comparison([method, large, small], tmp_path)
+    text = paths["txt"].read_text()
+    assert ("memory: the fleet's budgets average 2.0 MiB a device, 0.50 of what All-Large asks of every device "
+            "(4.0 MiB, its estimate with the same margin)") in text
+    assert "all-large: the upper bound" in text and "all-small (fedavg x1/6): the lower bound" in text
+    assert "all-large: its paper" not in text

@@ -113,3 +113,28 @@ def test_a_comparison_stopped_part_way_goes_on_where_it_stopped(mosquitto_instal
     assert [task["round"] for task in fedavg["tasks"]] == [1, 1, 2, 2, 3, 3]
     rows = json.loads((out / "comparison.json").read_text())["rows"]
     assert [row["method"] for row in rows] == ["heterofl", "fedavg x1/6"]
+
+
+def test_a_run_stopped_in_its_first_round_goes_on_with_that_round(mosquitto_installed: None, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.round import Round
+
+    config = write_experiment(tmp_path / "x.yaml", 2, algorithms=["heterofl"], agents=2, budgets="fair")
+    out = tmp_path / "cmp"
+    wait = Round.wait
+
+    def stopped_while_collecting(self: Round, *args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt  # the round's tasks are planned, journaled and sent: then the process stops
+
+    monkeypatch.setattr(Round, "wait", stopped_while_collecting)
+    assert main(["compare", "--config", str(config), "--insecure-broker", "--out", str(out)]) == 130
+    run_dir = out / "heterofl"
+    assert (run_dir / "round").exists() and not (run_dir / "checkpoint.safetensors").exists()
+    monkeypatch.setattr(Round, "wait", wait)
+    capsys.readouterr()
+    assert main(["compare", "--resume", str(out)]) == 0, capsys.readouterr().err
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [r["round"] for r in report["rounds"]] == [1, 2]
+    assert {task["status"] for task in report["tasks"]} == {"ok"} and len(report["tasks"]) == 4
+    assert "resumed_after_round" not in report["run"]  # nothing was finished: round 1 went on from its journal
