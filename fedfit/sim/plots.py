@@ -17,6 +17,14 @@ from fedfit.sim.report import level_average
 _DPI = 110
 
 
+def _round_ticks(ax: Axes, rounds: Sequence[int]) -> None:
+    """A tick per round for a short run, whole numbers at matplotlib's spacing for a long one."""
+    if len(rounds) <= 15:
+        ax.set_xticks(list(rounds))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _series(ax: Axes, rounds: list[dict[str, Any]], key: str, name: str, trained_key: str, label: str,
             style: str = "-") -> None:
     """One level's (or exit's) accuracy per round; rounds where nobody trained it itself are hollow."""
@@ -41,7 +49,7 @@ def accuracy_axes(ax: Axes, report: dict[str, Any], title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
-    ax.set_xticks(numbers)
+    _round_ticks(ax, numbers)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
 
@@ -68,7 +76,7 @@ def plot_run(report: dict[str, Any], directory: Path) -> list[Path]:
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("round")
     ax.set_ylabel("MB per round")
-    ax.set_xticks(numbers)
+    _round_ticks(ax, numbers)
     ax.legend(fontsize=8)
     figure.tight_layout()
     traffic = directory / "traffic.png"
@@ -95,7 +103,7 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
                                ("test accuracy", "test accuracy", "MB per round")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")
-        ax.set_xticks(rounds)
+        _round_ticks(ax, rounds)
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
