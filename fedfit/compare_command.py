@@ -261,8 +261,8 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
                 done = reports + seed_reports
                 if done:  # what finished is compared: a failure late in a long comparison keeps the rest
                     write_comparison(done, out, experiment.describe())
-                    print(f"{name} failed; the comparison of the runs before it is in {out} (fedfit compare --resume "
-                          f"{out} goes on)", file=sys.stderr)
+                print(f"{name} stopped; " + (f"the comparison of the runs before it is in {out}; " if done else "")
+                      + f"fedfit compare --resume {out} goes on", file=sys.stderr)
                 raise
         if apart and len(seeds) > 1:
             write_comparison(seed_reports, seed_dir, experiment.describe())
