@@ -74,7 +74,11 @@ def _resumed(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError(f"--resume {directory}: cannot read {SETUP_FILE}: {exc}") from None
     if setup.get("format") != SETUP_FORMAT:
         raise ConfigError(f"--resume {directory}: {SETUP_FILE} is not of format {SETUP_FORMAT}")
-    stored = dict(setup["arguments"])
+    stored = setup.get("arguments")
+    if not isinstance(stored, dict):
+        raise ConfigError(f"--resume {directory}: {SETUP_FILE} holds no flags")
+    # Every flag this version has, at its default where the comparison's file predates it, then the stored ones.
+    stored = {**vars(args), **stored}
     if stored.get("config"):
         stored["config"] = str(directory / CONFIG_COPY)
     for name in ("workers", "log_file"):

@@ -10,9 +10,10 @@ so a result is never read apart from what it tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from common.config import ConfigError, from_mapping
+from fedfit.sim.budgets import scenario_tiers
 
 #: The top-level key of an experiment file that is not the coordinator's.
 SECTION = "experiment"
@@ -34,7 +35,7 @@ class Experiment:
     partition: str | None = None
     budgets: str | None = None
     budget_variance: float | None = None
-    allocator: str | None = None
+    allocator: Literal["pooled", "compact", "default"] | None = None
     train_samples: int | None = None
 
     def __post_init__(self) -> None:
@@ -43,6 +44,14 @@ class Experiment:
             raise ValueError(f"baselines {unknown} unknown: they are {', '.join(BASELINES)}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} name one more than once")
+        if self.budgets is not None:
+            scenario_tiers(self.budgets)  # its ValueError names the scenarios there are
+        for name in ("agents", "train_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.budget_variance is not None and self.budget_variance < 0:
+            raise ValueError(f"budget_variance must be non-negative, got {self.budget_variance}")
 
     def settings(self) -> dict[str, Any]:
         """The fleet settings the file gives (by :data:`fedfit.run_command.SETTINGS` name)."""

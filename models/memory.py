@@ -187,17 +187,17 @@ def _trace(
         targets = torch.empty(batch_size, dtype=torch.long, device="meta")
         mask = torch.ones(family.num_classes, dtype=torch.bool, device="meta")
         batch = tracker.live
-        held = {"gradients": 0}  # gradients left by an earlier micro-batch: counted as gradients, not here
+        held_gradients = 0  # left by an earlier micro-batch: counted as gradients, not as activations
 
         def forwarded() -> None:  # the most alive at the end of a forward pass (of any copy or width)
             # (What an earlier copy's or ordered-dropout pass's gradients add stays in: the measured peaks of those
             # plans are above the estimate without it.)
-            marks["activations"] = max(marks.get("activations", 0), tracker.live - held["gradients"])
+            marks["activations"] = max(marks.get("activations", 0), tracker.live - held_gradients)
 
         value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
                               teachers=teachers, width=width)
         if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
-            held["gradients"] = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
+            held_gradients = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
             value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
                                   teachers=teachers, width=width)
         activations = marks["activations"]

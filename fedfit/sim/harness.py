@@ -6,7 +6,6 @@ small training pool. Nothing is short-circuited: tasks and updates cross the bro
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ from common.cores import available_cores
 from common.data import Dataset, load_dataset, parse_partition, partition_indices
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
-from coordinator.metrics import RoundResult, read_metrics
+from coordinator.metrics import MetricsWriter, RoundResult, read_metrics
 from coordinator.serving import TierService, serve_tiers, service_lines
 from coordinator.strategies.base import base_plan
 from edge_agent import forkserver
@@ -213,8 +212,11 @@ def _earlier_rounds(run_dir: Path, completed: int) -> tuple[list[RoundResult], i
                          f"{numbers}: it cannot be resumed into a whole report (start it again in a new directory)")
     if path.exists():
         kept = path.with_name(f".{path.name}.tmp")
-        kept.write_text("".join(json.dumps(result.to_dict(), sort_keys=True) + "\n" for result in earlier),
-                        encoding="utf-8")
+        kept.unlink(missing_ok=True)
+        writer = MetricsWriter(kept)
+        for result in earlier:
+            writer.write(result)
+        kept.touch()
         os.replace(kept, path)
     return earlier, unrecorded
 

@@ -4,7 +4,7 @@ exit, and bytes per round; and the curves of several runs side by side. A round 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +101,7 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
     rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
     for ax, title, unit in zip(overview, ("global model", "mean over the levels trained", "traffic"),
                                ("test accuracy", "test accuracy", "MB per round")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("round")
-        _round_ticks(ax, rounds)
-        ax.set_ylabel(unit)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        _finish(ax, title, unit, rounds)
     for index, (report, name) in enumerate(zip(reports, names)):
         accuracy_axes(figure.add_subplot(grid[1 + index // 3, index % 3]), report, name)
     figure.tight_layout()
@@ -122,8 +117,9 @@ def _band(ax: Axes, rounds: list[int], means: list[float], spreads: list[float],
                         color=line.get_color(), alpha=0.18, linewidth=0)
 
 
-def _finish(ax: Axes, title: str, unit: str) -> None:
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+def _finish(ax: Axes, title: str, unit: str, rounds: Sequence[int]) -> None:
+    """An overview panel's title, axes, round ticks, grid and legend."""
+    _round_ticks(ax, rounds)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("round")
     ax.set_ylabel(unit)
@@ -141,41 +137,45 @@ def plot_seed_comparison(groups: dict[str, list[dict[str, Any]]], path: Path) ->
     figure = Figure(figsize=(15.6, 3.8 * rows))
     grid = figure.add_gridspec(rows, 3)
     overview = [figure.add_subplot(grid[0, i]) for i in range(3)]
+    rounds = sorted({r["round"] for reports in groups.values() for report in reports for r in report["rounds"]})
     for name, reports in groups.items():
         label = f"{name} ({len(reports)} seed{'s' * (len(reports) > 1)})"
         _band(overview[0], *mean_curve(reports, "global"), label)
         _band(overview[1], *mean_curve(reports, "levels"), label)
-        traffic: dict[int, list[float]] = {}
-        for report in reports:
-            for r in report["rounds"]:
-                traffic.setdefault(r["round"], []).append((r["bytes_down"] + r["bytes_up"]) / 1e6)
-        numbers = sorted(traffic)
-        overview[2].plot(numbers, [sum(traffic[n]) / len(traffic[n]) for n in numbers], "-", label=name)
+        overview[2].plot(*_per_round_mean(reports, lambda r: (r["bytes_down"] + r["bytes_up"]) / 1e6), "-",
+                         label=name)
     for ax, title, unit in zip(overview, ("global model (mean over seeds, band: ± spread)",
                                           "mean over the levels trained", "traffic (mean over seeds)"),
                                ("test accuracy", "test accuracy", "MB per round")):
-        _finish(ax, title, unit)
+        _finish(ax, title, unit, rounds)
     for index, (name, reports) in enumerate(groups.items()):
         ax = figure.add_subplot(grid[1 + index // 3, index % 3])
         _band(ax, *mean_curve(reports, "global"), "global", width=2.2)
-        for output in sorted({n for report in reports for r in report["rounds"] for n in r["level_accuracy"]}):
-            _band(ax, *_output_curve(reports, "level_accuracy", output), f"level {output}", width=1.0)
-        for output in sorted({n for report in reports for r in report["rounds"] for n in r["exit_accuracy"]},
-                             key=lambda n: (len(n), n)):
-            _band(ax, *_output_curve(reports, "exit_accuracy", output), output, width=1.0, style="--")
-        _finish(ax, name, "test accuracy")
+        for key, style, prefix in (("level_accuracy", "-", "level "), ("exit_accuracy", "--", "")):
+            outputs = sorted({n for report in reports for r in report["rounds"] for n in r[key]},
+                             key=lambda n: (len(n), n))
+            for output in outputs:
+                numbers, means = _per_round_mean(reports, _output_of(key, output))
+                _band(ax, numbers, means, [0.0] * len(numbers), prefix + output, width=1.0, style=style)
+        _finish(ax, name, "test accuracy", rounds)
     figure.tight_layout()
     figure.savefig(path, dpi=_DPI)
     return path
 
 
-def _output_curve(reports: Sequence[dict[str, Any]], key: str, name: str) -> tuple[list[int], list[float],
-                                                                                   list[float]]:
-    """One level's (or exit's) accuracy per round: the mean over the runs that report it, without a band."""
+def _output_of(key: str, name: str) -> Callable[[dict[str, Any]], float | None]:
+    """A round's accuracy of one level (``key`` level_accuracy) or exit (exit_accuracy), None where absent."""
+    return lambda r: r[key].get(name)
+
+
+def _per_round_mean(reports: Sequence[dict[str, Any]],
+                    value: Callable[[dict[str, Any]], float | None]) -> tuple[list[int], list[float]]:
+    """Rounds and the mean of ``value(round)`` over the runs that report it (None: not reported)."""
     values: dict[int, list[float]] = {}
     for report in reports:
         for r in report["rounds"]:
-            if name in r[key]:
-                values.setdefault(r["round"], []).append(r[key][name])
-    rounds = sorted(values)
-    return rounds, [sum(values[n]) / len(values[n]) for n in rounds], [0.0] * len(rounds)
+            found = value(r)
+            if found is not None:
+                values.setdefault(r["round"], []).append(found)
+    numbers = sorted(values)
+    return numbers, [sum(values[n]) / len(values[n]) for n in numbers]

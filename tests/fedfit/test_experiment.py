@@ -36,6 +36,10 @@ def test_a_plain_configuration_has_no_experiment(tmp_path: Path) -> None:
     ("{seeds: [1, 1]}", "more than once"),
     ("{agents: many}", "experiment.agents"),
     ("[heterofl]", "mapping"),
+    ("{budgets: nonsense}", "must be one of uniform, tiers"),
+    ("{allocator: jemalloc}", "experiment.allocator"),
+    ("{agents: 0}", "agents must be at least 1"),
+    ("{budget_variance: -1}", "budget_variance must be non-negative"),
 ])
 def test_a_malformed_section_is_refused_naming_the_file_and_key(tmp_path: Path, section: str, said: str) -> None:
     path = tmp_path / "bad.yaml"
