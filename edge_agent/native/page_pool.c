@@ -33,10 +33,6 @@ extern void *__libc_memalign(size_t alignment, size_t size);
 extern void *__libc_valloc(size_t size);
 extern void *__libc_pvalloc(size_t size);
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-
 #define HEADER 64 /* the user pointer's offset into its mapping: torch asks for 64-byte alignment */
 
 typedef struct { uintptr_t user; uintptr_t base; size_t length; } Entry; /* user == 0: empty, 1: deleted */
@@ -58,15 +54,14 @@ static size_t kept_count, kept_capacity;
 static size_t live_bytes, kept_bytes, high_water;
 static uint64_t maps_made, bytes_mapped;
 
-/* Fresh zero pages; populated (one system call instead of a fault per page) unless the caller will not write
- * them all (calloc: a sparse zeroed block must not become resident). */
-static void *map_pages_populated(size_t length, int populate) {
-    int flags = MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0);
-    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, flags, -1, 0);
+/* Fresh zero pages, not populated: a page becomes resident when it is first written, as with the compact heap.
+ * Requests are often larger than what is written (oneDNN's GEMM convolutions on AVX2 book a weight gradient per
+ * thread it might run and write one: populating that scratch made a CNN step's peak 13 MB higher on 8x8 inputs,
+ * and the step slower). */
+static void *map_pages(size_t length) {
+    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
-
-static void *map_pages(size_t length) { return map_pages_populated(length, 1); }
 
 /* A well-mixed hash of a pointer (splitmix64's finaliser): pointers share their low bits. */
 static size_t hash(uintptr_t key) {
@@ -169,7 +164,7 @@ static int in_range(uintptr_t user) {
 
 /* A block of `length` bytes (a whole number of pages): kept pages where possible. *dirty receives how many of its
  * leading bytes may be non-zero (the rest are fresh pages). Called with the lock held. */
-static uintptr_t obtain(size_t length, int populate, size_t *dirty) {
+static uintptr_t obtain(size_t length, size_t *dirty) {
     size_t exact = SIZE_MAX, larger = SIZE_MAX, smaller = SIZE_MAX;
     for (size_t i = kept_count; i-- > 0;) {
         size_t have = kept[i].length;
@@ -189,11 +184,6 @@ static uintptr_t obtain(size_t length, int populate, size_t *dirty) {
         make_room(length); /* the block is counted in neither live nor kept while it is out */
         void *moved = mremap((void *)block.base, block.length, length, MREMAP_MAYMOVE);
         if (moved != MAP_FAILED) {
-            if (populate) {
-                int saved = errno; /* kernels before 5.14 refuse: the tail then faults in as it is written */
-                madvise((char *)moved + block.length, length - block.length, MADV_POPULATE_WRITE);
-                errno = saved;
-            }
             maps_made++;
             bytes_mapped += length - block.length;
             note_range((uintptr_t)moved, length);
@@ -203,7 +193,7 @@ static uintptr_t obtain(size_t length, int populate, size_t *dirty) {
         munmap((void *)block.base, block.length);
     }
     make_room(length);
-    void *p = map_pages_populated(length, populate);
+    void *p = map_pages(length);
     if (p == NULL) return 0;
     maps_made++;
     bytes_mapped += length;
@@ -214,13 +204,13 @@ static uintptr_t obtain(size_t length, int populate, size_t *dirty) {
 
 /* A pooled block of `size` bytes aligned to `alignment` (<= a page), or NULL; *dirty as obtain() says, counted
  * from the returned pointer. */
-static void *pool_alloc(size_t size, size_t alignment, int populate, size_t *dirty) {
+static void *pool_alloc(size_t size, size_t alignment, size_t *dirty) {
     size_t header = alignment > HEADER ? alignment : HEADER;
     if (size > SIZE_MAX - header - page_size) return NULL;
     size_t length = (size + header + page_size - 1) & ~(page_size - 1);
     pthread_mutex_lock(&pool_lock);
     size_t dirty_from_base = 0;
-    uintptr_t base = obtain(length, populate, &dirty_from_base);
+    uintptr_t base = obtain(length, &dirty_from_base);
     *dirty = dirty_from_base > header ? dirty_from_base - header : 0;
     void *user = NULL;
     if (base != 0) {
@@ -349,7 +339,7 @@ void fedfit_pool_stats(uint64_t out[5]) {
 void *malloc(size_t size) {
     if (wants_pool(size, HEADER)) {
         size_t dirty;
-        void *p = pool_alloc(size, HEADER, 1, &dirty);
+        void *p = pool_alloc(size, HEADER, &dirty);
         if (p != NULL) return p;
     }
     return __libc_malloc(size);
@@ -370,7 +360,7 @@ void *calloc(size_t count, size_t size) {
     }
     if (wants_pool(total, HEADER)) {
         size_t dirty;
-        void *p = pool_alloc(total, HEADER, 0, &dirty);
+        void *p = pool_alloc(total, HEADER, &dirty);
         if (p != NULL) {
             memset(p, 0, dirty < total ? dirty : total); /* only reused pages; fresh ones are zero untouched */
             return p;
@@ -410,7 +400,7 @@ void *reallocarray(void *ptr, size_t count, size_t size) {
 static void *aligned(size_t alignment, size_t size) {
     if (wants_pool(size, alignment)) {
         size_t dirty;
-        void *p = pool_alloc(size, alignment, 1, &dirty);
+        void *p = pool_alloc(size, alignment, &dirty);
         if (p != NULL) return p;
     }
     return __libc_memalign(alignment, size);

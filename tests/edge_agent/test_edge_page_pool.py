@@ -308,6 +308,30 @@ def test_a_sparse_zeroed_block_stays_unresident():
 
 
 @needs_pool
+def test_a_block_written_in_part_is_resident_only_where_written():
+    # oneDNN's GEMM convolutions book scratch for every thread they might run and write one part: the pool must
+    # not make the rest resident, neither in a fresh mapping nor in a kept block grown to the request.
+    out = run_probe("""
+        from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
+        page_pool.enable(4096)
+        kept = process.malloc(8 * MiB)
+        ctypes.memset(kept, 1, 8 * MiB)
+        process.free(kept)  # 8 MiB kept, resident
+        baseline = rss_bytes(); reset_peak_rss()
+        grown = process.malloc(64 * MiB)  # the kept block, grown
+        ctypes.memset(grown, 2, 4096)
+        fresh = process.malloc(128 * MiB)  # nothing kept is left: a fresh mapping
+        ctypes.memset(fresh, 3, 4096)
+        print((peak_rss_bytes() - baseline) / MiB, page_pool.stats().kept_bytes)
+        process.free(fresh)
+        process.free(grown)
+    """)
+    peak_mib, kept = out.split()
+    assert int(kept) < 8 * 2**20, out  # the kept block was taken (grown), so the grown path ran
+    assert float(peak_mib) < 16, out  # two written pages (+ interpreter), not 56 + 128 MiB of unwritten ones
+
+
+@needs_pool
 def test_the_obsolete_aligned_allocators_behave_as_glibcs():
     out = run_probe("""
         process.pvalloc.restype = ctypes.c_void_p
