@@ -100,8 +100,8 @@ class Row:
 def rows() -> list[Row]:
     out = [Row("cnn", 1, (28, 28), w, b) for w in (1, 0.5, 0.25, 0.125, 0.0625) for b in (10, 32, 128)]
     out += [Row("preresnet18", 3, (32, 32), w, b) for w in (1, 0.5, 0.25, 0.125) for b in (10, 32)]
-    # digits (8x8), the experiments' dataset: the last blocks see 2x2 and 1x1 maps, where oneDNN on AVX2 computes
-    # weight gradients by GEMM, with scratch booked for more threads than run
+    # digits (8x8), the experiments' dataset: the CNN's last blocks see 2x2 and 1x1 maps (PreResNet-20's 2x2), where
+    # oneDNN on AVX2 computes weight gradients by GEMM, with scratch booked for more threads than run
     out += [Row("cnn", 1, (8, 8), w, 32) for w in (1, 0.5)]
     out += [Row("preresnet20", 1, (8, 8), 1, 32), Row("preresnet20", 1, (8, 8), 0.5, 32, segments=((0, 3), (3, 9)))]
     out += [
