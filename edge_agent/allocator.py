@@ -4,9 +4,11 @@
 training forkserver: every block of a page or more is still a mapping of its own, but the pages of a freed block
 are kept and reused by the next request (as they are, or shrunk or grown in place), never more of them than the
 high-water mark of the live blocks, so the peak is the compact heap's while a step no longer faults its working
-set in again. Measured side by side (``benchmarks/training_speed.py``, x86-64, one thread): steps as fast as
-glibc's defaults or faster, peaks those of ``"compact"``. Where the pool cannot be built (no C compiler) or
-loaded, ``"pooled"`` resolves to ``"compact"``: the same peaks, the slower steps.
+set in again. Measured side by side (``benchmarks/training_speed.py``, x86-64 with AVX2, one thread, the CNN's
+rows): peaks those of ``"compact"``; steps 1.15-1.68 times glibc's defaults where ``"compact"`` takes 1.23-2.33
+(as fast as the defaults while the pool populated its pages, which made partly written blocks resident:
+docs/edge-runtime.md). Where the pool cannot be built (no C compiler) or loaded, ``"pooled"`` resolves to
+``"compact"``: the same peaks, the slower steps.
 
 With glibc's default settings, memory a training step frees stays in the process heap and the next step does
 not fit into it in place, so the resident peak carries about one more copy of the step's working set, and by how
