@@ -15,7 +15,7 @@
 #          PASS when both agents' tasks trained
 # Slow (an emulated `import torch` takes 25-35 s; on 2 cores a first run about 40 minutes, 20 of them building the
 # root and installing torch, a later one about 17), so a benchmark, not part of `make test`. Needs root, a Debian-like host and its package mirror and PyPI. What it cannot tell: memory figures
-# (qemu-user adds its own memory and translated code to every RSS, does not honour MAP_POPULATE, and its heap
+# (qemu-user adds its own memory and translated code to every RSS, and its heap
 # keeps what malloc_trim would give back) and speed; a real Pi must confirm both. What it does tell: instructions
 # the core lacks (PyPI torch 2.14.1's BLAS, NVPL, runs ARMv8.1 atomics on a Cortex-A72 as soon as a matrix product
 # runs on two threads or more: SIGILL) and threads a forked child does not have (a hang).

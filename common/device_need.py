@@ -24,8 +24,8 @@ class Estimate(Protocol):
 __all__ = ["INITIAL_FACTOR", "corrected", "device_need"]
 
 #: The calibration factor before any measurement: a 10% margin over the raw estimate (with the agent's default
-#: ``pooled`` heap the estimator under-predicts no ``benchmarks/memory.py`` row above 5 MB by more than 2%, the
-#: smallest ones, of 1-3 MB, by up to 10%).
+#: ``pooled`` heap the estimator under-predicts no ``benchmarks/memory.py`` row above 5 MB by more than 2% on
+#: AVX-512 and 4.5% on AVX2, the smallest ones, of 1-3 MB, by up to 10%).
 INITIAL_FACTOR = 1.10
 
 

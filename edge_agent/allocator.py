@@ -1,4 +1,4 @@
-"""How a training child manages its C heap: a predictable, low peak at full speed.
+"""How a training child manages its C heap: a predictable, low peak, faster than compact.
 
 ``"pooled"`` (the default) is ``"compact"`` below with the page pool (``edge_agent.page_pool``) preloaded into the
 training forkserver: every block of a page or more is still a mapping of its own, but the pages of a freed block

@@ -7,7 +7,10 @@
  * same length as they are, or shrunk or grown in place with mremap (the pages kept keep their contents; only a
  * grown tail is new). What is kept never exceeds the high-water mark of the live blocks since the last
  * fedfit_pool_release(): before a request would take live + kept above it, the oldest kept blocks are unmapped.
- * So the resident peak is the compact heap's, while most of a training step's pages are not faulted in again.
+ * So the resident peak is the compact heap's (up to kept pages a partly written block reuses), while the pages a
+ * step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
+ * on large activations (docs/edge-runtime.md) but keeps unwritten scratch out of the peak (the test
+ * test_a_block_written_in_part_is_resident_only_where_written).
  *
  * Threads: one mutex guards the pool; frees of blocks outside the pool's address range never take it.
  *
