@@ -41,6 +41,9 @@ MB = 1e6
 NUM_CLASSES = 10
 
 
+#: scikit-learn's digits, the experiments' dataset (its rows say so in their label).
+DIGITS_SIZE = (8, 8)
+
 @dataclass(frozen=True)
 class Row:
     family: str
@@ -94,7 +97,8 @@ class Row:
         return (self.spec().describe() + (f" x{self.copies} copies" if self.copies > 1 else "")
                 + (" buffered" if self.buffered else "") + (f" micro {self.micro}" if self.micro else "")
                 + (" kd<" + ",".join(f"{width:g}" for width in self.nested) if self.nested else "")
-                + (" od " + ",".join(f"{width:g}" for width in self.ordered) if self.ordered else ""))
+                + (" od " + ",".join(f"{width:g}" for width in self.ordered) if self.ordered else "")
+                + (f" {self.image_size[0]}x{self.image_size[1]}" if self.image_size == DIGITS_SIZE else ""))
 
 
 def rows() -> list[Row]:
@@ -102,8 +106,9 @@ def rows() -> list[Row]:
     out += [Row("preresnet18", 3, (32, 32), w, b) for w in (1, 0.5, 0.25, 0.125) for b in (10, 32)]
     # digits (8x8), the experiments' dataset: the CNN's last blocks see 2x2 and 1x1 maps (PreResNet-20's 2x2), where
     # oneDNN on AVX2 computes weight gradients by GEMM, with scratch booked for more threads than run
-    out += [Row("cnn", 1, (8, 8), w, 32) for w in (1, 0.5)]
-    out += [Row("preresnet20", 1, (8, 8), 1, 32), Row("preresnet20", 1, (8, 8), 0.5, 32, segments=((0, 3), (3, 9)))]
+    out += [Row("cnn", 1, DIGITS_SIZE, w, 32) for w in (1, 0.5)]
+    out += [Row("preresnet20", 1, DIGITS_SIZE, 1, 32),
+            Row("preresnet20", 1, DIGITS_SIZE, 0.5, 32, segments=((0, 3), (3, 9)))]
     out += [
         Row("cnn", 1, (28, 28), 1, 128, segments=((0, 1),)),
         Row("cnn", 1, (28, 28), 1, 32, segments=((2, 3),)),
