@@ -44,6 +44,7 @@ NUM_CLASSES = 10
 #: scikit-learn's digits, the experiments' dataset (its rows say so in their label).
 DIGITS_SIZE = (8, 8)
 
+
 @dataclass(frozen=True)
 class Row:
     family: str

@@ -5,8 +5,9 @@ The pool is a small C library that interposes ``malloc`` and friends. Preloaded,
 until a process calls :func:`enable`; from then on every block of at least the threshold is a mapping of its own
 (as in the ``compact`` heap) whose pages, once freed, are kept and handed to the next request (same length, or
 shrunk or grown in place with ``mremap``), but never more of them than the high-water mark of the live blocks
-since the last :func:`release`. The resident peak is therefore the compact heap's (up to kept pages that a block written only in part
-reuses), while the pages a step reuses are not faulted in again; fresh pages fault in as written (see ``edge_agent.allocator`` for the measurements).
+since the last :func:`release`. The resident peak is therefore the compact heap's (up to kept pages that a block
+written only in part reuses), while the pages a step reuses are not faulted in again; fresh pages fault in as
+written (see ``edge_agent.allocator`` for the measurements).
 
 The library is compiled with the system's C compiler (``$CC``, else ``cc``) the first time it is needed, into
 ``edge_agent/native/`` when that is writable, else ``$FEDFIT_CACHE_DIR``, systemd's ``$CACHE_DIRECTORY`` or
