@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                 spec = row.spec()
                 samples = args.steps * row.batch_size // row.epochs
                 estimate = estimate_plan_memory(family, spec, row.plan(), input_size=row.image_size, device=device,
-                                                allocator=allocator, samples=samples).total
+                                                allocator=allocator, samples=samples, threads=args.threads).total
                 metrics = measure_with_agent(row, device, args.steps, args.threads, allocator, Path(state_dir))
                 measured, seconds = metrics["peak_bytes"], metrics["seconds"] / metrics["steps"]
                 ratio = estimate / measured

@@ -2,7 +2,8 @@
 
 It checks the task against the model family (spec, weights, plan, the agent's limits), asks the estimator for
 the peak training memory of each option the task allows (``edge_agent.adaptation``), corrects it with the
-device's calibration factor and takes the first that fits the memory available; a FeDepth task that fits nowhere
+device's calibration factor and takes the first that fits the memory available (with fewer torch threads than the
+agent's when that lets an earlier one fit: some kernels keep scratch per thread); a FeDepth task that fits nowhere
 whole is decomposed into blocks trained one after another (:meth:`Decider.depthwise`). It writes a
 :class:`~edge_agent.workdir.Decision` and, when the device trains something other than what it was sent, the
 task to train (weights cut out of the received ones, plan chosen). The agent process, which imports no torch,
@@ -92,9 +93,10 @@ class DepthwisePlan:
     estimate: MemoryEstimate
 
 
-def estimate_key(model: ModelRef, option: Option) -> str:
-    """How an estimate is remembered: the model, the spec and the plan without its seed (which plays no part)."""
-    return json.dumps([model_key(model), option.spec.to_dict(), replace(option.plan, seed=0).to_dict()],
+def estimate_key(model: ModelRef, option: Option, threads: int = 1) -> str:
+    """How an estimate is remembered: the model, the spec, the plan without its seed (which plays no part) and
+    the torch threads."""
+    return json.dumps([model_key(model), option.spec.to_dict(), replace(option.plan, seed=0).to_dict(), threads],
                       sort_keys=True)
 
 
@@ -124,17 +126,21 @@ class Decider:
         """The raw estimate corrected by the device's calibration factor."""
         return calibrated(estimate.total, estimate.overhead, self.request.factor)
 
-    def raw_estimates(self, model: ModelRef, candidates: list[Option]) -> dict[Option, MemoryEstimate]:
+    def raw_estimates(self, model: ModelRef, candidates: list[Option],
+                      threads: int | None = None) -> dict[Option, MemoryEstimate]:
         """The estimator's predictions of peak training memory for each (spec, plan) on this device (with their
-        parts), for the options not estimated before; remembered (the seed plays no part)."""
+        parts) with ``threads`` torch threads (default: the agent's), for the options not estimated before;
+        remembered (the seed plays no part)."""
         family = self.family_for(model)
+        threads = self.request.threads if threads is None else threads
         found = {}
         for option in candidates:
-            key = estimate_key(model, option)
+            key = estimate_key(model, option, threads)
             if key not in self._estimates:
                 estimate = estimate_plan_memory(family, option.spec, option.plan,
                                                 input_size=self.request.data.image_size, device=self.request.device,
-                                                allocator=self.request.allocator, samples=self.request.data.samples)
+                                                allocator=self.request.allocator, samples=self.request.data.samples,
+                                                threads=threads)
                 self._estimates[key] = estimate
                 self.made[key] = _parts(estimate)
             found[option] = self._estimates[key]
@@ -144,6 +150,26 @@ class Decider:
         """The estimator's prediction for one spec and plan (see :meth:`raw_estimates`)."""
         option = Option(spec, plan)
         return self.raw_estimates(model, [option])[option]
+
+    def fewer_threads(self, model: ModelRef, preferred: list[Option],
+                      available: int) -> tuple[Option, int, MemoryEstimate, int] | None:
+        """The first of ``preferred`` (options that do not fit with the agent's threads) that fits ``available``
+        with fewer, and the most threads it fits with, its raw estimate there and that calibrated; None when none
+        fits even with one thread. Some oneDNN kernels keep scratch per thread
+        (:func:`models.conv_workspace.gemm_weight_gradient`): a device trains the model it was sent, slower, before
+        a smaller one."""
+        if self.request.device != "cpu":
+            return None
+        for option in preferred:
+            best = 0  # the estimate grows with the threads: the first that does not fit ends the search
+            for threads in range(1, self.request.threads):
+                if self.corrected(self.raw_estimates(model, [option], threads)[option]) > available:
+                    break
+                best = threads
+            if best:
+                estimate = self.raw_estimates(model, [option], best)[option]
+                return option, best, estimate, self.corrected(estimate)
+        return None
 
     # ------------------------------------------------------------------ decide
     def decide(self, task: Task) -> tuple[Decision, Task | None]:
@@ -166,6 +192,14 @@ class Decider:
         raw = self.raw_estimates(task.model, candidates)
         available = self.request.available
         choice = choose(candidates, lambda option: self.corrected(raw[option]), available)
+        threads = 0  # the agent's own
+        if self.request.threads > 1 and candidates and choice.option != candidates[0]:
+            preferred = candidates if choice.option is None else candidates[:candidates.index(choice.option)]
+            fewer = self.fewer_threads(task.model, preferred, available)
+            if fewer is not None:
+                option, threads, raw[option], needed = fewer
+                choice = Choice(option, needed, (*choice.tried, (f"{option.describe()} with {threads} threads",
+                                                                 needed)))
         cut: Cut | None = None
         depthwise = task.adaptation is not None and task.adaptation.kind == "depthwise"
         whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
@@ -210,10 +244,14 @@ class Decider:
         elif plan.copies > 1:
             reason = (f"trained 1 of up to {plan.copies} copies (no mutual distillation: a second copy does not fit "
                       f"{size_text(available)})")
+        if threads:
+            reason = (f"{reason}, with {threads} of {self.request.threads} torch threads" if reason else
+                      f"trained with {threads} of {self.request.threads} torch threads to fit {size_text(available)}")
+            metrics["torch_threads"] = float(threads)
         status = UpdateStatus.OK if spec in (sent, whole) else UpdateStatus.ADAPTED
         decision = Decision(status, reason, spec.to_dict(),
                             raw_total=estimate.total, raw_overhead=estimate.overhead, estimate=choice.estimate,
-                            metrics=metrics, estimates=self.made)
+                            metrics=metrics, estimates=self.made, threads=threads)
         return decision, adapted
 
     def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,

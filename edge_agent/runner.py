@@ -307,7 +307,7 @@ class TaskRunner:
         """What to train, decided in a decision child (``edge_agent.decision``) from the task and this device."""
         DecisionRequest(self.device, self.allocator, available, self.calibration_for(task.model).factor, self.data,
                         self.limits,
-                        self.estimates_of(task.model)).write(workdir)
+                        self.estimates_of(task.model), self.torch_threads if self.device == "cpu" else 1).write(workdir)
         try:
             decision = forkserver.run_decision(workdir, self._timeout(task), cancel=self._closing)
         except DecisionFailed as exc:
@@ -320,7 +320,7 @@ class TaskRunner:
         memory = {"estimated_bytes": float(decision.estimate), "raw_estimate_bytes": float(decision.raw_total),
                   "budget_bytes": float(available), "calibration": self.calibration_for(task.model).factor}
         TrainingRequest(decision.spec, self.device, list(self.data.labels), str(self.data_path),
-                        str(self.copies_dir), self.torch_threads, self.allocator).write(workdir)
+                        str(self.copies_dir), decision.threads or self.torch_threads, self.allocator).write(workdir)
         before = self.oom_kills()
         forking = time.perf_counter()
         try:

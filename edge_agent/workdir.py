@@ -79,7 +79,8 @@ class DecisionRequest:
 
     ``available`` is the memory training may use now, ``factor`` the calibration's current factor (the decision
     compares ``overhead + (raw - overhead) * factor`` with ``available``), ``known`` the raw estimates the agent
-    remembers from earlier decisions of the task's model (keyed by :func:`edge_agent.decision.estimate_key`).
+    remembers from earlier decisions of the task's model (keyed by :func:`edge_agent.decision.estimate_key`),
+    ``threads`` the torch threads the agent trains with (the decision may train with fewer, to fit).
     """
 
     device: str
@@ -89,6 +90,7 @@ class DecisionRequest:
     data: DataShape
     limits: TaskLimits = field(default_factory=TaskLimits)
     known: dict[str, dict[str, Any]] = field(default_factory=dict)
+    threads: int = 1
 
     def write(self, workdir: Path) -> None:
         _write_json(workdir / DECISION_REQUEST_FILE, asdict(self))
@@ -102,7 +104,8 @@ class DecisionRequest:
                    data=DataShape(int(data["samples"]), tuple(int(v) for v in data["labels"]),
                                   int(data["in_channels"]), (int(data["image_size"][0]), int(data["image_size"][1]))),
                    limits=TaskLimits(**raw["limits"]),
-                   known={str(k): dict(parts) for k, parts in raw["known"].items()})
+                   known={str(k): dict(parts) for k, parts in raw["known"].items()},
+                   threads=int(raw.get("threads", 1)))
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class Decision:
     and its plan chosen); ``declined`` or ``failed``: answer with ``reason`` and train nothing. ``raw_total`` and
     ``raw_overhead`` are the estimator's prediction for what is trained (the calibration learns from them),
     ``estimate`` its calibrated value, ``metrics`` what the update reports besides, ``estimates`` the raw
-    estimates this decision made (the agent remembers them for the next).
+    estimates this decision made (the agent remembers them for the next), ``threads`` the torch threads to train
+    with (0: the agent's own).
     """
 
     status: UpdateStatus
@@ -124,6 +128,7 @@ class Decision:
     estimate: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     estimates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    threads: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -148,7 +153,8 @@ class Decision:
                    raw_total=int(raw.get("raw_total", 0)), raw_overhead=int(raw.get("raw_overhead", 0)),
                    estimate=int(raw.get("estimate", 0)),
                    metrics={str(k): float(v) for k, v in raw.get("metrics", {}).items()},
-                   estimates={str(k): dict(parts) for k, parts in raw.get("estimates", {}).items()})
+                   estimates={str(k): dict(parts) for k, parts in raw.get("estimates", {}).items()},
+                   threads=int(raw.get("threads", 0)))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -149,6 +150,7 @@ def _trace(
     copies: int = 1,
     accumulate: bool = False,
     widths: tuple[float, ...] = (),
+    threads: int = 1,
 ) -> _Trace:
     granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
     with torch.device("meta"):
@@ -170,7 +172,7 @@ def _trace(
     net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
     net.train()
     params = [p for m in (model, *others) for p in m.parameters()]
-    tracker = _LiveBytes(granularity, convolution_workspace if device == "cpu" else None)
+    tracker = _LiveBytes(granularity, partial(convolution_workspace, threads=threads) if device == "cpu" else None)
     tracker.ignore(params)
     marks: dict[str, int] = {}
 
@@ -315,6 +317,7 @@ def _estimate_training_memory(
     cache_samples: int = 0,
     accumulate: bool = False,
     widths: Sequence[float] = (),
+    threads: int = 1,
 ) -> MemoryEstimate:
     """Estimate the peak memory of one training step of ``family`` at ``spec``, described by keywords, some of
     which go only together (a ``segment`` with its ``route`` and ``cache_samples``, ``copies`` only whole):
@@ -353,6 +356,9 @@ def _estimate_training_memory(
     widths:
         Ordered dropout's widths (``TrainingPlan.widths``): with ``width_kd`` terms the batch's second pass, at the
         widest width narrower than ``spec``, is traced after the spec's. Only with the whole sub-model.
+    threads:
+        CPU only: the torch threads the step runs with. Some oneDNN kernels keep scratch per thread
+        (:func:`models.conv_workspace.gemm_weight_gradient`).
 
     Results are cached per model (family class, classes, channels, options) and arguments. The first call in a process takes about a second (torch loads
     its meta kernels; docs/edge-runtime.md says what memory this costs); later ones take about 40 ms for the
@@ -376,25 +382,28 @@ def _estimate_training_memory(
     if copies > 1 and (segment is not None or spec.segments is not None):
         raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
     widths = tuple(float(width) for width in widths)
+    threads = check_positive_int("threads", threads) if kind == "cpu" else 1
     if widths and (copies > 1 or segment is not None or spec.segments is not None):
         raise ValueError("ordered dropout (widths) trains one copy of a spec trained whole.")
     if segment is None and spec.segments is not None:
         estimates = [_estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
                                                optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
-                                               loss=terms, segment=seg, route="skip", accumulate=accumulate)
+                                               loss=terms, segment=seg, route="skip", accumulate=accumulate,
+                                               threads=threads)
                      for seg in spec.segments]
         return max(estimates, key=lambda e: e.total)
     accumulate = bool(accumulate)
     allocator = _SAME_ESTIMATE.get(allocator, allocator)
     key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
-           route, copies, accumulate, widths)
+           route, copies, accumulate, widths, threads)
     with _lock:
         cached = _cache.get(_model_of(family), {}).get(key)
     if cached is not None:
         known, per_sample = cached
         return _with_cache(known, per_sample, cache_samples, segment)
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
-        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies, accumulate, widths)
+        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies, accumulate, widths,
+                       threads)
     gradients = sum(trace.trainable)
     state = optimizer_slots * gradients
     step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)
@@ -440,6 +449,7 @@ def estimate_plan_memory(
     device: str = "cpu",
     allocator: str = "pooled",
     samples: int = 0,
+    threads: int = 1,
 ) -> MemoryEstimate:
     """The estimated peak of running ``plan`` on ``spec``: its batch size (a stage's micro-batches, with their
     accumulated gradients), its optimizer (SGD with momentum keeps one state tensor per parameter), its loss, and
@@ -448,11 +458,12 @@ def estimate_plan_memory(
 
     ``device``: ``"cpu"`` (the process's RSS) or ``"cuda"`` (the caching allocator's peak, CUDA's context
     excluded); ``allocator``, on CPU: how the training process's heap is managed, ``"pooled"`` or ``"compact"``
-    (no heap retention) or ``"default"`` (glibc's default settings). Results are cached per model and arguments:
-    the first estimate in a process takes about a second, later ones tens of milliseconds (docs/edge-runtime.md).
+    (no heap retention) or ``"default"`` (glibc's default settings); ``threads``, on CPU: the torch threads
+    training runs with. Results are cached per model and arguments: the first estimate in a process takes about a
+    second, later ones tens of milliseconds (docs/edge-runtime.md).
     """
     return max(estimate_plan_stages(family, spec, plan, input_size=input_size, device=device, allocator=allocator,
-                                    samples=samples), key=lambda e: e.total)
+                                    samples=samples, threads=threads), key=lambda e: e.total)
 
 
 def estimate_plan_stages(
@@ -464,6 +475,7 @@ def estimate_plan_stages(
     device: str = "cpu",
     allocator: str = "pooled",
     samples: int = 0,
+    threads: int = 1,
 ) -> list[MemoryEstimate]:
     """The estimate of each stage ``plan`` runs on ``spec``, in order (one for a spec trained whole); the
     arguments are :func:`estimate_plan_memory`'s, whose estimate is the largest of these."""
@@ -474,6 +486,7 @@ def estimate_plan_stages(
                                   input_size=input_size, optimizer_slots=slots, device=device, allocator=allocator,
                                   loss=plan.loss, segment=segment, route=stage.route, copies=plan.copies,
                                   widths=plan.widths, cache_samples=samples if stage.cache else 0,
-                                  accumulate=micro_batch_size(stage, plan.batch_size) < plan.batch_size)
+                                  accumulate=micro_batch_size(stage, plan.batch_size) < plan.batch_size,
+                                  threads=threads)
         for segment, stage in stages(spec, plan)
     ]

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from common.device_need import INITIAL_FACTOR
 from coordinator.strategies.scalefl import self_distillation_loss
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
 from edge_agent.decision import Decider, estimate_key
 from edge_agent.memory import size_text
-from edge_agent.workdir import DecisionRequest
-from models import MemoryEstimate, SubmodelSpec
-from protocol import Adaptation, Candidate, LossTerm, Stage, TrainingPlan
+from edge_agent.workdir import DataShape, DecisionRequest
+from models import MemoryEstimate, SubmodelSpec, get_family
+from protocol import Adaptation, Candidate, LossTerm, ModelRef, Stage, TrainingPlan
 
 U = SubmodelSpec.uniform
 WIDTH_LEVELS = Adaptation("width-levels", rates=[1.0, 0.5, 0.25])
@@ -451,3 +452,41 @@ def test_a_depthwise_hint_with_ordered_dropout_is_an_invalid_task(family, task_p
     with pytest.raises(ValueError, match="depth-wise adaptation cannot train a plan with ordered dropout"):
         options(family, U(1.0), plan, Adaptation("depthwise"))
     assert options(family, U(1.0), plan, None)  # trained whole, it runs
+
+
+# ---------------------------------------------------------------------------------------------- threads
+def test_a_device_trains_the_sent_spec_with_fewer_threads_before_a_smaller_one(monkeypatch, make_task, plan):
+    """Each further thread adds scratch to the CNN's weight gradients on 2x2 and 1x1 maps (AVX2's layouts, set
+    here on any CPU): a 4-thread device whose memory affords the sent spec with fewer threads trains it so, with
+    the most threads that fit; one that affords it with none trains the smaller level with all four."""
+    monkeypatch.setattr("models.conv_workspace.channel_block", lambda: 8)
+    monkeypatch.setattr("models.memory._cache", {})
+    family, ref = get_family("cnn", 10, 1), ModelRef("cnn", 10, 1, {})
+    digits = DataShape(320, tuple(range(10)), 1, (8, 8))
+    task = make_task(U(1.0), of=family, model=ref, adaptation=ladder((U(0.5), plan)))
+
+    def decider(available: int) -> Decider:
+        return Decider(DecisionRequest("cpu", "pooled", available, INITIAL_FACTOR, digits, threads=4))
+
+    def need(spec: SubmodelSpec, threads: int) -> int:
+        probe = decider(0)
+        return probe.corrected(probe.raw_estimates(ref, [Option(spec, plan)], threads)[Option(spec, plan)])
+
+    needs = {threads: need(U(1.0), threads) for threads in (1, 2, 3, 4)}
+    assert needs[1] < needs[2] < needs[3] < needs[4]
+    assert need(U(0.5), 4) < needs[1]
+
+    decision, _ = decider(needs[4]).decide(task)  # enough for all four
+    assert (decision.status, decision.threads, decision.reason) == ("ok", 0, None)
+
+    decision, adapted = decider(needs[3] - 1).decide(task)
+    assert (decision.status, decision.threads, adapted) == ("ok", 2, None)
+    assert decision.estimate == needs[2] and decision.metrics["torch_threads"] == 2.0
+    assert decision.reason == f"trained with 2 of 4 torch threads to fit {size_text(needs[3] - 1)}"
+
+    decision, _ = decider(needs[1]).decide(task)
+    assert (decision.status, decision.threads, decision.spec) == ("ok", 1, U(1.0).to_dict())
+
+    decision, adapted = decider(needs[1] - 1).decide(task)  # the sent spec fits with no thread count
+    assert (decision.status, decision.threads, decision.spec) == ("adapted", 0, U(0.5).to_dict())
+    assert adapted is not None and "torch threads" not in decision.reason

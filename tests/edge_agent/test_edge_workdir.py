@@ -18,7 +18,8 @@ from edge_agent.workdir import (
 
 def test_a_decision_request_round_trips(tmp_path):
     request = DecisionRequest("cpu", "compact", 12_345_678, 1.25, DataShape(16, (0, 3, 9), 1, (8, 8)),
-                              TaskLimits(max_epochs=7), {"key": {"parameters": 1, "overhead": 2, "device": "cpu"}})
+                              TaskLimits(max_epochs=7), {"key": {"parameters": 1, "overhead": 2, "device": "cpu"}},
+                              threads=4)
     request.write(tmp_path)
     assert DecisionRequest.read(tmp_path) == request
 
@@ -26,7 +27,7 @@ def test_a_decision_request_round_trips(tmp_path):
 def test_a_decision_round_trips_whether_it_trains_or_answers(tmp_path):
     trains = Decision("adapted", "adapted width=1 -> width=0.5 to fit 4.0 MiB", {"width": 0.5}, raw_total=1000,
                       raw_overhead=100, estimate=1090, metrics={"cached_stages": 1.0},
-                      estimates={"k": {"parameters": 3, "device": "cpu"}})
+                      estimates={"k": {"parameters": 3, "device": "cpu"}}, threads=2)
     trains.write(tmp_path)
     assert Decision.read(tmp_path) == trains and trains.trains
     answers = Decision("declined", "nothing fits")

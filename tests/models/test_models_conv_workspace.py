@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import get_family
-from models.conv_workspace import channel_block, convolution_workspace
+from models.conv_workspace import channel_block, convolution_workspace, gemm_weight_gradient
 from models.memory import _estimate_training_memory
 
 F32 = 4
@@ -22,25 +22,26 @@ CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 class _Recorder(TorchDispatchMode):
     """Records the workspace every operator would add, with the real dispatch arguments."""
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, threads: int = 1) -> None:
         super().__init__()
         self.block = block
+        self.threads = threads
         self.seen: list[tuple[Any, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in (CONV, CONV_BACKWARD):
-            self.seen.append((func, convolution_workspace(func, args, out, block=self.block)))
+            self.seen.append((func, convolution_workspace(func, args, out, block=self.block, threads=self.threads)))
         return out
 
 
 def _run(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride: int = 1, padding: int = 1,
-         input_grad: bool = True, block: int = 16) -> dict[Any, int]:
+         input_grad: bool = True, block: int = 16, threads: int = 1) -> dict[Any, int]:
     """Forward and backward of one convolution on meta tensors; the workspace per operator."""
     x = torch.empty(x_shape, device="meta", requires_grad=input_grad)
     w = torch.empty(w_shape, device="meta", requires_grad=True)
     b = torch.empty(w_shape[0], device="meta", requires_grad=True)
-    with _Recorder(block) as recorder:
+    with _Recorder(block, threads) as recorder:
         F.conv2d(x, w, b, stride=stride, padding=padding).sum().backward()
     return dict(recorder.seen)
 
@@ -120,6 +121,51 @@ def test_cpu_estimate_includes_the_workspace(monkeypatch: pytest.MonkeyPatch) ->
         return _estimate_training_memory(family, None, batch_size=32, input_size=(32, 32), segment=(0, 1)).total
 
     with_workspace = estimate()
-    monkeypatch.setattr("models.memory.convolution_workspace", lambda *_: 0)
+    monkeypatch.setattr("models.memory.convolution_workspace", lambda *_, **__: 0)
     without = estimate()
     assert with_workspace - without >= F32 * 32 * 64 * 1024 // 2
+
+
+def test_gemm_weight_gradient_where_the_map_is_smaller_than_the_kernel() -> None:
+    """What ``ONEDNN_VERBOSE`` showed on AVX2: GEMM for a 3x3 kernel on 2x2 and 1x1 maps and a 5x5 one on 4x4,
+    the jit kernels on 3x3 maps and up and for 1x1 kernels; nothing of this with AVX-512's blocks."""
+    assert gemm_weight_gradient((32, 128, 2, 2), (256, 128, 3, 3), 8)
+    assert gemm_weight_gradient((32, 256, 1, 1), (512, 256, 3, 3), 8)
+    assert gemm_weight_gradient((32, 64, 4, 4), (64, 64, 5, 5), 8)
+    assert not gemm_weight_gradient((32, 64, 3, 3), (64, 64, 3, 3), 8)
+    assert not gemm_weight_gradient((32, 64, 1, 1), (64, 64, 1, 1), 8)
+    assert not gemm_weight_gradient((32, 256, 1, 1), (512, 256, 3, 3), 16)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_each_further_thread_adds_a_weight_gradient_on_the_gemm_path(threads: int) -> None:
+    weight = F32 * 512 * 256 * 9
+    one, more = (_run((32, 256, 1, 1), (512, 256, 3, 3), block=8, threads=t)[CONV_BACKWARD] for t in (1, threads))
+    assert more - one == (threads - 1) * weight
+    # the jit kernels (a 3x3 map) and AVX-512's blocks keep no scratch per thread
+    assert (_run((32, 64, 3, 3), (128, 64, 3, 3), block=8, threads=threads)
+            == _run((32, 64, 3, 3), (128, 64, 3, 3), block=8))
+    assert (_run((32, 256, 1, 1), (512, 256, 3, 3), block=16, threads=threads)
+            == _run((32, 256, 1, 1), (512, 256, 3, 3), block=16))
+    # nor the forward pass
+    assert (_run((32, 256, 1, 1), (512, 256, 3, 3), block=8, threads=threads)[CONV]
+            == _run((32, 256, 1, 1), (512, 256, 3, 3), block=8)[CONV])
+
+
+def test_the_estimate_counts_the_threads_where_a_weight_gradient_runs_by_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CNN on 8x8 digits: its last two convolutions see 2x2 and 1x1 maps. With AVX2's blocks each further
+    thread adds at most the largest of their weights to the estimate; on 28x28 (maps of 3x3 and up) nothing."""
+    monkeypatch.setattr("models.conv_workspace.channel_block", lambda: 8)  # AVX2's layouts, on any CPU
+    monkeypatch.setattr("models.memory._cache", {})
+    family = get_family("cnn", 10, 1)
+    largest = F32 * 512 * 256 * 9
+
+    def estimate(threads: int, size: tuple[int, int]) -> int:
+        return _estimate_training_memory(family, None, batch_size=32, input_size=size, threads=threads).total
+
+    one, two, four = (estimate(threads, (8, 8)) for threads in (1, 2, 4))
+    assert one < two < four
+    assert two - one <= largest and four - one <= 3 * largest
+    assert estimate(4, (28, 28)) == estimate(1, (28, 28))
+    with pytest.raises(ValueError, match="threads"):
+        estimate(0, (8, 8))
