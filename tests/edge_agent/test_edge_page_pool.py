@@ -337,6 +337,34 @@ def test_a_block_written_in_part_is_resident_only_where_written():
 
 
 @needs_pool
+def test_scratch_written_in_part_is_not_kept_nor_counted_in_the_high_water_mark():
+    # The GEMM pattern: scratch mapped for more than it writes, beside a live block. The high-water mark bounds
+    # what is kept in mapped bytes: were the scratch's unwritten 22 MiB counted, the written block freed after it
+    # would stay kept (resident) while the next 16 MiB block is written: 24 MiB resident where the live peak is
+    # 16. (Pooled from 1 MiB: the interpreter's own buffers stay out of the way.)
+    out = run_probe("""
+        from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
+        page_pool.enable(MiB)
+        baseline = rss_bytes(); reset_peak_rss()
+        written = process.malloc(8 * MiB)
+        ctypes.memset(written, 1, 8 * MiB)
+        scratch = process.malloc(24 * MiB)
+        ctypes.memset(scratch, 2, 2 * MiB)
+        high_water = page_pool.stats().high_water_bytes
+        process.free(scratch)
+        after = page_pool.stats()
+        assert after.kept_bytes == 0 and after.high_water_bytes <= high_water - 21 * MiB, (high_water, after)
+        process.free(written)
+        assert page_pool.stats().kept_bytes >= 8 * MiB, page_pool.stats()  # written through: kept
+        gradient = process.malloc(16 * MiB)
+        ctypes.memset(gradient, 3, 16 * MiB)
+        print((peak_rss_bytes() - baseline) / MiB)
+        process.free(gradient)
+    """)
+    assert float(out) <= 16 + 1.5, out  # the live peak (16 MiB, then 8 + 2), not 16 + the 8 MiB kept
+
+
+@needs_pool
 def test_the_obsolete_aligned_allocators_behave_as_glibcs():
     out = run_probe("""
         process.pvalloc.restype = ctypes.c_void_p
