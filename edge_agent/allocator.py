@@ -3,8 +3,8 @@
 ``"pooled"`` (the default) is ``"compact"`` below with the page pool (``edge_agent.page_pool``) preloaded into the
 training forkserver: every block of a page or more is still a mapping of its own, but the pages of a freed block
 are kept and reused by the next request (as they are, or shrunk or grown in place), never more of them than the
-high-water mark of the live blocks, so the peak is the compact heap's (up to kept pages a partly written block
-reuses) while the pages a step reuses are not faulted in again. Measured side by side (``benchmarks/training_speed.py``, x86-64 with AVX2, one thread, the CNN's
+high-water mark of the live blocks (a large block freed with pages it never wrote is not kept, and the mark
+loses those bytes), so the peak is the compact heap's while the pages a step reuses are not faulted in again. Measured side by side (``benchmarks/training_speed.py``, x86-64 with AVX2, one thread, the CNN's
 rows): peaks those of ``"compact"``; steps 1.15-1.68 times glibc's defaults where ``"compact"`` takes 1.23-2.33
 (as fast as the defaults while the pool populated its pages, which made partly written blocks resident:
 docs/edge-runtime.md). Where the pool cannot be built (no C compiler) or loaded, ``"pooled"`` resolves to

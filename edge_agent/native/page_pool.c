@@ -7,8 +7,8 @@
  * same length as they are, or shrunk or grown in place with mremap (the pages kept keep their contents; only a
  * grown tail is new). What is kept never exceeds the high-water mark of the live blocks since the last
  * fedfit_pool_release(): before a request would take live + kept above it, the oldest kept blocks are unmapped.
- * So the resident peak is the compact heap's (up to kept pages a partly written block reuses), while the pages a
- * step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
+ * A large block freed with pages it never wrote is unmapped instead, and the high-water mark loses those bytes
+ * (pool_free). So the resident peak is the compact heap's, while the pages a step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
  * on large activations (docs/edge-runtime.md) but keeps unwritten scratch out of the peak (the test
  * test_a_block_written_in_part_is_resident_only_where_written).
  *
