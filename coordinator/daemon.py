@@ -41,7 +41,16 @@ from coordinator.serving import ServiceLog
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip
 from models import ModelFamily
-from protocol import CoordinatorStatus, ModelRef, ProtocolError, Topics, encode, parse_agent_topic
+from protocol import (
+    STATUS_REPORT_REVISION,
+    CoordinatorStatus,
+    ModelRef,
+    ProtocolError,
+    RoundProgress,
+    Topics,
+    encode,
+    parse_agent_topic,
+)
 
 __all__ = ["REGISTRY_SETTLE_S", "Coordinator", "NoAgentsError", "Progress", "single_threaded_torch"]
 
@@ -49,6 +58,8 @@ __all__ = ["REGISTRY_SETTLE_S", "Coordinator", "NoAgentsError", "Progress", "sin
 RESUME_GRACE_S = 60.0
 #: Seconds a resumed round waits at most for its agents' statuses before its tasks go out again.
 RESUME_SETTLE_S = 10.0
+#: Seconds between the re-publications of the status (the round's progress) that updates cause, at most.
+PROGRESS_INTERVAL_S = 1.0
 
 
 class Coordinator:
@@ -74,6 +85,12 @@ class Coordinator:
         #: Why the run cannot go on (the broker refused a publish it needs), one sentence; ends the round loop.
         self.fatal: str | None = None
         self._fleet_settled = False  # set once the first round of this process has seen the fleet
+        self._round_opened_at = 0.0  # wall clock: when the round in progress sent its tasks
+        self._reports_announced = False  # whether the last status said this coordinator reads agents' reports
+        self._progress_announced = 0.0  # monotonic: when an update last re-published the status
+        self._progress_pending = False  # a re-publication is scheduled
+        self._progress_lock = threading.Lock()
+        self._stopped = False
         self.on_round = on_round
         self.on_progress = on_progress
         #: Seconds a round resumed from the journal waits at least (a simulator whose agents restarted with it and
@@ -100,7 +117,8 @@ class Coordinator:
         self.link = MqttLink(  # after the resume: its Last Will names the round in progress
             client_id=f"fedfit-coordinator-{config.federation}", broker=config.broker,
             subscriptions=[self.topics.all_agent_status(), self.topics.all_agent_updates()],
-            handler=self._on_message, will=Will(self.topics.coordinator_status(), encode(self._status("offline"))),
+            handler=self._on_message,
+            will=Will(self.topics.coordinator_status(), encode(self._status("offline", reports=False))),
             on_ready=self._announce, on_refused=self._on_refused)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
                                      lambda: self.states, config.seed, self.log)
@@ -128,20 +146,66 @@ class Coordinator:
     # --------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
         """Connect to the broker; the retained coordinator status goes out once subscribed."""
+        self._stopped = False
         self.link.start(timeout)
 
     def stop(self) -> None:
         """Publish the retained 'offline' status and disconnect."""
+        self._stopped = True  # no 'online' after the 'offline' (a progress re-publication due within the second)
         self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline")), True))
 
-    def _status(self, state: str) -> CoordinatorStatus:
-        """The retained status: its ``round`` is the round in progress, else the last one completed."""
+    def _status(self, state: str, reports: bool | None = None) -> CoordinatorStatus:
+        """The retained status: its ``round`` is the round in progress, else the last one completed. With
+        ``reports`` (default: while every agent online reads them, `protocol.STATUS_REPORT_REVISION`) it says this
+        coordinator reads agents' reports and carries the round in progress; the Last Will never does (an agent of
+        any revision must read it)."""
         current = self._round
-        return CoordinatorStatus(self.config.federation, state,
-                                 current.number if current is not None else self.completed_rounds, time.time())
+        number = current.number if current is not None else self.completed_rounds
+        if reports is None:
+            reports = self._fleet_reads_reports()
+        if not reports:
+            return CoordinatorStatus(self.config.federation, state, number, time.time())
+        progress = None
+        if current is not None and state == "online" and self._round_opened_at:
+            progress = RoundProgress(current.number, len(current.tasks), len(current.answers), self._round_opened_at,
+                                     current.deadline)
+        return CoordinatorStatus(self.config.federation, state, number, time.time(), STATUS_REPORT_REVISION,
+                                 progress)
+
+    def _fleet_reads_reports(self) -> bool:
+        oldest = self.registry.oldest_revision()
+        return oldest is None or oldest >= STATUS_REPORT_REVISION
 
     def _announce(self) -> None:
-        self.link.publish(self.topics.coordinator_status(), encode(self._status("online")), retain=True)
+        if self._stopped:
+            return
+        status = self._status("online")
+        self._reports_announced = status.revision >= STATUS_REPORT_REVISION
+        self.link.publish(self.topics.coordinator_status(), encode(status), retain=True)
+
+    def _announce_progress(self, current: Round) -> None:
+        """Re-publish the status for an update taken: at once at the round's last answer, else at most once a
+        second (an answer within the second is published when it is over)."""
+        if not self._reports_announced:
+            return
+        with self._progress_lock:
+            if self._progress_pending:
+                return  # a publication is due within the second: it will say this answer too
+            wait = PROGRESS_INTERVAL_S - (time.monotonic() - self._progress_announced)
+            if wait > 0 and len(current.answers) < len(current.tasks):
+                self._progress_pending = True
+                timer = threading.Timer(wait, self._announce_due)
+                timer.daemon = True
+                timer.start()
+                return
+            self._progress_announced = time.monotonic()
+        self._announce()
+
+    def _announce_due(self) -> None:
+        with self._progress_lock:
+            self._progress_pending = False
+            self._progress_announced = time.monotonic()
+        self._announce()
 
     def _on_refused(self, topic: str, reason: str) -> None:
         """The broker refused a publish (its status, a task or an ack): the federation cannot run."""
@@ -170,14 +234,20 @@ class Coordinator:
         single_threaded_torch()
         try:
             _, agent_id, kind = parse_agent_topic(topic)
-            if kind == "status" and self.fleet.on_status(agent_id, payload):
-                self.dispatcher.resend_unanswered(self._current(), agent_id)
+            if kind == "status":
+                if self.fleet.on_status(agent_id, payload):
+                    self.dispatcher.resend_unanswered(self._current(), agent_id)
+                if self._fleet_reads_reports() != self._reports_announced:  # an older agent came, or the last went
+                    self._announce()
             elif kind == "update":
-                self.intake.on_chunk(agent_id, payload, self._current(), lambda current: self._progress(
-                    "round", current.number, len(current.answers), len(current.tasks)))
+                self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_answer(self, current: Round) -> None:
+        self._progress("round", current.number, len(current.answers), len(current.tasks))
+        self._announce_progress(current)
 
     # ------------------------------------------------------------------ rounds
     def run(self, rounds: int | None = None) -> list[RoundResult]:
@@ -200,6 +270,7 @@ class Coordinator:
             agents = {dispatched.task.agent_id for dispatched in current.tasks.values()}
             self.registry.wait_settled(len(agents), REGISTRY_SETTLE_S, RESUME_SETTLE_S)
             self._fleet_settled = True
+        self._round_opened_at = time.time()
         self._announce()
         bytes_down = self.dispatcher.send_round(current)
         self._progress("round", current.number, len(current.answers), len(current.tasks))

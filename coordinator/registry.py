@@ -72,6 +72,14 @@ class FleetRegistry:
         with self._changed:
             return self._agents.get(agent_id)
 
+    def oldest_revision(self) -> int | None:
+        """The oldest protocol revision an agent online announced (``Capabilities.protocol_version``); None when
+        no agent is online."""
+        with self._changed:
+            revisions = [a.capabilities.protocol_version for a in self._agents.values()
+                         if a.online and a.capabilities is not None]
+        return min(revisions) if revisions else None
+
     def online(self) -> list[AgentRecord]:
         """Agents that are connected and have reported their capabilities, sorted by id."""
         with self._changed:

@@ -33,7 +33,9 @@ from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
     PROTOCOL_REVISION,
+    STATUS_REPORT_REVISION,
     Ack,
+    AgentReport,
     AgentStatus,
     BytesLike,
     Capabilities,
@@ -52,6 +54,8 @@ from protocol import (
 )
 
 _SEEN_TASKS = 1024
+#: Characters of a trained spec or a reason its report carries.
+_REPORT_TEXT = 300
 
 
 class AgentIdInUse(RuntimeError):
@@ -97,6 +101,9 @@ class EdgeAgent:
                                        admit=self._admit_task)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._busy = 0
+        self._since = time.time()  # when the agent went online or busy (its report's ``since``)
+        self._training: dict[str, int] = {}  # task id -> round, of the tasks being served
+        self._last_answer: dict[str, object] = {}  # its report's last_* fields
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._stopping = False  # stop() has begun (it runs once)
@@ -105,6 +112,7 @@ class EdgeAgent:
         self.rejected_updates: OrderedDict[str, str] = OrderedDict()
         self.tasks_done = 0
         self.coordinator_state = "unknown"  # as its retained status last said
+        self.coordinator_reads_reports = False  # its status said so (protocol.STATUS_REPORT_REVISION)
         #: Why the agent stopped on its own (the broker refused what it cannot work without), one sentence.
         self.fatal: str | None = None
         self.link = MqttLink(
@@ -262,6 +270,7 @@ class EdgeAgent:
         """The current status with fresh memory figures."""
         with self._lock:
             state = "busy" if self._busy else "online"
+            report = self._report() if self.coordinator_reads_reports else None
         budget = self.budget_schedule(self._last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
@@ -273,7 +282,23 @@ class EdgeAgent:
             sample_shape=(self.data.in_channels, *self.data.image_size),
             protocol_version=PROTOCOL_REVISION,
         )
-        return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)
+        return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance, report)
+
+    def _report(self) -> AgentReport:
+        """What ``fedfit status`` shows of this agent (lock held)."""
+        task, task_round = next(reversed(self._training.items()), ("", 0))
+        outbox, outbox_bytes = self.uplink.backlog()
+        return AgentReport(self._since, task, task_round, outbox=outbox, outbox_bytes=outbox_bytes,
+                           **self._last_answer)  # type: ignore[arg-type]
+
+    def _remember_answer(self, task: Task, update: Update) -> None:
+        """Keep the answer to ``task`` for the report (lock held)."""
+        trained = update.spec_trained
+        self._last_answer = {
+            "last_task": task.task_id, "last_round": task.round, "last_status": str(update.status),
+            "last_trained": ((" ".join(f"{key}={value}" for key, value in trained.items()) or "the full model")
+                             if isinstance(trained, dict) else "")[:_REPORT_TEXT],
+            "last_reason": (update.reason or "")[:_REPORT_TEXT], "last_finished_at": time.time()}
 
     def _offline_status(self) -> AgentStatus:
         return AgentStatus(self.agent_id, "offline", None, time.time(), self.instance)
@@ -353,8 +378,15 @@ class EdgeAgent:
             return  # a cleared retained status
         status = decode(payload, expected=CoordinatorStatus)
         assert isinstance(status, CoordinatorStatus)
+        reads_reports = status.state == "online" and status.revision >= STATUS_REPORT_REVISION
         if status.state == self.coordinator_state:
+            if reads_reports != self.coordinator_reads_reports and status.state == "online":
+                self.coordinator_reads_reports = reads_reports  # (the fleet's oldest agent changed)
+                if not self._stop.is_set():
+                    self.publish_status()
             return
+        if status.state == "online":
+            self.coordinator_reads_reports = reads_reports
         if status.state == "offline":
             self.log.warning("coordinator_offline", round=status.round)
         elif self.coordinator_state == "offline":
@@ -396,7 +428,10 @@ class EdgeAgent:
             if not self._first_sight(task.task_id) or waiting:
                 self.log.info("duplicate_task_ignored", task=task.task_id, update_waiting=waiting)
                 return
+            if not self._busy:
+                self._since = time.time()
             self._busy += 1
+            self._training[task.task_id] = task.round
             self._last_round = max(self._last_round, task.round)
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
@@ -446,10 +481,15 @@ class EdgeAgent:
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
             self.uplink.send(update, version=payload_version(payload) if payload is not None else 1)
             self.tasks_done += 1
+            with self._lock:
+                self._remember_answer(task, update)
         except Exception:
             self.log.exception("task_crashed", task=task.task_id)
         finally:
             with self._lock:
                 self._busy -= 1
+                self._training.pop(task.task_id, None)
+                if not self._busy:
+                    self._since = time.time()
             if not self._stop.is_set():
                 self.publish_status()

@@ -49,6 +49,7 @@ class Uplink:
         self._acked: dict[str, threading.Event] = {}
         self._refusals: dict[str, str] = {}
         self._parked: list[str] = []  # task ids whose attempts ran out, kept in the spool
+        self._sizes: dict[str, int] = {}  # payload bytes of the updates queued, in delivery or parked
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{agent_id}-uplink", daemon=True)
@@ -87,7 +88,16 @@ class Uplink:
     def _queue(self, task_id: str, payload: bytes) -> None:
         with self._lock:
             self._acked.setdefault(task_id, threading.Event())
+            self._sizes[task_id] = len(payload)
         self._outbox.put((task_id, payload))
+
+    def backlog(self) -> tuple[int, int]:
+        """The updates queued, in delivery or parked (not yet acknowledged as stored), and their bytes."""
+        with self._lock:
+            waiting = {task_id for task_id, event in self._acked.items() if not event.is_set()} | set(self._parked)
+            for task_id in [known for known in self._sizes if known not in waiting]:
+                del self._sizes[task_id]  # delivered, refused or abandoned since
+            return len(waiting), sum(self._sizes.get(task_id, 0) for task_id in waiting)
 
     def pending(self, task_id: str) -> bool:
         """Whether an update for ``task_id`` is queued, being sent, or parked: the task needs no training."""

@@ -1,5 +1,6 @@
 """The ``fedfit`` command: ``coordinator`` and ``agent`` daemons, ``sim`` for broker-based local runs, ``plan``
-to see what a strategy would hand each device tier before deploying, and ``broker`` to secure the fleet's broker.
+to see what a strategy would hand each device tier before deploying, ``broker`` to secure the fleet's broker, and
+``status`` to see a running fleet.
 
 ``fedfit agent`` imports nothing that pulls in torch (the coordinator, the models): the agent process stays small
 and leaves torch to its training forkserver. The other commands import what they need when they run.
@@ -24,7 +25,7 @@ from common.logs import configure_logging
 from common.mqtt_link import BrokerRefused, BrokerUnavailable
 from edge_agent.daemon import AgentIdInUse
 from edge_agent.forkserver import TorchUnavailable
-from fedfit import broker_command
+from fedfit import broker_command, status_command
 from fedfit.run_command import budgets_type
 from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
@@ -36,7 +37,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, DatasetError, BrokerUnavailable, BrokerRefused, BrokerStartError, AgentIdInUse, TorchUnavailable,
     BrokerSetupError, PkiError, ValueError, OSError)
 #: Commands that need neither the coordinator nor the models (nor, with them, torch).
-LIGHT_COMMANDS = ("agent", "broker")
+LIGHT_COMMANDS = ("agent", "broker", "status")
 
 
 def _user_errors(command: str) -> tuple[type[BaseException], ...]:
@@ -72,6 +73,7 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
     agent.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
                        help="default: the config's log_level")
     broker_command.add_parser(sub)
+    status_command.add_parser(sub)
     if light:
         return parser
 
@@ -313,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(light=bool(arguments) and arguments[0] in LIGHT_COMMANDS).parse_args(arguments)
     args.argv = arguments  # the command line as given, for the run's report
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "compare": _run_compare,
-               "plan": _run_plan, "broker": broker_command.run}
+               "plan": _run_plan, "broker": broker_command.run,
+               "status": status_command.run}
     try:
         return runners[args.command](args)
     except _user_errors(args.command) as exc:

@@ -19,12 +19,14 @@ from protocol.messages import (
     VERDICTS,
     Ack,
     Adaptation,
+    AgentReport,
     AgentStatus,
     Candidate,
     Capabilities,
     CoordinatorStatus,
     Message,
     ModelRef,
+    RoundProgress,
     Task,
     Update,
     UpdateStatus,
@@ -130,24 +132,60 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
                       head_alone=head_alone)
 
 
+_REPORT_DEFAULTS = ("task", "task_round", "last_task", "last_round", "last_status", "last_trained", "last_reason",
+                    "last_finished_at", "outbox", "outbox_bytes")
+
+
+def read_agent_report(obj: object, where: str, limits: Limits) -> AgentReport:
+    r = FieldReader(obj, where, limits, AgentReport, optional=_REPORT_DEFAULTS)
+    last_status = r.raw("last_status")
+    return AgentReport(
+        since=r.number("since", minimum=0.0),
+        task=r.opt_text("task") or "",
+        task_round=r.opt_integer("task_round", minimum=0) or 0,
+        last_task=r.opt_text("last_task") or "",
+        last_round=r.opt_integer("last_round", minimum=0) or 0,
+        last_status="" if last_status in (None, "") else r.text("last_status", UPDATE_STATUSES),
+        last_trained=r.opt_text("last_trained") or "",
+        last_reason=r.opt_text("last_reason") or "",
+        last_finished_at=r.opt_number("last_finished_at") or 0.0,
+        outbox=r.opt_integer("outbox", minimum=0) or 0,
+        outbox_bytes=r.opt_integer("outbox_bytes", minimum=0) or 0,
+    )
+
+
 def read_agent_status(obj: object, limits: Limits) -> AgentStatus:
-    r = FieldReader(obj, "status", limits, AgentStatus, HEADER, optional=("instance",))
+    r = FieldReader(obj, "status", limits, AgentStatus, HEADER, optional=("instance", "report"))
     return AgentStatus(
         agent_id=r.name("agent_id"),
         state=r.text("state", AGENT_STATES),
         capabilities=r.opt_nested("capabilities", read_capabilities),
         sent_at=r.number("sent_at"),
         instance=r.opt_text("instance") or "",
+        report=r.opt_nested("report", read_agent_report),
+    )
+
+
+def read_round_progress(obj: object, where: str, limits: Limits) -> RoundProgress:
+    r = FieldReader(obj, where, limits, RoundProgress)
+    return RoundProgress(
+        round=r.integer("round", minimum=1),
+        expected=r.integer("expected", minimum=0),
+        received=r.integer("received", minimum=0),
+        started_at=r.number("started_at", minimum=0.0),
+        deadline=r.number("deadline", minimum=0.0),
     )
 
 
 def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
-    r = FieldReader(obj, "coordinator_status", limits, CoordinatorStatus, HEADER)
+    r = FieldReader(obj, "coordinator_status", limits, CoordinatorStatus, HEADER, optional=("revision", "progress"))
     return CoordinatorStatus(
         federation=r.name("federation"),
         state=r.text("state", COORDINATOR_STATES),
         round=r.integer("round", minimum=0),
         sent_at=r.number("sent_at"),
+        revision=r.opt_integer("revision", minimum=0) or 0,
+        progress=r.opt_nested("progress", read_round_progress),
     )
 
 

@@ -16,16 +16,21 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 4
+PROTOCOL_REVISION = 5
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
 field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
-``width_kd`` loss terms). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents
-whose revision reads it; coordinators that predate revision 3 read an announced 3 or 4 as 2."""
+``width_kd`` loss terms); revision 5 the statuses' reports (:class:`AgentReport`, :class:`RoundProgress`). A
+coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
+coordinators that predate revision 3 read an announced 3 or more as 2."""
 HEAD_ALONE_REVISION = 3
 """The first revision an agent reads :attr:`Adaptation.head_alone` in."""
 ORDERED_DROPOUT_REVISION = 4
 """The first revision an agent reads a training plan's ordered dropout in (:attr:`TrainingPlan.ordered_dropout`)."""
+STATUS_REPORT_REVISION = 5
+"""The first revision whose statuses carry reports: a coordinator's :attr:`CoordinatorStatus.revision` and
+:attr:`CoordinatorStatus.progress` (written while every agent it knows reads them), an agent's
+:attr:`AgentStatus.report` (written once its coordinator's status says it reads them)."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -79,31 +84,75 @@ class Capabilities:
 
 
 @dataclass
+class AgentReport:
+    """What an agent is doing and last did, in its status for ``fedfit status`` (revision 5).
+
+    ``since``: when it went online or busy (wall clock); ``task`` and ``task_round``: the task it trains now (empty
+    and 0 when idle); ``last_*``: its last answer (``last_status`` an :class:`UpdateStatus` value, empty before
+    its first; ``last_trained`` the sub-model it trained, as text; ``last_reason`` why it adapted, declined or
+    failed); ``outbox`` and ``outbox_bytes``: updates it has sent or holds that the coordinator has not yet
+    acknowledged as stored.
+    """
+
+    since: float
+    task: str = ""
+    task_round: int = 0
+    last_task: str = ""
+    last_round: int = 0
+    last_status: str = ""
+    last_trained: str = ""
+    last_reason: str = ""
+    last_finished_at: float = 0.0
+    outbox: int = 0
+    outbox_bytes: int = 0
+
+
+@dataclass
 class AgentStatus:
     """Retained agent status; state is "online", "busy" or "offline" (the Last Will has no capabilities).
     ``instance`` names the agent process (random per start; empty from agents that predate it), so that one id
     reporting from two processes shows. A process starting with an id asks first whether another one is running
     it: it publishes a non-retained "starting" status, which a running agent of that id answers at once with its
-    own status (and which the coordinator does not record)."""
+    own status (and which the coordinator does not record). ``report``: see :class:`AgentReport` (None from agents
+    that predate it, and while the coordinator does not read it)."""
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("instance",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("instance", "report")
 
     agent_id: str
     state: str
     capabilities: Capabilities | None
     sent_at: float
     instance: str = ""
+    report: AgentReport | None = None
+
+
+@dataclass
+class RoundProgress:
+    """The round in progress, in the coordinator's status: ``received`` of ``expected`` answers, when it opened
+    and its deadline (wall clock; the deadline moves out by a broker outage)."""
+
+    round: int
+    expected: int
+    received: int
+    started_at: float
+    deadline: float
 
 
 @dataclass
 class CoordinatorStatus:
     """Retained coordinator status; state is "online" or "offline"; round is the round in progress, else the last
-    one completed."""
+    one completed. ``revision`` (:data:`STATUS_REPORT_REVISION` or 0) says whether it reads agents' reports;
+    ``progress`` the round in progress (None between rounds, and where it is not written: see
+    :data:`STATUS_REPORT_REVISION`)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("revision", "progress")
 
     federation: str
     state: str
     round: int
     sent_at: float
+    revision: int = 0
+    progress: RoundProgress | None = None
 
 
 @dataclass

@@ -18,10 +18,13 @@ from typing import IO, Any
 
 import numpy as np
 import torch
+import yaml
 
 from common.blas_threads import guard_blas_threads
+from common.config import to_mapping
 from common.cores import available_cores
 from common.data import Dataset, load_dataset, parse_partition, partition_indices
+from common.durable import write_atomic
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import MetricsWriter, RoundResult, read_metrics
@@ -198,6 +201,18 @@ def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: st
     return loaded, [kept[shard] for shard in shards]
 
 
+#: The file in a run's directory that ``fedfit status --config`` reads while the run goes on: the federation and the
+#: coordinator's login to the run's broker (written readable by its owner only).
+STATUS_CONFIG_FILE = "status.yaml"
+
+
+def _write_status_config(run_dir: Path, config: CoordinatorConfig) -> Path:
+    path = run_dir / STATUS_CONFIG_FILE
+    mapping = {"federation": config.federation, "broker": to_mapping(config.broker)}
+    write_atomic(path, yaml.safe_dump(mapping, sort_keys=False).encode(), mode=0o600)
+    return path
+
+
 def _earlier_rounds(run_dir: Path, completed: int) -> tuple[list[RoundResult], int | None]:
     """The results of the ``completed`` rounds a resumed run did before it stopped, from its ``metrics.jsonl``,
     which is written again with exactly those (a line cut short by the stop, or a round after the checkpoint's,
@@ -259,6 +274,10 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
     printer = ProgressPrinter(progress, options.rounds, label) if progress is not None else None
     try:
         config = coordinator_config(options, broker, run_dir)
+        watch = _write_status_config(run_dir, config)
+        if progress is not None:
+            print(f"{label + ': ' if label else ''}watch the fleet: fedfit status --config {watch} --watch",
+                  file=progress, flush=True)
         # A round resumed from the journal is trained again from scratch by this process's agents: it gets a whole
         # round's deadline, however long the run was stopped.
         coordinator = Coordinator(config, dataset=dataset, on_round=printer.on_round if printer else None,

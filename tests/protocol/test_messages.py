@@ -373,3 +373,41 @@ def test_an_ack_after_screening_carries_the_verdict_and_older_acks_carry_none() 
     for verdict, said in (("rejected", "a 'rejected' verdict needs its 'reason'"), ("maybe", "verdict")):
         with pytest.raises(ProtocolError, match=said):
             decode(msgpack.packb({**wire, "verdict": verdict}))
+
+
+def test_status_reports_round_trip_and_stay_off_the_wire_when_absent() -> None:
+    """Revision 5: an agent's report and the coordinator's round in progress; statuses without them are what
+    older readers read (no new key)."""
+    import msgpack
+
+    from protocol import AgentReport, AgentStatus, CoordinatorStatus, RoundProgress, decode, encode
+
+    assert set(msgpack.unpackb(encode(AgentStatus("pi-01", "online", None, 5.0, "i")))) == {
+        "v", "type", "agent_id", "state", "capabilities", "sent_at", "instance"}
+    assert set(msgpack.unpackb(encode(CoordinatorStatus("fed", "online", 3, 5.0)))) == {
+        "v", "type", "federation", "state", "round", "sent_at"}
+    report = AgentReport(since=4.0, task="r3-pi-01", task_round=3, last_task="r2-pi-01", last_round=2,
+                         last_status="adapted", last_trained="width=0.5", last_reason="adapted to fit 27 MiB",
+                         last_finished_at=4.5, outbox=1, outbox_bytes=2048)
+    status = AgentStatus("pi-01", "busy", None, 5.0, "i", report)
+    assert decode(encode(status)) == status
+    assert decode(encode(AgentStatus("pi-01", "online", None, 5.0, "i", AgentReport(since=4.0)))).report == \
+        AgentReport(since=4.0)
+    coordinator = CoordinatorStatus("fed", "online", 3, 5.0, 5, RoundProgress(3, 16, 11, 4.0, 64.0))
+    assert decode(encode(coordinator)) == coordinator
+
+
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("last_status", "maybe", "status.report.last_status"),
+    ("outbox", -1, "status.report.outbox must be >= 0"),
+    ("since", "yesterday", "status.report.since must be a number"),
+])
+def test_a_bad_report_is_refused_by_name(field: str, value: object, reason: str) -> None:
+    import msgpack
+
+    from protocol import AgentReport, AgentStatus, ProtocolError, decode, encode
+
+    wire = msgpack.unpackb(encode(AgentStatus("pi-01", "online", None, 5.0, "i", AgentReport(since=4.0))))
+    wire["report"][field] = value
+    with pytest.raises(ProtocolError, match=reason):
+        decode(msgpack.packb(wire))
