@@ -176,3 +176,17 @@ def test_heartbeats_of_agents_online_all_along_do_not_keep_the_fleet_unsettled()
     back = registry._last_change
     registry.on_status(status("b"))  # back: a change
     assert registry._last_change > back
+
+
+def test_the_oldest_revision_online():
+    from dataclasses import replace
+
+    registry = FleetRegistry()
+    assert registry.oldest_revision() is None
+    registry.on_status(status("new", capabilities=replace(caps(), protocol_version=5)))
+    registry.on_status(status("old", capabilities=replace(caps(), protocol_version=4)))
+    assert registry.oldest_revision() == 4
+    registry.on_status(status("old", "offline"))  # gone: its revision no longer counts
+    assert registry.oldest_revision() == 5
+    registry.on_status(status("older"))  # announces none: revision 1
+    assert registry.oldest_revision() == 1

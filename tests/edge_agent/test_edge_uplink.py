@@ -268,3 +268,21 @@ def test_the_wait_for_an_ack_doubles_with_every_send_up_to_a_cap_and_is_spread()
         waits = {uplink.ack_wait(attempt) for _ in range(20)}
         assert all(0.9 * nominal <= wait <= 1.1 * nominal for wait in waits)
         assert len(waits) > 1  # spread: a fleet's resends do not line up
+
+
+def test_the_backlog_counts_what_is_not_yet_acknowledged_queued_or_parked(tmp_path):
+    uplink, _ = spooled_uplink(tmp_path, attempts=1, ack_timeout_s=0.05)
+    assert uplink.backlog() == (0, 0)
+    uplink.start()
+    try:
+        uplink.send(update("r1-a-11"))
+        size = len(encode(update("r1-a-11"), version=1))  # (sent in version 1: its task's is not known here)
+        assert uplink.backlog() == (1, size)  # queued or in delivery
+        assert wait_until(lambda: uplink.abandoned == ["r1-a-11"])
+        assert uplink.backlog() == (1, size)  # parked, on disk
+        uplink.send(update("r1-a-12", size=40))
+        assert uplink.backlog()[0] == 2
+        assert uplink.on_ack("r1-a-11") and uplink.on_ack("r1-a-12")
+        assert wait_until(lambda: uplink.backlog() == (0, 0))
+    finally:
+        uplink.stop(timeout=2.0)
