@@ -407,6 +407,10 @@ class MqttLink:
         with self._room:
             return self._room.wait_for(lambda: self._in_flight < limit, timeout)
 
+    def backlog(self) -> int:
+        """Messages received and not yet handled (the inbox's length)."""
+        return self._inbox.qsize()
+
     def pulse(self) -> float:
         """Queue a heartbeat for the dispatcher and return the seconds since it last got through one (0 on the
         first call). Large while the dispatcher is stuck in a handler or dead; small through a broker outage."""

@@ -455,6 +455,9 @@ class CoordinatorConfig:
     state_dir: str = "runs/coordinator"
     resume: bool = False
     seed: int = 0
+    #: Serve Prometheus metrics on this port (0: a free one; None: not at all) and address (``coordinator.exporter``).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. (``algorithm`` is checked against the
@@ -483,6 +486,8 @@ class CoordinatorConfig:
             raise ValueError("data.bn_samples must be at least 1")
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s must be positive")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port (0-65535), got {self.metrics_port}")
         self.broker.validate()
         self.recipe.validate()
         self.scalefl.validate()

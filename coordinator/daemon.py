@@ -30,6 +30,7 @@ from coordinator.checkpoint import save_checkpoint, starting_states
 from coordinator.config import CoordinatorConfig
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluator
+from coordinator.exporter import CoordinatorMetrics
 from coordinator.fleet import REGISTRY_SETTLE_S, FleetWatch, NoAgentsError
 from coordinator.intake import UpdateIntake, single_threaded_torch
 from coordinator.journal import RoundJournal
@@ -106,6 +107,14 @@ class Coordinator:
         self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
                                    lambda: self.states, lambda topic, payload: self.link.publish(topic, payload),
                                    self.topics, self.log)
+        #: Prometheus metrics (``metrics_port``), None when off; ``metrics_port`` the port served once started.
+        self.exporter: CoordinatorMetrics | None = None
+        self.metrics_port: int | None = None
+        if config.metrics_port is not None:
+            self.exporter = CoordinatorMetrics(config.federation, config.algorithm, lambda: self.link.backlog())
+            exporter = self.exporter
+            self.intake.on_receipt = lambda verdict, size, current: exporter.update_received(
+                verdict, size, len(current.answers) if current is not None else None)
         self._evaluator = Evaluator.for_test_set(self.family, self.dataset, config.data.eval_samples, config.seed,
                                                  self.strategy.context.server_x)
         #: The round in progress (collecting or aggregating), None between rounds; guarded by _round_lock.
@@ -147,12 +156,18 @@ class Coordinator:
     def start(self, timeout: float = 30.0) -> None:
         """Connect to the broker; the retained coordinator status goes out once subscribed."""
         self._stopped = False
+        if self.exporter is not None and self.metrics_port is None:
+            self.metrics_port = self.exporter.serve(self.config.metrics_host, self.config.metrics_port or 0)
+            self.log.info("metrics_served", url=f"http://{self.config.metrics_host}:{self.metrics_port}/metrics")
         self.link.start(timeout)
 
     def stop(self) -> None:
         """Publish the retained 'offline' status and disconnect."""
         self._stopped = True  # no 'online' after the 'offline' (a progress re-publication due within the second)
         self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline")), True))
+        if self.exporter is not None:
+            self.exporter.stop()
+            self.metrics_port = None
 
     def _status(self, state: str, reports: bool | None = None) -> CoordinatorStatus:
         """The retained status: its ``round`` is the round in progress, else the last one completed. With
@@ -237,6 +252,8 @@ class Coordinator:
             if kind == "status":
                 if self.fleet.on_status(agent_id, payload):
                     self.dispatcher.resend_unanswered(self._current(), agent_id)
+                if self.exporter is not None:
+                    self.exporter.fleet_changed(len(self.registry.online()))
                 if self._fleet_reads_reports() != self._reports_announced:  # an older agent came, or the last went
                     self._announce()
             elif kind == "update":
@@ -271,6 +288,8 @@ class Coordinator:
             self.registry.wait_settled(len(agents), REGISTRY_SETTLE_S, RESUME_SETTLE_S)
             self._fleet_settled = True
         self._round_opened_at = time.time()
+        if self.exporter is not None:
+            self.exporter.round_opened(current.number, len(current.tasks))
         self._announce()
         bytes_down = self.dispatcher.send_round(current)
         self._progress("round", current.number, len(current.answers), len(current.tasks))
@@ -298,6 +317,8 @@ class Coordinator:
         result = reporting.round_result(current, records, accuracies, trained, bytes_down,
                                         time.monotonic() - started)
         self.metrics.write(result)
+        if self.exporter is not None:
+            self.exporter.round_done(result)
         with self._round_lock:
             self._round = None
         heap.give_back_free_memory()  # the round's freed megabytes (updates queued, chunks) back to the system

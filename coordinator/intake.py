@@ -91,6 +91,8 @@ class UpdateIntake:
         self._states = states
         self.log = log
         self.reassembler = Reassembler(max_buffered_bytes=MAX_BUFFERED_BYTES, max_transfers=MAX_TRANSFERS)
+        #: Told of every whole update: how the round took it (a :class:`Verdict` value), its bytes, the round.
+        self.on_receipt: Callable[[str, int, Round | None], None] | None = None
         self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}
 
     def on_chunk(self, agent_id: str, payload: bytes, current: Round | None,
@@ -124,6 +126,8 @@ class UpdateIntake:
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
                       status=update.status, verdict=receipt.verdict, bytes=len(complete),
                       refused=receipt.refusal)
+        if self.on_receipt is not None:
+            self.on_receipt(str(receipt.verdict), len(complete), current)
 
     # ----------------------------------------------------------- the round's Intake
     def examine(self, update: Update, task: TaskPlan) -> Examined:

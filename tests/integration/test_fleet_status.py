@@ -1,12 +1,14 @@
 """``fedfit status`` over a real, secured mosquitto: a coordinator in a round, two agents that answer and one that
-never does; what the command shows during the round, after it, when an agent leaves, and through a device's login.
-Then an agent of an older revision joins, and the statuses go back to what it reads."""
+never does; what the command shows during the round (and the coordinator's Prometheus endpoint), after it, when an
+agent leaves, and through a device's login. Then an agent of an older revision joins, and the statuses go back to
+what it reads."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,7 @@ def test_fedfit_status_shows_the_fleet_and_the_round(secured_mosquitto: SecuredB
     dataset = load_dataset("digits")
     broker = secured_mosquitto("watch")
     config = on_broker(tiny_config(federation="watch", rounds=1, min_agents=3, state_dir=str(tmp_path / "state"),
-                                   algorithm="fedavg", round_timeout_s=600.0), broker)
+                                   algorithm="fedavg", round_timeout_s=600.0, metrics_port=0), broker)
     fleet_config = tmp_path / "coordinator.yaml"
     fleet_config.write_text(yaml.safe_dump({"federation": "watch", "broker": to_mapping(config.broker)}))
     device_config = tmp_path / "agent.yaml"  # the login of device b: the ACL shows it only its own status
@@ -89,6 +91,12 @@ def test_fedfit_status_shows_the_fleet_and_the_round(secured_mosquitto: SecuredB
                       and f["coordinator"]["progress"]["received"] == 2, "two of three answers")
         progress = fleet["coordinator"]["progress"]
         assert progress["round"] == 1 and progress["expected"] == 3
+        # The same round on the Prometheus endpoint.
+        with urllib.request.urlopen(f"http://127.0.0.1:{coordinator.metrics_port}/metrics", timeout=10) as response:
+            scraped = response.read().decode()
+        for line in ("fedfit_round 1.0", "fedfit_round_expected_answers 3.0", "fedfit_round_received_answers 2.0",
+                     'fedfit_updates_received_total{verdict="accepted"} 2.0', "fedfit_agents_online 3.0"):
+            assert line in scraped.splitlines(), line
         assert progress["started_at"] <= fleet["now"] < progress["deadline"]
         seen = agents(until(fleet_config, capsys, lambda f: all(
             agents(f).get(name, {}).get("last_status") == "ok" for name in "ab"), "a and b's answers"))

@@ -1,0 +1,93 @@
+"""coordinator.exporter: the Prometheus metrics, as prometheus-client renders them and as its HTTP server serves
+them; and the Grafana dashboard in docs/ against the Grafana dashboard model and the metrics exported."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.exporter import CoordinatorMetrics
+from coordinator.metrics import RoundResult, TaskRecord
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+
+
+def samples(metrics: CoordinatorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def task(agent: str, status: str) -> TaskRecord:
+    return TaskRecord(agent, "a", status, "width=1")  # type: ignore[arg-type]
+
+
+def test_a_round_as_the_metrics_tell_it() -> None:
+    metrics = CoordinatorMetrics("lab", "heterofl", inbox_backlog=lambda: 7)
+    metrics.fleet_changed(3)
+    metrics.round_opened(1, 3)
+    metrics.update_received("accepted", 1000, received=1)
+    metrics.update_received("accepted", 1500, received=2)
+    metrics.update_received("late", 900)
+    seen = samples(metrics)
+    assert seen[("fedfit_round", ())] == 1 and seen[("fedfit_round_expected_answers", ())] == 3
+    assert seen[("fedfit_round_received_answers", ())] == 2
+    assert seen[("fedfit_updates_received_total", (("verdict", "accepted"),))] == 2
+    assert seen[("fedfit_updates_received_total", (("verdict", "late"),))] == 1
+    assert seen[("fedfit_update_bytes_received_total", ())] == 3400
+    assert seen[("fedfit_agents_online", ())] == 3 and seen[("fedfit_mqtt_inbox_messages", ())] == 7
+    assert seen[("fedfit_info", (("algorithm", "heterofl"), ("federation", "lab")))] == 1
+    assert seen[("process_resident_memory_bytes", ())] > 0
+    assert seen[("fedfit_tasks_total", (("status", "ok"),))] == 0  # every status from the start
+
+    metrics.round_done(RoundResult(1, 0.91, {}, 2, 3, 5000, 2500, 12.5,
+                                   [task("a", "ok"), task("b", "adapted"), task("c", "missing")],
+                                   timing={"collecting": 10.0, "evaluation": 1.5}))
+    seen = samples(metrics)
+    assert seen[("fedfit_rounds_total", ())] == 1 and seen[("fedfit_round", ())] == 1
+    assert seen[("fedfit_round_expected_answers", ())] == 0
+    assert seen[("fedfit_global_accuracy", ())] == 0.91 and seen[("fedfit_last_round_seconds", ())] == 12.5
+    assert seen[("fedfit_last_round_tasks", (("status", "adapted"),))] == 1
+    assert seen[("fedfit_last_round_tasks", (("status", "declined"),))] == 0
+    assert seen[("fedfit_tasks_total", (("status", "missing"),))] == 1
+    assert seen[("fedfit_last_round_bytes", (("direction", "down"),))] == 5000
+    assert seen[("fedfit_last_round_phase_seconds", (("phase", "collecting"),))] == 10.0
+    assert seen[("fedfit_last_round_participants", ())] == 2 and seen[("fedfit_last_round_selected", ())] == 3
+
+
+def test_served_over_http_on_loopback() -> None:
+    metrics = CoordinatorMetrics("lab", "fedavg")
+    port = metrics.serve("127.0.0.1", 0)
+    try:
+        metrics.round_opened(4, 8)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            body = response.read().decode()
+        assert "fedfit_round 4.0" in body and 'fedfit_info{algorithm="fedavg",federation="lab"} 1.0' in body
+    finally:
+        metrics.stop()
+    metrics.stop()  # twice: nothing
+
+
+def test_the_grafana_dashboard_is_a_dashboard_of_these_metrics() -> None:
+    """The Grafana dashboard model's essentials (what its import needs) and every metric a query names exported."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert isinstance(dashboard["title"], str) and dashboard["uid"] and isinstance(dashboard["schemaVersion"], int)
+    assert [entry["pluginId"] for entry in dashboard["__inputs"]] == ["prometheus"]
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and ids
+    metrics = CoordinatorMetrics("lab", "fedavg")
+    exported = {name for name, _ in samples(metrics)} | {family.name for family in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode())}
+    for panel in dashboard["panels"]:
+        assert panel["type"] in ("stat", "timeseries", "gauge", "table") and panel["title"]
+        assert set(panel["gridPos"]) == {"h", "w", "x", "y"} and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert panel["targets"] and len({target["refId"] for target in panel["targets"]}) == len(panel["targets"])
+        for target in panel["targets"]:
+            names = set(re.findall(r"\b(?:fedfit|process)_[a-z_]+", target["expr"]))
+            assert names and names <= exported, (panel["title"], names - exported)
