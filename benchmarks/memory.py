@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
                 stage_estimates = estimate_plan_stages(family, spec, row.plan(), input_size=row.image_size,
-                                                       device=device, allocator=allocator, samples=samples)
+                                                       device=device, allocator=allocator, samples=samples,
+                                                       threads=args.threads)
                 for index, segment in enumerate(spec.segments or ()):  # every stage of a depth-wise run
                     if len(spec.segments) == 1:
                         break

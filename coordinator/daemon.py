@@ -91,7 +91,9 @@ class Coordinator:
         self._progress_announced = 0.0  # monotonic: when an update last re-published the status
         self._progress_pending = False  # a re-publication is scheduled
         self._progress_lock = threading.Lock()
+        self._announce_lock = threading.Lock()
         self._stopped = False
+        self._outage_at_open = 0.0  # the link's outage seconds when the round in progress opened
         self.on_round = on_round
         self.on_progress = on_progress
         #: Seconds a round resumed from the journal waits at least (a simulator whose agents restarted with it and
@@ -157,14 +159,20 @@ class Coordinator:
         """Connect to the broker; the retained coordinator status goes out once subscribed."""
         self._stopped = False
         if self.exporter is not None and self.metrics_port is None:
-            self.metrics_port = self.exporter.serve(self.config.metrics_host, self.config.metrics_port or 0)
+            try:
+                self.metrics_port = self.exporter.serve(self.config.metrics_host, self.config.metrics_port or 0)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot serve metrics on metrics_host {self.config.metrics_host}, "
+                                         f"metrics_port {self.config.metrics_port}: {exc.strerror}") from None
             self.log.info("metrics_served", url=f"http://{self.config.metrics_host}:{self.metrics_port}/metrics")
         self.link.start(timeout)
 
     def stop(self) -> None:
         """Publish the retained 'offline' status and disconnect."""
-        self._stopped = True  # no 'online' after the 'offline' (a progress re-publication due within the second)
-        self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline")), True))
+        with self._announce_lock:
+            self._stopped = True  # no 'online' after the 'offline' (a progress re-publication due within the second)
+        # Plain, as the Last Will: an agent of any revision may read it when it starts.
+        self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline", reports=False)), True))
         if self.exporter is not None:
             self.exporter.stop()
             self.metrics_port = None
@@ -182,32 +190,40 @@ class Coordinator:
             return CoordinatorStatus(self.config.federation, state, number, time.time())
         progress = None
         if current is not None and state == "online" and self._round_opened_at:
+            # The deadline as the round keeps it: moved out by the broker outages seen since it opened.
+            deadline = current.deadline + self.link.outage_seconds() - self._outage_at_open
             progress = RoundProgress(current.number, len(current.tasks), len(current.answers), self._round_opened_at,
-                                     current.deadline)
+                                     deadline)
         return CoordinatorStatus(self.config.federation, state, number, time.time(), STATUS_REPORT_REVISION,
                                  progress)
 
     def _fleet_reads_reports(self) -> bool:
+        """Whether agents are online and every one reads reports (none online: an agent of any revision may come
+        first, and must read the status it finds retained)."""
         oldest = self.registry.oldest_revision()
-        return oldest is None or oldest >= STATUS_REPORT_REVISION
+        return oldest is not None and oldest >= STATUS_REPORT_REVISION
 
     def _announce(self) -> None:
-        if self._stopped:
-            return
-        status = self._status("online")
-        self._reports_announced = status.revision >= STATUS_REPORT_REVISION
-        self.link.publish(self.topics.coordinator_status(), encode(status), retain=True)
+        # One at a time (the round's thread, the message dispatcher, a due re-publication): the last status
+        # published is the one the last to publish built, and none follows stop()'s 'offline'.
+        with self._announce_lock:
+            if self._stopped:
+                return
+            status = self._status("online")
+            self._reports_announced = status.revision >= STATUS_REPORT_REVISION
+            self.link.publish(self.topics.coordinator_status(), encode(status), retain=True)
 
     def _announce_progress(self, current: Round) -> None:
         """Re-publish the status for an update taken: at once at the round's last answer, else at most once a
         second (an answer within the second is published when it is over)."""
         if not self._reports_announced:
             return
+        last = len(current.answers) >= len(current.tasks)
         with self._progress_lock:
-            if self._progress_pending:
+            if self._progress_pending and not last:
                 return  # a publication is due within the second: it will say this answer too
             wait = PROGRESS_INTERVAL_S - (time.monotonic() - self._progress_announced)
-            if wait > 0 and len(current.answers) < len(current.tasks):
+            if wait > 0 and not last:
                 self._progress_pending = True
                 timer = threading.Timer(wait, self._announce_due)
                 timer.daemon = True
@@ -288,8 +304,9 @@ class Coordinator:
             self.registry.wait_settled(len(agents), REGISTRY_SETTLE_S, RESUME_SETTLE_S)
             self._fleet_settled = True
         self._round_opened_at = time.time()
+        self._outage_at_open = self.link.outage_seconds()
         if self.exporter is not None:
-            self.exporter.round_opened(current.number, len(current.tasks))
+            self.exporter.round_opened(current.number, len(current.tasks), len(current.answers))
         self._announce()
         bytes_down = self.dispatcher.send_round(current)
         self._progress("round", current.number, len(current.answers), len(current.tasks))

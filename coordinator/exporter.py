@@ -69,10 +69,11 @@ class CoordinatorMetrics:
             self._server.server_close()
             self._server = None
 
-    def round_opened(self, number: int, expected: int) -> None:
+    def round_opened(self, number: int, expected: int, received: int = 0) -> None:
+        """Round ``number`` sent its ``expected`` tasks (a resumed round has ``received`` answers already)."""
         self.round.set(number)
         self.round_expected.set(expected)
-        self.round_received.set(0)
+        self.round_received.set(received)
 
     def update_received(self, verdict: str, size: int, received: int | None = None) -> None:
         """An update the round took (``verdict``, a :class:`coordinator.round.Verdict` value), ``size`` bytes;

@@ -266,11 +266,12 @@ class EdgeAgent:
         self._stop.wait()
 
     # ------------------------------------------------------------------ status
-    def status(self) -> AgentStatus:
-        """The current status with fresh memory figures."""
+    def status(self, report: bool = True) -> AgentStatus:
+        """The current status with fresh memory figures (and its report, when ``report`` and the coordinator reads
+        it)."""
         with self._lock:
             state = "busy" if self._busy else "online"
-            report = self._report() if self.coordinator_reads_reports else None
+            summary = self._report() if report and self.coordinator_reads_reports else None
         budget = self.budget_schedule(self._last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
@@ -282,7 +283,7 @@ class EdgeAgent:
             sample_shape=(self.data.in_channels, *self.data.image_size),
             protocol_version=PROTOCOL_REVISION,
         )
-        return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance, report)
+        return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance, summary)
 
     def _report(self) -> AgentReport:
         """What ``fedfit status`` shows of this agent (lock held)."""
@@ -303,9 +304,9 @@ class EdgeAgent:
     def _offline_status(self) -> AgentStatus:
         return AgentStatus(self.agent_id, "offline", None, time.time(), self.instance)
 
-    def publish_status(self) -> None:
+    def publish_status(self, report: bool = True) -> None:
         """Publish the retained status (called on every (re)connect, on a timer and around tasks)."""
-        self.link.publish(self.topics.agent_status(self.agent_id), encode(self.status()), retain=True)
+        self.link.publish(self.topics.agent_status(self.agent_id), encode(self.status(report)), retain=True)
 
     def _status_loop(self) -> None:
         interval = self.config.status_interval_s
@@ -354,7 +355,7 @@ class EdgeAgent:
             self.log.warning("agent_id_claimed_by_another_process", instance=status.instance,
                              message=f"another process tried to start as agent '{self.agent_id}'; it is told this "
                                      f"one is running")
-            self.publish_status()
+            self.publish_status(report=False)  # a process of any revision must read the answer
 
     def _on_verdict(self, ack: Ack) -> None:
         """What the coordinator's screening made of a stored update: aggregated, or rejected with the reason (the
@@ -385,8 +386,7 @@ class EdgeAgent:
                 if not self._stop.is_set():
                     self.publish_status()
             return
-        if status.state == "online":
-            self.coordinator_reads_reports = reads_reports
+        self.coordinator_reads_reports = reads_reports  # (offline: a coordinator of any revision may come next)
         if status.state == "offline":
             self.log.warning("coordinator_offline", round=status.round)
         elif self.coordinator_state == "offline":

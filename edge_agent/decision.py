@@ -146,10 +146,11 @@ class Decider:
             found[option] = self._estimates[key]
         return found
 
-    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, plan: TrainingPlan) -> MemoryEstimate:
+    def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, plan: TrainingPlan,
+                     threads: int | None = None) -> MemoryEstimate:
         """The estimator's prediction for one spec and plan (see :meth:`raw_estimates`)."""
         option = Option(spec, plan)
-        return self.raw_estimates(model, [option])[option]
+        return self.raw_estimates(model, [option], threads)[option]
 
     def fewer_threads(self, model: ModelRef, preferred: list[Option],
                       available: int) -> tuple[Option, int, MemoryEstimate, int] | None:
@@ -161,6 +162,9 @@ class Decider:
         if self.request.device != "cpu":
             return None
         for option in preferred:
+            if (self.raw_estimates(model, [option], 1)[option].total
+                    == self.raw_estimates(model, [option])[option].total):
+                continue  # no kernel of it keeps scratch per thread: fewer threads need no less
             best = 0  # the estimate grows with the threads: the first that does not fit ends the search
             for threads in range(1, self.request.threads):
                 if self.corrected(self.raw_estimates(model, [option], threads)[option]) > available:
@@ -206,6 +210,12 @@ class Decider:
         if choice.option is None and task.adaptation is not None and depthwise:
             found = self.depthwise(task.model, family, sent, replace(plan, copies=1), task.adaptation.route,
                                    available, task.adaptation.min_micro_batch, head_alone=task.adaptation.head_alone)
+            if self.request.threads > 1 and self.request.device == "cpu" and _shortfall(found) > (0, 0, 0):
+                alone = self.depthwise(task.model, family, sent, replace(plan, copies=1), task.adaptation.route,
+                                       available, task.adaptation.min_micro_batch,
+                                       head_alone=task.adaptation.head_alone, threads=1)
+                if _shortfall(alone) < _shortfall(found):  # one thread trains more of the model: train it so
+                    found, threads = alone, 1
             cut = found.cut
             if found.option is not None:
                 raw[found.option] = found.estimate
@@ -255,7 +265,8 @@ class Decider:
         return decision, adapted
 
     def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
-                  available: int, min_micro_batch: int = 0, *, head_alone: bool = False) -> DepthwisePlan:
+                  available: int, min_micro_batch: int = 0, *, head_alone: bool = False,
+                  threads: int | None = None) -> DepthwisePlan:
         """FeDepth's memory-adaptive decomposition of ``sent`` for ``available`` bytes.
 
         The (calibrated) estimate of training each candidate segment (its blocks, its classifier reached through
@@ -268,9 +279,10 @@ class Decider:
         auxiliary classifier of every segment (route ``"exit"``), whose weights all its stages hold: when they push
         a stage over, the cut is made again for that much less. A stage after the first buffers its frozen blocks'
         outputs when it runs more than one epoch and the buffer fits too. The search is :class:`_DepthwiseSearch`'s.
+        ``threads``: the torch threads it estimates for (default: the agent's).
         """
         search = _DepthwiseSearch(self, model, sent, plan, route, sent.depth or family.num_blocks,
-                                  micro_batch_ladder(plan.batch_size, min_micro_batch), head_alone)
+                                  micro_batch_ladder(plan.batch_size, min_micro_batch), head_alone, threads)
         return search.plan_for(available)
 
     def _check_limits(self, task: Task, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan) -> None:
@@ -311,6 +323,15 @@ class Decider:
             raise TaskRejected(UpdateStatus.FAILED, str(exc)) from exc
 
 
+def _shortfall(found: DepthwisePlan) -> tuple[int, int, int]:
+    """What a depth-wise plan leaves out, to compare two (less is better): nothing trained at all, the body left
+    frozen (the head alone), blocks skipped."""
+    if found.option is None:
+        return (1, 0, 0)
+    decomposition = found.cut.decomposition
+    return (0, int(decomposition.head_only), len(decomposition.skipped))
+
+
 def _why_no_cut(cut: Cut | None, head_alone: bool) -> str:
     """What a memory decline adds when a depth-wise cut was tried and none fits (empty when none was tried)."""
     if cut is None:
@@ -344,8 +365,9 @@ class _DepthwiseSearch:
     of that cut."""
 
     def __init__(self, decider: Decider, model: ModelRef, sent: SubmodelSpec, plan: TrainingPlan, route: str,
-                 blocks: int, ladder: list[int], head_alone: bool) -> None:
+                 blocks: int, ladder: list[int], head_alone: bool, threads: int | None = None) -> None:
         self.decider = decider
+        self.threads = threads
         self.model = model
         self.sent = sent
         self.base = plan
@@ -370,8 +392,9 @@ class _DepthwiseSearch:
         if not micro and start not in self._starts:
             self._starts.add(start)
             self.decider.raw_estimates(self.model, [Option(self.spec(((start, end),)), self.staged(1))
-                                                    for end in range(start + 1, self.blocks + 1)])
-        return self.decider.raw_estimate(self.model, self.spec(((start, stop),)), self.staged(1, micro=micro))
+                                                    for end in range(start + 1, self.blocks + 1)], self.threads)
+        return self.decider.raw_estimate(self.model, self.spec(((start, stop),)), self.staged(1, micro=micro),
+                                         self.threads)
 
     def cost(self, start: int, stop: int, micro: int = 0) -> int:
         """:meth:`raw`, calibrated: what ``models.depthwise.cut_segments`` weighs."""
@@ -412,7 +435,8 @@ class _DepthwiseSearch:
         buffered = [replace(option, plan=self.staged(1, cache=True, micro=micro))
                     if segment[0] > 0 and self.base.epochs > 1 else None
                     for option, segment, micro in zip(each, decomposition.segments, micros)]
-        made = self.decider.raw_estimates(self.model, each + [option for option in buffered if option is not None])
+        made = self.decider.raw_estimates(self.model, each + [option for option in buffered if option is not None],
+                                          self.threads)
         return [_StageCost(segment, micro, made[option], made[buffer] if buffer is not None else None)
                 for option, buffer, segment, micro in zip(each, buffered, decomposition.segments, micros)]
 

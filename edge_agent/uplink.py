@@ -118,6 +118,7 @@ class Uplink:
             parked = task_id in self._parked
             if parked:
                 self._parked.remove(task_id)
+                self._sizes.pop(task_id, None)
         spooled = self._spool.remove(task_id) if self._spool is not None else False
         return event is not None or parked or spooled
 
@@ -192,6 +193,8 @@ class Uplink:
             parked = not acked.is_set() and self._spool is not None and task_id in self._spool
             if parked:
                 self._parked.append(task_id)
+            else:
+                self._sizes.pop(task_id, None)
         if refusal is not None:
             self.refused.append(task_id)
             self._log.warning("update_refused", task=task_id, attempts=attempt, reason=refusal)

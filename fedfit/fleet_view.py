@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from protocol import (
+    STATUS_REPORT_REVISION,
     AgentStatus,
     CoordinatorStatus,
     ProtocolError,
@@ -68,11 +69,13 @@ class AgentRow:
 
 @dataclass(frozen=True)
 class CoordinatorRow:
-    """The coordinator as its retained status says: ``round`` is the round in progress, else the last one done."""
+    """The coordinator as its retained status says: ``round`` is the round in progress, else the last one done;
+    ``revision`` 0 when its status carries no progress (an older coordinator, or one with an older agent online)."""
 
     state: str
     round: int
     sent_at: float
+    revision: int = 0
     progress: RoundProgress | None = None
 
 
@@ -118,8 +121,8 @@ class StatusBook:
         assert status is None or isinstance(status, CoordinatorStatus)
         with self._lock:
             self._unreadable.discard(self._topics.coordinator_status())
-            self._coordinator = None if status is None else CoordinatorRow(status.state, status.round,
-                                                                           status.sent_at, status.progress)
+            self._coordinator = None if status is None else CoordinatorRow(status.state, status.round, status.sent_at,
+                                                                           status.revision, status.progress)
 
     def _take_agent(self, agent_id: str, payload: bytes) -> None:
         if not payload:
@@ -157,8 +160,8 @@ def _mib(size: int) -> str:
 
 
 def _state(row: AgentRow, now: float) -> str:
-    if row.state == "offline":
-        return f"offline ({_ago(now - row.sent_at)} ago)"
+    if row.state == "offline":  # (a Last Will's time is when the process started: not when it went)
+        return f"offline (status sent {_ago(now - row.sent_at)} ago)"
     text = "training" if row.state == "busy" else "idle"
     if row.reports:
         text += f" {_ago(now - row.since)}"
@@ -195,9 +198,12 @@ def _coordinator_line(view: FleetView, now: float) -> str:
     if coordinator is None:
         return f"coordinator of '{view.federation}': no status on this broker (never started, or this login may " \
                "not read it)"
-    if coordinator.state == "offline":
-        return f"coordinator: offline ({_ago(now - coordinator.sent_at)} ago), last round {coordinator.round}"
+    if coordinator.state == "offline":  # (its Last Will was made when it started: its time and round are those)
+        return f"coordinator: offline (status sent {_ago(now - coordinator.sent_at)} ago)"
     progress = coordinator.progress
+    if coordinator.revision < STATUS_REPORT_REVISION:
+        return (f"coordinator: online, round {coordinator.round} (in progress or done: its progress is not reported, "
+                "an older coordinator or an older agent online)")
     if progress is None:
         return f"coordinator: online, round {coordinator.round} done, none in progress" if coordinator.round else \
             "coordinator: online, no round yet"

@@ -44,6 +44,7 @@ two and four threads. With blocks of 16 (AVX-512) those shapes ran ``jit:avx512`
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -55,6 +56,8 @@ __all__ = ["channel_block", "convolution_workspace", "gemm_weight_gradient"]
 _FLOAT_BYTES = 4
 #: Inputs with fewer channels are read in place by oneDNN's first-layer kernels (images: 1 or 3 channels).
 _FIRST_LAYER_CHANNELS = 4
+#: Whether this is an x86 CPU, where the per-thread GEMM scratch was measured (not on aarch64's ACL kernels).
+X86_CPU = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
 @cache
@@ -87,9 +90,10 @@ def _source_copy(shape: Sequence[int], block: int) -> int:
 
 def gemm_weight_gradient(x_shape: Sequence[int], weight_shape: Sequence[int], block: int) -> bool:
     """Whether oneDNN computes this convolution's weight gradient by GEMM, with a weight-gradient copy for each
-    further thread: with blocks of 8 (AVX2 and other non-AVX-512 CPUs) when the input map is smaller than the
-    kernel in either direction."""
-    return block == 8 and any(int(size) < int(kernel) for size, kernel in zip(x_shape[2:], weight_shape[2:]))
+    further thread: on x86 with blocks of 8 (AVX2; measured there, not on aarch64) when the input map is smaller
+    than the kernel in either direction."""
+    return X86_CPU and block == 8 and any(int(size) < int(kernel)
+                                          for size, kernel in zip(x_shape[2:], weight_shape[2:]))
 
 
 def convolution_workspace(func: Any, args: Sequence[Any], output: Any, block: int | None = None,

@@ -91,3 +91,7 @@ def test_the_grafana_dashboard_is_a_dashboard_of_these_metrics() -> None:
         for target in panel["targets"]:
             names = set(re.findall(r"\b(?:fedfit|process)_[a-z_]+", target["expr"]))
             assert names and names <= exported, (panel["title"], names - exported)
+            # one coordinator's series: every metric filtered by the dashboard's job and instance
+            assert target["expr"].count('{job=~"$job", instance=~"$instance"}') == len(
+                re.findall(r"\b(?:fedfit|process)_[a-z_]+", target["expr"])), target["expr"]
+    assert [variable["name"] for variable in dashboard["templating"]["list"]] == ["job", "instance"]

@@ -157,7 +157,8 @@ def decider_for() -> Callable[..., Decider]:
 
     def make(runner: TaskRunner, round_number: int = 1) -> Decider:
         return Decider(DecisionRequest(runner.device, runner.allocator, runner.available(round_number),
-                                       runner.calibration.factor, runner.data, runner.limits))
+                                       runner.calibration.factor, runner.data, runner.limits,
+                                       threads=runner.torch_threads if runner.device == "cpu" else 1))
 
     return make
 

@@ -460,6 +460,7 @@ def test_a_device_trains_the_sent_spec_with_fewer_threads_before_a_smaller_one(m
     here on any CPU): a 4-thread device whose memory affords the sent spec with fewer threads trains it so, with
     the most threads that fit; one that affords it with none trains the smaller level with all four."""
     monkeypatch.setattr("models.conv_workspace.channel_block", lambda: 8)
+    monkeypatch.setattr("models.conv_workspace.X86_CPU", True)
     monkeypatch.setattr("models.memory._cache", {})
     family, ref = get_family("cnn", 10, 1), ModelRef("cnn", 10, 1, {})
     digits = DataShape(320, tuple(range(10)), 1, (8, 8))

@@ -353,7 +353,8 @@ def test_scratch_written_in_part_is_not_kept_nor_counted_in_the_high_water_mark(
         high_water = page_pool.stats().high_water_bytes
         process.free(scratch)
         after = page_pool.stats()
-        assert after.kept_bytes == 0 and after.high_water_bytes <= high_water - 21 * MiB, (high_water, after)
+        # (22 MiB unwritten; a transparent huge page may have made up to 2 MiB more resident)
+        assert after.kept_bytes == 0 and after.high_water_bytes <= high_water - 19 * MiB, (high_water, after)
         process.free(written)
         assert page_pool.stats().kept_bytes >= 8 * MiB, page_pool.stats()  # written through: kept
         gradient = process.malloc(16 * MiB)
@@ -361,7 +362,7 @@ def test_scratch_written_in_part_is_not_kept_nor_counted_in_the_high_water_mark(
         print((peak_rss_bytes() - baseline) / MiB)
         process.free(gradient)
     """)
-    assert float(out) <= 16 + 1.5, out  # the live peak (16 MiB, then 8 + 2), not 16 + the 8 MiB kept
+    assert float(out) <= 16 + 3, out  # the live peak (16 MiB, then 8 + 2), not 16 + the 8 MiB kept (+ huge pages)
 
 
 @needs_pool

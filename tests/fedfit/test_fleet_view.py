@@ -56,7 +56,7 @@ def test_a_fleet_in_a_round() -> None:
     assert "training 30 s" in lines["pi-02"] and "now: r3-pi-02 (round 3)" in lines["pi-02"]
     assert "last: round 2 adapted width=0.5 (adapted width=1 -> width=0.5 to fit 25.9 MiB)" in lines["pi-02"]
     assert "outbox 1 (3.0 MiB)" in lines["pi-02"] and "300/2048 MiB, budget 27" in lines["pi-02"]
-    assert "offline (60 min ago)" in lines["pi-03"]
+    assert "offline (status sent 60 min ago)" in lines["pi-03"]
 
 
 def test_json_has_every_field() -> None:
@@ -71,17 +71,18 @@ def test_json_has_every_field() -> None:
 
 def test_older_statuses_silence_and_what_cannot_be_read() -> None:
     book = StatusBook("fleet")
-    feed_coordinator(book, CoordinatorStatus("fleet", "online", 2, NOW))  # predates progress: between rounds
+    feed_coordinator(book, CoordinatorStatus("fleet", "online", 2, NOW))  # reports no progress
     feed_agent(book, AgentStatus("old", "online", caps(revision=4), NOW - 2 * STALE_AFTER_S, "i"))
     book.feed(TOPICS.agent_status("bad"), b"\x93not a status")
     book.feed(TOPICS.agent_status("starter"), encode(AgentStatus("starter", "starting", None, NOW, "s")))
     book.feed(Topics("other").agent_status("x"), encode(AgentStatus("x", "online", caps(), NOW, "x")))
     text = format_view(book.view(), NOW)
-    assert "coordinator: online, round 2 done, none in progress" in text
+    assert "coordinator: online, round 2 (in progress or done: its progress is not reported" in text
     assert "1 status(es) could not be read" in text
     [line] = [line for line in text.splitlines() if line.startswith("old ")]
     assert "no report" in line and "not heard for 4 min" in line
-    assert "starter" not in text and "x " not in text.split("agent")[-1]
+    assert [row.agent_id for row in book.view().agents] == ["old"]  # "bad" unreadable; "starter", "x" never rows
+    assert "starter" not in text
     book.feed(TOPICS.agent_status("old"), b"")  # a cleared retained status: gone
     book.feed(TOPICS.agent_status("bad"), encode(AgentStatus("bad", "online", caps(), NOW, "b")))  # readable now
     view = book.view()
@@ -99,4 +100,6 @@ def test_no_coordinator_and_no_agents() -> None:
     assert "no status on this broker" in text and "agents: 0 known" in text
     book = StatusBook("fleet")
     feed_coordinator(book, CoordinatorStatus("fleet", "offline", 7, NOW - 60))
-    assert "coordinator: offline (60 s ago), last round 7" in format_view(book.view(), NOW)
+    assert "coordinator: offline (status sent 60 s ago)" in format_view(book.view(), NOW)
+    feed_coordinator(book, CoordinatorStatus("fleet", "online", 7, NOW, 5))
+    assert "coordinator: online, round 7 done, none in progress" in format_view(book.view(), NOW)

@@ -126,19 +126,28 @@ def test_cpu_estimate_includes_the_workspace(monkeypatch: pytest.MonkeyPatch) ->
     assert with_workspace - without >= F32 * 32 * 64 * 1024 // 2
 
 
-def test_gemm_weight_gradient_where_the_map_is_smaller_than_the_kernel() -> None:
+@pytest.fixture
+def x86(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-thread GEMM scratch as on x86, where it was measured, on any machine."""
+    monkeypatch.setattr("models.conv_workspace.X86_CPU", True)
+
+
+def test_gemm_weight_gradient_where_the_map_is_smaller_than_the_kernel(x86: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``ONEDNN_VERBOSE`` showed on AVX2: GEMM for a 3x3 kernel on 2x2 and 1x1 maps and a 5x5 one on 4x4,
-    the jit kernels on 3x3 maps and up and for 1x1 kernels; nothing of this with AVX-512's blocks."""
+    the jit kernels on 3x3 maps and up and for 1x1 kernels; nothing of this with AVX-512's blocks, nor on aarch64."""
     assert gemm_weight_gradient((32, 128, 2, 2), (256, 128, 3, 3), 8)
     assert gemm_weight_gradient((32, 256, 1, 1), (512, 256, 3, 3), 8)
     assert gemm_weight_gradient((32, 64, 4, 4), (64, 64, 5, 5), 8)
     assert not gemm_weight_gradient((32, 64, 3, 3), (64, 64, 3, 3), 8)
     assert not gemm_weight_gradient((32, 64, 1, 1), (64, 64, 1, 1), 8)
     assert not gemm_weight_gradient((32, 256, 1, 1), (512, 256, 3, 3), 16)
+    monkeypatch.setattr("models.conv_workspace.X86_CPU", False)
+    assert not gemm_weight_gradient((32, 256, 1, 1), (512, 256, 3, 3), 8)
 
 
 @pytest.mark.parametrize("threads", [2, 4])
-def test_each_further_thread_adds_a_weight_gradient_on_the_gemm_path(threads: int) -> None:
+def test_each_further_thread_adds_a_weight_gradient_on_the_gemm_path(threads: int, x86: None) -> None:
     weight = F32 * 512 * 256 * 9
     one, more = (_run((32, 256, 1, 1), (512, 256, 3, 3), block=8, threads=t)[CONV_BACKWARD] for t in (1, threads))
     assert more - one == (threads - 1) * weight
@@ -152,7 +161,8 @@ def test_each_further_thread_adds_a_weight_gradient_on_the_gemm_path(threads: in
             == _run((32, 256, 1, 1), (512, 256, 3, 3), block=8)[CONV])
 
 
-def test_the_estimate_counts_the_threads_where_a_weight_gradient_runs_by_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_estimate_counts_the_threads_where_a_weight_gradient_runs_by_gemm(x86: None,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The CNN on 8x8 digits: its last two convolutions see 2x2 and 1x1 maps. With AVX2's blocks each further
     thread adds at most the largest of their weights to the estimate; on 28x28 (maps of 3x3 and up) nothing."""
     monkeypatch.setattr("models.conv_workspace.channel_block", lambda: 8)  # AVX2's layouts, on any CPU
