@@ -16,7 +16,7 @@ import torch
 from common.device_need import INITIAL_FACTOR
 from coordinator.strategies.scalefl import self_distillation_loss
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
-from edge_agent.decision import Decider, estimate_key
+from edge_agent.decision import Decider, _shortfall, estimate_key
 from edge_agent.memory import size_text
 from edge_agent.workdir import DataShape, DecisionRequest
 from models import MemoryEstimate, SubmodelSpec, get_family
@@ -491,3 +491,28 @@ def test_a_device_trains_the_sent_spec_with_fewer_threads_before_a_smaller_one(m
     decision, adapted = decider(needs[1] - 1).decide(task)  # the sent spec fits with no thread count
     assert (decision.status, decision.threads, decision.spec) == ("adapted", 0, U(0.5).to_dict())
     assert adapted is not None and "torch threads" not in decision.reason
+
+
+def test_fedepth_decomposes_with_one_thread_where_more_leave_blocks_out(monkeypatch, make_task, plan):
+    """A depth-wise task whose every block fits alone with one thread, not with four (the last blocks' weight
+    gradients keep scratch per thread): the agent trains every block, one thread, rather than skip some."""
+    monkeypatch.setattr("models.conv_workspace.channel_block", lambda: 8)
+    monkeypatch.setattr("models.conv_workspace.X86_CPU", True)
+    monkeypatch.setattr("models.memory._cache", {})
+    family, ref = get_family("cnn", 10, 1), ModelRef("cnn", 10, 1, {})
+    digits = DataShape(320, tuple(range(10)), 1, (8, 8))
+    task = make_task(U(1.0), of=family, model=ref, adaptation=Adaptation("depthwise"))
+    probe = Decider(DecisionRequest("cpu", "pooled", 0, INITIAL_FACTOR, digits, threads=4))
+    stage = replace(plan, schedule=(Stage(plan.epochs, "skip", False, 0),))
+
+    def need(block: int, threads: int) -> int:
+        return probe.corrected(probe.raw_estimate(ref, replace(U(1.0), segments=((block, block + 1),)), stage,
+                                                  threads))
+
+    available = max(need(block, 1) for block in range(family.num_blocks))
+    assert any(need(block, 4) > available for block in range(family.num_blocks))
+    four = Decider(DecisionRequest("cpu", "pooled", available, INITIAL_FACTOR, digits, threads=4))
+    assert _shortfall(four.depthwise(ref, family, U(1.0), plan, "skip", available)) > (0, 0, 0)  # four skip some
+    decision, _ = four.decide(task)
+    assert decision.threads == 1 and decision.status == "adapted", decision.reason
+    assert "skipped" not in decision.reason and decision.reason.endswith("with 1 of 4 torch threads")
