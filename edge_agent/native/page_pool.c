@@ -8,7 +8,8 @@
  * grown tail is new). What is kept never exceeds the high-water mark of the live blocks since the last
  * fedfit_pool_release(): before a request would take live + kept above it, the oldest kept blocks are unmapped.
  * A large block freed with pages it never wrote is unmapped instead, and the high-water mark loses those bytes
- * (pool_free). So the resident peak is the compact heap's, while the pages a step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
+ * (pool_free); later blocks of its length take fresh pages and count as what it wrote (expected_written). So the
+ * resident peak is the compact heap's, while the pages a step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
  * on large activations (docs/edge-runtime.md) but keeps unwritten scratch out of the peak (the test
  * test_a_block_written_in_part_is_resident_only_where_written).
  *
@@ -38,7 +39,9 @@ extern void *__libc_pvalloc(size_t size);
 
 #define HEADER 64 /* the user pointer's offset into its mapping: torch asks for 64-byte alignment */
 
-typedef struct { uintptr_t user; uintptr_t base; size_t length; } Entry; /* user == 0: empty, 1: deleted */
+/* user == 0: empty, 1: deleted; `counted`: what the block adds to live_bytes (its length, or what a block of
+ * that length was seen to write: sparse_written) */
+typedef struct { uintptr_t user; uintptr_t base; size_t length; size_t counted; } Entry;
 typedef struct { uintptr_t base; size_t length; } Kept;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -56,6 +59,13 @@ static size_t kept_count, kept_capacity;
 
 static size_t live_bytes, kept_bytes, high_water;
 static uint64_t maps_made, bytes_mapped;
+
+/* Lengths of blocks freed with pages they never wrote, and how many bytes the last of each wrote: a block of such
+ * a length counts as that much (live, and against the high-water mark), not as its mapped length. */
+#define SPARSE_SIZES 32
+typedef struct { size_t length; size_t written; } Sparse;
+static Sparse sparse[SPARSE_SIZES];
+static size_t sparse_next; /* the slot a new length takes (the oldest) */
 
 /* Fresh zero pages, not populated: a page becomes resident when it is first written, as with the compact heap.
  * Requests are often larger than what is written (oneDNN's GEMM convolutions on AVX2 book a weight gradient per
@@ -102,13 +112,13 @@ static int table_reserve(void) {
     return table_resize(capacity);
 }
 
-static int table_insert(uintptr_t user, uintptr_t base, size_t length) {
+static int table_insert(uintptr_t user, uintptr_t base, size_t length, size_t counted) {
     if (table_reserve() != 0) return -1;
     size_t i = hash(user) & (table_capacity - 1);
     while (table[i].user > 1) i = (i + 1) & (table_capacity - 1);
     if (table[i].user == 0) table_used++;
     table_live++;
-    table[i] = (Entry){user, base, length};
+    table[i] = (Entry){user, base, length, counted};
     return 0;
 }
 
@@ -167,9 +177,11 @@ static int in_range(uintptr_t user) {
 
 /* A block of `length` bytes (a whole number of pages): kept pages where possible. *dirty receives how many of its
  * leading bytes may be non-zero (the rest are fresh pages). Called with the lock held. */
-static uintptr_t obtain(size_t length, size_t *dirty) {
+static uintptr_t obtain(size_t length, size_t counted, size_t *dirty) {
     size_t exact = SIZE_MAX, larger = SIZE_MAX, smaller = SIZE_MAX;
-    for (size_t i = kept_count; i-- > 0;) {
+    /* A length known to be written in part takes fresh pages: kept ones are resident, and it counts only what it
+     * writes. */
+    for (size_t i = counted < length ? 0 : kept_count; i-- > 0;) {
         size_t have = kept[i].length;
         if (have == length) { exact = i; break; }
         if (have > length && (larger == SIZE_MAX || have < kept[larger].length)) larger = i;
@@ -184,7 +196,7 @@ static uintptr_t obtain(size_t length, size_t *dirty) {
     }
     if (smaller != SIZE_MAX) {
         Kept block = kept_take(smaller);
-        make_room(length); /* the block is counted in neither live nor kept while it is out */
+        make_room(counted); /* the block is counted in neither live nor kept while it is out */
         void *moved = mremap((void *)block.base, block.length, length, MREMAP_MAYMOVE);
         if (moved != MAP_FAILED) {
             maps_made++;
@@ -195,7 +207,7 @@ static uintptr_t obtain(size_t length, size_t *dirty) {
         }
         munmap((void *)block.base, block.length);
     }
-    make_room(length);
+    make_room(counted);
     void *p = map_pages(length);
     if (p == NULL) return 0;
     maps_made++;
@@ -203,6 +215,33 @@ static uintptr_t obtain(size_t length, size_t *dirty) {
     note_range((uintptr_t)p, length);
     *dirty = 0;
     return (uintptr_t)p;
+}
+
+/* Blocks of at least this many bytes are checked for pages never written when they are freed. */
+#define SPARSE_CHECK_BYTES ((size_t)1 << 20)
+
+/* What a block of `length` bytes is counted as: what the last one of that length wrote, when one was freed with
+ * pages it never wrote; else its length. Called with the lock held. */
+static size_t expected_written(size_t length) {
+    if (length < SPARSE_CHECK_BYTES) return length;
+    for (size_t i = 0; i < SPARSE_SIZES; i++)
+        if (sparse[i].length == length) return sparse[i].written;
+    return length;
+}
+
+/* Remember what a freed block of `length` bytes wrote (only lengths once seen written in part), a page at least.
+ * Lock held. */
+static void learn_written(size_t length, size_t written) {
+    if (written < page_size) written = page_size;
+    for (size_t i = 0; i < SPARSE_SIZES; i++) {
+        if (sparse[i].length == length) {
+            sparse[i].written = written;
+            return;
+        }
+    }
+    if (length - written <= page_size) return; /* written through: counted as its length anyway */
+    sparse[sparse_next] = (Sparse){length, written};
+    sparse_next = (sparse_next + 1) % SPARSE_SIZES;
 }
 
 /* A pooled block of `size` bytes aligned to `alignment` (<= a page), or NULL; *dirty as obtain() says, counted
@@ -213,13 +252,14 @@ static void *pool_alloc(size_t size, size_t alignment, size_t *dirty) {
     size_t length = (size + header + page_size - 1) & ~(page_size - 1);
     pthread_mutex_lock(&pool_lock);
     size_t dirty_from_base = 0;
-    uintptr_t base = obtain(length, &dirty_from_base);
+    size_t counted = expected_written(length);
+    uintptr_t base = obtain(length, counted, &dirty_from_base);
     *dirty = dirty_from_base > header ? dirty_from_base - header : 0;
     void *user = NULL;
     if (base != 0) {
-        if (table_insert(base + header, base, length) == 0) {
+        if (table_insert(base + header, base, length, counted) == 0) {
             user = (void *)(base + header);
-            live_bytes += length;
+            live_bytes += counted;
             if (live_bytes + kept_bytes > high_water) high_water = live_bytes + kept_bytes;
         } else {
             munmap((void *)base, length);
@@ -228,9 +268,6 @@ static void *pool_alloc(size_t size, size_t alignment, size_t *dirty) {
     pthread_mutex_unlock(&pool_lock);
     return user;
 }
-
-/* Blocks of at least this many bytes are checked for pages never written when they are freed. */
-#define SPARSE_CHECK_BYTES ((size_t)1 << 20)
 
 /* How many bytes of the mapping at `base` are resident (mincore); `length` when the kernel cannot say. */
 static size_t resident_bytes(uintptr_t base, size_t length) {
@@ -247,10 +284,11 @@ static size_t resident_bytes(uintptr_t base, size_t length) {
 /* Return a pooled block to the pool; 0 when `ptr` is not one. *usable receives its usable size.
  *
  * A large block freed with pages it never wrote (scratch booked for more than was used: oneDNN's GEMM weight
- * gradients on AVX2 book one per thread it might run) is unmapped, not kept, and the high-water mark loses its
- * unwritten bytes: that mark bounds what is kept, and it counts mapped bytes; kept pages are written ones, so
- * without this the pool kept as many resident bytes as the scratch had mapped and never touched, a peak above the
- * compact heap's (1.2 MB on the digits CNN at width 1). */
+ * gradients on AVX2 book one per thread it might run) is unmapped, not kept, and the high-water mark loses what it
+ * was counted as and did not write: that mark bounds what is kept, and kept pages are written ones, so counting
+ * the scratch's untouched pages let the pool keep that much more resident than the compact heap's peak (1.2 MB on
+ * the digits CNN at width 1). Its length is remembered with what it wrote: the next block of that length counts as
+ * that much, so that its allocation does not evict kept blocks for pages it will not write. */
 static int pool_free(void *ptr, size_t *usable) {
     uintptr_t user = (uintptr_t)ptr;
     if (!in_range(user)) return 0;
@@ -259,16 +297,18 @@ static int pool_free(void *ptr, size_t *usable) {
     int found = entry != NULL;
     if (found) {
         uintptr_t base = entry->base;
-        size_t length = entry->length;
+        size_t length = entry->length, counted = entry->counted;
         entry->user = 1;
         table_live--;
-        live_bytes -= length;
+        live_bytes -= counted;
         if (usable != NULL) *usable = length - (user - base);
-        size_t unwritten = length >= SPARSE_CHECK_BYTES ? length - resident_bytes(base, length) : 0;
-        if (unwritten > page_size) {
+        size_t written = length >= SPARSE_CHECK_BYTES ? resident_bytes(base, length) : length;
+        if (length >= SPARSE_CHECK_BYTES) learn_written(length, written);
+        if (length - written > page_size) {
             munmap((void *)base, length);
-            size_t floor = live_bytes + kept_bytes;
-            high_water = high_water > floor + unwritten ? high_water - unwritten : floor;
+            /* The mark counted this block as `counted`: what it did not write comes off. */
+            size_t excess = counted > written ? counted - written : 0, floor = live_bytes + kept_bytes;
+            high_water = high_water > floor + excess ? high_water - excess : floor;
         } else if (kept_push(base, length) != 0) {
             munmap((void *)base, length);
         }
@@ -293,21 +333,23 @@ static void *pool_resize(void *ptr, size_t size) {
             if (wanted <= length) {
                 if (wanted < length && munmap((void *)(base + wanted), length - wanted) == 0) {
                     entry->length = wanted;
-                    live_bytes -= length - wanted;
+                    live_bytes -= entry->counted;
+                    entry->counted = wanted; /* a resized block counts as all it maps */
+                    live_bytes += wanted;
                 }
                 result = ptr;
             } else if (table_reserve() == 0) { /* (so that the re-insertion below cannot fail) */
-                make_room(wanted - length);
+                make_room(wanted - entry->counted);
                 void *moved = mremap((void *)base, length, wanted, MREMAP_MAYMOVE);
                 if (moved != MAP_FAILED) {
                     maps_made++;
                     bytes_mapped += wanted - length;
-                    live_bytes += wanted - length;
+                    live_bytes += wanted - entry->counted; /* a resized block counts as all it maps */
                     if (live_bytes + kept_bytes > high_water) high_water = live_bytes + kept_bytes;
                     note_range((uintptr_t)moved, wanted);
                     entry->user = 1; /* re-inserted under its new address */
                     table_live--;
-                    table_insert((uintptr_t)moved + header, (uintptr_t)moved, wanted);
+                    table_insert((uintptr_t)moved + header, (uintptr_t)moved, wanted, wanted);
                     result = (void *)((uintptr_t)moved + header);
                 }
             }

@@ -380,3 +380,40 @@ def test_the_obsolete_aligned_allocators_behave_as_glibcs():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+@needs_pool
+def test_scratch_seen_once_counts_as_what_it_writes():
+    # A step: three 8 MiB activations (the live peak, 24 MiB), two freed; scratch of 24 MiB of which 2 are written;
+    # two 8 MiB gradients. Counted as its mapped 24 MiB, the scratch made room by evicting both kept activations
+    # (and, the mark lowered by what it had not written, the pool stayed short): three new mappings a step. Counted as
+    # the 2 MiB it wrote, one kept block goes, and a gradient reuses the other.
+    out = run_probe("""
+        from edge_agent.child import peak_rss_bytes, reset_peak_rss, rss_bytes
+        page_pool.enable(MiB)
+        def step():
+            acts = [process.malloc(8 * MiB) for _ in range(3)]
+            for block in acts:
+                ctypes.memset(block, 1, 8 * MiB)
+            for block in acts[1:]:
+                process.free(block)
+            scratch = process.malloc(24 * MiB)
+            ctypes.memset(scratch, 2, 2 * MiB)
+            process.free(scratch)
+            grads = [process.malloc(8 * MiB) for _ in range(2)]
+            for block in grads:
+                ctypes.memset(block, 3, 8 * MiB)
+            for block in (acts[0], *grads):
+                process.free(block)
+        step()
+        page_pool.release()
+        step()
+        baseline = rss_bytes(); reset_peak_rss()  # (24 MiB kept: the live peak's pages)
+        maps_before = page_pool.stats().maps
+        for _ in range(5):
+            step()
+        print((peak_rss_bytes() - baseline) / MiB, page_pool.stats().maps - maps_before)
+    """)
+    peak_mib, maps = out.split()
+    assert int(maps) <= 2 * 5 + 1, out  # the scratch's fresh pages and one gradient's a step (3 a step before)
+    assert float(peak_mib) <= 2, out  # nothing resident above the live peak's 24 MiB (+ headers, the interpreter)
