@@ -113,7 +113,8 @@ class Coordinator:
         self.exporter: CoordinatorMetrics | None = None
         self.metrics_port: int | None = None
         if config.metrics_port is not None:
-            self.exporter = CoordinatorMetrics(config.federation, config.algorithm, lambda: self.link.backlog())
+            self.exporter = CoordinatorMetrics(config.federation, config.algorithm, lambda: self.link.backlog(),
+                                               lambda: len(self.registry.online()))
             exporter = self.exporter
             self.intake.on_receipt = lambda verdict, size, current: exporter.update_received(
                 verdict, size, len(current.answers) if current is not None else None)
@@ -268,8 +269,6 @@ class Coordinator:
             if kind == "status":
                 if self.fleet.on_status(agent_id, payload):
                     self.dispatcher.resend_unanswered(self._current(), agent_id)
-                if self.exporter is not None:
-                    self.exporter.fleet_changed(len(self.registry.online()))
                 if self._fleet_reads_reports() != self._reports_announced:  # an older agent came, or the last went
                     self._announce()
             elif kind == "update":

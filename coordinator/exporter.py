@@ -22,7 +22,10 @@ __all__ = ["CoordinatorMetrics"]
 class CoordinatorMetrics:
     """The metrics of one coordinator, in a registry of their own (``registry``, for tests and the HTTP server)."""
 
-    def __init__(self, federation: str, algorithm: str, inbox_backlog: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, federation: str, algorithm: str, inbox_backlog: Callable[[], float] = lambda: 0.0,
+                 agents_online: Callable[[], float] = lambda: 0.0) -> None:
+        """``inbox_backlog`` and ``agents_online`` are read when the metrics are scraped (a fleet's statuses come
+        in bursts: counting the agents online for each would cost the message thread O(fleet) a status)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCollector
 
         self.registry = CollectorRegistry()
@@ -48,6 +51,7 @@ class CoordinatorMetrics:
         self.agents_online = gauge("fedfit_agents_online", "Agents whose status says online or busy")
         self.inbox = gauge("fedfit_mqtt_inbox_messages", "Messages received and not yet handled")
         self.inbox.set_function(inbox_backlog)
+        self.agents_online.set_function(agents_online)
         for status in TaskStatus:  # every series from the start: a rate of zero is a figure too
             self.tasks.labels(status.value)
             self.last_tasks.labels(status.value).set(0)
@@ -103,5 +107,3 @@ class CoordinatorMetrics:
             self.phases.labels(phase).set(seconds)
         self.accuracy.set(result.global_accuracy)
 
-    def fleet_changed(self, online: int) -> None:
-        self.agents_online.set(online)

@@ -28,8 +28,7 @@ def task(agent: str, status: str) -> TaskRecord:
 
 
 def test_a_round_as_the_metrics_tell_it() -> None:
-    metrics = CoordinatorMetrics("lab", "heterofl", inbox_backlog=lambda: 7)
-    metrics.fleet_changed(3)
+    metrics = CoordinatorMetrics("lab", "heterofl", inbox_backlog=lambda: 7, agents_online=lambda: 3)
     metrics.round_opened(1, 3)
     metrics.update_received("accepted", 1000, received=1)
     metrics.update_received("accepted", 1500, received=2)
