@@ -7,9 +7,9 @@
  * same length as they are, or shrunk or grown in place with mremap (the pages kept keep their contents; only a
  * grown tail is new). What is kept never exceeds the high-water mark of the live blocks since the last
  * fedfit_pool_release(): before a request would take live + kept above it, the oldest kept blocks are unmapped.
- * A large block freed with pages it never wrote is unmapped instead, and the high-water mark loses those bytes
- * (pool_free); later blocks of its length take fresh pages and count as what it wrote (expected_written). So the
- * resident peak is the compact heap's, while the pages a step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
+ * A large block freed with pages it never wrote counts, kept and when its length is asked for again, as what it
+ * wrote, and the high-water mark loses the rest (pool_free, expected_written); it serves only its own length. So
+ * the resident peak is the compact heap's, while the pages a step reuses are not faulted in again. Nothing is populated: fresh pages fault in as written, which costs speed
  * on large activations (docs/edge-runtime.md) but keeps unwritten scratch out of the peak (the test
  * test_a_block_written_in_part_is_resident_only_where_written).
  *
@@ -42,7 +42,7 @@ extern void *__libc_pvalloc(size_t size);
 /* user == 0: empty, 1: deleted; `counted`: what the block adds to live_bytes (its length, or what a block of
  * that length was seen to write: sparse_written) */
 typedef struct { uintptr_t user; uintptr_t base; size_t length; size_t counted; } Entry;
-typedef struct { uintptr_t base; size_t length; } Kept;
+typedef struct { uintptr_t base; size_t length; size_t counted; } Kept; /* counted: in kept_bytes */
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static volatile int enabled;
@@ -132,7 +132,7 @@ static Entry *table_find(uintptr_t user) {
     return NULL;
 }
 
-static int kept_push(uintptr_t base, size_t length) {
+static int kept_push(uintptr_t base, size_t length, size_t counted) {
     if (kept_count == kept_capacity) {
         size_t capacity = kept_capacity ? kept_capacity * 2 : 1024;
         Kept *fresh = map_pages(capacity * sizeof(Kept));
@@ -144,8 +144,8 @@ static int kept_push(uintptr_t base, size_t length) {
         kept = fresh;
         kept_capacity = capacity;
     }
-    kept[kept_count++] = (Kept){base, length};
-    kept_bytes += length;
+    kept[kept_count++] = (Kept){base, length, counted};
+    kept_bytes += counted;
     return 0;
 }
 
@@ -153,7 +153,7 @@ static Kept kept_take(size_t index) {
     Kept block = kept[index];
     memmove(&kept[index], &kept[index + 1], (kept_count - index - 1) * sizeof(Kept));
     kept_count--;
-    kept_bytes -= block.length;
+    kept_bytes -= block.counted;
     return block;
 }
 
@@ -179,11 +179,13 @@ static int in_range(uintptr_t user) {
  * leading bytes may be non-zero (the rest are fresh pages). Called with the lock held. */
 static uintptr_t obtain(size_t length, size_t counted, size_t *dirty) {
     size_t exact = SIZE_MAX, larger = SIZE_MAX, smaller = SIZE_MAX;
-    /* A length known to be written in part takes fresh pages: kept ones are resident, and it counts only what it
-     * writes. */
-    for (size_t i = counted < length ? 0 : kept_count; i-- > 0;) {
+    for (size_t i = kept_count; i-- > 0;) {
         size_t have = kept[i].length;
-        if (have == length) { exact = i; break; }
+        /* (A block of a length known to be written in part, kept whole, would be resident beyond what it counts.) */
+        if (have == length && (counted == length || kept[i].counted <= counted)) { exact = i; break; }
+        /* A block written in part serves its own length only (its resident pages are what it is counted as), and a
+         * length known to be written in part takes no other block's pages (they are resident). */
+        if (counted < length || kept[i].counted < have) continue;
         if (have > length && (larger == SIZE_MAX || have < kept[larger].length)) larger = i;
         if (have < length && (smaller == SIZE_MAX || have > kept[smaller].length)) smaller = i;
     }
@@ -284,11 +286,12 @@ static size_t resident_bytes(uintptr_t base, size_t length) {
 /* Return a pooled block to the pool; 0 when `ptr` is not one. *usable receives its usable size.
  *
  * A large block freed with pages it never wrote (scratch booked for more than was used: oneDNN's GEMM weight
- * gradients on AVX2 book one per thread it might run) is unmapped, not kept, and the high-water mark loses what it
- * was counted as and did not write: that mark bounds what is kept, and kept pages are written ones, so counting
- * the scratch's untouched pages let the pool keep that much more resident than the compact heap's peak (1.2 MB on
- * the digits CNN at width 1). Its length is remembered with what it wrote: the next block of that length counts as
- * that much, so that its allocation does not evict kept blocks for pages it will not write. */
+ * gradients on AVX2 book one per thread it might run) is kept counted as what it wrote (its other pages are not
+ * resident), for a request of its own length only, and the high-water mark loses what it was counted as and did
+ * not write: that mark bounds what is kept, so counting the scratch's untouched pages let the pool keep that much
+ * more resident than the compact heap's peak (1.2 MB on the digits CNN at width 1). Its length is remembered with
+ * what it wrote: the next block of that length counts as that much, so that its allocation does not evict kept
+ * blocks for pages it will not write. */
 static int pool_free(void *ptr, size_t *usable) {
     uintptr_t user = (uintptr_t)ptr;
     if (!in_range(user)) return 0;
@@ -305,11 +308,17 @@ static int pool_free(void *ptr, size_t *usable) {
         size_t written = length >= SPARSE_CHECK_BYTES ? resident_bytes(base, length) : length;
         if (length >= SPARSE_CHECK_BYTES) learn_written(length, written);
         if (length - written > page_size) {
-            munmap((void *)base, length);
-            /* The mark counted this block as `counted`: what it did not write comes off. */
+            /* The mark counted this block as `counted`: what it did not write comes off. Kept, it counts as what it
+             * wrote, for the next block of its length. */
             size_t excess = counted > written ? counted - written : 0, floor = live_bytes + kept_bytes;
             high_water = high_water > floor + excess ? high_water - excess : floor;
-        } else if (kept_push(base, length) != 0) {
+            size_t resident = written < page_size ? page_size : written;
+            if (kept_push(base, length, resident) != 0) {
+                munmap((void *)base, length);
+            } else if (live_bytes + kept_bytes > high_water) {
+                high_water = live_bytes + kept_bytes; /* it did have that much resident */
+            }
+        } else if (kept_push(base, length, length) != 0) {
             munmap((void *)base, length);
         }
     }

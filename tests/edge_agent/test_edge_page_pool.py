@@ -337,7 +337,7 @@ def test_a_block_written_in_part_is_resident_only_where_written():
 
 
 @needs_pool
-def test_scratch_written_in_part_is_not_kept_nor_counted_in_the_high_water_mark():
+def test_scratch_written_in_part_counts_as_what_it_wrote():
     # The GEMM pattern: scratch mapped for more than it writes, beside a live block. The high-water mark bounds
     # what is kept in mapped bytes: were the scratch's unwritten 22 MiB counted, the written block freed after it
     # would stay kept (resident) while the next 16 MiB block is written: 24 MiB resident where the live peak is
@@ -353,8 +353,9 @@ def test_scratch_written_in_part_is_not_kept_nor_counted_in_the_high_water_mark(
         high_water = page_pool.stats().high_water_bytes
         process.free(scratch)
         after = page_pool.stats()
-        # (22 MiB unwritten; a transparent huge page may have made up to 2 MiB more resident)
-        assert after.kept_bytes == 0 and after.high_water_bytes <= high_water - 19 * MiB, (high_water, after)
+        # Kept, counted as the 2 MiB it wrote, and off the mark: its 22 MiB unwritten (a transparent huge page may
+        # have made up to 2 MiB more resident)
+        assert after.kept_bytes <= 4 * MiB and after.high_water_bytes <= high_water - 19 * MiB, (high_water, after)
         process.free(written)
         assert page_pool.stats().kept_bytes >= 8 * MiB, page_pool.stats()  # written through: kept
         gradient = process.malloc(16 * MiB)
