@@ -46,6 +46,9 @@ def main() -> int:
     parser.add_argument("--ack-timeout", type=float, default=LoadOptions.ack_timeout_s,
                         help="seconds an agent waits for its update's ack before sending it again (the agents' own "
                              "default, 10, makes a thousand agents flood the broker with resends)")
+    parser.add_argument("--revision", type=int, default=LoadOptions.revision,
+                        help="the protocol revision the agents announce (below 6 they never ask before uploading; "
+                             "below 2 their tasks come in protocol version 1)")
     parser.add_argument("--min-available-gib", type=float, default=2.0,
                         help="stop the run when the machine's available memory falls below this")
     parser.add_argument("--coordinator-env", action="append", default=[], metavar="NAME=VALUE",
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         brokers=[b for b in args.brokers.split(",") if b], coordinator_broker=args.coordinator_broker,
         protocol=args.protocol, algorithm=args.algorithm,
         model_options={"hidden": [int(h) for h in args.hidden.split(",")]}, dataset=args.dataset,
-        eval_samples=args.eval_samples, ack_timeout_s=args.ack_timeout,
+        eval_samples=args.eval_samples, ack_timeout_s=args.ack_timeout, revision=args.revision,
         min_available_bytes=int(args.min_available_gib * 2**30),
         coordinator_env=dict(item.split("=", 1) for item in args.coordinator_env), settings=settings, profile=args.profile,
         run_dir=args.run_dir)

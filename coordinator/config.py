@@ -422,6 +422,28 @@ class ScreeningConfig:
 
 
 @dataclass
+class UploadsConfig:
+    """The ``uploads`` section (see :mod:`coordinator.upload_grants`): with ``grant`` (default true) the agents
+    that read protocol revision 6 ask before they send an update, and the coordinator lets at most ``window_mib``
+    (default 256) MiB of updates be in transfer at once, whatever the fleet's size; a grant whose agent sent
+    nothing for ``idle_s`` seconds (default 30) is taken back."""
+
+    grant: bool = True
+    window_mib: float = 256.0
+    idle_s: float = 30.0
+
+    @property
+    def window_bytes(self) -> int:
+        return int(self.window_mib * 2**20)
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if not self.window_mib > 0 or not self.idle_s > 0:
+            raise ValueError(f"uploads.window_mib and uploads.idle_s must be positive, got {self.window_mib} and "
+                             f"{self.idle_s}")
+
+
+@dataclass
 class CoordinatorConfig:
     """Everything the coordinator daemon needs."""
 
@@ -448,6 +470,7 @@ class CoordinatorConfig:
     flexfl: FlexFLConfig = field(default_factory=FlexFLConfig)
     adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
+    uploads: UploadsConfig = field(default_factory=UploadsConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     #: What the agents train on ("cpu" or "cuda"): the terms of the memory they report, in which level planning
     #: estimates what each sub-model needs.
@@ -493,6 +516,7 @@ class CoordinatorConfig:
         self.scalefl.validate()
         self.fedepth.validate()
         self.screening.validate()
+        self.uploads.validate()
         self.fedavg.validate()
         self.fedrolex.validate()
         self.depthfl.validate()

@@ -41,6 +41,7 @@ from coordinator.round import Round
 from coordinator.serving import ServiceLog
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip
+from coordinator.upload_grants import UploadGrants
 from models import ModelFamily
 from protocol import (
     STATUS_REPORT_REVISION,
@@ -49,7 +50,11 @@ from protocol import (
     ProtocolError,
     RoundProgress,
     Topics,
+    UploadGrant,
+    UploadRequest,
+    decode,
     encode,
+    message_type,
     parse_agent_topic,
 )
 
@@ -114,7 +119,7 @@ class Coordinator:
         self.metrics_port: int | None = None
         if config.metrics_port is not None:
             self.exporter = CoordinatorMetrics(config.federation, config.algorithm, lambda: self.link.backlog(),
-                                               lambda: len(self.registry.online()))
+                                               lambda: len(self.registry.online()), self._upload_window)
             exporter = self.exporter
             self.intake.on_receipt = lambda verdict, size, current: exporter.update_received(
                 verdict, size, len(current.answers) if current is not None else None)
@@ -132,8 +137,12 @@ class Coordinator:
             handler=self._on_message,
             will=Will(self.topics.coordinator_status(), encode(self._status("offline", reports=False))),
             on_ready=self._announce, on_refused=self._on_refused)
+        #: The window of update bytes in transfer (``uploads``), None when uploads are not granted.
+        self.grants = (UploadGrants(config.uploads.window_bytes, config.uploads.idle_s) if config.uploads.grant
+                       else None)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
-                                     lambda: self.states, config.seed, self.log)
+                                     lambda: self.states, config.seed, self.log,
+                                     grants_uploads=self.grants is not None)
 
     def _resume_pending_round(self) -> None:
         """Open the round the journal holds, if it is the next one, with the updates it had stored (taken again as
@@ -271,11 +280,44 @@ class Coordinator:
                     self.dispatcher.resend_unanswered(self._current(), agent_id)
                 if self._fleet_reads_reports() != self._reports_announced:  # an older agent came, or the last went
                     self._announce()
+                record = self.registry.get(agent_id)
+                if self.grants is not None and record is not None and not record.online:
+                    self._grant(self.grants.forget(agent_id))
             elif kind == "update":
-                self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
+                self._on_upload(agent_id, payload)
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
+
+    def _on_upload(self, agent_id: str, payload: bytes) -> None:
+        """A message on an agent's update topic: a chunk of its update, or its request to send one."""
+        if self.grants is None:
+            self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
+            return
+        if message_type(payload) == "upload_request":
+            request = decode(payload, expected=UploadRequest)
+            assert isinstance(request, UploadRequest)
+            if request.agent_id != agent_id:
+                raise ProtocolError(f"upload request from agent {request.agent_id!r} published on the topic of "
+                                    f"{agent_id!r}")
+            self._grant(self.grants.ask(agent_id, request.task_id, request.round, request.size))
+            return
+        self._grant(self.grants.chunk_from(agent_id))
+        try:
+            task_id = self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
+        except ProtocolError:
+            self._grant(self.grants.finished(agent_id))  # a malformed upload ends here; the agent asks again
+            raise
+        if task_id is not None:
+            self._grant(self.grants.finished(agent_id, task_id))
+
+    def _upload_window(self) -> tuple[float, float]:
+        """The upload window's bytes granted and requests waiting (zeros when uploads are not granted)."""
+        return (self.grants.in_flight, self.grants.waiting) if self.grants is not None else (0.0, 0.0)
+
+    def _grant(self, grants: list[UploadGrant]) -> None:
+        for grant in grants:
+            self.link.publish(self.topics.agent_ack(grant.agent_id), encode(grant))
 
     def _on_answer(self, current: Round) -> None:
         self._progress("round", current.number, len(current.answers), len(current.tasks))

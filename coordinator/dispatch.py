@@ -25,6 +25,7 @@ from protocol import (
     HEAD_ALONE_REVISION,
     ORDERED_DROPOUT_REVISION,
     PROTOCOL_VERSION,
+    UPLOAD_GRANT_REVISION,
     Adaptation,
     ModelRef,
     Task,
@@ -42,10 +43,12 @@ DISPATCH_WAIT_S = 30.0
 
 class Dispatcher:
     """Sends the tasks of a round (see the module docstring). ``states()`` gives the global states tasks are cut
-    from; ``seed`` makes each task's training seed (per round and agent)."""
+    from; ``seed`` makes each task's training seed (per round and agent); ``grants_uploads``: the coordinator grants
+    uploads (`coordinator.upload_grants`), so agents that read revision 6 are told to ask first."""
 
     def __init__(self, link: MqttLink, topics: Topics, registry: FleetRegistry, family: ModelFamily,
-                 model_ref: ModelRef, states: Callable[[], Mapping[str, State]], seed: int, log: Logger) -> None:
+                 model_ref: ModelRef, states: Callable[[], Mapping[str, State]], seed: int, log: Logger, *,
+                 grants_uploads: bool = False) -> None:
         self.link = link
         self.topics = topics
         self.registry = registry
@@ -54,6 +57,7 @@ class Dispatcher:
         self._states = states
         self.seed = seed
         self.log = log
+        self.grants_uploads = grants_uploads
         self.unpaced = False  # see pace
 
     @staticmethod
@@ -82,7 +86,8 @@ class Dispatcher:
         # (A rolled window is where the sub-model sits in the global model: the agent trains it as any other.)
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.unrolled().to_dict(),
                     None, {key: value.detach().cpu().numpy() for key, value in weights.items()},
-                    adaptation=self.readable(planned.adaptation, planned.agent_id), plan=plan)
+                    adaptation=self.readable(planned.adaptation, planned.agent_id), plan=plan,
+                    ask_to_upload=self.grants_uploads and self.revision(planned.agent_id) >= UPLOAD_GRANT_REVISION)
         version = self.protocol_version(planned.agent_id)
         payload = encode_parts(task, version=version)  # the weights are read as the chunks are made
         topic = self.topics.agent_task(planned.agent_id)

@@ -3,7 +3,8 @@
 
 What an operator watches: rounds done and the one in progress (answers in of expected), updates received by
 verdict and their bytes, each round's tasks by status, traffic, phases' seconds and accuracy, agents online, the
-MQTT inbox's backlog, and the process's own figures (``process_resident_memory_bytes`` and the rest of
+MQTT inbox's backlog, the upload window (bytes granted and not yet in, requests waiting), and the process's own
+figures (``process_resident_memory_bytes`` and the rest of
 prometheus-client's process collector). Every metric is named ``fedfit_*`` and carries no label but the ones below;
 ``fedfit_info`` names the federation.
 """
@@ -23,9 +24,11 @@ class CoordinatorMetrics:
     """The metrics of one coordinator, in a registry of their own (``registry``, for tests and the HTTP server)."""
 
     def __init__(self, federation: str, algorithm: str, inbox_backlog: Callable[[], float] = lambda: 0.0,
-                 agents_online: Callable[[], float] = lambda: 0.0) -> None:
-        """``inbox_backlog`` and ``agents_online`` are read when the metrics are scraped (a fleet's statuses come
-        in bursts: counting the agents online for each would cost the message thread O(fleet) a status)."""
+                 agents_online: Callable[[], float] = lambda: 0.0,
+                 uploads: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)) -> None:
+        """``inbox_backlog``, ``agents_online`` and ``uploads`` (the upload window's bytes granted and requests
+        waiting) are read when the metrics are scraped (a fleet's statuses come in bursts: counting the agents
+        online for each would cost the message thread O(fleet) a status)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCollector
 
         self.registry = CollectorRegistry()
@@ -51,6 +54,10 @@ class CoordinatorMetrics:
         self.agents_online = gauge("fedfit_agents_online", "Agents whose status says online or busy")
         self.inbox = gauge("fedfit_mqtt_inbox_messages", "Messages received and not yet handled")
         self.inbox.set_function(inbox_backlog)
+        self.upload_bytes = gauge("fedfit_upload_window_bytes", "Update bytes granted and not yet in")
+        self.upload_waiting = gauge("fedfit_upload_requests_waiting", "Agents waiting for leave to upload")
+        self.upload_bytes.set_function(lambda: uploads()[0])
+        self.upload_waiting.set_function(lambda: uploads()[1])
         self.agents_online.set_function(agents_online)
         for status in TaskStatus:  # every series from the start: a rate of zero is a figure too
             self.tasks.labels(status.value)

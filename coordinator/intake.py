@@ -96,13 +96,14 @@ class UpdateIntake:
         self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}
 
     def on_chunk(self, agent_id: str, payload: bytes, current: Round | None,
-                 on_accepted: Callable[[Round], None]) -> None:
+                 on_accepted: Callable[[Round], None]) -> str | None:
         """Feed one chunk of ``agent_id``'s upload; once its transfer is whole, decode the update (once: the round
         examines this object), give it to the round in progress ``current`` (``on_accepted(current)`` when it takes
-        it as new) and ack it. ProtocolError for a malformed update or one that names another agent."""
+        it as new) and ack it. Returns the task id of an update whole with this chunk (None while its transfer is
+        not). ProtocolError for a malformed update or one that names another agent."""
         whole = self.reassembler.feed_transfer(payload, source=agent_id)
         if whole is None:
-            return
+            return None
         complete = whole.payload  # a read-only view; its sha256 was computed as its chunks came
         update = decode(complete, expected=Update)
         assert isinstance(update, Update)
@@ -116,7 +117,7 @@ class UpdateIntake:
                 receipt = current.receive(update, complete, whole.sha256)
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
-                return  # no ack: the agent sends it again
+                return update.task_id  # no ack: the agent sends it again
             if receipt.verdict is Verdict.ACCEPTED:
                 on_accepted(current)
         # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
@@ -128,6 +129,7 @@ class UpdateIntake:
                       refused=receipt.refusal)
         if self.on_receipt is not None:
             self.on_receipt(str(receipt.verdict), len(complete), current)
+        return update.task_id
 
     # ----------------------------------------------------------- the round's Intake
     def examine(self, update: Update, task: TaskPlan) -> Examined:

@@ -47,6 +47,7 @@ from protocol import (
     TransferRefused,
     Update,
     UpdateStatus,
+    UploadGrant,
     decode,
     encode,
     parse_agent_topic,
@@ -335,7 +336,11 @@ class EdgeAgent:
             elif kind == "task":
                 self._on_task_chunk(payload)
             elif kind == "ack":
-                ack = decode(payload, expected=Ack)
+                ack = decode(payload, expected=(Ack, UploadGrant))
+                if isinstance(ack, UploadGrant):
+                    if not self.uplink.on_grant(ack.task_id):
+                        self.log.debug("grant_ignored", task=ack.task_id)
+                    return
                 assert isinstance(ack, Ack)
                 if ack.verdict is not None:
                     self._on_verdict(ack)
@@ -479,7 +484,8 @@ class EdgeAgent:
                 return
             self.log.info("task_done", task=task.task_id, status=update.status, reason=update.reason,
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
-            self.uplink.send(update, version=payload_version(payload) if payload is not None else 1)
+            self.uplink.send(update, version=payload_version(payload) if payload is not None else 1,
+                             ask=task.ask_to_upload)
             self.tasks_done += 1
             with self._lock:
                 self._remember_answer(task, update)

@@ -9,6 +9,9 @@ back online (:meth:`Uplink.resend_parked`) or the agent restarts.
 
 An update goes out in the protocol version of the task it answers (a coordinator that wrote version 2 reads it;
 version 1, which every coordinator reads, when that is not known), and its chunks in the version of its payload.
+When its task says so (:attr:`protocol.Task.ask_to_upload`, protocol revision 6) the uplink asks before each send
+(:class:`protocol.UploadRequest`) and sends once the coordinator grants it (:meth:`Uplink.on_grant`): a send whose
+grant does not come within the ack's wait counts as an attempt, and it asks again.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from common.logs import get_logger
 from edge_agent.spool import UpdateSpool
-from protocol import Update, encode, iter_chunks, payload_version
+from protocol import Update, UploadRequest, encode, iter_chunks, payload_version
 
 Publish = Callable[[str, bytes], bool]
 
@@ -34,19 +38,31 @@ _CONNECTION_POLL_S = 0.5
 MAX_BACKOFF = 8
 
 
+@dataclass(frozen=True)
+class _Outgoing:
+    """An update to deliver: its encoded payload and, when it must ask before each send, its task's round."""
+
+    task_id: str
+    payload: bytes
+    round: int | None = None
+
+
 class Uplink:
     """A per-agent sender thread: one update at a time, each retried until acked or attempts run out."""
 
     def __init__(self, agent_id: str, topic: str, publish: Publish, ack_timeout_s: float, attempts: int, *,
                  connected: Callable[[], bool] = lambda: True, spool: UpdateSpool | None = None) -> None:
+        self.agent_id = agent_id
         self.topic = topic
         self._publish = publish
         self._connected = connected
         self._spool = spool
         self._ack_timeout_s = ack_timeout_s
         self._attempts = attempts
-        self._outbox: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
         self._acked: dict[str, threading.Event] = {}
+        self._granted: dict[str, threading.Event] = {}  # task ids asked for, set when the grant comes
+        self._grant_waits: dict[str, float] = {}  # seconds each update in delivery waited for grants (its thread's)
         self._refusals: dict[str, str] = {}
         self._parked: list[str] = []  # task ids whose attempts ran out, kept in the spool
         self._sizes: dict[str, int] = {}  # payload bytes of the updates queued, in delivery or parked
@@ -64,9 +80,9 @@ class Uplink:
         if self._spool is not None:
             for task_id in self._spool.task_ids():
                 spooled = self._spool.load(task_id)
-                if spooled is not None:
+                if spooled is not None:  # (sent without asking: a coordinator takes an update it did not grant)
                     self.restored.append(task_id)
-                    self._queue(task_id, spooled.payload)
+                    self._queue(_Outgoing(task_id, spooled.payload))
             if self.restored:
                 self._log.info("spooled_updates_restored", count=len(self.restored), tasks=self.restored)
         self._thread.start()
@@ -77,19 +93,20 @@ class Uplink:
         if self._thread.is_alive():  # (never started: nothing to wait for)
             self._thread.join(timeout)
 
-    def send(self, update: Update, *, version: int = 1) -> None:
+    def send(self, update: Update, *, version: int = 1, ask: bool = False) -> None:
         """Store ``update`` in the spool (when there is one) and queue it for delivery, encoded in protocol
-        ``version``: that of the task it answers (`protocol.payload_version`), 1 when unknown."""
+        ``version``: that of the task it answers (`protocol.payload_version`), 1 when unknown; ``ask``: the task
+        said :attr:`protocol.Task.ask_to_upload` (each send waits for the coordinator's grant)."""
         payload = encode(update, version=version)
         if self._spool is not None:
             self._spool.put(update.task_id, payload)
-        self._queue(update.task_id, payload)
+        self._queue(_Outgoing(update.task_id, payload, update.round if ask else None))
 
-    def _queue(self, task_id: str, payload: bytes) -> None:
+    def _queue(self, outgoing: _Outgoing) -> None:
         with self._lock:
-            self._acked.setdefault(task_id, threading.Event())
-            self._sizes[task_id] = len(payload)
-        self._outbox.put((task_id, payload))
+            self._acked.setdefault(outgoing.task_id, threading.Event())
+            self._sizes[outgoing.task_id] = len(outgoing.payload)
+        self._outbox.put(outgoing)
 
     def backlog(self) -> tuple[int, int]:
         """The updates queued, in delivery or parked (not yet acknowledged as stored), and their bytes."""
@@ -122,6 +139,14 @@ class Uplink:
         spooled = self._spool.remove(task_id) if self._spool is not None else False
         return event is not None or parked or spooled
 
+    def on_grant(self, task_id: str) -> bool:
+        """The coordinator grants the upload of ``task_id`` now; False when it is not waiting for one."""
+        with self._lock:
+            granted = self._granted.get(task_id)
+        if granted is not None:
+            granted.set()
+        return granted is not None
+
     def resend_parked(self) -> int:
         """Queue again the updates whose attempts ran out (the coordinator is back); returns how many."""
         with self._lock:
@@ -130,7 +155,7 @@ class Uplink:
         for task_id in parked:
             spooled = self._spool.load(task_id) if self._spool is not None else None
             if spooled is not None:
-                self._queue(task_id, spooled.payload)
+                self._queue(_Outgoing(task_id, spooled.payload))
                 count += 1
         if count:
             self._log.info("parked_updates_resent", count=count)
@@ -146,7 +171,7 @@ class Uplink:
             try:
                 if item is None:
                     return
-                self._deliver(*item)
+                self._deliver(item)
             finally:
                 self._outbox.task_done()
 
@@ -164,17 +189,41 @@ class Uplink:
             return self._ack_timeout_s
         return self._ack_timeout_s * min(2 ** (attempt - 1), MAX_BACKOFF) * random.uniform(0.9, 1.1)
 
-    def _wait_ack(self, acked: threading.Event, attempt: int) -> bool:
-        """Wait up to :meth:`ack_wait` for the ack, or until stop() (which need not wait out the timeout)."""
+    def _wait_for(self, event: threading.Event, acked: threading.Event, attempt: int) -> bool:
+        """Wait up to :meth:`ack_wait` for ``event`` (the ack, or a grant), until the ack, or until stop() (which
+        need not wait out the timeout); whether ``event`` is set."""
         deadline = time.monotonic() + self.ack_wait(attempt)
-        while not acked.is_set() and not self._stopping.is_set():
+        while not event.is_set() and not acked.is_set() and not self._stopping.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            acked.wait(min(remaining, _CONNECTION_POLL_S))
-        return acked.is_set()
+            event.wait(min(remaining, _CONNECTION_POLL_S))
+        return event.is_set()
 
-    def _deliver(self, task_id: str, payload: bytes) -> None:
+    def _granted_now(self, outgoing: _Outgoing, acked: threading.Event, attempt: int) -> bool:
+        """Ask for the upload of ``outgoing`` and wait for the grant (at once True when it need not ask)."""
+        if outgoing.round is None:
+            return True
+        with self._lock:
+            granted = self._granted[outgoing.task_id] = threading.Event()
+        request = UploadRequest(outgoing.task_id, outgoing.round, self.agent_id, len(outgoing.payload))
+        self._publish(self.topic, encode(request))
+        asked = time.monotonic()
+        try:
+            return self._wait_for(granted, acked, attempt)
+        finally:
+            self._grant_waits[outgoing.task_id] = self._grant_waits.get(outgoing.task_id, 0.0) + time.monotonic() - asked
+            with self._lock:
+                self._granted.pop(outgoing.task_id, None)
+
+    def _deliver(self, outgoing: _Outgoing) -> None:
+        try:
+            self._deliver_until_settled(outgoing)
+        finally:
+            self._grant_waits.pop(outgoing.task_id, None)
+
+    def _deliver_until_settled(self, outgoing: _Outgoing) -> None:
+        task_id, payload = outgoing.task_id, outgoing.payload
         with self._lock:
             acked = self._acked.setdefault(task_id, threading.Event())
         attempt = 0
@@ -182,9 +231,14 @@ class Uplink:
             if not self._wait_connected(acked):
                 break
             attempt += 1
+            if not self._granted_now(outgoing, acked, attempt):
+                if not acked.is_set() and attempt < self._attempts and not self._stopping.is_set():
+                    self._log.warning("upload_not_granted_asking_again", task=task_id, attempt=attempt)
+                continue
             for chunk in iter_chunks(payload, f"{task_id}.{attempt}", version=payload_version(payload)):
                 self._publish(self.topic, chunk)
-            if not self._wait_ack(acked, attempt) and attempt < self._attempts and not self._stopping.is_set():
+            if (not self._wait_for(acked, acked, attempt) and attempt < self._attempts
+                    and not self._stopping.is_set()):
                 self._log.warning("update_not_acked_resending", task=task_id, attempt=attempt)
         # Outstanding no more before the outcome is recorded: a later ack finds nothing and says so.
         with self._lock:
@@ -200,7 +254,9 @@ class Uplink:
             self._log.warning("update_refused", task=task_id, attempts=attempt, reason=refusal)
         elif acked.is_set():
             self.delivered.append(task_id)
-            self._log.info("update_acked", task=task_id, attempts=attempt, bytes=len(payload))
+            waited = self._grant_waits.get(task_id)
+            self._log.info("update_acked", task=task_id, attempts=attempt, bytes=len(payload),
+                           **({"waited_for_grant_s": round(waited, 3)} if waited is not None else {}))
         elif self._stopping.is_set():
             self._log.info("update_left_for_next_start", task=task_id, spooled=parked)
         elif parked:

@@ -3,7 +3,8 @@
 A synthetic agent speaks the agents' protocol (``edge_agent.daemon``): a retained status with capabilities and a
 Last Will, its task chunks in (put together by a :class:`protocol.Reassembler`), its update out in chunks
 (``protocol.encode`` and ``protocol.split_payload``, transfer ``<task id>.<attempt>``), sent again every
-``ack_timeout_s`` until the coordinator acks it, as the agents' uplink does; "busy" while it answers a task. It
+``ack_timeout_s`` until the coordinator acks it, as the agents' uplink does (asking first, and sending once granted,
+when its task says :attr:`protocol.Task.ask_to_upload`); "busy" while it answers a task. It
 answers with a SYNTHETIC update (:mod:`loadrig.synthetic`) at once: no training. It skips the start-up
 check for a second process of its id.
 
@@ -42,6 +43,8 @@ from protocol import (
     Task,
     Topics,
     TransferRefused,
+    UploadGrant,
+    UploadRequest,
     decode,
     encode,
     split_payload,
@@ -85,6 +88,9 @@ class WorkerSpec:
     keepalive: int = 60
     connect_timeout_s: float = 120.0
     seed: int = 0
+    #: The protocol revision the agents announce (1: as agents that predate version 2; tasks then come in version 1,
+    #: and no agent asks before it uploads, which revision 6 does).
+    revision: int = 1
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
@@ -132,6 +138,8 @@ class WorkerResult:
     duplicate_tasks: int = 0
     updates: int = 0
     resends: int = 0
+    asks: int = 0
+    grants: int = 0
     abandoned: int = 0
     acked: int = 0
     refused: int = 0
@@ -166,7 +174,9 @@ class _Pending:
     payload: bytes
     task_at: float
     attempt: int = 1
-    sent_at: float = 0.0
+    sent_at: float = 0.0  # when it was last sent, or asked for
+    ask: bool = False  # it asks before each send (its task said so)
+    asking: bool = False  # asked, no grant yet
 
 
 class _Agent:
@@ -216,7 +226,7 @@ class _Agent:
             return AgentStatus(self.agent_id, state, None, time.time(), self.instance)
         spec = self.worker.spec
         capabilities = Capabilities("synthetic", _MEMORY_TOTAL, _MEMORY_AVAILABLE, None, spec.num_samples,
-                                    self.labels, tuple(spec.sample_shape))
+                                    self.labels, tuple(spec.sample_shape), spec.revision)
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance)
 
     def publish_status(self, state: str | None = None) -> None:
@@ -284,7 +294,7 @@ class _Agent:
         result.tasks += 1
         seen = self.worker.round(task.round)
         seen.task_in(now)
-        self.pending[task.task_id] = _Pending(task.round, b"", now)
+        self.pending[task.task_id] = _Pending(task.round, b"", now, ask=task.ask_to_upload)
         self.publish_status("busy")
         spec = self.worker.spec
         update = self.worker.maker.make(task, self.agent_id, spec.num_samples, self.labels, self.factor)
@@ -298,13 +308,31 @@ class _Agent:
         self.publish_status()
 
     def _send(self, task_id: str) -> None:
+        """Send the update of ``task_id``, or ask to when it must."""
         pending = self.pending[task_id]
+        pending.sent_at = time.monotonic()
+        if pending.ask:
+            pending.asking = True
+            self.worker.result.asks += 1
+            self.publish(self.update_topic, encode(UploadRequest(task_id, pending.round, self.agent_id,
+                                                                 len(pending.payload))))
+            return
+        self._send_chunks(task_id, pending)
+
+    def _send_chunks(self, task_id: str, pending: _Pending) -> None:
         for chunk in split_payload(pending.payload, f"{task_id}.{pending.attempt}"):
             self.publish(self.update_topic, chunk)
         pending.sent_at = time.monotonic()
 
     def _on_ack(self, payload: bytes | bytearray) -> None:
-        ack = decode(payload, expected=Ack)
+        ack = decode(payload, expected=(Ack, UploadGrant))
+        if isinstance(ack, UploadGrant):
+            granted = self.pending.get(ack.task_id)
+            if granted is not None and granted.asking:
+                granted.asking = False
+                self.worker.result.grants += 1
+                self._send_chunks(ack.task_id, granted)
+            return
         assert isinstance(ack, Ack)
         result = self.worker.result
         if ack.verdict is not None:

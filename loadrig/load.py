@@ -35,6 +35,7 @@ from fedfit.sim.broker import Broker, start_mosquitto
 from fedfit.sim.rundir import claim_run_dir, new_run_dir
 from loadrig.agents import AgentSlot, WorkerResult, WorkerSpec
 from loadrig.synthetic import SYNTHETIC_NOTICE
+from protocol import PROTOCOL_REVISION
 
 __all__ = ["SYNTHETIC_NOTICE", "LoadError", "LoadOptions", "LoadOutcome", "LoadRound", "agent_name", "broker_for",
            "format_outcome", "run_load"]
@@ -61,7 +62,9 @@ class LoadOptions:
     own default, 10 s, makes a thousand agents resend every update many times over while a coordinator works
     through them: a storm that grows the broker's queues without bound). The run is stopped (:class:`LoadError`)
     when the machine's available memory falls below ``min_available_bytes``. ``coordinator_env``: environment
-    variables set for the coordinator's process only (e.g. glibc's ``MALLOC_MMAP_THRESHOLD_``)."""
+    variables set for the coordinator's process only (e.g. glibc's ``MALLOC_MMAP_THRESHOLD_``). ``revision``: the
+    protocol revision the agents announce (`protocol.PROTOCOL_REVISION`; from 6 on they ask before they upload
+    when the coordinator grants uploads, and below 2 their tasks come in protocol version 1)."""
 
     agents: int = 1000
     rounds: int = 3
@@ -89,6 +92,7 @@ class LoadOptions:
     sample_every_s: float = 0.25
     min_available_bytes: int = 2 * 2**30
     coordinator_env: dict[str, str] = field(default_factory=dict)
+    revision: int = PROTOCOL_REVISION
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
@@ -305,7 +309,8 @@ def _worker_specs(options: LoadOptions, brokers: list[str], num_classes: int,
     return [WorkerSpec(options.federation, agents, options.samples_per_agent, num_classes, sample_shape,
                        protocol=options.protocol, ack_timeout_s=options.ack_timeout_s,
                        update_attempts=options.update_attempts, status_interval_s=options.status_interval_s,
-                       connect_timeout_s=options.wait_for_agents_s, seed=options.seed + number)
+                       connect_timeout_s=options.wait_for_agents_s, seed=options.seed + number,
+                       revision=options.revision)
             for number, agents in enumerate(slots) if agents]
 
 
@@ -382,7 +387,8 @@ def _round_rows(metrics: list[dict[str, Any]], events: list[dict[str, Any]], mon
 
 def _agents_summary(results: list[WorkerResult], workers: int) -> dict[str, Any]:
     total: dict[str, Any] = {"workers": workers}
-    for name in ("agents", "online", "tasks", "duplicate_tasks", "updates", "resends", "abandoned", "acked",
+    for name in ("agents", "online", "tasks", "duplicate_tasks", "updates", "resends", "asks", "grants", "abandoned",
+                 "acked",
                  "refused", "aggregated", "rejected", "failed_updates", "protocol_errors", "disconnects",
                  "reconnects", "bytes_in", "bytes_out"):
         total[name] = sum(getattr(r, name) for r in results)
@@ -594,7 +600,8 @@ def format_outcome(outcome: LoadOutcome, top: int = 8) -> str:
     rounds_cpu = sum(r.agents_cpu or 0.0 for r in outcome.rounds)
     lines.append(
         f"load generator: {a['online']}/{a['agents']} agents online; {a['tasks']} tasks, {a['updates']} updates, "
-        f"{a['resends']} resent after {o.ack_timeout_s:g} s without an ack, {a['acked']} acked, {a['refused']} "
+        f"{a['resends']} resent after {o.ack_timeout_s:g} s without an ack or grant, {a.get('asks', 0)} asks to "
+        f"upload, {a.get('grants', 0)} grants, {a['acked']} acked, {a['refused']} "
         f"refused, {a['aggregated']} aggregated, {a['rejected']} rejected, {a['protocol_errors']} protocol errors, "
         f"{a['disconnects']} disconnects; CPU {a['cpu_seconds']:.1f} s in all ({rounds_cpu:.1f} s during the "
         f"rounds), peak RSS per worker {_mib(a['peak_rss_per_worker'])} MiB")

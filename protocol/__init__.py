@@ -1,7 +1,7 @@
 """FedFit wire contract: MQTT topics, message types, the msgpack codec and its validation.
 
 Every payload is a msgpack map ``{"v": version, "type": kind, **fields}`` with kind one of ``status``,
-``coordinator_status``, ``task``, ``update``, ``ack``. Tensors hold raw little-endian C-order bytes of a
+``coordinator_status``, ``task``, ``update``, ``ack``, ``upload_request``, ``upload_grant``. Tensors hold raw little-endian C-order bytes of a
 whitelisted dtype: in version 1 as maps ``{"dtype", "shape", "data"}`` inside the message, in version 2
 (PROTOCOL_VERSION) after it (`protocol.framing`), encoded without a copy (`encode_parts`) and decoded as
 read-only views on the received bytes. `decode` reads both versions, `encode` writes either (``version=1`` for
@@ -13,7 +13,7 @@ Topics live under ``fedfit/v1/<federation>/`` (see `Topics`).
 """
 
 from protocol.chunking import CHUNK_SIZE, iter_chunks, split_payload
-from protocol.codec import BytesLike, decode, encode, encode_parts, payload_version
+from protocol.codec import BytesLike, decode, encode, encode_parts, message_type, payload_version
 from protocol.errors import ProtocolError
 from protocol.framing import Encoded
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -26,6 +26,7 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     READABLE_VERSIONS,
     STATUS_REPORT_REVISION,
+    UPLOAD_GRANT_REVISION,
     Ack,
     Adaptation,
     AgentReport,
@@ -40,6 +41,8 @@ from protocol.messages import (
     TextEnum,
     Update,
     UpdateStatus,
+    UploadGrant,
+    UploadRequest,
 )
 from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
 from protocol.reassembly import Reassembled, Reassembler, TransferRefused
@@ -58,6 +61,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "READABLE_VERSIONS",
     "STATUS_REPORT_REVISION",
+    "UPLOAD_GRANT_REVISION",
     "Ack",
     "Adaptation",
     "AgentReport",
@@ -85,12 +89,15 @@ __all__ = [
     "TransferRefused",
     "Update",
     "UpdateStatus",
+    "UploadGrant",
+    "UploadRequest",
     "decode",
     "decode_tensor",
     "encode",
     "encode_parts",
     "encode_tensor",
     "iter_chunks",
+    "message_type",
     "parse_agent_topic",
     "payload_version",
     "split_payload",

@@ -30,6 +30,8 @@ from protocol.messages import (
     Task,
     Update,
     UpdateStatus,
+    UploadGrant,
+    UploadRequest,
 )
 from protocol.plan import ROUTES, Recipe, read_training_plan
 
@@ -40,6 +42,8 @@ KIND_OF: dict[type, str] = {
     Task: "task",
     Update: "update",
     Ack: "ack",
+    UploadRequest: "upload_request",
+    UploadGrant: "upload_grant",
 }
 
 
@@ -190,7 +194,7 @@ def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
 
 
 def read_task(obj: object, limits: Limits, section: TensorSection | None = None) -> Task:
-    r = FieldReader(obj, "task", limits, Task, HEADER, optional=("plan", "adaptation"))
+    r = FieldReader(obj, "task", limits, Task, HEADER, optional=("plan", "adaptation", "ask_to_upload"))
     if (r.raw("plan") is None) == (r.raw("recipe") is None):
         raise ProtocolError("task must carry a training 'plan' (or, from coordinators that predate plans, a "
                             "'recipe'), not both and not neither")
@@ -205,6 +209,7 @@ def read_task(obj: object, limits: Limits, section: TensorSection | None = None)
         weights=r.weights("weights", section),
         adaptation=r.opt_nested("adaptation", read_adaptation),
         plan=r.opt_nested("plan", read_training_plan),
+        ask_to_upload=r.boolean("ask_to_upload") if r.raw("ask_to_upload") is not None else False,
     )
 
 
@@ -233,12 +238,26 @@ def read_ack(obj: object, limits: Limits) -> Ack:
     return ack
 
 
+def read_upload_request(obj: object, limits: Limits) -> UploadRequest:
+    r = FieldReader(obj, "upload_request", limits, UploadRequest, HEADER)
+    return UploadRequest(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0),
+                         agent_id=r.name("agent_id"), size=r.integer("size", minimum=0))
+
+
+def read_upload_grant(obj: object, limits: Limits) -> UploadGrant:
+    r = FieldReader(obj, "upload_grant", limits, UploadGrant, HEADER)
+    return UploadGrant(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0),
+                       agent_id=r.name("agent_id"))
+
+
 READERS: dict[str, Callable[[object, Limits], Message]] = {
     "status": read_agent_status,
     "coordinator_status": read_coordinator_status,
     "task": read_task,
     "update": read_update,
     "ack": read_ack,
+    "upload_request": read_upload_request,
+    "upload_grant": read_upload_grant,
 }
 WITH_TENSORS: dict[str, Callable[[object, Limits, TensorSection], Message]] = {
     "task": read_task,

@@ -121,6 +121,31 @@ def payload_version(payload: BytesLike) -> int:
     return 2 if is_framed(_buffer(payload)) else 1
 
 
+#: Bytes of a payload :func:`message_type` reads at most: the envelope comes first in what every writer here writes.
+_PEEK_BYTES = 64
+
+
+def message_type(payload: BytesLike) -> str | None:
+    """The ``type`` of a plain (version 1 layout) message or chunk from its first bytes, without decoding the rest:
+    how a topic that carries both chunks and small messages (an agent's update topic: its chunks and its
+    :class:`~protocol.messages.UploadRequest`) tells them apart. None when the envelope is not among its first
+    entries, or it is no msgpack map (`decode` then says what is wrong)."""
+    try:
+        buffer = _buffer(payload)
+        if is_framed(buffer):
+            return None
+        unpacker = msgpack.Unpacker(raw=False, max_bin_len=0, max_str_len=64, max_array_len=0, max_map_len=64,
+                                    max_ext_len=0)
+        unpacker.feed(buffer[:_PEEK_BYTES])
+        for _ in range(min(2, unpacker.read_map_header())):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if key == "type":
+                return value if isinstance(value, str) else None
+    except Exception:  # noqa: BLE001 - anything unusual: not a message this can tell
+        return None
+    return None
+
+
 def _unpack(buffer: memoryview, limits: Limits) -> object:
     return unpack_limited(buffer, limits, max_bin_len=limits.max_payload_bytes, what="payload",
                           trailing="payload has trailing bytes after the message")

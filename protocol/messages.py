@@ -16,11 +16,12 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 5
+PROTOCOL_REVISION = 6
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
 field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
-``width_kd`` loss terms); revision 5 the statuses' reports (:class:`AgentReport`, :class:`RoundProgress`). A
+``width_kd`` loss terms); revision 5 the statuses' reports (:class:`AgentReport`, :class:`RoundProgress`);
+revision 6 uploads the coordinator grants (:attr:`Task.ask_to_upload`, :class:`UploadRequest`, :class:`UploadGrant`). A
 coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
 coordinators that predate revision 3 read an announced 3 or more as 2."""
 HEAD_ALONE_REVISION = 3
@@ -31,6 +32,10 @@ STATUS_REPORT_REVISION = 5
 """The first revision whose statuses carry reports: a coordinator's :attr:`CoordinatorStatus.revision` and
 :attr:`CoordinatorStatus.progress` (written while every agent it knows reads them), an agent's
 :attr:`AgentStatus.report` (written once its coordinator's status says it reads them)."""
+
+UPLOAD_GRANT_REVISION = 6
+"""The first revision an agent asks before it uploads in: a coordinator that grants uploads sets
+:attr:`Task.ask_to_upload` in the tasks of such agents only (older ones send at once, as before)."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -208,8 +213,12 @@ class Task:
     """One round of work for one agent: the sub-model spec, how to train it, and the sliced weights.
 
     A task carries a training ``plan``; tasks from coordinators that predate plans carry a ``recipe`` instead
-    (exactly one of the two is set, see :meth:`training_plan`).
+    (exactly one of the two is set, see :meth:`training_plan`). ``ask_to_upload`` (revision 6): the coordinator
+    grants uploads; the agent sends its update only once an :class:`UploadGrant` answers its
+    :class:`UploadRequest`.
     """
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("ask_to_upload",)
 
     task_id: str
     round: int
@@ -222,6 +231,7 @@ class Task:
     adaptation: Adaptation | None = None
     """How the agent may shrink the spec when it cannot afford it; None: train exactly ``spec`` or decline."""
     plan: TrainingPlan | None = None
+    ask_to_upload: bool = False
 
     def training_plan(self) -> TrainingPlan:
         """The plan to run: ``plan``, or the plan an old-style task's ``recipe`` stands for."""
@@ -276,9 +286,31 @@ class Ack:
     verdict: str | None = None
 
 
+@dataclass
+class UploadRequest:
+    """An agent asks leave to send the update of ``task_id``, ``size`` bytes encoded (on its update topic, where
+    its chunks go), when its task said :attr:`Task.ask_to_upload`; it asks again while no grant comes."""
+
+    task_id: str
+    round: int
+    agent_id: str
+    size: int
+
+
+@dataclass
+class UploadGrant:
+    """The coordinator's leave to send the update of ``task_id`` now (on the agent's ack topic). It holds a place
+    in the coordinator's window of bytes in transfer until the update is in, or until no chunk of it came for a
+    while."""
+
+    task_id: str
+    round: int
+    agent_id: str
+
+
 #: What the coordinator's screening made of a stored update (:attr:`Ack.verdict`).
 VERDICTS: tuple[str, ...] = ("aggregated", "rejected")
 
 
-Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack
+Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack | UploadRequest | UploadGrant
 """Any top-level message (the nested Capabilities, ModelRef, Recipe, TrainingPlan and Adaptation are not)."""

@@ -19,6 +19,8 @@ from protocol import (
     Task,
     Update,
     UpdateStatus,
+    UploadGrant,
+    UploadRequest,
     decode,
     encode,
 )
@@ -334,17 +336,39 @@ def test_an_update_status_is_its_type_and_reads_as_its_value() -> None:
 
 
 def test_message_union_lists_the_top_level_messages() -> None:
-    assert set(typing.get_args(Message)) == {AgentStatus, CoordinatorStatus, Task, Update, Ack}
+    assert set(typing.get_args(Message)) == {AgentStatus, CoordinatorStatus, Task, Update, Ack, UploadRequest,
+                                            UploadGrant}
 
 
 def test_field_names_are_the_contract() -> None:
     assert [f.name for f in fields(Task)] == [
         "task_id", "round", "agent_id", "deadline", "model", "spec", "recipe", "weights", "adaptation", "plan",
+        "ask_to_upload",
     ]  # fmt: skip
     assert [f.name for f in fields(Update)] == [
         "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights",
         "metrics", "reason",
     ]  # fmt: skip
+
+
+def test_upload_requests_and_grants_round_trip_and_a_task_asks_only_when_told() -> None:
+    """Revision 6: what an agent asks and the coordinator grants; a task without ``ask_to_upload`` is what older
+    agents read (no new key), one with it says so, and `message_type` tells a request from a chunk."""
+    import msgpack
+
+    from protocol import message_type, split_payload
+
+    request, grant = UploadRequest("r3-pi-01-ab", 3, "pi-01", 4_000_000), UploadGrant("r3-pi-01-ab", 3, "pi-01")
+    assert decode(encode(request)) == request and decode(encode(grant)) == grant
+    assert message_type(encode(request)) == "upload_request" and message_type(encode(grant)) == "upload_grant"
+    assert {message_type(chunk) for chunk in split_payload(b"x" * 3000, "t.1", 1000)} == {"chunk"}
+    assert message_type(b"\x00not a map") is None and message_type(b"") is None
+    wire = msgpack.unpackb(encode(request))
+    for field, bad in (("size", -1), ("agent_id", "a/b"), ("task_id", "")):
+        with pytest.raises(ProtocolError, match=field):
+            decode(msgpack.packb({**wire, field: bad}))
+    with pytest.raises(ProtocolError, match="unexpected|unknown"):
+        decode(msgpack.packb({**wire, "extra": 1}))
 
 
 def test_status_instance_and_ack_reason_stay_off_the_wire_at_their_defaults() -> None:
