@@ -422,6 +422,24 @@ class ScreeningConfig:
 
 
 @dataclass
+class BufferedConfig:
+    """The ``buffered`` section, read with ``round_mode: buffered`` (see :mod:`coordinator.staleness`): a round
+    aggregates once ``size`` answers are in (0, the default: half of its tasks, those it sent and those still
+    training from earlier rounds, rounded up); an update whose task is more than ``max_staleness`` rounds old
+    (default 4) is refused, and its device gets a new task."""
+
+    size: int = 0
+    max_staleness: int = 4
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if self.size < 0:
+            raise ValueError(f"buffered.size must be a count of answers (0: half of a round's tasks), got {self.size}")
+        if self.max_staleness < 1:
+            raise ValueError(f"buffered.max_staleness must be at least 1 round, got {self.max_staleness}")
+
+
+@dataclass
 class UploadsConfig:
     """The ``uploads`` section (see :mod:`coordinator.upload_grants`): with ``grant`` (default true) the agents
     that read protocol revision 6 ask before they send an update, and the coordinator lets at most ``window_mib``
@@ -458,6 +476,10 @@ class CoordinatorConfig:
     min_agents: int = 1
     wait_for_agents_s: float = 120.0
     round_timeout_s: float = 600.0
+    #: ``sync``: a round waits for every task (or its deadline); ``buffered``: it aggregates once ``buffered.size``
+    #: answers are in, and the others count in a later round, weighted by their staleness (FedBuff).
+    round_mode: Literal["sync", "buffered"] = "sync"
+    buffered: BufferedConfig = field(default_factory=BufferedConfig)
     levels: list[float] = field(default_factory=lambda: list(HETEROFL_RATES))
     level_assignment: Literal["fix", "dynamic"] = "fix"
     level_proportions: list[float] | None = None
@@ -517,6 +539,7 @@ class CoordinatorConfig:
         self.fedepth.validate()
         self.screening.validate()
         self.uploads.validate()
+        self.buffered.validate()
         self.fedavg.validate()
         self.fedrolex.validate()
         self.depthfl.validate()

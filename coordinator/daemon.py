@@ -37,10 +37,11 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import MetricsWriter, Progress, RoundResult
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
-from coordinator.round import Round
+from coordinator.round import DispatchedTask, Round
 from coordinator.serving import ServiceLog
+from coordinator.staleness import buffer_size
 from coordinator.strategies import TaskPlan
-from coordinator.strategies.base import Skip
+from coordinator.strategies.base import Skip, State
 from coordinator.upload_grants import UploadGrants
 from models import ModelFamily
 from protocol import (
@@ -111,9 +112,13 @@ class Coordinator:
         if self.completed_rounds:
             self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
+        #: Buffered rounds: the states each round's tasks were cut from, while tasks of that round still train
+        #: (their updates are measured and rebased against them), and the tasks the next round carries.
+        self._bases: dict[int, dict[str, State]] = {}
+        self._carried: list[DispatchedTask] = []
         self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
-                                   lambda: self.states, lambda topic, payload: self.link.publish(topic, payload),
-                                   self.topics, self.log)
+                                   lambda number: self._bases.get(number, self.states),
+                                   lambda topic, payload: self.link.publish(topic, payload), self.topics, self.log)
         #: Prometheus metrics (``metrics_port``), None when off; ``metrics_port`` the port served once started.
         self.exporter: CoordinatorMetrics | None = None
         self.metrics_port: int | None = None
@@ -157,9 +162,10 @@ class Coordinator:
                              reason="the strategy is sized to the fleet at its first round")
             return
         deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, self.resume_grace_s))
-        resumed = self._new_round(pending.round, pending.tasks, pending.skipped, deadline)
+        self._bases = {**pending.bases, pending.round: self.states}
+        resumed = self._new_round(pending.round, pending.tasks, pending.skipped, deadline, pending.carried)
         self._install(resumed)
-        for update, payload in self.journal.stored(pending.round):
+        for update, payload in self.journal.stored(resumed.tasks):
             resumed.receive(update, payload, hashlib.sha256(payload).hexdigest(), stored=True)
         self.log.info("round_resumed", round=pending.round, tasks=len(pending.tasks),
                       stored_updates=len(resumed.answers))
@@ -359,7 +365,9 @@ class Coordinator:
         self._raise_if_fatal()
         current.close()
         self.states = current.finish()
-        records, outcomes = reporting.outcomes(current, self.family, self.log)
+        if self.config.round_mode == "buffered":
+            self._carried = current.carried_over(self.config.buffered.max_staleness, time.time())
+        records, outcomes = reporting.outcomes(current, self.family, self.log, carried=self._carried_ids())
         self.strategy.observe(current.number, outcomes)
         targets = self.strategy.eval_targets()
         trained = reporting.trained(targets, self.family, list(current.aggregated()), self.strategy.trained_targets)
@@ -398,15 +406,21 @@ class Coordinator:
         planning = time.perf_counter()
         if self.strategy.awaits_fleet and self.completed_rounds == 0:
             self.fit_to_fleet([budget for agent in online if (budget := agent.budget()) is not None])
-        self.fleet.tell_service(online)
+        carried = self._carried
+        training = {dispatched.task.agent_id for dispatched in carried}
+        free = [agent for agent in online if agent.agent_id not in training]  # (a buffered round's devices)
+        self.fleet.tell_service(free)
         # A generator of the round's own: a run resumed after round k selects as one never stopped would.
         rng = random.Random(f"{self.config.seed}:{round_number}")
-        plan = self.strategy.configure_round(round_number, online, rng)
-        plan.skipped.extend(misfits)
+        plan = self.strategy.configure_round(round_number, free, rng) if free else None
+        skipped = [*(plan.skipped if plan is not None else []), *misfits]
         deadline = time.time() + self.config.round_timeout_s
-        tasks = {self.dispatcher.task_id(round_number, t.agent_id): t for t in plan.tasks}
-        self.journal.begin(round_number, deadline, tasks, plan.skipped)  # before any task goes out
-        planned = self._new_round(round_number, tasks, plan.skipped, deadline)
+        tasks = {self.dispatcher.task_id(round_number, t.agent_id): t for t in (plan.tasks if plan else [])}
+        self._bases = {number: self._bases.get(number, self.states)
+                       for number in {round_number, *(dispatched.round for dispatched in carried)}}
+        # Before any task goes out:
+        self.journal.begin(round_number, deadline, tasks, skipped, carried, self._bases)
+        planned = self._new_round(round_number, tasks, skipped, deadline, carried)
         planned.timing["waiting_for_agents"] = planning - waiting
         planned.timing["planning"] = time.perf_counter() - planning
         self._install(planned)
@@ -425,10 +439,16 @@ class Coordinator:
             self.fleet.service_log = ServiceLog(self.strategy)
             self.log.info("sized_to_fleet", detail=told)
 
-    def _new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip],
-                   deadline: float) -> Round:
+    def _new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
+                   carried: Sequence[DispatchedTask] = ()) -> Round:
+        """A round of these tasks (and, buffered, the ``carried`` tasks of earlier rounds still training)."""
+        size = (buffer_size(self.config.buffered.size, len(tasks) + len(carried))
+                if self.config.round_mode == "buffered" else None)
         return Round(round_number, tasks, skipped, deadline, self.strategy.begin_aggregate(self.states),
-                     self.config.screening, self.intake)
+                     self.config.screening, self.intake, carried=carried, buffer_size=size)
+
+    def _carried_ids(self) -> set[str]:
+        return {dispatched.task_id for dispatched in self._carried}
 
     def _install(self, planned: Round) -> None:
         """Open a planned round and make it the one in progress: from now on its updates are stored and acked."""

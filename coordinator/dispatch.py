@@ -101,12 +101,13 @@ class Dispatcher:
 
     def send_round(self, current: Round) -> int:
         """Send every task of ``current`` that has no update yet (all of a fresh round's; a resumed one's without
-        a stored update), timed as the round's ``dispatch``; returns the bytes sent."""
+        a stored update; not those a buffered round carries from earlier rounds: their devices have them), timed
+        as the round's ``dispatch``; returns the bytes sent."""
         stored = len(current.answers)
         started = time.perf_counter()
         sent = 0
         for task_id, dispatched in current.tasks.items():
-            if task_id not in current.answers:
+            if task_id not in current.answers and dispatched.round == current.number:
                 sent += self.send(current.number, task_id, dispatched.task, dispatched.deadline)
                 current.mark_sent(task_id)
         current.timing["dispatch"] = time.perf_counter() - started

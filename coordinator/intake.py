@@ -21,6 +21,7 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.round import Examined, Receipt, Round, Verdict
 from coordinator.screening import Change, change_of_result
+from coordinator.staleness import rebased
 from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import State, Strategy
 from models import ModelFamily, SubmodelSpec, check_shapes
@@ -76,11 +77,12 @@ def _float_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 class UpdateIntake:
-    """Updates in, from chunks to results (see the module docstring). ``states()`` gives the states the round's
-    tasks were cut from (what an update is measured against); ``num_classes`` is the dataset's."""
+    """Updates in, from chunks to results (see the module docstring). ``states(r)`` gives the states the tasks of
+    round ``r`` were cut from (what an update is measured against; a buffered round's stale updates name earlier
+    rounds); ``num_classes`` is the dataset's."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
-                 states: Callable[[], Mapping[str, State]], publish: Callable[[str, bytes], object], topics: Topics,
+                 states: Callable[[int], Mapping[str, State]], publish: Callable[[str, bytes], object], topics: Topics,
                  log: Logger) -> None:
         self.publish = publish  # the link's: acks go out through it
         self.topics = topics
@@ -120,6 +122,10 @@ class UpdateIntake:
                 return update.task_id  # no ack: the agent sends it again
             if receipt.verdict is Verdict.ACCEPTED:
                 on_accepted(current)
+            elif receipt.verdict is Verdict.DEFERRED:  # not answered: the agent sends it again, to the next round
+                self.log.info("update_deferred", agent=agent_id, task=update.task_id, round=update.round,
+                              closed_round=current.number)
+                return update.task_id
         # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
         # round may close and screen it before this ack goes out; its verdict ack settles the device either way.)
         self.publish(self.topics.agent_ack(agent_id),
@@ -157,11 +163,21 @@ class UpdateIntake:
         """Journal the update as it arrived, before its ack."""
         self.journal.store(update, payload)
 
-    def measure(self, result: TaskResult) -> Change:
-        """How far an update moved the weights its task sent, and how far its plan could (screening)."""
-        sent = self.family.extract(self._states()[result.task.group], result.spec, keys=result.state.keys(),
-                                   views=True)
+    def measure(self, result: TaskResult, sent_round: int) -> Change:
+        """How far an update moved the weights its task sent (in round ``sent_round``), and how far its plan could
+        (screening)."""
+        sent = self.family.extract(self._states(sent_round)[result.task.group], result.spec,
+                                   keys=result.state.keys(), views=True)
         return change_of_result(result, sent)
+
+    def rebase(self, result: TaskResult, sent_round: int, round_number: int) -> TaskResult:
+        """A stale update (its task sent in ``sent_round``) as round ``round_number`` folds it
+        (`coordinator.staleness.rebased`); a fresh one as it is."""
+        if sent_round == round_number:
+            return result
+        group = result.task.group
+        return rebased(result, self._states(sent_round)[group], self._states(round_number)[group],
+                       round_number - sent_round)
 
     def reload(self, task_id: str, task: TaskPlan) -> TaskResult:
         """A stored update of the round in progress, read back from the journal and unpacked."""

@@ -2,8 +2,10 @@
 
 ``state_dir/round/`` holds ``round.json`` (the round, its deadline, the skipped agents and, per task, its id,
 level and group) and one ``task-<digest>.msgpack`` per task (the task message without weights: spec, plan,
-adaptation), written before the first task goes out, and one ``update-<digest>.msgpack`` per update stored for
-aggregation (the update message as it arrived), written before that update is acked. Everything is msgpack or
+adaptation, and its own round and deadline: a buffered round's tasks carried from earlier rounds keep theirs),
+written before the first task goes out, with ``base-<round>.safetensors``, the states each earlier round's carried
+tasks were cut from (what their updates are rebased from), and one ``update-<digest>.msgpack`` per update stored
+for aggregation (the update message as it arrived), written before that update is acked. Everything is msgpack or
 JSON, each file written atomically. The journal is cleared once the round's checkpoint is
 written; a journal of a round the checkpoint already holds is stale and ignored.
 """
@@ -13,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.durable import sync_directory, write_atomic
-from coordinator.strategies.base import Skip, TaskPlan
+from coordinator.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.round import DispatchedTask
+from coordinator.strategies.base import Skip, State, TaskPlan
 from models import SubmodelSpec
 from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
 
@@ -27,13 +31,16 @@ __all__ = ["JournaledRound", "RoundJournal"]
 
 @dataclass
 class JournaledRound:
-    """A round read back from the journal: its tasks by id and the skipped agents (its stored updates are read one
-    at a time: :meth:`RoundJournal.stored`)."""
+    """A round read back from the journal: its tasks by id, the skipped agents, the tasks it carried from earlier
+    rounds and the states those were cut from, by round (its stored updates are read one at a time:
+    :meth:`RoundJournal.stored`)."""
 
     round: int
     deadline: float
     tasks: dict[str, TaskPlan]
     skipped: list[Skip]
+    carried: list[DispatchedTask] = field(default_factory=list)
+    bases: dict[int, dict[str, State]] = field(default_factory=dict)
 
 
 def _digest(task_id: str) -> str:
@@ -47,17 +54,23 @@ class RoundJournal:
         self.directory = directory
         self.model = model
 
-    def begin(self, round_number: int, deadline: float, tasks: dict[str, TaskPlan], skipped: list[Skip]) -> None:
-        """Record a round's plan (replacing any earlier journal) before its tasks go out."""
+    def begin(self, round_number: int, deadline: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
+              carried: Sequence[DispatchedTask] = (), bases: Mapping[int, Mapping[str, State]] | None = None) -> None:
+        """Record a round's plan (replacing any earlier journal) before its tasks go out: its own tasks, those it
+        carries from earlier rounds and the states those were cut from (``bases``, by round)."""
         self.clear()
         self.directory.mkdir(parents=True, exist_ok=True)
-        for task_id, task in tasks.items():
-            message = Task(task_id, round_number, task.agent_id, deadline, self.model, task.spec.to_dict(), None, {},
-                           adaptation=task.adaptation, plan=task.plan)
-            write_atomic(self.directory / f"task-{_digest(task_id)}.msgpack", encode(message))
+        every = [DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()]
+        for dispatched in [*every, *carried]:
+            task = dispatched.task
+            message = Task(dispatched.task_id, dispatched.round, task.agent_id, dispatched.deadline, self.model,
+                           task.spec.to_dict(), None, {}, adaptation=task.adaptation, plan=task.plan)
+            write_atomic(self.directory / f"task-{_digest(dispatched.task_id)}.msgpack", encode(message))
+        for number in sorted({dispatched.round for dispatched in carried}):
+            save_checkpoint(self.directory / f"base-{number}.safetensors", (bases or {})[number], {"round": number})
         index = {"round": round_number, "deadline": deadline,
-                 "tasks": [{"task_id": task_id, "level": task.level, "group": task.group}
-                           for task_id, task in tasks.items()],
+                 "tasks": [{"task_id": dispatched.task_id, "level": dispatched.task.level,
+                            "group": dispatched.task.group} for dispatched in [*every, *carried]],
                  "skipped": [{"agent_id": skip.agent_id, "reason": skip.reason} for skip in skipped]}
         write_atomic(self.directory / "round.json", json.dumps(index).encode())
 
@@ -75,26 +88,34 @@ class RoundJournal:
             index = json.loads(index_path.read_text())
             round_number, deadline = int(index["round"]), float(index["deadline"])
             tasks: dict[str, TaskPlan] = {}
+            carried: list[DispatchedTask] = []
             for entry in index["tasks"]:
                 task_id = str(entry["task_id"])
                 path = self.directory / f"task-{_digest(task_id)}.msgpack"
                 message = decode(path.read_bytes(), expected=Task)
                 assert isinstance(message, Task)
-                tasks[task_id] = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
-                                          message.training_plan(), str(entry["group"]), message.adaptation)
+                plan = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
+                                message.training_plan(), str(entry["group"]), message.adaptation)
+                if message.round == round_number:
+                    tasks[task_id] = plan
+                else:
+                    carried.append(DispatchedTask(task_id, message.round, plan, message.deadline))
             skipped = [Skip(str(entry["agent_id"]), str(entry["reason"])) for entry in index["skipped"]]
+            bases = {number: load_checkpoint(self.directory / f"base-{number}.safetensors")[0]
+                     for number in sorted({dispatched.round for dispatched in carried})}
         except (OSError, KeyError, TypeError, ValueError, ProtocolError) as exc:
             raise self._unreadable(exc) from exc
-        return JournaledRound(round_number, deadline, tasks, skipped)
+        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases)
 
-    def stored(self, round_number: int) -> Iterator[tuple[Update, bytes]]:
-        """The updates stored for round ``round_number``, one at a time, each with its message as it arrived (so
-        that no more than one is in memory at once). Raises ValueError for one that cannot be read."""
+    def stored(self, tasks: Container[str]) -> Iterator[tuple[Update, bytes]]:
+        """The updates stored for the round's ``tasks`` (ids: its own and those it carries), one at a time, each with
+        its message as it arrived (so that no more than one is in memory at once). Raises ValueError for one that
+        cannot be read."""
         for path in sorted(self.directory.glob("update-*.msgpack")):
             payload = self._read(path)
             if payload is not None:
                 update = self._decoded(path, payload)
-                if update.round == round_number:
+                if update.task_id in tasks:
                     yield update, payload
 
     def read_update(self, task_id: str) -> Update:

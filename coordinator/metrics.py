@@ -81,6 +81,8 @@ class TaskRecord:
     #: update screening refused did come back and counts).
     params_sent: int = 0
     params_returned: int = 0
+    #: Rounds between the task's and the one its update was aggregated in (buffered rounds; 0: the same).
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)

@@ -3,7 +3,7 @@ every evaluation target, and the round's result as `metrics.jsonl` keeps it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -19,9 +19,11 @@ from models import ModelFamily, SubmodelSpec
 from protocol import Ack, Topics, encode
 
 
-def outcomes(current: Round, family: ModelFamily, log: Logger) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
+def outcomes(current: Round, family: ModelFamily, log: Logger,
+             carried: Collection[str] = ()) -> tuple[dict[str, TaskRecord], list[TaskOutcome]]:
     """Every selected agent's record (skipped, missing or answered) and how every task ended, for the strategy
-    (answered tasks by task id, then the missing ones)."""
+    (answered tasks by task id, then the missing ones); the ``carried`` tasks (a buffered round's, still training,
+    to be answered in a later round) are neither."""
     records = {s.agent_id: TaskRecord(s.agent_id, "-", TaskStatus.SKIPPED, "-", reason=s.reason)
                for s in current.skipped}
     ended: list[TaskOutcome] = []
@@ -34,7 +36,7 @@ def outcomes(current: Round, family: ModelFamily, log: Logger) -> tuple[dict[str
                                  answer.spec if answer.aggregated else None, dict(update.metrics),
                                  update.reason, spec_or_none(update.spec_trained)))
     for task_id, dispatched in current.tasks.items():
-        if task_id not in current.answers:
+        if task_id not in current.answers and task_id not in carried:
             task = dispatched.task
             records[task.agent_id] = TaskRecord(task.agent_id, task.level, TaskStatus.MISSING, task.spec.describe(),
                                                 reason="no update by deadline",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
@@ -101,13 +101,15 @@ class Answer:
 
 class Verdict(TextEnum):
     """How a round took an update: new, the same message again, another update for a task that has one, after the
-    round stopped collecting, or for no task of the round."""
+    round stopped collecting, or for no task of the round; ``deferred``: after a buffered round stopped collecting,
+    for a task the next round carries (not answered: the agent sends it again, and the next round takes it)."""
 
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"
     CONFLICT = "conflict"
     LATE = "late"
     UNKNOWN = "unknown"
+    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,13 @@ class Intake(Protocol):
     def store(self, update: Update, payload: BytesLike) -> None:
         """Keep the update as it arrived (the journal) before its ack; an OSError means it is not kept."""
 
-    def measure(self, result: TaskResult) -> Change:
-        """How far the update moved the weights its task sent, and how far its plan could (screening)."""
+    def measure(self, result: TaskResult, sent_round: int) -> Change:
+        """How far the update moved the weights its task sent in round ``sent_round``, and how far its plan could
+        (screening)."""
+
+    def rebase(self, result: TaskResult, sent_round: int, round_number: int) -> TaskResult:
+        """The update of a task sent in ``sent_round`` as round ``round_number`` folds it (itself when they are
+        the same: `coordinator.staleness.rebased`)."""
 
     def reload(self, task_id: str, task: TaskPlan) -> TaskResult:
         """A stored update read back and examined again, for the aggregate to be built anew."""
@@ -142,9 +149,15 @@ class Round:
     through ``intake``."""
 
     def __init__(self, number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
-                 aggregate: RoundAggregate, screening: ScreeningConfig, intake: Intake) -> None:
+                 aggregate: RoundAggregate, screening: ScreeningConfig, intake: Intake, *,
+                 carried: Sequence[DispatchedTask] = (), buffer_size: int | None = None) -> None:
+        """``carried``: tasks of earlier rounds still training (a buffered round takes their updates, rebased by
+        their staleness: :mod:`coordinator.staleness`); ``buffer_size``: the answers a buffered round aggregates
+        at (None: a synchronous round waits for every task)."""
         self.number = number
         self.tasks = {task_id: DispatchedTask(task_id, number, task, deadline) for task_id, task in tasks.items()}
+        self.tasks.update({dispatched.task_id: dispatched for dispatched in carried})
+        self.buffer_size = buffer_size
         self.skipped = skipped
         self.deadline = deadline
         self.phase = Phase.PLANNED
@@ -178,12 +191,16 @@ class Round:
             verdict = self._verdict(update, digest)
             if verdict is Verdict.DUPLICATE:
                 return Receipt(verdict, self.answers[update.task_id].refusal)
+            if verdict is Verdict.DEFERRED:
+                return Receipt(verdict)
             if verdict is not Verdict.ACCEPTED:
                 return Receipt(verdict, self._refusal(update, verdict))
             self._taking += 1
         try:
             started = time.perf_counter()
-            examined = self._intake.examine(update, self.tasks[update.task_id].task)
+            dispatched = self.tasks[update.task_id]
+            examined = self._intake.examine(update, dispatched.task)
+            examined.record.staleness = self.number - dispatched.round
             self.timing["validation"] += time.perf_counter() - started
             answer = Answer(replace(update, weights={}), len(payload), digest, examined.record, examined.refusal,
                             arrived=time.monotonic())
@@ -192,7 +209,7 @@ class Round:
                     self._intake.store(update, payload)
                 if examined.result is not None:
                     try:
-                        self._fold(answer, examined.result)
+                        self._fold(answer, examined.result, dispatched.round)
                     except ValueError as exc:  # it does not fit its group's model: stored, never aggregated
                         answer.refusal = f"update rejected: {exc}"
                         answer.record.status, answer.record.reason = TaskStatus.REJECTED, str(exc)
@@ -210,13 +227,16 @@ class Round:
 
     def _verdict(self, update: Update, digest: str) -> Verdict:
         dispatched = self.tasks.get(update.task_id)
-        if dispatched is None or update.round != self.number or dispatched.task.agent_id != update.agent_id:
+        if dispatched is None or update.round != dispatched.round or dispatched.task.agent_id != update.agent_id:
             return Verdict.UNKNOWN
         if update.task_id in self.answers:
             first = self.answers[update.task_id].digest
             return Verdict.CONFLICT if digest and first and digest != first else Verdict.DUPLICATE
         if self.phase is not Phase.COLLECTING:
-            return Verdict.LATE if self.phase in (Phase.AGGREGATING, Phase.CLOSED) else Verdict.UNKNOWN
+            if self.phase not in (Phase.AGGREGATING, Phase.CLOSED):
+                return Verdict.UNKNOWN
+            carried = self.buffer_size is not None and dispatched.deadline > time.time()
+            return Verdict.DEFERRED if carried else Verdict.LATE
         return Verdict.ACCEPTED
 
     def _refusal(self, update: Update, verdict: Verdict) -> str:
@@ -227,10 +247,11 @@ class Round:
                     f"login used elsewhere?)")
         return f"unknown task {update.task_id!r} of round {update.round}: round {self.number} is in progress"
 
-    def _fold(self, answer: Answer, result: TaskResult) -> None:
-        """Measure a valid update, and fold it in unless it is beyond its plan's reach (screening's first rule)."""
+    def _fold(self, answer: Answer, result: TaskResult, sent_round: int) -> None:
+        """Measure a valid update (against what its task was sent, in round ``sent_round``), and fold it in unless
+        it is beyond its plan's reach (screening's first rule); a stale one rebased by its staleness."""
         started = time.perf_counter()
-        change = self._intake.measure(result)
+        change = self._intake.measure(result, sent_round)
         measured = time.perf_counter()
         self.timing["validation"] += measured - started
         answer.spec, answer.keys, answer.change = result.spec, frozenset(result.state), change
@@ -239,7 +260,7 @@ class Round:
         if reason is not None:
             self._reject(answer, reason)
             return
-        self._aggregate.add(result)
+        self._aggregate.add(self._intake.rebase(result, sent_round, self.number))
         self.timing["aggregation"] += time.perf_counter() - measured
 
     @staticmethod
@@ -267,15 +288,17 @@ class Round:
             self._done.notify_all()
 
     def wait(self, extension: Callable[[], float] = lambda: 0.0) -> bool:
-        """Block until every task has an answer, the round is interrupted, or its wall-clock deadline plus
-        ``extension()`` seconds (read as it grows, e.g. a broker outage) passes; True when every task answered."""
+        """Block until every task has an answer (a buffered round: its ``buffer_size`` answers), the round is
+        interrupted, or its wall-clock deadline plus ``extension()`` seconds (read as it grows, e.g. a broker
+        outage) passes; True when every task answered (a buffered round: its answers are in)."""
+        wanted = len(self.tasks) if self.buffer_size is None else min(self.buffer_size, len(self.tasks))
         with self._done:
-            while len(self.answers) < len(self.tasks) and not self._interrupted:
+            while len(self.answers) < wanted and not self._interrupted:
                 remaining = self.deadline + extension() - time.time()
                 if remaining <= 0:
                     break
                 self._done.wait(min(remaining, 1.0))
-            return len(self.answers) == len(self.tasks)
+            return len(self.answers) >= wanted
 
     # ------------------------------------------------------------------ aggregating
     def close(self) -> None:
@@ -300,7 +323,9 @@ class Round:
                 self._aggregate = self._aggregate.fresh()
                 for task_id, answer in sorted(self.answers.items()):
                     if answer.aggregated:
-                        self._aggregate.add(self._intake.reload(task_id, self.tasks[task_id].task))
+                        dispatched = self.tasks[task_id]
+                        self._aggregate.add(self._intake.rebase(self._intake.reload(task_id, dispatched.task),
+                                                                dispatched.round, self.number))
         self.timing["aggregation"] += time.perf_counter() - started
 
     def finish(self) -> dict[str, State]:
@@ -315,6 +340,14 @@ class Round:
         return states
 
     # ------------------------------------------------------------------ reading
+    def carried_over(self, max_staleness: int, now: float) -> list[DispatchedTask]:
+        """A closed buffered round's tasks still training, for the next round: those without an answer whose
+        deadline has not passed and whose updates would be at most ``max_staleness`` rounds old there."""
+        with self._done:
+            return [dispatched for task_id, dispatched in self.tasks.items()
+                    if task_id not in self.answers and dispatched.deadline > now
+                    and self.number + 1 - dispatched.round <= max_staleness]
+
     def aggregated(self) -> Iterator[Answer]:
         """The answers whose update is in the aggregate, by task id."""
         return (answer for _, answer in sorted(self.answers.items()) if answer.aggregated)

@@ -510,6 +510,7 @@ def run_load(options: LoadOptions, progress: IO[str] | None = sys.stderr) -> Loa
             "rounds_cpu": (monitor.cpu_between("coordinator", first_start, last_end)
                            if first_start is not None and last_end is not None else None),
             "rounds_seconds": (last_end - first_start) if first_start is not None and last_end is not None else None,
+            "uploads": figures.get("uploads"),
         }
         broker_usage = {"cpu_seconds": monitor.cpu_between("broker", monitor.samples[0][0], monitor.samples[-1][0])
                         if started is not None and monitor.samples else None,
@@ -596,6 +597,11 @@ def format_outcome(outcome: LoadOutcome, top: int = 8) -> str:
          f"last round; CPU {c['cpu_seconds']:.1f} s in all, {_s(c['rounds_cpu'])} s over the rounds' "
          f"{_s(c['rounds_seconds'])} s"),
     ]
+    uploads = c.get("uploads")
+    lines.append("uploads: sent without asking (not granted)" if not uploads else
+                 f"uploads granted within a window of {_mib(uploads['window_bytes'])} MiB: {uploads['granted']} grants, "
+                 f"at most {uploads['peak_in_flight'] / 2**20:.1f} MiB granted at once, {uploads['expired']} taken "
+                 f"back idle")
     a = outcome.agents
     rounds_cpu = sum(r.agents_cpu or 0.0 for r in outcome.rounds)
     lines.append(

@@ -32,6 +32,7 @@ def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:
         "spec_sent": task.spec_sent, "spec_trained": task.spec_trained, "reason": task.reason,
         "screening": dict(task.screening),
         "params_sent": task.params_sent, "params_returned": task.params_returned, "waste": task.waste,
+        "staleness": task.staleness,
     }
 
 
@@ -110,7 +111,15 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
         "bytes_per_round": sum(r["bytes_down"] + r["bytes_up"] for r in rounds) / len(rounds),
         "round_seconds": sum(r["seconds"] for r in rounds) / len(rounds),
         "wall_seconds": wall_seconds,
+        "staleness": staleness(tasks),
     }
+
+
+def staleness(tasks: list[dict[str, Any]]) -> dict[str, int]:
+    """How many trained updates were aggregated how many rounds after their task's (buffered rounds; a
+    synchronous run's are all 0): ``{"0": n, "1": m, ...}``."""
+    counts = Counter(str(task.get("staleness") or 0) for task in tasks if task["status"] in ("ok", "adapted"))
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
 def adaptations(tasks: list[dict[str, Any]]) -> dict[str, int]:

@@ -126,6 +126,11 @@ def summary_text(report: dict[str, Any]) -> str:
                      + f"; {summary['over_budget']} peaked over their budget"
                      + (f"; {summary['micro_batched']} trained in micro-batches" if summary.get("micro_batched") else "")
                      + (f"; {summary['partial']} partial" if summary.get("partial") else ""))
+        stale = {int(rounds): count for rounds, count in (summary.get("staleness") or {}).items() if int(rounds)}
+        if stale:
+            lines.append("buffered rounds: trained updates aggregated late, by rounds late: " + ", ".join(
+                f"{rounds}: {count}" for rounds, count in sorted(stale.items()))
+                + f" (on time: {(summary.get('staleness') or {}).get('0', 0)})")
         if summary.get("adaptations"):
             lines.append("adapted on the device: " + ", ".join(f"{move} x{count}"
                                                               for move, count in summary["adaptations"].items()))

@@ -35,7 +35,7 @@ def test_write_appends_one_json_line_per_round(tmp_path):
     assert rows[0]["tasks"][0] == {"agent": "sim-000", "level": "a", "status": "ok", "spec_sent": "width=1",
                                    "spec_trained": None, "reason": None, "num_samples": 0,
                                    "metrics": {"loss": 0.3}, "screening": {}, "level_trained": None,
-                                   "params_sent": 0, "params_returned": 0}
+                                   "params_sent": 0, "params_returned": 0, "staleness": 0}
     assert rows[1]["tasks"][1]["reason"] == "no level fits"
 
 

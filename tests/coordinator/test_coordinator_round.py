@@ -39,22 +39,27 @@ class Harness:
     can be steered) and whose examinations, stores and read-backs are counted."""
 
     def __init__(self, agents=("a0", "a1"), deadline: float | None = None, screening: ScreeningConfig | None = None,
-                 bound: float | None = None) -> None:
+                 bound: float | None = None, carried=(), buffer_size: int | None = None) -> None:
         self.bound = bound
         self.examined: list[str] = []
         self.stored: list[str] = []
         self.kept: dict[str, Update] = {}  # what a journal would hold
         self.reloaded: list[str] = []
+        self.rebased: list[tuple[int, int]] = []
         self.fail_store = False
         deadline = time.time() + 60 if deadline is None else deadline
         tasks = {f"t-{agent}": task_plan(agent) for agent in agents}
         self.aggregate = RoundAggregate(STATES, lambda result: float(result.num_samples), [])
         self.round = Round(ROUND, tasks, [], deadline, self.aggregate, screening or ScreeningConfig(min_peers=2),
-                           self)
+                           self, carried=carried, buffer_size=buffer_size)
 
-    def measure(self, result: TaskResult) -> Change:
+    def measure(self, result: TaskResult, sent_round: int) -> Change:
         norm = float(result.state["w"].double().norm())
         return Change(norm, 1, 1.0, self.bound)
+
+    def rebase(self, result: TaskResult, sent_round: int, round_number: int) -> TaskResult:
+        self.rebased.append((sent_round, round_number))
+        return result
 
     def result_of(self, message: Update) -> TaskResult:
         tensor = torch.from_numpy(np.array(message.weights["w"]))
@@ -327,3 +332,49 @@ def test_an_update_read_back_from_the_journal_is_taken_without_being_stored_agai
     assert receipt.verdict == "accepted" and receipt.refusal is None
     assert harness.stored == [] and harness.examined == ["t-a0"] and harness.aggregate.updates == 1
     assert harness.round.answers["t-a0"].size == 40
+
+
+def test_a_buffered_round_takes_its_carried_tasks_updates_rebased_and_records_their_staleness():
+    """Round 4 carries a task of round 2: its update names round 2, is measured against round 2's states and
+    rebased (2 rounds stale); the round's own tasks are fresh."""
+    from coordinator.round import DispatchedTask
+
+    old = DispatchedTask("t-old", ROUND - 2, task_plan("b0"), time.time() + 60)
+    harness = opened(carried=[old], buffer_size=2)
+    assert set(harness.round.tasks) == {"t-a0", "t-a1", "t-old"}
+    assert harness.offer(update("b0", task_id="t-old", round_number=ROUND)).verdict == "unknown"  # not its round
+    assert harness.offer(update("b0", task_id="t-old", round_number=ROUND - 2)).verdict == "accepted"
+    assert harness.offer(update("a0")).verdict == "accepted"
+    assert harness.rebased == [(ROUND - 2, ROUND), (ROUND, ROUND)]
+    assert harness.round.answers["t-old"].record.staleness == 2
+    assert harness.round.answers["t-a0"].record.staleness == 0
+    assert harness.round.wait() is True  # two answers: the buffer is full, a1 still training
+
+
+def test_a_buffered_round_carries_what_is_still_training_and_defers_its_updates_meanwhile():
+    from coordinator.round import DispatchedTask
+
+    stale = DispatchedTask("t-stale", ROUND - 3, task_plan("b0"), time.time() + 60)
+    expired = DispatchedTask("t-expired", ROUND - 1, task_plan("b1"), time.time() - 1)
+    harness = opened(agents=("a0", "a1", "a2"), carried=[stale, expired], buffer_size=2)
+    harness.offer(update("a0"))
+    harness.offer(update("a1"))
+    assert harness.round.wait() is True
+    harness.round.close()
+    late = harness.offer(update("a2"))
+    assert (late.verdict, late.refusal) == ("deferred", None)  # not answered: sent again, to the next round
+    assert "t-a2" not in harness.round.answers and harness.stored == ["t-a0", "t-a1"]
+    expired_late = harness.offer(update("b1", task_id="t-expired", round_number=ROUND - 1))
+    assert expired_late.verdict == "late" and "closed before" in expired_late.refusal
+    carried = harness.round.carried_over(max_staleness=3, now=time.time())
+    assert [task.task_id for task in carried] == ["t-a2"]  # t-stale would be 4 rounds old, t-expired is over
+    assert {task.task_id for task in harness.round.carried_over(max_staleness=4, now=time.time())} == {
+        "t-a2", "t-stale"}
+
+
+def test_a_synchronous_round_refuses_late_updates_and_carries_nothing():
+    harness = opened(deadline=time.time() + 60)
+    harness.offer(update("a0"))
+    harness.round.close()
+    receipt = harness.offer(update("a1"))
+    assert receipt.verdict == "late" and receipt.refusal.startswith(f"round {ROUND} closed")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edge_agent.uplink import Uplink
-from protocol import Reassembler, Update, decode, encode, payload_version
+from protocol import Reassembler, Update, UploadRequest, decode, encode, payload_version
 
 TOPIC = "fedfit/v1/test/agents/a/update"
 
@@ -286,3 +286,62 @@ def test_the_backlog_counts_what_is_not_yet_acknowledged_queued_or_parked(tmp_pa
         assert wait_until(lambda: uplink.backlog() == (0, 0))
     finally:
         uplink.stop(timeout=2.0)
+
+
+def _kinds(publish: FakePublish) -> list[str]:
+    with publish.lock:
+        return [msgpack.unpackb(payload)["type"] for _, payload in publish.calls]
+
+
+def test_an_update_whose_task_says_ask_waits_for_its_grant_before_any_chunk(make_uplink):
+    """Revision 6: one request (with the update's size), no chunk until the grant, then the chunks."""
+    uplink, publish = make_uplink(ack_timeout_s=5.0, attempts=3)
+    u = update(size=3000)
+    uplink.send(u, version=2, ask=True)
+    assert wait_until(lambda: publish.count() >= 1)
+    request = decode(publish.calls[0][1], expected=UploadRequest)
+    assert (request.task_id, request.round, request.agent_id) == (u.task_id, 1, "a")
+    assert request.size == len(encode(u, version=2))
+    time.sleep(0.2)  # (a wrong uplink would send its chunks now; nothing to wait on but time)
+    assert _kinds(publish) == ["upload_request"]
+    assert uplink.on_grant("r9-other") is False  # a grant for nothing it asked about
+    assert uplink.on_grant(u.task_id) is True
+    assert wait_until(lambda: "chunk" in _kinds(publish))
+    chunks = [payload for _, payload in publish.calls[1:]]
+    reassembler = Reassembler()
+    assert [reassembler.feed(chunk, source="a") for chunk in chunks][-1] == encode(u, version=2)
+    uplink.on_ack(u.task_id)
+    assert wait_until(lambda: uplink.delivered == [u.task_id])
+    assert uplink.on_grant(u.task_id) is False  # settled: a late grant is ignored
+
+
+def test_no_grant_within_the_wait_counts_as_an_attempt_and_it_asks_again(make_uplink):
+    uplink, publish = make_uplink(ack_timeout_s=0.1, attempts=2)
+    u = update()
+    uplink.send(u, ask=True)
+    assert wait_until(lambda: uplink.abandoned == [u.task_id])
+    assert _kinds(publish) == ["upload_request", "upload_request"]  # asked twice, never sent
+
+
+def test_an_ack_while_waiting_for_a_grant_settles_the_update(make_uplink):
+    """The coordinator had it already (an earlier send): its ack ends the wait, and nothing is sent."""
+    uplink, publish = make_uplink(ack_timeout_s=5.0, attempts=3)
+    u = update()
+    uplink.send(u, ask=True)
+    assert wait_until(lambda: publish.count() >= 1)
+    uplink.on_ack(u.task_id)
+    assert wait_until(lambda: uplink.delivered == [u.task_id])
+    assert _kinds(publish) == ["upload_request"]
+
+
+def test_a_send_without_ack_asks_again_before_resending(make_uplink):
+    uplink, publish = make_uplink(ack_timeout_s=0.2, attempts=3)
+    u = update()
+    uplink.send(u, ask=True)
+    for sends in (1, 2):
+        assert wait_until(lambda sends=sends: _kinds(publish).count("upload_request") == sends)
+        assert uplink.on_grant(u.task_id) or wait_until(lambda: uplink.on_grant(u.task_id))
+        assert wait_until(lambda sends=sends: _kinds(publish).count("chunk") == sends)
+    uplink.on_ack(u.task_id)
+    assert wait_until(lambda: uplink.delivered == [u.task_id])
+    assert _kinds(publish) == ["upload_request", "chunk", "upload_request", "chunk"]

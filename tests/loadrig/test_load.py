@@ -74,9 +74,12 @@ def test_malformed_options_are_refused():
 @pytest.mark.broker
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_a_synthetic_fleet_drives_a_real_coordinator_through_mosquitto(tmp_path):
+    """Its agents ask before they upload; the window (three updates and a half) holds what is granted at once."""
     agents, rounds = 20, 2
+    parameters = get_family("cnn", 10, 1, hidden=HIDDEN).param_count()
+    window = 3.5 * 4 * parameters / 2**20  # in MiB: three and a half updates' float32 weights
     options = LoadOptions(agents=agents, rounds=rounds, workers=2, dataset="digits", model_options={"hidden": HIDDEN},
-                          run_dir=str(tmp_path / "run"), profile=True)
+                          run_dir=str(tmp_path / "run"), profile=True, settings={"uploads": {"window_mib": window}})
     outcome = run_load(options, progress=None)
     assert outcome.complete
     assert [r.round for r in outcome.rounds] == list(range(1, rounds + 1))
@@ -89,7 +92,12 @@ def test_a_synthetic_fleet_drives_a_real_coordinator_through_mosquitto(tmp_path)
     assert seen["online"] == agents
     assert seen["tasks"] == seen["updates"] == seen["acked"] == seen["aggregated"] == agents * rounds
     assert seen["refused"] == seen["rejected"] == seen["protocol_errors"] == seen["abandoned"] == 0
+    assert seen["asks"] >= seen["grants"] == agents * rounds  # one grant per upload (every first send acked)
     coordinator = outcome.coordinator
+    uploads = coordinator["uploads"]
+    assert uploads["granted"] == agents * rounds and uploads["expired"] == 0
+    update_bytes = outcome.rounds[0].bytes_up / agents
+    assert update_bytes <= uploads["peak_in_flight"] <= uploads["window_bytes"] < 4 * update_bytes
     assert 0 < coordinator["ready_rss"] and 0 < coordinator["idle_rss"] <= coordinator["peak_rss"]
     assert outcome.profile is not None and "main (round loop)" in outcome.profile["threads"]
     text = format_outcome(outcome)
