@@ -39,7 +39,6 @@ from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
 from coordinator.round import DispatchedTask, Round
 from coordinator.serving import ServiceLog
-from coordinator.staleness import buffer_size
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip, State
 from coordinator.upload_grants import UploadGrants
@@ -442,8 +441,7 @@ class Coordinator:
     def _new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
                    carried: Sequence[DispatchedTask] = ()) -> Round:
         """A round of these tasks (and, buffered, the ``carried`` tasks of earlier rounds still training)."""
-        size = (buffer_size(self.config.buffered.size, len(tasks) + len(carried))
-                if self.config.round_mode == "buffered" else None)
+        size = self.config.buffered.size if self.config.round_mode == "buffered" else None
         return Round(round_number, tasks, skipped, deadline, self.strategy.begin_aggregate(self.states),
                      self.config.screening, self.intake, carried=carried, buffer_size=size)
 

@@ -30,6 +30,7 @@ from coordinator.aggregation import RoundAggregate
 from coordinator.config import ScreeningConfig
 from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.screening import Change, beyond_reach, outliers
+from coordinator.staleness import buffer_size
 from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import Skip, State
 from models import SubmodelSpec
@@ -152,8 +153,9 @@ class Round:
                  aggregate: RoundAggregate, screening: ScreeningConfig, intake: Intake, *,
                  carried: Sequence[DispatchedTask] = (), buffer_size: int | None = None) -> None:
         """``carried``: tasks of earlier rounds still training (a buffered round takes their updates, rebased by
-        their staleness: :mod:`coordinator.staleness`); ``buffer_size``: the answers a buffered round aggregates
-        at (None: a synchronous round waits for every task)."""
+        their staleness: :mod:`coordinator.staleness`); ``buffer_size``: the trained updates a buffered round
+        aggregates at (0: half of those its tasks may bring, `coordinator.staleness.buffer_size`; None: a
+        synchronous round waits for every task)."""
         self.number = number
         self.tasks = {task_id: DispatchedTask(task_id, number, task, deadline) for task_id, task in tasks.items()}
         self.tasks.update({dispatched.task_id: dispatched for dispatched in carried})
@@ -291,14 +293,20 @@ class Round:
         """Block until every task has an answer (a buffered round: its ``buffer_size`` answers), the round is
         interrupted, or its wall-clock deadline plus ``extension()`` seconds (read as it grows, e.g. a broker
         outage) passes; True when every task answered (a buffered round: its answers are in)."""
-        wanted = len(self.tasks) if self.buffer_size is None else min(self.buffer_size, len(self.tasks))
         with self._done:
-            while len(self.answers) < wanted and not self._interrupted:
+            while not self._full() and not self._interrupted:
                 remaining = self.deadline + extension() - time.time()
                 if remaining <= 0:
                     break
                 self._done.wait(min(remaining, 1.0))
-            return len(self.answers) >= wanted
+            return self._full()
+
+    def _full(self) -> bool:
+        """Every task answered, or (buffered) the buffer's trained updates in (lock held)."""
+        if len(self.answers) >= len(self.tasks) or self.buffer_size is None:
+            return len(self.answers) >= len(self.tasks)
+        trained = sum(1 for answer in self.answers.values() if answer.update.status.trained)
+        return trained >= buffer_size(self.buffer_size, len(self.tasks), len(self.answers) - trained)
 
     # ------------------------------------------------------------------ aggregating
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Buffered rounds (``round_mode: buffered``): a round that aggregates once enough answers are in, and updates that
 count in a later round, weighted by how stale they are (FedBuff: Nguyen et al., AISTATS 2022).
 
-A round aggregates once ``buffered.size`` answers are in instead of waiting for its slowest device; its tasks
+A round aggregates once ``buffered.size`` trained updates are in (a device that declines fills no buffer) instead
+of waiting for its slowest device; its tasks
 still training are carried into the next round, whose tasks go only to the devices that are free. An update that
 comes back ``tau`` rounds after its task was cut from the global model is folded in as FedBuff folds a client's
 delta: its change from the weights it was sent, scaled by ``s(tau) = 1 / sqrt(1 + tau)``, added to the weights
@@ -32,11 +33,13 @@ def staleness_weight(staleness: int) -> float:
     return 1.0 / math.sqrt(1.0 + staleness)
 
 
-def buffer_size(configured: int, tasks: int) -> int:
-    """The answers a buffered round aggregates at: ``configured`` (at most its ``tasks``), or half of its tasks
-    rounded up when 0; at least one."""
-    wanted = configured if configured > 0 else math.ceil(tasks / 2)
-    return max(1, min(wanted, tasks))
+def buffer_size(configured: int, tasks: int, untrained: int = 0) -> int:
+    """The trained updates a buffered round aggregates at, of its ``tasks`` of which ``untrained`` were answered
+    without one (declined or failed: they free their device, they fill no buffer): ``configured``, or half of the
+    others rounded up when 0; never more than the others, at least one."""
+    trainable = max(0, tasks - untrained)
+    wanted = configured if configured > 0 else math.ceil(trainable / 2)
+    return max(1, min(wanted, trainable))
 
 
 def _slice(tensor: torch.Tensor, indices: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:

@@ -378,3 +378,14 @@ def test_a_synchronous_round_refuses_late_updates_and_carries_nothing():
     harness.round.close()
     receipt = harness.offer(update("a1"))
     assert receipt.verdict == "late" and receipt.refusal.startswith(f"round {ROUND} closed")
+
+
+def test_declines_fill_no_buffer():
+    """Half of the tasks that may still train: a decline frees its device but brings no update."""
+    harness = opened(agents=("a0", "a1", "a2", "a3"), buffer_size=0, deadline=time.time() - 1)  # wait(): no waiting
+    harness.offer(update("a0", status="declined"))
+    assert harness.round.wait() is False  # 0 trained of the 2 that half of the other three make
+    harness.offer(update("a1"))
+    assert harness.round.wait() is False
+    harness.offer(update("a2"))
+    assert harness.round.wait() is True

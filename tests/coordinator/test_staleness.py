@@ -23,9 +23,11 @@ def test_the_staleness_weight_is_one_over_the_root_of_one_plus_tau():
         staleness_weight(-1)
 
 
-def test_the_buffer_is_the_configured_count_or_half_the_tasks():
+def test_the_buffer_is_the_configured_count_or_half_the_tasks_that_may_train():
     assert buffer_size(0, 10) == 5 and buffer_size(0, 7) == 4 and buffer_size(0, 1) == 1
     assert buffer_size(3, 10) == 3 and buffer_size(30, 10) == 10 and buffer_size(0, 0) == 1
+    # Declines fill no buffer: half of the 8 that may still train; a count no larger than they are.
+    assert buffer_size(0, 16, untrained=8) == 4 and buffer_size(6, 10, untrained=7) == 3
 
 
 def result(state: dict[str, torch.Tensor], index_map) -> TaskResult:
