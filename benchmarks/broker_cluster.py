@@ -494,12 +494,13 @@ class NodeUsage:
                                                for index, (cpu, rss) in enumerate(zip(self.cpu, self.peak_rss)))
 
 
-def run_load_mode(cluster: RabbitCluster, agents: int, rounds: int, workers: int) -> bool:
-    """``agents`` synthetic agents spread over the nodes (agent i on node i % nodes), one coordinator on node 0;
-    whether every round aggregated an update from every agent."""
+def run_load_mode(cluster: RabbitCluster, agents: int, rounds: int, workers: int, grants: bool = True) -> bool:
+    """``agents`` synthetic agents spread over the nodes (agent i on node i % nodes), one coordinator on node 0
+    (``grants``: it grants uploads, the default); whether every round aggregated an update from every agent."""
     addresses = [f"{cluster.host}:{port}" for port in cluster.ports]
     options = LoadOptions(agents=agents, rounds=rounds, workers=workers, brokers=addresses,
-                          coordinator_broker=addresses[0], protocol="3.1.1")
+                          coordinator_broker=addresses[0], protocol="3.1.1",
+                          settings={} if grants else {"uploads": {"grant": False}})
     usage = NodeUsage(cluster)
     try:
         outcome = run_load(options, progress=sys.stderr)
@@ -511,9 +512,10 @@ def run_load_mode(cluster: RabbitCluster, agents: int, rounds: int, workers: int
     return outcome.complete
 
 
-def run_load_on_mosquitto(agents: int, rounds: int, workers: int) -> bool:
+def run_load_on_mosquitto(agents: int, rounds: int, workers: int, grants: bool = True) -> bool:
     """The same load over one mosquitto (``run_load`` starts an anonymous one), agents on MQTT 3.1.1 as above."""
-    outcome = run_load(LoadOptions(agents=agents, rounds=rounds, workers=workers, protocol="3.1.1"),
+    outcome = run_load(LoadOptions(agents=agents, rounds=rounds, workers=workers, protocol="3.1.1",
+                                   settings={} if grants else {"uploads": {"grant": False}}),
                        progress=sys.stderr)
     print(format_outcome(outcome))
     print(f"every round aggregated an update from every agent: {outcome.complete}", flush=True)
@@ -526,7 +528,7 @@ def run_mode(args: argparse.Namespace, cluster: RabbitCluster) -> bool:
         probe_features(cluster)
         return True
     if args.mode == "load":
-        return run_load_mode(cluster, args.agents or 1000, args.rounds, args.workers)
+        return run_load_mode(cluster, args.agents or 1000, args.rounds, args.workers, args.grants)
     agents = args.agents or 6
     result = run_federation(cluster.brokers, agents=agents, rounds=args.rounds, agents_first=args.agents_first,
                             status_interval=args.status_interval, label=f"RabbitMQ cluster ({args.nodes} nodes)")
@@ -537,7 +539,7 @@ def run_mode(args: argparse.Namespace, cluster: RabbitCluster) -> bool:
 def run_mosquitto(args: argparse.Namespace) -> bool:
     """The same federation or load over one mosquitto, for comparison."""
     if args.mode == "load":
-        return run_load_on_mosquitto(args.agents or 1000, args.rounds, args.workers)
+        return run_load_on_mosquitto(args.agents or 1000, args.rounds, args.workers, args.grants)
     agents = args.agents or 6
     broker = start_mosquitto(federation=None if args.insecure else "cluster")
     try:
@@ -562,6 +564,9 @@ def main() -> int:
     parser.add_argument("--insecure", action="store_true", help="no TLS, no logins (anonymous clients; always so for "
                                                                 "load)")
     parser.add_argument("--workers", type=int, default=2, help="load: processes the synthetic agents run in")
+    parser.add_argument("--grants", action=argparse.BooleanOptionalAction, default=True,
+                        help="load: the coordinator grants uploads (--no-grants: every agent sends at once, as "
+                             "before protocol revision 6)")
     parser.add_argument("--memory-limit", default="2GB", help="each node's memory high watermark (default 2GB)")
     args = parser.parse_args()
     started = time.monotonic()

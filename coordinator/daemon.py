@@ -45,11 +45,13 @@ from coordinator.upload_grants import UploadGrants
 from models import ModelFamily
 from protocol import (
     STATUS_REPORT_REVISION,
+    Ack,
     CoordinatorStatus,
     ModelRef,
     ProtocolError,
     RoundProgress,
     Topics,
+    TransferRefused,
     UploadGrant,
     UploadRequest,
     decode,
@@ -115,9 +117,10 @@ class Coordinator:
         #: (their updates are measured and rebased against them), and the tasks the next round carries.
         self._bases: dict[int, dict[str, State]] = {}
         self._carried: list[DispatchedTask] = []
+        self._carried_ids: frozenset[str] = frozenset()
         self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
-                                   lambda number: self._bases.get(number, self.states),
-                                   lambda topic, payload: self.link.publish(topic, payload), self.topics, self.log)
+                                   self._states_of, lambda topic, payload: self.link.publish(topic, payload),
+                                   self.topics, self.log, carried=lambda task_id: task_id in self._carried_ids)
         #: Prometheus metrics (``metrics_port``), None when off; ``metrics_port`` the port served once started.
         self.exporter: CoordinatorMetrics | None = None
         self.metrics_port: int | None = None
@@ -142,11 +145,10 @@ class Coordinator:
             will=Will(self.topics.coordinator_status(), encode(self._status("offline", reports=False))),
             on_ready=self._announce, on_refused=self._on_refused)
         #: The window of update bytes in transfer (``uploads``), None when uploads are not granted.
-        self.grants = (UploadGrants(config.uploads.window_bytes, config.uploads.idle_s) if config.uploads.grant
-                       else None)
+        self.grants = (UploadGrants(config.uploads.window_bytes, config.uploads.idle_s, wanted=self._upload_wanted)
+                       if config.uploads.grant else None)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
-                                     lambda: self.states, config.seed, self.log,
-                                     grants_uploads=self.grants is not None)
+                                     self._states_of, config.seed, self.log, grants_uploads=self.grants is not None)
 
     def _resume_pending_round(self) -> None:
         """Open the round the journal holds, if it is the next one, with the updates it had stored (taken again as
@@ -159,6 +161,10 @@ class Coordinator:
             # Its tasks were planned with models sized to the fleet, which no checkpoint kept: plan it again.
             self.log.warning("first_round_planned_again", round=pending.round,
                              reason="the strategy is sized to the fleet at its first round")
+            return
+        if not pending.planned:  # a buffered round's carried tasks, recorded with its checkpoint: plan the next
+            self._carry(pending.carried, pending.bases)
+            self.log.info("carried_tasks_resumed", round=pending.round, tasks=len(pending.carried))
             return
         deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, self.resume_grace_s))
         self._bases = {**pending.bases, pending.round: self.states}
@@ -296,25 +302,49 @@ class Coordinator:
 
     def _on_upload(self, agent_id: str, payload: bytes) -> None:
         """A message on an agent's update topic: a chunk of its update, or its request to send one."""
-        if self.grants is None:
-            self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
-            return
         if message_type(payload) == "upload_request":
             request = decode(payload, expected=UploadRequest)
             assert isinstance(request, UploadRequest)
             if request.agent_id != agent_id:
                 raise ProtocolError(f"upload request from agent {request.agent_id!r} published on the topic of "
                                     f"{agent_id!r}")
-            self._grant(self.grants.ask(agent_id, request.task_id, request.round, request.size))
+            self._on_upload_request(request)
+            return
+        if self.grants is None:
+            self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
             return
         self._grant(self.grants.chunk_from(agent_id))
         try:
             task_id = self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
+        except TransferRefused as refused:  # that transfer ends here (the agent asks again); others go on
+            self._grant(self.grants.finished(agent_id, refused.transfer.rpartition(".")[0] or refused.transfer))
+            raise
         except ProtocolError:
             self._grant(self.grants.finished(agent_id))  # a malformed upload ends here; the agent asks again
             raise
         if task_id is not None:
             self._grant(self.grants.finished(agent_id, task_id))
+
+    def _on_upload_request(self, request: UploadRequest) -> None:
+        """Answer an agent asking to upload: its ack at once when the round would not take the update (stored
+        already, or refused), else a grant, at once when uploads are not granted (a coordinator restarted with
+        ``uploads.grant`` off answers the agents its tasks told to ask)."""
+        current = self._current()
+        receipt = (current.receipt_before_upload(request.task_id, request.round, request.agent_id)
+                   if current is not None else None)
+        if receipt is not None:
+            self.link.publish(self.topics.agent_ack(request.agent_id),
+                              encode(Ack(request.task_id, request.round, request.agent_id, receipt.refusal)))
+        elif self.grants is None:
+            self._grant([UploadGrant(request.task_id, request.round, request.agent_id)])
+        else:
+            self._grant(self.grants.ask(request.agent_id, request.task_id, request.round, request.size))
+
+    def _upload_wanted(self, agent_id: str, task_id: str, round_number: int) -> bool:
+        """Whether the round would take the update a waiting request is for (a request whose round closed, or
+        whose update is in already, is dropped when its turn comes: asked again, it is answered)."""
+        current = self._current()
+        return current is None or current.receipt_before_upload(task_id, round_number, agent_id) is None
 
     def _upload_window(self) -> tuple[float, float]:
         """The upload window's bytes granted and requests waiting (zeros when uploads are not granted)."""
@@ -364,9 +394,9 @@ class Coordinator:
         self._raise_if_fatal()
         current.close()
         self.states = current.finish()
-        if self.config.round_mode == "buffered":
-            self._carried = current.carried_over(self.config.buffered.max_staleness, time.time())
-        records, outcomes = reporting.outcomes(current, self.family, self.log, carried=self._carried_ids())
+        carried = current.carried_over()
+        self._carry(carried, {dispatched.round: self._bases[dispatched.round] for dispatched in carried})
+        records, outcomes = reporting.outcomes(current, self.family, self.log, carried=self._carried_ids)
         self.strategy.observe(current.number, outcomes)
         targets = self.strategy.eval_targets()
         trained = reporting.trained(targets, self.family, list(current.aggregated()), self.strategy.trained_targets)
@@ -376,7 +406,10 @@ class Coordinator:
         phase = time.perf_counter()
         self.completed_rounds = current.number
         self._checkpoint()
-        self.journal.clear()  # the checkpoint holds the round now
+        if self._carried:  # the checkpoint holds the round now, the journal what the next one carries
+            self.journal.begin(current.number + 1, 0.0, {}, [], self._carried, self._bases, planned=False)
+        else:
+            self.journal.clear()
         current.timing["checkpoint"] = time.perf_counter() - phase
         reporting.send_verdicts(current, self.link, self.topics, self.log)  # only now: aggregated is for good
         result = reporting.round_result(current, records, accuracies, trained, bytes_down,
@@ -443,10 +476,19 @@ class Coordinator:
         """A round of these tasks (and, buffered, the ``carried`` tasks of earlier rounds still training)."""
         size = self.config.buffered.size if self.config.round_mode == "buffered" else None
         return Round(round_number, tasks, skipped, deadline, self.strategy.begin_aggregate(self.states),
-                     self.config.screening, self.intake, carried=carried, buffer_size=size)
+                     self.config.screening, self.intake, carried=carried, buffer_size=size,
+                     max_staleness=self.config.buffered.max_staleness)
 
-    def _carried_ids(self) -> set[str]:
-        return {dispatched.task_id for dispatched in self._carried}
+    def _carry(self, carried: Sequence[DispatchedTask], bases: dict[int, dict[str, State]]) -> None:
+        """Keep what the next round carries (buffered rounds) and only the states those tasks were cut from."""
+        self._carried = list(carried)
+        self._carried_ids = frozenset(dispatched.task_id for dispatched in carried)
+        self._bases = bases
+
+    def _states_of(self, round_number: int) -> dict[str, State]:
+        """The states the tasks of ``round_number`` were cut from: a round's own, kept while tasks of it train
+        (buffered rounds); the current states for the round being planned or in progress."""
+        return self._bases.get(round_number, self.states)
 
     def _install(self, planned: Round) -> None:
         """Open a planned round and make it the one in progress: from now on its updates are stored and acked."""

@@ -42,12 +42,12 @@ DISPATCH_WAIT_S = 30.0
 
 
 class Dispatcher:
-    """Sends the tasks of a round (see the module docstring). ``states()`` gives the global states tasks are cut
-    from; ``seed`` makes each task's training seed (per round and agent); ``grants_uploads``: the coordinator grants
+    """Sends the tasks of a round (see the module docstring). ``states(r)`` gives the global states the tasks of
+    round ``r`` are cut from (a task a buffered round carries, sent again, is cut as it was first); ``seed`` makes each task's training seed (per round and agent); ``grants_uploads``: the coordinator grants
     uploads (`coordinator.upload_grants`), so agents that read revision 6 are told to ask first."""
 
     def __init__(self, link: MqttLink, topics: Topics, registry: FleetRegistry, family: ModelFamily,
-                 model_ref: ModelRef, states: Callable[[], Mapping[str, State]], seed: int, log: Logger, *,
+                 model_ref: ModelRef, states: Callable[[int], Mapping[str, State]], seed: int, log: Logger, *,
                  grants_uploads: bool = False) -> None:
         self.link = link
         self.topics = topics
@@ -75,8 +75,8 @@ class Dispatcher:
         """Publish one task in chunks; returns the bytes sent. ``paced``: each chunk waits for room in the window
         of bytes in flight (:meth:`pace`), as the round's thread does."""
         spec = planned.spec
-        weights = self.family.extract(self._states()[planned.group], spec, keys=self.family.state_keys(spec),
-                                      views=True)
+        weights = self.family.extract(self._states(round_number)[planned.group], spec,
+                                      keys=self.family.state_keys(spec), views=True)
         seeded = self.seeded(planned.plan, round_number, planned.agent_id)
         plan = self.readable_plan(seeded, planned.agent_id)
         if plan is not seeded:

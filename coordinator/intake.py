@@ -79,11 +79,12 @@ def _float_tensor(array: np.ndarray) -> torch.Tensor:
 class UpdateIntake:
     """Updates in, from chunks to results (see the module docstring). ``states(r)`` gives the states the tasks of
     round ``r`` were cut from (what an update is measured against; a buffered round's stale updates name earlier
-    rounds); ``num_classes`` is the dataset's."""
+    rounds); ``num_classes`` is the dataset's; ``carried(task_id)``: whether the next round carries that task (an
+    update for it between two rounds is deferred, not refused)."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
                  states: Callable[[int], Mapping[str, State]], publish: Callable[[str, bytes], object], topics: Topics,
-                 log: Logger) -> None:
+                 log: Logger, *, carried: Callable[[str], bool] = lambda task_id: False) -> None:
         self.publish = publish  # the link's: acks go out through it
         self.topics = topics
         self.family = family
@@ -91,6 +92,7 @@ class UpdateIntake:
         self.journal = journal
         self.num_classes = num_classes
         self._states = states
+        self._carried = carried
         self.log = log
         self.reassembler = Reassembler(max_buffered_bytes=MAX_BUFFERED_BYTES, max_transfers=MAX_TRANSFERS)
         #: Told of every whole update: how the round took it (a :class:`Verdict` value), its bytes, the round.
@@ -111,6 +113,9 @@ class UpdateIntake:
         assert isinstance(update, Update)
         if update.agent_id != agent_id:
             raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
+        if current is None and self._carried(update.task_id):  # between two buffered rounds: the next one takes it
+            self.log.info("update_deferred", agent=agent_id, task=update.task_id, round=update.round)
+            return update.task_id
         if current is None:
             receipt = Receipt(Verdict.UNKNOWN, f"unknown task {update.task_id!r} of round {update.round}: no round "
                                                f"is in progress")

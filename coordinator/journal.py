@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.durable import sync_directory, write_atomic
-from coordinator.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coordinator.round import DispatchedTask
 from coordinator.strategies.base import Skip, State, TaskPlan
 from models import SubmodelSpec
@@ -41,6 +41,9 @@ class JournaledRound:
     skipped: list[Skip]
     carried: list[DispatchedTask] = field(default_factory=list)
     bases: dict[int, dict[str, State]] = field(default_factory=dict)
+    #: False for what a buffered round leaves once checkpointed: the tasks the next round carries, before that
+    #: round is planned (a coordinator restarted then plans it, carrying them).
+    planned: bool = True
 
 
 def _digest(task_id: str) -> str:
@@ -55,9 +58,12 @@ class RoundJournal:
         self.model = model
 
     def begin(self, round_number: int, deadline: float, tasks: dict[str, TaskPlan], skipped: list[Skip],
-              carried: Sequence[DispatchedTask] = (), bases: Mapping[int, Mapping[str, State]] | None = None) -> None:
+              carried: Sequence[DispatchedTask] = (), bases: Mapping[int, Mapping[str, State]] | None = None, *,
+              planned: bool = True) -> None:
         """Record a round's plan (replacing any earlier journal) before its tasks go out: its own tasks, those it
-        carries from earlier rounds and the states those were cut from (``bases``, by round)."""
+        carries from earlier rounds and the states those were cut from (``bases``, by round). ``planned`` False:
+        only what the next round will carry, recorded with the last round's checkpoint (see
+        :attr:`JournaledRound.planned`)."""
         self.clear()
         self.directory.mkdir(parents=True, exist_ok=True)
         every = [DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()]
@@ -68,7 +74,7 @@ class RoundJournal:
             write_atomic(self.directory / f"task-{_digest(dispatched.task_id)}.msgpack", encode(message))
         for number in sorted({dispatched.round for dispatched in carried}):
             save_checkpoint(self.directory / f"base-{number}.safetensors", (bases or {})[number], {"round": number})
-        index = {"round": round_number, "deadline": deadline,
+        index = {"round": round_number, "deadline": deadline, "planned": planned,
                  "tasks": [{"task_id": dispatched.task_id, "level": dispatched.task.level,
                             "group": dispatched.task.group} for dispatched in [*every, *carried]],
                  "skipped": [{"agent_id": skip.agent_id, "reason": skip.reason} for skip in skipped]}
@@ -103,9 +109,9 @@ class RoundJournal:
             skipped = [Skip(str(entry["agent_id"]), str(entry["reason"])) for entry in index["skipped"]]
             bases = {number: load_checkpoint(self.directory / f"base-{number}.safetensors")[0]
                      for number in sorted({dispatched.round for dispatched in carried})}
-        except (OSError, KeyError, TypeError, ValueError, ProtocolError) as exc:
+        except (OSError, KeyError, TypeError, ValueError, ProtocolError, CheckpointError) as exc:
             raise self._unreadable(exc) from exc
-        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases)
+        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases, bool(index.get("planned", True)))
 
     def stored(self, tasks: Container[str]) -> Iterator[tuple[Update, bytes]]:
         """The updates stored for the round's ``tasks`` (ids: its own and those it carries), one at a time, each with

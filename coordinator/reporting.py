@@ -53,7 +53,7 @@ def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Logger) -
         agent, reason = answer.update.agent_id, answer.rejection
         try:  # best effort: the round is stored already, and the device's uplink settled at the first ack
             link.publish(topics.agent_ack(agent), encode(Ack(
-                task_id, current.number, agent, reason, "rejected" if reason else "aggregated")))
+                task_id, current.tasks[task_id].round, agent, reason, "rejected" if reason else "aggregated")))
         except Exception as exc:  # noqa: BLE001 - one device's verdict never ends the round
             log.warning("verdict_not_sent", agent=agent, round=current.number, error=str(exc))
 
@@ -119,7 +119,7 @@ def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: 
         exit_accuracy={f"exit{i}": acc for i, acc in enumerate(global_outputs, start=1)}
         if len(global_outputs) > 1 else {},
         participants=sum(1 for _ in current.aggregated()),
-        selected=len(current.tasks) + len(current.skipped),
+        selected=sum(1 for task in current.tasks.values() if task.round == current.number) + len(current.skipped),
         bytes_down=bytes_down,
         bytes_up=current.bytes_up,
         seconds=round(seconds, 3),

@@ -34,7 +34,7 @@ from coordinator.staleness import buffer_size
 from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import Skip, State
 from models import SubmodelSpec
-from protocol import BytesLike, TextEnum, Update
+from protocol import BytesLike, TextEnum, Update, UpdateStatus
 
 __all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Intake", "Phase", "Receipt", "Round", "Verdict"]
 
@@ -151,15 +151,19 @@ class Round:
 
     def __init__(self, number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
                  aggregate: RoundAggregate, screening: ScreeningConfig, intake: Intake, *,
-                 carried: Sequence[DispatchedTask] = (), buffer_size: int | None = None) -> None:
+                 carried: Sequence[DispatchedTask] = (), buffer_size: int | None = None,
+                 max_staleness: int = 0) -> None:
         """``carried``: tasks of earlier rounds still training (a buffered round takes their updates, rebased by
         their staleness: :mod:`coordinator.staleness`); ``buffer_size``: the trained updates a buffered round
         aggregates at (0: half of those its tasks may bring, `coordinator.staleness.buffer_size`; None: a
-        synchronous round waits for every task)."""
+        synchronous round waits for every task); ``max_staleness``: how many rounds old a task may be in the
+        next round for this one to carry it there."""
         self.number = number
         self.tasks = {task_id: DispatchedTask(task_id, number, task, deadline) for task_id, task in tasks.items()}
         self.tasks.update({dispatched.task_id: dispatched for dispatched in carried})
         self.buffer_size = buffer_size
+        self.max_staleness = max_staleness
+        self._carry: frozenset[str] = frozenset()  # a closed buffered round's tasks the next round carries
         self.skipped = skipped
         self.deadline = deadline
         self.phase = Phase.PLANNED
@@ -237,9 +241,21 @@ class Round:
         if self.phase is not Phase.COLLECTING:
             if self.phase not in (Phase.AGGREGATING, Phase.CLOSED):
                 return Verdict.UNKNOWN
-            carried = self.buffer_size is not None and dispatched.deadline > time.time()
-            return Verdict.DEFERRED if carried else Verdict.LATE
+            return Verdict.DEFERRED if update.task_id in self._carry else Verdict.LATE
         return Verdict.ACCEPTED
+
+    def receipt_before_upload(self, task_id: str, round_number: int, agent_id: str) -> Receipt | None:
+        """What the round would answer an update of ``task_id`` with, decided before the agent sends it (an agent
+        asking to upload, `coordinator.upload_grants`): None when the round would take it (or defer it), else
+        the receipt its ack says (stored already, or why it never will be)."""
+        probe = Update(task_id, round_number, agent_id, UpdateStatus.DECLINED, None, 0, [], {}, {})
+        with self._done:
+            verdict = self._verdict(probe, "")
+            if verdict in (Verdict.ACCEPTED, Verdict.DEFERRED):
+                return None
+            if verdict is Verdict.DUPLICATE:
+                return Receipt(verdict, self.answers[task_id].refusal)
+            return Receipt(verdict, self._refusal(probe, verdict))
 
     def _refusal(self, update: Update, verdict: Verdict) -> str:
         if verdict is Verdict.LATE:
@@ -318,6 +334,12 @@ class Round:
             self.phase = Phase.AGGREGATING
             while self._taking:
                 self._done.wait()
+            if self.buffer_size is not None:
+                now = time.time()
+                self._carry = frozenset(
+                    task_id for task_id, dispatched in self.tasks.items()
+                    if task_id not in self.answers and dispatched.deadline > now
+                    and self.number + 1 - dispatched.round <= self.max_staleness)
         started = time.perf_counter()
         if self._screening.enabled:
             screened = [(task_id, answer, answer.spec, answer.change) for task_id, answer in sorted(self.answers.items())
@@ -348,13 +370,12 @@ class Round:
         return states
 
     # ------------------------------------------------------------------ reading
-    def carried_over(self, max_staleness: int, now: float) -> list[DispatchedTask]:
-        """A closed buffered round's tasks still training, for the next round: those without an answer whose
-        deadline has not passed and whose updates would be at most ``max_staleness`` rounds old there."""
+    def carried_over(self) -> list[DispatchedTask]:
+        """A closed buffered round's tasks still training, for the next round (none from a synchronous round): as
+        :meth:`close` found them, those without an answer whose deadline had not passed and whose updates would be
+        at most ``max_staleness`` rounds old there. An update for one of them that comes meanwhile is deferred."""
         with self._done:
-            return [dispatched for task_id, dispatched in self.tasks.items()
-                    if task_id not in self.answers and dispatched.deadline > now
-                    and self.number + 1 - dispatched.round <= max_staleness]
+            return [self.tasks[task_id] for task_id in sorted(self._carry)]
 
     def aggregated(self) -> Iterator[Answer]:
         """The answers whose update is in the aggregate, by task id."""

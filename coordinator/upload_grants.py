@@ -6,8 +6,10 @@ between rounds). An agent whose task says :attr:`protocol.Task.ask_to_upload` as
 (:class:`protocol.UploadRequest`, with its update's size); :class:`UploadGrants` answers in the order asked, as
 long as the bytes granted and not yet in stay within the window (one upload larger than the window goes alone),
 so that the updates in transfer, wherever they wait (the broker, the link's queue, reassembly), hold at most the
-window whatever the fleet's size. A grant is taken back once its update is in, or when no chunk of its agent came
-for ``idle_s`` (its grant was lost, say: the agent asks again), and an agent gone offline leaves the queue. Agents that predate
+window whatever the fleet's size. A grant is taken back once its update is in (or its transfer was refused), or when no chunk of
+its agent came for ``idle_s`` (its grant was lost, say: the agent asks again), and an agent gone offline leaves the
+queue; a request whose update the round would no longer take (in already, its round closed) is dropped when its
+turn comes, and answered with the update's ack when the agent asks again. Agents that predate
 revision 6 send at once, as before, and are taken as ever; so is an update sent without asking (one a restarted
 agent restores from its spool).
 """
@@ -41,13 +43,17 @@ class UploadGrants:
     """The window (see the module docstring): ``window_bytes`` in transfer at most, grants idle for ``idle_s``
     taken back. Thread-safe; every method returns the grants to send now."""
 
-    def __init__(self, window_bytes: int, idle_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_bytes: int, idle_s: float, *, clock: Callable[[], float] = time.monotonic,
+                 wanted: Callable[[str, str, int], bool] = lambda agent_id, task_id, round_number: True) -> None:
+        """``wanted(agent_id, task_id, round)``: whether the update a request is for would still be taken, asked
+        when its turn comes (a request that is not is dropped: asked again, the coordinator answers it)."""
         if window_bytes < 1 or idle_s <= 0:
             raise ValueError(f"an upload window needs positive bytes and idle seconds, got {window_bytes} and "
                              f"{idle_s}")
         self.window_bytes = window_bytes
         self.idle_s = idle_s
         self._clock = clock
+        self._wanted = wanted
         self._lock = threading.Lock()
         self._waiting: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()  # (agent, task): (round, size)
         self._granted: dict[tuple[str, str], _Lease] = {}
@@ -56,6 +62,8 @@ class UploadGrants:
         #: Grants sent, and grants taken back because their upload went idle (counters).
         self.granted_total = 0
         self.expired_total = 0
+        #: Requests dropped when their turn came, their update no longer wanted.
+        self.dropped_total = 0
         #: The most bytes granted at once.
         self.peak_in_flight = 0
 
@@ -125,6 +133,10 @@ class UploadGrants:
         grants = []
         while self._waiting:
             key, (round_number, size) = next(iter(self._waiting.items()))
+            if not self._wanted(key[0], key[1], round_number):
+                del self._waiting[key]
+                self.dropped_total += 1
+                continue
             if self._granted and self._in_flight + size > self.window_bytes:
                 break
             del self._waiting[key]

@@ -64,7 +64,8 @@ class Uplink:
         self._granted: dict[str, threading.Event] = {}  # task ids asked for, set when the grant comes
         self._grant_waits: dict[str, float] = {}  # seconds each update in delivery waited for grants (its thread's)
         self._refusals: dict[str, str] = {}
-        self._parked: list[str] = []  # task ids whose attempts ran out, kept in the spool
+        self._parked: dict[str, int | None] = {}  # task ids whose attempts ran out, kept in the spool: their
+        # round when they ask before each send
         self._sizes: dict[str, int] = {}  # payload bytes of the updates queued, in delivery or parked
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -134,7 +135,7 @@ class Uplink:
                 event.set()
             parked = task_id in self._parked
             if parked:
-                self._parked.remove(task_id)
+                del self._parked[task_id]
                 self._sizes.pop(task_id, None)
         spooled = self._spool.remove(task_id) if self._spool is not None else False
         return event is not None or parked or spooled
@@ -150,12 +151,12 @@ class Uplink:
     def resend_parked(self) -> int:
         """Queue again the updates whose attempts ran out (the coordinator is back); returns how many."""
         with self._lock:
-            parked, self._parked = self._parked, []
+            parked, self._parked = self._parked, {}
         count = 0
-        for task_id in parked:
+        for task_id, ask_round in parked.items():
             spooled = self._spool.load(task_id) if self._spool is not None else None
             if spooled is not None:
-                self._queue(_Outgoing(task_id, spooled.payload))
+                self._queue(_Outgoing(task_id, spooled.payload, ask_round))
                 count += 1
         if count:
             self._log.info("parked_updates_resent", count=count)
@@ -235,6 +236,8 @@ class Uplink:
                 if not acked.is_set() and attempt < self._attempts and not self._stopping.is_set():
                     self._log.warning("upload_not_granted_asking_again", task=task_id, attempt=attempt)
                 continue
+            if acked.is_set():  # answered while it asked (stored already): nothing to send
+                break
             for chunk in iter_chunks(payload, f"{task_id}.{attempt}", version=payload_version(payload)):
                 self._publish(self.topic, chunk)
             if (not self._wait_for(acked, acked, attempt) and attempt < self._attempts
@@ -246,7 +249,7 @@ class Uplink:
             refusal = self._refusals.pop(task_id, None)
             parked = not acked.is_set() and self._spool is not None and task_id in self._spool
             if parked:
-                self._parked.append(task_id)
+                self._parked[task_id] = outgoing.round
             else:
                 self._sizes.pop(task_id, None)
         if refusal is not None:

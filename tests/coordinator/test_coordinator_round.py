@@ -39,7 +39,7 @@ class Harness:
     can be steered) and whose examinations, stores and read-backs are counted."""
 
     def __init__(self, agents=("a0", "a1"), deadline: float | None = None, screening: ScreeningConfig | None = None,
-                 bound: float | None = None, carried=(), buffer_size: int | None = None) -> None:
+                 bound: float | None = None, carried=(), buffer_size: int | None = None, max_staleness: int = 4) -> None:
         self.bound = bound
         self.examined: list[str] = []
         self.stored: list[str] = []
@@ -51,7 +51,7 @@ class Harness:
         tasks = {f"t-{agent}": task_plan(agent) for agent in agents}
         self.aggregate = RoundAggregate(STATES, lambda result: float(result.num_samples), [])
         self.round = Round(ROUND, tasks, [], deadline, self.aggregate, screening or ScreeningConfig(min_peers=2),
-                           self, carried=carried, buffer_size=buffer_size)
+                           self, carried=carried, buffer_size=buffer_size, max_staleness=max_staleness)
 
     def measure(self, result: TaskResult, sent_round: int) -> Change:
         norm = float(result.state["w"].double().norm())
@@ -356,20 +356,21 @@ def test_a_buffered_round_carries_what_is_still_training_and_defers_its_updates_
 
     stale = DispatchedTask("t-stale", ROUND - 3, task_plan("b0"), time.time() + 60)
     expired = DispatchedTask("t-expired", ROUND - 1, task_plan("b1"), time.time() - 1)
-    harness = opened(agents=("a0", "a1", "a2"), carried=[stale, expired], buffer_size=2)
+    harness = opened(agents=("a0", "a1", "a2"), carried=[stale, expired], buffer_size=2, max_staleness=3)
     harness.offer(update("a0"))
     harness.offer(update("a1"))
     assert harness.round.wait() is True
+    assert harness.round.carried_over() == []  # decided when it closes
     harness.round.close()
     late = harness.offer(update("a2"))
     assert (late.verdict, late.refusal) == ("deferred", None)  # not answered: sent again, to the next round
     assert "t-a2" not in harness.round.answers and harness.stored == ["t-a0", "t-a1"]
-    expired_late = harness.offer(update("b1", task_id="t-expired", round_number=ROUND - 1))
-    assert expired_late.verdict == "late" and "closed before" in expired_late.refusal
-    carried = harness.round.carried_over(max_staleness=3, now=time.time())
-    assert [task.task_id for task in carried] == ["t-a2"]  # t-stale would be 4 rounds old, t-expired is over
-    assert {task.task_id for task in harness.round.carried_over(max_staleness=4, now=time.time())} == {
-        "t-a2", "t-stale"}
+    assert harness.round.receipt_before_upload("t-a2", ROUND, "a2") is None  # asking: granted, then deferred
+    for task_id, agent, round_number in (("t-expired", "b1", ROUND - 1), ("t-stale", "b0", ROUND - 3)):
+        refused = harness.offer(update(agent, task_id=task_id, round_number=round_number))
+        assert refused.verdict == "late" and "closed before" in refused.refusal
+    # t-stale would be 4 rounds old in the next round, t-expired is past its deadline: neither is carried.
+    assert [task.task_id for task in harness.round.carried_over()] == ["t-a2"]
 
 
 def test_a_synchronous_round_refuses_late_updates_and_carries_nothing():
@@ -378,6 +379,21 @@ def test_a_synchronous_round_refuses_late_updates_and_carries_nothing():
     harness.round.close()
     receipt = harness.offer(update("a1"))
     assert receipt.verdict == "late" and receipt.refusal.startswith(f"round {ROUND} closed")
+    assert harness.round.carried_over() == []
+
+
+def test_an_upload_asked_for_is_answered_at_once_when_the_round_would_not_take_it():
+    harness = opened()
+    assert harness.round.receipt_before_upload("t-a0", ROUND, "a0") is None  # expected: granted
+    harness.offer(update("a0"))
+    stored = harness.round.receipt_before_upload("t-a0", ROUND, "a0")
+    assert stored is not None and (stored.verdict, stored.refusal) == ("duplicate", None)  # its ack again
+    unknown = harness.round.receipt_before_upload("t-x", ROUND, "a0")
+    assert unknown is not None and unknown.verdict == "unknown" and "unknown task" in unknown.refusal
+    harness.round.close()
+    late = harness.round.receipt_before_upload("t-a1", ROUND, "a1")
+    assert late is not None and late.verdict == "late"
+    assert harness.examined == ["t-a0"]  # nothing examined for a question
 
 
 def test_declines_fill_no_buffer():

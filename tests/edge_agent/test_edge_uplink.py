@@ -335,7 +335,7 @@ def test_an_ack_while_waiting_for_a_grant_settles_the_update(make_uplink):
 
 
 def test_a_send_without_ack_asks_again_before_resending(make_uplink):
-    uplink, publish = make_uplink(ack_timeout_s=0.2, attempts=3)
+    uplink, publish = make_uplink(ack_timeout_s=1.0, attempts=3)
     u = update()
     uplink.send(u, ask=True)
     for sends in (1, 2):
@@ -345,3 +345,23 @@ def test_a_send_without_ack_asks_again_before_resending(make_uplink):
     uplink.on_ack(u.task_id)
     assert wait_until(lambda: uplink.delivered == [u.task_id])
     assert _kinds(publish) == ["upload_request", "chunk", "upload_request", "chunk"]
+
+
+def test_an_update_parked_after_asking_asks_again_when_sent_again(tmp_path):
+    """Parked while it waited for grants: sent again when the coordinator is back, it asks first again."""
+    from edge_agent.spool import UpdateSpool
+
+    publish = FakePublish()
+    uplink = Uplink("a", TOPIC, publish, ack_timeout_s=0.5, attempts=1,
+                    spool=UpdateSpool(tmp_path / "outbox", max_bytes=10**7))
+    uplink.start()
+    try:
+        u = update()
+        uplink.send(u, ask=True)
+        assert wait_until(lambda: uplink.abandoned == [u.task_id])
+        assert uplink.resend_parked() == 1
+        assert wait_until(lambda: _kinds(publish) == ["upload_request", "upload_request"])
+        assert uplink.on_grant(u.task_id) or wait_until(lambda: uplink.on_grant(u.task_id))
+        assert wait_until(lambda: "chunk" in _kinds(publish))
+    finally:
+        uplink.stop(timeout=2.0)

@@ -927,3 +927,15 @@ def test_ordered_dropout_stays_off_the_wire_unless_used_and_is_refused_malformed
     bad_term["loss"] = [*bad_term["loss"][:1], {**bad_term["loss"][1], "teacher": 0}]
     with pytest.raises(ProtocolError, match="a 'width_kd' term needs 'tau' and takes no 'teacher'"):
         TrainingPlan.from_dict(bad_term)
+
+
+def test_ask_to_upload_stays_off_the_wire_unless_set(messages: dict[str, Message]) -> None:
+    """Revision 6: a task that does not ask is what older agents read; one that asks says so, in both versions."""
+    task = _task(messages)
+    assert "ask_to_upload" not in msgpack.unpackb(encode(task, version=1))
+    assert _decode_task(encode(task)).ask_to_upload is False
+    asking = dataclasses.replace(task, ask_to_upload=True)
+    for version in (1, 2):
+        assert _decode_task(encode(asking, version=version)).ask_to_upload is True
+    with pytest.raises(ProtocolError, match="ask_to_upload"):
+        decode(pack({**wire_of(task), "ask_to_upload": "yes"}))
