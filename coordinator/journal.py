@@ -7,7 +7,8 @@ written before the first task goes out, with ``base-<round>.safetensors``, the s
 tasks were cut from (what their updates are rebased from), and one ``update-<digest>.msgpack`` per update stored
 for aggregation (the update message as it arrived), written before that update is acked. Everything is msgpack or
 JSON, each file written atomically. The journal is cleared once the round's checkpoint is
-written; a journal of a round the checkpoint already holds is stale and ignored.
+written (a buffered round's is replaced by what the next round carries, marked unplanned); a journal of a round the
+checkpoint already holds is stale and ignored.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Uploads the coordinator grants (protocol revision 6): a window of bytes in transfer.
 
-A fleet answering at once would otherwise send every update together, and what the message thread has not yet
-taken waits in the coordinator's memory (1000 agents of a 1M-parameter model: a 3.4-3.6 GB peak against 850 MiB
-between rounds). An agent whose task says :attr:`protocol.Task.ask_to_upload` asks first
-(:class:`protocol.UploadRequest`, with its update's size); :class:`UploadGrants` answers in the order asked, as
-long as the bytes granted and not yet in stay within the window (one upload larger than the window goes alone),
-so that the updates in transfer, wherever they wait (the broker, the link's queue, reassembly), hold at most the
-window whatever the fleet's size. A grant is taken back once its update is in (or its transfer was refused), or when no chunk of
-its agent came for ``idle_s`` (its grant was lost, say: the agent asks again), and an agent gone offline leaves the
-queue; a request whose update the round would no longer take (in already, its round closed) is dropped when its
-turn comes, and answered with the update's ack when the agent asks again. Agents that predate
-revision 6 send at once, as before, and are taken as ever; so is an update sent without asking (one a restarted
-agent restores from its spool).
+A fleet answering at once would otherwise send every update together, and what the message thread has not yet taken
+waits in the coordinator's memory (1000 agents of a 1M-parameter model: a 3.4-3.6 GB peak against 850 MiB between
+rounds). An agent whose task says :attr:`protocol.Task.ask_to_upload` asks first (:class:`protocol.UploadRequest`,
+with its update's size); :class:`UploadGrants` answers in the order asked, as long as the bytes granted and not yet
+in stay within the window (one upload larger than the window goes alone), so that the updates in transfer, wherever
+they wait (the broker, the link's queue, reassembly), hold at most the window whatever the fleet's size. A grant is
+taken back once its update is in (or its transfer was refused), or when no chunk of its agent came for ``idle_s``
+(its grant was lost, say: the agent asks again), and an agent gone offline leaves the queue; a request whose update
+the round would no longer take (in already, its round closed) is dropped when its turn comes, and answered with the
+update's ack when the agent asks again. Agents that predate revision 6 send at once, as before, and are taken as
+ever; so is an update sent without asking (one a restarted agent restores from its spool).
 """
 
 from __future__ import annotations

@@ -743,3 +743,40 @@ def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp
     assert not resumed.strategy.awaits_fleet and resumed.strategy.global_spec() == spec
     with pytest.raises(RuntimeError, match="before the first round"):
         resumed.fit_to_fleet([top])
+
+
+def test_an_agent_asking_to_upload_is_granted_in_turn_or_answered_at_once(tmp_path: Path, digits,
+                                                                           monkeypatch) -> None:
+    """Revision 6 on the coordinator's message thread: a request is granted while the window has room (here one
+    update at a time); the whole update gives its grant back and the next request is granted; asked again once
+    stored, the agent gets its ack, not a grant; an agent gone offline leaves the queue."""
+    from coordinator.config import UploadsConfig
+    from protocol import Ack, AgentStatus, Topics, UploadGrant, UploadRequest, decode, encode, split_payload
+
+    coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(window_mib=0.001)), dataset=digits)
+    sent: list[object] = []
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: sent.append(decode(payload)))
+    topics = Topics(coordinator.config.federation)
+    task = task_for(coordinator, "b")
+    tasks = {f"r2-{agent}-1": replace(task, agent_id=agent) for agent in ("a", "b", "c")}
+    open_round(coordinator, 2, tasks)
+    coordinator.journal.begin(2, time.time() + 60, tasks, [])
+
+    def ask(agent: str) -> None:
+        request = UploadRequest(f"r2-{agent}-1", 2, agent, 1000)
+        coordinator._on_message(topics.agent_update(agent), encode(request))
+
+    ask("a")
+    ask("b")
+    ask("c")
+    assert sent == [UploadGrant("r2-a-1", 2, "a")]  # b and c wait: the window holds one update
+    coordinator._on_message(topics.agent_status("c"), encode(AgentStatus("c", "offline", None, time.time())))
+    assert coordinator.grants is not None and coordinator.grants.waiting == 1  # c left the queue
+    update = update_for(coordinator, task.spec, task_id="r2-a-1", agent="a", round_number=2, fill=0.1)
+    for chunk in split_payload(encode(update), "r2-a-1.1"):
+        coordinator._on_message(topics.agent_update("a"), chunk)
+    assert sent[1:] == [Ack("r2-a-1", 2, "a"), UploadGrant("r2-b-1", 2, "b")]  # stored, then b's turn
+    ask("a")  # its ack was lost: asked again, it is answered, not granted
+    assert sent[-1] == Ack("r2-a-1", 2, "a") and coordinator.grants.in_flight == 1000
+    coordinator._on_message(topics.agent_update("x"), encode(UploadRequest("r9-x-1", 9, "x", 10)))
+    assert isinstance(sent[-1], Ack) and "unknown task" in (sent[-1].reason or "")  # refused, never uploaded

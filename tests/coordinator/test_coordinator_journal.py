@@ -73,3 +73,50 @@ def test_a_damaged_stored_update_is_one_sentence(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"the round journal in .* cannot be read \(update-.*\.msgpack: .*\); move it "
                                          r"away to start the round afresh"):
         list(journal.stored({"r3-b-1"}))
+
+
+def test_carried_tasks_keep_their_round_and_deadline_and_their_bases_read_back(tmp_path) -> None:
+    """A buffered round's journal: its own tasks, those it carries (with their own round and deadline), the states
+    those were cut from, and the stored updates of both kinds."""
+    import torch
+
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    old = tasks()["r3-b-1"]
+    carried = [DispatchedTask("r1-c-1", 1, old, 999.0)]
+    base = {"global": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}}
+    journal.begin(3, 1234.5, {"r3-a-1": tasks()["r3-a-1"]}, [], carried, {1: base, 3: {"global": {}}})
+    stale = Update("r1-c-1", 1, "c", "ok", None, 7, [0], {"w": np.ones(3, np.float32)}, {}, None)
+    journal.store(stale, encode(stale))
+    back = journal.load()
+    assert back is not None and back.planned and list(back.tasks) == ["r3-a-1"]
+    assert back.carried == carried  # round 1, deadline 999.0, the same plan
+    assert list(back.bases) == [1] and torch.equal(back.bases[1]["global"]["w"], base["global"]["w"])
+    assert [u.task_id for u, _ in journal.stored({*back.tasks, "r1-c-1"})] == ["r1-c-1"]
+
+
+def test_what_the_next_round_carries_is_journaled_unplanned(tmp_path) -> None:
+    import torch
+
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    carried = [DispatchedTask("r3-b-1", 3, tasks()["r3-b-1"], 999.0)]
+    journal.begin(4, 0.0, {}, [], carried, {3: {"global": {"w": torch.zeros(2)}}}, planned=False)
+    back = journal.load()
+    assert back is not None and not back.planned and back.round == 4 and back.tasks == {}
+    assert back.carried == carried and list(back.bases) == [3]
+
+
+def test_a_damaged_base_is_one_sentence(tmp_path) -> None:
+    import torch
+
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    journal.begin(4, 0.0, {}, [], [DispatchedTask("r3-b-1", 3, tasks()["r3-b-1"], 9.0)],
+                  {3: {"global": {"w": torch.zeros(2)}}}, planned=False)
+    (tmp_path / "round" / "base-3.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"the round journal in .* cannot be read"):
+        journal.load()
