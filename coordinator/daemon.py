@@ -37,7 +37,7 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import MetricsWriter, Progress, RoundResult
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
-from coordinator.round import DispatchedTask, Round
+from coordinator.round import DispatchedTask, Receipt, Round, Verdict
 from coordinator.serving import ServiceLog
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip, State
@@ -163,7 +163,8 @@ class Coordinator:
                              reason="the strategy is sized to the fleet at its first round")
             return
         if not pending.planned:  # a buffered round's carried tasks, recorded with its checkpoint: plan the next
-            self._carry(pending.carried, pending.bases)
+            now = time.time()  # (those whose deadline passed meanwhile are carried no further, as close() decides)
+            self._carry([dispatched for dispatched in pending.carried if dispatched.deadline > now], pending.bases)
             self.log.info("carried_tasks_resumed", round=pending.round, tasks=len(pending.carried))
             return
         deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, self.resume_grace_s))
@@ -329,9 +330,9 @@ class Coordinator:
         """Answer an agent asking to upload: its ack at once when the round would not take the update (stored
         already, or refused), else a grant, at once when uploads are not granted (a coordinator restarted with
         ``uploads.grant`` off answers the agents its tasks told to ask)."""
-        current = self._current()
-        receipt = (current.receipt_before_upload(request.task_id, request.round, request.agent_id)
-                   if current is not None else None)
+        receipt = self._receipt_before_upload(request.agent_id, request.task_id, request.round, request.sha256)
+        if receipt is not None and receipt.verdict is Verdict.DEFERRED:
+            return  # the next round takes it: asked again then, it is granted
         if receipt is not None:
             self.link.publish(self.topics.agent_ack(request.agent_id),
                               encode(Ack(request.task_id, request.round, request.agent_id, receipt.refusal)))
@@ -340,11 +341,21 @@ class Coordinator:
         else:
             self._grant(self.grants.ask(request.agent_id, request.task_id, request.round, request.size))
 
-    def _upload_wanted(self, agent_id: str, task_id: str, round_number: int) -> bool:
-        """Whether the round would take the update a waiting request is for (a request whose round closed, or
-        whose update is in already, is dropped when its turn comes: asked again, it is answered)."""
+    def _receipt_before_upload(self, agent_id: str, task_id: str, round_number: int, digest: str) -> Receipt | None:
+        """What the update a request is for would get (`Round.receipt_before_upload`; between two rounds: deferred
+        for a task the next round carries, else refused as the intake refuses it); None: it would be taken."""
         current = self._current()
-        return current is None or current.receipt_before_upload(task_id, round_number, agent_id) is None
+        if current is not None:
+            return current.receipt_before_upload(task_id, round_number, agent_id, digest)
+        if task_id in self._carried_ids:
+            return Receipt(Verdict.DEFERRED)
+        return Receipt(Verdict.UNKNOWN, f"unknown task {task_id!r} of round {round_number}: no round is in progress")
+
+    def _upload_wanted(self, agent_id: str, task_id: str, round_number: int) -> bool:
+        """Whether the round would take the update a waiting request is for now (one whose round closed, whose
+        update is in already, or that the next round will take, is dropped when its turn comes: asked again, it
+        is answered)."""
+        return self._receipt_before_upload(agent_id, task_id, round_number, "") is None
 
     def _upload_window(self) -> tuple[float, float]:
         """The upload window's bytes granted and requests waiting (zeros when uploads are not granted)."""

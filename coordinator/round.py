@@ -244,17 +244,18 @@ class Round:
             return Verdict.DEFERRED if update.task_id in self._carry else Verdict.LATE
         return Verdict.ACCEPTED
 
-    def receipt_before_upload(self, task_id: str, round_number: int, agent_id: str) -> Receipt | None:
-        """What the round would answer an update of ``task_id`` with, decided before the agent sends it (an agent
-        asking to upload, `coordinator.upload_grants`): None when the round would take it (or defer it), else
-        the receipt its ack says (stored already, or why it never will be)."""
+    def receipt_before_upload(self, task_id: str, round_number: int, agent_id: str, digest: str) -> Receipt | None:
+        """What the round would answer an update of ``task_id`` (its sha256 ``digest``; empty when unknown) with,
+        decided before the agent sends it (an agent asking to upload, `coordinator.upload_grants`): None when the
+        round would take it, else the receipt (stored already, deferred to the next round, or why it never will
+        be). Without a digest, an update for a task that has one is taken as the same (its ack again)."""
         probe = Update(task_id, round_number, agent_id, UpdateStatus.DECLINED, None, 0, [], {}, {})
         with self._done:
-            verdict = self._verdict(probe, "")
-            if verdict in (Verdict.ACCEPTED, Verdict.DEFERRED):
+            verdict = self._verdict(probe, digest)
+            if verdict is Verdict.ACCEPTED:
                 return None
-            if verdict is Verdict.DUPLICATE:
-                return Receipt(verdict, self.answers[task_id].refusal)
+            if verdict in (Verdict.DUPLICATE, Verdict.DEFERRED):
+                return Receipt(verdict, self.answers[task_id].refusal if verdict is Verdict.DUPLICATE else None)
             return Receipt(verdict, self._refusal(probe, verdict))
 
     def _refusal(self, update: Update, verdict: Verdict) -> str:

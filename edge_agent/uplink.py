@@ -16,6 +16,7 @@ grant does not come within the ack's wait counts as an attempt, and it asks agai
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import random
 import threading
@@ -38,13 +39,15 @@ _CONNECTION_POLL_S = 0.5
 MAX_BACKOFF = 8
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Outgoing:
-    """An update to deliver: its encoded payload and, when it must ask before each send, its task's round."""
+    """An update to deliver: its encoded payload and, when it must ask before each send, its task's round (and,
+    once asked for, the payload's sha256)."""
 
     task_id: str
     payload: bytes
     round: int | None = None
+    digest: str = ""
 
 
 class Uplink:
@@ -207,7 +210,10 @@ class Uplink:
             return True
         with self._lock:
             granted = self._granted[outgoing.task_id] = threading.Event()
-        request = UploadRequest(outgoing.task_id, outgoing.round, self.agent_id, len(outgoing.payload))
+        if not outgoing.digest:
+            outgoing.digest = hashlib.sha256(outgoing.payload).hexdigest()
+        request = UploadRequest(outgoing.task_id, outgoing.round, self.agent_id, len(outgoing.payload),
+                                outgoing.digest)
         self._publish(self.topic, encode(request))
         asked = time.monotonic()
         try:

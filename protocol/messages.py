@@ -288,13 +288,18 @@ class Ack:
 
 @dataclass
 class UploadRequest:
-    """An agent asks leave to send the update of ``task_id``, ``size`` bytes encoded (on its update topic, where
-    its chunks go), when its task said :attr:`Task.ask_to_upload`; it asks again while no grant comes."""
+    """An agent asks leave to send the update of ``task_id``, ``size`` bytes encoded with that ``sha256`` (hex; on
+    its update topic, where its chunks go), when its task said :attr:`Task.ask_to_upload`; it asks again while no
+    grant comes. A coordinator that has the update already answers with its ack instead (the digest tells the same
+    update from another one for the task)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("sha256",)
 
     task_id: str
     round: int
     agent_id: str
     size: int
+    sha256: str = ""
 
 
 @dataclass

@@ -780,3 +780,51 @@ def test_an_agent_asking_to_upload_is_granted_in_turn_or_answered_at_once(tmp_pa
     assert sent[-1] == Ack("r2-a-1", 2, "a") and coordinator.grants.in_flight == 1000
     coordinator._on_message(topics.agent_update("x"), encode(UploadRequest("r9-x-1", 9, "x", 10)))
     assert isinstance(sent[-1], Ack) and "unknown task" in (sent[-1].reason or "")  # refused, never uploaded
+
+
+def test_between_rounds_a_carried_task_waits_and_others_are_refused_and_grants_off_grants_at_once(
+        tmp_path: Path, digits, monkeypatch) -> None:
+    """No round installed: asked to upload for a task the next round carries, the coordinator says nothing yet (the
+    agent asks again) and its update, sent anyway, is deferred (not acked); any other is refused. With
+    ``uploads.grant`` off a request is granted at once (tasks of an earlier process told the agent to ask)."""
+    from coordinator.config import UploadsConfig
+    from coordinator.round import DispatchedTask
+    from protocol import Ack, Topics, UploadGrant, UploadRequest, decode, encode, split_payload
+
+    coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(grant=False), round_mode="buffered"),
+                              dataset=digits)
+    sent: list[object] = []
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: sent.append(decode(payload)))
+    topics = Topics(coordinator.config.federation)
+    task = task_for(coordinator, "b")
+    coordinator._carry([DispatchedTask("r1-a-1", 1, replace(task, agent_id="a"), time.time() + 60)],
+                       {1: coordinator.states})
+    coordinator._on_message(topics.agent_update("a"), encode(UploadRequest("r1-a-1", 1, "a", 10)))
+    assert sent == []  # deferred: no answer
+    update = update_for(coordinator, task.spec, task_id="r1-a-1", agent="a", round_number=1, fill=0.1)
+    for chunk in split_payload(encode(update), "r1-a-1.1"):
+        coordinator._on_message(topics.agent_update("a"), chunk)
+    assert sent == []  # deferred: not acked, sent again to the next round
+    coordinator._on_message(topics.agent_update("b"), encode(UploadRequest("r1-b-1", 1, "b", 10)))
+    assert isinstance(sent[-1], Ack) and "no round is in progress" in (sent[-1].reason or "")
+    open_round(coordinator, 2, {"r2-c-1": replace(task, agent_id="c")})
+    coordinator._on_message(topics.agent_update("c"), encode(UploadRequest("r2-c-1", 2, "c", 10)))
+    assert sent[-1] == UploadGrant("r2-c-1", 2, "c")  # grants off: at once
+
+
+def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_path: Path, digits) -> None:
+    """What the next round carries is journaled with the checkpoint: a coordinator restarted then keeps the tasks
+    still training (not those past their deadline), and their states, and plans around them."""
+    from coordinator.round import DispatchedTask
+
+    first = Coordinator(config(tmp_path, round_mode="buffered"), dataset=digits)
+    task = task_for(first, "b")
+    first.completed_rounds = 3
+    first._checkpoint()
+    training = DispatchedTask("r3-a-1", 3, replace(task, agent_id="a"), time.time() + 600)
+    over = DispatchedTask("r2-b-1", 2, replace(task, agent_id="b"), time.time() - 1)
+    first.journal.begin(4, 0.0, {}, [], [training, over], {3: first.states, 2: first.states}, planned=False)
+    restarted = Coordinator(config(tmp_path, round_mode="buffered", resume=True), dataset=digits)
+    assert restarted.completed_rounds == 3 and restarted._round is None  # the next round is planned afresh
+    assert restarted._carried == [training] and restarted._carried_ids == {"r3-a-1"}
+    assert set(restarted._bases[3]) == set(first.states)

@@ -365,7 +365,8 @@ def test_a_buffered_round_carries_what_is_still_training_and_defers_its_updates_
     late = harness.offer(update("a2"))
     assert (late.verdict, late.refusal) == ("deferred", None)  # not answered: sent again, to the next round
     assert "t-a2" not in harness.round.answers and harness.stored == ["t-a0", "t-a1"]
-    assert harness.round.receipt_before_upload("t-a2", ROUND, "a2") is None  # asking: granted, then deferred
+    asked = harness.round.receipt_before_upload("t-a2", ROUND, "a2", "")
+    assert asked is not None and (asked.verdict, asked.refusal) == ("deferred", None)  # asking: no answer yet
     for task_id, agent, round_number in (("t-expired", "b1", ROUND - 1), ("t-stale", "b0", ROUND - 3)):
         refused = harness.offer(update(agent, task_id=task_id, round_number=round_number))
         assert refused.verdict == "late" and "closed before" in refused.refusal
@@ -384,14 +385,17 @@ def test_a_synchronous_round_refuses_late_updates_and_carries_nothing():
 
 def test_an_upload_asked_for_is_answered_at_once_when_the_round_would_not_take_it():
     harness = opened()
-    assert harness.round.receipt_before_upload("t-a0", ROUND, "a0") is None  # expected: granted
-    harness.offer(update("a0"))
-    stored = harness.round.receipt_before_upload("t-a0", ROUND, "a0")
-    assert stored is not None and (stored.verdict, stored.refusal) == ("duplicate", None)  # its ack again
-    unknown = harness.round.receipt_before_upload("t-x", ROUND, "a0")
+    assert harness.round.receipt_before_upload("t-a0", ROUND, "a0", "d1") is None  # expected: granted
+    harness.offer(update("a0"), "d1")
+    for digest in ("d1", ""):  # the same update, or one whose digest is not said: its ack again
+        stored = harness.round.receipt_before_upload("t-a0", ROUND, "a0", digest)
+        assert stored is not None and (stored.verdict, stored.refusal) == ("duplicate", None)
+    other = harness.round.receipt_before_upload("t-a0", ROUND, "a0", "d2")
+    assert other is not None and other.verdict == "conflict" and "arrived first" in other.refusal
+    unknown = harness.round.receipt_before_upload("t-x", ROUND, "a0", "")
     assert unknown is not None and unknown.verdict == "unknown" and "unknown task" in unknown.refusal
     harness.round.close()
-    late = harness.round.receipt_before_upload("t-a1", ROUND, "a1")
+    late = harness.round.receipt_before_upload("t-a1", ROUND, "a1", "")
     assert late is not None and late.verdict == "late"
     assert harness.examined == ["t-a0"]  # nothing examined for a question
 

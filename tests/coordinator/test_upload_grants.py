@@ -86,3 +86,23 @@ def test_a_window_needs_bytes_and_idle_seconds() -> None:
         UploadGrants(0, idle_s=30)
     with pytest.raises(ValueError, match="positive"):
         UploadGrants(10, idle_s=0)
+
+
+def test_a_request_no_longer_wanted_is_dropped_at_its_turn() -> None:
+    unwanted = {("b", "tb")}
+    window = UploadGrants(8, idle_s=30, clock=Clock(), wanted=lambda agent, task, round_number: (agent, task)
+                          not in unwanted)
+    window.ask("a", "ta", 1, 8)
+    window.ask("b", "tb", 1, 8)
+    window.ask("c", "tc", 1, 8)
+    assert granted(window.finished("a", "ta")) == [("c", "tc")]  # b's round closed meanwhile: dropped
+    assert window.dropped_total == 1 and window.waiting == 0
+
+
+def test_a_refused_transfer_gives_back_its_own_grant_only() -> None:
+    window = UploadGrants(16, idle_s=30, clock=Clock())
+    window.ask("a", "t1", 1, 8)
+    window.ask("a", "t2", 1, 8)
+    assert window.in_flight == 16
+    window.finished("a", "t1")
+    assert window.in_flight == 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -359,9 +360,24 @@ def test_an_update_parked_after_asking_asks_again_when_sent_again(tmp_path):
         u = update()
         uplink.send(u, ask=True)
         assert wait_until(lambda: uplink.abandoned == [u.task_id])
+        uplink._ack_timeout_s = 30.0  # the grant below comes within the wait, however loaded the machine
         assert uplink.resend_parked() == 1
         assert wait_until(lambda: _kinds(publish) == ["upload_request", "upload_request"])
+        again = decode(publish.calls[1][1], expected=UploadRequest)
+        assert again.round == 1 and again.sha256 == hashlib.sha256(encode(u, version=1)).hexdigest()
         assert uplink.on_grant(u.task_id) or wait_until(lambda: uplink.on_grant(u.task_id))
         assert wait_until(lambda: "chunk" in _kinds(publish))
     finally:
         uplink.stop(timeout=2.0)
+
+
+def test_granted_and_acked_at_once_it_sends_nothing(make_uplink):
+    """The coordinator had it (its ack and a grant cross): settled, and no chunk goes out."""
+    uplink, publish = make_uplink(ack_timeout_s=30.0, attempts=3)
+    u = update()
+    uplink.send(u, ask=True)
+    assert wait_until(lambda: publish.count() >= 1)
+    uplink.on_ack(u.task_id)
+    uplink.on_grant(u.task_id)
+    assert wait_until(lambda: uplink.delivered == [u.task_id])
+    assert _kinds(publish) == ["upload_request"]

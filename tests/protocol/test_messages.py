@@ -360,11 +360,14 @@ def test_upload_requests_and_grants_round_trip_and_a_task_asks_only_when_told() 
 
     request, grant = UploadRequest("r3-pi-01-ab", 3, "pi-01", 4_000_000), UploadGrant("r3-pi-01-ab", 3, "pi-01")
     assert decode(encode(request)) == request and decode(encode(grant)) == grant
+    assert "sha256" not in msgpack.unpackb(encode(request))
+    with_digest = UploadRequest("r3-pi-01-ab", 3, "pi-01", 10, "ab" * 32)
+    assert decode(encode(with_digest)) == with_digest
     assert message_type(encode(request)) == "upload_request" and message_type(encode(grant)) == "upload_grant"
     assert {message_type(chunk) for chunk in split_payload(b"x" * 3000, "t.1", 1000)} == {"chunk"}
     assert message_type(b"\x00not a map") is None and message_type(b"") is None
     wire = msgpack.unpackb(encode(request))
-    for field, bad in (("size", -1), ("agent_id", "a/b"), ("task_id", "")):
+    for field, bad in (("size", -1), ("agent_id", "a/b"), ("task_id", ""), ("sha256", "xyz")):
         with pytest.raises(ProtocolError, match=field):
             decode(msgpack.packb({**wire, field: bad}))
     with pytest.raises(ProtocolError, match="unexpected|unknown"):
