@@ -426,10 +426,10 @@ class BufferedConfig:
     """The ``buffered`` section, read with ``round_mode: buffered`` (see :mod:`coordinator.staleness`): a round
     aggregates once ``size`` trained updates are in (0, the default: half of those its tasks may bring, rounded up:
     those it sent and those still training from earlier rounds, less the ones answered without an update); a task
-    more than ``max_staleness`` rounds old (default 4) is carried no further, and its device gets a new task."""
+    more than ``max_staleness`` rounds old (default 16) is carried no further, and its device gets a new task."""
 
     size: int = 0
-    max_staleness: int = 4
+    max_staleness: int = 16
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""

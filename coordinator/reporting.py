@@ -3,6 +3,7 @@ every evaluation target, and the round's result as `metrics.jsonl` keeps it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
@@ -35,12 +36,15 @@ def outcomes(current: Round, family: ModelFamily, log: Logger,
         ended.append(TaskOutcome(current.tasks[task_id].task, record.status,
                                  answer.spec if answer.aggregated else None, dict(update.metrics),
                                  update.reason, spec_or_none(update.spec_trained)))
+    now = time.time()
     for task_id, dispatched in current.tasks.items():
         if task_id not in current.answers and task_id not in carried:
             task = dispatched.task
+            reason = ("no update by deadline" if current.buffer_size is None or dispatched.deadline <= now else
+                      f"still training after {current.number - dispatched.round + 1} rounds: carried no further "
+                      f"(buffered.max_staleness {current.max_staleness})")
             records[task.agent_id] = TaskRecord(task.agent_id, task.level, TaskStatus.MISSING, task.spec.describe(),
-                                                reason="no update by deadline",
-                                                params_sent=family.param_count(task.spec))
+                                                reason=reason, params_sent=family.param_count(task.spec))
             ended.append(TaskOutcome(task, TaskStatus.MISSING, None, {}))
     return records, ended
 
