@@ -15,6 +15,11 @@
 
 A fresh round and a resumed one differ only in how they are planned: the updates a resumed one had stored are
 received through the same path (without storing them again), and its tasks without an update are sent again.
+
+A buffered round (``buffer_size``; :mod:`coordinator.staleness`) also holds the tasks of earlier rounds still
+training (carried), whose updates are folded rebased by their staleness; it stops collecting once its buffer of
+trained updates is full, and decides when it closes which of its unanswered tasks the next round carries (an update
+for one of them that comes meanwhile is deferred: not answered, sent again to the next round).
 """
 
 from __future__ import annotations

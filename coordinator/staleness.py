@@ -1,15 +1,15 @@
 """Buffered rounds (``round_mode: buffered``): a round that aggregates once enough answers are in, and updates that
 count in a later round, weighted by how stale they are (FedBuff: Nguyen et al., AISTATS 2022).
 
-A round aggregates once ``buffered.size`` trained updates are in (a device that declines fills no buffer) instead
-of waiting for its slowest device; its tasks
-still training are carried into the next round, whose tasks go only to the devices that are free. An update that
-comes back ``tau`` rounds after its task was cut from the global model is folded in as FedBuff folds a client's
-delta: its change from the weights it was sent, scaled by ``s(tau) = 1 / sqrt(1 + tau)``, added to the weights
-the round started from (:func:`rebased`). The round's masked mean of those stays the strategy's own (each element
-the weighted mean of the updates that hold it), so a fresh update (``tau = 0``) is folded exactly as in a
-synchronous round, and a stale one moves the model by ``s(tau)`` of its own change, toward where it went from
-where it started. An update more than ``buffered.max_staleness`` rounds old is refused.
+A round aggregates once ``buffered.size`` trained updates are in (a device that declines fills no buffer) instead of
+waiting for its slowest device; its tasks still training are carried into the next round, whose tasks go only to the
+devices that are free. An update that comes back ``tau`` rounds after its task was cut from the global model is
+folded in as FedBuff folds a client's delta: its change from the weights it was sent, scaled by ``s(tau) = 1 /
+sqrt(1 + tau)``, added to the weights the round started from (:func:`rebased`). The round's masked mean of those
+stays the strategy's own (each element the weighted mean of the updates that hold it), so a fresh update (``tau =
+0``) is folded exactly as in a synchronous round, and a stale one moves the model by ``s(tau)`` of its own change,
+toward where it went from where it started. A task more than ``buffered.max_staleness`` rounds old is carried no
+further (its update, when it comes, is refused).
 """
 
 from __future__ import annotations
