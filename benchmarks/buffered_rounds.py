@@ -30,7 +30,7 @@ def sim_command(args: argparse.Namespace, mode: str, rounds: int, run_dir: Path)
                args.model, "--rounds", str(rounds), "--seed", str(args.seed), "--run-dir", str(run_dir),
                "--set", f"recipe.epochs={args.epochs}", "--set", f"round_mode={mode}"]
     if mode == "buffered":
-        command += ["--set", f"buffered.size={args.size}"]
+        command += ["--set", f"buffered.size={args.size}", "--set", f"buffered.max_staleness={args.max_staleness}"]
     return command
 
 
@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30, help="the synchronous run's rounds")
     parser.add_argument("--buffered-rounds", type=int, default=None, help="the buffered run's (default: twice)")
     parser.add_argument("--size", type=int, default=0, help="buffered.size (0: half of what may train)")
+    parser.add_argument("--max-staleness", type=int, default=16, help="buffered.max_staleness")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between the rows of the curves' table")
     args = parser.parse_args()
     out = Path(args.out)

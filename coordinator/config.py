@@ -477,7 +477,7 @@ class CoordinatorConfig:
     wait_for_agents_s: float = 120.0
     round_timeout_s: float = 600.0
     #: ``sync``: a round waits for every task (or its deadline); ``buffered``: it aggregates once ``buffered.size``
-    #: answers are in, and the others count in a later round, weighted by their staleness (FedBuff).
+    #: trained updates are in, and the others count in a later round, weighted by their staleness (FedBuff).
     round_mode: Literal["sync", "buffered"] = "sync"
     buffered: BufferedConfig = field(default_factory=BufferedConfig)
     levels: list[float] = field(default_factory=lambda: list(HETEROFL_RATES))

@@ -37,7 +37,7 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import MetricsWriter, Progress, RoundResult
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
-from coordinator.round import DispatchedTask, Receipt, Round, Verdict
+from coordinator.round import DispatchedTask, Phase, Receipt, Round, Verdict
 from coordinator.serving import ServiceLog
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip, State
@@ -118,6 +118,8 @@ class Coordinator:
         self._bases: dict[int, dict[str, State]] = {}
         self._carried: list[DispatchedTask] = []
         self._carried_ids: frozenset[str] = frozenset()
+        self._back_between_rounds: set[str] = set()  # agents back online while no round collected (guarded by
+        # _round_lock): the tasks the next round carries for them are sent again
         self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
                                    self._states_of, lambda topic, payload: self.link.publish(topic, payload),
                                    self.topics, self.log, carried=lambda task_id: task_id in self._carried_ids)
@@ -165,7 +167,8 @@ class Coordinator:
         if not pending.planned:  # a buffered round's carried tasks, recorded with its checkpoint: plan the next
             now = time.time()  # (those whose deadline passed meanwhile are carried no further, as close() decides)
             self._carry([dispatched for dispatched in pending.carried if dispatched.deadline > now], pending.bases)
-            self.log.info("carried_tasks_resumed", round=pending.round, tasks=len(pending.carried))
+            self.log.info("carried_tasks_resumed", round=pending.round, tasks=len(self._carried),
+                          past_deadline=len(pending.carried) - len(self._carried))
             return
         deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, self.resume_grace_s))
         self._bases = {**pending.bases, pending.round: self.states}
@@ -289,7 +292,11 @@ class Coordinator:
             _, agent_id, kind = parse_agent_topic(topic)
             if kind == "status":
                 if self.fleet.on_status(agent_id, payload):
-                    self.dispatcher.resend_unanswered(self._current(), agent_id)
+                    current = self._current()
+                    self.dispatcher.resend_unanswered(current, agent_id)
+                    if current is None or current.phase is not Phase.COLLECTING:
+                        with self._round_lock:  # a task the next round carries goes to it again then
+                            self._back_between_rounds.add(agent_id)
                 if self._fleet_reads_reports() != self._reports_announced:  # an older agent came, or the last went
                     self._announce()
                 record = self.registry.get(agent_id)
@@ -395,7 +402,7 @@ class Coordinator:
         if self.exporter is not None:
             self.exporter.round_opened(current.number, len(current.tasks), len(current.answers))
         self._announce()
-        bytes_down = self.dispatcher.send_round(current)
+        bytes_down = self.dispatcher.send_round(current) + self._resend_carried(current)
         self._progress("round", current.number, len(current.answers), len(current.tasks))
         outage_before = self.link.outage_seconds()
         phase = time.perf_counter()
@@ -455,10 +462,10 @@ class Coordinator:
         self.fleet.tell_service(free)
         # A generator of the round's own: a run resumed after round k selects as one never stopped would.
         rng = random.Random(f"{self.config.seed}:{round_number}")
-        plan = self.strategy.configure_round(round_number, free, rng) if free else None
-        skipped = [*(plan.skipped if plan is not None else []), *misfits]
+        plan = self.strategy.configure_round(round_number, free, rng)
+        skipped = [*plan.skipped, *misfits]
         deadline = time.time() + self.config.round_timeout_s
-        tasks = {self.dispatcher.task_id(round_number, t.agent_id): t for t in (plan.tasks if plan else [])}
+        tasks = {self.dispatcher.task_id(round_number, t.agent_id): t for t in plan.tasks}
         self._bases = {number: self._bases.get(number, self.states)
                        for number in {round_number, *(dispatched.round for dispatched in carried)}}
         # Before any task goes out:
@@ -489,6 +496,21 @@ class Coordinator:
         return Round(round_number, tasks, skipped, deadline, self.strategy.begin_aggregate(self.states),
                      self.config.screening, self.intake, carried=carried, buffer_size=size,
                      max_staleness=self.config.buffered.max_staleness)
+
+    def _resend_carried(self, current: Round) -> int:
+        """Send again the carried tasks of the agents that came back online while no round collected (a restart
+        may have lost them; an agent that has one ignores the copy); returns the bytes sent."""
+        with self._round_lock:
+            back, self._back_between_rounds = self._back_between_rounds, set()
+        sent = 0
+        for dispatched in current.tasks.values():
+            if dispatched.round != current.number and dispatched.task.agent_id in back:
+                sent += self.dispatcher.send(dispatched.round, dispatched.task_id, dispatched.task,
+                                             dispatched.deadline)
+                current.mark_sent(dispatched.task_id)
+                self.log.info("task_resent", agent=dispatched.task.agent_id, task=dispatched.task_id,
+                              round=dispatched.round)
+        return sent
 
     def _carry(self, carried: Sequence[DispatchedTask], bases: dict[int, dict[str, State]]) -> None:
         """Keep what the next round carries (buffered rounds) and only the states those tasks were cut from."""

@@ -65,7 +65,8 @@ class RoundJournal:
         carries from earlier rounds and the states those were cut from (``bases``, by round). ``planned`` False:
         only what the next round will carry, recorded with the last round's checkpoint (see
         :attr:`JournaledRound.planned`)."""
-        self.clear()
+        kept = {f"base-{number}.safetensors" for number in {dispatched.round for dispatched in carried}}
+        self.clear(keep=kept)  # (a round's states never change: the base files still needed stay as written)
         self.directory.mkdir(parents=True, exist_ok=True)
         every = [DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()]
         for dispatched in [*every, *carried]:
@@ -74,7 +75,9 @@ class RoundJournal:
                            task.spec.to_dict(), None, {}, adaptation=task.adaptation, plan=task.plan)
             write_atomic(self.directory / f"task-{_digest(dispatched.task_id)}.msgpack", encode(message))
         for number in sorted({dispatched.round for dispatched in carried}):
-            save_checkpoint(self.directory / f"base-{number}.safetensors", (bases or {})[number], {"round": number})
+            if not (self.directory / f"base-{number}.safetensors").exists():
+                save_checkpoint(self.directory / f"base-{number}.safetensors", (bases or {})[number],
+                                {"round": number})
         index = {"round": round_number, "deadline": deadline, "planned": planned,
                  "tasks": [{"task_id": dispatched.task_id, "level": dispatched.task.level,
                             "group": dispatched.task.group} for dispatched in [*every, *carried]],
@@ -153,8 +156,16 @@ class RoundJournal:
         return ValueError(f"the round journal in {self.directory} cannot be read ({why}); move it away to start the "
                           f"round afresh")
 
-    def clear(self) -> None:
-        """Remove the journal (the round is checkpointed, or a new one begins)."""
-        if self.directory.exists():
+    def clear(self, keep: Container[str] = ()) -> None:
+        """Remove the journal (the round is checkpointed, or a new one begins), but for the files named in
+        ``keep``."""
+        if not self.directory.exists():
+            return
+        if not keep:
             shutil.rmtree(self.directory)
             sync_directory(self.directory.parent)
+            return
+        for path in self.directory.iterdir():
+            if path.name not in keep:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        sync_directory(self.directory)

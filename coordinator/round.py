@@ -312,9 +312,9 @@ class Round:
             self._done.notify_all()
 
     def wait(self, extension: Callable[[], float] = lambda: 0.0) -> bool:
-        """Block until every task has an answer (a buffered round: its ``buffer_size`` answers), the round is
-        interrupted, or its wall-clock deadline plus ``extension()`` seconds (read as it grows, e.g. a broker
-        outage) passes; True when every task answered (a buffered round: its answers are in)."""
+        """Block until every task has an answer (a buffered round: its buffer of trained updates is full), the round
+        is interrupted, or its wall-clock deadline plus ``extension()`` seconds (read as it grows, e.g. a broker
+        outage) passes; True when every task answered (a buffered round: its buffer is full)."""
         with self._done:
             while not self._full() and not self._interrupted:
                 remaining = self.deadline + extension() - time.time()

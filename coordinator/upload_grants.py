@@ -1,7 +1,7 @@
 """Uploads the coordinator grants (protocol revision 6): a window of bytes in transfer.
 
 A fleet answering at once would otherwise send every update together, and what the message thread has not yet taken
-waits in the coordinator's memory (1000 agents of a 1M-parameter model: a 3.4-3.6 GB peak against 850 MiB between
+waits in the coordinator's memory (1000 agents of a 1M-parameter model: a 3.4-4.1 GB peak against 0.85-1 GiB between
 rounds). An agent whose task says :attr:`protocol.Task.ask_to_upload` asks first (:class:`protocol.UploadRequest`,
 with its update's size); :class:`UploadGrants` answers in the order asked, as long as the bytes granted and not yet
 in stay within the window (one upload larger than the window goes alone), so that the updates in transfer, wherever

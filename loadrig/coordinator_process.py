@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "profile": sampler.summary() if sampler is not None else None,
         "uploads": None if coordinator.grants is None else {
             "window_bytes": coordinator.grants.window_bytes, "granted": coordinator.grants.granted_total,
-            "expired": coordinator.grants.expired_total, "peak_in_flight": coordinator.grants.peak_in_flight},
+            "expired": coordinator.grants.expired_total, "dropped": coordinator.grants.dropped_total,
+            "peak_in_flight": coordinator.grants.peak_in_flight},
     }))
     if log is not None:
         log.close()

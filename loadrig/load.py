@@ -601,7 +601,7 @@ def format_outcome(outcome: LoadOutcome, top: int = 8) -> str:
     lines.append("uploads: sent without asking (not granted)" if not uploads else
                  f"uploads granted within a window of {_mib(uploads['window_bytes'])} MiB: {uploads['granted']} grants, "
                  f"at most {uploads['peak_in_flight'] / 2**20:.1f} MiB granted at once, {uploads['expired']} taken "
-                 f"back idle")
+                 f"back idle, {uploads.get('dropped', 0)} requests dropped (their update no longer wanted)")
     a = outcome.agents
     rounds_cpu = sum(r.agents_cpu or 0.0 for r in outcome.rounds)
     lines.append(

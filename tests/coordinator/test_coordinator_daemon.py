@@ -828,3 +828,48 @@ def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_p
     assert restarted.completed_rounds == 3 and restarted._round is None  # the next round is planned afresh
     assert restarted._carried == [training] and restarted._carried_ids == {"r3-a-1"}
     assert set(restarted._bases[3]) == set(first.states)
+
+
+def test_a_device_back_between_rounds_gets_its_carried_task_again_with_the_next_round(
+        tmp_path: Path, digits, monkeypatch) -> None:
+    """A restart while no round collects may lose the task a buffered round carries for it: the next round sends it
+    again (its own round and deadline), and only to that device."""
+    from coordinator.round import DispatchedTask
+    from protocol import AgentStatus, Topics, encode
+
+    coordinator = Coordinator(config(tmp_path, round_mode="buffered"), dataset=digits)
+    topics = Topics(coordinator.config.federation)
+    task = task_for(coordinator, "b")
+    carried = [DispatchedTask(f"r1-{agent}-1", 1, replace(task, agent_id=agent), time.time() + 60)
+               for agent in ("a", "b")]
+    coordinator._carry(carried, {1: coordinator.states})
+    capabilities = agent_record("a").capabilities
+    for state in ("online", "offline", "online"):  # a restarts while no round is in progress
+        coordinator._on_message(topics.agent_status("a"), encode(AgentStatus(
+            "a", state, capabilities if state == "online" else None, time.time())))
+    sent: list[tuple[int, str]] = []
+    monkeypatch.setattr(coordinator.dispatcher, "send",
+                        lambda round_number, task_id, *_, **__: sent.append((round_number, task_id)) or 10)
+    current = coordinator._new_round(2, {}, [], time.time() + 60, carried)
+    coordinator._install(current)
+    assert coordinator._resend_carried(current) == 10
+    assert sent == [(1, "r1-a-1")]
+    assert coordinator._resend_carried(current) == 0  # once
+
+
+def test_a_task_carried_no_further_is_reported_as_such(tmp_path: Path, digits) -> None:
+    from coordinator import reporting
+    from coordinator.config import BufferedConfig
+    from coordinator.round import DispatchedTask
+
+    coordinator = Coordinator(config(tmp_path, round_mode="buffered", buffered=BufferedConfig(max_staleness=4)),
+                              dataset=digits)
+    task = task_for(coordinator, "b")
+    old = DispatchedTask("r1-a-1", 1, replace(task, agent_id="a"), time.time() + 60)
+    current = coordinator._new_round(5, {}, [], time.time() - 1, [old])
+    coordinator._install(current)
+    current.close()
+    assert current.carried_over() == []  # 5 rounds old in round 6: more than 4
+    records, _ = reporting.outcomes(current, coordinator.family, coordinator.log)
+    assert records["a"].status == "missing"
+    assert records["a"].reason == "still training after 5 rounds: carried no further (buffered.max_staleness 4)"

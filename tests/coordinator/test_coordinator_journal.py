@@ -120,3 +120,21 @@ def test_a_damaged_base_is_one_sentence(tmp_path) -> None:
     (tmp_path / "round" / "base-3.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"the round journal in .* cannot be read"):
         journal.load()
+
+
+def test_a_base_still_needed_is_kept_as_written_when_the_journal_begins_again(tmp_path) -> None:
+    import torch
+
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    carried = [DispatchedTask("r3-b-1", 3, tasks()["r3-b-1"], 999.0)]
+    journal.begin(4, 0.0, {}, [], carried, {3: {"global": {"w": torch.zeros(2)}}}, planned=False)
+    base = tmp_path / "round" / "base-3.safetensors"
+    written = base.stat().st_mtime_ns
+    journal.begin(4, 10.0, tasks(), [], carried, {3: {"global": {"w": torch.ones(2)}}})  # (not read: kept)
+    assert base.stat().st_mtime_ns == written
+    back = journal.load()
+    assert back is not None and torch.equal(back.bases[3]["global"]["w"], torch.zeros(2))
+    journal.begin(5, 20.0, tasks(), [])  # nothing carried: no base left
+    assert not base.exists()

@@ -336,16 +336,21 @@ def test_an_ack_while_waiting_for_a_grant_settles_the_update(make_uplink):
 
 
 def test_a_send_without_ack_asks_again_before_resending(make_uplink):
-    uplink, publish = make_uplink(ack_timeout_s=1.0, attempts=3)
+    """Each send is asked for first: a chunk only ever follows a request (however late this thread's grants)."""
+    uplink, publish = make_uplink(ack_timeout_s=0.3, attempts=10)
     u = update()
     uplink.send(u, ask=True)
-    for sends in (1, 2):
-        assert wait_until(lambda sends=sends: _kinds(publish).count("upload_request") == sends)
-        assert uplink.on_grant(u.task_id) or wait_until(lambda: uplink.on_grant(u.task_id))
-        assert wait_until(lambda sends=sends: _kinds(publish).count("chunk") == sends)
+
+    def grant_whatever_it_asks() -> bool:
+        uplink.on_grant(u.task_id)  # (False while it is not asking)
+        return _kinds(publish).count("chunk") >= 2
+
+    assert wait_until(grant_whatever_it_asks, timeout=30.0)
     uplink.on_ack(u.task_id)
     assert wait_until(lambda: uplink.delivered == [u.task_id])
-    assert _kinds(publish) == ["upload_request", "chunk", "upload_request", "chunk"]
+    kinds = _kinds(publish)
+    assert kinds.count("chunk") >= 2 and kinds[0] == "upload_request"
+    assert all(kinds[i - 1] == "upload_request" for i, kind in enumerate(kinds) if kind == "chunk")
 
 
 def test_an_update_parked_after_asking_asks_again_when_sent_again(tmp_path):
