@@ -37,26 +37,20 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import MetricsWriter, Progress, RoundResult
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
-from coordinator.round import DispatchedTask, Phase, Receipt, Round, Verdict
+from coordinator.round import DispatchedTask, Phase, Round
 from coordinator.serving import ServiceLog
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip, State
-from coordinator.upload_grants import UploadGrants
+from coordinator.upload_desk import UploadDesk
 from models import ModelFamily
 from protocol import (
     STATUS_REPORT_REVISION,
-    Ack,
     CoordinatorStatus,
     ModelRef,
     ProtocolError,
     RoundProgress,
     Topics,
-    TransferRefused,
-    UploadGrant,
-    UploadRequest,
-    decode,
     encode,
-    message_type,
     parse_agent_topic,
 )
 
@@ -128,7 +122,7 @@ class Coordinator:
         self.metrics_port: int | None = None
         if config.metrics_port is not None:
             self.exporter = CoordinatorMetrics(config.federation, config.algorithm, lambda: self.link.backlog(),
-                                               lambda: len(self.registry.online()), self._upload_window)
+                                               lambda: len(self.registry.online()), lambda: self.uploads.window())
             exporter = self.exporter
             self.intake.on_receipt = lambda verdict, size, current: exporter.update_received(
                 verdict, size, len(current.answers) if current is not None else None)
@@ -146,9 +140,11 @@ class Coordinator:
             handler=self._on_message,
             will=Will(self.topics.coordinator_status(), encode(self._status("offline", reports=False))),
             on_ready=self._announce, on_refused=self._on_refused)
-        #: The window of update bytes in transfer (``uploads``), None when uploads are not granted.
-        self.grants = (UploadGrants(config.uploads.window_bytes, config.uploads.idle_s, wanted=self._upload_wanted)
-                       if config.uploads.grant else None)
+        #: The agents' update topics: requests to upload and chunks (``uploads``: the window, `grants`).
+        self.uploads = UploadDesk(self.intake, config.uploads, lambda topic, payload: self.link.publish(topic, payload),
+                                  self.topics, self._current, lambda task_id: task_id in self._carried_ids,
+                                  self._on_answer)
+        self.grants = self.uploads.grants
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
                                      self._states_of, config.seed, self.log, grants_uploads=self.grants is not None)
 
@@ -300,77 +296,13 @@ class Coordinator:
                 if self._fleet_reads_reports() != self._reports_announced:  # an older agent came, or the last went
                     self._announce()
                 record = self.registry.get(agent_id)
-                if self.grants is not None and record is not None and not record.online:
-                    self._grant(self.grants.forget(agent_id))
+                if record is not None and not record.online:
+                    self.uploads.forget(agent_id)
             elif kind == "update":
-                self._on_upload(agent_id, payload)
+                self.uploads.on_message(agent_id, payload)
         except ProtocolError as exc:
             self.rejected_messages += 1
             self.log.warning("message_rejected", topic=topic, size=len(payload), reason=str(exc))
-
-    def _on_upload(self, agent_id: str, payload: bytes) -> None:
-        """A message on an agent's update topic: a chunk of its update, or its request to send one."""
-        if message_type(payload) == "upload_request":
-            request = decode(payload, expected=UploadRequest)
-            assert isinstance(request, UploadRequest)
-            if request.agent_id != agent_id:
-                raise ProtocolError(f"upload request from agent {request.agent_id!r} published on the topic of "
-                                    f"{agent_id!r}")
-            self._on_upload_request(request)
-            return
-        if self.grants is None:
-            self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
-            return
-        self._grant(self.grants.chunk_from(agent_id))
-        try:
-            task_id = self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
-        except TransferRefused as refused:  # that transfer ends here (the agent asks again); others go on
-            self._grant(self.grants.finished(agent_id, refused.transfer.rpartition(".")[0] or refused.transfer))
-            raise
-        except ProtocolError:
-            self._grant(self.grants.finished(agent_id))  # a malformed upload ends here; the agent asks again
-            raise
-        if task_id is not None:
-            self._grant(self.grants.finished(agent_id, task_id))
-
-    def _on_upload_request(self, request: UploadRequest) -> None:
-        """Answer an agent asking to upload: its ack at once when the round would not take the update (stored
-        already, or refused), else a grant, at once when uploads are not granted (a coordinator restarted with
-        ``uploads.grant`` off answers the agents its tasks told to ask)."""
-        receipt = self._receipt_before_upload(request.agent_id, request.task_id, request.round, request.sha256)
-        if receipt is not None and receipt.verdict is Verdict.DEFERRED:
-            return  # the next round takes it: asked again then, it is granted
-        if receipt is not None:
-            self.link.publish(self.topics.agent_ack(request.agent_id),
-                              encode(Ack(request.task_id, request.round, request.agent_id, receipt.refusal)))
-        elif self.grants is None:
-            self._grant([UploadGrant(request.task_id, request.round, request.agent_id)])
-        else:
-            self._grant(self.grants.ask(request.agent_id, request.task_id, request.round, request.size))
-
-    def _receipt_before_upload(self, agent_id: str, task_id: str, round_number: int, digest: str) -> Receipt | None:
-        """What the update a request is for would get (`Round.receipt_before_upload`; between two rounds: deferred
-        for a task the next round carries, else refused as the intake refuses it); None: it would be taken."""
-        current = self._current()
-        if current is not None:
-            return current.receipt_before_upload(task_id, round_number, agent_id, digest)
-        if task_id in self._carried_ids:
-            return Receipt(Verdict.DEFERRED)
-        return Receipt(Verdict.UNKNOWN, f"unknown task {task_id!r} of round {round_number}: no round is in progress")
-
-    def _upload_wanted(self, agent_id: str, task_id: str, round_number: int) -> bool:
-        """Whether the round would take the update a waiting request is for now (one whose round closed, whose
-        update is in already, or that the next round will take, is dropped when its turn comes: asked again, it
-        is answered)."""
-        return self._receipt_before_upload(agent_id, task_id, round_number, "") is None
-
-    def _upload_window(self) -> tuple[float, float]:
-        """The upload window's bytes granted and requests waiting (zeros when uploads are not granted)."""
-        return (self.grants.in_flight, self.grants.waiting) if self.grants is not None else (0.0, 0.0)
-
-    def _grant(self, grants: list[UploadGrant]) -> None:
-        for grant in grants:
-            self.link.publish(self.topics.agent_ack(grant.agent_id), encode(grant))
 
     def _on_answer(self, current: Round) -> None:
         self._progress("round", current.number, len(current.answers), len(current.tasks))
