@@ -105,9 +105,15 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         for mode, (run_dir, rounds) in runs.items():
             print(f"running {mode}: {' '.join(sim_command(args, mode, rounds, run_dir)[1:])}", flush=True)
-            subprocess.run(sim_command(args, mode, rounds, run_dir), cwd=ROOT, check=True,
-                           stdout=subprocess.DEVNULL, stderr=(out / f"{mode}.log").open("w"))
-    reports = {mode: json.loads((run_dir / "report.json").read_text()) for mode, (run_dir, _) in runs.items()}
+            with (out / f"{mode}.log").open("w") as log:
+                done = subprocess.run(sim_command(args, mode, rounds, run_dir), check=False, cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=log)
+            if done.returncode:
+                parser.error(f"the {mode} run failed (exit {done.returncode}): see {out / f'{mode}.log'}")
+    try:
+        reports = {mode: json.loads((run_dir / "report.json").read_text()) for mode, (run_dir, _) in runs.items()}
+    except (OSError, json.JSONDecodeError) as exc:
+        parser.error(f"cannot read a run's report in {out} ({exc}): run without --read first")
     target = reports["sync"]["summary"]["final_global_accuracy"]
     for mode, report in reports.items():
         for line in describe(mode, report, target):

@@ -42,6 +42,7 @@ from coordinator.serving import ServiceLog
 from coordinator.strategies import TaskPlan
 from coordinator.strategies.base import Skip, State
 from coordinator.upload_desk import UploadDesk
+from coordinator.upload_grants import UploadGrants
 from models import ModelFamily
 from protocol import (
     STATUS_REPORT_REVISION,
@@ -144,9 +145,13 @@ class Coordinator:
         self.uploads = UploadDesk(self.intake, config.uploads, lambda topic, payload: self.link.publish(topic, payload),
                                   self.topics, self._current, lambda task_id: task_id in self._carried_ids,
                                   self._on_answer)
-        self.grants = self.uploads.grants
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
-                                     self._states_of, config.seed, self.log, grants_uploads=self.grants is not None)
+                                     self._states_of, config.seed, self.log, grants_uploads=self.uploads.grants is not None)
+
+    @property
+    def grants(self) -> UploadGrants | None:
+        """The window of update bytes in transfer (``uploads``), None when uploads are not granted."""
+        return self.uploads.grants
 
     def _resume_pending_round(self) -> None:
         """Open the round the journal holds, if it is the next one, with the updates it had stored (taken again as

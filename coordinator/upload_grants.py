@@ -55,7 +55,8 @@ class UploadGrants:
         self._wanted = wanted
         self._lock = threading.Lock()
         self._waiting: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()  # (agent, task): (round, size)
-        self._granted: dict[tuple[str, str], _Lease] = {}
+        self._granted: dict[str, dict[str, _Lease]] = {}  # agent -> task -> its lease (a chunk finds its agent's)
+        self._leases = 0
         self._in_flight = 0
         self._last_sweep = clock()
         #: Grants sent, and grants taken back because their upload went idle (counters).
@@ -84,7 +85,7 @@ class UploadGrants:
         key = (agent_id, task_id)
         with self._lock:
             now = self._clock()
-            lease = self._granted.get(key)
+            lease = self._granted.get(agent_id, {}).get(task_id)
             if lease is not None:
                 lease.touched = now
                 self.granted_total += 1
@@ -98,9 +99,8 @@ class UploadGrants:
         """A chunk of ``agent_id`` came: its grants are alive. (Looks for idle grants, at most once a second.)"""
         with self._lock:
             now = self._clock()
-            for (agent, _), lease in self._granted.items():
-                if agent == agent_id:
-                    lease.touched = now
+            for lease in self._granted.get(agent_id, {}).values():
+                lease.touched = now
             if now - self._last_sweep < _SWEEP_S:
                 return []
             self._expire(now)
@@ -110,8 +110,9 @@ class UploadGrants:
         """The upload of ``task_id`` is in (None: every upload of ``agent_id`` ended, e.g. malformed); its
         bytes leave the window."""
         with self._lock:
-            for key in [key for key in self._granted if key[0] == agent_id and task_id in (None, key[1])]:
-                self._in_flight -= self._granted.pop(key).size
+            leases = self._granted.get(agent_id, {})
+            for task in [task_id] if task_id is not None else list(leases):
+                self._take_back(agent_id, task)
             return self._grant_next(self._clock())
 
     def forget(self, agent_id: str) -> list[UploadGrant]:
@@ -122,10 +123,23 @@ class UploadGrants:
                 del self._waiting[key]
         return self.finished(agent_id)
 
+    def _take_back(self, agent_id: str, task_id: str) -> bool:
+        """Give the lease of ``task_id`` back to the window (lock held); whether there was one."""
+        leases = self._granted.get(agent_id, {})
+        lease = leases.pop(task_id, None)
+        if lease is None:
+            return False
+        if not leases:
+            del self._granted[agent_id]
+        self._in_flight -= lease.size
+        self._leases -= 1
+        return True
+
     def _expire(self, now: float) -> None:
         self._last_sweep = now
-        for key in [key for key, lease in self._granted.items() if now - lease.touched >= self.idle_s]:
-            self._in_flight -= self._granted.pop(key).size
+        for agent_id, task_id in [(agent_id, task_id) for agent_id, leases in self._granted.items()
+                                  for task_id, lease in leases.items() if now - lease.touched >= self.idle_s]:
+            self._take_back(agent_id, task_id)
             self.expired_total += 1
 
     def _grant_next(self, now: float) -> list[UploadGrant]:
@@ -136,10 +150,11 @@ class UploadGrants:
                 del self._waiting[key]
                 self.dropped_total += 1
                 continue
-            if self._granted and self._in_flight + size > self.window_bytes:
+            if self._leases and self._in_flight + size > self.window_bytes:
                 break
             del self._waiting[key]
-            self._granted[key] = _Lease(round_number, size, now)
+            self._granted.setdefault(key[0], {})[key[1]] = _Lease(round_number, size, now)
+            self._leases += 1
             self._in_flight += size
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
             self.granted_total += 1

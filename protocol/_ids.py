@@ -8,6 +8,8 @@ from protocol.errors import ProtocolError
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+#: A sha256 as the protocol writes it: 64 lowercase hex digits.
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def shown(value: object, width: int = 60) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from protocol._ids import shown
+from protocol._ids import SHA256_HEX, shown
 from protocol._reader import FieldReader, check_int, check_number
 from protocol.errors import ProtocolError
 from protocol.framing import TensorSection
@@ -241,7 +241,7 @@ def read_ack(obj: object, limits: Limits) -> Ack:
 def read_upload_request(obj: object, limits: Limits) -> UploadRequest:
     r = FieldReader(obj, "upload_request", limits, UploadRequest, HEADER, optional=("sha256",))
     digest = r.opt_text("sha256") or ""
-    if digest and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
+    if digest and not SHA256_HEX.fullmatch(digest):
         raise ProtocolError(f"{r.label('sha256')} must be a hex sha256 (64 lowercase digits), got {shown(digest)}")
     return UploadRequest(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0),
                          agent_id=r.name("agent_id"), size=r.integer("size", minimum=0), sha256=digest)

@@ -19,7 +19,6 @@ a copy; it reads any other order too.
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from protocol._ids import reason_of, shown, validate_task_id
+from protocol._ids import SHA256_HEX, reason_of, shown, validate_task_id
 from protocol._reader import FieldReader
 from protocol.errors import ProtocolError
 from protocol.framing import Encoded
@@ -37,7 +36,6 @@ from protocol.messages import PROTOCOL_VERSION, READABLE_VERSIONS
 CHUNK_SIZE = 1 << 20
 HEADER_ALLOWANCE = 4096
 """The most bytes a chunk may hold besides its data."""
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _CHUNK_LIMITS = Limits(max_str_len=256)
 _DATA_KEY = b"\xa4data\xc6"  # "data": bin32 follows
 _U32 = struct.Struct(">I")
@@ -217,7 +215,7 @@ def parse_chunk(chunk: object, max_chunk_bytes: int) -> ChunkFields:
         raise ProtocolError(f"chunk seq {seq} is out of range for {count} chunks")
     sha256 = r.raw("sha256")
     carries = version == 1 or seq == count - 1
-    if not isinstance(sha256, str) or not (_SHA256_RE.fullmatch(sha256) if carries else sha256 == ""):
+    if not isinstance(sha256, str) or not (SHA256_HEX.fullmatch(sha256) if carries else sha256 == ""):
         raise ProtocolError(f"chunk sha256 must be {'64 lowercase hex digits' if carries else 'empty'} in "
                             f"{'this' if version == 2 else 'every'} chunk of version {version}, got {shown(sha256)}")
     data = r.raw("data")
