@@ -12,6 +12,8 @@
   filters what it delivers, so neither can be seen there.) A broker that closes the connection at a subscription
   it refuses (RabbitMQ) stops ``start`` with a sentence saying so once it has done it twice in a row (once could
   be a dropped connection), rather than after the timeout.
+- ``call_soon`` runs a callable on the dispatcher thread, in turn with the messages: a daemon whose handlers
+  keep state for one thread hands them work from its other threads that way, with no lock.
 - ``pulse`` tells how long ago the dispatcher last got through its queue: what a watchdog should check, since
   it stays true through a broker outage and turns false when the daemon's own loop hangs.
 """
@@ -133,6 +135,13 @@ _PENDING_TOPICS = 10_000
 _PULSE = ("", b"")
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Work for the dispatcher thread (:meth:`MqttLink.call_soon`)."""
+
+    work: Callable[[], object]
+
+
 class LinkState(Enum):
     """Where a link is in its life. ``CONNECTING`` until its subscriptions are first acknowledged, then ``READY``
     (through an outage too: paho reconnects and resubscribes); ``STOPPING`` once ``stop()`` began, and
@@ -243,7 +252,7 @@ class MqttLink:
         self.ready = threading.Event()  # set when the link first becomes READY, and stays set
         self._handshake = _Handshake()
         self._uptime = _Uptime()
-        self._inbox: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=queue_limit)
+        self._inbox: queue.Queue[tuple[str, bytes] | _Call | None] = queue.Queue(maxsize=queue_limit)
         self._client: mqtt.Client | None = None
         self.protocol_name = ""
         self._dispatcher: threading.Thread | None = None
@@ -407,6 +416,12 @@ class MqttLink:
         with self._room:
             return self._room.wait_for(lambda: self._in_flight < limit, timeout)
 
+    def call_soon(self, work: Callable[[], object]) -> None:
+        """Run ``work`` on the dispatcher thread after the messages received so far, as a handler runs (what it
+        raises is logged); waits for room when the inbox is full. Work queued before :meth:`start` runs once the
+        dispatcher does; work queued once the link is stopping may never run."""
+        self._inbox.put(_Call(work))
+
     def backlog(self) -> int:
         """Messages received and not yet handled (the inbox's length)."""
         return self._inbox.qsize()
@@ -422,6 +437,13 @@ class MqttLink:
     def outage_seconds(self) -> float:
         """Seconds the link has been without the broker since it was first ready (the current outage included)."""
         return self._uptime.outage_seconds()
+
+    def down_for(self) -> float | None:
+        """Seconds since the link lost the broker, in the outage going on (paho reconnecting); None while it is
+        connected, and before it first was."""
+        with self._uptime.lock:
+            since = self._uptime.down_since
+        return None if since is None else time.monotonic() - since
 
     @property
     def connected(self) -> bool:
@@ -613,6 +635,13 @@ class MqttLink:
                 return
             if item is _PULSE:
                 self._last_pulse = time.monotonic()
+                continue
+            if isinstance(item, _Call):
+                try:
+                    item.work()
+                except Exception:  # noqa: BLE001 - as a handler's: logged, the daemon goes on
+                    with contextlib.suppress(Exception):
+                        self._log.exception("queued_call_failed")
                 continue
             topic, payload = item
             try:

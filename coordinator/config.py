@@ -426,10 +426,13 @@ class BufferedConfig:
     """The ``buffered`` section, read with ``round_mode: buffered`` (see :mod:`coordinator.staleness`): a round
     aggregates once ``size`` trained updates are in (0, the default: half of those its tasks may bring, rounded up:
     those it sent and those still training from earlier rounds, less the ones answered without an update); a task
-    more than ``max_staleness`` rounds old (default 16) is carried no further, and its device gets a new task."""
+    more than ``max_staleness`` rounds old (default 16) is carried no further, and its device gets a new task. With
+    ``drain_last`` (default true) the run's last round waits for every task it holds, as a synchronous round does,
+    so that nothing trained is left carried when the run ends."""
 
     size: int = 0
     max_staleness: int = 16
+    drain_last: bool = True
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
@@ -503,6 +506,10 @@ class CoordinatorConfig:
     #: Serve Prometheus metrics on this port (0: a free one; None: not at all) and address (``coordinator.exporter``).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    #: Seconds a stopping coordinator keeps serving its metrics, at most, for a scrape of its final state (none
+    #: when nothing ever scraped them). 20: Prometheus's example configuration scrapes every 15 s, and a scrape
+    #: needs a moment; well inside systemd's 90 s to stop a service. Raise it for a longer scrape interval.
+    metrics_linger_s: float = 20.0
 
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. (``algorithm`` is checked against the
@@ -533,6 +540,8 @@ class CoordinatorConfig:
             raise ValueError("round_timeout_s must be positive")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (0-65535), got {self.metrics_port}")
+        if not (math.isfinite(self.metrics_linger_s) and self.metrics_linger_s >= 0):
+            raise ValueError(f"metrics_linger_s must be 0 or more seconds, got {self.metrics_linger_s}")
         self.broker.validate()
         self.recipe.validate()
         self.scalefl.validate()

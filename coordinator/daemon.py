@@ -144,7 +144,7 @@ class Coordinator:
         #: The agents' update topics: requests to upload and chunks (``uploads``: the window, `grants`).
         self.uploads = UploadDesk(self.intake, config.uploads, lambda topic, payload: self.link.publish(topic, payload),
                                   self.topics, self._current, lambda task_id: task_id in self._carried_ids,
-                                  self._on_answer)
+                                  self._on_answer, self.registry.revision, self.log)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
                                      self._states_of, config.seed, self.log, grants_uploads=self.uploads.grants is not None)
 
@@ -194,13 +194,16 @@ class Coordinator:
         self.link.start(timeout)
 
     def stop(self) -> None:
-        """Publish the retained 'offline' status and disconnect."""
+        """Publish the retained 'offline' status and disconnect; then stop serving the metrics once a scrape has read
+        their final state, or after ``metrics_linger_s`` (at once when nothing ever scraped them)."""
         with self._announce_lock:
             self._stopped = True  # no 'online' after the 'offline' (a progress re-publication due within the second)
         # Plain, as the Last Will: an agent of any revision may read it when it starts.
         self.link.stop(final=(self.topics.coordinator_status(), encode(self._status("offline", reports=False)), True))
         if self.exporter is not None:
-            self.exporter.stop()
+            if not self.exporter.stop(linger=self.config.metrics_linger_s):
+                self.log.warning("metrics_final_state_not_scraped", linger_s=self.config.metrics_linger_s,
+                                 message="no scrape read the final metrics before metrics_linger_s passed")
             self.metrics_port = None
 
     def _status(self, state: str, reports: bool | None = None) -> CoordinatorStatus:
@@ -339,6 +342,7 @@ class Coordinator:
         if self.exporter is not None:
             self.exporter.round_opened(current.number, len(current.tasks), len(current.answers))
         self._announce()
+        self.link.call_soon(self.uploads.round_opened)  # what came for it while no round collected
         bytes_down = self.dispatcher.send_round(current) + self._resend_carried(current)
         self._progress("round", current.number, len(current.answers), len(current.tasks))
         outage_before = self.link.outage_seconds()
@@ -381,6 +385,13 @@ class Coordinator:
         if self.on_round is not None:
             self.on_round(result)
         return result
+
+    def left_behind(self) -> list[tuple[str, str, str]]:
+        """(agent, task, where) of what no round settled when the run ended: tasks ``carried`` into a round that
+        never came (a buffered run without ``buffered.drain_last``), updates ``held`` for it."""
+        carried = [(dispatched.task.agent_id, dispatched.task_id, "carried") for dispatched in self._carried]
+        return carried + [(agent, task, "held") for agent, task in self.uploads.held()
+                          if task not in self._carried_ids]
 
     def _plan_round(self, round_number: int) -> Round:
         """Wait for the fleet, plan the round, journal it (before any task goes out) and open it."""
@@ -428,8 +439,12 @@ class Coordinator:
 
     def _new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
                    carried: Sequence[DispatchedTask] = ()) -> Round:
-        """A round of these tasks (and, buffered, the ``carried`` tasks of earlier rounds still training)."""
-        size = self.config.buffered.size if self.config.round_mode == "buffered" else None
+        """A round of these tasks (and, buffered, the ``carried`` tasks of earlier rounds still training). A
+        buffered run's last round waits for every task it holds (``buffered.drain_last``): the run ends with what
+        its devices trained aggregated, not carried into a round that never comes."""
+        buffered = self.config.buffered
+        last = round_number >= self.config.rounds and buffered.drain_last
+        size = buffered.size if self.config.round_mode == "buffered" and not last else None
         return Round(round_number, tasks, skipped, deadline, self.strategy.begin_aggregate(self.states),
                      self.config.screening, self.intake, carried=carried, buffer_size=size,
                      max_staleness=self.config.buffered.max_staleness)

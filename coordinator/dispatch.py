@@ -145,8 +145,7 @@ class Dispatcher:
 
     def revision(self, agent_id: str) -> int:
         """The protocol revision the agent announced (`protocol.PROTOCOL_REVISION`; 1 when it announced none)."""
-        record = self.registry.get(agent_id)
-        return record.capabilities.protocol_version if record is not None and record.capabilities else 1
+        return self.registry.revision(agent_id)
 
     def readable(self, adaptation: Adaptation | None, agent_id: str) -> Adaptation | None:
         """``adaptation`` without the fields the agent's revision does not read (it would refuse the task): an

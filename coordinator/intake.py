@@ -1,7 +1,7 @@
 """Update intake: an agent's update from its chunks to the result a round folds in.
 
-`UpdateIntake` puts the chunks of one transfer back together, decodes the update once, hands it to the round in
-progress and acks it (an ack says stored for aggregation, or why it never will be); as the round's
+`UpdateIntake` puts the chunks of one transfer back together, decodes the update once (:class:`Arrival`), hands it
+to the round in progress and acks it (an ack says stored for aggregation, or why it never will be); as the round's
 :class:`~coordinator.round.Intake` it examines it against its task (the spec trained must sit inside the one sent,
 its tensors be exactly that spec's and of its shapes), stores it in the journal before its ack, measures how far it
 moved the weights its task sent (screening), and reads a stored one back when screening takes an update out.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,6 +39,15 @@ MAX_BUFFERED_BYTES = 2 * 2**30
 
 
 _message_thread = threading.local()
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A whole update as it arrived: decoded, the message's bytes (a read-only view) and their sha256."""
+
+    update: Update
+    payload: BytesLike
+    digest: str
 
 
 def single_threaded_torch() -> None:
@@ -99,48 +109,48 @@ class UpdateIntake:
         self.on_receipt: Callable[[str, int, Round | None], None] | None = None
         self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}
 
-    def on_chunk(self, agent_id: str, payload: bytes, current: Round | None,
-                 on_accepted: Callable[[Round], None]) -> str | None:
-        """Feed one chunk of ``agent_id``'s upload; once its transfer is whole, decode the update (once: the round
-        examines this object), give it to the round in progress ``current`` (``on_accepted(current)`` when it takes
-        it as new) and ack it. Returns the task id of an update whole with this chunk (None while its transfer is
-        not). ProtocolError for a malformed update or one that names another agent."""
+    def on_chunk(self, agent_id: str, payload: bytes) -> Arrival | None:
+        """Feed one chunk of ``agent_id``'s upload; once its transfer is whole, the update decoded (once: the round
+        examines this object), else None. ProtocolError for a malformed update or one that names another agent."""
         whole = self.reassembler.feed_transfer(payload, source=agent_id)
         if whole is None:
             return None
-        complete = whole.payload  # a read-only view; its sha256 was computed as its chunks came
-        update = decode(complete, expected=Update)
+        update = decode(whole.payload, expected=Update)  # a read-only view; its sha256 computed as its chunks came
         assert isinstance(update, Update)
         if update.agent_id != agent_id:
             raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
-        if current is None and self._carried(update.task_id):  # between two buffered rounds: the next one takes it
-            self.log.info("update_deferred", agent=agent_id, task=update.task_id, round=update.round)
-            return update.task_id
+        return Arrival(update, whole.payload, whole.sha256)
+
+    def take(self, arrival: Arrival, current: Round | None, on_accepted: Callable[[Round], None]) -> Receipt | None:
+        """Give a whole update to the round in progress ``current`` (``on_accepted(current)`` when it takes it as
+        new) and answer it with its ack. Returns the receipt; one ``deferred`` (the next round carries the task, and
+        none collects now) is not answered: its update is for the caller to keep until a round can take it. None
+        when it could not be journaled (not answered: the agent sends it again)."""
+        update, agent_id = arrival.update, arrival.update.agent_id
         if current is None:
-            receipt = Receipt(Verdict.UNKNOWN, f"unknown task {update.task_id!r} of round {update.round}: no round "
-                                               f"is in progress")
+            receipt = (Receipt(Verdict.DEFERRED) if self._carried(update.task_id) else
+                       Receipt(Verdict.UNKNOWN, f"unknown task {update.task_id!r} of round {update.round}: no round "
+                                                f"is in progress"))
         else:
             try:  # stored (journaled) before the ack goes out, and folded into the round's aggregate
-                receipt = current.receive(update, complete, whole.sha256)
+                receipt = current.receive(update, arrival.payload, arrival.digest)
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
-                return update.task_id  # no ack: the agent sends it again
+                return None  # no ack: the agent sends it again
             if receipt.verdict is Verdict.ACCEPTED:
                 on_accepted(current)
-            elif receipt.verdict is Verdict.DEFERRED:  # not answered: the agent sends it again, to the next round
-                self.log.info("update_deferred", agent=agent_id, task=update.task_id, round=update.round,
-                              closed_round=current.number)
-                return update.task_id
+        if receipt.verdict is Verdict.DEFERRED:
+            return receipt
         # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
         # round may close and screen it before this ack goes out; its verdict ack settles the device either way.)
         self.publish(self.topics.agent_ack(agent_id),
-                          encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
+                     encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
-                      status=update.status, verdict=receipt.verdict, bytes=len(complete),
+                      status=update.status, verdict=receipt.verdict, bytes=len(arrival.payload),
                       refused=receipt.refusal)
         if self.on_receipt is not None:
-            self.on_receipt(str(receipt.verdict), len(complete), current)
-        return update.task_id
+            self.on_receipt(str(receipt.verdict), len(arrival.payload), current)
+        return receipt
 
     # ----------------------------------------------------------- the round's Intake
     def examine(self, update: Update, task: TaskPlan) -> Examined:

@@ -72,6 +72,12 @@ class FleetRegistry:
         with self._changed:
             return self._agents.get(agent_id)
 
+    def revision(self, agent_id: str) -> int:
+        """The protocol revision ``agent_id`` announced (`protocol.PROTOCOL_REVISION`; 1 when it announced none or
+        is not known)."""
+        record = self.get(agent_id)
+        return record.capabilities.protocol_version if record is not None and record.capabilities else 1
+
     def oldest_revision(self) -> int | None:
         """The oldest protocol revision an agent online announced (``Capabilities.protocol_version``); None when
         no agent is online."""

@@ -1,28 +1,41 @@
-"""The agents' update topics, from the coordinator's side: requests to upload answered, chunks handed to the intake.
+"""The agents' update topics, from the coordinator's side: requests to upload answered, chunks handed to the intake,
+and nothing a device trained left out because it came when no round could take it.
 
 An agent's update topic carries two kinds of message (protocol revision 6): its ``upload_request`` and the chunks of
 its update. :class:`UploadDesk` tells them apart (`protocol.message_type`), answers a request (the update's ack at
-once when the round would not take it, nothing yet for a task the next buffered round carries, else a grant from
-the window, `coordinator.upload_grants`, or at once when uploads are not granted), and feeds chunks to the
-:class:`~coordinator.intake.UpdateIntake`, giving each grant back when its update is in or its transfer ends. It
-runs on the thread that takes messages, as the intake does.
+once when the round would not take it, else a grant from the window, `coordinator.upload_grants`, or at once when
+uploads are not granted), and feeds chunks to the :class:`~coordinator.intake.UpdateIntake`, giving each grant back
+when its update is in or its transfer ends.
+
+An update for a task the next buffered round carries that comes while no round collects (the round stopped
+collecting, or none is open yet) is **held**, never dropped: its request waits at the desk, and a whole update sent
+without asking (an agent that predates revision 6, one restored from an agent's outbox, grants off) is kept in
+memory, within the window's bytes. :meth:`UploadDesk.round_opened` then takes the held updates and answers the held
+requests as soon as the next round collects. An agent of revision 7 or later whose request waits (held, or queued
+for room in the window) is told so (:class:`protocol.UploadWait`), and waits for its grant without spending its
+attempts. Everything here runs on the thread that takes messages, as the intake does; :meth:`round_opened` is
+queued there (`common.mqtt_link.MqttLink.call_soon`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
+from common.logs import Logger
 from coordinator.config import UploadsConfig
-from coordinator.intake import UpdateIntake
+from coordinator.intake import Arrival, UpdateIntake
 from coordinator.round import Receipt, Round, Verdict
 from coordinator.upload_grants import UploadGrants
 from protocol import (
+    UPLOAD_WAIT_REVISION,
     Ack,
     ProtocolError,
     Topics,
     TransferRefused,
     UploadGrant,
     UploadRequest,
+    UploadWait,
     decode,
     encode,
     message_type,
@@ -35,11 +48,11 @@ class UploadDesk:
     """Messages on the agents' update topics (see the module docstring), with the ``uploads`` section's window
     (:attr:`grants`, None when uploads are not granted). ``current()``: the round in progress; ``carried(task_id)``:
     whether the next round carries that task (between two rounds); ``on_answer(round)``: an update the round took
-    as new."""
+    as new; ``revision(agent_id)``: the protocol revision an agent announced."""
 
     def __init__(self, intake: UpdateIntake, uploads: UploadsConfig, publish: Callable[[str, bytes], object],
                  topics: Topics, current: Callable[[], Round | None], carried: Callable[[str], bool],
-                 on_answer: Callable[[Round], None]) -> None:
+                 on_answer: Callable[[Round], None], revision: Callable[[str], int], log: Logger) -> None:
         self.intake = intake
         #: The window of update bytes in transfer, None when uploads are not granted.
         self.grants = (UploadGrants(uploads.window_bytes, uploads.idle_s, wanted=self.wanted) if uploads.grant
@@ -49,6 +62,16 @@ class UploadDesk:
         self._current = current
         self._carried = carried
         self._on_answer = on_answer
+        self._revision = revision
+        self._log = log
+        #: Held for the next round: requests by (agent, task), whole updates sent without asking by task id (their
+        #: bytes at most ``_held_limit``).
+        self._held_requests: OrderedDict[tuple[str, str], UploadRequest] = OrderedDict()
+        self._held_updates: OrderedDict[str, Arrival] = OrderedDict()
+        self._held_limit = uploads.window_bytes
+        #: Counters: requests and whole updates held for a later round, and updates not held (over the limit).
+        self.held_total = 0
+        self.not_held_total = 0
 
     def on_message(self, agent_id: str, payload: bytes) -> None:
         """A message on ``agent_id``'s update topic: a chunk of its update, or its request to send one.
@@ -62,49 +85,116 @@ class UploadDesk:
             self._answer(request)
             return
         if self.grants is None:
-            self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
+            self._take(self.intake.on_chunk(agent_id, payload))
             return
         self._grant(self.grants.chunk_from(agent_id))
         try:
-            task_id = self.intake.on_chunk(agent_id, payload, self._current(), self._on_answer)
+            arrival = self.intake.on_chunk(agent_id, payload)
         except TransferRefused as refused:  # that transfer ends here (the agent asks again); others go on
             self._grant(self.grants.finished(agent_id, refused.transfer.rpartition(".")[0] or refused.transfer))
             raise
         except ProtocolError:
             self._grant(self.grants.finished(agent_id))  # a malformed upload ends here; the agent asks again
             raise
-        if task_id is not None:
-            self._grant(self.grants.finished(agent_id, task_id))
+        if arrival is not None:
+            self._take(arrival)
+            self._grant(self.grants.finished(agent_id, arrival.update.task_id))
+
+    def round_opened(self) -> None:
+        """A round began collecting: the updates held for it are taken (and acked), the requests held for it
+        answered (granted in turn). Run on the message thread."""
+        updates, self._held_updates = self._held_updates, OrderedDict()
+        requests, self._held_requests = self._held_requests, OrderedDict()
+        if updates or requests:
+            self._log.info("held_uploads_released", updates=len(updates), requests=len(requests))
+        for arrival in updates.values():
+            self._take(arrival)
+        for request in requests.values():
+            self._answer(request)
 
     def forget(self, agent_id: str) -> None:
-        """``agent_id`` went offline: its requests leave the queue and its grants the window."""
+        """``agent_id`` went offline: its requests leave the queue and the desk, its grants the window (it asks
+        again when it is back; an update of its held whole is still taken)."""
+        for key in [key for key in self._held_requests if key[0] == agent_id]:
+            del self._held_requests[key]
         if self.grants is not None:
             self._grant(self.grants.forget(agent_id))
 
     def wanted(self, agent_id: str, task_id: str, round_number: int) -> bool:
         """Whether the round would take the update a waiting request is for now (one whose round closed, whose
-        update is in already, or that the next round will take, is dropped when its turn comes: asked again, it
-        is answered); the window's ``wanted``."""
+        update is in already, or that the next round will take, leaves the queue when its turn comes, and is
+        answered then: its ack, or held); the window's ``wanted``."""
         return self._receipt_before_upload(agent_id, task_id, round_number, "") is None
 
     def window(self) -> tuple[float, float]:
-        """The window's bytes granted and requests waiting (zeros when uploads are not granted)."""
-        return (self.grants.in_flight, self.grants.waiting) if self.grants is not None else (0.0, 0.0)
+        """The window's bytes granted, and the requests waiting: for room in the window, or held for the next
+        round."""
+        if self.grants is None:
+            return 0.0, float(len(self._held_requests))
+        return self.grants.in_flight, self.grants.waiting + len(self._held_requests)
+
+    def held(self) -> list[tuple[str, str]]:
+        """(agent, task) of the requests and whole updates held now for the next round."""
+        return sorted({*self._held_requests, *((a.update.agent_id, task) for task, a in self._held_updates.items())})
 
     def _answer(self, request: UploadRequest) -> None:
         """Answer an agent asking to upload: its ack at once when the round would not take the update (stored
-        already, or refused), else a grant, at once when uploads are not granted (a coordinator restarted with
-        ``uploads.grant`` off answers the agents its tasks told to ask)."""
+        already, or refused); held when the next round takes it; else a grant, at once when uploads are not
+        granted (a coordinator restarted with ``uploads.grant`` off answers the agents its tasks told to ask), or
+        in turn (told to wait meanwhile)."""
         receipt = self._receipt_before_upload(request.agent_id, request.task_id, request.round, request.sha256)
-        if receipt is not None and receipt.verdict is Verdict.DEFERRED:
-            return  # the next round takes it: asked again then, it is granted
         if receipt is not None:
-            self._publish(self._topics.agent_ack(request.agent_id),
-                          encode(Ack(request.task_id, request.round, request.agent_id, receipt.refusal)))
+            self._settle(request, receipt)
         elif self.grants is None:
             self._grant([UploadGrant(request.task_id, request.round, request.agent_id)])
         else:
             self._grant(self.grants.ask(request.agent_id, request.task_id, request.round, request.size))
+            if self.grants.is_waiting(request.agent_id, request.task_id):
+                self._tell_to_wait(request, "waiting for room in the coordinator's upload window: granted in the "
+                                            "order asked")
+
+    def _settle(self, request: UploadRequest, receipt: Receipt) -> None:
+        """Answer a request the round would not take now: held (and the agent told to wait) when the next round
+        takes it, else its ack."""
+        if receipt.verdict is Verdict.DEFERRED:
+            key = (request.agent_id, request.task_id)
+            if key not in self._held_requests:
+                self.held_total += 1
+                self._log.info("upload_request_held", agent=request.agent_id, task=request.task_id,
+                               round=request.round)
+            self._held_requests[key] = request
+            self._tell_to_wait(request, "no round is collecting updates now: the next round takes this one")
+            return
+        self._publish(self._topics.agent_ack(request.agent_id),
+                      encode(Ack(request.task_id, request.round, request.agent_id, receipt.refusal)))
+
+    def _take(self, arrival: Arrival | None) -> None:
+        """Hand a whole update to the round in progress; one deferred to the next round is held (within the
+        window's bytes; beyond them it is not answered, and its agent sends it again)."""
+        if arrival is None:
+            return
+        receipt = self.intake.take(arrival, self._current(), self._on_answer)
+        if receipt is None or receipt.verdict is not Verdict.DEFERRED:
+            return
+        update = arrival.update
+        self._held_updates.pop(update.task_id, None)
+        held = sum(len(kept.payload) for kept in self._held_updates.values())
+        if held + len(arrival.payload) > self._held_limit and self._held_updates:
+            self.not_held_total += 1
+            self._log.warning("update_not_held", agent=update.agent_id, task=update.task_id,
+                              bytes=len(arrival.payload), held_bytes=held,
+                              message="the updates held for the next round fill the upload window: not answered, "
+                                      "the agent sends it again")
+            return
+        self._held_updates[update.task_id] = arrival
+        self.held_total += 1
+        self._log.info("update_held", agent=update.agent_id, task=update.task_id, round=update.round)
+
+    def _tell_to_wait(self, request: UploadRequest, reason: str) -> None:
+        """Tell an agent that reads it (revision 7) that its request waits its turn."""
+        if self._revision(request.agent_id) >= UPLOAD_WAIT_REVISION:
+            self._publish(self._topics.agent_ack(request.agent_id),
+                          encode(UploadWait(request.task_id, request.round, request.agent_id, reason)))
 
     def _receipt_before_upload(self, agent_id: str, task_id: str, round_number: int, digest: str) -> Receipt | None:
         """What the update a request is for would get (`Round.receipt_before_upload`; between two rounds: deferred
@@ -117,5 +207,9 @@ class UploadDesk:
         return Receipt(Verdict.UNKNOWN, f"unknown task {task_id!r} of round {round_number}: no round is in progress")
 
     def _grant(self, grants: list[UploadGrant]) -> None:
+        """Send ``grants``; then answer the requests that left the window's queue unwanted meanwhile."""
         for grant in grants:
             self._publish(self._topics.agent_ack(grant.agent_id), encode(grant))
+        if self.grants is not None:
+            for asked in self.grants.take_dropped():
+                self._answer(UploadRequest(asked.task_id, asked.round, asked.agent_id, asked.size))

@@ -8,9 +8,10 @@ in stay within the window (one upload larger than the window goes alone), so tha
 they wait (the broker, the link's queue, reassembly), hold at most the window whatever the fleet's size. A grant is
 taken back once its update is in (or its transfer was refused), or when no chunk of its agent came for ``idle_s``
 (its grant was lost, say: the agent asks again), and an agent gone offline leaves the queue; a request whose update
-the round would no longer take (in already, its round closed) is dropped when its turn comes, and answered with the
-update's ack when the agent asks again. Agents that predate revision 6 send at once, as before, and are taken as
-ever; so is an update sent without asking (one a restarted agent restores from its spool).
+the round would no longer take (in already, its round closed, or held for the next round) leaves the queue when its
+turn comes, and is handed back (:meth:`UploadGrants.take_dropped`) for the coordinator to answer. Agents that
+predate revision 6 send at once, as before, and are taken as ever; so is an update sent without asking (one a
+restarted agent restores from its spool).
 """
 
 from __future__ import annotations
@@ -23,10 +24,20 @@ from dataclasses import dataclass
 
 from protocol import UploadGrant
 
-__all__ = ["UploadGrants"]
+__all__ = ["Asked", "UploadGrants"]
 
 #: Seconds between looks for grants gone idle, at most once per this many seconds of messages.
 _SWEEP_S = 1.0
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A request to upload that left the queue without a grant (:meth:`UploadGrants.take_dropped`)."""
+
+    agent_id: str
+    task_id: str
+    round: int
+    size: int
 
 
 @dataclass
@@ -45,7 +56,7 @@ class UploadGrants:
     def __init__(self, window_bytes: int, idle_s: float, *, clock: Callable[[], float] = time.monotonic,
                  wanted: Callable[[str, str, int], bool] = lambda agent_id, task_id, round_number: True) -> None:
         """``wanted(agent_id, task_id, round)``: whether the update a request is for would still be taken, asked
-        when its turn comes (a request that is not is dropped: asked again, the coordinator answers it)."""
+        when its turn comes (a request that is not leaves the queue, kept for :meth:`take_dropped`)."""
         if window_bytes < 1 or idle_s <= 0:
             raise ValueError(f"an upload window needs positive bytes and idle seconds, got {window_bytes} and "
                              f"{idle_s}")
@@ -55,6 +66,7 @@ class UploadGrants:
         self._wanted = wanted
         self._lock = threading.Lock()
         self._waiting: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()  # (agent, task): (round, size)
+        self._dropped: list[Asked] = []  # left the queue unwanted, not yet taken by take_dropped
         self._granted: dict[str, dict[str, _Lease]] = {}  # agent -> task -> its lease (a chunk finds its agent's)
         self._leases = 0
         self._in_flight = 0
@@ -78,6 +90,18 @@ class UploadGrants:
         """Requests waiting for a grant."""
         with self._lock:
             return len(self._waiting)
+
+    def is_waiting(self, agent_id: str, task_id: str) -> bool:
+        """Whether the request of ``agent_id`` for ``task_id`` waits in the queue."""
+        with self._lock:
+            return (agent_id, task_id) in self._waiting
+
+    def take_dropped(self) -> list[Asked]:
+        """The requests that left the queue since the last call because their update was no longer wanted (to be
+        answered: its ack, or held for the next round)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
 
     def ask(self, agent_id: str, task_id: str, round_number: int, size: int) -> list[UploadGrant]:
         """An agent asks to send ``size`` bytes for ``task_id``: it waits its turn (asking again keeps its place);
@@ -149,6 +173,7 @@ class UploadGrants:
             if not self._wanted(key[0], key[1], round_number):
                 del self._waiting[key]
                 self.dropped_total += 1
+                self._dropped.append(Asked(key[0], key[1], round_number, size))
                 continue
             if self._leases and self._in_flight + size > self.window_bytes:
                 break

@@ -11,7 +11,10 @@ An update goes out in the protocol version of the task it answers (a coordinator
 version 1, which every coordinator reads, when that is not known), and its chunks in the version of its payload.
 When its task says so (:attr:`protocol.Task.ask_to_upload`, protocol revision 6) the uplink asks before each send
 (:class:`protocol.UploadRequest`) and sends once the coordinator grants it (:meth:`Uplink.on_grant`): a send whose
-grant does not come within the ack's wait counts as an attempt, and it asks again.
+grant does not come within the ack's wait counts as an attempt, and it asks again. A coordinator of revision 7 says
+when a request waits its turn (:meth:`Uplink.on_wait`: room in its window, or the next round): the uplink then keeps
+waiting for the grant, asking again every ``ack_timeout_s`` to keep its place, and spends no attempt while each ask
+is answered so.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ class Uplink:
     """A per-agent sender thread: one update at a time, each retried until acked or attempts run out."""
 
     def __init__(self, agent_id: str, topic: str, publish: Publish, ack_timeout_s: float, attempts: int, *,
-                 connected: Callable[[], bool] = lambda: True, spool: UpdateSpool | None = None) -> None:
+                 connected: Callable[[], bool] = lambda: True, spool: UpdateSpool | None = None,
+                 on_backlog: Callable[[], object] | None = None) -> None:
+        """``on_backlog()`` is called whenever the updates waiting for their ack change (queued, settled, parked):
+        an agent republishes its status then."""
         self.agent_id = agent_id
         self.topic = topic
         self._publish = publish
@@ -65,6 +71,7 @@ class Uplink:
         self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
         self._acked: dict[str, threading.Event] = {}
         self._granted: dict[str, threading.Event] = {}  # task ids asked for, set when the grant comes
+        self._told_to_wait: dict[str, threading.Event] = {}  # task ids asked for, set when told to wait
         self._grant_waits: dict[str, float] = {}  # seconds each update in delivery waited for grants (its thread's)
         self._refusals: dict[str, str] = {}
         self._parked: dict[str, int | None] = {}  # task ids whose attempts ran out, kept in the spool: their
@@ -74,6 +81,7 @@ class Uplink:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{agent_id}-uplink", daemon=True)
         self._log = get_logger("uplink", agent=agent_id)
+        self._on_backlog = on_backlog
         self.delivered: list[str] = []
         self.refused: list[str] = []
         self.abandoned: list[str] = []
@@ -101,16 +109,36 @@ class Uplink:
         """Store ``update`` in the spool (when there is one) and queue it for delivery, encoded in protocol
         ``version``: that of the task it answers (`protocol.payload_version`), 1 when unknown; ``ask``: the task
         said :attr:`protocol.Task.ask_to_upload` (each send waits for the coordinator's grant)."""
+        self.send_later(update, version=version, ask=ask)()
+
+    def send_later(self, update: Update, *, version: int = 1, ask: bool = False) -> Callable[[], None]:
+        """:meth:`send` in two halves: store ``update`` in the spool now (a stop before it is sent loses nothing: the
+        next start sends it) and return the call that queues it for delivery (the agent's ``slowdown`` holds a
+        trained update back in between, ``edge_agent.holdback``)."""
         payload = encode(update, version=version)
         if self._spool is not None:
             self._spool.put(update.task_id, payload)
-        self._queue(_Outgoing(update.task_id, payload, update.round if ask else None))
+        outgoing = _Outgoing(update.task_id, payload, update.round if ask else None)
+        return lambda: self._queue(outgoing)
 
     def _queue(self, outgoing: _Outgoing) -> None:
         with self._lock:
             self._acked.setdefault(outgoing.task_id, threading.Event())
             self._sizes[outgoing.task_id] = len(outgoing.payload)
         self._outbox.put(outgoing)
+        self._backlog_changed()
+
+    def _backlog_changed(self) -> None:
+        if self._on_backlog is not None:
+            try:
+                self._on_backlog()
+            except Exception as exc:  # noqa: BLE001 - a status not published must not stop a delivery
+                self._log.warning("backlog_report_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def unacked(self) -> list[str]:
+        """The task ids of the updates queued, in delivery or parked: not yet acknowledged as stored."""
+        with self._lock:
+            return sorted({task_id for task_id, event in self._acked.items() if not event.is_set()} | set(self._parked))
 
     def backlog(self) -> tuple[int, int]:
         """The updates queued, in delivery or parked (not yet acknowledged as stored), and their bytes."""
@@ -141,6 +169,8 @@ class Uplink:
                 del self._parked[task_id]
                 self._sizes.pop(task_id, None)
         spooled = self._spool.remove(task_id) if self._spool is not None else False
+        if parked:  # (one in delivery leaves the backlog when its delivery ends, and says so then)
+            self._backlog_changed()
         return event is not None or parked or spooled
 
     def on_grant(self, task_id: str) -> bool:
@@ -150,6 +180,18 @@ class Uplink:
         if granted is not None:
             granted.set()
         return granted is not None
+
+    def on_wait(self, task_id: str, reason: str) -> bool:
+        """The coordinator says the request to upload ``task_id`` waits its turn (``reason``); False when it is not
+        asking for one."""
+        with self._lock:
+            told = self._told_to_wait.get(task_id)
+        if told is None:
+            return False
+        if not told.is_set():
+            self._log.info("upload_waiting", task=task_id, reason=reason)
+        told.set()
+        return True
 
     def resend_parked(self) -> int:
         """Queue again the updates whose attempts ran out (the coordinator is back); returns how many."""
@@ -205,23 +247,35 @@ class Uplink:
         return event.is_set()
 
     def _granted_now(self, outgoing: _Outgoing, acked: threading.Event, attempt: int) -> bool:
-        """Ask for the upload of ``outgoing`` and wait for the grant (at once True when it need not ask)."""
+        """Ask for the upload of ``outgoing`` and wait for the grant (at once True when it need not ask). While the
+        coordinator answers that the request waits its turn, ask again every ``ack_timeout_s`` (keeping its place)
+        without spending the attempt; an ask it does not answer so ends the wait as before."""
         if outgoing.round is None:
             return True
+        task_id = outgoing.task_id
         with self._lock:
-            granted = self._granted[outgoing.task_id] = threading.Event()
+            granted = self._granted[task_id] = threading.Event()
+            told = self._told_to_wait[task_id] = threading.Event()
         if not outgoing.digest:
             outgoing.digest = hashlib.sha256(outgoing.payload).hexdigest()
-        request = UploadRequest(outgoing.task_id, outgoing.round, self.agent_id, len(outgoing.payload),
-                                outgoing.digest)
-        self._publish(self.topic, encode(request))
+        request = encode(UploadRequest(task_id, outgoing.round, self.agent_id, len(outgoing.payload),
+                                       outgoing.digest))
         asked = time.monotonic()
         try:
-            return self._wait_for(granted, acked, attempt)
+            wait_attempt = attempt
+            while True:
+                self._publish(self.topic, request)
+                if self._wait_for(granted, acked, wait_attempt):
+                    return True
+                if not told.is_set() or acked.is_set() or self._stopping.is_set() or not self._connected():
+                    return False
+                told.clear()  # told to wait: its next ask must be answered so again to wait on
+                wait_attempt = 1  # asked again every ack_timeout_s
         finally:
-            self._grant_waits[outgoing.task_id] = self._grant_waits.get(outgoing.task_id, 0.0) + time.monotonic() - asked
+            self._grant_waits[task_id] = self._grant_waits.get(task_id, 0.0) + time.monotonic() - asked
             with self._lock:
-                self._granted.pop(outgoing.task_id, None)
+                self._granted.pop(task_id, None)
+                self._told_to_wait.pop(task_id, None)
 
     def _deliver(self, outgoing: _Outgoing) -> None:
         try:
@@ -258,6 +312,7 @@ class Uplink:
                 self._parked[task_id] = outgoing.round
             else:
                 self._sizes.pop(task_id, None)
+        self._backlog_changed()
         if refusal is not None:
             self.refused.append(task_id)
             self._log.warning("update_refused", task=task_id, attempts=attempt, reason=refusal)

@@ -45,6 +45,7 @@ from protocol import (
     TransferRefused,
     UploadGrant,
     UploadRequest,
+    UploadWait,
     decode,
     encode,
     split_payload,
@@ -89,7 +90,7 @@ class WorkerSpec:
     connect_timeout_s: float = 120.0
     seed: int = 0
     #: The protocol revision the agents announce (1: as agents that predate version 2; tasks then come in version 1,
-    #: and no agent asks before it uploads, which revision 6 does).
+    #: and no agent asks before it uploads, which revision 6 does; from 7 a request that waits its turn is told so).
     revision: int = 1
 
     @classmethod
@@ -140,6 +141,7 @@ class WorkerResult:
     resends: int = 0
     asks: int = 0
     grants: int = 0
+    waits: int = 0
     abandoned: int = 0
     acked: int = 0
     refused: int = 0
@@ -177,6 +179,7 @@ class _Pending:
     sent_at: float = 0.0  # when it was last sent, or asked for
     ask: bool = False  # it asks before each send (its task said so)
     asking: bool = False  # asked, no grant yet
+    told_to_wait: bool = False  # its last ask was answered with an UploadWait: asking again spends no attempt
 
 
 class _Agent:
@@ -325,7 +328,13 @@ class _Agent:
         pending.sent_at = time.monotonic()
 
     def _on_ack(self, payload: bytes | bytearray) -> None:
-        ack = decode(payload, expected=(Ack, UploadGrant))
+        ack = decode(payload, expected=(Ack, UploadGrant, UploadWait))
+        if isinstance(ack, UploadWait):
+            waiting = self.pending.get(ack.task_id)
+            if waiting is not None and waiting.asking:
+                waiting.told_to_wait = True
+                self.worker.result.waits += 1
+            return
         if isinstance(ack, UploadGrant):
             granted = self.pending.get(ack.task_id)
             if granted is not None and granted.asking:
@@ -369,6 +378,10 @@ class _Agent:
         self.client.loop_misc()
         for task_id, pending in list(self.pending.items()):
             if pending.payload and now - pending.sent_at >= spec.ack_timeout_s:
+                if pending.told_to_wait:  # waiting its turn: ask again to keep its place, no attempt spent
+                    pending.told_to_wait = False
+                    self._send(task_id)
+                    continue
                 if pending.attempt >= spec.update_attempts:
                     del self.pending[task_id]
                     self.worker.result.abandoned += 1

@@ -387,9 +387,8 @@ def _round_rows(metrics: list[dict[str, Any]], events: list[dict[str, Any]], mon
 
 def _agents_summary(results: list[WorkerResult], workers: int) -> dict[str, Any]:
     total: dict[str, Any] = {"workers": workers}
-    for name in ("agents", "online", "tasks", "duplicate_tasks", "updates", "resends", "asks", "grants", "abandoned",
-                 "acked",
-                 "refused", "aggregated", "rejected", "failed_updates", "protocol_errors", "disconnects",
+    for name in ("agents", "online", "tasks", "duplicate_tasks", "updates", "resends", "asks", "grants", "waits",
+                 "abandoned", "acked", "refused", "aggregated", "rejected", "failed_updates", "protocol_errors", "disconnects",
                  "reconnects", "bytes_in", "bytes_out"):
         total[name] = sum(getattr(r, name) for r in results)
     total["cpu_seconds"] = round(sum(r.cpu_seconds for r in results), 3)
@@ -607,7 +606,7 @@ def format_outcome(outcome: LoadOutcome, top: int = 8) -> str:
     lines.append(
         f"load generator: {a['online']}/{a['agents']} agents online; {a['tasks']} tasks, {a['updates']} updates, "
         f"{a['resends']} resent after {o.ack_timeout_s:g} s without an ack or grant, {a.get('asks', 0)} asks to "
-        f"upload, {a.get('grants', 0)} grants, {a['acked']} acked, {a['refused']} "
+        f"upload, {a.get('grants', 0)} grants, {a.get('waits', 0)} told to wait, {a['acked']} acked, {a['refused']} "
         f"refused, {a['aggregated']} aggregated, {a['rejected']} rejected, {a['protocol_errors']} protocol errors, "
         f"{a['disconnects']} disconnects; CPU {a['cpu_seconds']:.1f} s in all ({rounds_cpu:.1f} s during the "
         f"rounds), peak RSS per worker {_mib(a['peak_rss_per_worker'])} MiB")

@@ -1,13 +1,14 @@
 """FedFit wire contract: MQTT topics, message types, the msgpack codec and its validation.
 
 Every payload is a msgpack map ``{"v": version, "type": kind, **fields}`` with kind one of ``status``,
-``coordinator_status``, ``task``, ``update``, ``ack``, ``upload_request``, ``upload_grant``. Tensors hold raw little-endian C-order bytes of a
-whitelisted dtype: in version 1 as maps ``{"dtype", "shape", "data"}`` inside the message, in version 2
-(PROTOCOL_VERSION) after it (`protocol.framing`), encoded without a copy (`encode_parts`) and decoded as
-read-only views on the received bytes. `decode` reads both versions, `encode` writes either (``version=1`` for
-an agent whose `Capabilities` do not say it reads 2); nothing is ever pickled. Large payloads travel as
-``chunk`` maps of at most CHUNK_SIZE data bytes (`iter_chunks`, `split_payload`), put back together by a
-`Reassembler`. `decode` enforces `Limits` and turns every malformed input into a `ProtocolError`.
+``coordinator_status``, ``task``, ``update``, ``ack``, ``upload_request``, ``upload_grant``, ``upload_wait``.
+Tensors hold raw little-endian C-order bytes of a whitelisted dtype: in version 1 as maps ``{"dtype", "shape",
+"data"}`` inside the message, in version 2 (PROTOCOL_VERSION) after it (`protocol.framing`), encoded without a
+copy (`encode_parts`) and decoded as read-only views on the received bytes. `decode` reads both versions,
+`encode` writes either (``version=1`` for an agent whose `Capabilities` do not say it reads 2); nothing is
+ever pickled. Large payloads travel as ``chunk`` maps of at most CHUNK_SIZE data bytes (`iter_chunks`,
+`split_payload`), put back together by a `Reassembler`. `decode` enforces `Limits` and turns every malformed
+input into a `ProtocolError`.
 A task says how to train as data: a versioned `TrainingPlan` (`protocol.plan`) and an `Adaptation` ladder.
 Topics live under ``fedfit/v1/<federation>/`` (see `Topics`).
 """
@@ -27,6 +28,7 @@ from protocol.messages import (
     READABLE_VERSIONS,
     STATUS_REPORT_REVISION,
     UPLOAD_GRANT_REVISION,
+    UPLOAD_WAIT_REVISION,
     Ack,
     Adaptation,
     AgentReport,
@@ -43,6 +45,7 @@ from protocol.messages import (
     UpdateStatus,
     UploadGrant,
     UploadRequest,
+    UploadWait,
 )
 from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
 from protocol.reassembly import Reassembled, Reassembler, TransferRefused
@@ -62,6 +65,7 @@ __all__ = [
     "READABLE_VERSIONS",
     "STATUS_REPORT_REVISION",
     "UPLOAD_GRANT_REVISION",
+    "UPLOAD_WAIT_REVISION",
     "Ack",
     "Adaptation",
     "AgentReport",
@@ -91,6 +95,7 @@ __all__ = [
     "UpdateStatus",
     "UploadGrant",
     "UploadRequest",
+    "UploadWait",
     "decode",
     "decode_tensor",
     "encode",

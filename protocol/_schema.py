@@ -32,6 +32,7 @@ from protocol.messages import (
     UpdateStatus,
     UploadGrant,
     UploadRequest,
+    UploadWait,
 )
 from protocol.plan import ROUTES, Recipe, read_training_plan
 
@@ -44,6 +45,7 @@ KIND_OF: dict[type, str] = {
     Ack: "ack",
     UploadRequest: "upload_request",
     UploadGrant: "upload_grant",
+    UploadWait: "upload_wait",
 }
 
 
@@ -253,6 +255,12 @@ def read_upload_grant(obj: object, limits: Limits) -> UploadGrant:
                        agent_id=r.name("agent_id"))
 
 
+def read_upload_wait(obj: object, limits: Limits) -> UploadWait:
+    r = FieldReader(obj, "upload_wait", limits, UploadWait, HEADER)
+    return UploadWait(task_id=r.task_id("task_id"), round=r.integer("round", minimum=0),
+                      agent_id=r.name("agent_id"), reason=r.text("reason"))
+
+
 READERS: dict[str, Callable[[object, Limits], Message]] = {
     "status": read_agent_status,
     "coordinator_status": read_coordinator_status,
@@ -261,6 +269,7 @@ READERS: dict[str, Callable[[object, Limits], Message]] = {
     "ack": read_ack,
     "upload_request": read_upload_request,
     "upload_grant": read_upload_grant,
+    "upload_wait": read_upload_wait,
 }
 WITH_TENSORS: dict[str, Callable[[object, Limits, TensorSection], Message]] = {
     "task": read_task,

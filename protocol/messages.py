@@ -16,13 +16,13 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 6
+PROTOCOL_REVISION = 7
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
 field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
 ``width_kd`` loss terms); revision 5 the statuses' reports (:class:`AgentReport`, :class:`RoundProgress`);
-revision 6 uploads the coordinator grants (:attr:`Task.ask_to_upload`, :class:`UploadRequest`, :class:`UploadGrant`). A
-coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
+revision 6 uploads the coordinator grants (:attr:`Task.ask_to_upload`, :class:`UploadRequest`, :class:`UploadGrant`);
+revision 7 the coordinator's answer that a request waits its turn (:class:`UploadWait`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
 coordinators that predate revision 3 read an announced 3 or more as 2."""
 HEAD_ALONE_REVISION = 3
 """The first revision an agent reads :attr:`Adaptation.head_alone` in."""
@@ -36,6 +36,10 @@ STATUS_REPORT_REVISION = 5
 UPLOAD_GRANT_REVISION = 6
 """The first revision an agent asks before it uploads in: a coordinator that grants uploads sets
 :attr:`Task.ask_to_upload` in the tasks of such agents only (older ones send at once, as before)."""
+
+UPLOAD_WAIT_REVISION = 7
+"""The first revision an agent reads :class:`UploadWait` in: a coordinator tells such an agent that its request waits
+its turn (older ones hear nothing until their grant, and ask again meanwhile)."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -313,9 +317,23 @@ class UploadGrant:
     agent_id: str
 
 
+@dataclass
+class UploadWait:
+    """The coordinator's answer that the request to upload ``task_id`` waits its turn (on the agent's ack topic,
+    revision 7): the window of bytes in transfer is full, or no round takes the update now and the next one will
+    (``reason`` says which). The agent keeps waiting for its grant, asking again now and then to keep its place,
+    without spending its attempts."""
+
+    task_id: str
+    round: int
+    agent_id: str
+    reason: str
+
+
 #: What the coordinator's screening made of a stored update (:attr:`Ack.verdict`).
 VERDICTS: tuple[str, ...] = ("aggregated", "rejected")
 
 
-Message: TypeAlias = AgentStatus | CoordinatorStatus | Task | Update | Ack | UploadRequest | UploadGrant
+Message: TypeAlias = (AgentStatus | CoordinatorStatus | Task | Update | Ack | UploadRequest | UploadGrant
+                      | UploadWait)
 """Any top-level message (the nested Capabilities, ModelRef, Recipe, TrainingPlan and Adaptation are not)."""

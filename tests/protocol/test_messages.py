@@ -20,6 +20,7 @@ from protocol import (
     Update,
     UpdateStatus,
     UploadGrant,
+    UploadWait,
     UploadRequest,
     decode,
     encode,
@@ -337,7 +338,7 @@ def test_an_update_status_is_its_type_and_reads_as_its_value() -> None:
 
 def test_message_union_lists_the_top_level_messages() -> None:
     assert set(typing.get_args(Message)) == {AgentStatus, CoordinatorStatus, Task, Update, Ack, UploadRequest,
-                                            UploadGrant}
+                                            UploadGrant, UploadWait}
 
 
 def test_field_names_are_the_contract() -> None:
@@ -372,6 +373,23 @@ def test_upload_requests_and_grants_round_trip_and_a_task_asks_only_when_told() 
             decode(msgpack.packb({**wire, field: bad}))
     with pytest.raises(ProtocolError, match="unexpected|unknown"):
         decode(msgpack.packb({**wire, "extra": 1}))
+
+
+def test_upload_wait_round_trips_and_is_read_only_from_revision_7() -> None:
+    """Revision 7: the coordinator's answer that a request waits its turn; a reader refuses one without a reason
+    or with a field it does not know."""
+    import msgpack
+
+    from protocol import PROTOCOL_REVISION, UPLOAD_GRANT_REVISION, UPLOAD_WAIT_REVISION, message_type
+
+    assert PROTOCOL_REVISION >= UPLOAD_WAIT_REVISION > UPLOAD_GRANT_REVISION
+    wait = UploadWait("r3-pi-01-ab", 3, "pi-01", "round 3 is aggregating: round 4 takes this update")
+    assert decode(encode(wait)) == wait and message_type(encode(wait)) == "upload_wait"
+    wire = msgpack.unpackb(encode(wait))
+    with pytest.raises(ProtocolError, match="reason"):
+        decode(msgpack.packb({key: value for key, value in wire.items() if key != "reason"}))
+    with pytest.raises(ProtocolError, match="unexpected|unknown"):
+        decode(msgpack.packb({**wire, "ahead": 2}))
 
 
 def test_status_instance_and_ack_reason_stay_off_the_wire_at_their_defaults() -> None:
