@@ -19,9 +19,11 @@ COORDINATOR_PHASES = ("waiting_for_agents", "planning", "dispatch", "collecting"
                       "evaluation", "checkpoint")
 #: The devices' phases (the slowest device's seconds of each, from the update metrics): waiting for a training slot
 #: (``fedfit sim`` shares a few among its agents; a device has its own), the decision child, the training loop,
-#: and the transfer (the time from the task's dispatch to its update's arrival that the device did not report as
-#: its own: the task's download, the update's encoding and upload, the broker on the way).
-DEVICE_PHASES = ("queued", "decision", "training", "transfer")
+#: the slowdown (a simulated slow device's update held back after training: the agent's ``slowdown``, which the
+#: device reports as its own time) and the transfer (the time from the task's dispatch to its update's arrival
+#: that the device did not report as its own: the task's download, the update's encoding and upload, the broker on
+#: the way).
+DEVICE_PHASES = ("queued", "decision", "training", "slowdown", "transfer")
 
 
 def round_timing(coordinator: Mapping[str, float], devices: Iterable[Mapping[str, float]]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,6 +51,9 @@ class AgentConfig:
     doubled with every send up to 8 times it (``edge_agent.uplink.MAX_BACKOFF``).
     A training child that shows no progress (no step or stage ended) for ``stall_timeout_s`` is killed and its
     task failed with that reason.
+    ``slowdown`` (at least 1; for simulated or test fleets) makes training take that many times its compute: each
+    trained update is held back (slowdown - 1) times its measured training seconds before it is sent
+    (``edge_agent.holdback``), the agent busy meanwhile, as a device that many times slower would be.
     """
 
     agent_id: str
@@ -70,6 +74,7 @@ class AgentConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: TaskLimits = field(default_factory=TaskLimits)
     stall_timeout_s: float = 300.0
+    slowdown: float = 1.0
 
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. The agent id and the federation are
@@ -88,5 +93,8 @@ class AgentConfig:
             raise ValueError(f"outbox_max_bytes must be positive, got {self.outbox_max_bytes}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
+        if not math.isfinite(self.slowdown) or self.slowdown < 1:
+            raise ValueError(f"slowdown must be a number of at least 1 (1: training at this device's own speed), "
+                             f"got {self.slowdown}")
         if self.ack_timeout_s <= 0 or self.update_attempts < 1 or self.status_interval_s <= 0:
             raise ValueError("ack_timeout_s and status_interval_s must be positive, update_attempts at least 1")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from common.config import ConfigError, from_mapping
 from fedfit.sim.budgets import scenario_tiers
+from fedfit.sim.speeds import parse_speeds, speeds_text
 
 #: The top-level key of an experiment file that is not the coordinator's.
 SECTION = "experiment"
@@ -37,6 +38,7 @@ class Experiment:
     budget_variance: float | None = None
     allocator: Literal["pooled", "compact", "default"] | None = None
     train_samples: int | None = None
+    speeds: str | float | list[float] | None = None  # as --speeds takes them ("10,1"), or a list ([10, 1])
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.baselines if name not in BASELINES]
@@ -52,11 +54,25 @@ class Experiment:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.budget_variance is not None and self.budget_variance < 0:
             raise ValueError(f"budget_variance must be non-negative, got {self.budget_variance}")
+        if self.speeds is not None:
+            try:
+                self.speeds_text()
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("--speeds", "speeds", 1)) from None
+
+    def speeds_text(self) -> str | None:
+        """``speeds`` as ``--speeds`` takes them (ValueError, one sentence, for a bad factor)."""
+        if self.speeds is None:
+            return None
+        listed = self.speeds if isinstance(self.speeds, list) else [self.speeds]
+        text = ",".join(str(factor) for factor in listed)
+        return speeds_text(parse_speeds(text))
 
     def settings(self) -> dict[str, Any]:
         """The fleet settings the file gives (by :data:`fedfit.run_command.SETTINGS` name)."""
         names = ("agents", "partition", "budgets", "budget_variance", "allocator", "train_samples")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {**given, **({"speeds": self.speeds_text()} if self.speeds is not None else {})}
 
     def describe(self) -> dict[str, str]:
         """What a comparison's outputs quote of it (the claim and the paper's figures, where given)."""

@@ -8,6 +8,7 @@ the default shown in ``--help``: a configuration naming scalefl, 20 rounds and r
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from common.data import DATASET_NAMES
 from common.logs import configure_logging
 from fedfit.experiment import Experiment
 from fedfit.sim.budgets import BUDGET_SCENARIOS, scenario_tiers
+from fedfit.sim.speeds import parse_speeds
 
 #: Reads ``--config`` with ``--set``: the mapping they give (what they set, an experiment file's ``experiment``
 #: section apart), the validated coordinator config and that section (None: the file has none).
@@ -51,6 +53,7 @@ SETTINGS = {
     "device": Setting("--device", ("training_device",), "cpu"),
     "workers": Setting("--workers", None, None),
     "train_samples": Setting("--train-samples", None, None),
+    "speeds": Setting("--speeds", None, None),
 }
 
 
@@ -61,6 +64,15 @@ def budgets_type(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--budgets ")) from None
     return text
+
+
+def speeds_type(text: str) -> str:
+    """argparse type of ``--speeds``: slowdown factors, each at least 1 (``fedfit.sim.speeds``)."""
+    try:
+        parse_speeds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(re.sub(r"^--speeds:? ", "", str(exc))) from None
+    return text.strip()
 
 
 def _positive(text: str) -> int:
@@ -115,6 +127,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
     parser.add_argument("--budget-variance", type=float, default=None,
                         help="sigma^2 of the per-round fluctuation of tiers-fluctuating, in percentage points squared"
                              + default("budget_variance"))
+    parser.add_argument("--speeds", type=speeds_type, default=None, metavar="F,G,...",
+                        help="training speeds: slowdown factors (at least 1) of tiers of devices; a device of factor f "
+                             "trains f times as long as this machine takes (its update held back (f-1) x its training "
+                             "seconds, no training slot held). With as many factors as budget tiers, one per tier in "
+                             "the scenario's order (weakest first); else equal shares of the devices taken in tier "
+                             "order (see docs/budgets.md; default: every device at this machine's speed)")
     parser.add_argument("--allocator", choices=("pooled", "compact", "default"), default=None,
                         help="heap of the agents' training processes: pooled (low, predictable peaks at full speed), "
                              "compact (the same peaks, slower steps) or glibc's default (higher, noisier peaks)"
@@ -260,7 +278,8 @@ def _options(values: dict[str, Any], args: argparse.Namespace, base: Any, given:
 def _heading(options: Any, report: dict[str, Any]) -> str:
     broker = report["broker"]
     return (f"{options.algorithm} | {options.agents} agents | {report['settings']['dataset']} {options.partition} | "
-            f"{options.model} | budgets {options.budgets} | broker {broker['kind']} {broker['version']} "
+            f"{options.model} | budgets {options.budgets} | "
+            + (f"speeds {options.speeds} | " if options.speeds else "") + f"broker {broker['kind']} {broker['version']} "
             + ("(TLS, logins, ACL)" if broker["secured"] else "(UNSECURED)"))
 
 

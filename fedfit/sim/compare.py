@@ -43,9 +43,9 @@ BASELINE_MEANING = {
 }
 #: Settings that must agree for runs to be on the same fleet.
 FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "train_samples", "budgets",
-              "budget_variance", "allocator", "device")
-#: What a report written before a fleet key existed ran with.
-FLEET_DEFAULTS = {"device": "cpu"}
+              "budget_variance", "allocator", "device", "speeds")
+#: What a report written before a fleet key existed ran with (``speeds`` None: every device at the machine's speed).
+FLEET_DEFAULTS: dict[str, Any] = {"device": "cpu", "speeds": None}
 #: Parts of the resolved configuration that must agree too: they change the model and what a budget buys.
 FLEET_CONFIG_KEYS = (("model options", ("model", "options")), ("recipe", ("recipe",)))
 
@@ -239,7 +239,8 @@ def _heading(reports: Sequence[dict[str, Any]]) -> str:
     rounds = len(reports[0]["rounds"])
     seeds = list(dict.fromkeys(str(report.get("settings", {}).get("seed", "?")) for report in reports))
     return (f"{settings.get('agents', '?')} agents | {settings.get('dataset', '?')} {settings.get('partition', '')} | "
-            f"{settings.get('model', '?')} | budgets {settings.get('budgets', '?')} | seed{'s' * (len(seeds) > 1)} "
+            f"{settings.get('model', '?')} | budgets {settings.get('budgets', '?')} | "
+            + (f"speeds {settings['speeds']} | " if settings.get("speeds") else "") + f"seed{'s' * (len(seeds) > 1)} "
             f"{','.join(seeds)} "
             f"| {rounds} round{'' if rounds == 1 else 's'}")
 

@@ -40,6 +40,7 @@ from fedfit.sim.budgets import BudgetAnchor, DeviceBudget, device_budgets
 from fedfit.sim.progress import ProgressPrinter
 from fedfit.sim.report import build_report
 from fedfit.sim.rundir import claim_run_dir, new_run_dir, write_run_outputs
+from fedfit.sim.speeds import device_speeds, parse_speeds, speeds_line, speeds_text
 from fedfit.version import version_string
 
 
@@ -69,6 +70,7 @@ class SimOptions:
     allocator: str = "pooled"
     device: str = "cpu"  # where the agents' training children train: "cpu" or "cuda" (budgets in GPU memory)
     train_samples: int | None = None  # a seeded random subset of the training set this many samples (None: all)
+    speeds: str | None = None  # --speeds F,G,...: slowdown factors of tiers of devices (fedfit.sim.speeds); None: 1
     base: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     state_dir: str | None = None
     runs_root: str = "runs"
@@ -252,6 +254,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
     if isinstance(progress, str):
         progress = sys.stderr
     check_device(options.device)
+    factors = parse_speeds(options.speeds) if options.speeds else None
+    speeds = (device_speeds(factors, options.agents, options.budgets, options.seed) if factors
+              else [1.0] * options.agents)
     started = time.time()
     dataset, shards = data or fleet_data(options.dataset, options.base.data.root, options.agents,
                                          options.partition, options.seed, train_samples=options.train_samples)
@@ -307,6 +312,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                          [(f"{options.algorithm} ignores memory budgets: every device trains "
                           f"{coordinator.strategy.describe()[0]['spec']}")]):
                 print(f"{label + ': ' if label else ''}{line}", file=progress, flush=True)
+        if factors and progress is not None:
+            print(f"{label + ': ' if label else ''}{speeds_line(speeds, options.budgets, options.seed)}",
+                  file=progress, flush=True)
         coordinator.start()
         broker.add_logins([agent_id(index) for index in range(options.agents)])
         for index, indices in enumerate(shards):
@@ -319,7 +327,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                             device_kind=schedule.tier.name if schedule else "simulated",
                             budget_bytes=schedule(0) if schedule else None, data=data_config,
                             torch_threads=threads, state_dir=str(run_dir / "agents"),
-                            allocator=options.allocator, device=options.device),  # type: ignore[arg-type]
+                            allocator=options.allocator, device=options.device,  # type: ignore[arg-type]
+                            slowdown=speeds[index]),
                 to_local_data(dataset.x_train[indices], dataset.y_train[indices]),
                 executor=pool, budget_schedule=schedule,
             ))
@@ -339,6 +348,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                     "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
                     "device_tiers": [s.tier.name if s else None for s in schedules],
+                    # --speeds as given (None: every device at this machine's speed) and each device's factor
+                    "speeds": speeds_text(factors) if factors else None,
+                    "device_speeds": speeds,
                     # the heap the agents' children ran ("pooled" falls back to "compact" without the page pool)
                     "allocator": agents[0].runner.allocator if agents else options.allocator,
                     "masked_ce": coordinator.strategy.masked_ce,

@@ -111,7 +111,8 @@ def summary_text(report: dict[str, Any]) -> str:
     run = report.get("run", {})
     heading = (f"{report['algorithm']} | {settings.get('agents', '?')} agents | {settings.get('dataset', '?')} "
                f"{settings.get('partition', '')} | {settings.get('model', '?')} | budgets "
-               f"{settings.get('budgets', '?')} | seed {settings.get('seed', '?')}")
+               f"{settings.get('budgets', '?')} | " + (f"speeds {settings['speeds']} | " if settings.get("speeds") else "")
+               + f"seed {settings.get('seed', '?')}")
     lines = [heading]
     if run.get("version"):
         lines.append(f"{run['version']}, started {run.get('started_at', '?')}, ended {run.get('ended_at', '?')}")

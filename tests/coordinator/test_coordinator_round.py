@@ -11,7 +11,7 @@ import torch
 
 from coordinator.aggregation import RoundAggregate
 from coordinator.config import ScreeningConfig
-from coordinator.metrics import TaskRecord
+from coordinator.metrics import TaskRecord, round_timing
 from coordinator.round import Examined, Phase, Round
 from coordinator.screening import Change
 from coordinator.strategies import TaskPlan, TaskResult
@@ -272,6 +272,20 @@ def test_device_times_read_the_metrics_and_the_transfer_is_what_the_device_did_n
     assert (first["decision"], first["training"]) == (0.5, 2.0)
     assert 0.0 <= first["transfer"] <= received - sent
     assert second == {}
+
+
+def test_a_slowed_devices_hold_back_is_its_own_phase_and_not_transfer():
+    harness = opened()
+    sent = time.monotonic()
+    harness.round.mark_sent("t-a0")
+    message = update("a0")  # trained 0.01 s, then held back 0.02 s (slowdown 3), which it counts as its own time
+    message.metrics.update({"seconds": 0.01, "seconds_slowdown": 0.02, "seconds_task": 0.035})
+    harness.offer(message)
+    received = time.monotonic()
+    [times] = harness.round.device_times()
+    assert (times["training"], times["slowdown"]) == (0.01, 0.02)
+    assert 0.0 <= times["transfer"] <= max(0.0, received - sent - 0.035)
+    assert list(round_timing({}, [times])) == ["training", "slowdown", "transfer"]  # DEVICE_PHASES' order
 
 
 def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_waits_for_it():

@@ -36,6 +36,7 @@ def test_an_id_and_a_data_source_make_a_valid_config():
     ({"data": AgentDataConfig(dataset="digits", num_shards=4, shard=0)},
      {"data": AgentDataConfig(dataset="digits", num_shards=4, shard=-1)}, "data.shard must be in [0, num_shards)"),
     ({"stall_timeout_s": 0.001}, {"stall_timeout_s": 0.0}, "stall_timeout_s must be positive"),
+    ({"slowdown": 1.0}, {"slowdown": 0.999}, "slowdown must be a number of at least 1"),
 ])  # fmt: skip
 def test_the_last_valid_value_passes_and_the_next_is_refused(last_valid, first_refused, said):
     # The value at the edge of the documented range passes, its neighbour outside it is refused with that sentence.
@@ -131,3 +132,15 @@ def test_limits_must_be_positive(field):
 
     with pytest.raises(ValueError, match="every limits.max_\\* setting must be positive"):
         valid(limits=TaskLimits(**{field: 0})).validate()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_the_slowdown_must_be_a_finite_number(value):
+    with pytest.raises(ValueError, match="slowdown must be a number of at least 1"):
+        valid(slowdown=value).validate()
+
+
+def test_the_slowdown_defaults_to_the_devices_own_speed_and_reads_from_yaml():
+    assert valid().slowdown == 1.0
+    config = from_mapping(AgentConfig, {"agent_id": "pi-01", "data": {"dataset": "digits"}, "slowdown": 10})
+    assert config.slowdown == 10.0 and refusal(config) is None

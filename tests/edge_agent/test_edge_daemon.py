@@ -14,7 +14,7 @@ from edge_agent import daemon as daemon_module
 from edge_agent.config import AgentConfig, AgentDataConfig, TaskLimits
 from edge_agent.daemon import EdgeAgent
 from edge_agent.runner import LocalData
-from protocol import Ack, CoordinatorStatus, Topics, Update, encode, split_payload
+from protocol import Ack, CoordinatorStatus, Topics, Update, UpdateStatus, encode, split_payload
 
 TASKS = Topics("lab").agent_task("pi-01")
 
@@ -206,3 +206,92 @@ def test_a_task_cut_short_by_the_agents_own_stop_is_not_answered(make_agent, mon
         agent._busy += 1
     agent._serve(SimpleNamespace(task_id="r1-pi-01-1"), 0.0)
     assert sent == []  # nothing spooled: the next process trains the task the coordinator sends again
+
+
+def _trained(seconds: float, seconds_task: float) -> Callable[..., Update]:
+    """A runner's ``run`` that trains at once and says it trained ``seconds``."""
+    def run(task, payload=None) -> Update:
+        return Update(task.task_id, 1, "pi-01", UpdateStatus.OK, {}, 4, [0, 1], {},
+                      {"seconds": seconds, "seconds_task": seconds_task}, None)
+    return run
+
+
+def _busy_with(agent: EdgeAgent, task_id: str) -> None:
+    """What the dispatcher does before it hands a task to the training executor."""
+    with agent._lock:
+        agent._busy += 1
+        agent._training[task_id] = 1
+
+
+def test_a_slowed_agent_holds_its_update_back_busy_without_holding_its_training_slot(make_agent, monkeypatch) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from protocol import decode
+
+    agent, sent = make_agent(slowdown=1_000_001.0)  # held back 10^6 x 2 s: far beyond any test, only stop ends it
+    monkeypatch.setattr(agent.runner, "run", _trained(2.0, 2.5))
+    task = SimpleNamespace(task_id="r1-pi-01-1", round=1, ask_to_upload=False)
+    _busy_with(agent, task.task_id)
+    with ThreadPoolExecutor(max_workers=1) as slot:  # the simulator's training pool, one slot for every agent
+        slot.submit(agent._serve, task, time.perf_counter()).result(30)
+        assert slot.submit(lambda: "another agent trains").result(30)  # the slot is free at once
+    assert agent.status(report=False).state == "busy" and task.task_id in agent._training  # the agent is not
+    assert sent == [] and agent.uplink.backlog() == (0, 0)  # nothing sent, nothing queued...
+    assert agent.uplink.pending(task.task_id)  # ...but the update is in the outbox spool already
+    assert agent.spool is not None
+    spooled = agent.spool.load(task.task_id)
+    assert spooled is not None
+    update = decode(spooled.payload, expected=Update)
+    assert isinstance(update, Update)
+    assert update.metrics["seconds"] == 2.0  # the training as measured
+    assert update.metrics["seconds_slowdown"] == 1_000_000.0 * 2.0  # (f - 1) x its training seconds
+    assert update.metrics["seconds_task"] == 2.5 + 2_000_000.0  # the device's own time, the hold included
+    stopper = threading.Thread(target=agent.stop)
+    stopper.start()
+    stopper.join(30)
+    assert not stopper.is_alive()  # the stop did not wait out the slowdown
+    assert agent.holdback.held() == [] and agent.uplink.pending(task.task_id)  # left for the next start
+
+
+def test_a_held_back_update_goes_to_the_uplink_when_due_and_the_agent_is_free_again(make_agent, monkeypatch) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    agent, sent = make_agent(slowdown=3.0)
+    monkeypatch.setattr(agent.runner, "run", _trained(0.01, 0.02))
+    queued, over = threading.Event(), threading.Event()
+    send_later = agent.uplink.send_later
+
+    def watched(update: Update, **kwargs) -> Callable[[], None]:
+        queue = send_later(update, **kwargs)
+
+        def release() -> None:
+            queue()
+            queued.set()
+        return release
+
+    monkeypatch.setattr(agent.uplink, "send_later", watched)
+    monkeypatch.setattr(agent, "publish_status", lambda report=True: over.set())  # the last thing a task's end does
+    task = SimpleNamespace(task_id="r1-pi-01-2", round=1, ask_to_upload=False)
+    _busy_with(agent, task.task_id)
+    agent._serve(task, time.perf_counter())
+    assert queued.wait(30) and over.wait(30)
+    assert agent.uplink.backlog()[0] == 1 and sent == []  # queued for delivery (send() is the undelayed path)
+    assert agent._busy == 0 and task.task_id not in agent._training and agent.tasks_done == 1
+    assert agent._last_answer["last_task"] == task.task_id
+
+
+def test_an_agent_at_its_own_speed_sends_at_once(make_agent, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    agent, sent = make_agent()
+    monkeypatch.setattr(agent.uplink, "send", lambda update, **kwargs: sent.append(update))
+    monkeypatch.setattr(agent.runner, "run", _trained(2.0, 2.5))
+    task = SimpleNamespace(task_id="r1-pi-01-3", round=1, ask_to_upload=False)
+    _busy_with(agent, task.task_id)
+    agent._serve(task, time.perf_counter())
+    [update] = sent
+    assert "seconds_slowdown" not in update.metrics and update.metrics["seconds_task"] == 2.5
+    assert agent._busy == 0 and agent.holdback.held() == []

@@ -40,6 +40,8 @@ def test_a_plain_configuration_has_no_experiment(tmp_path: Path) -> None:
     ("{allocator: jemalloc}", "experiment.allocator"),
     ("{agents: 0}", "agents must be at least 1"),
     ("{budget_variance: -1}", "budget_variance must be non-negative"),
+    ("{speeds: [1, 0.5]}", "speeds: every factor is a number of at least 1"),
+    ("{speeds: '10,x'}", "got 'x'"),
 ])
 def test_a_malformed_section_is_refused_naming_the_file_and_key(tmp_path: Path, section: str, said: str) -> None:
     path = tmp_path / "bad.yaml"
@@ -58,6 +60,18 @@ def test_flags_win_over_the_file_which_wins_over_the_defaults() -> None:
     assert given == ["--partition iid"]
     values, _ = resolve(argparse.Namespace(), {}, None, {})
     assert (values["agents"], values["budgets"]) == (8, "tiers")
+
+
+@pytest.mark.parametrize(("given", "text"), [("10,1", "10,1"), ([10, 1.5], "10,1.5"), (3, "3")])
+def test_the_files_speeds_are_taken_as_the_flag_takes_them(given: object, text: str) -> None:
+    import argparse
+
+    _, experiment = split_experiment({"experiment": {"speeds": given}}, "e.yaml")
+    assert experiment is not None and experiment.settings() == {"speeds": text}
+    values, _ = resolve(argparse.Namespace(speeds=None), {}, None, experiment.settings())
+    assert values["speeds"] == text
+    values, _ = resolve(argparse.Namespace(speeds="1,2"), {}, None, experiment.settings())
+    assert values["speeds"] == "1,2"  # the flag wins
 
 
 def test_seeds_and_baselines_from_the_command_line() -> None:

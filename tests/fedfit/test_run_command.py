@@ -41,6 +41,8 @@ def test_flags_given_win_and_are_recorded(tmp_path: Path) -> None:
     values, given = resolve(args, mapping, loaded)
     assert (values["algorithm"], values["rounds"], values["seed"]) == ("fedepth", 3, 5)  # --set counts as config
     assert given == ["--algorithm fedepth", "--rounds 3"]
+    values, given = resolve(parse("--speeds", " 10,1 "), {}, CoordinatorConfig())
+    assert values["speeds"] == "10,1" and given == ["--speeds 10,1"]
 
 
 def test_without_configuration_the_defaults() -> None:
@@ -68,6 +70,11 @@ def test_version_without_torch(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(("flags", "said"), [
     (["sim", "--rounds", "0"], "--rounds: must be at least 1"),
     (["sim", "--budgets", "fractions:1/0"], "needs positive numbers or p/q with q > 0"),
+    (["sim", "--speeds", "1,0.5"], "argument --speeds: every factor is a number of at least 1"),
+    (["sim", "--speeds", "1,fast"], "got 'fast'"),
+    (["sim", "--speeds", ""], "argument --speeds: takes slowdown factors separated by commas"),
+    (["compare", "--algorithms", "heterofl", "--speeds", "0"], "argument --speeds: every factor"),
+    (["compare", "runs/a", "--speeds", "1,10"], "--speeds only apply to runs it makes"),
     (["compare"], "needs --algorithms"),
     (["compare", "runs/a", "--algorithms", "heterofl"], "either run directories or --algorithms"),
     (["compare", "runs/a", "--rounds", "3", "--seed", "1"], "--rounds, --seed only apply to runs it makes"),

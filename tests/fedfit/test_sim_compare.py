@@ -74,6 +74,15 @@ def test_runs_on_different_fleets_are_said_so(tmp_path: Path) -> None:
     assert "not on the same fleet" in paths["html"].read_text()
 
 
+def test_runs_whose_devices_train_at_other_speeds_are_not_the_same_fleet() -> None:
+    older, same, slowed = run("heterofl", 0.5), run("fedepth", 0.6), run("fedavg", 0.4)
+    same["settings"]["speeds"] = None  # as a run without --speeds records it, and one that predates it implies
+    slowed["settings"]["speeds"] = "1,10"
+    assert "speeds" not in older["settings"]
+    assert fleet_differences([older, same]) == []
+    assert fleet_differences([older, same, slowed]) == ["speeds: None / None / 1,10"]
+
+
 def test_the_comparison_files(tmp_path: Path) -> None:
     paths = write_comparison([run("heterofl", 0.5), run("fedepth", 0.6), run("fedavg", 0.4, width=1 / 6)], tmp_path)
     text = paths["txt"].read_text()

@@ -125,6 +125,33 @@ def test_non_iid_shards_use_masked_cross_entropy(mosquitto_installed: None, tmp_
     assert all(t["status"] == "ok" for t in outcome.report["tasks"])
 
 
+def test_devices_of_a_slower_tier_hold_their_updates_back_by_their_factor(mosquitto_installed: None,
+                                                                          tmp_path: Path) -> None:
+    import io
+
+    from fedfit.sim.speeds import device_speeds
+
+    options = SimOptions(algorithm="heterofl", agents=4, rounds=1, dataset="digits", seed=1, federation="e2e-speeds",
+                         base=tiny_config(), budgets="widths:1/2,1", speeds="3,1", state_dir=str(tmp_path / "run"))
+    said = io.StringIO()
+    settings = run_simulation(options, progress=said).report["settings"]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert (settings["speeds"], settings["device_speeds"]) == ("3,1", device_speeds((3.0, 1.0), 4, "widths:1/2,1", 1))
+    # one factor per tier, in the scenario's order: the half-width tier three times slower
+    assert [{"r=1/2": 3.0, "r=1": 1.0}[tier] for tier in settings["device_tiers"]] == settings["device_speeds"]
+    assert "training speeds (a device of factor f takes f times this machine's training time): x1: 2 devices (r=1), " \
+           "x3: 2 devices (r=1/2)" in said.getvalue()
+    factors = dict(zip(report["agents"], settings["device_speeds"]))
+    tasks = report["tasks"]
+    assert len(tasks) == 4 and all(task["status"] in ("ok", "adapted") for task in tasks)
+    for task in tasks:  # held back (f - 1) x its training seconds, as measured; not at all at this machine's speed
+        held = task["seconds_slowdown"]
+        assert held is None if factors[task["agent"]] == 1.0 else held == pytest.approx(2 * task["seconds"])
+    assert report["rounds"][0]["timing"]["slowdown"] == pytest.approx(
+        max(task["seconds_slowdown"] or 0.0 for task in tasks), abs=1e-4)
+    assert "| budgets widths:1/2,1 | speeds 3,1 | seed 1" in (tmp_path / "run" / "summary.txt").read_text()
+
+
 def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_directory(mosquitto_installed: None,
                                                                                    tmp_path: Path) -> None:
     config = tmp_path / "scalefl.yaml"
