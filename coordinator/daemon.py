@@ -158,6 +158,8 @@ class Coordinator:
         if they arrived now, without storing them again): from the first message on, so that an update its agents
         resend before run() gets to it is not refused for good."""
         pending = self.journal.load()
+        if pending is not None and pending.round == self.completed_rounds and pending.next is not None:
+            pending = pending.next  # checkpointed, then stopped before the journal said what the next round carries
         if pending is None or pending.round != self.completed_rounds + 1:
             return
         if pending.round == 1 and self.strategy.awaits_fleet:
@@ -364,6 +366,8 @@ class Coordinator:
         current.timing["evaluation"] = time.perf_counter() - phase
         phase = time.perf_counter()
         self.completed_rounds = current.number
+        if self._carried:  # (before the checkpoint: a stop between the two loses no carried task)
+            self.journal.carry_on(current.number + 1, self._carried, self._bases)
         self._checkpoint()
         if self._carried:  # the checkpoint holds the round now, the journal what the next one carries
             self.journal.begin(current.number + 1, 0.0, {}, [], self._carried, self._bases, planned=False)

@@ -6,9 +6,15 @@ adaptation, and its own round and deadline: a buffered round's tasks carried fro
 written before the first task goes out, with ``base-<round>.safetensors``, the states each earlier round's carried
 tasks were cut from (what their updates are rebased from), and one ``update-<digest>.msgpack`` per update stored
 for aggregation (the update message as it arrived), written before that update is acked. Everything is msgpack or
-JSON, each file written atomically. The journal is cleared once the round's checkpoint is
-written (a buffered round's is replaced by what the next round carries, marked unplanned); a journal of a round the
-checkpoint already holds is stale and ignored.
+JSON, each file written atomically. The journal is cleared once the round's checkpoint is written (a buffered
+round's is replaced by what the next round carries, marked unplanned); a journal of a round the checkpoint already
+holds is stale and ignored.
+
+A kill may come at any moment, so the journal is never seen half-written or half-removed: a new one writes its task
+and base files first, then replaces ``round.json`` at once, and only then removes what the new index no longer
+names; clearing removes ``round.json`` first. What a buffered round's next round carries is written
+(``next.json``, with the base of the round's own tasks) before the round's checkpoint, so that a kill between the
+checkpoint and the new index loses no carried task (:meth:`RoundJournal.carry_on`).
 """
 
 from __future__ import annotations
@@ -45,10 +51,19 @@ class JournaledRound:
     #: False for what a buffered round leaves once checkpointed: the tasks the next round carries, before that
     #: round is planned (a coordinator restarted then plans it, carrying them).
     planned: bool = True
+    #: What the next round carries, as recorded before this round's checkpoint (:meth:`RoundJournal.carry_on`):
+    #: the journal to go on with when the checkpoint holds this round already.
+    next: JournaledRound | None = None
 
 
 def _digest(task_id: str) -> str:
     return hashlib.sha256(task_id.encode()).hexdigest()[:24]  # a task id is wire data: never a file name
+
+
+def _entries(dispatched_tasks: Sequence[DispatchedTask]) -> list[dict[str, str]]:
+    """An index's entries of ``dispatched_tasks``: id, level and group (the rest is in each task's file)."""
+    return [{"task_id": dispatched.task_id, "level": dispatched.task.level, "group": dispatched.task.group}
+            for dispatched in dispatched_tasks]
 
 
 class RoundJournal:
@@ -65,24 +80,42 @@ class RoundJournal:
         carries from earlier rounds and the states those were cut from (``bases``, by round). ``planned`` False:
         only what the next round will carry, recorded with the last round's checkpoint (see
         :attr:`JournaledRound.planned`)."""
-        kept = {f"base-{number}.safetensors" for number in {dispatched.round for dispatched in carried}}
-        self.clear(keep=kept)  # (a round's states never change: the base files still needed stay as written)
-        self.directory.mkdir(parents=True, exist_ok=True)
         every = [DispatchedTask(task_id, round_number, task, deadline) for task_id, task in tasks.items()]
-        for dispatched in [*every, *carried]:
+        written = self._write_tasks([*every, *carried], carried, bases)
+        index = {"round": round_number, "deadline": deadline, "planned": planned,
+                 "tasks": _entries([*every, *carried]),
+                 "skipped": [{"agent_id": skip.agent_id, "reason": skip.reason} for skip in skipped]}
+        write_atomic(self.directory / "round.json", json.dumps(index).encode())
+        self._prune(keep=written | {"round.json"})
+
+    def carry_on(self, next_round: int, carried: Sequence[DispatchedTask],
+                 bases: Mapping[int, Mapping[str, State]]) -> None:
+        """Record, before a buffered round's checkpoint, what the next round carries (``next.json``) and the states
+        its tasks were cut from, beside the round's own journal (untouched: until the checkpoint is written, the
+        round is the one to resume). :meth:`begin` with ``planned=False`` then replaces the journal with it."""
+        self._write_tasks(carried, carried, bases)
+        index = {"round": next_round, "tasks": _entries(carried)}
+        write_atomic(self.directory / "next.json", json.dumps(index).encode())
+
+    def _write_tasks(self, dispatched_tasks: Sequence[DispatchedTask], carried: Sequence[DispatchedTask],
+                     bases: Mapping[int, Mapping[str, State]] | None) -> set[str]:
+        """Write each task's file and the base of every round a ``carried`` task was cut from (one written already
+        is kept as written: a round's states never change); the names of the files."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        names = set()
+        for dispatched in dispatched_tasks:
             task = dispatched.task
             message = Task(dispatched.task_id, dispatched.round, task.agent_id, dispatched.deadline, self.model,
                            task.spec.to_dict(), None, {}, adaptation=task.adaptation, plan=task.plan)
-            write_atomic(self.directory / f"task-{_digest(dispatched.task_id)}.msgpack", encode(message))
+            name = f"task-{_digest(dispatched.task_id)}.msgpack"
+            write_atomic(self.directory / name, encode(message))
+            names.add(name)
         for number in sorted({dispatched.round for dispatched in carried}):
-            if not (self.directory / f"base-{number}.safetensors").exists():
-                save_checkpoint(self.directory / f"base-{number}.safetensors", (bases or {})[number],
-                                {"round": number})
-        index = {"round": round_number, "deadline": deadline, "planned": planned,
-                 "tasks": [{"task_id": dispatched.task_id, "level": dispatched.task.level,
-                            "group": dispatched.task.group} for dispatched in [*every, *carried]],
-                 "skipped": [{"agent_id": skip.agent_id, "reason": skip.reason} for skip in skipped]}
-        write_atomic(self.directory / "round.json", json.dumps(index).encode())
+            name = f"base-{number}.safetensors"
+            if not (self.directory / name).exists():
+                save_checkpoint(self.directory / name, (bases or {})[number], {"round": number})
+            names.add(name)
+        return names
 
     def store(self, update: Update, payload: bytes | bytearray | memoryview) -> None:
         """Keep an update (its message as it arrived) before it is acked."""
@@ -100,22 +133,36 @@ class RoundJournal:
             tasks: dict[str, TaskPlan] = {}
             carried: list[DispatchedTask] = []
             for entry in index["tasks"]:
-                task_id = str(entry["task_id"])
-                path = self.directory / f"task-{_digest(task_id)}.msgpack"
-                message = decode(path.read_bytes(), expected=Task)
-                assert isinstance(message, Task)
-                plan = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
-                                message.training_plan(), str(entry["group"]), message.adaptation)
-                if message.round == round_number:
-                    tasks[task_id] = plan
+                dispatched = self._read_task(entry)
+                if dispatched.round == round_number:
+                    tasks[dispatched.task_id] = dispatched.task
                 else:
-                    carried.append(DispatchedTask(task_id, message.round, plan, message.deadline))
+                    carried.append(dispatched)
             skipped = [Skip(str(entry["agent_id"]), str(entry["reason"])) for entry in index["skipped"]]
-            bases = {number: load_checkpoint(self.directory / f"base-{number}.safetensors")[0]
-                     for number in sorted({dispatched.round for dispatched in carried})}
+            following = None
+            if (self.directory / "next.json").exists():
+                upcoming = json.loads((self.directory / "next.json").read_text())
+                later = [self._read_task(entry) for entry in upcoming["tasks"]]
+                following = JournaledRound(int(upcoming["round"]), 0.0, {}, [], later, self._bases(later),
+                                           planned=False)
+            bases = self._bases(carried)
         except (OSError, KeyError, TypeError, ValueError, ProtocolError, CheckpointError) as exc:
             raise self._unreadable(exc) from exc
-        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases, bool(index.get("planned", True)))
+        planned = bool(index.get("planned", True))
+        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases, planned, following)
+
+    def _read_task(self, entry: Mapping[str, object]) -> DispatchedTask:
+        """The task an index entry (its id, level and group) names, read from its file."""
+        task_id = str(entry["task_id"])
+        message = decode((self.directory / f"task-{_digest(task_id)}.msgpack").read_bytes(), expected=Task)
+        assert isinstance(message, Task)
+        plan = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
+                        message.training_plan(), str(entry["group"]), message.adaptation)
+        return DispatchedTask(task_id, message.round, plan, message.deadline)
+
+    def _bases(self, carried: Sequence[DispatchedTask]) -> dict[int, dict[str, State]]:
+        return {number: load_checkpoint(self.directory / f"base-{number}.safetensors")[0]
+                for number in sorted({dispatched.round for dispatched in carried})}
 
     def stored(self, tasks: Container[str]) -> Iterator[tuple[Update, bytes]]:
         """The updates stored for the round's ``tasks`` (ids: its own and those it carries), one at a time, each with
@@ -156,15 +203,18 @@ class RoundJournal:
         return ValueError(f"the round journal in {self.directory} cannot be read ({why}); move it away to start the "
                           f"round afresh")
 
-    def clear(self, keep: Container[str] = ()) -> None:
-        """Remove the journal (the round is checkpointed, or a new one begins), but for the files named in
-        ``keep``."""
+    def clear(self) -> None:
+        """Remove the journal (the round is checkpointed): its index first, so that a kill meanwhile leaves no
+        journal rather than one that names files already gone."""
         if not self.directory.exists():
             return
-        if not keep:
-            shutil.rmtree(self.directory)
-            sync_directory(self.directory.parent)
-            return
+        (self.directory / "round.json").unlink(missing_ok=True)
+        sync_directory(self.directory)
+        shutil.rmtree(self.directory)
+        sync_directory(self.directory.parent)
+
+    def _prune(self, keep: Container[str]) -> None:
+        """Remove every file but those named in ``keep`` (once the index that names them is written)."""
         for path in self.directory.iterdir():
             if path.name not in keep:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -116,7 +116,7 @@ class RoundResult:
     global_accuracy: float
     level_accuracy: dict[str, float]
     participants: int
-    selected: int
+    selected: int  # devices selected this round (with a task of its own, or skipped)
     bytes_down: int
     bytes_up: int
     seconds: float
@@ -128,6 +128,9 @@ class RoundResult:
     trained_exits: list[str] = field(default_factory=list)
     #: Where the round's time went, in seconds (:func:`round_timing`).
     timing: dict[str, float] = field(default_factory=dict)
+    #: Tasks of earlier rounds still training that this round held (buffered rounds): its updates may come from
+    #: those too, so participants can exceed ``selected``.
+    carried: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

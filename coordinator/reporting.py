@@ -131,4 +131,5 @@ def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: 
         trained_levels=levels,
         trained_exits=[f"exit{i}" for i in exits] if len(global_outputs) > 1 else [],
         timing=round_timing(current.timing, current.device_times()),
+        carried=sum(1 for task in current.tasks.values() if task.round != current.number),
     )

@@ -44,7 +44,8 @@ from protocol import BytesLike, TextEnum, Update, UpdateStatus
 __all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Intake", "Phase", "Receipt", "Round", "Verdict"]
 
 #: The update metric each device phase is read from (the agent's TaskRunner and daemon write them).
-DEVICE_METRICS = {"queued": "seconds_queued", "decision": "seconds_decision", "training": "seconds"}
+DEVICE_METRICS = {"queued": "seconds_queued", "decision": "seconds_decision", "training": "seconds",
+                  "slowdown": "seconds_slowdown"}
 
 
 class Phase(Enum):

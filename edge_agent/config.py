@@ -52,8 +52,8 @@ class AgentConfig:
     A training child that shows no progress (no step or stage ended) for ``stall_timeout_s`` is killed and its
     task failed with that reason.
     ``slowdown`` (at least 1; for simulated or test fleets) makes training take that many times its compute: each
-    trained update is held back (slowdown - 1) times its measured training seconds before it is sent
-    (``edge_agent.holdback``), the agent busy meanwhile, as a device that many times slower would be.
+    trained update is held back (slowdown - 1) times the seconds its task took (decision and training) before it is
+    sent (``edge_agent.holdback``), the agent busy meanwhile, as a device that many times slower would be.
     """
 
     agent_id: str

@@ -27,6 +27,7 @@ from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig
+from edge_agent.holdback import HoldBack, hold_seconds
 from edge_agent.memory import available_memory, detect_device_kind, size_text, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.spool import UpdateSpool
@@ -48,6 +49,7 @@ from protocol import (
     Update,
     UpdateStatus,
     UploadGrant,
+    UploadWait,
     decode,
     encode,
     parse_agent_topic,
@@ -132,8 +134,11 @@ class EdgeAgent:
         self.uplink = Uplink(self.agent_id, self.topics.agent_update(self.agent_id),
                              lambda topic, payload: self.link.publish(topic, payload),
                              config.ack_timeout_s, config.update_attempts,
-                             connected=lambda: self.link.connected, spool=self.spool)
+                             connected=lambda: self.link.connected, spool=self.spool,
+                             on_backlog=self._outbox_changed)
         self._timer = threading.Thread(target=self._status_loop, name=f"{self.agent_id}-status", daemon=True)
+        #: Trained updates held back by ``slowdown`` (spooled already), released to the uplink when due.
+        self.holdback = HoldBack(self.agent_id)
 
     def _torch_device(self) -> str:
         if self.config.device == "auto":  # torch is asked in the training forkserver, which starts for it
@@ -162,6 +167,9 @@ class EdgeAgent:
                 return
             self._stopping = True
         self._stop.set()
+        held = self.holdback.close()  # what was held back stays in the outbox spool: the next start sends it
+        if held:
+            self.log.info("held_updates_left_for_next_start", tasks=held, spooled=self.spool is not None)
         self.uplink.stop()
         if self._own_executor:
             self.executor.shutdown(wait=False, cancel_futures=True)
@@ -286,6 +294,14 @@ class EdgeAgent:
         )
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance, summary)
 
+    def unsettled(self) -> list[tuple[str, str]]:
+        """The tasks the coordinator has not settled, with where each is: ``training`` (or its update held back)
+        or ``outbox`` (its update waiting for its ack)."""
+        with self._lock:
+            training = list(self._training)
+        return [(task_id, "training") for task_id in training] + [
+            (task_id, "outbox") for task_id in self.uplink.unacked() if task_id not in training]
+
     def _report(self) -> AgentReport:
         """What ``fedfit status`` shows of this agent (lock held)."""
         task, task_round = next(reversed(self._training.items()), ("", 0))
@@ -304,6 +320,12 @@ class EdgeAgent:
 
     def _offline_status(self) -> AgentStatus:
         return AgentStatus(self.agent_id, "offline", None, time.time(), self.instance)
+
+    def _outbox_changed(self) -> None:
+        """The uplink's backlog changed (an update queued, acked, refused or parked): the report says it now, once
+        the coordinator reads reports (older ones see the status change at the next tick)."""
+        if self.coordinator_reads_reports and not self._stopping:
+            self.publish_status()
 
     def publish_status(self, report: bool = True) -> None:
         """Publish the retained status (called on every (re)connect, on a timer and around tasks)."""
@@ -336,7 +358,11 @@ class EdgeAgent:
             elif kind == "task":
                 self._on_task_chunk(payload)
             elif kind == "ack":
-                ack = decode(payload, expected=(Ack, UploadGrant))
+                ack = decode(payload, expected=(Ack, UploadGrant, UploadWait))
+                if isinstance(ack, UploadWait):
+                    if not self.uplink.on_wait(ack.task_id, ack.reason):
+                        self.log.debug("wait_ignored", task=ack.task_id)
+                    return
                 if isinstance(ack, UploadGrant):
                     if not self.uplink.on_grant(ack.task_id):
                         self.log.debug("grant_ignored", task=ack.task_id)
@@ -472,7 +498,9 @@ class EdgeAgent:
     def _serve(self, task: Task, received: float, payload: BytesLike | None = None) -> None:
         """Train ``task`` (``received``: time.perf_counter() when it arrived; ``payload``: the message it came
         as, handed to the training children as it is) and send its update in the task's protocol version; its
-        ``seconds_queued`` metric says how long the task waited for a slot."""
+        ``seconds_queued`` metric says how long the task waited for a slot. With ``slowdown``, the update is held
+        back (:meth:`_answer`) and the agent stays busy with the task until it goes."""
+        held = False
         try:
             queued = time.perf_counter() - received
             update = self.runner.run(task, payload)
@@ -484,18 +512,52 @@ class EdgeAgent:
                 return
             self.log.info("task_done", task=task.task_id, status=update.status, reason=update.reason,
                           **{k: v for k, v in update.metrics.items() if k in ("loss", "seconds")})
-            self.uplink.send(update, version=payload_version(payload) if payload is not None else 1,
-                             ask=task.ask_to_upload)
-            self.tasks_done += 1
-            with self._lock:
-                self._remember_answer(task, update)
+            held = self._answer(task, update, payload_version(payload) if payload is not None else 1)
         except Exception:
             self.log.exception("task_crashed", task=task.task_id)
         finally:
-            with self._lock:
-                self._busy -= 1
-                self._training.pop(task.task_id, None)
-                if not self._busy:
-                    self._since = time.time()
-            if not self._stop.is_set():
-                self.publish_status()
+            if not held:
+                self._task_over(task)
+
+    def _answer(self, task: Task, update: Update, version: int) -> bool:
+        """Send ``update``, or, with ``slowdown``, spool it now and send it (f - 1) x its task's seconds later
+        (``edge_agent.holdback``; its metrics say so: ``seconds_slowdown``, and ``seconds_task`` includes it, the
+        device's own time). True when it is held back: the task is over once it goes."""
+        # The task's own seconds (the decision and the training child as measured, not the wait for a slot):
+        hold = hold_seconds(self.config.slowdown,
+                            float(update.metrics.get("seconds_task", update.metrics.get("seconds", 0.0))))
+        if hold <= 0:
+            self.uplink.send(update, version=version, ask=task.ask_to_upload)
+            self._answered(task, update)
+            return False
+        update.metrics["seconds_slowdown"] = hold
+        update.metrics["seconds_task"] = float(update.metrics.get("seconds_task", 0.0)) + hold
+        queue = self.uplink.send_later(update, version=version, ask=task.ask_to_upload)
+
+        def release() -> None:
+            try:
+                queue()
+                self._answered(task, update)
+            finally:
+                self._task_over(task)
+
+        held = self.holdback.hold(task.task_id, hold, release)
+        if held:
+            self.log.info("update_held_back", task=task.task_id, seconds=round(hold, 3),
+                          slowdown=self.config.slowdown)
+        return held
+
+    def _answered(self, task: Task, update: Update) -> None:
+        self.tasks_done += 1
+        with self._lock:
+            self._remember_answer(task, update)
+
+    def _task_over(self, task: Task) -> None:
+        """The agent is done with ``task`` (its update sent, or none coming): busy no more unless with another."""
+        with self._lock:
+            self._busy -= 1
+            self._training.pop(task.task_id, None)
+            if not self._busy:
+                self._since = time.time()
+        if not self._stop.is_set():
+            self.publish_status()

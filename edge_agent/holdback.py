@@ -1,6 +1,6 @@
 """Updates held back before they are sent: the agent's ``slowdown`` (simulated or test fleets).
 
-A device ``f`` times slower than this machine would finish its training ``(f - 1) x`` its training seconds later.
+A device ``f`` times slower than this machine would finish a task ``(f - 1) x`` the seconds it took here later.
 The agent trains at this machine's speed, then holds the finished update back that long before it hands it to the
 uplink. The wait is on a thread of its own, never in the training executor: a simulated fleet's agents share a few
 training slots (``fedfit sim``), and a slow device does not stop the others training. :meth:`HoldBack.close` (the

@@ -129,7 +129,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
                              + default("budget_variance"))
     parser.add_argument("--speeds", type=speeds_type, default=None, metavar="F,G,...",
                         help="training speeds: slowdown factors (at least 1) of tiers of devices; a device of factor f "
-                             "trains f times as long as this machine takes (its update held back (f-1) x its training "
+                             "takes f times as long as this machine for a task (its update held back (f-1) x the task's "
                              "seconds, no training slot held). With as many factors as budget tiers, one per tier in "
                              "the scenario's order (weakest first); else equal shares of the devices taken in tier "
                              "order (see docs/budgets.md; default: every device at this machine's speed)")
@@ -287,6 +287,7 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
     """``fedfit sim``: one run; prints its table and where its directory is."""
     from fedfit.sim.harness import prepare_run_dir, run_simulation
     from fedfit.sim.report import format_table, format_timing, write_report
+    from fedfit.sim.rundir import left_text
 
     mapping, base, experiment = _load(args, load)
     values, given = resolve(args, mapping, base, experiment.settings())
@@ -301,6 +302,7 @@ def run_sim(args: argparse.Namespace, load: Loader) -> int:
     timing = format_timing(outcome.report["rounds"])
     if timing:
         print(timing)
+    print(left_text(outcome.report["run"].get("left", [])))
     if args.report:
         write_report(outcome.report, args.report)
         print(f"report written to {args.report}")

@@ -10,6 +10,7 @@ from typing import IO
 
 from coordinator.daemon import Progress
 from coordinator.metrics import RoundResult
+from fedfit.sim.report import agents_cell
 
 #: Seconds between two progress lines when the stream is not a terminal (a log file, CI).
 LINE_INTERVAL_S = 10.0
@@ -82,7 +83,7 @@ class ProgressPrinter:
                          for name, acc in result.exit_accuracy.items())
         text = (f"{self.label}round {result.round}/{self.rounds}: global {result.global_accuracy:.4f} [{levels}] "
                 + (f"exits [{exits}] " if exits else "")
-                + f"agents {result.participants}/{result.selected} {result.seconds:.1f}s")
+                + f"agents {agents_cell(vars(result))} {result.seconds:.1f}s")
         eta = self.eta(now)
         if eta is not None and len(self.durations) < self.rounds:
             text += f", about {duration_text(eta)} left"

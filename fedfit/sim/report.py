@@ -7,6 +7,7 @@ import json
 import math
 import os
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ def _task(round_number: int, task: TaskRecord) -> dict[str, Any]:
         "micro_batched_stages": task.memory("micro_batched_stages"),
         "skipped_blocks": task.memory("skipped_blocks"),
         "loss": metrics.get("loss"), "steps": task.memory("steps"), "seconds": metrics.get("seconds"),
+        "seconds_slowdown": metrics.get("seconds_slowdown"),  # held back after training (--speeds; None: not)
         "spec_sent": task.spec_sent, "spec_trained": task.spec_trained, "reason": task.reason,
         "screening": dict(task.screening),
         "params_sent": task.params_sent, "params_returned": task.params_returned, "waste": task.waste,
@@ -65,11 +67,20 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "trained_exits": list(r.trained_exits),
         "participants": r.participants,
         "selected": r.selected,
+        **({"carried": r.carried} if r.carried else {}),
         "bytes_down": r.bytes_down,
         "bytes_up": r.bytes_up,
         "seconds": r.seconds,
         "timing": dict(r.timing),
     }
+
+
+def agents_cell(entry: Mapping[str, Any]) -> str:
+    """A round's participation as the tables show it: updates aggregated / devices selected, and ``+N`` the tasks
+    of earlier rounds it held (buffered rounds), whose updates count too."""
+    carried = entry.get("carried", 0)
+    selected = entry.get("selected", entry["participants"])
+    return f"{entry['participants']}/{selected}" + (f"+{carried}" if carried else "")
 
 
 def level_average(entry: dict[str, Any]) -> float:
@@ -252,7 +263,7 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
                        for name in levels]
                     + [cell(r["exit_accuracy"], r.get("trained_exits", list(r["exit_accuracy"])), name)
                        for name in exits]
-                    + [f"{r['participants']}/{r.get('selected', r['participants'])}",
+                    + [agents_cell(r),
                        "-" if r.get("waste") is None else f"{r['waste']:.3f}", f"{r['bytes_down'] / 1e6:.2f}",
                        f"{r['bytes_up'] / 1e6:.2f}", f"{r['seconds']:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -261,6 +272,8 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
     if marked:
         lines.append("* no device trained this level (or exit) itself this round: its figure is the slice of the "
                      "global model that others trained")
+    if any(r.get("carried") for r in rounds):
+        lines.append("agents: updates aggregated / devices selected + tasks carried from earlier rounds (buffered)")
     return "\n".join(lines)
 
 
@@ -268,7 +281,7 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
 _TIMING_COLUMNS = {"waiting_for_agents": "waiting", "planning": "planning", "dispatch": "dispatch",
                    "collecting": "collecting", "validation": "validation", "aggregation": "aggregation",
                    "evaluation": "evaluation", "checkpoint": "checkpoint", "queued": "queued", "decision": "decision",
-                   "training": "training", "transfer": "transfer"}
+                   "training": "training", "slowdown": "slowdown", "transfer": "transfer"}
 
 
 def format_timing(rounds: list[dict[str, Any]]) -> str:
@@ -285,5 +298,6 @@ def format_timing(rounds: list[dict[str, Any]]) -> str:
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     lines.insert(0, "where the time went (seconds): the coordinator's phases (validation and most of aggregation run "
-                    "while collecting), then the slowest device's (queued, decision, training, transfer: inside collecting)")
+                    "while collecting), then the slowest device's (queued, decision, training, slowdown, transfer: "
+                    "inside collecting)")
     return "\n".join(lines)

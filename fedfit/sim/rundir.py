@@ -11,6 +11,8 @@ Layout of ``runs/<time>-<algorithm>/`` (a comparison puts one such directory per
     traffic.png      bytes down and up per round
     daemons.log      the coordinator's and agents' JSON logs (unless --log-file says otherwise)
     checkpoint.safetensors, metrics.jsonl, agents/   the coordinator's and the agents' state
+    status.yaml      what ``fedfit status --config`` reads (fedfit.sim.status_file)
+    broker/          while the run goes on: its broker's files, secrets included (0700; fedfit.sim.broker)
 """
 
 from __future__ import annotations
@@ -104,6 +106,16 @@ def write_metrics_csv(report: dict[str, Any], path: Path) -> None:
             writer.writerows(rows)
 
 
+def left_text(left: list[dict[str, str]]) -> str:
+    """The line saying what a run ended without settling (``run.left`` of its report)."""
+    if not left:
+        return "left at the end: nothing (every update a device sent was aggregated or refused with a reason)"
+    places = {"training": "still training", "outbox": "in its outbox, not acked",
+              "carried": "carried, no round took it", "held": "held for a round that never came"}
+    return "left at the end: " + "; ".join(
+        f"{entry['agent']} {entry['task']} ({places.get(entry['where'], entry['where'])})" for entry in left)
+
+
 def summary_text(report: dict[str, Any]) -> str:
     """What ``summary.txt`` says: the run's settings, its final table and its figures."""
     settings = report.get("settings", {})
@@ -146,6 +158,8 @@ def summary_text(report: dict[str, Any]) -> str:
         wall = summary.get("wall_seconds")
         lines.append(f"time: {summary['round_seconds']:.1f} s a round" + (
             f", {duration_text(wall)} in all" if wall is not None else ""))
+    if "left" in run:
+        lines.append(left_text(run["left"]))
     refusals = {agent: entry for agent, entry in report.get("agents", {}).items()
                 if entry.get("rejected") or entry.get("declined") or entry.get("failed")}
     if refusals:

@@ -2,8 +2,8 @@
 
 A Raspberry Pi 4 trains about ten times slower than a Jetson; a simulated fleet trains every task at this machine's
 speed unless told otherwise. ``--speeds 1,3,10`` gives the fleet's devices slowdown factors: a device of factor f
-trains its task here, then its agent holds the update back (f - 1) times its measured training seconds before it
-sends it (``AgentConfig.slowdown``, ``edge_agent.holdback``): f times its compute, in wall time, without holding one
+trains its task here, then its agent holds the update back (f - 1) times the seconds its task took (decision and
+training, as measured) before it sends it (``AgentConfig.slowdown``, ``edge_agent.holdback``): f times its compute, in wall time, without holding one
 of the simulator's shared training slots meanwhile.
 
 How factors map to devices follows the budget tiers, so that slow devices are a tier of the fleet, not a random

@@ -782,34 +782,99 @@ def test_an_agent_asking_to_upload_is_granted_in_turn_or_answered_at_once(tmp_pa
     assert isinstance(sent[-1], Ack) and "unknown task" in (sent[-1].reason or "")  # refused, never uploaded
 
 
-def test_between_rounds_a_carried_task_waits_and_others_are_refused_and_grants_off_grants_at_once(
+def online_at(coordinator: Coordinator, agent: str, revision: int) -> None:
+    """``agent`` comes online, announcing protocol ``revision``."""
+    from protocol import AgentStatus, Topics, encode
+
+    capabilities = replace(agent_record(agent).capabilities, protocol_version=revision)
+    coordinator._on_message(Topics(coordinator.config.federation).agent_status(agent),
+                            encode(AgentStatus(agent, "online", capabilities, time.time())))
+
+
+def test_between_rounds_what_the_next_round_carries_is_held_and_taken_when_it_opens(
         tmp_path: Path, digits, monkeypatch) -> None:
-    """No round installed: asked to upload for a task the next round carries, the coordinator says nothing yet (the
-    agent asks again) and its update, sent anyway, is deferred (not acked); any other is refused. With
-    ``uploads.grant`` off a request is granted at once (tasks of an earlier process told the agent to ask)."""
+    """No round collects: a request for a task the next round carries is held (counted as waiting; an agent of
+    revision 7 is told to wait, an older one hears nothing yet) and so is its update sent anyway; any other is
+    refused. Once the next round opens, the held update is taken (acked, aggregated one round stale) and the held
+    request answered (its ack: the update is in). With ``uploads.grant`` off a request is granted at once."""
     from coordinator.config import UploadsConfig
     from coordinator.round import DispatchedTask
-    from protocol import Ack, Topics, UploadGrant, UploadRequest, decode, encode, split_payload
+    from protocol import Ack, Topics, UploadGrant, UploadRequest, UploadWait, decode, encode, split_payload
 
-    coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(grant=False), round_mode="buffered"),
+    coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(grant=False), round_mode="buffered", rounds=5),
                               dataset=digits)
-    sent: list[object] = []
-    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: sent.append(decode(payload)))
+    sent: list[object] = []  # what agents hear (not the coordinator's status)
     topics = Topics(coordinator.config.federation)
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: (
+        None if topic == topics.coordinator_status() else sent.append(decode(payload))))
+    online_at(coordinator, "a", 7)
+    online_at(coordinator, "old", 6)
     task = task_for(coordinator, "b")
-    coordinator._carry([DispatchedTask("r1-a-1", 1, replace(task, agent_id="a"), time.time() + 60)],
-                       {1: coordinator.states})
+    carried = [DispatchedTask(f"r1-{agent}-1", 1, replace(task, agent_id=agent), time.time() + 60)
+               for agent in ("a", "old")]
+    coordinator._carry(carried, {1: coordinator.states})
     coordinator._on_message(topics.agent_update("a"), encode(UploadRequest("r1-a-1", 1, "a", 10)))
-    assert sent == []  # deferred: no answer
+    coordinator._on_message(topics.agent_update("old"), encode(UploadRequest("r1-old-1", 1, "old", 10)))
+    assert [type(message) for message in sent] == [UploadWait] and sent[0].task_id == "r1-a-1"
+    assert coordinator.uploads.window() == (0.0, 2.0)  # both wait, held for the next round
     update = update_for(coordinator, task.spec, task_id="r1-a-1", agent="a", round_number=1, fill=0.1)
     for chunk in split_payload(encode(update), "r1-a-1.1"):
         coordinator._on_message(topics.agent_update("a"), chunk)
-    assert sent == []  # deferred: not acked, sent again to the next round
+    assert len(sent) == 1  # held, not acked yet
+    assert coordinator.left_behind() == [("a", "r1-a-1", "carried"), ("old", "r1-old-1", "carried")]
     coordinator._on_message(topics.agent_update("b"), encode(UploadRequest("r1-b-1", 1, "b", 10)))
     assert isinstance(sent[-1], Ack) and "no round is in progress" in (sent[-1].reason or "")
-    open_round(coordinator, 2, {"r2-c-1": replace(task, agent_id="c")})
+    fresh = {"r2-c-1": replace(task, agent_id="c")}
+    coordinator.journal.begin(2, time.time() + 60, fresh, [], carried, {1: coordinator.states})
+    coordinator._install(coordinator._new_round(2, fresh, [], time.time() + 60, carried))
+    del sent[:]
+    coordinator.uploads.round_opened()
+    assert sent == [Ack("r1-a-1", 1, "a"), Ack("r1-a-1", 1, "a"), UploadGrant("r1-old-1", 1, "old")]
+    answer = coordinator._round.answers["r1-a-1"]
+    assert answer.aggregated and answer.record.staleness == 1
+    assert coordinator.uploads.window() == (0.0, 0.0) and coordinator.uploads.held() == []
     coordinator._on_message(topics.agent_update("c"), encode(UploadRequest("r2-c-1", 2, "c", 10)))
     assert sent[-1] == UploadGrant("r2-c-1", 2, "c")  # grants off: at once
+
+
+def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_round_stops_collecting(
+        tmp_path: Path, digits, monkeypatch) -> None:
+    """The window holds one update: the second asker (revision 7) is told to wait. When the buffered round stops
+    collecting with its task carried, the request, at its turn, is held for the next round (told so), not dropped
+    in silence; the next round grants it."""
+    from coordinator.config import BufferedConfig, UploadsConfig
+    from protocol import Topics, UploadGrant, UploadRequest, UploadWait, decode, encode, split_payload
+
+    coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(window_mib=0.001), round_mode="buffered",
+                                     buffered=BufferedConfig(size=1), rounds=5), dataset=digits)
+    sent: list[object] = []  # what agents hear (not the coordinator's status)
+    topics = Topics(coordinator.config.federation)
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: (
+        None if topic == topics.coordinator_status() else sent.append(decode(payload))))
+    for agent in ("a", "b"):
+        online_at(coordinator, agent, 7)
+    task = task_for(coordinator, "b")
+    tasks = {f"r1-{agent}-1": replace(task, agent_id=agent) for agent in ("a", "b")}
+    open_round(coordinator, 1, tasks)
+    coordinator.journal.begin(1, time.time() + 60, tasks, [])
+    for agent in ("a", "b"):
+        coordinator._on_message(topics.agent_update(agent), encode(UploadRequest(f"r1-{agent}-1", 1, agent, 1000)))
+    assert sent[0] == UploadGrant("r1-a-1", 1, "a") and isinstance(sent[1], UploadWait)
+    current = coordinator._round
+    update = update_for(coordinator, task.spec, task_id="r1-a-1", agent="a", round_number=1, fill=0.1)
+    for chunk in split_payload(encode(update), "r1-a-1.1"):
+        coordinator._on_message(topics.agent_update("a"), chunk)
+    assert current.wait()  # its buffer of one is full
+    current.close()
+    assert [dispatched.task_id for dispatched in current.carried_over()] == ["r1-b-1"]
+    del sent[:]
+    # b's turn comes (a's grant given back: here, b asks again): its update is for the next round.
+    coordinator._on_message(topics.agent_update("b"), encode(UploadRequest("r1-b-1", 1, "b", 1000)))
+    assert [type(message) for message in sent] == [UploadWait] and coordinator.uploads.window()[1] == 1
+    coordinator._carry(current.carried_over(), {1: coordinator.states})
+    coordinator._install(coordinator._new_round(2, {}, [], time.time() + 60, coordinator._carried))
+    coordinator.uploads.round_opened()
+    assert sent[-1] == UploadGrant("r1-b-1", 1, "b")
 
 
 def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_path: Path, digits) -> None:
@@ -828,6 +893,24 @@ def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_p
     assert restarted.completed_rounds == 3 and restarted._round is None  # the next round is planned afresh
     assert restarted._carried == [training] and restarted._carried_ids == {"r3-a-1"}
     assert set(restarted._bases[3]) == set(first.states)
+
+
+def test_a_stop_between_a_buffered_rounds_checkpoint_and_its_journal_loses_no_carried_task(
+        tmp_path: Path, digits) -> None:
+    """Killed after the checkpoint of round 3 but before the journal was replaced: the round's own journal is stale,
+    and what ``carry_on`` recorded before the checkpoint is carried on."""
+    from coordinator.round import DispatchedTask
+
+    first = Coordinator(config(tmp_path, round_mode="buffered"), dataset=digits)
+    task = task_for(first, "b")
+    first.journal.begin(3, time.time() + 600, {"r3-a-1": replace(task, agent_id="a")}, [])
+    training = DispatchedTask("r3-a-1", 3, replace(task, agent_id="a"), time.time() + 600)
+    first.journal.carry_on(4, [training], {3: first.states})
+    first.completed_rounds = 3
+    first._checkpoint()
+    restarted = Coordinator(config(tmp_path, round_mode="buffered", resume=True), dataset=digits)
+    assert restarted.completed_rounds == 3 and restarted._round is None
+    assert restarted._carried == [training] and set(restarted._bases[3]) == set(first.states)
 
 
 def test_a_device_back_between_rounds_gets_its_carried_task_again_with_the_next_round(

@@ -138,3 +138,54 @@ def test_a_base_still_needed_is_kept_as_written_when_the_journal_begins_again(tm
     assert back is not None and torch.equal(back.bases[3]["global"]["w"], torch.zeros(2))
     journal.begin(5, 20.0, tasks(), [])  # nothing carried: no base left
     assert not base.exists()
+
+
+def test_a_journal_is_never_read_half_replaced(tmp_path, monkeypatch) -> None:
+    """A kill while a new journal replaces the old (simulated: the first file removal fails) leaves the old one
+    whole: the new files are written and the index replaced before anything the old index names goes."""
+    import torch
+
+    from coordinator import journal as journal_module
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    carried = [DispatchedTask("r3-b-1", 3, tasks()["r3-b-1"], 999.0)]
+    journal.begin(4, 9.0, {"r4-a-1": tasks()["r3-a-1"]}, [], carried, {3: {"global": {"w": torch.zeros(2)}}})
+    stored = update("r3-b-1", "b")
+    journal.store(stored, encode(stored))
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(journal_module.Path, "unlink", killed)
+    with pytest.raises(KeyboardInterrupt):
+        journal.begin(5, 10.0, {"r5-a-1": tasks()["r3-a-1"]}, [])  # the new index is in before any removal
+    back = journal.load()
+    assert back is not None and back.round == 5 and set(back.tasks) == {"r5-a-1"}
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):  # a clear stopped at its first removal leaves no index behind
+        monkeypatch.setattr(journal_module.shutil, "rmtree", killed)
+        journal.clear()
+    assert journal.load() is None
+
+
+def test_what_the_next_round_carries_survives_a_stop_between_checkpoint_and_journal(tmp_path) -> None:
+    """``carry_on`` records, beside the round's own journal, what the next round carries and the base of the
+    round's own tasks; read back, the round is still the one to resume until its checkpoint exists, and ``next``
+    says what to carry once it does."""
+    import torch
+
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    journal.begin(3, 9.0, tasks(), [])
+    still = [DispatchedTask("r3-b-1", 3, tasks()["r3-b-1"], 999.0)]
+    journal.carry_on(4, still, {3: {"global": {"w": torch.ones(2)}}})
+    back = journal.load()
+    assert back is not None and back.round == 3 and back.planned and back.tasks == tasks()
+    assert back.next is not None and back.next.round == 4 and not back.next.planned
+    assert back.next.carried == still and torch.equal(back.next.bases[3]["global"]["w"], torch.ones(2))
+    journal.begin(4, 0.0, {}, [], still, {3: {"global": {"w": torch.zeros(2)}}}, planned=False)
+    again = journal.load()
+    assert again is not None and again.round == 4 and again.next is None and again.carried == still
+    assert torch.equal(again.bases[3]["global"]["w"], torch.ones(2))  # the base as first written

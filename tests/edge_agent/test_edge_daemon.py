@@ -246,8 +246,8 @@ def test_a_slowed_agent_holds_its_update_back_busy_without_holding_its_training_
     update = decode(spooled.payload, expected=Update)
     assert isinstance(update, Update)
     assert update.metrics["seconds"] == 2.0  # the training as measured
-    assert update.metrics["seconds_slowdown"] == 1_000_000.0 * 2.0  # (f - 1) x its training seconds
-    assert update.metrics["seconds_task"] == 2.5 + 2_000_000.0  # the device's own time, the hold included
+    assert update.metrics["seconds_slowdown"] == 1_000_000.0 * 2.5  # (f - 1) x its task's seconds
+    assert update.metrics["seconds_task"] == 2.5 + 2_500_000.0  # the device's own time, the hold included
     stopper = threading.Thread(target=agent.stop)
     stopper.start()
     stopper.join(30)

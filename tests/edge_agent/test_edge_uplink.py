@@ -379,3 +379,49 @@ def test_an_update_parked_after_asking_asks_again_when_sent_again(tmp_path):
     finally:
         uplink.stop(timeout=2.0)
 
+
+
+def test_an_update_told_to_wait_asks_again_without_spending_its_attempts():
+    """Revision 7: every ask answered with "wait your turn" costs no attempt (one attempt would end after one
+    unanswered ask); it asks again every ack_timeout_s, and sends once the grant comes."""
+    u = update()
+
+    class Coordinator(FakePublish):
+        """Answers each ask as it is published: wait, four times; then the grant."""
+
+        def __call__(self, topic: str, payload: bytes) -> bool:
+            super().__call__(topic, payload)
+            if msgpack.unpackb(payload)["type"] == "upload_request":
+                if _kinds(self).count("upload_request") < 5:
+                    assert uplink.on_wait(u.task_id, "the window is full")
+                else:
+                    assert uplink.on_grant(u.task_id)
+            return True
+
+    publish = Coordinator()
+    uplink = Uplink("a", TOPIC, publish, ack_timeout_s=0.05, attempts=1)
+    uplink.start()
+    try:
+        uplink.send(u, ask=True)
+        assert wait_until(lambda: "chunk" in _kinds(publish), timeout=30.0)
+        assert uplink.abandoned == [] and _kinds(publish)[:5] == ["upload_request"] * 5
+        assert uplink.on_wait("r9-other", "full") is False  # about nothing it asks for
+        uplink.on_ack(u.task_id)
+        assert wait_until(lambda: uplink.delivered == [u.task_id])
+    finally:
+        uplink.stop(timeout=2.0)
+
+
+def test_the_backlog_is_reported_whenever_it_changes(tmp_path):
+    """Queued, then acked: each change calls on_backlog (an agent republishes its status then)."""
+    seen: list[tuple[int, int]] = []
+    uplink = Uplink("a", TOPIC, FakePublish(), ack_timeout_s=30.0, attempts=3,
+                    on_backlog=lambda: seen.append(uplink.backlog()))
+    uplink.start()
+    try:
+        uplink.send(update())
+        assert seen and seen[0][0] == 1 and uplink.unacked() == [update().task_id]
+        uplink.on_ack(update().task_id)
+        assert wait_until(lambda: seen[-1] == (0, 0)) and uplink.unacked() == []
+    finally:
+        uplink.stop(timeout=2.0)

@@ -105,3 +105,64 @@ def test_a_buffered_round_aggregates_at_its_size_and_a_straggler_counts_stale(se
     update_bytes = first.bytes_up / 2
     assert coordinator.grants is not None and coordinator.grants.granted_total >= len(acked)
     assert update_bytes * 0.9 < coordinator.grants.peak_in_flight < update_bytes * 1.5
+
+
+def test_an_update_that_comes_just_after_a_round_stops_collecting_counts_in_the_next_round(
+        secured_mosquitto: SecuredBroker, tmp_path: Path) -> None:
+    """The late device asks to upload while no round collects (round 1 closed with the two fast answers): its
+    request is held and granted as soon as round 2 opens, however long the agent would wait before asking again
+    (an hour here), and round 2 aggregates it one round stale. The last round drains: nothing is left anywhere."""
+    dataset = load_dataset("digits")
+    broker = secured_mosquitto("justafter")
+    config = on_broker(tiny_config(federation="justafter", rounds=3, min_agents=3, state_dir=str(tmp_path / "state"),
+                                   algorithm="fedavg", round_mode="buffered", buffered=BufferedConfig(size=2),
+                                   uploads=UploadsConfig(window_mib=0.001)), broker)
+    fast_a, fast_b, late = digits_fleet(dataset, ["a", "b", "late"], config, broker)
+    late.config.ack_timeout_s = 3600.0  # asked again only after an hour: the coordinator must answer it itself
+    late.uplink._ack_timeout_s = 3600.0
+    coordinator: Coordinator | None = None
+
+    def late_task_held() -> bool:
+        assert coordinator is not None
+        return any(agent == "late" for agent, _ in coordinator.uploads.held())
+
+    def hold_late(task: Task) -> None:
+        if task.round == 1:  # trains once round 1 is over (its result is being reported)
+            wait_for(lambda: coordinator is not None and coordinator.completed_rounds >= 1, "round 1 closed")
+
+    def hold_fast(task: Task) -> None:
+        if task.round == 2:  # round 2 must not fill its buffer before the late update can come
+            wait_for(lambda: bool(late.uplink.delivered), "the late update acked")
+
+    def between_rounds(result: Any) -> None:
+        if result.round == 1:  # no round collects until the late device asked, and was held
+            wait_for(late_task_held, "the late request held")
+
+    gate(fast_a, hold_fast)
+    gate(fast_b, hold_fast)
+    gate(late, hold_late)
+    coordinator = Coordinator(config, dataset=dataset, on_round=between_rounds)
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(coordinator.run()), daemon=True)
+    agents = (fast_a, fast_b, late)
+    try:
+        for agent in agents:
+            agent.start()
+        coordinator.start()
+        runner.start()
+        runner.join(WAIT_S * 3)
+        assert not runner.is_alive(), "the run did not end"
+        wait_for(lambda: all(agent.unsettled() == [] for agent in agents), "every outbox empty")
+    finally:
+        coordinator.stop()
+        for agent in agents:
+            agent.stop()
+    first, second, last = results
+    assert {t.agent for t in first.tasks if t.status == "ok"} == {"a", "b"}
+    late_in_second = [t for t in second.tasks if t.agent == "late"]
+    assert len(late_in_second) == 1 and late_in_second[0].status == "ok" and late_in_second[0].staleness == 1
+    assert last.participants == last.selected + last.carried and coordinator.left_behind() == []  # drained
+    aggregated = sorted((t.agent, r.round - t.staleness) for r in results for t in r.tasks if t.status == "ok")
+    acked = sorted((task_id.split("-")[1], round_of(task_id)) for agent in agents for task_id in agent.uplink.delivered)
+    assert acked == aggregated  # every acked update aggregated, once
+    assert coordinator.uploads.held_total >= 1 and late.uplink.abandoned == []

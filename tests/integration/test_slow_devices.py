@@ -60,9 +60,10 @@ def test_a_slowed_agents_update_arrives_after_its_factor_times_its_training(secu
     records = {task.agent: task for task in result.tasks}
     assert {name: record.status for name, record in records.items()} == {"fast": "ok", "slow": "ok"}
     fast, slow = records["fast"].metrics, records["slow"].metrics
-    # The fast agent sent at once; the slow one held its update back (f - 1) x its training, as measured.
+    # The fast agent sent at once; the slow one held its update back (f - 1) x its task's seconds, as measured (then
+    # counted in them: f x in all).
     assert "seconds_slowdown" not in fast
-    assert slow["seconds_slowdown"] == pytest.approx((SLOWDOWN - 1) * slow["seconds"], rel=1e-9)
+    assert slow["seconds_slowdown"] == pytest.approx((SLOWDOWN - 1) / SLOWDOWN * slow["seconds_task"], rel=1e-9)
     # It counts that as its own time (not the transfer's), and its update came no sooner than all of it: the round,
     # which waited for it, lasted at least f times its training.
     assert slow["seconds_task"] >= slow["seconds"] + slow["seconds_slowdown"]
