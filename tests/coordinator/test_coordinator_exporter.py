@@ -1,13 +1,17 @@
 """coordinator.exporter: the Prometheus metrics, as prometheus-client renders them and as its HTTP server serves
-them; and the Grafana dashboard in docs/ against the Grafana dashboard model and the metrics exported."""
+them (gauges without a value absent; the final state served until a scrape has read it); and the Grafana dashboard
+in docs/ against the Grafana dashboard model and the metrics exported."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,6 +31,28 @@ def task(agent: str, status: str) -> TaskRecord:
     return TaskRecord(agent, "a", status, "width=1")  # type: ignore[arg-type]
 
 
+def a_round(number: int = 1, accuracy: float = 0.91) -> RoundResult:
+    return RoundResult(number, accuracy, {}, 2, 3, 5000, 2500, 12.5,
+                       [task("a", "ok"), task("b", "adapted"), task("c", "missing")],
+                       timing={"collecting": 10.0, "evaluation": 1.5})
+
+
+def test_a_figure_without_a_value_is_absent_not_zero() -> None:
+    metrics = CoordinatorMetrics("lab", "heterofl")
+    names = {name for name, _ in samples(metrics)}
+    text = generate_latest(metrics.registry).decode()
+    late = {"fedfit_round", "fedfit_global_accuracy", "fedfit_last_round_tasks", "fedfit_last_round_participants",
+            "fedfit_last_round_selected", "fedfit_last_round_bytes", "fedfit_last_round_seconds",
+            "fedfit_last_round_phase_seconds"}
+    assert not late & names and not any(f" {name} " in text for name in late), text  # no HELP or TYPE either
+    assert {"fedfit_round_expected_answers", "fedfit_rounds_total", "fedfit_info"} <= names  # 0 is their value
+    metrics.round_opened(1, 3)
+    assert samples(metrics)[("fedfit_round", ())] == 1 and "fedfit_global_accuracy" not in {
+        name for name, _ in samples(metrics)}
+    metrics.round_done(a_round())
+    assert late <= {name for name, _ in samples(metrics)}
+
+
 def test_a_round_as_the_metrics_tell_it() -> None:
     metrics = CoordinatorMetrics("lab", "heterofl", inbox_backlog=lambda: 7, agents_online=lambda: 3)
     metrics.round_opened(1, 3)
@@ -44,9 +70,7 @@ def test_a_round_as_the_metrics_tell_it() -> None:
     assert seen[("process_resident_memory_bytes", ())] > 0
     assert seen[("fedfit_tasks_total", (("status", "ok"),))] == 0  # every status from the start
 
-    metrics.round_done(RoundResult(1, 0.91, {}, 2, 3, 5000, 2500, 12.5,
-                                   [task("a", "ok"), task("b", "adapted"), task("c", "missing")],
-                                   timing={"collecting": 10.0, "evaluation": 1.5}))
+    metrics.round_done(a_round())
     seen = samples(metrics)
     assert seen[("fedfit_rounds_total", ())] == 1 and seen[("fedfit_round", ())] == 1
     assert seen[("fedfit_round_expected_answers", ())] == 0
@@ -72,6 +96,57 @@ def test_served_over_http_on_loopback() -> None:
     metrics.stop()  # twice: nothing
 
 
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def stopping(metrics: CoordinatorMetrics, linger: float) -> tuple[threading.Thread, list[bool]]:
+    """``metrics.stop(linger)`` on a thread of its own, started; what it returns goes in the list."""
+    said: list[bool] = []
+    thread = threading.Thread(target=lambda: said.append(metrics.stop(linger)), daemon=True)
+    thread.start()
+    return thread, said
+
+
+def test_the_final_state_is_served_until_a_scrape_has_read_it() -> None:
+    metrics = CoordinatorMetrics("lab", "fedavg")
+    port = metrics.serve("127.0.0.1", 0)
+    metrics.round_opened(6, 4)
+    assert "fedfit_round 6.0" in scrape(port).splitlines()  # watched from here on
+    metrics.round_done(a_round(6, 0.93))  # the final state, after that scrape
+    thread, said = stopping(metrics, linger=600)
+    final = scrape(port)  # what the stop waits for (True below says it waited: only this scrape came after)
+    thread.join(60)
+    assert said == [True] and not thread.is_alive()
+    assert {"fedfit_rounds_total 1.0", "fedfit_global_accuracy 0.93"} <= set(final.splitlines()), final
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)  # stopped
+
+
+def test_a_stop_waits_no_longer_than_its_linger_and_not_at_all_unwatched() -> None:
+    watched = CoordinatorMetrics("lab", "fedavg")
+    port = watched.serve("127.0.0.1", 0)
+    scrape(port)
+    watched.round_done(a_round())  # never scraped since
+    assert watched.stop(linger=0.05) is False
+
+    unwatched = CoordinatorMetrics("lab", "fedavg")
+    unwatched.serve("127.0.0.1", 0)
+    unwatched.round_done(a_round())
+    thread, said = stopping(unwatched, linger=600)  # nobody ever scraped: no wait at all
+    thread.join(60)
+    assert said == [True]
+
+    read = CoordinatorMetrics("lab", "fedavg")
+    port = read.serve("127.0.0.1", 0)
+    read.round_done(a_round())
+    scrape(port)  # the final state, read before the stop
+    thread, said = stopping(read, linger=600)
+    thread.join(60)
+    assert said == [True]
+
+
 def test_the_grafana_dashboard_is_a_dashboard_of_these_metrics() -> None:
     """The Grafana dashboard model's essentials (what its import needs) and every metric a query names exported."""
     dashboard = json.loads(DASHBOARD.read_text())
@@ -80,6 +155,8 @@ def test_the_grafana_dashboard_is_a_dashboard_of_these_metrics() -> None:
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and ids
     metrics = CoordinatorMetrics("lab", "fedavg")
+    metrics.round_opened(1, 3)
+    metrics.round_done(a_round())  # (before, the round's figures are absent: they have no value yet)
     exported = {name for name, _ in samples(metrics)} | {family.name for family in text_string_to_metric_families(
         generate_latest(metrics.registry).decode())}
     for panel in dashboard["panels"]:

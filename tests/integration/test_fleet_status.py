@@ -58,7 +58,8 @@ def test_fedfit_status_shows_the_fleet_and_the_round(secured_mosquitto: SecuredB
     dataset = load_dataset("digits")
     broker = secured_mosquitto("watch")
     config = on_broker(tiny_config(federation="watch", rounds=1, min_agents=3, state_dir=str(tmp_path / "state"),
-                                   algorithm="fedavg", round_timeout_s=600.0, metrics_port=0), broker)
+                                   algorithm="fedavg", round_timeout_s=600.0, metrics_port=0,
+                                   metrics_linger_s=0.0), broker)  # (no wait for a last scrape at the stop)
     fleet_config = tmp_path / "coordinator.yaml"
     fleet_config.write_text(yaml.safe_dump({"federation": "watch", "broker": to_mapping(config.broker)}))
     device_config = tmp_path / "agent.yaml"  # the login of device b: the ACL shows it only its own status
