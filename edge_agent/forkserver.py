@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.lifeline import die_with_parent
 from edge_agent import gpu_stack, page_pool
 from edge_agent.workdir import DECISION_FILE, ERROR_FILE, UPDATE_FILE, Decision, read_progress
 
@@ -152,8 +153,10 @@ def _enter(entry: ChildEntry, workdir: str, hide_gpus: bool = False) -> None:
     anything in it counts GPUs, as autograd's first pass would; ``edge_agent.gpu_stack.hide_gpus``).
 
     Whatever it raises is written to the work directory's ``error.txt`` (the first line says what) and the child
-    exits 1; otherwise it exits 0, without running the server's inherited exit handlers."""
+    exits 1; otherwise it exits 0, without running the server's inherited exit handlers. It ends with the agent's
+    process, however that ends (:func:`_end_with_the_agent`)."""
     try:
+        _end_with_the_agent()
         if hide_gpus:
             gpu_stack.hide_gpus()
         entry.resolve()(Path(workdir))
@@ -162,6 +165,24 @@ def _enter(entry: ChildEntry, workdir: str, hide_gpus: bool = False) -> None:
         sys.stderr.flush()
         os._exit(1)
     os._exit(0)
+
+
+def _end_with_the_agent() -> None:
+    """In a forkserver child: be killed when the agent's process ends, a SIGKILL included.
+
+    Python's forkserver exits when the read end of its "alive" pipe sees EOF, but every child holds a write end
+    of that pipe as well as the agent: a child of a SIGKILLed agent trained on to the end of its task, and kept
+    the server (and its resource tracker) alive until then. Here the child asks the kernel for SIGKILL when the
+    server ends (``common.lifeline``; the server is single-threaded, and it cannot end before this call, since the
+    child still holds its write end), then drops its write end: the server then ends with the agent, and takes
+    its children with it. (A spawned child, where there is no forkserver, has nothing to drop and is left as it
+    is: its parent would be one of the agent's threads.)"""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if not isinstance(alive, int) or not die_with_parent(signal.SIGKILL):
+        return
+    os.close(alive)
+    server._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ round in progress). Nothing here touches the network: :class:`StatusBook` takes 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from protocol import (
     parse_agent_topic,
 )
 
-__all__ = ["AgentRow", "CoordinatorRow", "FleetView", "StatusBook", "format_view", "view_json"]
+__all__ = ["AgentRow", "CoordinatorRow", "FleetView", "StatusBook", "format_view", "outage_line", "view_json"]
 
 #: An agent re-publishes its status every 30 s by default (``status_interval_s``): one not heard for this long
 #: while it says online may have lost its connection before the broker noticed.
@@ -238,3 +239,11 @@ def view_json(view: FleetView, now: float) -> dict[str, Any]:
     coordinator = None if view.coordinator is None else asdict(view.coordinator)
     return {"federation": view.federation, "now": now, "coordinator": coordinator,
             "agents": [asdict(row) for row in view.agents], "unreadable": view.unreadable}
+
+
+def outage_line(broker: str, lost_at: float, now: float) -> str:
+    """What ``fedfit status --watch`` says first while its broker is unreachable: since when, and that the fleet
+    shown is the last one seen."""
+    clock = time.strftime("%H:%M:%S", time.localtime(lost_at))
+    return (f"broker {broker} unreachable since {clock} ({_ago(now - lost_at)} ago), reconnecting: the fleet below "
+            f"is as last seen")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 
 # The suite runs several workers, each with training children, on the same cores: an OpenMP thread that waits for
@@ -77,3 +77,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a GPU torch can train on")
         for item in gpu_tests:
             item.add_marker(skip)
+
+
+def process_ended(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (any process, not only a child of this one) ends within ``timeout`` seconds: waits on
+    its pidfd, which becomes readable when it exits (a zombie has exited)."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def wait_ended() -> Callable[[int, float], bool]:
+    """:func:`process_ended`, for tests of processes that must end with the one that started them."""
+    return process_ended

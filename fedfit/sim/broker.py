@@ -2,6 +2,11 @@
 
 Mosquitto when it is installed; otherwise amqtt, a pure-Python broker (MQTT 3.1.1 only) run in a
 background thread, so that `fedfit sim` works with nothing but pip packages.
+
+A mosquitto started here ends with the process that started it, however that ends (``common.lifeline``: a
+SIGKILLed ``fedfit sim`` leaves no broker behind), and its files (configuration, log and, secured, the CA key
+and the logins' passwords) live in a directory of its own, 0700: the caller's (``fedfit sim``: the run's
+``broker/``), else a fresh one in the system's temporary directory; ``stop()`` removes it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Literal
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+from common.lifeline import spawn_tied
 from common.mqtt_link import BrokerConfig
 from fedfit.secure_broker import BrokerDirectory, BrokerSettings, BrokerSetupError, PkiError
 
@@ -90,10 +96,16 @@ class Broker:
     _stop: Any = field(default=None, repr=False)
     _reload: Any = field(default=None, repr=False)
     _restart: Any = field(default=None, repr=False)
+    _pid: Any = field(default=None, repr=False)
 
     @property
     def secured(self) -> bool:
         return self.directory is not None
+
+    @property
+    def pid(self) -> int | None:
+        """The process id of a mosquitto started here (its latest, after a restart); None for another broker."""
+        return None if self._pid is None else int(self._pid())
 
     def client_config(self, name: str) -> BrokerConfig:
         """The ``broker`` section for the client logging in as ``name`` (an agent id, or the coordinator's
@@ -119,12 +131,13 @@ class Broker:
             self._reload()
             wait_for_login(self.directory.client_config(new[-1], host=self.host), timeout=10.0)
 
-    def restart(self, down_s: float = 0.0) -> None:
-        """Stop the broker, leave it down ``down_s`` seconds, and start it again on the same port (the clients'
-        sessions are gone; with persistence off, so are retained messages). Only a mosquitto started here."""
+    def restart(self, down_s: float = 0.0, until: threading.Event | None = None) -> None:
+        """Stop the broker, leave it down ``down_s`` seconds (or, with ``until``, until that is set, at most
+        ``down_s``), and start it again on the same port (the clients' sessions are gone; with persistence off, so
+        are retained messages). Only a mosquitto started here."""
         if self._restart is None:
             raise BrokerStartError(f"a {self.kind} broker cannot be restarted from here")
-        self._restart(down_s)
+        self._restart(down_s, until)
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -201,6 +214,9 @@ class _MosquittoProcess:
             self.process.kill()
             self.process.wait(5)
 
+    def pid(self) -> int:
+        return self.process.pid
+
     def stop(self) -> None:
         self._terminate()
         self.log_file.close()
@@ -230,27 +246,45 @@ class _MosquittoProcess:
             time.sleep(0.02)
         return False
 
-    def restart(self, down_s: float) -> None:
+    def restart(self, down_s: float, until: threading.Event | None = None) -> None:
         self._terminate()
-        time.sleep(down_s)
+        if until is not None:
+            until.wait(down_s)
+        else:
+            time.sleep(down_s)
         since = (self.workdir / "mosquitto.log").stat().st_size
-        self.process = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=self.log_file,
-                                        stderr=subprocess.STDOUT)
+        self.process = spawn_tied([self.binary, "-c", str(self.conf)], stdout=self.log_file,
+                                  stderr=subprocess.STDOUT)
         if not wait_for_port("127.0.0.1", self.port, 10.0) or not self.wait_running(since):
             raise BrokerStartError(f"mosquitto did not listen again on port {self.port} after a restart")
 
 
-def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation: str | None = None) -> Broker:
+def _broker_dir(workdir: Path | None) -> Path:
+    """The broker's own directory, made 0700: ``workdir`` (which must not exist yet), or a fresh temporary one."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix="fedfit-mosquitto-"))  # (mkdtemp makes it 0700)
+    try:
+        workdir.mkdir(mode=0o700, parents=True)
+        workdir.chmod(0o700)  # whatever the umask
+    except OSError as exc:
+        raise BrokerStartError(f"cannot make the broker's directory {workdir}: {exc.strerror or exc}") from None
+    return workdir
+
+
+def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation: str | None = None,
+                    workdir: Path | None = None) -> Broker:
     """Start mosquitto on a free loopback port with a throw-away configuration.
 
     With ``federation``, the broker is secured as ``fedfit broker init`` would make it for that federation (TLS,
-    no anonymous clients, one login per client, the ACL); without, anyone may connect and do anything.
+    no anonymous clients, one login per client, the ACL); without, anyone may connect and do anything. Its files
+    go to ``workdir`` (made 0700 here; it must not exist yet), else to a fresh temporary directory; ``stop()``
+    removes them. The broker is sent SIGTERM when this process ends.
     """
     binary = binary or find_mosquitto()
     if binary is None:
         raise BrokerStartError("mosquitto is not installed (apt-get install mosquitto)")
     version = mosquitto_version(binary)
-    workdir = Path(tempfile.mkdtemp(prefix="fedfit-mosquitto-"))
+    workdir = _broker_dir(workdir)
     last_output = ""
     for _ in range(attempts):
         port = free_port()
@@ -277,11 +311,12 @@ def start_mosquitto(binary: str | None = None, attempts: int = 3, *, federation:
             )
         log_path = workdir / "mosquitto.log"
         log_file = log_path.open("wb")
-        process = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
+        process = spawn_tied([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
         running = _MosquittoProcess(binary, conf, port, log_file, workdir, process)
         if wait_for_port("127.0.0.1", port, 10.0) and running.wait_running(0):
             return Broker(kind="mosquitto", version=version, host="127.0.0.1", port=port, directory=directory,
-                          _stop=running.stop, _reload=running.reload, _restart=running.restart)
+                          _stop=running.stop, _reload=running.reload, _restart=running.restart,
+                          _pid=running.pid)
         process.kill()
         process.wait(5)
         log_file.close()
@@ -342,12 +377,14 @@ def start_amqtt(attempts: int = 3) -> Broker:
     raise BrokerStartError(f"the embedded amqtt broker did not start after {attempts} tries")
 
 
-def start_broker(prefer: Literal["auto", "mosquitto", "amqtt"] = "auto", *, federation: str | None = None) -> Broker:
-    """Start a loopback broker: mosquitto when installed (or asked for), secured for ``federation`` when given;
-    else the embedded amqtt, which is never secured."""
+def start_broker(prefer: Literal["auto", "mosquitto", "amqtt"] = "auto", *, federation: str | None = None,
+                 workdir: Path | None = None) -> Broker:
+    """Start a loopback broker: mosquitto when installed (or asked for), secured for ``federation`` when given, its
+    files in ``workdir`` (see :func:`start_mosquitto`); else the embedded amqtt, which is never secured and keeps
+    no files."""
     if prefer == "amqtt":
         return start_amqtt()
     binary = find_mosquitto()
     if binary is not None or prefer == "mosquitto":
-        return start_mosquitto(binary, federation=federation)
+        return start_mosquitto(binary, federation=federation, workdir=workdir)
     return start_amqtt()

@@ -7,6 +7,7 @@ small training pool. Nothing is short-circuited: tasks and updates cross the bro
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -18,13 +19,11 @@ from typing import IO, Any
 
 import numpy as np
 import torch
-import yaml
 
 from common.blas_threads import guard_blas_threads
 from common.config import to_mapping
 from common.cores import available_cores
 from common.data import Dataset, load_dataset, parse_partition, partition_indices
-from common.durable import write_atomic
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import MetricsWriter, RoundResult, read_metrics
@@ -41,6 +40,7 @@ from fedfit.sim.progress import ProgressPrinter
 from fedfit.sim.report import build_report
 from fedfit.sim.rundir import claim_run_dir, new_run_dir, write_run_outputs
 from fedfit.sim.speeds import device_speeds, parse_speeds, speeds_line, speeds_text
+from fedfit.sim.status_file import RunMark, write_ended, write_running
 from fedfit.version import version_string
 
 
@@ -203,16 +203,20 @@ def fleet_data(dataset: str, root: str | Path | None, agents: int, partition: st
     return loaded, [kept[shard] for shard in shards]
 
 
-#: The file in a run's directory that ``fedfit status --config`` reads while the run goes on: the federation and the
-#: coordinator's login to the run's broker (written readable by its owner only).
-STATUS_CONFIG_FILE = "status.yaml"
+#: The run's broker's own directory in the run's directory (0700: its configuration and log and, secured, the CA
+#: key and every login's password); removed when the run ends, left behind (in the run, not in /tmp) by a run that
+#: was killed.
+BROKER_DIR = "broker"
 
 
-def _write_status_config(run_dir: Path, config: CoordinatorConfig) -> Path:
-    path = run_dir / STATUS_CONFIG_FILE
-    mapping = {"federation": config.federation, "broker": to_mapping(config.broker)}
-    write_atomic(path, yaml.safe_dump(mapping, sort_keys=False).encode(), mode=0o600)
-    return path
+def start_run_broker(options: SimOptions, run_dir: Path) -> Broker:
+    """The run's broker: the one ``options.broker`` names, or one started with its files in ``run_dir``'s
+    :data:`BROKER_DIR` (what a killed run left there is removed first: its broker went with it)."""
+    if options.broker:
+        return external_broker(options.broker)
+    shutil.rmtree(run_dir / BROKER_DIR, ignore_errors=True)
+    return start_broker(federation=options.federation if options.secure_broker else None,
+                        workdir=run_dir / BROKER_DIR)
 
 
 def _earlier_rounds(run_dir: Path, completed: int) -> tuple[list[RoundResult], int | None]:
@@ -271,15 +275,15 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
         print(f"{label + ': ' if label else ''}training on {where}: {workers} training "
               f"process{'es' * (workers > 1)} at once, {threads} torch thread{'s' * (threads > 1)} each",
               file=progress, flush=True)
-    broker = (external_broker(options.broker) if options.broker
-              else start_broker(federation=options.federation if options.secure_broker else None))
+    broker = start_run_broker(options, run_dir)
+    mark = RunMark.this_process(run_dir, started)
     agents: list[EdgeAgent] = []
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sim-train")
     coordinator: Coordinator | None = None
     printer = ProgressPrinter(progress, options.rounds, label) if progress is not None else None
     try:
         config = coordinator_config(options, broker, run_dir)
-        watch = _write_status_config(run_dir, config)
+        watch = write_running(run_dir, config.federation, to_mapping(config.broker), mark)
         if progress is not None:
             print(f"{label + ': ' if label else ''}watch the fleet: fedfit status --config {watch} --watch",
                   file=progress, flush=True)
@@ -376,4 +380,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
         if coordinator is not None:
             coordinator.stop()
         pool.shutdown(wait=False, cancel_futures=True)
-        broker.stop()
+        try:  # before the broker goes: fedfit status --watch then says the run ended, not the broker unreachable
+            write_ended(run_dir, options.federation, mark, time.time())
+        finally:
+            broker.stop()

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,8 @@ from fedfit.sim.broker import (
     start_mosquitto,
     wait_for_port,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_external_broker_parses_host_and_port() -> None:
@@ -48,3 +55,58 @@ def test_a_broker_that_cannot_be_secured_is_one_sentence_and_leaves_no_files(mon
                                                r".*\(--insecure-broker runs one without TLS and logins\)$"):
         start_mosquitto(find_mosquitto(), federation="lab")
     assert made and not made[0].exists()
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_secured_broker_keeps_its_files_in_the_directory_given_and_stop_removes_them(tmp_path) -> None:
+    workdir = tmp_path / "run" / "broker"
+    broker = start_mosquitto(federation="lab", workdir=workdir)
+    try:
+        assert broker.directory is not None and broker.directory.path.is_relative_to(workdir)
+        assert workdir.stat().st_mode & 0o777 == 0o700
+        password = Path(broker.coordinator_config().password_file or "")
+        assert password.is_relative_to(workdir) and password.stat().st_mode & 0o077 == 0
+        assert (broker.directory.path / "ca.key").stat().st_mode & 0o077 == 0
+    finally:
+        broker.stop()
+    assert not workdir.exists() and (tmp_path / "run").is_dir()
+    with pytest.raises(BrokerStartError, match="cannot make the broker's directory"):
+        start_mosquitto(federation="lab", workdir=tmp_path)  # one that exists: never another's files
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_broker_ends_with_the_process_that_started_it_killed_and_leaves_no_secret_outside_its_run(
+        tmp_path, wait_ended) -> None:
+    """As a SIGKILLed ``fedfit sim`` does: a process starts a secured broker in its run's directory, from a thread
+    that then ends, and is killed. Its mosquitto ends too, and nothing was written to the temporary directory."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    run = tmp_path / "run"
+    starter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import json, threading
+        from pathlib import Path
+        from fedfit.sim.broker import start_mosquitto
+        started = []
+        thread = threading.Thread(target=lambda: started.append(
+            start_mosquitto(federation="lab", workdir=Path({str(run / "broker")!r}))))
+        thread.start()
+        thread.join()
+        broker = started[0]
+        broker.add_logins(["sim-000"])
+        print(json.dumps([broker.pid, broker.coordinator_config().password_file]),
+              flush=True)
+        threading.Event().wait()
+    """)], cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "TMPDIR": str(temporary)})
+    assert starter.stdout is not None
+    line = starter.stdout.readline()
+    assert line, "the broker did not start"
+    mosquitto, password = json.loads(line)
+    assert not wait_ended(mosquitto, 0) and Path(password).is_relative_to(run / "broker")
+    starter.kill()
+    starter.wait()
+    assert wait_ended(mosquitto, 30)
+    assert list(temporary.iterdir()) == []
+    # What is left is in the run's directory, readable by its owner only (fedfit sim removes it at its next start).
+    assert (run / "broker").stat().st_mode & 0o777 == 0o700

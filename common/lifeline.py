@@ -1,0 +1,99 @@
+"""Child processes that end with the process that started them, however it ends (a SIGKILL included).
+
+Linux's ``prctl(PR_SET_PDEATHSIG, sig)`` has the kernel send ``sig`` to a process when its parent ends. Two
+catches, both handled here:
+
+- The "parent" is the *thread* that forked the child: a child started from a short-lived thread is signalled when
+  that thread ends, with the process alive. :func:`spawn_tied` therefore forks every child from one thread of
+  this module that lives as long as the process (it ends only at interpreter exit, when the children should go).
+- The parent may end between the fork and the ``prctl``: the child then checks that its parent is still the
+  process that forked it, and exits at once if not.
+
+``spawn_tied`` sets the signal in ``preexec_fn``, which Python documents as unsafe in a process with threads (the
+child runs Python code between fork and exec, and a lock another thread held at the fork stays held in it). What
+runs there is one call of a C function resolved beforehand and one ``getppid``: no import, no logging, no lock of
+this process's. Elsewhere than Linux (no ``prctl``) children are started as usual, untied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+__all__ = ["die_with_parent", "spawn_tied", "supported"]
+
+#: ``PR_SET_PDEATHSIG`` of <linux/prctl.h>.
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl``, resolved once (never in a child between fork and exec); None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_prctl = _load_prctl()
+_spawner: ThreadPoolExecutor | None = None
+_spawner_pid = 0  # the process whose thread _spawner runs (a forked copy of this module has none)
+_spawner_lock = threading.Lock()
+
+
+def supported() -> bool:
+    """Whether children can be tied to their parent here (Linux)."""
+    return _prctl is not None
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to the calling process when the thread that forked it ends. With ``parent``
+    (the pid of the process that forked it), exit at once when that one has gone already. False where it cannot
+    be done (not Linux, or the call failed)."""
+    if _prctl is None or _prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        return False
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)  # the parent ended before the signal was set: nothing will send it now
+    return True
+
+
+def _tie(sig: int, parent: int) -> None:
+    """``preexec_fn`` of :func:`spawn_tied` (in the child, before exec)."""
+    die_with_parent(sig, parent)
+
+
+def _spawner_thread() -> ThreadPoolExecutor:
+    """The one long-lived thread children are forked from (made again in a forked copy of this process)."""
+    global _spawner, _spawner_pid
+    with _spawner_lock:
+        if _spawner is None or _spawner_pid != os.getpid():
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedfit-lifeline")
+            _spawner_pid = os.getpid()
+        return _spawner
+
+
+def spawn_tied(args: Sequence[str], sig: int = signal.SIGTERM, **popen: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(args, **popen)``, the child sent ``sig`` when this process ends (see the module's
+    docstring); where that is not supported, a plain ``Popen``. Raises what ``Popen`` raises."""
+    if _prctl is None:
+        return subprocess.Popen(args, **popen)
+    tie = partial(_tie, sig, os.getpid())
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(args, preexec_fn=tie, **popen)  # noqa: PLW1509 - see the module docstring
+
+    return _spawner_thread().submit(start).result()
