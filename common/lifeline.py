@@ -4,8 +4,9 @@ Linux's ``prctl(PR_SET_PDEATHSIG, sig)`` has the kernel send ``sig`` to a proces
 catches, both handled here:
 
 - The "parent" is the *thread* that forked the child: a child started from a short-lived thread is signalled when
-  that thread ends, with the process alive. :func:`spawn_tied` therefore forks every child from one thread of
-  this module that lives as long as the process (it ends only at interpreter exit, when the children should go).
+  that thread ends, with the process alive. :func:`spawn_tied` therefore forks every child from one daemon thread
+  of this module that never returns: it ends with the process (not before, as a thread joined at interpreter exit
+  would, while other threads may still use the child).
 - The parent may end between the fork and the ``prctl``: the child then checks that its parent is still the
   process that forked it, and exits at once if not.
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -50,8 +52,10 @@ def _load_prctl() -> Any:
 
 
 _prctl = _load_prctl()
-_spawner: ThreadPoolExecutor | None = None
-_spawner_pid = 0  # the process whose thread _spawner runs (a forked copy of this module has none)
+#: Work for the spawning thread: (what to run, where its outcome goes).
+_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+_jobs: queue.SimpleQueue[_Job] | None = None
+_spawner_pid = 0  # the process whose thread serves _jobs (a forked copy of this module has none)
 _spawner_lock = threading.Lock()
 
 
@@ -76,14 +80,26 @@ def _tie(sig: int, parent: int) -> None:
     die_with_parent(sig, parent)
 
 
-def _spawner_thread() -> ThreadPoolExecutor:
-    """The one long-lived thread children are forked from (made again in a forked copy of this process)."""
-    global _spawner, _spawner_pid
+def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
+    """The spawning thread: runs each job, for ever."""
+    while True:
+        start, outcome = jobs.get()
+        try:
+            outcome.set_result(start())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            outcome.set_exception(exc)
+
+
+def _spawner() -> queue.SimpleQueue[_Job]:
+    """The queue of the one thread children are forked from, started at the first call (again in a forked copy of
+    this process, which has no thread of its parent's)."""
+    global _jobs, _spawner_pid
     with _spawner_lock:
-        if _spawner is None or _spawner_pid != os.getpid():
-            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedfit-lifeline")
+        if _jobs is None or _spawner_pid != os.getpid():
+            _jobs = queue.SimpleQueue()
             _spawner_pid = os.getpid()
-        return _spawner
+            threading.Thread(target=_serve, args=(_jobs,), name="fedfit-lifeline", daemon=True).start()
+        return _jobs
 
 
 def spawn_tied(args: Sequence[str], sig: int = signal.SIGTERM, **popen: Any) -> subprocess.Popen[bytes]:
@@ -96,4 +112,6 @@ def spawn_tied(args: Sequence[str], sig: int = signal.SIGTERM, **popen: Any) -> 
     def start() -> subprocess.Popen[bytes]:
         return subprocess.Popen(args, preexec_fn=tie, **popen)  # noqa: PLW1509 - see the module docstring
 
-    return _spawner_thread().submit(start).result()
+    outcome: Future[subprocess.Popen[bytes]] = Future()
+    _spawner().put((start, outcome))
+    return outcome.result()
