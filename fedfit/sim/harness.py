@@ -219,6 +219,26 @@ def start_run_broker(options: SimOptions, run_dir: Path) -> Broker:
                         workdir=run_dir / BROKER_DIR)
 
 
+#: Seconds the end of a run waits at most for the acks in flight to reach the agents before it reports what is left.
+SETTLE_S = 5.0
+
+
+def left_behind(coordinator: Coordinator, agents: Sequence[EdgeAgent],
+                settle_s: float = SETTLE_S) -> list[dict[str, str]]:
+    """What the run ends without settling, by agent and task: what the coordinator carried or held for a round that
+    never came, the tasks an agent still trains (or holds back), and the updates still in an agent's outbox once
+    the acks already sent had ``settle_s`` seconds to arrive. Empty when every update an agent sent was aggregated
+    or refused with a reason."""
+    deadline = time.monotonic() + settle_s
+    while (any(where == "outbox" for agent in agents for _, where in agent.unsettled())
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    left = [{"agent": agent, "task": task, "where": where} for agent, task, where in coordinator.left_behind()]
+    known = {entry["task"] for entry in left}
+    return left + [{"agent": agent.agent_id, "task": task, "where": where} for agent in agents
+                   for task, where in agent.unsettled() if task not in known]
+
+
 def _earlier_rounds(run_dir: Path, completed: int) -> tuple[list[RoundResult], int | None]:
     """The results of the ``completed`` rounds a resumed run did before it stopped, from its ``metrics.jsonl``,
     which is written again with exactly those (a line cut short by the stop, or a round after the checkpoint's,
@@ -341,6 +361,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                 started_agent.result()  # re-raises a connection failure
         rounds = earlier + coordinator.run()
         ended = time.time()
+        left = left_behind(coordinator, agents)
         rejected = coordinator.rejected_messages + sum(agent.rejected_messages for agent in agents)
         settings = {"agents": options.agents, "rounds": options.rounds, "dataset": dataset.name,
                     "partition": options.partition, "model": options.model, "seed": options.seed,
@@ -366,6 +387,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                "wall_seconds": round(wall, 3), "directory": str(run_dir), "config": _public(config),
                "overrides": list(options.overrides), "command": list(options.command),
                "cores": cores, "workers": workers, "torch_threads": threads,
+               "left": left,
                **({"label": label} if label else {}),
                **({"resumed_after_round": resumed_after} if resumed_after else {}),
                **({"rounds_not_recorded": [unrecorded]} if unrecorded else {})}
