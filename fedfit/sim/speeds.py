@@ -85,5 +85,5 @@ def speeds_line(speeds: Sequence[float], scenario: str, seed: int) -> str:
         tiers = [name for name in dict.fromkeys(tiers_in_order) if name in present]
         count = sum(1 for speed in speeds if speed == factor)
         groups.append(f"x{factor:g}: {count} device{'s' * (count > 1)} ({', '.join(tiers)})")
-    return ("training speeds (a device of factor f takes f times this machine's training time): "
+    return ("training speeds (a device of factor f takes f times this machine's time for a task): "
             + ", ".join(groups))

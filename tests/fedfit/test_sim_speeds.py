@@ -61,5 +61,5 @@ def test_two_equal_tiers_are_two_tiers() -> None:
 def test_the_start_of_run_line_says_how_many_devices_of_which_tiers_train_at_each_factor() -> None:
     speeds = device_speeds([10.0, 1.0], 4, "fair", 0)
     assert speeds_line(speeds, "fair", 0) == (
-        "training speeds (a device of factor f takes f times this machine's training time): "
+        "training speeds (a device of factor f takes f times this machine's time for a task): "
         "x1: 2 devices (r=1/2, r=1), x10: 2 devices (r=1/6, r=1/3)")

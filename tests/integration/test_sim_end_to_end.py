@@ -139,7 +139,7 @@ def test_devices_of_a_slower_tier_hold_their_updates_back_by_their_factor(mosqui
     assert (settings["speeds"], settings["device_speeds"]) == ("3,1", device_speeds((3.0, 1.0), 4, "widths:1/2,1", 1))
     # one factor per tier, in the scenario's order: the half-width tier three times slower
     assert [{"r=1/2": 3.0, "r=1": 1.0}[tier] for tier in settings["device_tiers"]] == settings["device_speeds"]
-    assert "training speeds (a device of factor f takes f times this machine's training time): x1: 2 devices (r=1), " \
+    assert "training speeds (a device of factor f takes f times this machine's time for a task): x1: 2 devices (r=1), " \
            "x3: 2 devices (r=1/2)" in said.getvalue()
     factors = dict(zip(report["agents"], settings["device_speeds"]))
     tasks = report["tasks"]
@@ -180,6 +180,8 @@ def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_director
                                                        "--run-dir " + str(run_dir), "--budgets fractions:1.5",
                                                        "--allocator default"])
     assert data["run"]["version"].startswith("fedfit ") and data["run"]["wall_seconds"] > 0
+    # Every update a device sent was aggregated or refused with a reason: nothing left, and the table says so.
+    assert data["run"]["left"] == [] and "left at the end: nothing" in result.stdout
     # No --workers: as many training processes at once as the cores this process may use, one thread each.
     cores = available_cores()
     assert (data["run"]["cores"], data["run"]["workers"], data["run"]["torch_threads"]) == (cores, cores, 1)
