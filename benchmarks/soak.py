@@ -5,9 +5,10 @@ counted twice.
 The federations are the ones ``faults.setup`` makes (a secured mosquitto, the coordinator and every agent as their
 own ``fedfit`` processes, the coordinator with ``resume: true``), small so that many rounds fit: the digits, the
 small CNN, ``--agents`` agents (6), one local epoch. One after another, each of ``--rounds`` rounds (40), in
-``--round-mode`` (``sync`` or ``buffered``), until ``--soak`` seconds have passed; the last one then finishes its
-rounds with no more faults. Every ``--fault-every`` seconds (20-60, drawn), from the moment a federation's first
-round is in flight, one fault drawn from ``--kinds`` (seeded by ``--seed``):
+``--round-mode`` (``sync`` or ``buffered``), while a fault may still come within ``--soak`` seconds; the last one
+then finishes its rounds with no more faults. Every ``--fault-every`` seconds (20-60, drawn), from the moment a
+federation's first round is in flight, one fault drawn from ``--kinds`` (the kinds, gaps and victims seeded by
+``--seed``; where in a round each lands is not):
 
 - ``agents``: kill -9 of ``--agent-share`` (30%) of the agents, each restarted ``--restart-after`` (2) s later;
 - ``coordinator``: kill -9 of the coordinator, restarted ``--restart-after`` s later (it resumes its journal);
@@ -55,6 +56,8 @@ KINDS = ("agents", "coordinator", "broker")
 RESTART_SEC = 5.0
 #: Exits on its own after which the coordinator of a federation is not restarted again.
 MAX_COORDINATOR_EXITS = 5
+#: Seconds what a daemon started may take to end after the daemon's own clean stop (then it is a stray).
+STOP_GRACE_S = 10.0
 
 
 @dataclass
@@ -83,7 +86,7 @@ class Federation:
     done_at: dict[int, float] = field(default_factory=dict)
     anomalies: list[str] = field(default_factory=list)
     coordinator_exits: int = 0
-    strays_at_stop: int = 0
+    strays_at_stop: list[str] = field(default_factory=list)  # still running after their daemon's clean stop
     outcome: str = "running"
     ledger: Ledger | None = None
 
@@ -117,15 +120,17 @@ def descendants(process: subprocess.Popen[bytes] | None) -> list[psutil.Process]
         return []
 
 
-def kill_strays(children: list[psutil.Process]) -> int:
-    """kill -9 of those of ``children`` still running, as systemd does to a unit's cgroup before it restarts it;
-    how many there were."""
-    strays = 0
-    for child in children:
+def kill_strays(children: list[psutil.Process], grace: float = 0.0) -> list[str]:
+    """kill -9 of those of ``children`` still running after ``grace`` seconds, as systemd does to a unit's cgroup
+    before it restarts it; what they were (their command lines, cut short)."""
+    _, alive = psutil.wait_procs(children, timeout=grace) if grace else ([], children)
+    strays = []
+    for child in alive:
         try:
             if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                what = " ".join(child.cmdline())[:100]
                 child.kill()
-                strays += 1
+                strays.append(what)
         except psutil.Error:
             continue
     return strays
@@ -162,7 +167,8 @@ class Soak:
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
-        while time.monotonic() < self.end:
+        """Federations one after another while a fault may still come (the last one ends with no more faults)."""
+        while not self.federations or time.monotonic() < self.end - self.low:
             self.federation(len(self.federations))
 
     def federation(self, index: int) -> None:
@@ -187,8 +193,7 @@ class Soak:
             children = [child for process in [run.coordinator, *run.agent_processes.values()]
                         for child in descendants(process)]
             run.stop()
-            time.sleep(1.0)
-            fed.strays_at_stop = kill_strays(children)
+            fed.strays_at_stop = kill_strays(children, grace=STOP_GRACE_S)
             run.broker.stop()
             fed.ledger = read_ledger(directory, run.agents, args.rounds)
         counts = figures(fed.ledger.tasks.values())
@@ -249,14 +254,14 @@ class Soak:
             victims = sorted(self.rng.sample(run.agents, max(1, round(self.args.agent_share * len(run.agents)))))
             children = [child for name in victims for child in kill_hard(run.agent_processes[name])]
             time.sleep(self.args.restart_after)
-            strays = kill_strays(children)
+            strays = len(kill_strays(children))
             for name in victims:
                 run.start_agent(name)
             detail = f"kill -9 of {', '.join(victims)}"
         elif kind == "coordinator":
             children = kill_hard(run.coordinator)
             time.sleep(self.args.restart_after)
-            strays = kill_strays(children)
+            strays = len(kill_strays(children))
             run.start_coordinator()
             detail = "kill -9 of the coordinator"
         else:
@@ -314,7 +319,7 @@ class Soak:
                   "rounds_recorded_twice": sum(len(ledger.rounds_twice) for _, ledger in ledgers),
                   "rounds_missing": sum(len(ledger.rounds_missing) for _, ledger in ledgers),
                   "strays_killed": sum(fault.strays for fault in self.faults),
-                  "strays_at_stop": sum(fed.strays_at_stop for fed in self.federations)}
+                  "strays_at_stop": sum(len(fed.strays_at_stop) for fed in self.federations)}
         return {
             "command": self.args.command, "commit": commit(), "round_mode": self.args.round_mode,
             "seed": self.args.seed, "soak_s": self.args.soak, "wall_s": round(self.since(), 1),
@@ -330,7 +335,16 @@ class Soak:
                 "strays_at_stop": fed.strays_at_stop} for fed, ledger in ledgers],
             "faults": [asdict(fault) for fault in self.faults],
             "lost": listed("lost"), "counted_twice": listed("twice"), "left": listed("left"),
+            "left_by_agent": left_by_agent(listed("left")),
         }
+
+
+def left_by_agent(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The tasks whose updates were left in outboxes, by federation and agent."""
+    found: dict[str, list[str]] = {}
+    for row in rows:
+        found.setdefault(f"fed-{row['federation']:02d} {row['agent']}", []).append(row["task"])
+    return found
 
 
 def tail(log: Path, size: int = 600) -> str:
@@ -367,7 +381,7 @@ def report(result: dict[str, Any]) -> list[str]:
                  f"{totals['refused']}; left: {totals['left_acked']} of them acked too, {totals['left_carried_at_end']}"
                  f" carried out of a federation's last round; rounds recorded twice {totals['rounds_recorded_twice']}, "
                  f"missing {totals['rounds_missing']}; processes killed after their daemon {totals['strays_killed']} "
-                 f"(and {totals['strays_at_stop']} left after a clean stop)")
+                 f"(and {totals['strays_at_stop']} still running {STOP_GRACE_S:.0f} s after a clean stop)")
     for fed in result["federations"]:
         lines.append(f"federation {fed['index']}: {fed['outcome']}, {fed['rounds_recorded']} rounds, final accuracy "
                      f"{fed['final_accuracy']}" + "".join(
