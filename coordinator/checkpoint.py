@@ -66,6 +66,20 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]
     return states, metadata
 
 
+def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of the checkpoint at ``path`` (its tensors are not read); CheckpointError when it cannot be
+    read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            raw = handle.metadata() or {}
+        metadata = json.loads(raw["meta"])
+    except (OSError, SafetensorError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot read the metadata of checkpoint {path}: {exc}") from exc
+    return dict(metadata)
+
+
 def starting_states(path: Path, config: CoordinatorConfig, strategy: Strategy) -> tuple[dict[str, State], int]:
     """The states a run starts from and the rounds already done: the checkpoint's with ``resume`` (see
     :func:`restore_checkpoint`), else the strategy's initial ones; ValueError when ``path`` holds an earlier run

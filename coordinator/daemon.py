@@ -26,7 +26,7 @@ from common.data import Dataset, load_dataset
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from coordinator import reporting
-from coordinator.checkpoint import save_checkpoint, starting_states
+from coordinator.checkpoint import checkpoint_metadata, save_checkpoint, starting_states
 from coordinator.config import CoordinatorConfig
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluator
@@ -107,6 +107,9 @@ class Coordinator:
         self.states, self.completed_rounds = starting_states(self.checkpoint_path, config, self.strategy)
         if self.completed_rounds:
             self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
+            if self.metrics.restore(self.completed_rounds, checkpoint_metadata(self.checkpoint_path).get("record")):
+                self.log.warning("round_record_restored", round=self.completed_rounds,
+                                 reason="stopped after the round's checkpoint, before metrics.jsonl had its record")
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
         #: Buffered rounds: the states each round's tasks were cut from, while tasks of that round still train
         #: (their updates are measured and rebased against them), and the tasks the next round carries.
@@ -368,7 +371,9 @@ class Coordinator:
         self.completed_rounds = current.number
         if self._carried:  # (before the checkpoint: a stop between the two loses no carried task)
             self.journal.carry_on(current.number + 1, self._carried, self._bases)
-        self._checkpoint()
+        # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
+        self._checkpoint(reporting.round_result(current, records, dict(accuracies), trained, bytes_down,
+                                                time.monotonic() - started))
         if self._carried:  # the checkpoint holds the round now, the journal what the next one carries
             self.journal.begin(current.number + 1, 0.0, {}, [], self._carried, self._bases, planned=False)
         else:
@@ -496,8 +501,10 @@ class Coordinator:
         except Exception as exc:  # noqa: BLE001 - a display must not stop a round
             self.log.warning("progress_display_failed", error=f"{type(exc).__name__}: {exc}")
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, record: RoundResult | None = None) -> None:
+        """Write the checkpoint of the rounds completed, with the last one's ``record`` (what ``metrics.jsonl``
+        gets next, restored from here by a coordinator that restarts before it got it)."""
         save_checkpoint(self.checkpoint_path, self.states, {
             "round": self.completed_rounds, "algorithm": self.config.algorithm,
             "family": self.config.model.family, "federation": self.config.federation,
-            "strategy": self.strategy.state_dict()})
+            "strategy": self.strategy.state_dict(), **({"record": record.to_dict()} if record is not None else {})})

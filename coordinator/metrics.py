@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.durable import write_atomic
 from protocol import TextEnum, UpdateStatus
 
 #: A round's phases on the coordinator, in order (seconds in :attr:`RoundResult.timing`): waiting for the fleet,
@@ -169,6 +170,25 @@ class MetricsWriter:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(result.to_dict(), sort_keys=True) + "\n")
             handle.flush()
+
+    def restore(self, completed: int, record: Mapping[str, Any] | None) -> bool:
+        """Append ``record`` (the checkpoint's record of round ``completed``) when ``metrics.jsonl`` stops before that
+        round (a stop between the checkpoint and the record), dropping a last line cut short; whether it did."""
+        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else []
+        if lines:
+            try:
+                json.loads(lines[-1])
+            except json.JSONDecodeError:
+                lines.pop()  # cut short by the stop
+        try:
+            recorded = [json.loads(line).get("round") for line in lines]
+        except (json.JSONDecodeError, AttributeError):
+            return False  # damaged before its end: read_metrics says where
+        if record is None or record.get("round") != completed or completed in recorded:
+            return False
+        lines.append(json.dumps(dict(record), sort_keys=True))
+        write_atomic(self.path, ("\n".join(lines) + "\n").encode())
+        return True
 
 
 def read_metrics(path: str | Path) -> list[RoundResult]:

@@ -956,3 +956,21 @@ def test_a_task_carried_no_further_is_reported_as_such(tmp_path: Path, digits) -
     records, _ = reporting.outcomes(current, coordinator.family, coordinator.log)
     assert records["a"].status == "missing"
     assert records["a"].reason == "still training after 5 rounds: carried no further (buffered.max_staleness 4)"
+
+
+def test_a_stop_between_a_rounds_checkpoint_and_its_record_loses_no_figures(tmp_path: Path, digits) -> None:
+    """The record of a round goes into its checkpoint: restarted after a stop before metrics.jsonl got it (its last
+    line cut short, even), the coordinator appends it, once."""
+    from coordinator.metrics import read_metrics
+
+    first = Coordinator(config(tmp_path), dataset=digits)
+    earlier = RoundResult(1, 0.5, {"a": 0.5}, 2, 2, 10, 10, 1.0)
+    first.metrics.write(earlier)
+    first.completed_rounds = 2
+    first._checkpoint(RoundResult(2, 0.75, {"a": 0.75}, 2, 2, 10, 10, 1.5))
+    with first.metrics.path.open("a") as handle:
+        handle.write('{"round": 2, "glob')  # the stop came while the line was written
+    restarted = Coordinator(config(tmp_path, resume=True), dataset=digits)
+    assert [(r.round, r.global_accuracy) for r in read_metrics(restarted.metrics.path)] == [(1, 0.5), (2, 0.75)]
+    again = Coordinator(config(tmp_path, resume=True), dataset=digits)
+    assert [r.round for r in read_metrics(again.metrics.path)] == [1, 2]  # once
