@@ -12,8 +12,10 @@ catches, both handled here:
 
 ``spawn_tied`` sets the signal in ``preexec_fn``, which Python documents as unsafe in a process with threads (the
 child runs Python code between fork and exec, and a lock another thread held at the fork stays held in it). What
-runs there is one call of a C function resolved beforehand and one ``getppid``: no import, no logging, no lock of
-this process's. Elsewhere than Linux (no ``prctl``) children are started as usual, untied.
+runs there of this module is one call of a C function resolved beforehand and one ``getppid``: no import, no
+logging, no lock (CPython's own after-fork hooks run first, as in any fork: they re-initialise the locks they own).
+It forks rather than vforks, so a broker started from a large process copies its page tables (a moment, and no
+memory until written). Elsewhere than Linux (no ``prctl``) children are started as usual, untied.
 """
 
 from __future__ import annotations
@@ -35,16 +37,21 @@ __all__ = ["die_with_parent", "spawn_tied", "supported"]
 
 #: ``PR_SET_PDEATHSIG`` of <linux/prctl.h>.
 _PR_SET_PDEATHSIG = 1
+#: Seconds a child may take to start (fork and exec) before the caller is told it did not.
+_SPAWN_TIMEOUT_S = 60.0
 
 
 def _load_prctl() -> Any:
     """libc's ``prctl``, resolved once (never in a child between fork and exec); None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
+    for name in (ctypes.util.find_library("c"), None):  # None: the process's own symbols (musl has no libc.so.6)
+        try:
+            prctl = ctypes.CDLL(name, use_errno=True).prctl
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
         return None
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl.restype = ctypes.c_int
@@ -114,4 +121,7 @@ def spawn_tied(args: Sequence[str], sig: int = signal.SIGTERM, **popen: Any) -> 
 
     outcome: Future[subprocess.Popen[bytes]] = Future()
     _spawner().put((start, outcome))
-    return outcome.result()
+    try:
+        return outcome.result(timeout=_SPAWN_TIMEOUT_S)
+    except TimeoutError:
+        raise OSError(f"{args[0]} did not start within {_SPAWN_TIMEOUT_S:g} s") from None

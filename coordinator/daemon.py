@@ -120,7 +120,7 @@ class Coordinator:
         # _round_lock): the tasks the next round carries for them are sent again
         self.intake = UpdateIntake(self.family, self.strategy, self.journal, self.dataset.num_classes,
                                    self._states_of, lambda topic, payload: self.link.publish(topic, payload),
-                                   self.topics, self.log, carried=lambda task_id: task_id in self._carried_ids)
+                                   self.topics, self.log, carried=self._carries)
         #: Prometheus metrics (``metrics_port``), None when off; ``metrics_port`` the port served once started.
         self.exporter: CoordinatorMetrics | None = None
         self.metrics_port: int | None = None
@@ -146,7 +146,7 @@ class Coordinator:
             on_ready=self._announce, on_refused=self._on_refused)
         #: The agents' update topics: requests to upload and chunks (``uploads``: the window, `grants`).
         self.uploads = UploadDesk(self.intake, config.uploads, lambda topic, payload: self.link.publish(topic, payload),
-                                  self.topics, self._current, lambda task_id: task_id in self._carried_ids,
+                                  self.topics, self._current, self._carries,
                                   self._on_answer, self.registry.revision, self.log)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref,
                                      self._states_of, config.seed, self.log, grants_uploads=self.uploads.grants is not None)
@@ -161,8 +161,8 @@ class Coordinator:
         if they arrived now, without storing them again): from the first message on, so that an update its agents
         resend before run() gets to it is not refused for good."""
         pending = self.journal.load()
-        if pending is not None and pending.round == self.completed_rounds and pending.next is not None:
-            pending = pending.next  # checkpointed, then stopped before the journal said what the next round carries
+        if pending is not None and pending.round == self.completed_rounds:  # checkpointed, then stopped before the
+            pending = self.journal.load_next()  # journal said what the next round carries (as carry_on recorded it)
         if pending is None or pending.round != self.completed_rounds + 1:
             return
         if pending.round == 1 and self.strategy.awaits_fleet:
@@ -369,7 +369,7 @@ class Coordinator:
         current.timing["evaluation"] = time.perf_counter() - phase
         phase = time.perf_counter()
         self.completed_rounds = current.number
-        if self._carried:  # (before the checkpoint: a stop between the two loses no carried task)
+        if current.buffer_size is not None:  # (before the checkpoint: a stop between the two loses no carried task)
             self.journal.carry_on(current.number + 1, self._carried, self._bases)
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self._checkpoint(reporting.round_result(current, records, dict(accuracies), trained, bytes_down,
@@ -478,6 +478,11 @@ class Coordinator:
         self._carried = list(carried)
         self._carried_ids = frozenset(dispatched.task_id for dispatched in carried)
         self._bases = bases
+
+    def _carries(self, task_id: str, agent_id: str, round_number: int) -> bool:
+        """Whether the next round carries ``task_id``, of that agent and round (asked between two rounds)."""
+        return any(dispatched.task_id == task_id and dispatched.task.agent_id == agent_id
+                   and dispatched.round == round_number for dispatched in self._carried)
 
     def _states_of(self, round_number: int) -> dict[str, State]:
         """The states the tasks of ``round_number`` were cut from: a round's own, kept while tasks of it train

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -54,6 +54,14 @@ class LateGauge:
             raise ValueError(f"{self.name} takes the labels {self.labels}, got {labels}")
         with self._lock:
             self._values[labels] = float(value)
+
+    def replace(self, values: Mapping[str, float]) -> None:
+        """Every series of a gauge with one label at once: those of ``values`` (label value -> value), no other (a
+        series not in them is absent from then on)."""
+        if len(self.labels) != 1:
+            raise ValueError(f"{self.name} has the labels {self.labels}: replace() takes a gauge of one label")
+        with self._lock:
+            self._values = {(label,): float(value) for label, value in values.items()}
 
     def value(self, *labels: str) -> float | None:
         """The series' value, None while it has none."""
@@ -234,8 +242,7 @@ class CoordinatorMetrics:
         self.traffic.set(result.bytes_down, "down")
         self.traffic.set(result.bytes_up, "up")
         self.seconds.set(result.seconds)
-        for phase, seconds in result.timing.items():
-            self.phases.set(seconds, phase)
+        self.phases.replace(result.timing)  # (a phase this round did not go through is not left from an earlier one)
         self.accuracy.set(result.global_accuracy)
         self.scrapes.changed()
 

@@ -89,12 +89,13 @@ def _float_tensor(array: np.ndarray) -> torch.Tensor:
 class UpdateIntake:
     """Updates in, from chunks to results (see the module docstring). ``states(r)`` gives the states the tasks of
     round ``r`` were cut from (what an update is measured against; a buffered round's stale updates name earlier
-    rounds); ``num_classes`` is the dataset's; ``carried(task_id)``: whether the next round carries that task (an
-    update for it between two rounds is deferred, not refused)."""
+    rounds); ``num_classes`` is the dataset's; ``carried(task_id, agent_id, round)``: whether the next round carries
+    that task of that agent and round (an update for it between two rounds is deferred, not refused)."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
                  states: Callable[[int], Mapping[str, State]], publish: Callable[[str, bytes], object], topics: Topics,
-                 log: Logger, *, carried: Callable[[str], bool] = lambda task_id: False) -> None:
+                 log: Logger, *, carried: Callable[[str, str, int], bool] = lambda task_id, agent_id, round_number: False
+                 ) -> None:
         self.publish = publish  # the link's: acks go out through it
         self.topics = topics
         self.family = family
@@ -128,7 +129,7 @@ class UpdateIntake:
         when it could not be journaled (not answered: the agent sends it again)."""
         update, agent_id = arrival.update, arrival.update.agent_id
         if current is None:
-            receipt = (Receipt(Verdict.DEFERRED) if self._carried(update.task_id) else
+            receipt = (Receipt(Verdict.DEFERRED) if self._carried(update.task_id, agent_id, update.round) else
                        Receipt(Verdict.UNKNOWN, f"unknown task {update.task_id!r} of round {update.round}: no round "
                                                 f"is in progress"))
         else:

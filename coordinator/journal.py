@@ -51,9 +51,6 @@ class JournaledRound:
     #: False for what a buffered round leaves once checkpointed: the tasks the next round carries, before that
     #: round is planned (a coordinator restarted then plans it, carrying them).
     planned: bool = True
-    #: What the next round carries, as recorded before this round's checkpoint (:meth:`RoundJournal.carry_on`):
-    #: the journal to go on with when the checkpoint holds this round already.
-    next: JournaledRound | None = None
 
 
 def _digest(task_id: str) -> str:
@@ -92,7 +89,9 @@ class RoundJournal:
                  bases: Mapping[int, Mapping[str, State]]) -> None:
         """Record, before a buffered round's checkpoint, what the next round carries (``next.json``) and the states
         its tasks were cut from, beside the round's own journal (untouched: until the checkpoint is written, the
-        round is the one to resume). :meth:`begin` with ``planned=False`` then replaces the journal with it."""
+        round is the one to resume; :meth:`load_next` reads it once the checkpoint exists). :meth:`begin` with
+        ``planned=False`` then replaces the journal with it; a buffered round that carries nothing records that too,
+        so that no earlier record of it is read instead."""
         self._write_tasks(carried, carried, bases)
         index = {"round": next_round, "tasks": _entries(carried)}
         write_atomic(self.directory / "next.json", json.dumps(index).encode())
@@ -139,17 +138,24 @@ class RoundJournal:
                 else:
                     carried.append(dispatched)
             skipped = [Skip(str(entry["agent_id"]), str(entry["reason"])) for entry in index["skipped"]]
-            following = None
-            if (self.directory / "next.json").exists():
-                upcoming = json.loads((self.directory / "next.json").read_text())
-                later = [self._read_task(entry) for entry in upcoming["tasks"]]
-                following = JournaledRound(int(upcoming["round"]), 0.0, {}, [], later, self._bases(later),
-                                           planned=False)
             bases = self._bases(carried)
         except (OSError, KeyError, TypeError, ValueError, ProtocolError, CheckpointError) as exc:
             raise self._unreadable(exc) from exc
-        planned = bool(index.get("planned", True))
-        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases, planned, following)
+        return JournaledRound(round_number, deadline, tasks, skipped, carried, bases, bool(index.get("planned", True)))
+
+    def load_next(self) -> JournaledRound | None:
+        """What the next round carries, as :meth:`carry_on` recorded it beside the round's own journal (unplanned;
+        None when it recorded nothing): read only once the round's checkpoint is known to exist. ValueError for one
+        that cannot be read."""
+        path = self.directory / "next.json"
+        if not path.exists():
+            return None
+        try:
+            index = json.loads(path.read_text())
+            carried = [self._read_task(entry) for entry in index["tasks"]]
+            return JournaledRound(int(index["round"]), 0.0, {}, [], carried, self._bases(carried), planned=False)
+        except (OSError, KeyError, TypeError, ValueError, ProtocolError, CheckpointError) as exc:
+            raise self._unreadable(exc) from exc
 
     def _read_task(self, entry: Mapping[str, object]) -> DispatchedTask:
         """The task an index entry (its id, level and group) names, read from its file."""
@@ -204,17 +210,21 @@ class RoundJournal:
                           f"round afresh")
 
     def clear(self) -> None:
-        """Remove the journal (the round is checkpointed): its index first, so that a kill meanwhile leaves no
+        """Remove the journal (the round is checkpointed): its indexes first, so that a kill meanwhile leaves no
         journal rather than one that names files already gone."""
         if not self.directory.exists():
             return
         (self.directory / "round.json").unlink(missing_ok=True)
+        (self.directory / "next.json").unlink(missing_ok=True)
         sync_directory(self.directory)
         shutil.rmtree(self.directory)
         sync_directory(self.directory.parent)
 
     def _prune(self, keep: Container[str]) -> None:
-        """Remove every file but those named in ``keep`` (once the index that names them is written)."""
+        """Remove every file but those named in ``keep`` (once the index that names them is written): ``next.json``
+        first, which may name files that go."""
+        if "next.json" not in keep:
+            (self.directory / "next.json").unlink(missing_ok=True)
         for path in self.directory.iterdir():
             if path.name not in keep:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()

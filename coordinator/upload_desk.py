@@ -14,11 +14,13 @@ memory, within the window's bytes. :meth:`UploadDesk.round_opened` then takes th
 requests as soon as the next round collects. An agent of revision 7 or later whose request waits (held, or queued
 for room in the window) is told so (:class:`protocol.UploadWait`), and waits for its grant without spending its
 attempts. Everything here runs on the thread that takes messages, as the intake does; :meth:`round_opened` is
-queued there (`common.mqtt_link.MqttLink.call_soon`).
+queued there (`common.mqtt_link.MqttLink.call_soon`), and only :meth:`held` and :meth:`window` are read from other
+threads.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -46,12 +48,12 @@ __all__ = ["UploadDesk"]
 
 class UploadDesk:
     """Messages on the agents' update topics (see the module docstring), with the ``uploads`` section's window
-    (:attr:`grants`, None when uploads are not granted). ``current()``: the round in progress; ``carried(task_id)``:
-    whether the next round carries that task (between two rounds); ``on_answer(round)``: an update the round took
-    as new; ``revision(agent_id)``: the protocol revision an agent announced."""
+    (:attr:`grants`, None when uploads are not granted). ``current()``: the round in progress; ``carried(task_id,
+    agent_id, round)``: whether the next round carries that task (between two rounds); ``on_answer(round)``: an
+    update the round took as new; ``revision(agent_id)``: the protocol revision an agent announced."""
 
     def __init__(self, intake: UpdateIntake, uploads: UploadsConfig, publish: Callable[[str, bytes], object],
-                 topics: Topics, current: Callable[[], Round | None], carried: Callable[[str], bool],
+                 topics: Topics, current: Callable[[], Round | None], carried: Callable[[str, str, int], bool],
                  on_answer: Callable[[Round], None], revision: Callable[[str], int], log: Logger) -> None:
         self.intake = intake
         #: The window of update bytes in transfer, None when uploads are not granted.
@@ -68,6 +70,7 @@ class UploadDesk:
         #: bytes at most ``_held_limit``).
         self._held_requests: OrderedDict[tuple[str, str], UploadRequest] = OrderedDict()
         self._held_updates: OrderedDict[str, Arrival] = OrderedDict()
+        self._held_lock = threading.Lock()  # changed on the message thread only; read by held() and window()
         self._held_limit = uploads.window_bytes
         #: Counters: requests and whole updates held for a later round, and updates not held (over the limit).
         self.held_total = 0
@@ -103,20 +106,30 @@ class UploadDesk:
     def round_opened(self) -> None:
         """A round began collecting: the updates held for it are taken (and acked), the requests held for it
         answered (granted in turn). Run on the message thread."""
-        updates, self._held_updates = self._held_updates, OrderedDict()
-        requests, self._held_requests = self._held_requests, OrderedDict()
+        with self._held_lock:
+            updates, self._held_updates = self._held_updates, OrderedDict()
+            requests, self._held_requests = self._held_requests, OrderedDict()
         if updates or requests:
             self._log.info("held_uploads_released", updates=len(updates), requests=len(requests))
         for arrival in updates.values():
-            self._take(arrival)
+            self._release(arrival.update.agent_id, lambda: self._take(arrival))  # noqa: B023 - called at once
         for request in requests.values():
-            self._answer(request)
+            self._release(request.agent_id, lambda: self._answer(request))  # noqa: B023 - called at once
+
+    def _release(self, agent_id: str, answer: Callable[[], None]) -> None:
+        """Answer one held upload now; one that fails is logged and leaves the others to be answered (its agent
+        sends it again)."""
+        try:
+            answer()
+        except Exception as exc:  # noqa: BLE001
+            self._log.error("held_upload_failed", agent=agent_id, error=f"{type(exc).__name__}: {exc}")
 
     def forget(self, agent_id: str) -> None:
         """``agent_id`` went offline: its requests leave the queue and the desk, its grants the window (it asks
         again when it is back; an update of its held whole is still taken)."""
-        for key in [key for key in self._held_requests if key[0] == agent_id]:
-            del self._held_requests[key]
+        with self._held_lock:
+            for key in [key for key in self._held_requests if key[0] == agent_id]:
+                del self._held_requests[key]
         if self.grants is not None:
             self._grant(self.grants.forget(agent_id))
 
@@ -129,13 +142,17 @@ class UploadDesk:
     def window(self) -> tuple[float, float]:
         """The window's bytes granted, and the requests waiting: for room in the window, or held for the next
         round."""
+        with self._held_lock:
+            held = len(self._held_requests)
         if self.grants is None:
-            return 0.0, float(len(self._held_requests))
-        return self.grants.in_flight, self.grants.waiting + len(self._held_requests)
+            return 0.0, float(held)
+        return self.grants.in_flight, self.grants.waiting + held
 
     def held(self) -> list[tuple[str, str]]:
         """(agent, task) of the requests and whole updates held now for the next round."""
-        return sorted({*self._held_requests, *((a.update.agent_id, task) for task, a in self._held_updates.items())})
+        with self._held_lock:
+            return sorted({*self._held_requests,
+                           *((arrival.update.agent_id, task) for task, arrival in self._held_updates.items())})
 
     def _answer(self, request: UploadRequest) -> None:
         """Answer an agent asking to upload: its ack at once when the round would not take the update (stored
@@ -148,7 +165,8 @@ class UploadDesk:
         elif self.grants is None:
             self._grant([UploadGrant(request.task_id, request.round, request.agent_id)])
         else:
-            self._grant(self.grants.ask(request.agent_id, request.task_id, request.round, request.size))
+            self._grant(self.grants.ask(request.agent_id, request.task_id, request.round, request.size,
+                                        request.sha256))
             if self.grants.is_waiting(request.agent_id, request.task_id):
                 self._tell_to_wait(request, "waiting for room in the coordinator's upload window: granted in the "
                                             "order asked")
@@ -156,13 +174,17 @@ class UploadDesk:
     def _settle(self, request: UploadRequest, receipt: Receipt) -> None:
         """Answer a request the round would not take now: held (and the agent told to wait) when the next round
         takes it, else its ack."""
+        if self.grants is not None:
+            self.grants.withdraw(request.agent_id, request.task_id)  # (asked again while it waited in the queue)
         if receipt.verdict is Verdict.DEFERRED:
             key = (request.agent_id, request.task_id)
-            if key not in self._held_requests:
+            with self._held_lock:
+                new = key not in self._held_requests
+                self._held_requests[key] = request
+            if new:
                 self.held_total += 1
                 self._log.info("upload_request_held", agent=request.agent_id, task=request.task_id,
                                round=request.round)
-            self._held_requests[key] = request
             self._tell_to_wait(request, "no round is collecting updates now: the next round takes this one")
             return
         self._publish(self._topics.agent_ack(request.agent_id),
@@ -177,16 +199,19 @@ class UploadDesk:
         if receipt is None or receipt.verdict is not Verdict.DEFERRED:
             return
         update = arrival.update
-        self._held_updates.pop(update.task_id, None)
-        held = sum(len(kept.payload) for kept in self._held_updates.values())
-        if held + len(arrival.payload) > self._held_limit and self._held_updates:
+        with self._held_lock:
+            self._held_updates.pop(update.task_id, None)
+            held = sum(len(kept.payload) for kept in self._held_updates.values())
+            room = held + len(arrival.payload) <= self._held_limit or not self._held_updates
+            if room:
+                self._held_updates[update.task_id] = arrival
+        if not room:
             self.not_held_total += 1
             self._log.warning("update_not_held", agent=update.agent_id, task=update.task_id,
                               bytes=len(arrival.payload), held_bytes=held,
                               message="the updates held for the next round fill the upload window: not answered, "
                                       "the agent sends it again")
             return
-        self._held_updates[update.task_id] = arrival
         self.held_total += 1
         self._log.info("update_held", agent=update.agent_id, task=update.task_id, round=update.round)
 
@@ -202,7 +227,7 @@ class UploadDesk:
         current = self._current()
         if current is not None:
             return current.receipt_before_upload(task_id, round_number, agent_id, digest)
-        if self._carried(task_id):
+        if self._carried(task_id, agent_id, round_number):
             return Receipt(Verdict.DEFERRED)
         return Receipt(Verdict.UNKNOWN, f"unknown task {task_id!r} of round {round_number}: no round is in progress")
 
@@ -212,4 +237,4 @@ class UploadDesk:
             self._publish(self._topics.agent_ack(grant.agent_id), encode(grant))
         if self.grants is not None:
             for asked in self.grants.take_dropped():
-                self._answer(UploadRequest(asked.task_id, asked.round, asked.agent_id, asked.size))
+                self._answer(UploadRequest(asked.task_id, asked.round, asked.agent_id, asked.size, asked.sha256))

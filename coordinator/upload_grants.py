@@ -38,6 +38,7 @@ class Asked:
     task_id: str
     round: int
     size: int
+    sha256: str = ""
 
 
 @dataclass
@@ -65,7 +66,7 @@ class UploadGrants:
         self._clock = clock
         self._wanted = wanted
         self._lock = threading.Lock()
-        self._waiting: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()  # (agent, task): (round, size)
+        self._waiting: OrderedDict[tuple[str, str], Asked] = OrderedDict()  # by (agent, task)
         self._dropped: list[Asked] = []  # left the queue unwanted, not yet taken by take_dropped
         self._granted: dict[str, dict[str, _Lease]] = {}  # agent -> task -> its lease (a chunk finds its agent's)
         self._leases = 0
@@ -103,9 +104,10 @@ class UploadGrants:
             dropped, self._dropped = self._dropped, []
         return dropped
 
-    def ask(self, agent_id: str, task_id: str, round_number: int, size: int) -> list[UploadGrant]:
-        """An agent asks to send ``size`` bytes for ``task_id``: it waits its turn (asking again keeps its place);
-        one asking again for an upload granted already is granted again (its grant may have been lost)."""
+    def ask(self, agent_id: str, task_id: str, round_number: int, size: int, sha256: str = "") -> list[UploadGrant]:
+        """An agent asks to send ``size`` bytes (of that ``sha256``) for ``task_id``: it waits its turn (asking
+        again keeps its place); one asking again for an upload granted already is granted again (its grant may
+        have been lost)."""
         key = (agent_id, task_id)
         with self._lock:
             now = self._clock()
@@ -115,9 +117,14 @@ class UploadGrants:
                 self.granted_total += 1
                 return [UploadGrant(task_id, lease.round, agent_id)]
             if key not in self._waiting:
-                self._waiting[key] = (round_number, max(0, size))
+                self._waiting[key] = Asked(agent_id, task_id, round_number, max(0, size), sha256)
             self._expire(now)
             return self._grant_next(now)
+
+    def withdraw(self, agent_id: str, task_id: str) -> None:
+        """The request of ``agent_id`` for ``task_id`` leaves the queue (it is answered otherwise)."""
+        with self._lock:
+            self._waiting.pop((agent_id, task_id), None)
 
     def chunk_from(self, agent_id: str) -> list[UploadGrant]:
         """A chunk of ``agent_id`` came: its grants are alive. (Looks for idle grants, at most once a second.)"""
@@ -169,19 +176,19 @@ class UploadGrants:
     def _grant_next(self, now: float) -> list[UploadGrant]:
         grants = []
         while self._waiting:
-            key, (round_number, size) = next(iter(self._waiting.items()))
-            if not self._wanted(key[0], key[1], round_number):
+            key, asked = next(iter(self._waiting.items()))
+            if not self._wanted(asked.agent_id, asked.task_id, asked.round):
                 del self._waiting[key]
                 self.dropped_total += 1
-                self._dropped.append(Asked(key[0], key[1], round_number, size))
+                self._dropped.append(asked)
                 continue
-            if self._leases and self._in_flight + size > self.window_bytes:
+            if self._leases and self._in_flight + asked.size > self.window_bytes:
                 break
             del self._waiting[key]
-            self._granted.setdefault(key[0], {})[key[1]] = _Lease(round_number, size, now)
+            self._granted.setdefault(asked.agent_id, {})[asked.task_id] = _Lease(asked.round, asked.size, now)
             self._leases += 1
-            self._in_flight += size
+            self._in_flight += asked.size
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
             self.granted_total += 1
-            grants.append(UploadGrant(key[1], round_number, key[0]))
+            grants.append(UploadGrant(asked.task_id, asked.round, asked.agent_id))
         return grants

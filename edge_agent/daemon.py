@@ -167,7 +167,9 @@ class EdgeAgent:
                 return
             self._stopping = True
         self._stop.set()
-        held = self.holdback.close()  # what was held back stays in the outbox spool: the next start sends it
+        # What was held back stays in the outbox spool (the next start sends it); a task waiting for the device to be
+        # free is not answered (the coordinator sends it again to the next process).
+        held = [key for key in self.holdback.close() if not key.startswith("start-")]
         if held:
             self.log.info("held_updates_left_for_next_start", tasks=held, spooled=self.spool is not None)
         self.uplink.stop()
@@ -295,11 +297,13 @@ class EdgeAgent:
         return AgentStatus(self.agent_id, state, capabilities, time.time(), self.instance, summary)
 
     def unsettled(self) -> list[tuple[str, str]]:
-        """The tasks the coordinator has not settled, with where each is: ``training`` (or its update held back)
-        or ``outbox`` (its update waiting for its ack)."""
+        """The tasks the coordinator has not settled, with where each is: ``training``, ``held back`` (trained,
+        its update in the outbox spool, held back by ``slowdown``) or ``outbox`` (its update waiting for its
+        ack)."""
         with self._lock:
             training = list(self._training)
-        return [(task_id, "training") for task_id in training] + [
+        held = set(self.holdback.held())
+        return [(task_id, "held back" if task_id in held else "training") for task_id in training] + [
             (task_id, "outbox") for task_id in self.uplink.unacked() if task_id not in training]
 
     def _report(self) -> AgentReport:
@@ -466,8 +470,15 @@ class EdgeAgent:
             self._last_round = max(self._last_round, task.round)
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
-        # Answered in the task's protocol version: the coordinator that wrote it reads it.
-        self.executor.submit(self._serve, task, time.perf_counter(), complete)
+        self._start(task, time.perf_counter(), complete)  # answered in the version the task came in
+
+    def _start(self, task: Task, received: float, payload: BytesLike) -> None:
+        """Hand ``task`` to the training executor; a slowed device still busy with an update it holds back starts it
+        only once it is free (holding no training slot meanwhile), as a device that slow would."""
+        busy = self.holdback.busy_for()
+        if busy <= 0 or not self.holdback.hold(f"start-{task.task_id}", busy, lambda: self.executor.submit(
+                self._serve, task, received, payload)):
+            self.executor.submit(self._serve, task, received, payload)
 
     def _decline_refused(self, refused: TransferRefused) -> None:
         """Answer a task refused at its first chunk with a ``declined`` update, when its chunks name the round
@@ -548,8 +559,8 @@ class EdgeAgent:
         return held
 
     def _answered(self, task: Task, update: Update) -> None:
-        self.tasks_done += 1
-        with self._lock:
+        with self._lock:  # (on a hold-back's thread too)
+            self.tasks_done += 1
             self._remember_answer(task, update)
 
     def _task_over(self, task: Task) -> None:

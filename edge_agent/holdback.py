@@ -26,10 +26,11 @@ class HoldBack:
     def __init__(self, name: str) -> None:
         self._name = name
         self._held: dict[str, threading.Event] = {}  # key -> set to cancel its wait
+        self._due: dict[str, float] = {}  # key -> when its call is due (monotonic)
         self._lock = threading.Lock()
         self._closed = False
 
-    def hold(self, key: str, seconds: float, release: Callable[[], None]) -> bool:
+    def hold(self, key: str, seconds: float, release: Callable[[], object]) -> bool:
         """Call ``release()`` once at least ``seconds`` have passed (measured on the monotonic clock), unless
         :meth:`close` comes first; False (nothing held, nothing called) once closed or while ``key`` is held."""
         cancelled = threading.Event()
@@ -37,12 +38,12 @@ class HoldBack:
             if self._closed or key in self._held:
                 return False
             self._held[key] = cancelled
-        due = time.monotonic() + seconds
+            due = self._due[key] = time.monotonic() + seconds
         threading.Thread(target=self._wait, args=(key, due, cancelled, release), name=f"{self._name}-holdback",
                          daemon=True).start()
         return True
 
-    def _wait(self, key: str, due: float, cancelled: threading.Event, release: Callable[[], None]) -> None:
+    def _wait(self, key: str, due: float, cancelled: threading.Event, release: Callable[[], object]) -> None:
         while (left := due - time.monotonic()) > 0:
             if cancelled.wait(left):
                 return
@@ -50,7 +51,13 @@ class HoldBack:
             if self._held.get(key) is not cancelled:  # closed meanwhile
                 return
             del self._held[key]
+            self._due.pop(key, None)
         release()
+
+    def busy_for(self) -> float:
+        """Seconds until the last call held back now is due (0 when none is): how long the device is still busy."""
+        with self._lock:
+            return max((due - time.monotonic() for due in self._due.values()), default=0.0)
 
     def held(self) -> list[str]:
         """The keys held back now."""
@@ -62,6 +69,7 @@ class HoldBack:
         with self._lock:
             self._closed = True
             held, self._held = self._held, {}
+            self._due.clear()
         for cancelled in held.values():
             cancelled.set()
         return list(held)

@@ -235,10 +235,11 @@ class Uplink:
             return self._ack_timeout_s
         return self._ack_timeout_s * min(2 ** (attempt - 1), MAX_BACKOFF) * random.uniform(0.9, 1.1)
 
-    def _wait_for(self, event: threading.Event, acked: threading.Event, attempt: int) -> bool:
-        """Wait up to :meth:`ack_wait` for ``event`` (the ack, or a grant), until the ack, or until stop() (which
-        need not wait out the timeout); whether ``event`` is set."""
-        deadline = time.monotonic() + self.ack_wait(attempt)
+    def _wait_for(self, event: threading.Event, acked: threading.Event, attempt: int,
+                  seconds: float | None = None) -> bool:
+        """Wait up to :meth:`ack_wait` (or ``seconds``) for ``event`` (the ack, or a grant), until the ack, or until
+        stop() (which need not wait out the timeout); whether ``event`` is set."""
+        deadline = time.monotonic() + (self.ack_wait(attempt) if seconds is None else seconds)
         while not event.is_set() and not acked.is_set() and not self._stopping.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -262,15 +263,16 @@ class Uplink:
                                        outgoing.digest))
         asked = time.monotonic()
         try:
-            wait_attempt = attempt
+            seconds = None  # the attempt's wait
             while True:
                 self._publish(self.topic, request)
-                if self._wait_for(granted, acked, wait_attempt):
+                if self._wait_for(granted, acked, attempt, seconds):
                     return True
                 if not told.is_set() or acked.is_set() or self._stopping.is_set() or not self._connected():
                     return False
                 told.clear()  # told to wait: its next ask must be answered so again to wait on
-                wait_attempt = 1  # asked again every ack_timeout_s
+                # Asked again every ack_timeout_s, spread by +-10%: a fleet told to wait does not ask in step.
+                seconds = self._ack_timeout_s * random.uniform(0.9, 1.1)
         finally:
             self._grant_waits[task_id] = self._grant_waits.get(task_id, 0.0) + time.monotonic() - asked
             with self._lock:

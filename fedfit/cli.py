@@ -317,6 +317,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "compare": _run_compare,
                "plan": _run_plan, "broker": broker_command.run,
                "status": status_command.run}
+    stopping = None
+    if args.command in ("coordinator", "sim", "compare") and threading.current_thread() is threading.main_thread():
+        # A stop (systemd's, kill, timeout) ends the run as Ctrl-C does: its clean-up runs (the broker and its
+        # secrets gone, the status file saying so, the exporter's last scrape), which a SIGTERM's default skips.
+        stopping = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return runners[args.command](args)
     except _user_errors(args.command) as exc:
@@ -325,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fedfit {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if stopping is not None:
+            signal.signal(signal.SIGTERM, stopping)
 
 
 if __name__ == "__main__":

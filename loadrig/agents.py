@@ -338,7 +338,7 @@ class _Agent:
         if isinstance(ack, UploadGrant):
             granted = self.pending.get(ack.task_id)
             if granted is not None and granted.asking:
-                granted.asking = False
+                granted.asking = granted.told_to_wait = False
                 self.worker.result.grants += 1
                 self._send_chunks(ack.task_id, granted)
             return

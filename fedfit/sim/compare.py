@@ -74,6 +74,8 @@ def fleet_differences(reports: Sequence[dict[str, Any]], keys: Sequence[str] = F
     found = []
     for key in keys:
         values = [str(report.get("settings", {}).get(key, FLEET_DEFAULTS.get(key))) for report in reports]
+        if key == "speeds" and len({_device_speeds(report) for report in reports}) == 1:
+            continue  # the same factor on every device, however the flag said it ("1", or none; "10,1" as "10,10,1,1")
         if len(set(values)) > 1:
             found.append(f"{key}: {' / '.join(values)}")
     for label, path in FLEET_CONFIG_KEYS:
@@ -86,6 +88,12 @@ def fleet_differences(reports: Sequence[dict[str, Any]], keys: Sequence[str] = F
         if len(set(values)) > 1:
             found.append(f"{label}: {' / '.join(values)}")
     return found
+
+
+def _device_speeds(report: dict[str, Any]) -> tuple[float, ...] | None:
+    """The factor of each device of a run (None: every device at this machine's speed)."""
+    factors = report.get("settings", {}).get("device_speeds")
+    return tuple(float(factor) for factor in factors) if factors and any(factor != 1 for factor in factors) else None
 
 
 def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

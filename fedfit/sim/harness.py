@@ -40,7 +40,7 @@ from fedfit.sim.progress import ProgressPrinter
 from fedfit.sim.report import build_report
 from fedfit.sim.rundir import claim_run_dir, new_run_dir, write_run_outputs
 from fedfit.sim.speeds import device_speeds, parse_speeds, speeds_line, speeds_text
-from fedfit.sim.status_file import RunMark, write_ended, write_running
+from fedfit.sim.status_file import RunMark, running_elsewhere, write_ended, write_running
 from fedfit.version import version_string
 
 
@@ -214,6 +214,10 @@ def start_run_broker(options: SimOptions, run_dir: Path) -> Broker:
     :data:`BROKER_DIR` (what a killed run left there is removed first: its broker went with it)."""
     if options.broker:
         return external_broker(options.broker)
+    other = running_elsewhere(run_dir)
+    if other is not None:
+        raise ValueError(f"{run_dir} is in use: process {other.pid} runs it (since {other.started_at}); wait for it "
+                         f"to end, or give this run another directory")
     shutil.rmtree(run_dir / BROKER_DIR, ignore_errors=True)
     return start_broker(federation=options.federation if options.secure_broker else None,
                         workdir=run_dir / BROKER_DIR)

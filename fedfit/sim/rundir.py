@@ -110,7 +110,8 @@ def left_text(left: list[dict[str, str]]) -> str:
     """The line saying what a run ended without settling (``run.left`` of its report)."""
     if not left:
         return "left at the end: nothing (every update a device sent was aggregated or refused with a reason)"
-    places = {"training": "still training", "outbox": "in its outbox, not acked",
+    places = {"training": "still training", "held back": "trained, held back by its slowdown",
+              "outbox": "in its outbox, not acked",
               "carried": "carried, no round took it", "held": "held for a round that never came"}
     return "left at the end: " + "; ".join(
         f"{entry['agent']} {entry['task']} ({places.get(entry['where'], entry['where'])})" for entry in left)

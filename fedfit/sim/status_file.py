@@ -11,6 +11,7 @@ says the run stopped without a report instead of failing to reach a broker that 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,7 +49,17 @@ def _shown(when: str) -> str:
 
 
 def _process_started(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch), None when there is none."""
+    """When process ``pid`` started, None when there is none: on Linux its start in clock ticks since boot (from
+    ``/proc``: the same however the wall clock is stepped meanwhile, as NTP does to a Pi without a clock of its
+    own), elsewhere seconds since the epoch."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return float(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None  # a Linux without that process
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return float(psutil.Process(pid).create_time())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -58,7 +69,7 @@ def _process_started(pid: int) -> float | None:
 @dataclass(frozen=True)
 class RunMark:
     """The ``run`` section of a status file: the run's ``directory``, the process that runs it (``pid``, started at
-    ``process_started`` seconds since the epoch), when the run started and, once it has, when it ended
+    ``process_started``: ticks since boot on Linux, else seconds since the epoch), when the run started and, once it has, when it ended
     (``ended_at``) and its report (``report``, a path; None when the run wrote none)."""
 
     directory: str
@@ -71,8 +82,8 @@ class RunMark:
     @classmethod
     def this_process(cls, directory: Path, started: float) -> RunMark:
         """The mark of a run that this process runs in ``directory`` since ``started``."""
-        own = psutil.Process()
-        return cls(str(directory.resolve()), own.pid, float(own.create_time()), utc(started))
+        pid = os.getpid()
+        return cls(str(directory.resolve()), pid, _process_started(pid) or 0.0, utc(started))
 
     def running(self) -> bool:
         """Whether the run's process is still there (the same pid, started at the same time), and the run has not
@@ -80,7 +91,7 @@ class RunMark:
         if self.ended_at is not None or not self.pid:
             return False
         started = _process_started(self.pid)
-        return started is not None and abs(started - self.process_started) < 1.0
+        return started is not None and abs(started - self.process_started) < 1.0  # (a pid used again: another)
 
     def state(self) -> str:
         """``running``, ``ended`` (it ended, with or without a report) or ``stopped`` (its process went without
@@ -121,8 +132,18 @@ def write_ended(run_dir: Path, federation: str, mark: RunMark, ended: float) -> 
     ended (the report's, else ``ended``)."""
     report = run_dir / _REPORT_FILE
     ended_at = _report_ended_at(report) if report.is_file() else None
+    if ended_at is not None and mark.started_at and _before(ended_at, mark.started_at):
+        ended_at = None  # an earlier run's report (this one, resumed in its directory, wrote none)
     ended_mark = replace(mark, ended_at=ended_at or utc(ended), report=str(report.resolve()) if ended_at else None)
     return _write(run_dir, {"federation": federation, "run": asdict(ended_mark)})
+
+
+def _before(first: str, second: str) -> bool:
+    """Whether ISO time ``first`` is before ``second`` (False when either cannot be read)."""
+    try:
+        return datetime.fromisoformat(first) < datetime.fromisoformat(second)
+    except (TypeError, ValueError):
+        return False
 
 
 def _report_ended_at(report: Path) -> str | None:
@@ -152,3 +173,15 @@ def read_run_mark(path: Path, mapping: dict[str, Any]) -> RunMark | None:
     return RunMark(str(path.parent.resolve()), ended_at=_report_ended_at(report) or "an unknown time",
                    report=str(report.resolve()))
 
+
+
+def running_elsewhere(run_dir: Path) -> RunMark | None:
+    """The run another process runs in ``run_dir`` now, as its status file says (None when none does: no file, one
+    that cannot be read, a run that ended or whose process is gone)."""
+    path = run_dir / STATUS_FILE
+    try:
+        mapping = yaml.safe_load(path.read_text())
+        mark = read_run_mark(path, mapping) if isinstance(mapping, dict) else None
+    except (OSError, yaml.YAMLError, ValueError):
+        return None
+    return mark if mark is not None and mark.running() and mark.pid != os.getpid() else None

@@ -837,13 +837,15 @@ def test_between_rounds_what_the_next_round_carries_is_held_and_taken_when_it_op
     assert sent[-1] == UploadGrant("r2-c-1", 2, "c")  # grants off: at once
 
 
-def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_round_stops_collecting(
+def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_turn_comes_after_the_round(
         tmp_path: Path, digits, monkeypatch) -> None:
-    """The window holds one update: the second asker (revision 7) is told to wait. When the buffered round stops
-    collecting with its task carried, the request, at its turn, is held for the next round (told so), not dropped
-    in silence; the next round grants it."""
+    """The window holds one update: a is granted, b (revision 7) told to wait. An older device's update (sent
+    without asking) fills the buffered round's buffer of one, which stops collecting with a and b carried. a's
+    update, uploading meanwhile, is held for the next round; its grant given back, b's turn comes: its update is no
+    longer wanted now, so its request leaves the queue and is answered (held, told so), not dropped in silence. The
+    next round takes a's update and grants b."""
     from coordinator.config import BufferedConfig, UploadsConfig
-    from protocol import Topics, UploadGrant, UploadRequest, UploadWait, decode, encode, split_payload
+    from protocol import Ack, Topics, UploadGrant, UploadRequest, UploadWait, decode, encode, split_payload
 
     coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(window_mib=0.001), round_mode="buffered",
                                      buffered=BufferedConfig(size=1), rounds=5), dataset=digits)
@@ -854,27 +856,37 @@ def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_ro
     for agent in ("a", "b"):
         online_at(coordinator, agent, 7)
     task = task_for(coordinator, "b")
-    tasks = {f"r1-{agent}-1": replace(task, agent_id=agent) for agent in ("a", "b")}
+    tasks = {f"r1-{agent}-1": replace(task, agent_id=agent) for agent in ("a", "b", "old")}
     open_round(coordinator, 1, tasks)
     coordinator.journal.begin(1, time.time() + 60, tasks, [])
     for agent in ("a", "b"):
         coordinator._on_message(topics.agent_update(agent), encode(UploadRequest(f"r1-{agent}-1", 1, agent, 1000)))
-    assert sent[0] == UploadGrant("r1-a-1", 1, "a") and isinstance(sent[1], UploadWait)
+    assert sent == [UploadGrant("r1-a-1", 1, "a"), UploadWait("r1-b-1", 1, "b", sent[1].reason)]
     current = coordinator._round
-    update = update_for(coordinator, task.spec, task_id="r1-a-1", agent="a", round_number=1, fill=0.1)
-    for chunk in split_payload(encode(update), "r1-a-1.1"):
-        coordinator._on_message(topics.agent_update("a"), chunk)
+
+    def upload(agent: str) -> None:
+        update = update_for(coordinator, task.spec, task_id=f"r1-{agent}-1", agent=agent, round_number=1, fill=0.1)
+        for chunk in split_payload(encode(update), f"r1-{agent}-1.1"):
+            coordinator._on_message(topics.agent_update(agent), chunk)
+
+    upload("old")  # revision 1: sent without asking, taken outside the window
     assert current.wait()  # its buffer of one is full
     current.close()
-    assert [dispatched.task_id for dispatched in current.carried_over()] == ["r1-b-1"]
-    del sent[:]
-    # b's turn comes (a's grant given back: here, b asks again): its update is for the next round.
-    coordinator._on_message(topics.agent_update("b"), encode(UploadRequest("r1-b-1", 1, "b", 1000)))
-    assert [type(message) for message in sent] == [UploadWait] and coordinator.uploads.window()[1] == 1
+    assert {dispatched.task_id for dispatched in current.carried_over()} == {"r1-a-1", "r1-b-1"}
     coordinator._carry(current.carried_over(), {1: coordinator.states})
-    coordinator._install(coordinator._new_round(2, {}, [], time.time() + 60, coordinator._carried))
+    del sent[:]
+    upload("a")  # granted before the round stopped collecting, it comes after: held, and b's turn comes
+    assert [type(message) for message in sent] == [UploadWait] and sent[0].task_id == "r1-b-1"
+    assert coordinator.grants is not None and coordinator.grants.dropped_total == 1
+    assert coordinator.uploads.held() == [("a", "r1-a-1"), ("b", "r1-b-1")]
+    assert coordinator.uploads.window() == (0.0, 1.0)  # b counted once, held; a's bytes back
+    fresh = {"r2-c-1": replace(task, agent_id="c")}
+    coordinator.journal.begin(2, time.time() + 60, fresh, [], coordinator._carried, {1: coordinator.states})
+    coordinator._install(coordinator._new_round(2, fresh, [], time.time() + 60, coordinator._carried))
+    del sent[:]
     coordinator.uploads.round_opened()
-    assert sent[-1] == UploadGrant("r1-b-1", 1, "b")
+    assert sent == [Ack("r1-a-1", 1, "a"), UploadGrant("r1-b-1", 1, "b")]
+    assert coordinator._round.answers["r1-a-1"].record.staleness == 1
 
 
 def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_path: Path, digits) -> None:
@@ -974,3 +986,33 @@ def test_a_stop_between_a_rounds_checkpoint_and_its_record_loses_no_figures(tmp_
     assert [(r.round, r.global_accuracy) for r in read_metrics(restarted.metrics.path)] == [(1, 0.5), (2, 0.75)]
     again = Coordinator(config(tmp_path, resume=True), dataset=digits)
     assert [r.round for r in read_metrics(again.metrics.path)] == [1, 2]  # once
+
+
+def test_updates_held_for_the_next_round_stay_within_the_window_and_a_run_ends_saying_what_it_left(
+        tmp_path: Path, digits, monkeypatch) -> None:
+    """Whole updates held between rounds take at most the window's bytes (one at least): another is not answered
+    (its agent sends it again). Without drain_last, what the last round carries is what the run left."""
+    from coordinator.config import BufferedConfig, UploadsConfig
+    from protocol import Topics, decode, encode, split_payload
+
+    coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(grant=False, window_mib=0.001),
+                                     round_mode="buffered", buffered=BufferedConfig(drain_last=False), rounds=1),
+                              dataset=digits)
+    assert coordinator._new_round(1, {}, [], time.time() + 60).buffer_size is not None  # the last round: not drained
+    sent: list[object] = []
+    topics = Topics(coordinator.config.federation)
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: sent.append(decode(payload)))
+    task = task_for(coordinator, "b")
+    carried = [DispatchedTask(f"r1-{agent}-1", 1, replace(task, agent_id=agent), time.time() + 60)
+               for agent in ("a", "b")]
+    coordinator._carry(carried, {1: coordinator.states})
+    for agent in ("a", "b"):
+        update = update_for(coordinator, task.spec, task_id=f"r1-{agent}-1", agent=agent, round_number=1, fill=0.1)
+        for chunk in split_payload(encode(update), f"r1-{agent}-1.1"):
+            coordinator._on_message(topics.agent_update(agent), chunk)
+    assert sent == [] and coordinator.uploads.held() == [("a", "r1-a-1")] and coordinator.uploads.not_held_total == 1
+    assert coordinator.left_behind() == [("a", "r1-a-1", "carried"), ("b", "r1-b-1", "carried")]
+    claim = update_for(coordinator, task.spec, task_id="r1-a-1", agent="x", round_number=1)  # another agent's
+    for chunk in split_payload(encode(claim), "r1-a-1.9"):
+        coordinator._on_message(topics.agent_update("x"), chunk)
+    assert isinstance(sent[-1], Ack) and "unknown task" in (sent[-1].reason or "")  # not held for a's task

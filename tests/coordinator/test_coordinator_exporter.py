@@ -81,6 +81,12 @@ def test_a_round_as_the_metrics_tell_it() -> None:
     assert seen[("fedfit_last_round_bytes", (("direction", "down"),))] == 5000
     assert seen[("fedfit_last_round_phase_seconds", (("phase", "collecting"),))] == 10.0
     assert seen[("fedfit_last_round_participants", ())] == 2 and seen[("fedfit_last_round_selected", ())] == 3
+    phases = {labels[0][1] for name, labels in seen if name == "fedfit_last_round_phase_seconds"}
+    later = a_round()
+    later.timing = {"collecting": 3.0}  # a round that went through fewer phases: none is left from the last
+    metrics.round_done(later)
+    assert len(phases) > 1 and {labels[0][1] for name, labels in samples(metrics)
+                                if name == "fedfit_last_round_phase_seconds"} == {"collecting"}
 
 
 def test_served_over_http_on_loopback() -> None:

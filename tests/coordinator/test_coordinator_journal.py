@@ -183,9 +183,41 @@ def test_what_the_next_round_carries_survives_a_stop_between_checkpoint_and_jour
     journal.carry_on(4, still, {3: {"global": {"w": torch.ones(2)}}})
     back = journal.load()
     assert back is not None and back.round == 3 and back.planned and back.tasks == tasks()
-    assert back.next is not None and back.next.round == 4 and not back.next.planned
-    assert back.next.carried == still and torch.equal(back.next.bases[3]["global"]["w"], torch.ones(2))
+    following = journal.load_next()
+    assert following is not None and following.round == 4 and not following.planned
+    assert following.carried == still and torch.equal(following.bases[3]["global"]["w"], torch.ones(2))
     journal.begin(4, 0.0, {}, [], still, {3: {"global": {"w": torch.zeros(2)}}}, planned=False)
     again = journal.load()
-    assert again is not None and again.round == 4 and again.next is None and again.carried == still
+    assert again is not None and again.round == 4 and journal.load_next() is None and again.carried == still
     assert torch.equal(again.bases[3]["global"]["w"], torch.ones(2))  # the base as first written
+    journal.carry_on(5, [], {})  # a round that carries nothing says so: no earlier record is read instead
+    nothing = journal.load_next()
+    assert nothing is not None and nothing.round == 5 and nothing.carried == []
+
+
+def test_a_record_of_what_the_next_round_carries_goes_first_when_the_journal_is_replaced(tmp_path,
+                                                                                        monkeypatch) -> None:
+    """``next.json`` names files a new journal may remove: it goes before any of them (and a damaged one is read
+    only when asked for)."""
+    import torch
+
+    from coordinator import journal as journal_module
+    from coordinator.round import DispatchedTask
+
+    journal = RoundJournal(tmp_path / "round", MODEL)
+    journal.begin(3, 9.0, tasks(), [])
+    journal.carry_on(4, [DispatchedTask("r3-b-1", 3, tasks()["r3-b-1"], 999.0)], {3: {"global": {"w": torch.ones(2)}}})
+    removed: list[str] = []
+    unlink = journal_module.Path.unlink
+
+    def recorded(self, *args, **kwargs):
+        removed.append(self.name)
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(journal_module.Path, "unlink", recorded)
+    journal.begin(5, 10.0, {"r5-a-1": tasks()["r3-a-1"]}, [])
+    assert removed[0] == "next.json" and journal.load_next() is None
+    (tmp_path / "round" / "next.json").write_text("{damaged")
+    assert journal.load() is not None  # not read here
+    with pytest.raises(ValueError, match="cannot be read"):
+        journal.load_next()

@@ -295,3 +295,24 @@ def test_an_agent_at_its_own_speed_sends_at_once(make_agent, monkeypatch) -> Non
     [update] = sent
     assert "seconds_slowdown" not in update.metrics and update.metrics["seconds_task"] == 2.5
     assert agent._busy == 0 and agent.holdback.held() == []
+
+
+def test_a_task_that_comes_while_a_slowed_agent_holds_an_update_back_starts_once_it_is_free(make_agent,
+                                                                                          monkeypatch) -> None:
+    """A device f times slower does not train a second task while it is still busy with the first (whose update it
+    holds back): the new task waits for the hold to end, and no training slot meanwhile."""
+    import threading
+    from types import SimpleNamespace
+
+    agent, _ = make_agent(slowdown=3.0)
+    submitted = threading.Event()
+    monkeypatch.setattr(agent.executor, "submit", lambda *args: submitted.set())
+    assert agent.holdback.hold("r1-pi-01-held", 3600.0, lambda: None)  # busy for an hour
+    agent._start(SimpleNamespace(task_id="r2-pi-01-new"), time.perf_counter(), b"")
+    assert not submitted.is_set() and "start-r2-pi-01-new" in agent.holdback.held()
+    agent.holdback.close()
+    fresh, _ = make_agent(slowdown=3.0)
+    monkeypatch.setattr(fresh.executor, "submit", lambda *args: submitted.set())
+    assert fresh.holdback.hold("r1-pi-01-held", 0.01, lambda: None)  # busy for a moment
+    fresh._start(SimpleNamespace(task_id="r2-pi-01-new"), time.perf_counter(), b"")
+    assert submitted.wait(30)  # started once free

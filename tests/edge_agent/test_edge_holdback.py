@@ -46,3 +46,14 @@ def test_close_cancels_every_wait_at_once_and_refuses_new_ones() -> None:
     assert not waiter.is_alive() and not released.is_set()  # it ended without releasing
     assert not holdback.hold("r1-pi-01-b", 0.0, released.set) and not released.is_set()
     assert holdback.held() == []
+
+
+def test_busy_for_is_the_time_to_the_last_call_due_and_zero_once_none_is_held() -> None:
+    holdback = HoldBack("pi-03")
+    assert holdback.busy_for() == 0.0
+    released = threading.Event()
+    assert holdback.hold("short", 0.01, lambda: None)
+    assert holdback.hold("long", 3600.0, released.set)
+    assert 3500.0 < holdback.busy_for() <= 3600.0  # the last one due, not the first
+    holdback.close()
+    assert holdback.busy_for() == 0.0 and not released.is_set()

@@ -77,10 +77,14 @@ def test_runs_on_different_fleets_are_said_so(tmp_path: Path) -> None:
 def test_runs_whose_devices_train_at_other_speeds_are_not_the_same_fleet() -> None:
     older, same, slowed = run("heterofl", 0.5), run("fedepth", 0.6), run("fedavg", 0.4)
     same["settings"]["speeds"] = None  # as a run without --speeds records it, and one that predates it implies
-    slowed["settings"]["speeds"] = "1,10"
+    slowed["settings"]["speeds"], slowed["settings"]["device_speeds"] = "1,10", [1.0, 10.0]
     assert "speeds" not in older["settings"]
     assert fleet_differences([older, same]) == []
     assert fleet_differences([older, same, slowed]) == ["speeds: None / None / 1,10"]
+    ones, spelled = run("heterofl", 0.5), run("fedepth", 0.6)  # the same factors, said otherwise
+    ones["settings"]["speeds"], ones["settings"]["device_speeds"] = "1", [1.0, 1.0]
+    spelled["settings"]["speeds"], spelled["settings"]["device_speeds"] = "1,10,10", [1.0, 10.0]
+    assert fleet_differences([older, ones]) == [] and fleet_differences([slowed, spelled]) == []
 
 
 def test_the_comparison_files(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from protocol import (
     Update,
     UpdateStatus,
     UploadGrant,
-    UploadWait,
     UploadRequest,
+    UploadWait,
     decode,
     encode,
 )
