@@ -12,7 +12,6 @@ the login's, or another federation) stops the agent with one sentence: at start,
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -28,6 +27,7 @@ from common.mqtt_link import BrokerRefused, MqttLink, Will
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig
 from edge_agent.holdback import HoldBack, hold_seconds
+from edge_agent.id_probe import probe_agent_id
 from edge_agent.memory import available_memory, detect_device_kind, size_text, total_memory
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.spool import UpdateSpool
@@ -61,13 +61,6 @@ _SEEN_TASKS = 1024
 _REPORT_TEXT = 300
 
 
-class AgentIdInUse(RuntimeError):
-    """Another process is connected as this agent already."""
-
-
-#: Seconds a starting agent waits for a running process of its id to answer its "starting" status. The running
-#: agent answers from its dispatcher at once, whatever its status interval.
-ID_PROBE_WAIT_S = 5.0
 #: The watchdog is fed while the dispatcher got through its last heartbeat within this many seconds plus two ticks.
 _DISPATCHER_SLACK_S = 5.0
 
@@ -183,58 +176,12 @@ class EdgeAgent:
         self.runner.close()
 
     def _refuse_if_online(self, timeout: float) -> None:
-        """Ask, through a short-lived probe connection (a client id of its own), whether another process runs
-        this agent: publish a "starting" status; when the retained status that came before its echo says another
-        instance is online or busy, wait up to :data:`ID_PROBE_WAIT_S` for that instance's answer. The running
-        agent answers at once from its dispatcher, whatever either side's status interval; a status left by a
-        process that is gone gets no answer, and this one starts."""
-        seen: list[AgentStatus] = []  # statuses of other processes of this id, in the order the broker sent them
-        echoed = threading.Event()  # our own "starting" came back: everything the broker held came before it
-        answered = threading.Event()  # another process's online status came after it
-        refused: list[str] = []
-
-        def keep(topic: str, payload: bytes) -> None:
-            with contextlib.suppress(ProtocolError):
-                status = decode(payload, expected=AgentStatus)
-                assert isinstance(status, AgentStatus)
-                if status.agent_id != self.agent_id:
-                    return
-                if status.instance == self.instance:
-                    echoed.set()
-                    return
-                seen.append(status)
-                if status.state in ("online", "busy") and echoed.is_set():
-                    answered.set()
-
-        def refuse(topic: str, reason: str) -> None:
-            refused.append(reason)
-            echoed.set()
-
-        probe = MqttLink(client_id=f"fedfit-probe-{self.agent_id}-{uuid.uuid4().hex[:8]}",
-                         broker=self.config.broker, subscriptions=[self.topics.agent_status(self.agent_id)],
-                         handler=keep, on_refused=refuse)
-        try:
-            probe.start(timeout)
-            # Ask whether a process runs this id. The broker delivers in order on the one subscription, so the
-            # retained status (if any) arrives before our own "starting" comes back: no fixed wait to guess.
-            probe.publish(self.topics.agent_status(self.agent_id),
-                          encode(AgentStatus(self.agent_id, "starting", None, time.time(), self.instance)))
-            echoed.wait(ID_PROBE_WAIT_S)
-            if any(status.state in ("online", "busy") for status in seen) and not refused:
-                answered.wait(ID_PROBE_WAIT_S)  # a running agent answers at once; a status left behind never
-        finally:
-            probe.stop()
-        if refused:
-            raise BrokerRefused(self._refusal_message(self.topics.agent_status(self.agent_id), refused[0]))
-        if answered.is_set():
-            running = seen[-1]
-            raise AgentIdInUse(
-                f"agent '{self.agent_id}' of federation '{self.config.federation}' is running already (process "
-                f"{running.instance or '?'} answered): another process uses this agent_id; stop it or give this "
-                f"device its own agent_id")
-        stale = [status for status in seen if status.state in ("online", "busy")]
-        if stale:
-            self.log.info("stale_status_replaced", instance=stale[-1].instance, state=stale[-1].state,
+        """Refuse (:class:`AgentIdInUse`) when another process runs this agent (`edge_agent.id_probe`)."""
+        stale = probe_agent_id(self.config.broker, self.topics, self.agent_id, self.instance, timeout,
+                               refused=lambda topic, reason: BrokerRefused(self._refusal_message(topic, reason)),
+                               in_use=self.config.federation)
+        if stale is not None:
+            self.log.info("stale_status_replaced", instance=stale.instance, state=stale.state,
                           message="the retained status named another process, which did not answer: it is gone")
 
     def _refusal_message(self, topic: str, reason: str) -> str:

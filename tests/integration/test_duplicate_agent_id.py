@@ -12,7 +12,8 @@ import torch
 from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.config import AgentConfig, AgentDataConfig
-from edge_agent.daemon import AgentIdInUse, EdgeAgent
+from edge_agent.daemon import EdgeAgent
+from edge_agent.id_probe import AgentIdInUse
 from edge_agent.runner import LocalData
 from fedfit.sim.broker import Broker
 
