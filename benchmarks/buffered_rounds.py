@@ -79,11 +79,15 @@ def account(run_dir: Path, report: dict[str, Any]) -> dict[str, int]:
             acked[(task.split("-", 1)[1].rsplit("-", 1)[0], int(task.split("-")[0][1:]))] += 1
         elif event.get("event") == "update_refused":
             refused += 1
-    aggregated = Counter((task["agent"], int(entry["round"]) - int(task.get("staleness") or 0))
-                         for entry in report["rounds"] for task in report["tasks"]
-                         if task["round"] == entry["round"] and task["status"] in ("ok", "adapted"))
+    def answers(*statuses: str) -> Counter[tuple[str, int]]:
+        return Counter((task["agent"], int(task["round"]) - int(task.get("staleness") or 0))
+                       for task in report["tasks"] if task["status"] in statuses)
+
+    aggregated = answers("ok", "adapted")
+    settled = answers("declined", "failed", "rejected")  # acked, and rightly never aggregated (rejected: a reason)
     return {"acked": sum(acked.values()), "aggregated": sum(aggregated.values()),
-            "acked_not_aggregated": sum((acked - aggregated).values()),
+            "untrained": sum(settled.values()),
+            "acked_not_aggregated": sum((acked - aggregated - settled).values()),
             "aggregated_twice": sum(count - 1 for count in aggregated.values() if count > 1),
             "refused": refused, "left": len(report["run"].get("left", []))}
 
@@ -103,7 +107,8 @@ def describe(name: str, report: dict[str, Any], target: float, moment: float, le
             f"{summary['best_global_accuracy']:.4f}; at {moment:.0f} s: "
             f"{'-' if then is None else f'{then[0]:.4f} (round {then[1]})'}; to {target:.4f}: {when(reached)}; to "
             f"within a point of it: {when(near)}; updates: {ledger['acked']} acked, {ledger['aggregated']} "
-            f"aggregated, {ledger['acked_not_aggregated']} acked and never aggregated, {ledger['aggregated_twice']} "
+            f"aggregated, {ledger['untrained']} declined, failed or rejected with a reason, "
+            f"{ledger['acked_not_aggregated']} acked and never aggregated, {ledger['aggregated_twice']} "
             f"aggregated twice, {ledger['refused']} refused with a reason, {ledger['left']} left")
 
 
@@ -189,14 +194,15 @@ def main() -> int:
             rows.append((seed, figures))
     if rows:
         print("\n| seed | mode | rounds' wall time | final | at equal wall time | to the sync final | acked / "
-              "aggregated / never / twice / refused / left |\n|---|---|---|---|---|---|---|")
+              "aggregated / untrained / never / twice / refused / left |\n|---|---|---|---|---|---|---|")
         for seed, figures in rows:
             for mode in ("sync", "buffered"):
                 at, hit, ledger = figures["at"][mode], figures["hits"][mode], figures["ledgers"][mode]
                 print(f"| {seed} | {mode} | {figures['wall'][mode]:.0f} s | {figures['final'][mode]:.4f} | "
                       f"{'-' if at is None else f'{at[0]:.4f} (round {at[1]})'} at {figures['moment']:.0f} s | "
                       f"{'never' if hit is None else f'{hit[1]:.0f} s (round {hit[0]})'} | {ledger['acked']} / "
-                      f"{ledger['aggregated']} / {ledger['acked_not_aggregated']} / {ledger['aggregated_twice']} / "
+                      f"{ledger['aggregated']} / {ledger['untrained']} / {ledger['acked_not_aggregated']} / "
+                      f"{ledger['aggregated_twice']} / "
                       f"{ledger['refused']} / {ledger['left']} |")
     return 0
 
