@@ -329,6 +329,9 @@ class Coordinator:
         while self.completed_rounds < last:
             results.append(self.run_round(self.completed_rounds + 1))
         self._raise_if_fatal()  # e.g. the last round's verdicts refused: the run is not one to trust
+        if left := self.left_behind():
+            self.log.warning("run_ended_with_tasks_left", round=self.completed_rounds,
+                             left=[f"{agent} {task} ({where})" for agent, task, where in left])
         return results
 
     def run_round(self, round_number: int) -> RoundResult:
