@@ -16,7 +16,9 @@ read the times with the curves (``accuracy.png`` in each run's directory, and th
 ``--every`` seconds).
 
 Run: ``.venv/bin/python benchmarks/buffered_rounds.py --out runs/buffered --seeds 0,1`` (FeDepth's ``fair`` fleet of
-the learning goal, 16 devices; about an hour on 2 cores); ``--read`` prints the figures of runs made before.
+the learning goal, 16 devices; about an hour on 2 cores); ``--read`` prints the figures of runs made before, and a
+run whose directory holds its report already is not run again (a variant of the buffered run beside the same
+synchronous one: copy ``seed<N>/sync`` into a new ``--out``).
 """
 
 from __future__ import annotations
@@ -182,6 +184,9 @@ def main() -> int:
         if not args.read:
             seed_dir.mkdir(parents=True, exist_ok=True)
             for mode, rounds in runs.items():
+                if (seed_dir / mode / "report.json").exists():
+                    print(f"{seed_dir / mode} holds its run already: not run again", flush=True)
+                    continue
                 command = sim_command(args, mode, rounds, seed, seed_dir / mode)
                 print(f"running {mode}: {' '.join(command[1:])}", flush=True)
                 with (seed_dir / f"{mode}.log").open("w") as log:
