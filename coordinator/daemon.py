@@ -371,16 +371,9 @@ class Coordinator:
         accuracies = reporting.evaluate_targets(self._evaluator, targets, self.states)
         current.timing["evaluation"] = time.perf_counter() - phase
         phase = time.perf_counter()
-        self.completed_rounds = current.number
-        if current.buffer_size is not None:  # (before the checkpoint: a stop between the two loses no carried task)
-            self.journal.carry_on(current.number + 1, self._carried, self._bases)
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
-        self._checkpoint(reporting.round_result(current, records, dict(accuracies), trained, bytes_down,
-                                                time.monotonic() - started))
-        if self._carried:  # the checkpoint holds the round now, the journal what the next one carries
-            self.journal.begin(current.number + 1, 0.0, {}, [], self._carried, self._bases, planned=False)
-        else:
-            self.journal.clear()
+        self._round_done(current, reporting.round_result(current, records, dict(accuracies), trained, bytes_down,
+                                                         time.monotonic() - started))
         current.timing["checkpoint"] = time.perf_counter() - phase
         reporting.send_verdicts(current, self.link, self.topics, self.log)  # only now: aggregated is for good
         result = reporting.round_result(current, records, accuracies, trained, bytes_down,
@@ -397,6 +390,19 @@ class Coordinator:
         if self.on_round is not None:
             self.on_round(result)
         return result
+
+    def _round_done(self, current: Round, record: RoundResult) -> None:
+        """Checkpoint the closed round ``current`` with its ``record``, and leave the journal what the next round
+        carries (nothing, after a synchronous round): recorded beside the round's own journal before the checkpoint,
+        so that a stop between the two loses no carried task."""
+        self.completed_rounds = current.number
+        if current.buffer_size is not None:
+            self.journal.carry_on(current.number + 1, self._carried, self._bases)
+        self._checkpoint(record)
+        if self._carried:  # the checkpoint holds the round now, the journal what the next one carries
+            self.journal.begin(current.number + 1, 0.0, {}, [], self._carried, self._bases, planned=False)
+        else:
+            self.journal.clear()
 
     def left_behind(self) -> list[tuple[str, str, str]]:
         """(agent, task, where) of what no round settled when the run ended: tasks ``carried`` into a round that
