@@ -375,7 +375,8 @@ class Coordinator:
         self._round_done(current, reporting.round_result(current, records, dict(accuracies), trained, bytes_down,
                                                          time.monotonic() - started))
         current.timing["checkpoint"] = time.perf_counter() - phase
-        reporting.send_verdicts(current, self.link, self.topics, self.log)  # only now: aggregated is for good
+        # Only now: aggregated is for good. Kept, for a device that sends its update again, killed before the ack.
+        self.uploads.remember(reporting.send_verdicts(current, self.link, self.topics, self.log))
         result = reporting.round_result(current, records, accuracies, trained, bytes_down,
                                         time.monotonic() - started)
         self.metrics.write(result)

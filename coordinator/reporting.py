@@ -49,17 +49,21 @@ def outcomes(current: Round, family: ModelFamily, log: Logger,
     return records, ended
 
 
-def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Logger) -> None:
-    """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not."""
+def send_verdicts(current: Round, link: MqttLink, topics: Topics, log: Logger) -> list[tuple[Ack, str]]:
+    """Tell every device whose stored update was screened whether it is aggregated or, with the reason, not.
+    Returns each verdict with the sha256 of the update it judged (sent or not)."""
+    verdicts: list[tuple[Ack, str]] = []
     for task_id, answer in sorted(current.answers.items(), key=lambda item: item[1].update.agent_id):
         if not answer.screened:
             continue
         agent, reason = answer.update.agent_id, answer.rejection
+        ack = Ack(task_id, current.tasks[task_id].round, agent, reason, "rejected" if reason else "aggregated")
+        verdicts.append((ack, answer.digest))
         try:  # best effort: the round is stored already, and the device's uplink settled at the first ack
-            link.publish(topics.agent_ack(agent), encode(Ack(
-                task_id, current.tasks[task_id].round, agent, reason, "rejected" if reason else "aggregated")))
+            link.publish(topics.agent_ack(agent), encode(ack))
         except Exception as exc:  # noqa: BLE001 - one device's verdict never ends the round
             log.warning("verdict_not_sent", agent=agent, round=current.number, error=str(exc))
+    return verdicts
 
 
 def trained(targets: Mapping[str, EvalTarget], family: ModelFamily, aggregated: Sequence[Answer],

@@ -13,16 +13,18 @@ without asking (an agent that predates revision 6, one restored from an agent's 
 memory, within the window's bytes. :meth:`UploadDesk.round_opened` then takes the held updates and answers the held
 requests as soon as the next round collects. An agent of revision 7 or later whose request waits (held, or queued
 for room in the window) is told so (:class:`protocol.UploadWait`), and waits for its grant without spending its
-attempts. Everything here runs on the thread that takes messages, as the intake does; :meth:`round_opened` is
-queued there (`common.mqtt_link.MqttLink.call_soon`), and only :meth:`held` and :meth:`window` are read from other
-threads.
+attempts. A device that sends an update again after its round closed (killed before it heard its ack) hears the
+verdict that round gave it (:meth:`UploadDesk.remember`), not that its task is unknown. Everything here runs on the
+thread that takes messages, as the intake does; :meth:`round_opened` is
+queued there (`common.mqtt_link.MqttLink.call_soon`); only :meth:`held` and :meth:`window` are read, and
+:meth:`remember` called, from other threads.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from common.logs import Logger
 from coordinator.config import UploadsConfig
@@ -43,7 +45,10 @@ from protocol import (
     message_type,
 )
 
-__all__ = ["UploadDesk"]
+__all__ = ["VERDICTS_KEPT", "UploadDesk"]
+
+#: How many screened updates' verdicts the desk keeps to answer a device sending one of them again (the latest).
+VERDICTS_KEPT = 4096
 
 
 class UploadDesk:
@@ -72,6 +77,8 @@ class UploadDesk:
         self._held_updates: OrderedDict[str, Arrival] = OrderedDict()
         self._held_lock = threading.Lock()  # changed on the message thread only; read by held() and window()
         self._held_limit = uploads.window_bytes
+        #: The latest verdicts given, by (agent, task, round), with the sha256 of the update they judged.
+        self._verdicts: OrderedDict[tuple[str, str, int], tuple[Ack, str]] = OrderedDict()
         #: Counters: requests and whole updates held for a later round, and updates not held (over the limit).
         self.held_total = 0
         self.not_held_total = 0
@@ -124,6 +131,28 @@ class UploadDesk:
         except Exception as exc:  # noqa: BLE001
             self._log.error("held_upload_failed", agent=agent_id, error=f"{type(exc).__name__}: {exc}")
 
+    def remember(self, verdicts: Iterable[tuple[Ack, str]]) -> None:
+        """Keep a closed round's verdicts (each with the sha256 of the update it judged; the latest
+        :data:`VERDICTS_KEPT`): an agent sending one of those updates again is answered with its verdict."""
+        with self._held_lock:
+            for ack, digest in verdicts:
+                key = (ack.agent_id, ack.task_id, ack.round)
+                self._verdicts.pop(key, None)
+                self._verdicts[key] = (ack, digest)
+            while len(self._verdicts) > VERDICTS_KEPT:
+                self._verdicts.popitem(last=False)
+
+    def _recall(self, agent_id: str, task_id: str, round_number: int, digest: str) -> bool:
+        """Answer an update (or a request to send it) that an earlier round judged already with that verdict again
+        (the same update: ``digest`` equal, or empty); False when no verdict is kept for it."""
+        with self._held_lock:
+            kept = self._verdicts.get((agent_id, task_id, round_number))
+        if kept is None or (digest and kept[1] and digest != kept[1]):
+            return False
+        self._log.info("verdict_sent_again", agent=agent_id, task=task_id, round=round_number, verdict=kept[0].verdict)
+        self._publish(self._topics.agent_ack(agent_id), encode(kept[0]))
+        return True
+
     def forget(self, agent_id: str) -> None:
         """``agent_id`` went offline: its requests leave the queue and the desk, its grants the window (it asks
         again when it is back; an update of its held whole is still taken)."""
@@ -158,7 +187,11 @@ class UploadDesk:
         """Answer an agent asking to upload: its ack at once when the round would not take the update (stored
         already, or refused); held when the next round takes it; else a grant, at once when uploads are not
         granted (a coordinator restarted with ``uploads.grant`` off answers the agents its tasks told to ask), or
-        in turn (told to wait meanwhile)."""
+        in turn (told to wait meanwhile). One judged in an earlier round is answered with its verdict."""
+        if self._recall(request.agent_id, request.task_id, request.round, request.sha256):
+            if self.grants is not None:
+                self.grants.withdraw(request.agent_id, request.task_id)
+            return
         receipt = self._receipt_before_upload(request.agent_id, request.task_id, request.round, request.sha256)
         if receipt is not None:
             self._settle(request, receipt)
@@ -192,8 +225,10 @@ class UploadDesk:
 
     def _take(self, arrival: Arrival | None) -> None:
         """Hand a whole update to the round in progress; one deferred to the next round is held (within the
-        window's bytes; beyond them it is not answered, and its agent sends it again)."""
-        if arrival is None:
+        window's bytes; beyond them it is not answered, and its agent sends it again); one judged in an earlier round
+        is answered with its verdict."""
+        if arrival is None or self._recall(arrival.update.agent_id, arrival.update.task_id, arrival.update.round,
+                                           arrival.digest):
             return
         receipt = self.intake.take(arrival, self._current(), self._on_answer)
         if receipt is None or receipt.verdict is not Verdict.DEFERRED:

@@ -405,6 +405,45 @@ def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinato
     assert [(t.status, t.reason) for t in result.tasks] == [("declined", "no memory")]
 
 
+def test_an_update_sent_again_after_its_round_closed_hears_the_verdict_it_got(heterofl: Coordinator,
+                                                                              monkeypatch) -> None:
+    """A device killed before it heard its ack sends its update again (or asks to) once the round is over: it is
+    answered with the verdict that round gave it, not told its task is unknown; another update for that task is
+    refused as before."""
+    from protocol import Topics, UploadRequest, encode, split_payload
+
+    topics = Topics(heterofl.config.federation)
+    monkeypatch.setattr(heterofl.registry, "wait_settled",
+                        lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
+    sent: list[object] = []
+    monkeypatch.setattr(heterofl.link, "publish", lambda topic, payload, **_: (
+        None if topic == topics.coordinator_status() else sent.append(decode(payload))))
+    updates: list[Update] = []
+
+    def send(update: Update, transfer: str) -> None:
+        for chunk in split_payload(encode(update), transfer):
+            heterofl._on_message(topics.agent_update(update.agent_id), chunk)
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        updates.append(update_for(heterofl, planned.spec, task_id=task_id, agent=planned.agent_id,
+                                  round_number=round_number, fill=0.1))
+        send(updates[-1], f"{task_id}.1")
+        return 10
+
+    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
+    assert heterofl.run_round(1).participants == 1
+    update = updates[0]
+    first, verdict = Ack(update.task_id, 1, "sim-0"), Ack(update.task_id, 1, "sim-0", None, "aggregated")
+    assert sent == [first, verdict]
+    send(update, f"{update.task_id}.2")  # the whole update again
+    assert sent[-1] == verdict
+    heterofl._on_message(topics.agent_update("sim-0"), encode(UploadRequest(update.task_id, 1, "sim-0", 10)))
+    assert sent[-1] == verdict and heterofl.grants is not None and heterofl.grants.in_flight == 0  # not granted
+    other = replace(update, weights={key: value + 1 for key, value in update.weights.items()})
+    send(other, f"{update.task_id}.3")  # not the update the verdict judged
+    assert isinstance(sent[-1], Ack) and sent[-1].verdict is None and "unknown task" in (sent[-1].reason or "")
+
+
 def test_the_first_round_needs_min_agents_and_says_so_when_they_do_not_come(heterofl: Coordinator,
                                                                            monkeypatch) -> None:
     heterofl.config.min_agents, heterofl.config.wait_for_agents_s = 3, 0.2
