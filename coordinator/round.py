@@ -170,6 +170,7 @@ class Round:
         self.buffer_size = buffer_size
         self.max_staleness = max_staleness
         self._carry: frozenset[str] = frozenset()  # a closed buffered round's tasks the next round carries
+        self._stopped_at = 0.0  # when it stopped collecting (wall clock): the moment the carry is decided for
         self.skipped = skipped
         self.deadline = deadline
         self.phase = Phase.PLANNED
@@ -247,8 +248,17 @@ class Round:
         if self.phase is not Phase.COLLECTING:
             if self.phase not in (Phase.AGGREGATING, Phase.CLOSED):
                 return Verdict.UNKNOWN
-            return Verdict.DEFERRED if update.task_id in self._carry else Verdict.LATE
+            return Verdict.DEFERRED if self._carries(update.task_id) else Verdict.LATE
         return Verdict.ACCEPTED
+
+    def _carries(self, task_id: str) -> bool:
+        """Whether the next round carries ``task_id`` (lock held; once the round stopped collecting): a buffered
+        round's task without an answer, its deadline not passed when the round stopped collecting, that would be at
+        most ``max_staleness`` rounds old there. The same answer before :meth:`close` has decided (while it waits
+        for an update being taken: another task's answers do not change it) as after."""
+        dispatched = self.tasks[task_id]
+        return (self.buffer_size is not None and task_id not in self.answers
+                and dispatched.deadline > self._stopped_at and self.number + 1 - dispatched.round <= self.max_staleness)
 
     def receipt_before_upload(self, task_id: str, round_number: int, agent_id: str, digest: str) -> Receipt | None:
         """What the round would answer an update of ``task_id`` (its sha256 ``digest``; empty when unknown) with,
@@ -339,14 +349,10 @@ class Round:
         with self._done:
             self._expect(Phase.COLLECTING)
             self.phase = Phase.AGGREGATING
+            self._stopped_at = time.time()
             while self._taking:
                 self._done.wait()
-            if self.buffer_size is not None:
-                now = time.time()
-                self._carry = frozenset(
-                    task_id for task_id, dispatched in self.tasks.items()
-                    if task_id not in self.answers and dispatched.deadline > now
-                    and self.number + 1 - dispatched.round <= self.max_staleness)
+            self._carry = frozenset(task_id for task_id in self.tasks if self._carries(task_id))
         started = time.perf_counter()
         if self._screening.enabled:
             screened = [(task_id, answer, answer.spec, answer.change) for task_id, answer in sorted(self.answers.items())

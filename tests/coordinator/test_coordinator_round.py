@@ -388,6 +388,38 @@ def test_a_buffered_round_carries_what_is_still_training_and_defers_its_updates_
     assert [task.task_id for task in harness.round.carried_over()] == ["t-a2"]
 
 
+def test_an_update_asked_for_while_close_waits_for_another_being_taken_is_deferred_not_late():
+    """Found by the buffered soak: close() waits for the update being taken (its lock released); the message thread
+    that took it then answers the next request before close() has woken to decide the carry. That request is for a
+    task the next round carries: deferred, as it is once close() has decided, never refused as late."""
+    harness = opened(agents=("a0", "a1", "a2"), buffer_size=1)
+    examining, release = threading.Event(), threading.Event()
+    examine = harness.examine
+
+    def slow_examine(message: Update, task: TaskPlan) -> Examined:
+        examining.set()
+        release.wait(30)
+        return examine(message, task)
+
+    harness.examine = slow_examine  # type: ignore[method-assign]
+    taker = threading.Thread(target=lambda: harness.offer(update("a0")))
+    taker.start()
+    assert examining.wait(30)
+    closer = threading.Thread(target=harness.round.close)
+    closer.start()
+    deadline = time.monotonic() + 30
+    while harness.round.phase is not Phase.AGGREGATING and time.monotonic() < deadline:
+        time.sleep(0.01)  # until close() has begun and waits for the update being taken
+    asked = harness.round.receipt_before_upload("t-a1", ROUND, "a1", "")
+    assert asked is not None and asked.verdict == "deferred"
+    release.set()
+    taker.join(30)
+    closer.join(30)
+    assert harness.round.carried_over() and [t.task_id for t in harness.round.carried_over()] == ["t-a1", "t-a2"]
+    again = harness.round.receipt_before_upload("t-a1", ROUND, "a1", "")
+    assert again is not None and again.verdict == "deferred"
+
+
 def test_a_synchronous_round_refuses_late_updates_and_carries_nothing():
     harness = opened(deadline=time.time() + 60)
     harness.offer(update("a0"))
