@@ -23,8 +23,8 @@ from common.config import ConfigError, from_mapping, load_yaml
 from common.data import DATASET_NAMES, DatasetError
 from common.logs import configure_logging
 from common.mqtt_link import BrokerRefused, BrokerUnavailable
-from edge_agent.id_probe import AgentIdInUse
 from edge_agent.forkserver import TorchUnavailable
+from edge_agent.id_probe import AgentIdInUse
 from fedfit import broker_command, status_command
 from fedfit.run_command import budgets_type
 from fedfit.secure_broker import BrokerSetupError, PkiError
