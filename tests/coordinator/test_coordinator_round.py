@@ -288,8 +288,9 @@ def test_a_slowed_devices_hold_back_is_its_own_phase_and_not_transfer():
     assert list(round_timing({}, [times])) == ["training", "slowdown", "transfer"]  # DEVICE_PHASES' order
 
 
-def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_waits_for_it():
-    harness = opened()
+def taking_slowly(harness: Harness, message: Update) -> tuple[threading.Thread, threading.Event]:
+    """``message`` offered on a thread of its own, held in its examination (outside the round's lock) until the
+    event returned is set."""
     examining, release = threading.Event(), threading.Event()
     examine = harness.examine
 
@@ -299,9 +300,15 @@ def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_wait
         return examine(message, task)
 
     harness.examine = slow_examine  # type: ignore[method-assign]
-    taker = threading.Thread(target=lambda: harness.offer(update("a0")))
+    taker = threading.Thread(target=lambda: harness.offer(message))
     taker.start()
     assert examining.wait(30)
+    return taker, release
+
+
+def test_the_round_thread_is_not_held_up_by_an_update_being_taken_and_close_waits_for_it():
+    harness = opened()
+    taker, release = taking_slowly(harness, update("a0"))
     harness.round.mark_sent("t-a1")  # the round's own thread gets the lock meanwhile
     assert [t.task_id for t in harness.round.unanswered("a1")] == ["t-a1"]
     seen_at_close: list[str] = []
@@ -393,18 +400,7 @@ def test_an_update_asked_for_while_close_waits_for_another_being_taken_is_deferr
     that took it then answers the next request before close() has woken to decide the carry. That request is for a
     task the next round carries: deferred, as it is once close() has decided, never refused as late."""
     harness = opened(agents=("a0", "a1", "a2"), buffer_size=1)
-    examining, release = threading.Event(), threading.Event()
-    examine = harness.examine
-
-    def slow_examine(message: Update, task: TaskPlan) -> Examined:
-        examining.set()
-        release.wait(30)
-        return examine(message, task)
-
-    harness.examine = slow_examine  # type: ignore[method-assign]
-    taker = threading.Thread(target=lambda: harness.offer(update("a0")))
-    taker.start()
-    assert examining.wait(30)
+    taker, release = taking_slowly(harness, update("a0"))
     closer = threading.Thread(target=harness.round.close)
     closer.start()
     deadline = time.monotonic() + 30
