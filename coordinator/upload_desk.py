@@ -166,7 +166,7 @@ class UploadDesk:
         """Whether the round would take the update a waiting request is for now (one whose round closed, whose
         update is in already, or that the next round will take, leaves the queue when its turn comes, and is
         answered then: its ack, or held); the window's ``wanted``."""
-        return self._receipt_before_upload(agent_id, task_id, round_number, "") is None
+        return self._receipt_before_upload(self._current(), agent_id, task_id, round_number, "") is None
 
     def window(self) -> tuple[float, float]:
         """The window's bytes granted, and the requests waiting: for room in the window, or held for the next
@@ -188,11 +188,13 @@ class UploadDesk:
         already, or refused); held when the next round takes it; else a grant, at once when uploads are not
         granted (a coordinator restarted with ``uploads.grant`` off answers the agents its tasks told to ask), or
         in turn (told to wait meanwhile). One judged in an earlier round is answered with its verdict."""
+        current = self._current()  # read before the recall: verdicts are kept before the closed round goes
         if self._recall(request.agent_id, request.task_id, request.round, request.sha256):
             if self.grants is not None:
                 self.grants.withdraw(request.agent_id, request.task_id)
             return
-        receipt = self._receipt_before_upload(request.agent_id, request.task_id, request.round, request.sha256)
+        receipt = self._receipt_before_upload(current, request.agent_id, request.task_id, request.round,
+                                              request.sha256)
         if receipt is not None:
             self._settle(request, receipt)
         elif self.grants is None:
@@ -227,10 +229,12 @@ class UploadDesk:
         """Hand a whole update to the round in progress; one deferred to the next round is held (within the
         window's bytes; beyond them it is not answered, and its agent sends it again); one judged in an earlier round
         is answered with its verdict."""
-        if arrival is None or self._recall(arrival.update.agent_id, arrival.update.task_id, arrival.update.round,
-                                           arrival.digest):
+        if arrival is None:
             return
-        receipt = self.intake.take(arrival, self._current(), self._on_answer)
+        current = self._current()  # read before the recall: verdicts are kept before the closed round goes
+        if self._recall(arrival.update.agent_id, arrival.update.task_id, arrival.update.round, arrival.digest):
+            return
+        receipt = self.intake.take(arrival, current, self._on_answer)
         if receipt is None or receipt.verdict is not Verdict.DEFERRED:
             return
         update = arrival.update
@@ -256,10 +260,11 @@ class UploadDesk:
             self._publish(self._topics.agent_ack(request.agent_id),
                           encode(UploadWait(request.task_id, request.round, request.agent_id, reason)))
 
-    def _receipt_before_upload(self, agent_id: str, task_id: str, round_number: int, digest: str) -> Receipt | None:
-        """What the update a request is for would get (`Round.receipt_before_upload`; between two rounds: deferred
-        for a task the next round carries, else refused as the intake refuses it); None: it would be taken."""
-        current = self._current()
+    def _receipt_before_upload(self, current: Round | None, agent_id: str, task_id: str, round_number: int,
+                               digest: str) -> Receipt | None:
+        """What the update a request is for would get from ``current``, the round in progress
+        (`Round.receipt_before_upload`; between two rounds: deferred for a task the next round carries, else refused
+        as the intake refuses it); None: it would be taken."""
         if current is not None:
             return current.receipt_before_upload(task_id, round_number, agent_id, digest)
         if self._carried(task_id, agent_id, round_number):

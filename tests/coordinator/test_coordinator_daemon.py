@@ -408,8 +408,10 @@ def test_run_round_without_exits_reports_no_exit_accuracies(heterofl: Coordinato
 def test_an_update_sent_again_after_its_round_closed_hears_the_verdict_it_got(heterofl: Coordinator,
                                                                               monkeypatch) -> None:
     """A device killed before it heard its ack sends its update again (or asks to) once the round is over: it is
-    answered with the verdict that round gave it, not told its task is unknown; another update for that task is
-    refused as before."""
+    answered with the verdict that round gave it, not told its task is unknown; another update for that task (or a
+    request with another digest) is refused as before."""
+    import hashlib
+
     from protocol import Topics, UploadRequest, encode, split_payload
 
     topics = Topics(heterofl.config.federation)
@@ -437,8 +439,14 @@ def test_an_update_sent_again_after_its_round_closed_hears_the_verdict_it_got(he
     assert sent == [first, verdict]
     send(update, f"{update.task_id}.2")  # the whole update again
     assert sent[-1] == verdict
-    heterofl._on_message(topics.agent_update("sim-0"), encode(UploadRequest(update.task_id, 1, "sim-0", 10)))
-    assert sent[-1] == verdict and heterofl.grants is not None and heterofl.grants.in_flight == 0  # not granted
+    digest = hashlib.sha256(encode(update)).hexdigest()
+    for asked in ("", digest):  # asked to send it again (a request without its digest: taken as the same update)
+        del sent[:]
+        heterofl._on_message(topics.agent_update("sim-0"),
+                             encode(UploadRequest(update.task_id, 1, "sim-0", 10, asked)))
+        assert sent == [verdict]  # answered, not granted
+    heterofl._on_message(topics.agent_update("sim-0"), encode(UploadRequest(update.task_id, 1, "sim-0", 10, "0" * 64)))
+    assert isinstance(sent[-1], Ack) and sent[-1].verdict is None and "unknown task" in (sent[-1].reason or "")
     other = replace(update, weights={key: value + 1 for key, value in update.weights.items()})
     send(other, f"{update.task_id}.3")  # not the update the verdict judged
     assert isinstance(sent[-1], Ack) and sent[-1].verdict is None and "unknown task" in (sent[-1].reason or "")

@@ -396,9 +396,10 @@ def test_a_buffered_round_carries_what_is_still_training_and_defers_its_updates_
 
 
 def test_an_update_asked_for_while_close_waits_for_another_being_taken_is_deferred_not_late():
-    """Found by the buffered soak: close() waits for the update being taken (its lock released); the message thread
-    that took it then answers the next request before close() has woken to decide the carry. That request is for a
-    task the next round carries: deferred, as it is once close() has decided, never refused as late."""
+    """Found by the buffered soak: close() waits for the update being taken (its lock released), and the message
+    thread that took it may answer the next request before close() has woken to decide the carry. Here the request
+    is answered while close() waits (before the update is in, from another thread: the same undecided moment). It is
+    for a task the next round carries: deferred, as it is once close() has decided, never refused as late."""
     harness = opened(agents=("a0", "a1", "a2"), buffer_size=1)
     taker, release = taking_slowly(harness, update("a0"))
     closer = threading.Thread(target=harness.round.close)
