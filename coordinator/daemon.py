@@ -166,15 +166,16 @@ class Coordinator:
         if pending is None or pending.round != self.completed_rounds + 1:
             return
         if pending.round == 1 and self.strategy.awaits_fleet:
-            # Its tasks were planned with models sized to the fleet, which no checkpoint kept: plan it again.
+            # Its tasks were planned with models sized to the fleet, which no checkpoint kept (a journal of a
+            # coordinator that checkpointed the sizing only with round 1): plan it again.
             self.log.warning("first_round_planned_again", round=pending.round,
                              reason="the strategy is sized to the fleet at its first round")
             return
-        if not pending.planned:  # a buffered round's carried tasks, recorded with its checkpoint: plan the next
-            now = time.time()  # (those whose deadline passed meanwhile are carried no further, as close() decides)
-            self._carry([dispatched for dispatched in pending.carried if dispatched.deadline > now], pending.bases)
-            self.log.info("carried_tasks_resumed", round=pending.round, tasks=len(self._carried),
-                          past_deadline=len(pending.carried) - len(self._carried))
+        if not pending.planned:  # a buffered round's carried tasks, recorded with its checkpoint: plan the next.
+            # All of them, those past their deadline too: the next round records one missing when it closes without
+            # its update, as a round never stopped would.
+            self._carry(pending.carried, pending.bases)
+            self.log.info("carried_tasks_resumed", round=pending.round, tasks=len(self._carried))
             return
         deadline = max(pending.deadline, time.time() + min(self.config.round_timeout_s, self.resume_grace_s))
         self._bases = {**pending.bases, pending.round: self.states}
@@ -454,6 +455,7 @@ class Coordinator:
         if told is not None:
             self.states = self.strategy.initial_states(self.config.seed)
             self.fleet.service_log = ServiceLog(self.strategy)
+            self._checkpoint()  # (round 0) before any task goes out: a coordinator stopped in round 1 resumes it
             self.log.info("sized_to_fleet", detail=told)
 
     def _new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,

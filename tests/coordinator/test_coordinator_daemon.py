@@ -784,10 +784,19 @@ def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp
     spec = first.strategy.global_spec()
     built = first.family.build(spec).state_dict()  # the states follow the new global model
     assert set(first.states["global"]) == set(built) and spec != before
-    save_checkpoint(first.checkpoint_path, first.states, {"round": 1, "algorithm": "scalefl", "family": "cnn",
-                                                          "strategy": first.strategy.state_dict()})
+    # Stopped in round 1 with an update stored (acked): what the sizing chose was checkpointed before any task went
+    # out, so the restarted coordinator resumes round 1 with that update instead of planning it again.
+    from protocol import encode
+
+    task = task_for(first, first.strategy.levels[-1].name)
+    first.journal.begin(1, time.time() + 60, {"r1-dev-1": task}, [])
+    update = update_for(first, task.spec, task_id="r1-dev-1", agent="dev", fill=0.1)
+    first.journal.store(update, encode(update))
     resumed = Coordinator(replace(auto, resume=True), dataset=digits)
+    assert resumed.completed_rounds == 0
     assert not resumed.strategy.awaits_fleet and resumed.strategy.global_spec() == spec
+    assert set(resumed.states["global"]) == set(built)
+    assert resumed._round is not None and resumed._round.number == 1 and list(resumed._round.answers) == ["r1-dev-1"]
     with pytest.raises(RuntimeError, match="before the first round"):
         resumed.fit_to_fleet([top])
 
@@ -937,8 +946,9 @@ def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_tu
 
 
 def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_path: Path, digits) -> None:
-    """What the next round carries is journaled with the checkpoint: a coordinator restarted then keeps the tasks
-    still training (not those past their deadline), and their states, and plans around them."""
+    """What the next round carries is journaled with the checkpoint: a coordinator restarted then carries the tasks
+    still training (one past its deadline too: the next round records it missing if its update does not come),
+    and their states, and plans around them."""
     from coordinator.round import DispatchedTask
 
     first = Coordinator(config(tmp_path, round_mode="buffered"), dataset=digits)
@@ -950,8 +960,8 @@ def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_p
     first.journal.begin(4, 0.0, {}, [], [training, over], {3: first.states, 2: first.states}, planned=False)
     restarted = Coordinator(config(tmp_path, round_mode="buffered", resume=True), dataset=digits)
     assert restarted.completed_rounds == 3 and restarted._round is None  # the next round is planned afresh
-    assert restarted._carried == [training] and restarted._carried_ids == {"r3-a-1"}
-    assert set(restarted._bases[3]) == set(first.states)
+    assert restarted._carried == [training, over] and restarted._carried_ids == {"r3-a-1", "r2-b-1"}
+    assert set(restarted._bases[3]) == set(first.states) and set(restarted._bases[2]) == set(first.states)
 
 
 def test_a_stop_between_a_buffered_rounds_checkpoint_and_its_journal_loses_no_carried_task(
