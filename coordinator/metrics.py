@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,28 +168,36 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, result: RoundResult) -> None:
+        """Append ``result``'s line, on disk when this returns."""
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(result.to_dict(), sort_keys=True) + "\n")
             handle.flush()
+            os.fsync(handle.fileno())
 
     def restore(self, completed: int, record: Mapping[str, Any] | None) -> bool:
         """Append ``record`` (the checkpoint's record of round ``completed``) when ``metrics.jsonl`` stops before that
-        round (a stop between the checkpoint and the record), dropping a last line cut short; whether it did."""
-        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else []
+        round (a stop between the checkpoint and the record); whether it did. A last line cut short by a stop is
+        dropped, and a last line without its newline ended, either way, so that the next line appended starts a line
+        of its own."""
+        text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+        lines = text.splitlines()
+        cut = False
         if lines:
             try:
                 json.loads(lines[-1])
             except json.JSONDecodeError:
                 lines.pop()  # cut short by the stop
+                cut = True
         try:
             recorded = [json.loads(line).get("round") for line in lines]
         except (json.JSONDecodeError, AttributeError):
             return False  # damaged before its end: read_metrics says where
-        if record is None or record.get("round") != completed or completed in recorded:
-            return False
-        lines.append(json.dumps(dict(record), sort_keys=True))
-        write_atomic(self.path, ("\n".join(lines) + "\n").encode())
-        return True
+        missing = record is not None and record.get("round") == completed and completed not in recorded
+        if missing:
+            lines.append(json.dumps(dict(record), sort_keys=True))
+        if missing or cut or (text and not text.endswith("\n")):
+            write_atomic(self.path, "".join(line + "\n" for line in lines).encode())
+        return missing
 
 
 def read_metrics(path: str | Path) -> list[RoundResult]:

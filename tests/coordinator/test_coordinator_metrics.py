@@ -92,3 +92,24 @@ def test_the_rounds_written_are_read_back_as_they_were(tmp_path: Path) -> None:
     path.write_text('{"round": 1,\n' + json.dumps(result(2).to_dict()) + "\n")
     with pytest.raises(ValueError, match="line 1 is not a round's result"):
         read_metrics(path)
+
+
+def test_restore_appends_the_checkpoints_record_once_and_leaves_the_file_ready_for_the_next_line(tmp_path: Path) -> None:
+    """A stop between a round's checkpoint and its line: the record is appended, once. A stop that cut the last line
+    short drops it; one that left a whole last line without its newline ends it; either way the next line written
+    starts a line of its own."""
+    one, two, three = (RoundResult(n, n / 10, {}, 1, 1, 0, 0, 1.0) for n in (1, 2, 3))
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    writer.write(one)
+    assert writer.restore(2, two.to_dict()) is True
+    assert writer.restore(2, two.to_dict()) is False  # recorded already
+    assert [r.round for r in read_metrics(writer.path)] == [1, 2]
+    with writer.path.open("a") as handle:
+        handle.write('{"round": 3, "glob')  # cut short, its round recorded in no checkpoint
+    assert writer.restore(2, two.to_dict()) is False
+    writer.write(three)
+    assert [r.round for r in read_metrics(writer.path)] == [1, 2, 3]
+    writer.path.write_text(writer.path.read_text().rstrip("\n"))  # the whole line, without its newline
+    assert writer.restore(3, three.to_dict()) is False
+    writer.write(RoundResult(4, 0.4, {}, 1, 1, 0, 0, 1.0))
+    assert [r.round for r in read_metrics(writer.path)] == [1, 2, 3, 4]
