@@ -105,9 +105,10 @@ class Coordinator:
         self.checkpoint_path = self.state_dir / "checkpoint.safetensors"
         self.metrics = MetricsWriter(self.state_dir / "metrics.jsonl")
         self.states, self.completed_rounds = starting_states(self.checkpoint_path, config, self.strategy)
+        last_record = checkpoint_metadata(self.checkpoint_path).get("record") if self.completed_rounds else None
         if self.completed_rounds:
             self.log.info("resumed", round=self.completed_rounds, checkpoint=str(self.checkpoint_path))
-            if self.metrics.restore(self.completed_rounds, checkpoint_metadata(self.checkpoint_path).get("record")):
+            if self.metrics.restore(self.completed_rounds, last_record):
                 self.log.warning("round_record_restored", round=self.completed_rounds,
                                  reason="stopped after the round's checkpoint, before metrics.jsonl had its record")
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
@@ -130,6 +131,8 @@ class Coordinator:
             exporter = self.exporter
             self.intake.on_receipt = lambda verdict, size, current: exporter.update_received(
                 verdict, size, len(current.answers) if current is not None else None)
+            if last_record is not None:  # what the run resumes after, shown until its next round is done
+                exporter.round_done(RoundResult.from_dict(last_record), counted=False)
         self._evaluator = Evaluator.for_test_set(self.family, self.dataset, config.data.eval_samples, config.seed,
                                                  self.strategy.context.server_x)
         #: The round in progress (collecting or aggregating), None between rounds; guarded by _round_lock.

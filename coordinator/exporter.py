@@ -225,9 +225,12 @@ class CoordinatorMetrics:
             self.round_received.set(received)
         self.scrapes.changed()
 
-    def round_done(self, result: RoundResult) -> None:
-        """A round is done: its figures (``fedfit_last_round_*``, the accuracy) replace the last round's."""
-        self.rounds.inc()
+    def round_done(self, result: RoundResult, *, counted: bool = True) -> None:
+        """A round is done: its figures (``fedfit_last_round_*``, the accuracy) replace the last round's.
+        ``counted`` False: a round done before this process started (a resumed coordinator's last, shown until its
+        next round is done), not added to the counters."""
+        if counted:
+            self.rounds.inc()
         self.round.set(result.round)
         self.round_expected.set(0)
         self.round_received.set(0)
@@ -235,7 +238,8 @@ class CoordinatorMetrics:
         for task in result.tasks:
             counts[task.status.value] += 1
         for status, count in counts.items():
-            self.tasks.labels(status).inc(count)
+            if counted:
+                self.tasks.labels(status).inc(count)
             self.last_tasks.set(count, status)
         self.participants.set(result.participants)
         self.selected.set(result.selected)

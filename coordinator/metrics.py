@@ -193,7 +193,7 @@ class MetricsWriter:
         except (json.JSONDecodeError, AttributeError):
             return False  # damaged before its end: read_metrics says where
         missing = record is not None and record.get("round") == completed and completed not in recorded
-        if missing:
+        if record is not None and missing:
             lines.append(json.dumps(dict(record), sort_keys=True))
         if missing or cut or (text and not text.endswith("\n")):
             write_atomic(self.path, "".join(line + "\n" for line in lines).encode())

@@ -1041,8 +1041,9 @@ def test_a_stop_between_a_rounds_checkpoint_and_its_record_loses_no_figures(tmp_
         handle.write('{"round": 2, "glob')  # the stop came while the line was written
     restarted = Coordinator(config(tmp_path, resume=True), dataset=digits)
     assert [(r.round, r.global_accuracy) for r in read_metrics(restarted.metrics.path)] == [(1, 0.5), (2, 0.75)]
-    again = Coordinator(config(tmp_path, resume=True), dataset=digits)
+    again = Coordinator(config(tmp_path, resume=True, metrics_port=0), dataset=digits)
     assert [r.round for r in read_metrics(again.metrics.path)] == [1, 2]  # once
+    assert again.exporter is not None and again.exporter.accuracy.value() == 0.75  # shown until round 3 is done
 
 
 def test_updates_held_for_the_next_round_stay_within_the_window_and_a_run_ends_saying_what_it_left(

@@ -89,6 +89,17 @@ def test_a_round_as_the_metrics_tell_it() -> None:
                                 if name == "fedfit_last_round_phase_seconds"} == {"collecting"}
 
 
+def test_a_round_done_before_the_process_started_is_shown_not_counted() -> None:
+    """A resumed coordinator shows the round it resumes after (its accuracy, its last-round figures) without
+    counting it again: its counters start at 0, as a restarted process's counters do."""
+    metrics = CoordinatorMetrics("lab", "heterofl")
+    metrics.round_done(a_round(4, 0.93), counted=False)
+    seen = samples(metrics)
+    assert seen[("fedfit_round", ())] == 4 and seen[("fedfit_global_accuracy", ())] == 0.93
+    assert seen[("fedfit_last_round_tasks", (("status", "ok"),))] == 1
+    assert seen[("fedfit_rounds_total", ())] == 0 and seen[("fedfit_tasks_total", (("status", "ok"),))] == 0
+
+
 def test_served_over_http_on_loopback() -> None:
     metrics = CoordinatorMetrics("lab", "fedavg")
     port = metrics.serve("127.0.0.1", 0)
