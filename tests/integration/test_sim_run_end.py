@@ -72,6 +72,9 @@ def test_a_killed_sim_takes_its_broker_and_training_processes_with_it(
         deadline = time.monotonic() + 300
         while not list((run / "agents").rglob(PROGRESS_FILE)):  # a training child has begun its epochs
             assert time.monotonic() < deadline, "no training child started"
+            if sim.poll() is not None:  # (its training failed: the run went on to its end)
+                pytest.fail(f"the sim ended before a training child began (exit status {sim.returncode}): "
+                            f"{sim.stderr.read()[-3000:]}")
             time.sleep(0.1)
         processes = psutil.Process(sim.pid).children(recursive=True)
         # the agents' training children: forked by the training forkserver, a child of the sim
