@@ -228,10 +228,13 @@ def run_child(entry: ChildEntry, workdir: Path, timeout: float, on_start: Callab
         with _STATUS_LOCK:
             _ensure_running()
             process.start()
-    except (EOFError, OSError):  # the server died importing PRELOAD (a broken torch, say)
+    except (EOFError, ConnectionError):  # the server died importing PRELOAD (a broken torch, say)
         # (EOFError while it dies, ConnectionRefusedError once it is gone: which one is a matter of timing.)
         raise TorchUnavailable("the training forkserver could not start; it imports torch and the trainer, and "
                                "its error is on this process's stderr") from None
+    except OSError as exc:  # it was never started: its socket's path too long for AF_UNIX (a long TMPDIR), say
+        raise TorchUnavailable(f"the training forkserver could not be started: {exc} (its socket goes in a new "
+                               f"directory under {tempfile.gettempdir()})") from None
     if on_start is not None:
         on_start(process.pid)
     now = time.monotonic()

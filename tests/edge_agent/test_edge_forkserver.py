@@ -319,6 +319,27 @@ def test_a_forkserver_that_cannot_start_is_one_sentence(tmp_path):
     assert out.splitlines() == [said, f"device: auto could not ask torch whether CUDA is available: {said}"]
 
 
+def test_a_forkserver_that_cannot_be_started_says_why(tmp_path):
+    """Its socket goes in a new directory under TMPDIR: one too long for an AF_UNIX path (107 bytes) is named in
+    the one sentence, with the cause, not left to a stderr that says nothing."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    out = run_python(f"""
+        import os, tempfile
+        from pathlib import Path
+        os.environ["TMPDIR"] = {str(deep)!r}
+        tempfile.tempdir = None  # read TMPDIR again
+        from edge_agent import forkserver
+
+        if __name__ == "__main__":
+            try:
+                forkserver.run_child(forkserver.PROBE_CUDA, Path({str(tmp_path)!r}), 60)
+            except forkserver.TorchUnavailable as exc:
+                print(exc)
+    """)
+    assert out.startswith("the training forkserver could not be started: ") and str(deep) in out, out
+
+
 def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
     # Two training processes at once in a simulation share this process's forkserver; a child's exit status
     # read by two threads at once was lost (255) for one of them. Every child here succeeds and must say so.

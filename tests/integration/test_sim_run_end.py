@@ -6,9 +6,11 @@ run's directory, and ``fedfit status`` says it stopped."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,11 +53,20 @@ def test_a_run_that_ends_removes_its_secrets_and_says_it_ended(mosquitto_install
     assert said.startswith(f"the run in {run.resolve()} ended at ") and str(run.resolve() / "report.json") in said
 
 
+def training_began(run: Path) -> bool:
+    """Whether a training child of the run has begun its epochs (its progress file is in its task's directory)."""
+    try:
+        return bool(list((run / "agents").rglob(PROGRESS_FILE)))
+    except FileNotFoundError:  # a task's directory went while it was read
+        return False
+
+
 def test_a_killed_sim_takes_its_broker_and_training_processes_with_it(
         mosquitto_installed: None, tmp_path: Path, wait_ended: Callable[[int, float], bool],
-        capsys: pytest.CaptureFixture[str]) -> None:
-    temporary, run = tmp_path / "tmp", tmp_path / "run"
-    temporary.mkdir()
+        capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest) -> None:
+    # TMPDIR short: the forkserver's socket goes in a new directory under it, within AF_UNIX's 107 bytes
+    temporary, run = Path(tempfile.mkdtemp(prefix="fedfit-killed-")), tmp_path / "run"
+    request.addfinalizer(lambda: shutil.rmtree(temporary, ignore_errors=True))
     sim = subprocess.Popen(
         [sys.executable, "-m", "fedfit.cli", "sim", "--algorithm", "fedavg", "--agents", "2", "--rounds", "2",
          "--dataset", "digits", "--federation", "killed", "--run-dir", str(run),
@@ -70,7 +81,7 @@ def test_a_killed_sim_takes_its_broker_and_training_processes_with_it(
         else:
             pytest.fail(f"the sim ended before its first round (exit status {sim.wait()})")
         deadline = time.monotonic() + 300
-        while not list((run / "agents").rglob(PROGRESS_FILE)):  # a training child has begun its epochs
+        while not training_began(run):
             assert time.monotonic() < deadline, "no training child started"
             if sim.poll() is not None:  # (its training failed: the run went on to its end)
                 pytest.fail(f"the sim ended before a training child began (exit status {sim.returncode}): "
