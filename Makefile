@@ -18,8 +18,8 @@ demo: $(STAMP)
 # training processes, so more workers than cores still shorten the run. On 2 cores, 4 workers: 4:21 on a clean
 # clone at 6eab263 (6:30 with its setup, a niced simulation beside it); 6:16 at 14e0560 (8:44 with setup) with three
 # experiment comparisons training beside it, 2026-11-28; 5:15 at a0cd4ab in a working tree, nothing beside it;
-# 5:57 at 6efa5ce (2938 tests), nothing beside it, 2026-11-29; 4:31 at e025a55 (3053 tests), nothing beside it,
-# 2026-12-06.
+# 5:57 at 6efa5ce (2938 tests), nothing beside it, 2026-11-29; 4:31 at e025a55 (3053 tests) and 3:57 at 63c689e (3057),
+# nothing beside them, 2026-12-06.
 TEST_WORKERS ?= 4
 
 test: $(STAMP)
