@@ -25,7 +25,7 @@ from common.blas_threads import guard_blas_threads
 from common.data import Dataset, load_dataset
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
-from coordinator import reporting
+from coordinator import deployable, reporting
 from coordinator.checkpoint import checkpoint_metadata, save_checkpoint, starting_states
 from coordinator.config import CoordinatorConfig
 from coordinator.dispatch import Dispatcher
@@ -34,7 +34,7 @@ from coordinator.exporter import CoordinatorMetrics
 from coordinator.fleet import REGISTRY_SETTLE_S, FleetWatch, NoAgentsError
 from coordinator.intake import UpdateIntake, single_threaded_torch
 from coordinator.journal import RoundJournal
-from coordinator.metrics import MetricsWriter, Progress, RoundResult
+from coordinator.metrics import MetricsWriter, Progress, RoundResult, read_metrics
 from coordinator.planning import model_family, strategy_for
 from coordinator.registry import FleetRegistry
 from coordinator.round import DispatchedTask, Phase, Round
@@ -112,6 +112,13 @@ class Coordinator:
                 self.log.warning("round_record_restored", round=self.completed_rounds,
                                  reason="stopped after the round's checkpoint, before metrics.jsonl had its record")
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
+        #: What the run's rounds trained so far: the deployable model is the largest of it (`coordinator.deployable`).
+        self.trained_so_far = deployable.TrainedSoFar()
+        if self.completed_rounds:
+            try:
+                self.trained_so_far = deployable.TrainedSoFar.from_results(read_metrics(self.metrics.path))
+            except ValueError as exc:  # a damaged record: the deployable model is chosen from the rounds to come
+                self.log.warning("trained_so_far_unread", error=str(exc))
         #: Buffered rounds: the states each round's tasks were cut from, while tasks of that round still train
         #: (their updates are measured and rebased against them), and the tasks the next round carries.
         self._bases: dict[int, dict[str, State]] = {}
@@ -371,18 +378,20 @@ class Coordinator:
         self.strategy.observe(current.number, outcomes)
         targets = self.strategy.eval_targets()
         trained = reporting.trained(targets, self.family, list(current.aggregated()), self.strategy.trained_targets)
+        self.trained_so_far.add(*trained)
         phase = time.perf_counter()
-        accuracies = reporting.evaluate_targets(self._evaluator, targets, self.states)
+        accuracies = reporting.evaluate_targets(self._evaluator, targets, self.states, self.trained_so_far.members())
         current.timing["evaluation"] = time.perf_counter() - phase
+        deployed = deployable.deployed(targets, self.family, self.trained_so_far, accuracies)
         phase = time.perf_counter()
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self._round_done(current, reporting.round_result(current, records, dict(accuracies), trained, bytes_down,
-                                                         time.monotonic() - started))
+                                                         time.monotonic() - started, deployed))
         current.timing["checkpoint"] = time.perf_counter() - phase
         # Only now: aggregated is for good. Kept, for a device that sends its update again, killed before the ack.
         self.uploads.remember(reporting.send_verdicts(current, self.link, self.topics, self.log))
         result = reporting.round_result(current, records, accuracies, trained, bytes_down,
-                                        time.monotonic() - started)
+                                        time.monotonic() - started, deployed)
         self.metrics.write(result)
         if self.exporter is not None:
             self.exporter.round_done(result)
@@ -391,6 +400,7 @@ class Coordinator:
         heap.give_back_free_memory()  # the round's freed megabytes (updates queued, chunks) back to the system
         self._announce()
         self.log.info("round_done", round=current.number, global_accuracy=result.global_accuracy,
+                      deployed=result.deployed, deployed_accuracy=result.deployed_accuracy,
                       participants=result.participants, seconds=result.seconds)
         if self.on_round is not None:
             self.on_round(result)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -55,16 +55,20 @@ def recompute_bn_statistics(model: FamilyNet, x: torch.Tensor, batch_size: int =
 
 @torch.no_grad()
 def accuracies(model: FamilyNet, x: torch.Tensor, y: torch.Tensor, batch_size: int = EVAL_BATCH, *,
-               ensemble: bool = False) -> list[float]:
+               ensemble: bool = False, members: Sequence[int] = ()) -> list[float]:
     """Top-1 accuracy of every output of ``model`` (depth order, the last output last), in eval mode; with
-    ``ensemble``, then that of the mean of all outputs' logits (DepthFL's ensemble of its classifiers)."""
+    ``ensemble``, then that of the mean of the logits of the outputs ``members`` (0-based; none: all of them):
+    DepthFL's ensemble of its trained classifiers."""
     model.eval()
+    chosen = sorted(set(members)) or list(range(model.num_outputs))
+    if chosen[0] < 0 or chosen[-1] >= model.num_outputs:
+        raise ValueError(f"ensemble members {chosen} are not outputs of a model with {model.num_outputs}")
     correct = [0] * (model.num_outputs + ensemble)
     for start in range(0, len(x), batch_size):
         targets = y[start:start + batch_size]
         outputs = model.forward_exits(channels_last(x[start:start + batch_size]))
         if ensemble:
-            outputs = [*outputs, torch.stack(list(outputs)).mean(dim=0)]
+            outputs = [*outputs, torch.stack([outputs[index] for index in chosen]).mean(dim=0)]
         for index, logits in enumerate(outputs):
             correct[index] += int((logits.argmax(dim=1) == targets).sum())
     return [count / max(1, len(x)) for count in correct]
@@ -98,11 +102,12 @@ class Evaluator:
         recompute_bn_statistics(model, self.bn_x)
         return model
 
-    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec, *, ensemble: bool = False
-                 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-        """Accuracy of every output of the sub-model (the last output last; with ``ensemble``, then that of their
-        mean logits) and its BN statistics (to store back into the global state)."""
+    def evaluate(self, state: Mapping[str, torch.Tensor], spec: SubmodelSpec, *, ensemble: bool = False,
+                 members: Sequence[int] = ()) -> tuple[list[float], dict[str, torch.Tensor]]:
+        """Accuracy of every output of the sub-model (the last output last; with ``ensemble``, then that of the
+        mean logits of the outputs ``members``, none: all) and its BN statistics (to store back into the global
+        state)."""
         model = self.prepare(state, spec)
         bn_state = {key: value for key, value in model.state_dict().items() if "running_" in key
                     or key.endswith("num_batches_tracked")}
-        return accuracies(model, self.test_x, self.test_y, ensemble=ensemble), bn_state
+        return accuracies(model, self.test_x, self.test_y, ensemble=ensemble, members=members), bn_state

@@ -133,6 +133,15 @@ class RoundResult:
     #: Tasks of earlier rounds still training that this round held (buffered rounds): its updates may come from
     #: those too, so participants can exceed ``selected``.
     carried: int = 0
+    #: The model a user would deploy (``coordinator.deployable``): ``global``, a level's name or an ensemble's,
+    #: and its accuracy (None in records written before it was kept: the global model's then).
+    deployed: str = "global"
+    deployed_accuracy: float | None = None
+
+    @property
+    def headline(self) -> float:
+        """The accuracy of the model a user would deploy: the round's headline."""
+        return self.global_accuracy if self.deployed_accuracy is None else self.deployed_accuracy
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

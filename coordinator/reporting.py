@@ -81,17 +81,19 @@ def trained(targets: Mapping[str, EvalTarget], family: ModelFamily, aggregated: 
     return levels, exits
 
 
-def evaluate_targets(evaluator: Evaluator, targets: Mapping[str, EvalTarget],
-                     states: dict[str, State]) -> dict[str, list[float]]:
-    """Accuracy of every output of each evaluation target (a model shared by several targets is evaluated once);
-    the BN statistics of ``store_bn`` targets are written into their group's state in ``states``."""
+def evaluate_targets(evaluator: Evaluator, targets: Mapping[str, EvalTarget], states: dict[str, State],
+                     members: Sequence[int] = ()) -> dict[str, list[float]]:
+    """Accuracy of every output of each evaluation target (a model shared by several targets is evaluated once;
+    an ensemble's over the outputs ``members``, 0-based, none: all); the BN statistics of ``store_bn`` targets are
+    written into their group's state in ``states``."""
     results: dict[str, list[float]] = {}
     done: dict[tuple[str, SubmodelSpec], tuple[list[float], dict[str, torch.Tensor]]] = {}
     ensembles = {(target.group, target.spec) for target in targets.values() if target.ensemble}
     for name, target in targets.items():
         key = (target.group, target.spec)
         if key not in done:  # with the ensemble's accuracy last when some target of this model asks for it
-            done[key] = evaluator.evaluate(states[target.group], target.spec, ensemble=key in ensembles)
+            done[key] = evaluator.evaluate(states[target.group], target.spec, ensemble=key in ensembles,
+                                           members=members if key in ensembles else ())
         accuracies, bn_state = done[key]
         if target.store_bn:
             store_bn(states[target.group], bn_state)
@@ -115,9 +117,11 @@ def store_bn(state: State, bn_state: Mapping[str, torch.Tensor]) -> None:
 
 
 def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: dict[str, list[float]],
-                 trained_outputs: tuple[list[str], list[int]], bytes_down: int, seconds: float) -> RoundResult:
-    """The round as `metrics.jsonl` keeps it: accuracies (the global model's outputs, each level's last), who
-    took part, traffic, what was trained and where the time went."""
+                 trained_outputs: tuple[list[str], list[int]], bytes_down: int, seconds: float,
+                 deployed: tuple[str, float] | None = None) -> RoundResult:
+    """The round as `metrics.jsonl` keeps it: accuracies (the global model's outputs, each level's last, the
+    ``deployed`` model's: `coordinator.deployable`), who took part, traffic, what was trained and where the time
+    went."""
     global_outputs = accuracies.pop("global")
     levels, exits = trained_outputs
     return RoundResult(
@@ -136,4 +140,6 @@ def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: 
         trained_exits=[f"exit{i}" for i in exits] if len(global_outputs) > 1 else [],
         timing=round_timing(current.timing, current.device_times()),
         carried=sum(1 for task in current.tasks.values() if task.round != current.number),
+        deployed=deployed[0] if deployed is not None else "global",
+        deployed_accuracy=deployed[1] if deployed is not None else None,
     )

@@ -20,7 +20,7 @@ from fedfit.experiment import BASELINES
 from fedfit.sim.budgets import fraction_name
 from fedfit.sim.plots import plot_comparison, plot_seed_comparison
 from fedfit.sim.progress import duration_text
-from fedfit.sim.report import level_average
+from fedfit.sim.report import level_average, model_note
 from fedfit.sim.seeds import SEED_COLUMNS, late_change, seed_cells, seed_notes, seed_row
 
 #: What each method's paper compares it with (the baselines FedFit runs are named as ``fedfit compare`` takes them).
@@ -108,6 +108,7 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({
             "method": method_name(report),
             "global": summary.get("final_global_accuracy"),
+            "model": summary.get("deployed", "global"),
             "best_global": summary.get("best_global_accuracy"),
             "level_average": level_average(final) if report["rounds"] else None,
             "levels": dict(sorted(final["level_accuracy"].items())),
@@ -189,7 +190,8 @@ _COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end"
 
 def _cells(row: dict[str, Any]) -> list[str]:
     wall = row["wall_seconds"]
-    return [row["method"], _accuracy(row["global"]), _accuracy(row["best_global"]), _accuracy(row["level_average"]),
+    return [row["method"], _accuracy(row["global"]) + model_note([row.get("model", "global")]),
+            _accuracy(row["best_global"]), _accuracy(row["level_average"]),
             _outputs(row), _served(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
             str(row["over_budget"]), _waste(row), _pruned(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-",
             "-" if row.get("late_change") is None else f"{row['late_change'] * 100:+.1f}"]
@@ -398,6 +400,10 @@ def comparison_of(reports: Sequence[dict[str, Any]], experiment: dict[str, str] 
                       for name, group in groups.items()]
     else:
         differences = fleet_differences(reports)
+    # Ranked by the headline: the final accuracy of the model each method would deploy (its mean over seeds).
+    rows = sorted(rows, key=lambda row: -(row["global"] if row["global"] is not None else -1.0))
+    if seed_table:
+        seed_table = sorted(seed_table, key=lambda row: -(row["global"]["mean"] if row["global"] else -1.0))
     remarks = [remark for remark in (not_averaged, fleet_memory(reports)) if remark]
     quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
     return Comparison(_heading(reports), quoted, differences, rows, seed_table, remarks)

@@ -81,7 +81,8 @@ class ProgressPrinter:
                           for name, acc in sorted(result.level_accuracy.items()))
         exits = " ".join(f"{name}={acc:.3f}" + ("" if name in result.trained_exits else "*")
                          for name, acc in result.exit_accuracy.items())
-        text = (f"{self.label}round {result.round}/{self.rounds}: global {result.global_accuracy:.4f} [{levels}] "
+        model = "" if result.deployed == "global" else f" ({result.deployed})"
+        text = (f"{self.label}round {result.round}/{self.rounds}: global {result.headline:.4f}{model} [{levels}] "
                 + (f"exits [{exits}] " if exits else "")
                 + f"agents {agents_cell(vars(result))} {result.seconds:.1f}s")
         eta = self.eta(now)

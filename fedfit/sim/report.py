@@ -7,7 +7,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,11 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **communication(tasks),
         "round": r.round,
-        "global_accuracy": r.global_accuracy,
+        # The headline: the model a user would deploy (coordinator.deployable), named; the global model's last
+        # output beside it (the same figure when the deployed model is the global one).
+        "global_accuracy": r.headline,
+        "deployed": r.deployed,
+        "global_model_accuracy": r.global_accuracy,
         "level_accuracy": r.level_accuracy,
         "exit_accuracy": r.exit_accuracy,
         "trained_levels": list(r.trained_levels),
@@ -73,6 +77,12 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "seconds": r.seconds,
         "timing": dict(r.timing),
     }
+
+
+def model_note(models: Sequence[str]) -> str:
+    """`` (b)``: the deployed model a headline is of, when it is not the global model (`coordinator.deployable`)."""
+    named = sorted(set(models))
+    return "" if named in ([], ["global"]) else f" ({'/'.join(named)})"
 
 
 def agents_cell(entry: Mapping[str, Any]) -> str:
@@ -106,6 +116,7 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
     return {
         "rounds": len(rounds),
         "final_global_accuracy": final["global_accuracy"],
+        "deployed": final.get("deployed", "global"),
         "best_global_accuracy": best["global_accuracy"],
         "best_round": best["round"],
         "final_level_average": level_average(final),
@@ -240,11 +251,13 @@ def read_report(path: str | Path) -> dict[str, Any]:
 
 
 def format_table(rounds: list[dict[str, Any]]) -> str:
-    """A plain-text table: accuracy overall, per level and per exit (``*``: no device trained that level or exit
+    """A plain-text table: the deployed model's accuracy (``global``, the model a user would deploy, named in
+    ``model`` when it is not the global model), per level and per exit (``*``: no device trained that level or exit
     this round, its figure is of the slice others trained), traffic and time per round."""
     levels = sorted({name for r in rounds for name in r["level_accuracy"]})
     exits = sorted({name for r in rounds for name in r["exit_accuracy"]}, key=lambda name: (len(name), name))
-    header = (["round", "global"] + [f"lvl {name}" for name in levels] + list(exits)
+    named = any(r.get("deployed", "global") != "global" for r in rounds)
+    header = (["round", "global"] + (["model"] if named else []) + [f"lvl {name}" for name in levels] + list(exits)
               + ["agents", "waste", "MB down", "MB up", "seconds"])
     rows = [header]
     marked = False
@@ -258,7 +271,7 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
         return f"{values[name]:.4f}" + ("*" if untrained else " ")
 
     for r in rounds:
-        rows.append([str(r["round"]), f"{r['global_accuracy']:.4f}"]
+        rows.append([str(r["round"]), f"{r['global_accuracy']:.4f}"] + ([r.get("deployed", "global")] if named else [])
                     + [cell(r["level_accuracy"], r.get("trained_levels", list(r["level_accuracy"])), name)
                        for name in levels]
                     + [cell(r["exit_accuracy"], r.get("trained_exits", list(r["exit_accuracy"])), name)
@@ -269,6 +282,9 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    if named:
+        lines.append("global: the accuracy of the model a user would deploy, the one named under model (the largest "
+                     "level some device trained, or the ensemble of the trained classifiers)")
     if marked:
         lines.append("* no device trained this level (or exit) itself this round: its figure is the slice of the "
                      "global model that others trained")

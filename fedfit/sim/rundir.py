@@ -131,7 +131,10 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"{run['version']}, started {run.get('started_at', '?')}, ended {run.get('ended_at', '?')}")
     lines += ["", format_table(report["rounds"]), ""]
     if summary.get("rounds"):
-        lines.append(f"global accuracy: final {summary['final_global_accuracy']:.4f}, best "
+        deployed = summary.get("deployed", "global")
+        lines.append(f"global accuracy (the model a user would deploy: "
+                     f"{'the global model' if deployed == 'global' else deployed}): "
+                     f"final {summary['final_global_accuracy']:.4f}, best "
                      f"{summary['best_global_accuracy']:.4f} (round {summary['best_round']}); mean over levels at the "
                      f"end {summary['final_level_average']:.4f}")
         tasks = summary["tasks"]

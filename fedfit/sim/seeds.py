@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fedfit.sim.report import level_average
+from fedfit.sim.report import level_average, model_note
 
 
 def mean_spread(values: Sequence[float]) -> tuple[float, float | None]:
@@ -78,6 +78,7 @@ def seed_row(name: str, reports: Sequence[dict[str, Any]], rows: Sequence[dict[s
         "seeds": [report.get("settings", {}).get("seed") for report in reports],
         "rounds": max((len(report["rounds"]) for report in reports), default=0),
         "global": _stat([row["global"] for row in rows]),
+        "models": sorted({row.get("model", "global") for row in rows}),
         "best_global": _stat([row["best_global"] for row in rows]),
         "level_average": _stat([row["level_average"] for row in rows]),
         "outputs": {output: mean_spread(values)[0] for output, values in outputs.items()},
@@ -109,7 +110,8 @@ def seed_cells(row: dict[str, Any]) -> list[str]:
     outputs = " ".join(f"{name} {value:.3f}" + ("*" if name in marked else "")
                        for name, value in row["outputs"].items()) or "-"
     served = f"{row['served'][0]}/{row['served'][1]}" if row["served"] else "-"
-    return [row["method"], str(len(row["seeds"])), stat_text(row["global"]), stat_text(row["best_global"]),
+    return [row["method"], str(len(row["seeds"])), stat_text(row["global"]) + model_note(row.get("models", [])),
+            stat_text(row["best_global"]),
             stat_text(row["level_average"]), stat_text(row["late_change"], 1, 100.0, sign=True), outputs, served,
             str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
             str(row["over_budget"]), f"{row['mb_per_round']:.2f}"]

@@ -376,6 +376,11 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
     assert result.trained_levels == trained
     assert "exit1" in result.trained_exits  # every level holds the first exit
     assert (f"exit{outputs}" in result.trained_exits) is ("3" in trained)  # the final head: the top level's
+    # The headline: the largest level trained (the global model when that is the top level), never an untrained head.
+    largest = max(trained, key=lambda name: coordinator.family.param_count(level_spec(coordinator, name)))
+    assert result.deployed == ("global" if largest == "3" else largest)
+    assert result.headline == (result.global_accuracy if largest == "3" else result.level_accuracy[largest])
+    assert coordinator.trained_so_far.levels == set(trained)
     # After screening, each device whose update was stored hears the verdict (a failed task is not aggregated).
     verdicts = [decode(payload, expected=Ack) for topic, payload in published if topic.endswith("/ack")]
     assert sorted((ack.agent_id, ack.verdict, ack.reason) for ack in verdicts) == [
@@ -1033,7 +1038,7 @@ def test_a_stop_between_a_rounds_checkpoint_and_its_record_loses_no_figures(tmp_
     from coordinator.metrics import read_metrics
 
     first = Coordinator(config(tmp_path), dataset=digits)
-    earlier = RoundResult(1, 0.5, {"a": 0.5}, 2, 2, 10, 10, 1.0)
+    earlier = RoundResult(1, 0.5, {"a": 0.5}, 2, 2, 10, 10, 1.0, trained_levels=["b"])
     first.metrics.write(earlier)
     first.completed_rounds = 2
     first._checkpoint(RoundResult(2, 0.75, {"a": 0.75}, 2, 2, 10, 10, 1.5))
@@ -1041,6 +1046,7 @@ def test_a_stop_between_a_rounds_checkpoint_and_its_record_loses_no_figures(tmp_
         handle.write('{"round": 2, "glob')  # the stop came while the line was written
     restarted = Coordinator(config(tmp_path, resume=True), dataset=digits)
     assert [(r.round, r.global_accuracy) for r in read_metrics(restarted.metrics.path)] == [(1, 0.5), (2, 0.75)]
+    assert restarted.trained_so_far.levels == {"b"}  # what the rounds trained, for the deployable model
     again = Coordinator(config(tmp_path, resume=True, metrics_port=0), dataset=digits)
     assert [r.round for r in read_metrics(again.metrics.path)] == [1, 2]  # once
     assert again.exporter is not None and again.exporter.accuracy.value() == 0.75  # shown until round 3 is done

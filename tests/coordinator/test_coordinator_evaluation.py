@@ -122,6 +122,25 @@ def test_accuracies_of_a_family_net_follow_its_outputs():
     assert accuracies(model, x, y, batch_size=7) == pytest.approx(expected)
 
 
+def test_an_ensemble_averages_the_logits_of_its_members_only():
+    """DepthFL's ensemble of its trained classifiers: the mean of those outputs' logits; none named: all of them."""
+    torch.manual_seed(5)
+    model = get_family("cnn", 10, 1, hidden=(4, 8, 8)).build(SubmodelSpec(exits=(0, 1))).eval()
+    x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 10, (40,))
+    with torch.no_grad():
+        outputs = model.forward_exits(x)
+
+    def ensemble_of(chosen: list[int]) -> float:
+        mean = torch.stack([outputs[index] for index in chosen]).mean(dim=0)
+        return float((mean.argmax(1) == y).float().mean())
+
+    assert accuracies(model, x, y, ensemble=True)[-1] == pytest.approx(ensemble_of([0, 1, 2]))
+    assert accuracies(model, x, y, ensemble=True, members=[0, 1])[-1] == pytest.approx(ensemble_of([0, 1]))
+    assert accuracies(model, x, y, ensemble=True, members=[2])[-1] == pytest.approx(ensemble_of([2]))
+    with pytest.raises(ValueError, match="not outputs"):
+        accuracies(model, x, y, ensemble=True, members=[3])
+
+
 @pytest.mark.parametrize("rate", [1.0, 0.5])
 def test_evaluator_returns_accuracy_and_bn_statistics(family, rate):
     torch.manual_seed(1)

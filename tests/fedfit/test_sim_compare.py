@@ -97,7 +97,7 @@ def test_the_comparison_files(tmp_path: Path) -> None:
     assert any(line.startswith("fedavg x1/6") for line in lines)
     assert "fedepth: its paper compares with fedavg x1/6" in text
     data = json.loads(paths["json"].read_text())
-    assert [row["method"] for row in data["rows"]] == ["heterofl", "fedepth", "fedavg x1/6"]
+    assert [row["method"] for row in data["rows"]] == ["fedepth", "heterofl", "fedavg x1/6"]  # ranked
     page = paths["html"].read_text()
     assert page.startswith("<!DOCTYPE html>") and "<td>fedepth</td>" in page
     embedded = page.split('src="data:image/png;base64,')[1].split('"')[0]
@@ -162,7 +162,7 @@ def test_methods_over_seeds_lead_with_their_mean_and_spread(tmp_path: Path) -> N
     data = json.loads(paths["json"].read_text())
     assert data["claim"] == "fedepth above heterofl" and data["differences"] == []
     rows = {row["method"]: row for row in data["over_seeds"]}
-    assert list(rows) == ["heterofl", "fedepth"] and rows["fedepth"]["seeds"] == [0, 1, 2]
+    assert list(rows) == ["fedepth", "heterofl"] and rows["fedepth"]["seeds"] == [0, 1, 2]  # ranked by the mean
     assert rows["fedepth"]["global"]["mean"] == pytest.approx(0.7)
     assert rows["fedepth"]["global"]["spread"] == pytest.approx(statistics.stdev([0.7, 0.8, 0.6]))
     assert rows["fedepth"]["outputs"] == {"a": pytest.approx(0.7)}
@@ -215,3 +215,17 @@ def test_the_baselines_by_name_and_the_fleets_memory_against_all_large(tmp_path:
             "(4.0 MiB, its estimate with the same margin)") in text
     assert "all-large: the upper bound" in text and "all-small (fedavg x1/6): the lower bound" in text
     assert "all-large: its paper" not in text
+
+
+def test_the_headline_is_the_deployed_model_named_and_ranked(tmp_path: Path) -> None:
+    """A run whose global model's head no device trained reports the largest level some device trained (its
+    accuracy, its name), and the comparison ranks methods by that, not by the untrained head."""
+    untrained_head = run("scalefl", 0.1)
+    for entry in untrained_head["rounds"]:
+        entry.update(global_accuracy=0.8, deployed="3", global_model_accuracy=0.1)
+    untrained_head["summary"].update(final_global_accuracy=0.8, deployed="3")
+    rows = comparison_rows([run("heterofl", 0.5), untrained_head])
+    text = write_comparison([run("heterofl", 0.5), untrained_head], tmp_path)["txt"].read_text()
+    scalefl = next(line for line in text.splitlines() if line.startswith("scalefl"))
+    assert rows[1]["model"] == "3" and "0.8000 (3)" in scalefl
+    assert json.loads((tmp_path / "comparison.json").read_text())["rows"][0]["method"] == "scalefl"

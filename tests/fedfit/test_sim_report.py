@@ -45,7 +45,8 @@ def test_report_has_the_documented_shape(tmp_path: Path) -> None:
     assert list(report) == ["algorithm", "broker", "run", "summary", "rounds", "tasks", "agents", "tiers", "settings"]
     assert report["broker"] == {"kind": "mosquitto", "version": "2.0.11", "secured": True}
     assert report["run"] == run
-    assert report["rounds"][0] == {"round": 1, "global_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
+    assert report["rounds"][0] == {"round": 1, "global_accuracy": 0.8125, "deployed": "global",
+                                   "global_model_accuracy": 0.8125, "level_accuracy": {"a": 0.8125, "b": 0.75},
                                    "exit_accuracy": {}, "trained_levels": ["a"], "trained_exits": [],
                                    "participants": 2, "selected": 3, "bytes_down": 2_000_000, "bytes_up": 1_500_000,
                                    "seconds": 4.25, "waste": pytest.approx(1 / 3), "shrunk": 0.5,

@@ -75,7 +75,8 @@ def test_metrics_rows_and_summary() -> None:
     assert rows[1]["global_accuracy"] == pytest.approx(0.7) and rows[1]["level_b"] == 0.4
     text = summary_text(report())
     assert text.startswith("scalefl | 2 agents | digits")
-    assert "global accuracy: final 0.7000, best 0.7000 (round 2)" in text
+    assert ("global accuracy (the model a user would deploy: the global model): final 0.7000, best 0.7000 (round 2)"
+            in text)
     assert "tasks: 2 ok, 2 declined; 0 peaked over their budget" in text
     assert "traffic: 6.0 MB down, 2.0 MB up (4.00 MB a round)" in text
     assert "time: 2.0 s a round, 1 min 15 s in all" in text

@@ -1,0 +1,52 @@
+"""coordinator.deployable: the model a user would deploy is the headline, never an output no device trained."""
+
+from __future__ import annotations
+
+from coordinator.deployable import GLOBAL, TrainedSoFar, deployed
+from coordinator.metrics import RoundResult
+from coordinator.strategies.base import EvalTarget
+from models import SubmodelSpec, get_family
+
+FAMILY = get_family("cnn", 10, 1, hidden=(4, 8, 8))
+WIDTHS = {"a": 1.0, "b": 0.5, "c": 0.25}
+
+
+def width_targets() -> dict[str, EvalTarget]:
+    """HeteroFL's: the global model (the full width) and its levels a (the same model), b and c."""
+    return {GLOBAL: EvalTarget(GLOBAL, SubmodelSpec.full(), store_bn=True),
+            **{name: EvalTarget(GLOBAL, SubmodelSpec.uniform(width)) for name, width in WIDTHS.items()}}
+
+
+ACCURACIES = {GLOBAL: [0.10], "a": [0.10], "b": [0.80], "c": [0.70]}
+
+
+def test_the_largest_level_some_device_trained_is_deployed() -> None:
+    targets = width_targets()
+    assert deployed(targets, FAMILY, TrainedSoFar({"b", "c"}), ACCURACIES) == ("b", 0.80)
+    assert deployed(targets, FAMILY, TrainedSoFar({"c"}), ACCURACIES) == ("c", 0.70)
+
+
+def test_the_global_model_when_its_own_level_is_trained_or_nothing_is() -> None:
+    targets = width_targets()
+    assert deployed(targets, FAMILY, TrainedSoFar({"a", "c"}), ACCURACIES) == (GLOBAL, 0.10)
+    assert deployed(targets, FAMILY, TrainedSoFar(), ACCURACIES) == (GLOBAL, 0.10)
+    alone = {GLOBAL: EvalTarget(GLOBAL, SubmodelSpec.full(), store_bn=True)}  # FeDepth, FedRolex: no levels
+    assert deployed(alone, FAMILY, TrainedSoFar({"x"}), {GLOBAL: [0.6]}) == (GLOBAL, 0.6)
+
+
+def test_an_ensemble_is_deployed_where_the_method_has_one() -> None:
+    targets = {GLOBAL: EvalTarget(GLOBAL, SubmodelSpec(exits=(0, 1)), store_bn=True),
+               "1": EvalTarget(GLOBAL, SubmodelSpec(depth=1, exits=(0,))),
+               "ensemble": EvalTarget(GLOBAL, SubmodelSpec(exits=(0, 1)), ensemble=True)}
+    accuracies = {GLOBAL: [0.5, 0.6, 0.1], "1": [0.5], "ensemble": [0.65]}
+    assert deployed(targets, FAMILY, TrainedSoFar({"1"}, {1, 2}), accuracies) == ("ensemble", 0.65)
+
+
+def test_what_was_trained_so_far_is_read_back_from_the_records() -> None:
+    def record(number: int, levels: list[str], exits: list[str]) -> RoundResult:
+        return RoundResult(number, 0.1, {}, 1, 1, 0, 0, 1.0, trained_levels=levels, trained_exits=exits)
+
+    trained = TrainedSoFar.from_results([record(1, ["c"], ["exit1"]), record(2, ["b"], ["exit3", "exit1"])])
+    assert trained == TrainedSoFar({"b", "c"}, {1, 3}) and trained.members() == [0, 2]
+    trained.add(["a"], [2])
+    assert trained.levels == {"a", "b", "c"} and trained.members() == [0, 1, 2]
