@@ -35,7 +35,7 @@ from coordinator.fleet import REGISTRY_SETTLE_S, FleetWatch, NoAgentsError
 from coordinator.intake import UpdateIntake, single_threaded_torch
 from coordinator.journal import RoundJournal
 from coordinator.metrics import MetricsWriter, Progress, RoundResult, read_metrics
-from coordinator.planning import model_family, strategy_for
+from coordinator.planning import model_family, model_options, strategy_for
 from coordinator.registry import FleetRegistry
 from coordinator.round import DispatchedTask, Phase, Round
 from coordinator.serving import ServiceLog
@@ -81,7 +81,7 @@ class Coordinator:
         self.dataset = dataset if dataset is not None else load_dataset(config.data.dataset, config.data.root)
         self.family: ModelFamily = model_family(config, self.dataset)
         self.model_ref = ModelRef(config.model.family, self.dataset.num_classes, self.dataset.in_channels,
-                                  dict(config.model.options))
+                                  model_options(config))
         self.strategy = strategy_for(config, self.dataset, self.family)
         self.registry = FleetRegistry()
         self.fleet = FleetWatch(config, self.registry, self.dataset, self.strategy, self.log)

@@ -70,11 +70,12 @@ def scenario_budgets(config: Any, dataset: Any, scenario: str, device: str = "cp
 def _anchored_budgets(config: Any, dataset: Any, scenario: str,
                       device: str) -> tuple[Any, Any, list[tuple[str, int]]]:
     """The model family, the scenario's budget anchor, and :func:`scenario_budgets`."""
+    from coordinator.planning import model_options
     from coordinator.strategies.base import base_plan
     from fedfit.sim.budgets import BudgetAnchor, dependable_bytes, scenario_tiers, scenario_variance
     from models import get_family
 
-    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **config.model.options)
+    family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **model_options(config))
     anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size, device=device)
     variance = scenario_variance(scenario)
     return family, anchor, [(tier.name, dependable_bytes(anchor, tier, variance)) for tier in scenario_tiers(scenario)]
@@ -85,7 +86,7 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
     """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
     and what each method would hand it (FedAvg at the widest width the scenario's weakest devices can train,
     unless ``fedavg.width`` is set, as ``fedfit compare`` runs it)."""
-    from coordinator.planning import strategy_for
+    from coordinator.planning import model_options, strategy_for
     from coordinator.strategies import ALGORITHM_NAMES
     from fedfit.sim.budgets import width_for_all
 
@@ -96,7 +97,9 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
         if name == "fedavg" and not fedavg_width_set:
             width = width_for_all(scenario, anchor, config.levels)
             method = replace(method, fedavg=replace(config.fedavg, width=width))
-        strategies[name] = strategy_for(method, dataset, family)
+        # (a method whose paper sets other model options, DepthFL's heads, gets the family they make)
+        strategies[name] = strategy_for(method, dataset,
+                                        family if model_options(method) == model_options(config) else None)
         strategies[name].fit_to_fleet([budget for _, budget in budgets])
     return [{"tier": name, "budget_bytes": budget,
              "methods": {method: strategy.plan_for_budget(budget) for method, strategy in strategies.items()}}

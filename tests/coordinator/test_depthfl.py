@@ -161,3 +161,15 @@ def test_depths_may_be_set_and_too_many_classifiers_are_refused_at_set_up(make_c
         make_strategy("depthfl", make_context(short, family=vgg16))
     with pytest.raises(ValueError, match="depthfl.depths must be increasing"):
         CoordinatorConfig(depthfl=DepthFLConfig(depths=[4, 2])).validate()
+
+
+def test_its_classifiers_are_heads_without_convolutions_unless_the_model_options_say_otherwise() -> None:
+    """DepthFL's default heads are the cheapest that keep its mutual distillation (exit_convs 0): with three
+    convolutions each, the strongest fair tier (the plain model's memory) trained its first level only."""
+    from coordinator.planning import model_options
+
+    assert model_options(CoordinatorConfig(algorithm="depthfl", model=ModelConfig(family="preresnet20"))) == {
+        "exit_convs": 0}
+    chosen = CoordinatorConfig(algorithm="depthfl", model=ModelConfig(family="preresnet20", options={"exit_convs": 2}))
+    assert model_options(chosen) == {"exit_convs": 2}
+    assert model_options(CoordinatorConfig(algorithm="scalefl", model=ModelConfig(family="preresnet20"))) == {}
