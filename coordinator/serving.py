@@ -91,17 +91,36 @@ def unserved_text(service: TierService) -> str:
     return text
 
 
-def service_lines(method: str, services: Sequence[TierService], largest: str | None = None) -> list[str]:
+def largest_unserved(method: str, services: Sequence[TierService], largest: str | None,
+                     needs: int | None = None) -> str | None:
+    """The line saying that no tier trains the method's ``largest`` model (which ``needs`` bytes to train), with
+    what the strongest tier has; None when some tier trains it (or the method has none)."""
+    if largest is None or not services or any(s.answer.get("trains") == largest for s in services):
+        return None
+    strongest = max(services, key=lambda s: s.budget)
+    figures = (f", which needs {bytes_text(needs)} to train; the strongest tier, {strongest.tier}, has "
+               f"{bytes_text(strongest.budget)}" if needs is not None else "")
+    return f"{method}: no tier trains its largest model ({largest}{figures}): the parts only it holds learn from no device"
+
+
+def largest_needs(strategy: Strategy) -> int | None:
+    """The training memory of the largest model ``strategy`` hands out (what an unbounded budget is handed)."""
+    needs = strategy.plan_for_budget(1 << 62).get("train_bytes")
+    return int(needs) if needs is not None else None
+
+
+def service_lines(method: str, services: Sequence[TierService], largest: str | None = None,
+                  needs: int | None = None) -> list[str]:
     """The start-of-run statement: one line per tier, then one per tier that trains nothing, and one where no tier
-    trains the method's ``largest`` model (whose deepest parts then learn from no device)."""
+    trains the method's ``largest`` model (whose deepest parts then learn from no device; ``needs``: its training
+    memory)."""
     served = sum(s.devices for s in services if s.served)
     total = sum(s.devices for s in services)
     lines = [f"{method} serves {served} of {total} devices: "
              + "; ".join(f"{s.tier} ({bytes_text(s.budget)}) -> {answer_text(s.answer)}" for s in services)]
     lines += [f"{method}: {unserved_text(s)}" for s in services if not s.served]
-    if largest is not None and services and not any(s.answer.get("trains") == largest for s in services):
-        lines.append(f"{method}: no tier trains its largest model ({largest}): the parts only it holds learn from "
-                     "no device")
+    if (line := largest_unserved(method, services, largest, needs)) is not None:
+        lines.append(line)
     return lines
 
 

@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from coordinator.serving import TierService, answer_text, bytes_text, unserved_text
+from coordinator.serving import (
+    TierService,
+    answer_text,
+    bytes_text,
+    largest_needs,
+    largest_unserved,
+    unserved_text,
+)
 
 _FIRST = ("name", "tier", "budget_bytes", "trains", "segments", "spec", "params", "macs", "train_bytes")
 
@@ -85,7 +92,8 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
               device: str = "cpu") -> list[dict[str, Any]]:
     """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
     and what each method would hand it (FedAvg at the widest width the scenario's weakest devices can train,
-    unless ``fedavg.width`` is set, as ``fedfit compare`` runs it)."""
+    unless ``fedavg.width`` is set, as ``fedfit compare`` runs it); ``largest``: each method's largest model and
+    its training memory (the same in every row)."""
     from coordinator.planning import model_options, strategy_for
     from coordinator.strategies import ALGORITHM_NAMES
     from fedfit.sim.budgets import width_for_all
@@ -101,8 +109,11 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
         strategies[name] = strategy_for(method, dataset,
                                         family if model_options(method) == model_options(config) else None)
         strategies[name].fit_to_fleet([budget for _, budget in budgets])
+    largest = {method: {"name": strategy.largest(), "train_bytes": largest_needs(strategy)}
+               for method, strategy in strategies.items()}
     return [{"tier": name, "budget_bytes": budget,
-             "methods": {method: strategy.plan_for_budget(budget) for method, strategy in strategies.items()}}
+             "methods": {method: strategy.plan_for_budget(budget) for method, strategy in strategies.items()},
+             "largest": largest}
             for name, budget in budgets]
 
 
@@ -117,6 +128,10 @@ def format_tiers(rows: Sequence[dict[str, Any]]) -> str:
     unserved = [f"{name}: {unserved_text(TierService(row['tier'], row['budget_bytes'], 0, row['methods'][name]))}"
                 for name in methods for row in rows
                 if not TierService(row["tier"], row["budget_bytes"], 0, row["methods"][name]).served]
+    services = {name: [TierService(row["tier"], row["budget_bytes"], 0, row["methods"][name]) for row in rows]
+                for name in methods}
+    untrained = [line for name in methods if "largest" in rows[0] and (line := largest_unserved(
+        name, services[name], rows[0]["largest"][name]["name"], rows[0]["largest"][name]["train_bytes"]))]
     notes = ["", ("Each method's answer is what a device of that budget then trains: the agent's own check (its "
-                  "initial calibration margin included)."), *unserved]
+                  "initial calibration margin included)."), *unserved, *untrained]
     return "\n".join([_align(table, left=range(2, 2 + len(methods))), *notes])

@@ -58,6 +58,10 @@ def self_distillation_loss(outputs: int, *, beta: float, tau: float, distill: bo
     return tuple(terms)
 
 
+#: How many times ``ratios: auto`` sizes the levels again against the top level the last search settled on.
+SIZING_ROUNDS = 5
+
+
 class ScaleFL(LevelStrategy):
     """Width-and-depth split levels with early exits and self-distillation (see the module docstring)."""
 
@@ -91,9 +95,9 @@ class ScaleFL(LevelStrategy):
         return self.settings.fixed_ratios(), self.settings.tolerances()
 
     def fit_to_fleet(self, budgets: Sequence[int]) -> str | None:
-        """``ratios: auto``: one level per cluster of the devices' affordable shares of the full model's memory cost
-        (:func:`coordinator.levels.fleet_shares`), each searched just below its share (its tolerance is at most
-        a fifth of it, and the target lies that far below), so that every device of the cluster can train it."""
+        """``ratios: auto``: one level per cluster of the devices' affordable shares of the top level's memory cost
+        (:meth:`_fit_against`), so that every device of the cluster can train it; the top level is the one the
+        search settles on (see the comment below)."""
         if not self.by_fleet:
             return None
         if not budgets or all(budget >= self.cost(self.levels[0]) for budget in budgets):
@@ -102,10 +106,27 @@ class ScaleFL(LevelStrategy):
             self._levels = None
             return ("scalefl.ratios auto: " + ("no budgets reported" if not budgets else
                                                "every device can train the top level") + ", the fixed ratios")
-        # Shares of the costliest top level the search can make (the full model with an exit after every block it
-        # allows, trained with Eq. 5): the search's ratios are of the top level with its exits, so no level found
-        # for a share costs more than the share's devices can train.
+        # The search's ratios are of the top level as it trains (the full model with the exits the levels below
+        # give it, Eq. 5): the devices' shares are taken of that model. Its exits depend on the levels, and the
+        # levels on the shares, so it starts from the costliest top (an exit after every block it allows: no
+        # level found costs more than its devices can train) and sizes again against the top each search settles
+        # on, until they agree (shares of the costliest top understated them by about 40% on PreResNet-20).
         top = replace(SubmodelSpec.full(), exits=tuple(self.family.exit_points))
+        for _ in range(SIZING_ROUNDS):
+            wanted = self._fit_against(top, budgets)
+            settled = self.global_spec()
+            if settled == top:
+                break
+            top = settled
+        dropped = len(wanted) - len(self.levels)  # a share no split reaches is dropped by the search
+        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the full "
+                f"model's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
+                + (f" ({dropped} share{'s' * (dropped != 1)} too small to split)" if dropped else ""))
+
+    def _fit_against(self, top: SubmodelSpec, budgets: Sequence[int]) -> list[float]:
+        """Fit the levels to the devices' affordable shares of ``top``'s training memory (one level per cluster,
+        :func:`coordinator.levels.fleet_shares`, each searched just below its share: its tolerance is at most a
+        fifth of it, and the target lies that far below); the shares wanted."""
         overhead = self.context.training_memory(top, self._plan(self.family.num_outputs(top), distill=True)).overhead
         full = self.memory_cost(top)
         shares = [affordable_share(budget, overhead, full, self.context.device_factor) for budget in budgets]
@@ -114,10 +135,7 @@ class ScaleFL(LevelStrategy):
         ratios = [share - tolerance for share, tolerance in zip(wanted[:-1], tolerances)] + [1.0]
         self.fitted = (ratios, tolerances)
         self._levels = None
-        dropped = len(wanted) - len(self.levels)  # made now: a share no split reaches is dropped here
-        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the full "
-                f"model's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
-                + (f" ({dropped} share{'s' * (dropped != 1)} too small to split)" if dropped else ""))
+        return wanted
 
     def make_levels(self) -> list[Level]:
         settings = self.settings

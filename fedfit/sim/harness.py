@@ -27,7 +27,7 @@ from common.data import Dataset, load_dataset, parse_partition, partition_indice
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import MetricsWriter, RoundResult, read_metrics
-from coordinator.serving import TierService, serve_tiers, service_lines
+from coordinator.serving import TierService, largest_needs, serve_tiers, service_lines
 from coordinator.strategies.base import base_plan
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig, AgentDataConfig
@@ -336,7 +336,9 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
             coordinator.fit_to_fleet([schedule.dependable() for schedule in schedules if schedule is not None])
         services = tier_services(coordinator.strategy, schedules)
         if progress is not None:
-            for line in (service_lines(options.algorithm, services, coordinator.strategy.largest()) if services else
+            strategy = coordinator.strategy
+            for line in (service_lines(options.algorithm, services, strategy.largest(), largest_needs(strategy))
+                         if services else
                          [(f"{options.algorithm} ignores memory budgets: every device trains "
                           f"{coordinator.strategy.describe()[0]['spec']}")]):
                 print(f"{label + ': ' if label else ''}{line}", file=progress, flush=True)

@@ -433,3 +433,16 @@ def test_auto_levels_survive_a_restart():
 def test_fixed_ratios_are_not_sized_by_the_fleet():
     strategy = make_strategy("scalefl", context(scalefl_config(cost="memory")))
     assert not strategy.awaits_fleet and strategy.fit_to_fleet([1, 2, 3]) is None and strategy.state_dict() == {}
+
+
+def test_auto_shares_are_of_the_top_level_the_search_settles_on():
+    """The devices' shares are of the top level as the search settles it (its exits are the levels'), not of the
+    full model with an exit after every block, which understated them: sizing again against the settled top
+    changes nothing."""
+    strategy = auto_strategy()
+    full = strategy.cost(strategy.levels[0])
+    budgets = [full // 12, full // 5, full // 2]
+    strategy.fit_to_fleet(budgets)
+    settled = [level.spec for level in strategy.levels]
+    strategy._fit_against(strategy.global_spec(), budgets)
+    assert [level.spec for level in strategy.levels] == settled

@@ -4,7 +4,15 @@ levels cost 1000, 500, 250, 125 and 62 bytes: conftest.width_cost), and the coor
 from __future__ import annotations
 
 from coordinator.config import CoordinatorConfig, FedAvgConfig, ModelConfig
-from coordinator.serving import ServiceLog, answer_text, serve_tiers, service_lines, unserved_text
+from coordinator.serving import (
+    ServiceLog,
+    answer_text,
+    bytes_text,
+    largest_needs,
+    serve_tiers,
+    service_lines,
+    unserved_text,
+)
 from coordinator.strategies import make_strategy
 
 FLEET = [("weak", 50, 2), ("medium", 300, 3), ("strong", 1000, 1)]  # (tier, budget bytes, devices)
@@ -63,3 +71,8 @@ def test_the_statement_says_when_no_tier_trains_the_largest_model(make_context):
         "heterofl: no tier trains its largest model (a): the parts only it holds learn from no device")
     served = serve_tiers(strategy, [("strong", 1000, 1)])
     assert not any("largest" in line for line in service_lines("heterofl", served, strategy.largest()))
+    needs = largest_needs(strategy)
+    assert needs is not None and needs > 600
+    assert service_lines("heterofl", services, strategy.largest(), needs)[-1] == (
+        f"heterofl: no tier trains its largest model (a, which needs {bytes_text(needs)} to train; the strongest "
+        f"tier, medium, has {bytes_text(600)}): the parts only it holds learn from no device")
