@@ -153,7 +153,8 @@ class CoordinatorMetrics:
         self.traffic = late("fedfit_last_round_bytes", "The last round's traffic", "direction")
         self.seconds = late("fedfit_last_round_seconds", "The last round's wall time")
         self.phases = late("fedfit_last_round_phase_seconds", "Where the last round's time went", "phase")
-        self.accuracy = late("fedfit_global_accuracy", "The global model's test accuracy after the last round")
+        self.accuracy = late("fedfit_global_accuracy", "The test accuracy after the last round of the model a user "
+                             "would deploy (the largest level trained, or the ensemble of the trained classifiers)")
         self.agents_online = gauge("fedfit_agents_online", "Agents whose status says online or busy")
         self.inbox = gauge("fedfit_mqtt_inbox_messages", "Messages received and not yet handled")
         self.inbox.set_function(inbox_backlog)
@@ -247,7 +248,7 @@ class CoordinatorMetrics:
         self.traffic.set(result.bytes_up, "up")
         self.seconds.set(result.seconds)
         self.phases.replace(result.timing)  # (a phase this round did not go through is not left from an earlier one)
-        self.accuracy.set(result.global_accuracy)
+        self.accuracy.set(result.headline)
         self.scrapes.changed()
 
 

@@ -12,7 +12,7 @@ import base64
 import html
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +265,7 @@ class Comparison:
     rows: list[dict[str, Any]]  # one per run
     seed_table: list[dict[str, Any]]  # one per method over its seeds (empty: not averaged)
     remarks: list[str]  # e.g. why runs were not averaged, the fleet's memory against All-Large's
+    reports: list[dict[str, Any]] = field(default_factory=list)  # the runs, in the rows' order
 
     def notes(self) -> list[str]:
         """The notes under the tables: the seeds table's, the runs table's, what each method is compared with."""
@@ -401,12 +402,13 @@ def comparison_of(reports: Sequence[dict[str, Any]], experiment: dict[str, str] 
     else:
         differences = fleet_differences(reports)
     # Ranked by the headline: the final accuracy of the model each method would deploy (its mean over seeds).
-    rows = sorted(rows, key=lambda row: -(row["global"] if row["global"] is not None else -1.0))
+    order = sorted(range(len(rows)), key=lambda i: -(rows[i]["global"] if rows[i]["global"] is not None else -1.0))
+    rows, ranked = [rows[i] for i in order], [reports[i] for i in order]
     if seed_table:
         seed_table = sorted(seed_table, key=lambda row: -(row["global"]["mean"] if row["global"] else -1.0))
     remarks = [remark for remark in (not_averaged, fleet_memory(reports)) if remark]
     quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
-    return Comparison(_heading(reports), quoted, differences, rows, seed_table, remarks)
+    return Comparison(_heading(reports), quoted, differences, rows, seed_table, remarks, ranked)
 
 
 def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
@@ -444,6 +446,6 @@ def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
     if groups is not None:
         plot_seed_comparison(groups, paths["png"])
     else:
-        plot_comparison(reports, [row["method"] for row in rows], paths["png"])
+        plot_comparison(comparison.reports, [row["method"] for row in rows], paths["png"])
     paths["html"].write_text(comparison_html(comparison, paths["png"]), encoding="utf-8")
     return paths

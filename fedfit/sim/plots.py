@@ -38,7 +38,8 @@ def _series(ax: Axes, rounds: list[dict[str, Any]], key: str, name: str, trained
 
 
 def accuracy_axes(ax: Axes, report: dict[str, Any], title: str) -> None:
-    """Global accuracy (bold), each level (thin) and each exit (dashed) per round on ``ax``."""
+    """Global accuracy (bold: the model a user would deploy), each level (thin) and each exit (dashed) per round
+    on ``ax``."""
     rounds = report["rounds"]
     numbers = [r["round"] for r in rounds]
     ax.plot(numbers, [r["global_accuracy"] for r in rounds], "k-o", linewidth=2.2, markersize=4, label="global")
@@ -99,7 +100,7 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
         overview[2].plot(numbers, [(r["bytes_down"] + r["bytes_up"]) / 1e6 for r in rounds], "-o", markersize=4,
                          label=name)
     rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
-    for ax, title, unit in zip(overview, ("global model", "mean over the levels trained", "traffic"),
+    for ax, title, unit in zip(overview, ("global (the model deployed)", "mean over the levels trained", "traffic"),
                                ("test accuracy", "test accuracy", "MB per round")):
         _finish(ax, title, unit, rounds)
     for index, (report, name) in enumerate(zip(reports, names)):

@@ -83,7 +83,8 @@ def metrics_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     exits = sorted({name for r in rounds for name in r["exit_accuracy"]}, key=lambda name: (len(name), name))
     rows = []
     for r in rounds:
-        row: dict[str, Any] = {"round": r["round"], "global_accuracy": r["global_accuracy"]}
+        row: dict[str, Any] = {"round": r["round"], "global_accuracy": r["global_accuracy"],
+                               "deployed": r.get("deployed", "global")}
         row.update({f"level_{name}": r["level_accuracy"].get(name, "") for name in levels})
         row.update({name: r["exit_accuracy"].get(name, "") for name in exits})
         trained = set(r.get("trained_levels", levels)) | set(r.get("trained_exits", exits))

@@ -89,6 +89,14 @@ def test_a_round_as_the_metrics_tell_it() -> None:
                                 if name == "fedfit_last_round_phase_seconds"} == {"collecting"}
 
 
+def test_the_accuracy_is_the_deployed_models() -> None:
+    metrics = CoordinatorMetrics("lab", "scalefl")
+    result = a_round(2, 0.10)
+    result.deployed, result.deployed_accuracy = "2", 0.85  # the top level's head: trained by no device
+    metrics.round_done(result)
+    assert samples(metrics)[("fedfit_global_accuracy", ())] == 0.85
+
+
 def test_a_round_done_before_the_process_started_is_shown_not_counted() -> None:
     """A resumed coordinator shows the round it resumes after (its accuracy, its last-round figures) without
     counting it again: its counters start at 0, as a restarted process's counters do."""

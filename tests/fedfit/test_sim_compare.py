@@ -229,3 +229,17 @@ def test_the_headline_is_the_deployed_model_named_and_ranked(tmp_path: Path) -> 
     scalefl = next(line for line in text.splitlines() if line.startswith("scalefl"))
     assert rows[1]["model"] == "3" and "0.8000 (3)" in scalefl
     assert json.loads((tmp_path / "comparison.json").read_text())["rows"][0]["method"] == "scalefl"
+
+
+def test_each_curve_is_named_after_its_own_run_once_ranked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedfit.sim import compare
+
+    drawn: list[tuple[str, str]] = []
+    def plot(reports: list[dict], names: list[str], path: Path) -> Path:
+        drawn.extend((report["algorithm"], name) for report, name in zip(reports, names))
+        path.write_bytes(b"")  # (the HTML page embeds it)
+        return path
+
+    monkeypatch.setattr(compare, "plot_comparison", plot)
+    write_comparison([run("heterofl", 0.5), run("fedepth", 0.7)], tmp_path)
+    assert drawn == [("fedepth", "fedepth"), ("heterofl", "heterofl")]

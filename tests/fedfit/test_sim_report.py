@@ -110,6 +110,22 @@ def test_table_lists_levels_and_traffic_and_marks_levels_nobody_trained() -> Non
     assert note.startswith("* no device trained this level")
 
 
+def test_the_headline_is_the_deployed_model_named_in_the_report_table_and_summary() -> None:
+    """A round whose global model no device trained: its report's global figure is the deployed level's, named, the
+    global model's kept beside it; the table names the model in a column of its own."""
+    rounds = sample_rounds()
+    rounds[0].trained_levels, rounds[0].deployed, rounds[0].deployed_accuracy = ["b"], "b", 0.75
+    report = build_report("heterofl", "mosquitto", "2", rounds, {})
+    first = report["rounds"][0]
+    assert (first["global_accuracy"], first["deployed"], first["global_model_accuracy"]) == (0.75, "b", 0.8125)
+    assert report["summary"]["deployed"] == "global" and report["summary"]["best_global_accuracy"] == 0.875
+    lines = format_table(report["rounds"]).splitlines()
+    assert lines[0].split()[:3] == ["round", "global", "model"]
+    assert lines[2].split()[:5] == ["1", "0.7500", "b", "0.8125*", "0.7500"]
+    assert lines[3].split()[:3] == ["2", "0.8750", "global"]
+    assert any(line.startswith("global: the accuracy of the model a user would deploy") for line in lines)
+
+
 def test_report_and_table_show_every_exit_in_depth_order() -> None:
     rounds = [RoundResult(round=1, global_accuracy=0.9, level_accuracy={"1": 0.5, "2": 0.9}, participants=2,
                           selected=2, bytes_down=10, bytes_up=10, seconds=1.0,
