@@ -110,18 +110,34 @@ class ScaleFL(LevelStrategy):
         # give it, Eq. 5): the devices' shares are taken of that model. Its exits depend on the levels, and the
         # levels on the shares, so it starts from the costliest top (an exit after every block it allows: no
         # level found costs more than its devices can train) and sizes again against the top each search settles
-        # on, until they agree (shares of the costliest top understated them by about 40% on PreResNet-20).
+        # on (shares of the costliest top understated them by about 40% on PreResNet-20). That need not settle
+        # (a top can cost more than the one its shares were of, and passes can alternate): the pass that serves
+        # the fleet best is kept, the first one (the costliest top's) among them.
         top = replace(SubmodelSpec.full(), exits=tuple(self.family.exit_points))
+        passes: list[tuple[tuple[int, int], tuple[list[float], list[float]], list[float]]] = []
         for _ in range(SIZING_ROUNDS):
             wanted = self._fit_against(top, budgets)
+            assert self.fitted is not None
+            passes.append((self._service(budgets), self.fitted, wanted))
             settled = self.global_spec()
             if settled == top:
                 break
             top = settled
+        best = max(range(len(passes)), key=lambda index: (passes[index][0], -index))
+        if best != len(passes) - 1:
+            _, self.fitted, wanted = passes[best]
+            self._levels = None
         dropped = len(wanted) - len(self.levels)  # a share no split reaches is dropped by the search
         return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the full "
                 f"model's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
                 + (f" ({dropped} share{'s' * (dropped != 1)} too small to split)" if dropped else ""))
+
+    def _service(self, budgets: Sequence[int]) -> tuple[int, int]:
+        """How well the levels serve devices of these ``budgets``: how many train a level, and the training memory
+        of the levels they train, summed (the larger, the more of the model each learns)."""
+        answers = [self.plan_for_budget(budget) for budget in budgets]
+        served = [answer for answer in answers if answer.get("trains", "nothing") != "nothing"]
+        return len(served), sum(int(answer.get("train_bytes") or 0) for answer in served)
 
     def _fit_against(self, top: SubmodelSpec, budgets: Sequence[int]) -> list[float]:
         """Fit the levels to the devices' affordable shares of ``top``'s training memory (one level per cluster,

@@ -435,14 +435,18 @@ def test_fixed_ratios_are_not_sized_by_the_fleet():
     assert not strategy.awaits_fleet and strategy.fit_to_fleet([1, 2, 3]) is None and strategy.state_dict() == {}
 
 
-def test_auto_shares_are_of_the_top_level_the_search_settles_on():
-    """The devices' shares are of the top level as the search settles it (its exits are the levels'), not of the
-    full model with an exit after every block, which understated them: sizing again against the settled top
-    changes nothing."""
+def test_auto_shares_are_of_the_top_level_the_search_settles_on(monkeypatch: pytest.MonkeyPatch):
+    """Shares of the full model with an exit after every block understated what devices can train: sized again
+    against the top each search settles on, the fleet is served better (here one device of three trained a level,
+    now two do), and never worse than by that first sizing."""
+    from coordinator.strategies import scalefl as module
+
     strategy = auto_strategy()
     full = strategy.cost(strategy.levels[0])
     budgets = [full // 12, full // 5, full // 2]
     strategy.fit_to_fleet(budgets)
-    settled = [level.spec for level in strategy.levels]
-    strategy._fit_against(strategy.global_spec(), budgets)
-    assert [level.spec for level in strategy.levels] == settled
+    monkeypatch.setattr(module, "SIZING_ROUNDS", 1)
+    first_only = auto_strategy()
+    first_only.fit_to_fleet(budgets)
+    served, first_served = strategy._service(budgets), first_only._service(budgets)
+    assert served > first_served and (served[0], first_served[0]) == (2, 1)
