@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from common.durable import sync_directory
 from coordinator.config import CoordinatorConfig
+from coordinator.planning import model_options
 from coordinator.strategies.base import State, Strategy
 
 FORMAT = "fedfit-checkpoint-v1"
@@ -107,5 +108,10 @@ def restore_checkpoint(path: Path, config: CoordinatorConfig, strategy: Strategy
                          f"keeps {sorted(fresh)}; use another state_dir")
     for group, state in states.items():
         if set(state) != set(fresh[group]):
-            raise ValueError(f"checkpoint {path} does not match this model (group {group})")
+            made_with = meta.get("model_options")
+            raise ValueError(f"checkpoint {path} does not match this model (group {group})" + (
+                f": it was made with model options {made_with}, this run has {model_options(config)}"
+                if made_with is not None and made_with != model_options(config) else
+                "; was it made before DepthFL's heads lost their convolutions? set model.options.exit_convs: 3 to "
+                "resume it" if made_with is None and config.algorithm == "depthfl" else ""))
     return states, int(meta.get("round", 0))

@@ -536,5 +536,6 @@ class Coordinator:
         gets next, restored from here by a coordinator that restarts before it got it)."""
         save_checkpoint(self.checkpoint_path, self.states, {
             "round": self.completed_rounds, "algorithm": self.config.algorithm,
-            "family": self.config.model.family, "federation": self.config.federation,
+            "family": self.config.model.family, "model_options": model_options(self.config),
+            "federation": self.config.federation,
             "strategy": self.strategy.state_dict(), **({"record": record.to_dict()} if record is not None else {})})

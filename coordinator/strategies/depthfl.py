@@ -12,12 +12,13 @@ code does). Clients are mapped to the deepest level whose estimated training mem
 (the paper assigns depth by a device's resources; ``level_assignment: dynamic`` samples it), and one short of
 memory falls to a shallower level nested in it. Aggregation is masked: each block and classifier is the mean over
 the clients that have it (layers beyond a client's depth are untouched by it). Each round the global model is
-evaluated at every classifier (the deepest is its accuracy) and as the ensemble of all of them (mean logits), and
-each level's sub-model at its own last classifier.
+evaluated at every classifier, as the ensemble of the trained ones (mean logits: the headline,
+``coordinator.deployable``), and each level's sub-model at its own last classifier.
 
 Where this differs from the reference code (``baselines/depthfl`` of Flower): the auxiliary classifiers are the
-model family's early-exit heads (convolutions, batch norm, pooling and a linear layer, as ScaleFL's), not the
-reference's attention and separable-convolution bottlenecks; FedDyn's server correction (the reference's default)
+model family's early-exit heads, by default without their convolutions (pooling and a linear layer:
+``coordinator.planning.METHOD_MODEL_OPTIONS``; ``model.options.exit_convs`` adds convolutions with batch norm, as
+ScaleFL's), not the reference's attention gates and stacks of stride-2 separable convolutions; FedDyn's server correction (the reference's default)
 is not applied: this is DepthFL over FedAvg's masked mean, which its paper reports as well.
 """
 

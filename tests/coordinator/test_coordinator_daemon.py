@@ -421,6 +421,7 @@ def test_depthfls_ensemble_is_of_the_classifiers_trained_so_far(tmp_path: Path, 
     monkeypatch.setattr(coordinator.registry, "wait_settled",
                         lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
     first = level_spec(coordinator, "1")
+    assert coordinator.model_ref.options["exit_convs"] == coordinator.family.options["exit_convs"] == 0  # its heads
 
     def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
         offer(coordinator, update_for(coordinator, first, task_id=task_id, agent=planned.agent_id,

@@ -173,3 +173,30 @@ def test_its_classifiers_are_heads_without_convolutions_unless_the_model_options
     chosen = CoordinatorConfig(algorithm="depthfl", model=ModelConfig(family="preresnet20", options={"exit_convs": 2}))
     assert model_options(chosen) == {"exit_convs": 2}
     assert model_options(CoordinatorConfig(algorithm="scalefl", model=ModelConfig(family="preresnet20"))) == {}
+
+
+
+def test_a_checkpoint_made_with_other_heads_is_refused_with_the_setting_that_resumes_it(tmp_path) -> None:
+    """A DepthFL checkpoint from before its heads lost their convolutions names the setting to resume it; one that
+    records its model options names them."""
+    from common.data import load_dataset
+    from coordinator.checkpoint import restore_checkpoint, save_checkpoint
+    from coordinator.config import DataConfig
+    from coordinator.planning import model_family, strategy_for
+
+    digits = load_dataset("digits")
+    made = CoordinatorConfig(algorithm="depthfl", model=ModelConfig(family="preresnet20", options={"exit_convs": 3}),
+                             data=DataConfig(dataset="digits", bn_samples=20))
+    states = strategy_for(made, digits, model_family(made, digits)).initial_states(0)
+    now = CoordinatorConfig(algorithm="depthfl", model=ModelConfig(family="preresnet20"),
+                            data=DataConfig(dataset="digits", bn_samples=20))
+    path = tmp_path / "checkpoint.safetensors"
+    save_checkpoint(path, states, {"round": 2, "algorithm": "depthfl", "family": "preresnet20"})
+    with pytest.raises(ValueError, match="set model.options.exit_convs: 3 to resume it"):
+        restore_checkpoint(path, now, strategy_for(now, digits))
+    save_checkpoint(path, states, {"round": 2, "algorithm": "depthfl", "family": "preresnet20",
+                                   "model_options": {"exit_convs": 3}})
+    with pytest.raises(ValueError, match="made with model options {'exit_convs': 3}, this run has {'exit_convs': 0}"):
+        restore_checkpoint(path, now, strategy_for(now, digits))
+    assert restore_checkpoint(path, made, strategy_for(made, digits))[1] == 2
+    assert model_family(now, digits).options["exit_convs"] == 0 and model_family(made, digits).options["exit_convs"] == 3
