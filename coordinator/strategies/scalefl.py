@@ -128,8 +128,8 @@ class ScaleFL(LevelStrategy):
             _, self.fitted, wanted = passes[best]
             self._levels = None
         dropped = len(wanted) - len(self.levels)  # a share no split reaches is dropped by the search
-        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the full "
-                f"model's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
+        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the top "
+                f"level's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
                 + (f" ({dropped} share{'s' * (dropped != 1)} too small to split)" if dropped else ""))
 
     def _service(self, budgets: Sequence[int]) -> tuple[int, int]:
@@ -141,8 +141,8 @@ class ScaleFL(LevelStrategy):
 
     def _fit_against(self, top: SubmodelSpec, budgets: Sequence[int]) -> list[float]:
         """Fit the levels to the devices' affordable shares of ``top``'s training memory (one level per cluster,
-        :func:`coordinator.levels.fleet_shares`, each searched just below its share: its tolerance is at most a
-        fifth of it, and the target lies that far below); the shares wanted."""
+        :func:`coordinator.levels.fleet_shares`, each searched just below its share: its target lies its tolerance
+        below it, the tolerance ``scalefl.tolerance`` or half the share if that is less); the shares wanted."""
         overhead = self.context.training_memory(top, self._plan(self.family.num_outputs(top), distill=True)).overhead
         full = self.memory_cost(top)
         shares = [affordable_share(budget, overhead, full, self.context.device_factor) for budget in budgets]
