@@ -394,21 +394,25 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
     assert row["exit_accuracy"] == result.exit_accuracy and row["round"] == 1
 
 
+def round_trained_as(coordinator: Coordinator, spec: SubmodelSpec, agents: list[str], monkeypatch) -> RoundResult:
+    """Round 1 of ``agents``, each of which answers its task with an update of ``spec``."""
+    monkeypatch.setattr(coordinator.registry, "wait_settled",
+                        lambda count, quiet, timeout, on_change=None: [agent_record(agent) for agent in agents])
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        offer(coordinator, update_for(coordinator, spec, task_id=task_id, agent=planned.agent_id,
+                                      round_number=round_number, fill=0.1))
+        return 10
+
+    monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
+    return coordinator.run_round(1)
+
+
 def test_the_headline_is_the_largest_level_trained_when_no_device_trains_the_global_model(
         heterofl: Coordinator, monkeypatch) -> None:
     """Every device trains level b (narrower than it was sent): the round's headline is level b's accuracy, named,
     with the untrained global model's beside it."""
-    monkeypatch.setattr(heterofl.registry, "wait_settled",
-                        lambda count, quiet, timeout, on_change=None: [agent_record("sim-0"), agent_record("sim-1")])
-    narrower = level_spec(heterofl, "b")
-
-    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
-        offer(heterofl, update_for(heterofl, narrower, task_id=task_id, agent=planned.agent_id,
-                                   round_number=round_number, fill=0.1))
-        return 10
-
-    monkeypatch.setattr(heterofl.dispatcher, "send", dispatch)
-    result = heterofl.run_round(1)
+    result = round_trained_as(heterofl, level_spec(heterofl, "b"), ["sim-0", "sim-1"], monkeypatch)
     assert result.trained_levels == ["b"] and result.deployed == "b"
     assert result.headline == result.deployed_accuracy == result.level_accuracy["b"]
     assert result.global_accuracy == result.level_accuracy["a"]  # the global model: kept beside it
@@ -418,18 +422,8 @@ def test_depthfls_ensemble_is_of_the_classifiers_trained_so_far(tmp_path: Path, 
     """Only the first level trains: the headline is the ensemble of its classifier alone, not of every head."""
     coordinator = Coordinator(config(tmp_path, algorithm="depthfl", model=ModelConfig(
         family="cnn", options={"hidden": [4, 8, 8]})), dataset=digits)
-    monkeypatch.setattr(coordinator.registry, "wait_settled",
-                        lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
-    first = level_spec(coordinator, "1")
     assert coordinator.model_ref.options["exit_convs"] == coordinator.family.options["exit_convs"] == 0  # its heads
-
-    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
-        offer(coordinator, update_for(coordinator, first, task_id=task_id, agent=planned.agent_id,
-                                      round_number=round_number, fill=0.1))
-        return 10
-
-    monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
-    result = coordinator.run_round(1)
+    result = round_trained_as(coordinator, level_spec(coordinator, "1"), ["sim-0"], monkeypatch)
     assert result.trained_exits == ["exit1"] and result.deployed == "ensemble"
     global_spec = coordinator.strategy.global_spec()
     alone = coordinator._evaluator.evaluate(coordinator.states["global"], global_spec, ensemble=True, members=[0])
