@@ -34,7 +34,7 @@ from coordinator.exporter import CoordinatorMetrics
 from coordinator.fleet import REGISTRY_SETTLE_S, FleetWatch, NoAgentsError
 from coordinator.intake import UpdateIntake, single_threaded_torch
 from coordinator.journal import RoundJournal
-from coordinator.metrics import MetricsWriter, Progress, RoundResult, read_metrics
+from coordinator.metrics import MetricsWriter, Progress, RoundResult
 from coordinator.planning import model_family, model_options, strategy_for
 from coordinator.registry import FleetRegistry
 from coordinator.round import DispatchedTask, Phase, Round
@@ -113,12 +113,7 @@ class Coordinator:
                                  reason="stopped after the round's checkpoint, before metrics.jsonl had its record")
         self.journal = RoundJournal(self.state_dir / "round", self.model_ref)
         #: What the run's rounds trained so far: the deployable model is the largest of it (`coordinator.deployable`).
-        self.trained_so_far = deployable.TrainedSoFar()
-        if self.completed_rounds:
-            try:
-                self.trained_so_far = deployable.TrainedSoFar.from_results(read_metrics(self.metrics.path))
-            except ValueError as exc:  # a damaged record: the deployable model is chosen from the rounds to come
-                self.log.warning("trained_so_far_unread", error=str(exc))
+        self.trained_so_far = deployable.TrainedSoFar.of_run(self.metrics.path, self.completed_rounds, self.log)
         #: Buffered rounds: the states each round's tasks were cut from, while tasks of that round still train
         #: (their updates are measured and rebased against them), and the tasks the next round carries.
         self._bases: dict[int, dict[str, State]] = {}

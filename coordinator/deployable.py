@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from coordinator.metrics import RoundResult
+from common.logs import Logger
+from coordinator.metrics import RoundResult, read_metrics
 from coordinator.strategies.base import EvalTarget
 from models import ModelFamily
 
@@ -50,6 +52,19 @@ class TrainedSoFar:
         for result in results:
             trained.add(result.trained_levels, (int(name.removeprefix("exit")) for name in result.trained_exits))
         return trained
+
+    @classmethod
+    def of_run(cls, metrics: Path, completed: int, log: Logger) -> TrainedSoFar:
+        """What a run's ``completed`` rounds trained, read from its ``metrics`` (``metrics.jsonl``): nothing for a
+        new run, and nothing (said in the log) where a damaged record cannot be read: the deployable model is then
+        chosen from the rounds to come."""
+        if not completed:
+            return cls()
+        try:
+            return cls.from_results(read_metrics(metrics))
+        except ValueError as exc:
+            log.warning("trained_so_far_unread", error=str(exc))
+            return cls()
 
     def members(self) -> list[int]:
         """The trained outputs, 0-based: the members of an ensemble of trained classifiers."""

@@ -50,3 +50,12 @@ def test_what_was_trained_so_far_is_read_back_from_the_records() -> None:
     assert trained == TrainedSoFar({"b", "c"}, {1, 3}) and trained.members() == [0, 2]
     trained.add(["a"], [2])
     assert trained.levels == {"a", "b", "c"} and trained.members() == [0, 1, 2]
+
+
+def test_a_run_whose_records_cannot_be_read_starts_from_nothing_trained(tmp_path) -> None:
+    import structlog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 1, "glob\n{"round": 2}\n')  # damaged before its last line
+    assert TrainedSoFar.of_run(path, 2, structlog.get_logger()) == TrainedSoFar()
+    assert TrainedSoFar.of_run(tmp_path / "none.jsonl", 0, structlog.get_logger()) == TrainedSoFar()
