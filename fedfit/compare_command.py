@@ -135,7 +135,9 @@ def _seed_of(directory: Path) -> int:
 
 
 def _labels(args: argparse.Namespace, experiment: Experiment) -> list[str]:
-    """What runs, in order: the methods (``--algorithms``, else the experiment file's), then the baselines."""
+    """What runs, in order: the baselines first (a comparison stopped part-way has its bounds, and a fleet's gap
+    between them is known before the methods' hours), then the methods (``--algorithms``, else the experiment
+    file's)."""
     from coordinator.strategies import check_algorithm
 
     if args.algorithms is not None:
@@ -145,7 +147,7 @@ def _labels(args: argparse.Namespace, experiment: Experiment) -> list[str]:
     else:
         methods = list(experiment.algorithms)
     baselines = parse_baselines(args.baseline) if args.baseline else list(experiment.baselines)
-    labels = methods + baselines
+    labels = baselines + methods
     if not labels:
         raise ConfigError("fedfit compare needs --algorithms A,B,... (to run them), an experiment file naming its "
                           "algorithms, or run directories (to read them)")

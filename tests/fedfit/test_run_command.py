@@ -10,7 +10,8 @@ import pytest
 from coordinator.config import CoordinatorConfig, ModelConfig
 from coordinator.strategies import ALGORITHM_NAMES
 from fedfit.cli import _coordinator_settings, main
-from fedfit.compare_command import compare_variant
+from fedfit.compare_command import _labels, compare_variant
+from fedfit.experiment import Experiment
 from fedfit.run_command import SETTINGS, add_run_arguments, resolve
 from models import FAMILY_NAMES
 
@@ -173,6 +174,13 @@ def test_compare_runs_adaptivefl_ablations_by_name() -> None:
     assert compare_variant("adaptivefl-smart") == ("adaptivefl-smart", None)  # then refused as unknown
     assert compare_variant("adaptivefl-rl") == ("adaptivefl-rl", None)  # rl is adaptivefl itself: one row, one name
     assert compare_variant("heterofl") == ("heterofl", None)
+
+
+def test_compare_runs_the_baselines_before_the_methods() -> None:
+    args = argparse.Namespace(algorithms="heterofl,fedepth", baseline="all-large,all-small")
+    assert _labels(args, Experiment()) == ["all-large", "all-small", "heterofl", "fedepth"]
+    from_file = Experiment(algorithms=["scalefl"], baselines=["all-small"])
+    assert _labels(argparse.Namespace(algorithms=None, baseline=None), from_file) == ["all-small", "scalefl"]
 
 
 def test_a_gpu_that_cannot_train_is_refused_before_the_run_has_a_directory(
