@@ -36,6 +36,7 @@ class Experiment:
     partition: str | None = None
     budgets: str | None = None
     budget_variance: float | None = None
+    size_for: Literal["dip", "typical"] | None = None
     allocator: Literal["pooled", "compact", "default"] | None = None
     train_samples: int | None = None
     speeds: str | float | list[float] | None = None  # as --speeds takes them ("10,1"), or a list ([10, 1])
@@ -70,7 +71,7 @@ class Experiment:
 
     def settings(self) -> dict[str, Any]:
         """The fleet settings the file gives (by :data:`fedfit.run_command.SETTINGS` name)."""
-        names = ("agents", "partition", "budgets", "budget_variance", "allocator", "train_samples")
+        names = ("agents", "partition", "budgets", "budget_variance", "size_for", "allocator", "train_samples")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         return {**given, **({"speeds": self.speeds_text()} if self.speeds is not None else {})}
 

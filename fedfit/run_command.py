@@ -49,6 +49,7 @@ SETTINGS = {
     "partition": Setting("--partition", None, "iid"),
     "budgets": Setting("--budgets", None, "tiers"),
     "budget_variance": Setting("--budget-variance", None, 10.0),
+    "size_for": Setting("--size-for", None, "dip"),
     "allocator": Setting("--allocator", None, "pooled"),
     "device": Setting("--device", ("training_device",), "cpu"),
     "workers": Setting("--workers", None, None),
@@ -127,6 +128,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
     parser.add_argument("--budget-variance", type=float, default=None,
                         help="sigma^2 of the per-round fluctuation of tiers-fluctuating, in percentage points squared"
                              + default("budget_variance"))
+    parser.add_argument("--size-for", choices=("dip", "typical"), default=None,
+                        help="what fluctuating budgets size and plan the methods for: dip, the budget a device has in "
+                             "all but its rarest rounds (2 sigma short), or typical, its median round's (a round below "
+                             "it takes the task down the device's own ladder, or declines it)" + default("size_for"))
     parser.add_argument("--speeds", type=speeds_type, default=None, metavar="F,G,...",
                         help="training speeds: slowdown factors (at least 1) of tiers of devices; a device of factor f "
                              "takes f times as long as this machine for a task (its update held back (f-1) x the task's "

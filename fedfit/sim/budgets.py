@@ -22,7 +22,8 @@ Two kinds of tier:
   ``tiers-fluctuating`` the same, and every round each device has r = r_M - |u|, u ~ N(0, sigma^2) percentage
   points (FlexFL: sigma^2 in {5, 8, 10}; the coordinator learns the new figure from the device's next status, so
   the device adapts at task time); methods are sized and planned for the budget such a device has in all but its
-  rarest rounds (:func:`dependable_bytes`); ``fractions:A,B,...`` one equal share of the fleet per fraction.
+  rarest rounds (:func:`dependable_bytes`; ``--size-for typical``: in its median round); ``fractions:A,B,...``
+  one equal share of the fleet per fraction.
 
 Every budget is rounded up to a whole number of :data:`BUDGET_GRANULE` (64 KiB): a measured CPU peak moves by about
 0.3 MB between identical runs, so a budget finer than that means nothing, while the next width up, megabytes away,
@@ -52,6 +53,11 @@ DEFAULT_VARIANCE = 10.0
 #: rounds: its shortfall |u| exceeds this many sigmas in 4.6% of rounds. Sized for its budget before fluctuation,
 #: a model that just fits it fits in no round, since the shortfall is never negative.
 DEPENDABLE_SIGMAS = 2.0
+#: ``--size-for typical``: sized for the budget of a device's median round instead (|u| exceeds this many sigmas
+#: in half the rounds); in a round below it the device takes its task down its own ladder, or declines it.
+TYPICAL_SIGMAS = 0.6745
+#: What a fluctuating fleet's methods are sized for (``--size-for``): the shortfall, in sigmas, of the budget used.
+SIZE_FOR = {"dip": DEPENDABLE_SIGMAS, "typical": TYPICAL_SIGMAS}
 #: Budgets are whole multiples of this (see the module docstring).
 BUDGET_GRANULE = 64 * 1024
 #: The named scenarios (``widths:A,B,...`` and ``fractions:A,B,...`` are accepted too, see :func:`scenario_tiers`).
@@ -158,12 +164,19 @@ class DeviceBudget:
         """The budget this device has in all but its rarest rounds (:func:`dependable_bytes`)."""
         return dependable_bytes(self.anchor, self.tier, self.variance)
 
+    def sized_for(self, size_for: str) -> int:
+        """The budget this device's methods are sized and planned for (:func:`dependable_bytes`)."""
+        return dependable_bytes(self.anchor, self.tier, self.variance, size_for)
 
-def dependable_bytes(anchor: BudgetAnchor, tier: Tier, variance: float) -> int:
+
+def dependable_bytes(anchor: BudgetAnchor, tier: Tier, variance: float, size_for: str = "dip") -> int:
     """The budget a device of ``tier`` has in all but its rarest rounds when its share fluctuates with
-    ``variance`` (its budget less :data:`DEPENDABLE_SIGMAS` sigmas); its budget when it does not fluctuate."""
+    ``variance`` (its budget less :data:`DEPENDABLE_SIGMAS` sigmas; ``size_for`` ``typical``: in half its rounds,
+    :data:`TYPICAL_SIGMAS`); its budget when it does not fluctuate."""
+    if size_for not in SIZE_FOR:
+        raise ValueError(f"--size-for is {' or '.join(SIZE_FOR)}, got {size_for!r}")
     fluctuates = variance > 0 and tier.percent is not None
-    return anchor.tier_bytes(tier, DEPENDABLE_SIGMAS * math.sqrt(variance) if fluctuates else 0.0)
+    return anchor.tier_bytes(tier, SIZE_FOR[size_for] * math.sqrt(variance) if fluctuates else 0.0)
 
 
 def scenario_variance(scenario: str, variance: float = DEFAULT_VARIANCE) -> float:

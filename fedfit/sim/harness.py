@@ -67,6 +67,7 @@ class SimOptions:
     workers: int | None = None  # training children at once; None: the cores this process may use
     budgets: str = "tiers"
     budget_variance: float = 10.0
+    size_for: str = "dip"  # what fluctuating budgets are sized for: "dip" (all but the rarest rounds) or "typical"
     allocator: str = "pooled"
     device: str = "cpu"  # where the agents' training children train: "cpu" or "cuda" (budgets in GPU memory)
     train_samples: int | None = None  # a seeded random subset of the training set this many samples (None: all)
@@ -120,15 +121,16 @@ def check_device(device: str) -> None:
                          "and allocate)")
 
 
-def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None]) -> list[TierService]:
-    """What the strategy hands each tier of the fleet (its devices counted, the budget they have in all but their
-    rarest rounds), by the devices' own rule: the start-of-run statement (none for a fleet without budgets)."""
+def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None], size_for: str = "dip") -> list[TierService]:
+    """What the strategy hands each tier of the fleet (its devices counted, the budget it is sized for: in all but
+    their rarest rounds, or ``size_for`` ``typical`` their median one), by the devices' own rule: the start-of-run
+    statement (none for a fleet without budgets)."""
     counts: dict[str, int] = {}
     budgets: dict[str, int] = {}
     for schedule in schedules:
         if schedule is not None:
             counts[schedule.tier.name] = counts.get(schedule.tier.name, 0) + 1
-            budgets[schedule.tier.name] = schedule.dependable()
+            budgets[schedule.tier.name] = schedule.sized_for(size_for)
     ordered = sorted(counts, key=lambda name: budgets[name])
     return serve_tiers(strategy, [(name, budgets[name], counts[name]) for name in ordered])
 
@@ -332,9 +334,11 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
         # holds what the sizing chose, and a strategy that sizes nothing is never asked (a round resumed from the
         # journal is in progress already).
         if any(schedules) and coordinator.strategy.awaits_fleet:
-            # the budgets they have in all but their rarest rounds, as fedfit plan --budgets and the statement use
-            coordinator.fit_to_fleet([schedule.dependable() for schedule in schedules if schedule is not None])
-        services = tier_services(coordinator.strategy, schedules)
+            # the budgets they have in all but their rarest rounds (as fedfit plan --budgets and the statement use),
+            # or in their median round (--size-for typical)
+            coordinator.fit_to_fleet([schedule.sized_for(options.size_for) for schedule in schedules
+                                      if schedule is not None])
+        services = tier_services(coordinator.strategy, schedules, options.size_for)
         if progress is not None:
             strategy = coordinator.strategy
             for line in (service_lines(options.algorithm, services, strategy.largest(), largest_needs(strategy))
@@ -378,6 +382,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                     "levels": [entry["name"] for entry in coordinator.strategy.describe()],
                     "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
+                    "size_for": options.size_for,
                     "device_tiers": [s.tier.name if s else None for s in schedules],
                     # --speeds as given (None: every device at this machine's speed) and each device's factor
                     "speeds": speeds_text(factors) if factors else None,

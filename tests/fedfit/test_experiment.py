@@ -40,6 +40,7 @@ def test_a_plain_configuration_has_no_experiment(tmp_path: Path) -> None:
     ("{allocator: jemalloc}", "experiment.allocator"),
     ("{agents: 0}", "agents must be at least 1"),
     ("{budget_variance: -1}", "budget_variance must be non-negative"),
+    ("{size_for: mean}", "experiment.size_for"),
     ("{speeds: [1, 0.5]}", "speeds: every factor is a number of at least 1"),
     ("{speeds: '10,x'}", "got 'x'"),
 ])

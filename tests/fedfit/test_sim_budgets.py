@@ -141,6 +141,19 @@ def test_a_fluctuating_device_is_planned_for_the_budget_it_has_in_all_but_its_ra
         assert sum(got >= budget.dependable() for got in rounds) >= 180  # |u| < 2 sigma in 95.4% of rounds
 
 
+def test_sized_for_typical_a_fluctuating_device_has_its_budget_in_about_half_its_rounds() -> None:
+    anchor = BudgetAnchor(0, 100 * 2**20, lambda width: int(100 * 2**20 * width))  # a point: 1 MiB, 16 granules
+    steady = device_budgets("tiers", 10, anchor, seed=3)
+    assert all(budget.sized_for("typical") == budget.dependable() for budget in steady)  # nothing to size for
+    for budget in device_budgets("tiers-fluctuating", 10, anchor, seed=3, variance=10.0):
+        assert budget.sized_for("dip") == budget.dependable() < budget.sized_for("typical") < anchor.tier_bytes(
+            budget.tier)
+        rounds = [budget(r) for r in range(1, 401)]
+        assert 140 <= sum(got >= budget.sized_for("typical") for got in rounds) <= 260  # the median round's
+    with pytest.raises(ValueError, match="dip or typical"):
+        device_budgets("tiers", 1, anchor, seed=0)[0].sized_for("mean")
+
+
 def test_fedavgs_width_for_all_fits_the_weakest_budget_a_fluctuating_device_can_count_on() -> None:
     anchor = BudgetAnchor(0, 100 * 2**20, lambda width: int(100 * 2**20 * width))  # no part that does not shrink
     widths = [1.0, 0.5, 0.3, 0.25, 0.125]
