@@ -130,6 +130,9 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--budgets", type=budgets_type, default=None,
                       help="also show each device tier of this budget scenario (see sim --budgets): its bytes and "
                            "what every method would hand it")
+    plan.add_argument("--size-for", choices=("dip", "typical"), default="dip",
+                      help="the budget a fluctuating tier is shown with, as sim --size-for sizes the methods: dip (in "
+                           "all but its rarest rounds) or typical (its median round; default: dip)")
     plan.add_argument("--device", choices=("cpu", "cuda"), default=None,
                       help="the training memory on this device: cpu (the pooled heap) or cuda (the CUDA caching "
                            "allocator's peak, without what each training process's CUDA start adds; default: the "
@@ -275,13 +278,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         config = replace(config, training_device=args.device)
     strategy = strategy_for(config, dataset)
     sized = (strategy.fit_to_fleet([budget for _, budget in scenario_budgets(config, dataset, args.budgets,
-                                                                            config.training_device)])
+                                                                            config.training_device, args.size_for)])
              if args.budgets else None)
     unsized = strategy.awaits_fleet
     rows = strategy.describe()
     fedavg_set = "width" in mapping.get("fedavg", {}) if isinstance(mapping.get("fedavg"), dict) else False
-    tiers = (tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set, device=config.training_device)
-             if args.budgets else [])
+    tiers = (tier_rows(config, dataset, args.budgets, fedavg_width_set=fedavg_set, device=config.training_device,
+                       size_for=args.size_for) if args.budgets else [])
     setup = strategy.setup_summary()
     if args.json:
         print(json.dumps({"levels": rows, "tiers": tiers, **({"setup": setup} if setup else {})}, indent=2))

@@ -68,14 +68,16 @@ def format_setup(setup: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def scenario_budgets(config: Any, dataset: Any, scenario: str, device: str = "cpu") -> list[tuple[str, int]]:
+def scenario_budgets(config: Any, dataset: Any, scenario: str, device: str = "cpu",
+                     size_for: str = "dip") -> list[tuple[str, int]]:
     """Each tier of ``scenario`` with its budget as ``fedfit sim`` gives it (the same for every method; a
-    fluctuating tier's in all but its rarest rounds, at the default variance)."""
-    return _anchored_budgets(config, dataset, scenario, device)[2]
+    fluctuating tier's in all but its rarest rounds, or ``size_for`` ``typical`` its median one, at the default
+    variance)."""
+    return _anchored_budgets(config, dataset, scenario, device, size_for)[2]
 
 
-def _anchored_budgets(config: Any, dataset: Any, scenario: str,
-                      device: str) -> tuple[Any, Any, list[tuple[str, int]]]:
+def _anchored_budgets(config: Any, dataset: Any, scenario: str, device: str,
+                      size_for: str = "dip") -> tuple[Any, Any, list[tuple[str, int]]]:
     """The model family, the scenario's budget anchor, and :func:`scenario_budgets`."""
     from coordinator.planning import model_options
     from coordinator.strategies.base import base_plan
@@ -85,12 +87,14 @@ def _anchored_budgets(config: Any, dataset: Any, scenario: str,
     family = get_family(config.model.family, dataset.num_classes, dataset.in_channels, **model_options(config))
     anchor = BudgetAnchor.estimate(family, base_plan(config.recipe), input_size=dataset.image_size, device=device)
     variance = scenario_variance(scenario)
-    return family, anchor, [(tier.name, dependable_bytes(anchor, tier, variance)) for tier in scenario_tiers(scenario)]
+    return family, anchor, [(tier.name, dependable_bytes(anchor, tier, variance, size_for))
+                            for tier in scenario_tiers(scenario)]
 
 
 def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: bool = False,
-              device: str = "cpu") -> list[dict[str, Any]]:
-    """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method)
+              device: str = "cpu", size_for: str = "dip") -> list[dict[str, Any]]:
+    """For every tier of ``scenario``: its name, its budget as ``fedfit sim`` gives it (the same for every method;
+    ``size_for`` as :func:`scenario_budgets`)
     and what each method would hand it (FedAvg at the widest width the scenario's weakest devices can train,
     unless ``fedavg.width`` is set, as ``fedfit compare`` runs it); ``largest``: each method's largest model and
     its training memory (the same in every row)."""
@@ -98,7 +102,7 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
     from coordinator.strategies import ALGORITHM_NAMES
     from fedfit.sim.budgets import width_for_all
 
-    family, anchor, budgets = _anchored_budgets(config, dataset, scenario, device)
+    family, anchor, budgets = _anchored_budgets(config, dataset, scenario, device, size_for)
     strategies = {}
     for name in ALGORITHM_NAMES:
         method = replace(config, algorithm=name)

@@ -43,9 +43,10 @@ BASELINE_MEANING = {
 }
 #: Settings that must agree for runs to be on the same fleet.
 FLEET_KEYS = ("agents", "rounds", "dataset", "partition", "model", "seed", "train_samples", "budgets",
-              "budget_variance", "allocator", "device", "speeds")
-#: What a report written before a fleet key existed ran with (``speeds`` None: every device at the machine's speed).
-FLEET_DEFAULTS: dict[str, Any] = {"device": "cpu", "speeds": None}
+              "budget_variance", "size_for", "allocator", "device", "speeds")
+#: What a report written before a fleet key existed ran with (``speeds`` None: every device at the machine's speed;
+#: ``size_for`` dip: sized for all but the rarest rounds).
+FLEET_DEFAULTS: dict[str, Any] = {"device": "cpu", "speeds": None, "size_for": "dip"}
 #: Parts of the resolved configuration that must agree too: they change the model and what a budget buys.
 FLEET_CONFIG_KEYS = (("model options", ("model", "options")), ("recipe", ("recipe",)))
 

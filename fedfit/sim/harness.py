@@ -382,7 +382,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                     "levels": [entry["name"] for entry in coordinator.strategy.describe()],
                     "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
-                    "size_for": options.size_for,
+                    # what fluctuating budgets were sized for (dip where nothing fluctuates: nothing to size for)
+                    "size_for": options.size_for if options.budgets == "tiers-fluctuating" else "dip",
                     "device_tiers": [s.tier.name if s else None for s in schedules],
                     # --speeds as given (None: every device at this machine's speed) and each device's factor
                     "speeds": speeds_text(factors) if factors else None,

@@ -63,6 +63,20 @@ def test_flags_win_over_the_file_which_wins_over_the_defaults() -> None:
     assert (values["agents"], values["budgets"]) == (8, "tiers")
 
 
+def test_size_for_reaches_the_run_from_the_file_or_the_flag() -> None:
+    import argparse
+
+    from fedfit.sim.harness import SimOptions
+
+    _, experiment = split_experiment({"experiment": {"size_for": "typical"}}, "e.yaml")
+    assert experiment is not None and experiment.settings() == {"size_for": "typical"}
+    values, _ = resolve(argparse.Namespace(size_for=None), {}, None, experiment.settings())
+    assert SimOptions(**{key: values[key] for key in ("size_for", "budgets")}).size_for == "typical"
+    values, given = resolve(argparse.Namespace(size_for="dip"), {}, None, experiment.settings())
+    assert values["size_for"] == "dip" and given == ["--size-for dip"]  # the flag wins, and is recorded
+    assert resolve(argparse.Namespace(), {}, None, {})[0]["size_for"] == "dip"
+
+
 @pytest.mark.parametrize(("given", "text"), [("10,1", "10,1"), ([10, 1.5], "10,1.5"), (3, "3")])
 def test_the_files_speeds_are_taken_as_the_flag_takes_them(given: object, text: str) -> None:
     import argparse

@@ -22,3 +22,20 @@ def test_a_largest_model_no_tier_trains_is_said_with_what_it_needs() -> None:
             "has 42.0 MiB): the parts only it holds learn from no device") in text.splitlines()
     assert "fedepth: no tier" not in text
     assert "no tier trains" not in format_tiers(rows("3"))
+
+
+def test_the_plan_shows_a_fluctuating_tier_with_the_budget_the_run_sizes_for() -> None:
+    from common.data import load_dataset
+    from coordinator.config import CoordinatorConfig
+    from fedfit.plan_table import scenario_budgets
+    from fedfit.sim.budgets import SIZE_FOR
+
+    config = CoordinatorConfig()
+    dataset = load_dataset("digits", None)
+    dip = dict(scenario_budgets(config, dataset, "tiers-fluctuating"))
+    typical = dict(scenario_budgets(config, dataset, "tiers-fluctuating", size_for="typical"))
+    assert dip == dict(scenario_budgets(config, dataset, "tiers-fluctuating", size_for="dip"))
+    assert set(dip) == set(typical) and all(typical[tier] > dip[tier] for tier in dip)
+    assert SIZE_FOR["typical"] < SIZE_FOR["dip"]  # the median round's shortfall is the smaller
+    steady = dict(scenario_budgets(config, dataset, "tiers", size_for="typical"))
+    assert all(steady[tier] > typical[tier] for tier in dip)  # a fluctuating tier never has its whole share

@@ -154,6 +154,22 @@ def test_sized_for_typical_a_fluctuating_device_has_its_budget_in_about_half_its
         device_budgets("tiers", 1, anchor, seed=0)[0].sized_for("mean")
 
 
+def test_the_start_of_run_statement_gives_each_tier_the_budget_it_is_sized_for() -> None:
+    from fedfit.sim.harness import tier_services
+
+    anchor = BudgetAnchor(0, 100 * 2**20, lambda width: int(100 * 2**20 * width))
+    fleet = device_budgets("tiers-fluctuating", 10, anchor, seed=3, variance=10.0)
+
+    class Told:  # whatever a strategy answers: the statement's budgets are what is checked
+        def plan_for_budget(self, budget: int) -> dict[str, object]:
+            return {"trains": "a"}
+
+    for size_for in ("dip", "typical"):
+        told = {service.tier: service.budget for service in tier_services(Told(), fleet, size_for)}
+        assert told == {budget.tier.name: budget.sized_for(size_for) for budget in fleet}
+    assert all(told[budget.tier.name] > budget.dependable() for budget in fleet)  # typical, above the dip
+
+
 def test_fedavgs_width_for_all_fits_the_weakest_budget_a_fluctuating_device_can_count_on() -> None:
     anchor = BudgetAnchor(0, 100 * 2**20, lambda width: int(100 * 2**20 * width))  # no part that does not shrink
     widths = [1.0, 0.5, 0.3, 0.25, 0.125]

@@ -87,6 +87,13 @@ def test_runs_whose_devices_train_at_other_speeds_are_not_the_same_fleet() -> No
     assert fleet_differences([older, ones]) == [] and fleet_differences([slowed, spelled]) == []
 
 
+def test_runs_sized_for_another_budget_are_not_the_same_fleet() -> None:
+    older, dip, typical = run("scalefl", 0.5), run("flexfl", 0.6), run("adaptivefl", 0.7)
+    dip["settings"]["size_for"], typical["settings"]["size_for"] = "dip", "typical"
+    assert fleet_differences([older, dip]) == []  # a report that predates --size-for was sized for the dip
+    assert fleet_differences([older, dip, typical]) == ["size_for: dip / dip / typical"]
+
+
 def test_the_comparison_files(tmp_path: Path) -> None:
     paths = write_comparison([run("heterofl", 0.5), run("fedepth", 0.6), run("fedavg", 0.4, width=1 / 6)], tmp_path)
     text = paths["txt"].read_text()
