@@ -18,8 +18,9 @@ evaluated at every classifier, as the ensemble of the trained ones (mean logits:
 Where this differs from the reference code (``baselines/depthfl`` of Flower): the auxiliary classifiers are the
 model family's early-exit heads, by default without their convolutions (pooling and a linear layer:
 ``coordinator.planning.METHOD_MODEL_OPTIONS``; ``model.options.exit_convs`` adds convolutions with batch norm, as
-ScaleFL's), not the reference's attention gates and stacks of stride-2 separable convolutions; FedDyn's server correction (the reference's default)
-is not applied: this is DepthFL over FedAvg's masked mean, which its paper reports as well.
+ScaleFL's), not the reference's attention gates and stacks of stride-2 separable convolutions; FedDyn's server
+correction (the reference's default) is not applied: this is DepthFL over FedAvg's masked mean (the paper's
+DepthFL (FedAvg) rows, which also turn distillation off: ``depthfl.kd_weight: 0``).
 """
 
 from __future__ import annotations

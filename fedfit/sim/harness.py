@@ -121,7 +121,8 @@ def check_device(device: str) -> None:
                          "and allocate)")
 
 
-def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None], size_for: str = "dip") -> list[TierService]:
+def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None],
+                  size_for: str = "dip") -> list[TierService]:
     """What the strategy hands each tier of the fleet (its devices counted, the budget it is sized for: in all but
     their rarest rounds, or ``size_for`` ``typical`` their median one), by the devices' own rule: the start-of-run
     statement (none for a fleet without budgets)."""
