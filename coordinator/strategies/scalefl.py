@@ -60,6 +60,9 @@ def self_distillation_loss(outputs: int, *, beta: float, tau: float, distill: bo
 
 #: How many times ``ratios: auto`` sizes the levels again against the top level the last search settled on.
 SIZING_ROUNDS = 5
+#: ``ratios: auto``: the tolerance a level no split reaches within ``scalefl.tolerance`` of its share is searched
+#: again with (from a third of its share up to it) before it is given up.
+WIDEST_TOLERANCE = 0.5
 
 
 class ScaleFL(LevelStrategy):
@@ -141,15 +144,16 @@ class ScaleFL(LevelStrategy):
 
     def _fit_against(self, top: SubmodelSpec, budgets: Sequence[int]) -> list[float]:
         """Fit the levels to the devices' affordable shares of ``top``'s training memory (one level per cluster,
-        :func:`coordinator.levels.fleet_shares`, each searched just below its share: its target lies its tolerance
-        below it, the tolerance ``scalefl.tolerance`` or half the share if that is less); the shares wanted."""
+        :func:`coordinator.levels.fleet_shares`), each searched in a window that ends at its share: a target of
+        ``share / (1 + eps)`` within ``eps`` (``scalefl.tolerance``), so that the level costs between
+        ``(1 - eps) / (1 + eps)`` of the share and the share; the shares wanted."""
         overhead = self.context.training_memory(top, self._plan(self.family.num_outputs(top), distill=True)).overhead
         full = self.memory_cost(top)
         shares = [affordable_share(budget, overhead, full, self.context.device_factor) for budget in budgets]
         wanted = fleet_shares(shares, most=len(SCALEFL_RATIOS))
-        tolerances = [min(self.settings.tolerances()[0], share / 2) for share in wanted[:-1]] + [0.0]
-        ratios = [share - tolerance for share, tolerance in zip(wanted[:-1], tolerances)] + [1.0]
-        self.fitted = (ratios, tolerances)
+        tolerance = self.settings.tolerances()[0]
+        self.fitted = ([share / (1 + tolerance) for share in wanted[:-1]] + [1.0],
+                       [tolerance] * (len(wanted) - 1) + [0.0])
         self._levels = None
         return wanted
 
@@ -168,7 +172,7 @@ class ScaleFL(LevelStrategy):
                 if not self.by_fleet or len(ratios) == 1:
                     raise ValueError(f"ScaleFL cannot split model {self.family.name!r}: {exc}; change "
                                      "scalefl.ratios or widen scalefl.tolerance") from None
-                ratios, tolerances = ratios[1:], tolerances[1:]  # (auto) a smallest share no split reaches
+                ratios, tolerances = _widen_or_drop_smallest(ratios, tolerances)  # (auto)
                 if self.fitted is not None:
                     self.fitted = (ratios, tolerances)
         levels = []
@@ -220,3 +224,12 @@ class ScaleFL(LevelStrategy):
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:
         return self._plan(self.family.num_outputs(level.spec), distill=self.distilling(round_number))
+
+
+def _widen_or_drop_smallest(ratios: list[float], tolerances: list[float]) -> tuple[list[float], list[float]]:
+    """(auto) The smallest level, which no split reaches: searched again in the widest window below its share
+    (:data:`WIDEST_TOLERANCE`), else given up (no device of its cluster can train a level of this model)."""
+    if tolerances[0] < WIDEST_TOLERANCE:
+        share = ratios[0] * (1 + tolerances[0])
+        return [share / (1 + WIDEST_TOLERANCE), *ratios[1:]], [WIDEST_TOLERANCE, *tolerances[1:]]
+    return ratios[1:], tolerances[1:]
