@@ -216,6 +216,9 @@ class MqttLink:
     When the broker hands this client id to another connection (MQTT 5 "Session taken over", or every connection
     dropped within seconds three times in a row), the link stays down (``taken_over``) and calls ``on_taken_over``
     once, off the network thread: reconnecting would knock the other off in turn.
+
+    ``will`` is the Last Will, or a callable that makes it as :meth:`start` connects (so that it says what is true
+    then, e.g. the round a coordinator is at).
     """
 
     def __init__(
@@ -225,7 +228,7 @@ class MqttLink:
         broker: BrokerConfig,
         subscriptions: Sequence[str],
         handler: MessageHandler,
-        will: Will | None = None,
+        will: Will | Callable[[], Will] | None = None,
         on_ready: Callable[[], None] | None = None,
         queue_limit: int = 10_000,
         on_taken_over: Callable[[], None] | None = None,
@@ -467,8 +470,9 @@ class MqttLink:
             except (OSError, ssl.SSLError) as exc:
                 raise BrokerUnavailable(f"cannot use broker.ca_file {self.broker.ca_file!r} "
                                         f"({exc.strerror or exc})") from exc
-        if self._will is not None:
-            client.will_set(self._will.topic, self._will.payload, qos=1, retain=self._will.retain)
+        will = self._will() if callable(self._will) else self._will  # a callable's: what is true as start() connects
+        if will is not None:
+            client.will_set(will.topic, will.payload, qos=1, retain=will.retain)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe

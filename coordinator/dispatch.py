@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from common.logs import Logger
 from common.mqtt_link import MqttLink
+from coordinator.in_flight import InFlight
 from coordinator.registry import FleetRegistry
 from coordinator.round import Round
 from coordinator.strategies import TaskPlan
-from coordinator.strategies.base import State
 from models import ModelFamily
 from protocol import (
     HEAD_ALONE_REVISION,
@@ -42,19 +41,20 @@ DISPATCH_WAIT_S = 30.0
 
 
 class Dispatcher:
-    """Sends the tasks of a round (see the module docstring). ``states(r)`` gives the global states the tasks of
-    round ``r`` are cut from (a task a buffered round carries, sent again, is cut as it was first); ``seed`` makes each task's training seed (per round and agent); ``grants_uploads``: the coordinator grants
-    uploads (`coordinator.upload_grants`), so agents that read revision 6 are told to ask first."""
+    """Sends the tasks of a round (see the module docstring). ``in_flight`` says which states the tasks of a round
+    are cut from (a task a buffered round carries, sent again, is cut as it was first); ``seed`` makes each task's
+    training seed (per round and agent); ``grants_uploads``: the coordinator grants uploads
+    (`coordinator.upload_grants`), so agents that read revision 6 are told to ask first."""
 
     def __init__(self, link: MqttLink, topics: Topics, registry: FleetRegistry, family: ModelFamily,
-                 model_ref: ModelRef, states: Callable[[int], Mapping[str, State]], seed: int, log: Logger, *,
+                 model_ref: ModelRef, in_flight: InFlight, seed: int, log: Logger, *,
                  grants_uploads: bool = False) -> None:
         self.link = link
         self.topics = topics
         self.registry = registry
         self.family = family
         self.model_ref = model_ref
-        self._states = states
+        self._in_flight = in_flight  # the states each round's tasks are cut from
         self.seed = seed
         self.log = log
         self.grants_uploads = grants_uploads
@@ -75,7 +75,7 @@ class Dispatcher:
         """Publish one task in chunks; returns the bytes sent. ``paced``: each chunk waits for room in the window
         of bytes in flight (:meth:`pace`), as the round's thread does."""
         spec = planned.spec
-        weights = self.family.extract(self._states(round_number)[planned.group], spec,
+        weights = self.family.extract(self._in_flight.states_of(round_number)[planned.group], spec,
                                       keys=self.family.state_keys(spec), views=True)
         seeded = self.seeded(planned.plan, round_number, planned.agent_id)
         plan = self.readable_plan(seeded, planned.agent_id)
@@ -126,6 +126,18 @@ class Dispatcher:
             self.send(dispatched.round, dispatched.task_id, dispatched.task, dispatched.deadline, paced=False)
             current.mark_sent(dispatched.task_id)
             self.log.info("task_resent", agent=agent_id, task=dispatched.task_id, round=dispatched.round)
+
+    def resend_carried(self, current: Round, back: set[str]) -> int:
+        """Send again the carried tasks of the agents ``back`` online while no round collected (a restart may have
+        lost them; an agent that has one ignores the copy); returns the bytes sent."""
+        sent = 0
+        for dispatched in current.tasks.values():
+            if dispatched.round != current.number and dispatched.task.agent_id in back:
+                sent += self.send(dispatched.round, dispatched.task_id, dispatched.task, dispatched.deadline)
+                current.mark_sent(dispatched.task_id)
+                self.log.info("task_resent", agent=dispatched.task.agent_id, task=dispatched.task_id,
+                              round=dispatched.round)
+        return sent
 
     def pace(self, task_id: str) -> None:
         """Wait until fewer than DISPATCH_WINDOW_BYTES of task chunks are in flight to the broker. After a wait in

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from common.logs import Logger
 from coordinator.metrics import RoundResult, TaskStatus
 from coordinator.round import Verdict
 
@@ -197,6 +198,20 @@ class CoordinatorMetrics:
         self._server = make_server(address, port, app, Server, handler_class=_QuietHandler)
         threading.Thread(target=self._server.serve_forever, name="metrics-server", daemon=True).start()
         return int(self._server.server_port)
+
+    def start(self, host: str, port: int, log: Logger) -> None:
+        """:meth:`serve`, said in ``log``; an OSError names the settings to change."""
+        try:
+            self.serve(host, port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on metrics_host {host}, metrics_port {port}: "
+                                     f"{exc.strerror}") from None
+        log.info("metrics_served", url=f"http://{host}:{self.port}/metrics")
+
+    @property
+    def port(self) -> int | None:
+        """The port ``/metrics`` is served on, None while not serving."""
+        return int(self._server.server_port) if self._server is not None else None
 
     def stop(self, linger: float = 0.0) -> bool:
         """Stop serving (nothing when not serving), once a scrape that began after the last change was sent, or

@@ -28,6 +28,9 @@ TWO_INSTANCES_WINDOW_S = 120.0
 #: broker delivers the retained statuses of the whole fleet in one burst after the subscription.
 REGISTRY_SETTLE_S = 1.0
 
+#: Seconds a round resumed from the journal waits at most for its agents' statuses before its tasks go out again.
+RESUME_SETTLE_S = 10.0
+
 #: Seconds the first round waits for an agent of this federation before saying which federations the broker
 #: shows (and again every ``FEDERATIONS_REPEAT_S`` while none comes).
 FEDERATIONS_CHECK_S = 10.0
@@ -48,6 +51,8 @@ class FleetWatch:
         self.dataset = dataset
         self.log = log
         self.service_log = ServiceLog(strategy)
+        #: Whether this process has seen the fleet (the first round it runs waits for all of it).
+        self.settled = False
         self._misfits_told: dict[str, str] = {}  # agents whose data does not fit, with the reason already logged
         #: Per agent id, processes another one of the id replaced while online, with when (see _watch_instances).
         self._replaced_instances: dict[str, dict[str, float]] = {}
@@ -95,13 +100,21 @@ class FleetWatch:
                 del replaced[instance]
 
     # ------------------------------------------------------------- before a round
-    def online_for_round(self, *, first: bool, on_count: Callable[[int], None],
+    def settle_for(self, agents: int) -> None:
+        """Before a round resumed from the journal goes out (its tasks in what each agent reads): hear its
+        ``agents``' statuses, unless this process has seen the fleet already."""
+        if not self.settled:
+            self.registry.wait_settled(agents, REGISTRY_SETTLE_S, RESUME_SETTLE_S)
+            self.settled = True
+
+    def online_for_round(self, *, on_count: Callable[[int], None],
                          stopped: Callable[[], bool]) -> tuple[list[AgentRecord], list[Skip]]:
         """The agents a round is planned for (online, their data fitting the model) and a skip for each online one
-        whose data does not fit. The first round waits for the whole fleet (:meth:`wait_for_first`) and refuses to
-        start with fewer than ``min_agents``; later ones wait for ``min_agents`` at most ``wait_for_agents_s``
-        and go on with those online. Raises NoAgentsError when none is; returns nothing once ``stopped()``."""
-        if first:
+        whose data does not fit. The first round of this process waits for the whole fleet (:meth:`wait_for_first`)
+        and refuses to start with fewer than ``min_agents``; later ones wait for ``min_agents`` at most
+        ``wait_for_agents_s`` and go on with those online. Raises NoAgentsError when none is; returns nothing once
+        ``stopped()``."""
+        if not self.settled:
             online = self.wait_for_first(on_count, stopped)
             if online and len(online) < self.config.min_agents and not stopped():
                 raise NoAgentsError(f"{len(online)} of the {self.config.min_agents} agents of federation "
@@ -120,6 +133,7 @@ class FleetWatch:
         if misfits and len(fitting) < self.config.min_agents:
             self.log.warning("fewer_fitting_agents_than_expected", fitting=len(fitting),
                              expected=self.config.min_agents)
+        self.settled = True
         return fitting, misfits
 
     def wait_for_first(self, on_count: Callable[[int], None], stopped: Callable[[], bool]) -> list[AgentRecord]:

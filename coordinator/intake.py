@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.logs import Logger
+from common.mqtt_link import MqttLink
+from coordinator.in_flight import InFlight
 from coordinator.journal import RoundJournal
 from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.round import Examined, Receipt, Round, Verdict
 from coordinator.screening import Change, change_of_result
 from coordinator.staleness import rebased
 from coordinator.strategies import TaskPlan, TaskResult
-from coordinator.strategies.base import State, Strategy
+from coordinator.strategies.base import Strategy
 from models import ModelFamily, SubmodelSpec, check_shapes
 from protocol import Ack, BytesLike, ProtocolError, Reassembler, Topics, Update, decode, encode
 
@@ -87,27 +89,28 @@ def _float_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 class UpdateIntake:
-    """Updates in, from chunks to results (see the module docstring). ``states(r)`` gives the states the tasks of
-    round ``r`` were cut from (what an update is measured against; a buffered round's stale updates name earlier
-    rounds); ``num_classes`` is the dataset's; ``carried(task_id, agent_id, round)``: whether the next round carries
-    that task of that agent and round (an update for it between two rounds is deferred, not refused)."""
+    """Updates in, from chunks to results (see the module docstring). ``in_flight`` gives the states the tasks of a
+    round were cut from (what an update is measured against; a buffered round's stale updates name earlier rounds)
+    and decides what an update gets while no round is in progress; ``num_classes`` is the dataset's;
+    ``on_accepted(round)``: the round took an update as new; ``on_receipt(verdict, bytes, answers)``: every whole
+    update, how the round took it (a :class:`Verdict` value), its size and the round's answers then (None: no
+    round)."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
-                 states: Callable[[int], Mapping[str, State]], publish: Callable[[str, bytes], object], topics: Topics,
-                 log: Logger, *, carried: Callable[[str, str, int], bool] = lambda task_id, agent_id, round_number: False
-                 ) -> None:
-        self.publish = publish  # the link's: acks go out through it
+                 in_flight: InFlight, link: MqttLink, topics: Topics, log: Logger, *,
+                 on_accepted: Callable[[Round], None] | None = None,
+                 on_receipt: Callable[[str, int, int | None], None] | None = None) -> None:
+        self._link = link  # acks go out through it
         self.topics = topics
         self.family = family
         self.strategy = strategy
         self.journal = journal
         self.num_classes = num_classes
-        self._states = states
-        self._carried = carried
+        self._in_flight = in_flight
+        self._on_accepted = on_accepted
+        self._on_receipt = on_receipt
         self.log = log
         self.reassembler = Reassembler(max_buffered_bytes=MAX_BUFFERED_BYTES, max_transfers=MAX_TRANSFERS)
-        #: Told of every whole update: how the round took it (a :class:`Verdict` value), its bytes, the round.
-        self.on_receipt: Callable[[str, int, Round | None], None] | None = None
         self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}
 
     def on_chunk(self, agent_id: str, payload: bytes) -> Arrival | None:
@@ -122,35 +125,34 @@ class UpdateIntake:
             raise ProtocolError(f"update from agent {update.agent_id!r} published on the topic of {agent_id!r}")
         return Arrival(update, whole.payload, whole.sha256)
 
-    def take(self, arrival: Arrival, current: Round | None, on_accepted: Callable[[Round], None]) -> Receipt | None:
-        """Give a whole update to the round in progress ``current`` (``on_accepted(current)`` when it takes it as
-        new) and answer it with its ack. Returns the receipt; one ``deferred`` (the next round carries the task, and
-        none collects now) is not answered: its update is for the caller to keep until a round can take it. None
-        when it could not be journaled (not answered: the agent sends it again)."""
+    def take(self, arrival: Arrival, current: Round | None) -> Receipt | None:
+        """Give a whole update to the round in progress ``current`` (read by the caller before it looked for an
+        earlier verdict) and answer it with its ack. Returns the receipt; one ``deferred`` (the next round carries
+        the task, and none collects now) is not answered: its update is for the caller to keep until a round can
+        take it. None when it could not be journaled (not answered: the agent sends it again)."""
         update, agent_id = arrival.update, arrival.update.agent_id
         if current is None:
-            receipt = (Receipt(Verdict.DEFERRED) if self._carried(update.task_id, agent_id, update.round) else
-                       Receipt(Verdict.UNKNOWN, f"unknown task {update.task_id!r} of round {update.round}: no round "
-                                                f"is in progress"))
+            receipt = self._in_flight.between_rounds(update.task_id, agent_id, update.round)
         else:
             try:  # stored (journaled) before the ack goes out, and folded into the round's aggregate
                 receipt = current.receive(update, arrival.payload, arrival.digest)
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
                 return None  # no ack: the agent sends it again
-            if receipt.verdict is Verdict.ACCEPTED:
-                on_accepted(current)
+            if receipt.verdict is Verdict.ACCEPTED and self._on_accepted is not None:
+                self._on_accepted(current)
         if receipt.verdict is Verdict.DEFERRED:
             return receipt
         # Answered only now: an ack says the update is stored for aggregation, a reason that it never will be. (The
         # round may close and screen it before this ack goes out; its verdict ack settles the device either way.)
-        self.publish(self.topics.agent_ack(agent_id),
+        self._link.publish(self.topics.agent_ack(agent_id),
                      encode(Ack(update.task_id, update.round, agent_id, receipt.refusal)))
         self.log.info("update_received", agent=agent_id, task=update.task_id, round=update.round,
                       status=update.status, verdict=receipt.verdict, bytes=len(arrival.payload),
                       refused=receipt.refusal)
-        if self.on_receipt is not None:
-            self.on_receipt(str(receipt.verdict), len(arrival.payload), current)
+        if self._on_receipt is not None:
+            self._on_receipt(str(receipt.verdict), len(arrival.payload),
+                             len(current.answers) if current is not None else None)
         return receipt
 
     # ----------------------------------------------------------- the round's Intake
@@ -182,7 +184,7 @@ class UpdateIntake:
     def measure(self, result: TaskResult, sent_round: int) -> Change:
         """How far an update moved the weights its task sent (in round ``sent_round``), and how far its plan could
         (screening)."""
-        sent = self.family.extract(self._states(sent_round)[result.task.group], result.spec,
+        sent = self.family.extract(self._in_flight.states_of(sent_round)[result.task.group], result.spec,
                                    keys=result.state.keys(), views=True)
         return change_of_result(result, sent)
 
@@ -191,9 +193,8 @@ class UpdateIntake:
         (`coordinator.staleness.rebased`); a fresh one as it is."""
         if sent_round == round_number:
             return result
-        group = result.task.group
-        return rebased(result, self._states(sent_round)[group], self._states(round_number)[group],
-                       round_number - sent_round)
+        group, states_of = result.task.group, self._in_flight.states_of
+        return rebased(result, states_of(sent_round)[group], states_of(round_number)[group], round_number - sent_round)
 
     def reload(self, task_id: str, task: TaskPlan) -> TaskResult:
         """A stored update of the round in progress, read back from the journal and unpacked."""

@@ -1,21 +1,24 @@
 """What a finished round reports: each device's task record and outcome, the verdicts devices hear, the accuracy of
-every evaluation target, and the round's result as `metrics.jsonl` keeps it."""
+every evaluation target, the deployable model, and the round's result as `metrics.jsonl` keeps it
+(:func:`review` does it all for a closed round)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from common.logs import Logger
 from common.mqtt_link import MqttLink
+from coordinator import deployable
 from coordinator.evaluation import Evaluator
 from coordinator.intake import spec_or_none
 from coordinator.metrics import RoundResult, TaskRecord, TaskStatus, round_timing
 from coordinator.round import Answer, Round
 from coordinator.strategies import TaskOutcome
-from coordinator.strategies.base import EvalTarget, State
+from coordinator.strategies.base import EvalTarget, State, Strategy
 from models import ModelFamily, SubmodelSpec
 from protocol import Ack, Topics, encode
 
@@ -143,3 +146,37 @@ def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: 
         deployed=deployed[0] if deployed is not None else "global",
         deployed_accuracy=deployed[1] if deployed is not None else None,
     )
+
+
+@dataclass
+class RoundReview:
+    """A closed round, reviewed: every selected agent's record, every target's accuracy, what its updates trained
+    (levels, and outputs of the global model) and the deployable model with its accuracy."""
+
+    current: Round
+    records: dict[str, TaskRecord]
+    accuracies: dict[str, list[float]]
+    trained: tuple[list[str], list[int]]
+    deployed: tuple[str, float]
+
+    def result(self, bytes_down: int, seconds: float) -> RoundResult:
+        """The round as `metrics.jsonl` keeps it, its traffic and wall time so far included."""
+        return round_result(self.current, self.records, dict(self.accuracies), self.trained, bytes_down, seconds,
+                            self.deployed)
+
+
+def review(current: Round, strategy: Strategy, family: ModelFamily, evaluator: Evaluator, states: dict[str, State],
+           trained_so_far: deployable.TrainedSoFar, carried: Collection[str], log: Logger) -> RoundReview:
+    """Review a closed round: tell the strategy how every task ended (the ``carried`` ones are still training),
+    add what its updates trained to ``trained_so_far``, evaluate every target of ``states`` (the time it takes in
+    the round's ``evaluation`` timing) and pick the deployable model."""
+    records, ended = outcomes(current, family, log, carried=carried)
+    strategy.observe(current.number, ended)
+    targets = strategy.eval_targets()
+    trained_now = trained(targets, family, list(current.aggregated()), strategy.trained_targets)
+    trained_so_far.add(*trained_now)
+    started = time.perf_counter()
+    accuracies = evaluate_targets(evaluator, targets, states, trained_so_far.members())
+    current.timing["evaluation"] = time.perf_counter() - started
+    return RoundReview(current, records, accuracies, trained_now,
+                       deployable.deployed(targets, family, trained_so_far, accuracies))

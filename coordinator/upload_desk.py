@@ -27,7 +27,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from common.logs import Logger
+from common.mqtt_link import MqttLink
 from coordinator.config import UploadsConfig
+from coordinator.in_flight import InFlight
 from coordinator.intake import Arrival, UpdateIntake
 from coordinator.round import Receipt, Round, Verdict
 from coordinator.upload_grants import UploadGrants
@@ -53,22 +55,18 @@ VERDICTS_KEPT = 4096
 
 class UploadDesk:
     """Messages on the agents' update topics (see the module docstring), with the ``uploads`` section's window
-    (:attr:`grants`, None when uploads are not granted). ``current()``: the round in progress; ``carried(task_id,
-    agent_id, round)``: whether the next round carries that task (between two rounds); ``on_answer(round)``: an
-    update the round took as new; ``revision(agent_id)``: the protocol revision an agent announced."""
+    (:attr:`grants`, None when uploads are not granted). ``in_flight``: the round in progress, and what a request
+    gets between two rounds; ``revision(agent_id)``: the protocol revision an agent announced."""
 
-    def __init__(self, intake: UpdateIntake, uploads: UploadsConfig, publish: Callable[[str, bytes], object],
-                 topics: Topics, current: Callable[[], Round | None], carried: Callable[[str, str, int], bool],
-                 on_answer: Callable[[Round], None], revision: Callable[[str], int], log: Logger) -> None:
+    def __init__(self, intake: UpdateIntake, uploads: UploadsConfig, link: MqttLink,
+                 topics: Topics, in_flight: InFlight, revision: Callable[[str], int], log: Logger) -> None:
         self.intake = intake
         #: The window of update bytes in transfer, None when uploads are not granted.
         self.grants = (UploadGrants(uploads.window_bytes, uploads.idle_s, wanted=self.wanted) if uploads.grant
                        else None)
-        self._publish = publish
+        self._link = link  # answers and grants go out through it
         self._topics = topics
-        self._current = current
-        self._carried = carried
-        self._on_answer = on_answer
+        self._in_flight = in_flight
         self._revision = revision
         self._log = log
         #: Held for the next round: requests by (agent, task), whole updates sent without asking by task id (their
@@ -150,7 +148,7 @@ class UploadDesk:
         if kept is None or (digest and kept[1] and digest != kept[1]):
             return False
         self._log.info("verdict_sent_again", agent=agent_id, task=task_id, round=round_number, verdict=kept[0].verdict)
-        self._publish(self._topics.agent_ack(agent_id), encode(kept[0]))
+        self._link.publish(self._topics.agent_ack(agent_id), encode(kept[0]))
         return True
 
     def forget(self, agent_id: str) -> None:
@@ -166,7 +164,7 @@ class UploadDesk:
         """Whether the round would take the update a waiting request is for now (one whose round closed, whose
         update is in already, or that the next round will take, leaves the queue when its turn comes, and is
         answered then: its ack, or held); the window's ``wanted``."""
-        return self._receipt_before_upload(self._current(), agent_id, task_id, round_number, "") is None
+        return self._receipt_before_upload(self._in_flight.current(), agent_id, task_id, round_number, "") is None
 
     def window(self) -> tuple[float, float]:
         """The window's bytes granted, and the requests waiting: for room in the window, or held for the next
@@ -188,7 +186,7 @@ class UploadDesk:
         already, or refused); held when the next round takes it; else a grant, at once when uploads are not
         granted (a coordinator restarted with ``uploads.grant`` off answers the agents its tasks told to ask), or
         in turn (told to wait meanwhile). One judged in an earlier round is answered with its verdict."""
-        current = self._current()  # read before the recall: verdicts are kept before the closed round goes
+        current = self._in_flight.current()  # read before the recall: verdicts are kept before the closed round goes
         if self._recall(request.agent_id, request.task_id, request.round, request.sha256):
             if self.grants is not None:
                 self.grants.withdraw(request.agent_id, request.task_id)
@@ -222,7 +220,7 @@ class UploadDesk:
                                round=request.round)
             self._tell_to_wait(request, "no round is collecting updates now: the next round takes this one")
             return
-        self._publish(self._topics.agent_ack(request.agent_id),
+        self._link.publish(self._topics.agent_ack(request.agent_id),
                       encode(Ack(request.task_id, request.round, request.agent_id, receipt.refusal)))
 
     def _take(self, arrival: Arrival | None) -> None:
@@ -231,10 +229,10 @@ class UploadDesk:
         is answered with its verdict."""
         if arrival is None:
             return
-        current = self._current()  # read before the recall: verdicts are kept before the closed round goes
+        current = self._in_flight.current()  # read before the recall: verdicts are kept before the closed round goes
         if self._recall(arrival.update.agent_id, arrival.update.task_id, arrival.update.round, arrival.digest):
             return
-        receipt = self.intake.take(arrival, current, self._on_answer)
+        receipt = self.intake.take(arrival, current)
         if receipt is None or receipt.verdict is not Verdict.DEFERRED:
             return
         update = arrival.update
@@ -257,7 +255,7 @@ class UploadDesk:
     def _tell_to_wait(self, request: UploadRequest, reason: str) -> None:
         """Tell an agent that reads it (revision 7) that its request waits its turn."""
         if self._revision(request.agent_id) >= UPLOAD_WAIT_REVISION:
-            self._publish(self._topics.agent_ack(request.agent_id),
+            self._link.publish(self._topics.agent_ack(request.agent_id),
                           encode(UploadWait(request.task_id, request.round, request.agent_id, reason)))
 
     def _receipt_before_upload(self, current: Round | None, agent_id: str, task_id: str, round_number: int,
@@ -267,14 +265,12 @@ class UploadDesk:
         as the intake refuses it); None: it would be taken."""
         if current is not None:
             return current.receipt_before_upload(task_id, round_number, agent_id, digest)
-        if self._carried(task_id, agent_id, round_number):
-            return Receipt(Verdict.DEFERRED)
-        return Receipt(Verdict.UNKNOWN, f"unknown task {task_id!r} of round {round_number}: no round is in progress")
+        return self._in_flight.between_rounds(task_id, agent_id, round_number)
 
     def _grant(self, grants: list[UploadGrant]) -> None:
         """Send ``grants``; then answer the requests that left the window's queue unwanted meanwhile."""
         for grant in grants:
-            self._publish(self._topics.agent_ack(grant.agent_id), encode(grant))
+            self._link.publish(self._topics.agent_ack(grant.agent_id), encode(grant))
         if self.grants is not None:
             for asked in self.grants.take_dropped():
                 self._answer(UploadRequest(asked.task_id, asked.round, asked.agent_id, asked.size, asked.sha256))

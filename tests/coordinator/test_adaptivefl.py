@@ -166,7 +166,7 @@ def test_a_restart_restores_the_tables(tmp_path: Path) -> None:
     first.strategy.tables.record("sim-3", "M1", None, declined_from="S3")  # every score 0: out
     first.strategy.tables.readmit(3)
     saved = first.strategy.state_dict()
-    save_checkpoint(first.checkpoint_path, first.states,
+    save_checkpoint(first.files.checkpoint_path, first.states,
                     {"round": 3, "algorithm": "adaptivefl", "family": "cnn", "strategy": saved})
     resumed_config = adaptivefl_config(tmp_path)
     resumed_config.resume = True

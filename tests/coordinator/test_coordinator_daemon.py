@@ -36,13 +36,13 @@ from protocol import Ack, Adaptation, AgentStatus, Capabilities, Update, decode
 
 def offer(coordinator: Coordinator, update: Update, size: int = 10) -> Receipt:
     """Hand an update to the round in progress as if it had arrived (stored nowhere)."""
-    assert coordinator._round is not None
-    return coordinator._round.receive(update, bytes(size), "", stored=True)
+    assert coordinator.in_flight.current() is not None
+    return coordinator.in_flight.current().receive(update, bytes(size), "", stored=True)
 
 
 def open_round(coordinator: Coordinator, round_number: int, tasks: dict[str, TaskPlan]) -> None:
     """Make a round of ``tasks`` the one in progress, collecting."""
-    coordinator._install(coordinator._new_round(round_number, tasks, [], time.time() + 60))
+    coordinator.in_flight.install(coordinator.planner.new_round(round_number, tasks, [], time.time() + 60))
 
 
 def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
@@ -108,7 +108,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path, digits) -> None:
     first = Coordinator(config(tmp_path), dataset=digits)
     marked = {k: v.clone() for k, v in first.states["global"].items()}
     marked["classifier.bias"] = torch.full_like(marked["classifier.bias"], 7.0)
-    save_checkpoint(first.checkpoint_path, {"global": marked},
+    save_checkpoint(first.files.checkpoint_path, {"global": marked},
                     {"round": 3, "algorithm": "heterofl", "family": "cnn", "strategy": {}})
     resumed = Coordinator(config(tmp_path, resume=True), dataset=digits)
     assert resumed.completed_rounds == 3
@@ -116,13 +116,13 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path, digits) -> None:
     # Without resume, a state_dir holding a run is refused: its checkpoint is not overwritten.
     with pytest.raises(ValueError, match="holds an earlier run .checkpoint.safetensors.: set resume: true to continue"):
         Coordinator(config(tmp_path, resume=False), dataset=digits)
-    assert load_checkpoint(first.checkpoint_path)[1]["round"] == 3
+    assert load_checkpoint(first.files.checkpoint_path)[1]["round"] == 3
     assert Coordinator(config(tmp_path / "other", resume=False), dataset=digits).completed_rounds == 0
 
 
 def test_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path: Path, digits) -> None:
     first = Coordinator(config(tmp_path), dataset=digits)
-    save_checkpoint(first.checkpoint_path, first.states, {"round": 1, "algorithm": "fedavg", "family": "cnn"})
+    save_checkpoint(first.files.checkpoint_path, first.states, {"round": 1, "algorithm": "fedavg", "family": "cnn"})
     with pytest.raises(ValueError, match="fedavg"):
         Coordinator(config(tmp_path, resume=True), dataset=digits)
 
@@ -131,14 +131,14 @@ def test_resume_refuses_other_groups_other_tensors_and_foreign_strategy_state(tm
     first = Coordinator(config(tmp_path), dataset=digits)
     meta = {"round": 1, "algorithm": "heterofl", "family": "cnn"}
     copy = {k: v.clone() for k, v in first.states["global"].items()}
-    save_checkpoint(first.checkpoint_path, {"a": first.states["global"], "b": copy}, meta)
+    save_checkpoint(first.files.checkpoint_path, {"a": first.states["global"], "b": copy}, meta)
     with pytest.raises(ValueError, match=r"model groups \['a', 'b'\]"):
         Coordinator(config(tmp_path, resume=True), dataset=digits)
     fewer = {k: v for k, v in first.states["global"].items() if k != "conv1.bias"}
-    save_checkpoint(first.checkpoint_path, {"global": fewer}, meta)
+    save_checkpoint(first.files.checkpoint_path, {"global": fewer}, meta)
     with pytest.raises(ValueError, match="does not match this model"):
         Coordinator(config(tmp_path, resume=True), dataset=digits)
-    save_checkpoint(first.checkpoint_path, first.states, {**meta, "strategy": {"scores": [1]}})
+    save_checkpoint(first.files.checkpoint_path, first.states, {**meta, "strategy": {"scores": [1]}})
     with pytest.raises(ValueError, match="keeps no state"):
         Coordinator(config(tmp_path, resume=True), dataset=digits)
 
@@ -272,7 +272,7 @@ def test_a_rounds_answers_become_records_outcomes_and_an_aggregate(scalefl: Coor
     ]
     for update in offers:
         assert offer(scalefl, update, 100).verdict == "accepted"
-    current = scalefl._round
+    current = scalefl.in_flight.current()
     assert current is not None
     current.close()
     current.finish()
@@ -380,14 +380,14 @@ def test_run_round_with_early_exits_reports_exit_accuracies(tmp_path: Path, digi
     largest = max(trained, key=lambda name: coordinator.family.param_count(level_spec(coordinator, name)))
     assert result.deployed == ("global" if largest == "3" else largest)
     assert result.headline == (result.global_accuracy if largest == "3" else result.level_accuracy[largest])
-    assert coordinator.trained_so_far.levels == set(trained)
+    assert coordinator.files.trained_so_far.levels == set(trained)
     # After screening, each device whose update was stored hears the verdict (a failed task is not aggregated).
     verdicts = [decode(payload, expected=Ack) for topic, payload in published if topic.endswith("/ack")]
     assert sorted((ack.agent_id, ack.verdict, ack.reason) for ack in verdicts) == [
         ("sim-0", "aggregated", None), ("sim-1", "aggregated", None), ("sim-2", "aggregated", None)]
     # Aggregated: the first conv's leading channel (held by every level) is the updates' 0.5.
     assert torch.all(coordinator.states["global"]["conv1.weight"][0] == 0.5)
-    states, meta = load_checkpoint(coordinator.checkpoint_path)
+    states, meta = load_checkpoint(coordinator.files.checkpoint_path)
     assert meta["round"] == 1 and meta["algorithm"] == "scalefl" and meta["strategy"] == {}
     torch.testing.assert_close(states["global"]["conv1.weight"], coordinator.states["global"]["conv1.weight"])
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
@@ -540,20 +540,20 @@ def test_an_update_is_acked_only_once_stored_and_otherwise_refused_with_the_reas
     good = update_for(heterofl, spec, task_id="r2-dev-1", agent="dev", status="ok", round_number=2, fill=0.1)
     assert send(good).reason == "unknown task 'r2-dev-1' of round 2: no round is in progress"
     open_round(heterofl, 2, {"r2-dev-1": task, "r2-dev-2": task})
-    heterofl.journal.begin(2, time.time() + 60, {"r2-dev-1": task, "r2-dev-2": task}, [])
+    heterofl.files.journal.begin(2, time.time() + 60, {"r2-dev-1": task, "r2-dev-2": task}, [])
     stale = update_for(heterofl, spec, task_id="r1-dev-1", agent="dev", status="ok", round_number=1, fill=0.1)
     assert send(stale).reason == "unknown task 'r1-dev-1' of round 1: round 2 is in progress"
     assert send(good) == Ack("r2-dev-1", 2, "dev")  # stored: an ack without a reason
-    assert [u.task_id for u, _ in heterofl.journal.stored({"r2-dev-1", "r2-dev-2"})] == ["r2-dev-1"]  # on disk before the ack
+    assert [u.task_id for u, _ in heterofl.files.journal.stored({"r2-dev-1", "r2-dev-2"})] == ["r2-dev-1"]  # on disk before the ack
     assert send(good).reason is None  # sent again: stored already
     other = update_for(heterofl, spec, task_id="r2-dev-1", agent="dev", status="ok", round_number=2, fill=0.2)
     assert send(other).reason.startswith("another update for task 'r2-dev-1' arrived first and is the one kept")
     wide = update_for(heterofl, SubmodelSpec.full(), task_id="r2-dev-2", agent="dev", status="ok", round_number=2,
                       fill=0.1)
     assert send(wide).reason.startswith("update rejected: agent trained width=1, which is not inside the width=0.5")
-    heterofl._round.close()  # the round closes
+    heterofl.in_flight.current().close()  # the round closes
     late = update_for(heterofl, spec, task_id="r2-dev-3", agent="dev", status="ok", round_number=2, fill=0.1)
-    heterofl._round.tasks["r2-dev-3"] = DispatchedTask("r2-dev-3", 2, task, time.time())
+    heterofl.in_flight.current().tasks["r2-dev-3"] = DispatchedTask("r2-dev-3", 2, task, time.time())
     assert send(late).reason == "round 2 closed before the update arrived"
 
 
@@ -564,7 +564,7 @@ def test_a_journaled_round_takes_resent_updates_before_it_runs(tmp_path: Path, d
 
     crashed = Coordinator(config(tmp_path), dataset=digits)
     task = task_for(crashed, "b")
-    crashed.journal.begin(1, time.time() + 60, {"r1-dev-1": task, "r1-dev-2": task}, [])
+    crashed.files.journal.begin(1, time.time() + 60, {"r1-dev-1": task, "r1-dev-2": task}, [])
     restarted = Coordinator(config(tmp_path, resume=True), dataset=digits)
     answers: list[Ack] = []
     monkeypatch.setattr(restarted.link, "publish", lambda topic, payload, **_: answers.append(decode(payload)))
@@ -572,10 +572,10 @@ def test_a_journaled_round_takes_resent_updates_before_it_runs(tmp_path: Path, d
     for chunk in split_payload(encode(update), "r1-dev-1.1"):
         restarted._on_message(Topics(restarted.config.federation).agent_update("dev"), chunk)
     assert answers == [Ack("r1-dev-1", 1, "dev")]  # stored: acked without a reason
-    assert [u.task_id for u, _ in restarted.journal.stored({"r1-dev-1", "r1-dev-2"})] == ["r1-dev-1"]
+    assert [u.task_id for u, _ in restarted.files.journal.stored({"r1-dev-1", "r1-dev-2"})] == ["r1-dev-1"]
     sent: list[str] = []
     monkeypatch.setattr(restarted.dispatcher, "send", lambda round_number, task_id, *_: sent.append(task_id) or 0)
-    restarted._round.deadline = time.time() + 0.5
+    restarted.in_flight.current().deadline = time.time() + 0.5
     # Its tasks go out once the agent's status is in (what it reads decides what it is sent).
     restarted.registry.on_status(AgentStatus("dev", "online", agent_record("dev").capabilities, time.time()))
     result = restarted.run_round(1)
@@ -830,14 +830,14 @@ def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp
     from protocol import encode
 
     task = task_for(first, first.strategy.levels[-1].name)
-    first.journal.begin(1, time.time() + 60, {"r1-dev-1": task}, [])
+    first.files.journal.begin(1, time.time() + 60, {"r1-dev-1": task}, [])
     update = update_for(first, task.spec, task_id="r1-dev-1", agent="dev", fill=0.1)
-    first.journal.store(update, encode(update))
+    first.files.journal.store(update, encode(update))
     resumed = Coordinator(replace(auto, resume=True), dataset=digits)
     assert resumed.completed_rounds == 0
     assert not resumed.strategy.awaits_fleet and resumed.strategy.global_spec() == spec
     assert set(resumed.states["global"]) == set(built)
-    assert resumed._round is not None and resumed._round.number == 1 and list(resumed._round.answers) == ["r1-dev-1"]
+    assert resumed.in_flight.current() is not None and resumed.in_flight.current().number == 1 and list(resumed.in_flight.current().answers) == ["r1-dev-1"]
     with pytest.raises(RuntimeError, match="before the first round"):
         resumed.fit_to_fleet([top])
 
@@ -857,7 +857,7 @@ def test_an_agent_asking_to_upload_is_granted_in_turn_or_answered_at_once(tmp_pa
     task = task_for(coordinator, "b")
     tasks = {f"r2-{agent}-1": replace(task, agent_id=agent) for agent in ("a", "b", "c")}
     open_round(coordinator, 2, tasks)
-    coordinator.journal.begin(2, time.time() + 60, tasks, [])
+    coordinator.files.journal.begin(2, time.time() + 60, tasks, [])
 
     def ask(agent: str) -> None:
         request = UploadRequest(f"r2-{agent}-1", 2, agent, 1000)
@@ -909,7 +909,7 @@ def test_between_rounds_what_the_next_round_carries_is_held_and_taken_when_it_op
     task = task_for(coordinator, "b")
     carried = [DispatchedTask(f"r1-{agent}-1", 1, replace(task, agent_id=agent), time.time() + 60)
                for agent in ("a", "old")]
-    coordinator._carry(carried, {1: coordinator.states})
+    coordinator.in_flight.carry(carried, {1: coordinator.states})
     coordinator._on_message(topics.agent_update("a"), encode(UploadRequest("r1-a-1", 1, "a", 10)))
     coordinator._on_message(topics.agent_update("old"), encode(UploadRequest("r1-old-1", 1, "old", 10)))
     assert [type(message) for message in sent] == [UploadWait] and sent[0].task_id == "r1-a-1"
@@ -922,12 +922,12 @@ def test_between_rounds_what_the_next_round_carries_is_held_and_taken_when_it_op
     coordinator._on_message(topics.agent_update("b"), encode(UploadRequest("r1-b-1", 1, "b", 10)))
     assert isinstance(sent[-1], Ack) and "no round is in progress" in (sent[-1].reason or "")
     fresh = {"r2-c-1": replace(task, agent_id="c")}
-    coordinator.journal.begin(2, time.time() + 60, fresh, [], carried, {1: coordinator.states})
-    coordinator._install(coordinator._new_round(2, fresh, [], time.time() + 60, carried))
+    coordinator.files.journal.begin(2, time.time() + 60, fresh, [], carried, {1: coordinator.states})
+    coordinator.in_flight.install(coordinator.planner.new_round(2, fresh, [], time.time() + 60, carried))
     del sent[:]
     coordinator.uploads.round_opened()
     assert sent == [Ack("r1-a-1", 1, "a"), Ack("r1-a-1", 1, "a"), UploadGrant("r1-old-1", 1, "old")]
-    answer = coordinator._round.answers["r1-a-1"]
+    answer = coordinator.in_flight.current().answers["r1-a-1"]
     assert answer.aggregated and answer.record.staleness == 1
     assert coordinator.uploads.window() == (0.0, 0.0) and coordinator.uploads.held() == []
     coordinator._on_message(topics.agent_update("c"), encode(UploadRequest("r2-c-1", 2, "c", 10)))
@@ -955,11 +955,11 @@ def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_tu
     task = task_for(coordinator, "b")
     tasks = {f"r1-{agent}-1": replace(task, agent_id=agent) for agent in ("a", "b", "old")}
     open_round(coordinator, 1, tasks)
-    coordinator.journal.begin(1, time.time() + 60, tasks, [])
+    coordinator.files.journal.begin(1, time.time() + 60, tasks, [])
     for agent in ("a", "b"):
         coordinator._on_message(topics.agent_update(agent), encode(UploadRequest(f"r1-{agent}-1", 1, agent, 1000)))
     assert sent == [UploadGrant("r1-a-1", 1, "a"), UploadWait("r1-b-1", 1, "b", sent[1].reason)]
-    current = coordinator._round
+    current = coordinator.in_flight.current()
 
     def upload(agent: str) -> None:
         update = update_for(coordinator, task.spec, task_id=f"r1-{agent}-1", agent=agent, round_number=1, fill=0.1)
@@ -970,7 +970,7 @@ def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_tu
     assert current.wait()  # its buffer of one is full
     current.close()
     assert {dispatched.task_id for dispatched in current.carried_over()} == {"r1-a-1", "r1-b-1"}
-    coordinator._carry(current.carried_over(), {1: coordinator.states})
+    coordinator.in_flight.carry(current.carried_over(), {1: coordinator.states})
     del sent[:]
     upload("a")  # granted before the round stopped collecting, it comes after: held, and b's turn comes
     assert [type(message) for message in sent] == [UploadWait] and sent[0].task_id == "r1-b-1"
@@ -978,12 +978,12 @@ def test_a_request_queued_in_the_window_is_told_to_wait_and_answered_when_its_tu
     assert coordinator.uploads.held() == [("a", "r1-a-1"), ("b", "r1-b-1")]
     assert coordinator.uploads.window() == (0.0, 1.0)  # b counted once, held; a's bytes back
     fresh = {"r2-c-1": replace(task, agent_id="c")}
-    coordinator.journal.begin(2, time.time() + 60, fresh, [], coordinator._carried, {1: coordinator.states})
-    coordinator._install(coordinator._new_round(2, fresh, [], time.time() + 60, coordinator._carried))
+    coordinator.files.journal.begin(2, time.time() + 60, fresh, [], coordinator.in_flight.carried, {1: coordinator.states})
+    coordinator.in_flight.install(coordinator.planner.new_round(2, fresh, [], time.time() + 60, coordinator.in_flight.carried))
     del sent[:]
     coordinator.uploads.round_opened()
     assert sent == [Ack("r1-a-1", 1, "a"), UploadGrant("r1-b-1", 1, "b")]
-    assert coordinator._round.answers["r1-a-1"].record.staleness == 1
+    assert coordinator.in_flight.current().answers["r1-a-1"].record.staleness == 1
 
 
 def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_path: Path, digits) -> None:
@@ -994,15 +994,15 @@ def test_a_restart_after_a_buffered_rounds_checkpoint_carries_its_tasks_on(tmp_p
 
     first = Coordinator(config(tmp_path, round_mode="buffered"), dataset=digits)
     task = task_for(first, "b")
-    first.completed_rounds = 3
-    first._checkpoint()
+    first.files.completed_rounds = 3
+    first.files.checkpoint(first.states)
     training = DispatchedTask("r3-a-1", 3, replace(task, agent_id="a"), time.time() + 600)
     over = DispatchedTask("r2-b-1", 2, replace(task, agent_id="b"), time.time() - 1)
-    first.journal.begin(4, 0.0, {}, [], [training, over], {3: first.states, 2: first.states}, planned=False)
+    first.files.journal.begin(4, 0.0, {}, [], [training, over], {3: first.states, 2: first.states}, planned=False)
     restarted = Coordinator(config(tmp_path, round_mode="buffered", resume=True), dataset=digits)
-    assert restarted.completed_rounds == 3 and restarted._round is None  # the next round is planned afresh
-    assert restarted._carried == [training, over] and restarted._carried_ids == {"r3-a-1", "r2-b-1"}
-    assert set(restarted._bases[3]) == set(first.states) and set(restarted._bases[2]) == set(first.states)
+    assert restarted.completed_rounds == 3 and restarted.in_flight.current() is None  # the next round is planned afresh
+    assert restarted.in_flight.carried == [training, over] and restarted.in_flight.carried_ids == {"r3-a-1", "r2-b-1"}
+    assert set(restarted.in_flight.bases[3]) == set(first.states) and set(restarted.in_flight.bases[2]) == set(first.states)
 
 
 def test_a_stop_between_a_buffered_rounds_checkpoint_and_its_journal_loses_no_carried_task(
@@ -1013,14 +1013,14 @@ def test_a_stop_between_a_buffered_rounds_checkpoint_and_its_journal_loses_no_ca
 
     first = Coordinator(config(tmp_path, round_mode="buffered"), dataset=digits)
     task = task_for(first, "b")
-    first.journal.begin(3, time.time() + 600, {"r3-a-1": replace(task, agent_id="a")}, [])
+    first.files.journal.begin(3, time.time() + 600, {"r3-a-1": replace(task, agent_id="a")}, [])
     training = DispatchedTask("r3-a-1", 3, replace(task, agent_id="a"), time.time() + 600)
-    first.journal.carry_on(4, [training], {3: first.states})
-    first.completed_rounds = 3
-    first._checkpoint()
+    first.files.journal.carry_on(4, [training], {3: first.states})
+    first.files.completed_rounds = 3
+    first.files.checkpoint(first.states)
     restarted = Coordinator(config(tmp_path, round_mode="buffered", resume=True), dataset=digits)
-    assert restarted.completed_rounds == 3 and restarted._round is None
-    assert restarted._carried == [training] and set(restarted._bases[3]) == set(first.states)
+    assert restarted.completed_rounds == 3 and restarted.in_flight.current() is None
+    assert restarted.in_flight.carried == [training] and set(restarted.in_flight.bases[3]) == set(first.states)
 
 
 def test_a_device_back_between_rounds_gets_its_carried_task_again_with_the_next_round(
@@ -1035,7 +1035,7 @@ def test_a_device_back_between_rounds_gets_its_carried_task_again_with_the_next_
     task = task_for(coordinator, "b")
     carried = [DispatchedTask(f"r1-{agent}-1", 1, replace(task, agent_id=agent), time.time() + 60)
                for agent in ("a", "b")]
-    coordinator._carry(carried, {1: coordinator.states})
+    coordinator.in_flight.carry(carried, {1: coordinator.states})
     capabilities = agent_record("a").capabilities
     for state in ("online", "offline", "online"):  # a restarts while no round is in progress
         coordinator._on_message(topics.agent_status("a"), encode(AgentStatus(
@@ -1043,11 +1043,11 @@ def test_a_device_back_between_rounds_gets_its_carried_task_again_with_the_next_
     sent: list[tuple[int, str]] = []
     monkeypatch.setattr(coordinator.dispatcher, "send",
                         lambda round_number, task_id, *_, **__: sent.append((round_number, task_id)) or 10)
-    current = coordinator._new_round(2, {}, [], time.time() + 60, carried)
-    coordinator._install(current)
-    assert coordinator._resend_carried(current) == 10
+    current = coordinator.planner.new_round(2, {}, [], time.time() + 60, carried)
+    coordinator.in_flight.install(current)
+    assert coordinator.dispatcher.resend_carried(current, coordinator.in_flight.take_back_online()) == 10
     assert sent == [(1, "r1-a-1")]
-    assert coordinator._resend_carried(current) == 0  # once
+    assert coordinator.dispatcher.resend_carried(current, coordinator.in_flight.take_back_online()) == 0  # once
 
 
 def test_a_task_carried_no_further_is_reported_as_such(tmp_path: Path, digits) -> None:
@@ -1059,8 +1059,8 @@ def test_a_task_carried_no_further_is_reported_as_such(tmp_path: Path, digits) -
                               dataset=digits)
     task = task_for(coordinator, "b")
     old = DispatchedTask("r1-a-1", 1, replace(task, agent_id="a"), time.time() + 60)
-    current = coordinator._new_round(5, {}, [], time.time() - 1, [old])
-    coordinator._install(current)
+    current = coordinator.planner.new_round(5, {}, [], time.time() - 1, [old])
+    coordinator.in_flight.install(current)
     current.close()
     assert current.carried_over() == []  # 5 rounds old in round 6: more than 4
     records, _ = reporting.outcomes(current, coordinator.family, coordinator.log)
@@ -1075,16 +1075,16 @@ def test_a_stop_between_a_rounds_checkpoint_and_its_record_loses_no_figures(tmp_
 
     first = Coordinator(config(tmp_path), dataset=digits)
     earlier = RoundResult(1, 0.5, {"a": 0.5}, 2, 2, 10, 10, 1.0, trained_levels=["b"])
-    first.metrics.write(earlier)
-    first.completed_rounds = 2
-    first._checkpoint(RoundResult(2, 0.75, {"a": 0.75}, 2, 2, 10, 10, 1.5))
-    with first.metrics.path.open("a") as handle:
+    first.files.metrics.write(earlier)
+    first.files.completed_rounds = 2
+    first.files.checkpoint(first.states, RoundResult(2, 0.75, {"a": 0.75}, 2, 2, 10, 10, 1.5))
+    with first.files.metrics.path.open("a") as handle:
         handle.write('{"round": 2, "glob')  # the stop came while the line was written
     restarted = Coordinator(config(tmp_path, resume=True), dataset=digits)
-    assert [(r.round, r.global_accuracy) for r in read_metrics(restarted.metrics.path)] == [(1, 0.5), (2, 0.75)]
-    assert restarted.trained_so_far.levels == {"b"}  # what the rounds trained, for the deployable model
+    assert [(r.round, r.global_accuracy) for r in read_metrics(restarted.files.metrics.path)] == [(1, 0.5), (2, 0.75)]
+    assert restarted.files.trained_so_far.levels == {"b"}  # what the rounds trained, for the deployable model
     again = Coordinator(config(tmp_path, resume=True, metrics_port=0), dataset=digits)
-    assert [r.round for r in read_metrics(again.metrics.path)] == [1, 2]  # once
+    assert [r.round for r in read_metrics(again.files.metrics.path)] == [1, 2]  # once
     assert again.exporter is not None and again.exporter.accuracy.value() == 0.75  # shown until round 3 is done
 
 
@@ -1098,14 +1098,14 @@ def test_updates_held_for_the_next_round_stay_within_the_window_and_a_run_ends_s
     coordinator = Coordinator(config(tmp_path, uploads=UploadsConfig(grant=False, window_mib=0.001),
                                      round_mode="buffered", buffered=BufferedConfig(drain_last=False), rounds=1),
                               dataset=digits)
-    assert coordinator._new_round(1, {}, [], time.time() + 60).buffer_size is not None  # the last round: not drained
+    assert coordinator.planner.new_round(1, {}, [], time.time() + 60).buffer_size is not None  # the last round: not drained
     sent: list[object] = []
     topics = Topics(coordinator.config.federation)
     monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: sent.append(decode(payload)))
     task = task_for(coordinator, "b")
     carried = [DispatchedTask(f"r1-{agent}-1", 1, replace(task, agent_id=agent), time.time() + 60)
                for agent in ("a", "b")]
-    coordinator._carry(carried, {1: coordinator.states})
+    coordinator.in_flight.carry(carried, {1: coordinator.states})
     for agent in ("a", "b"):
         update = update_for(coordinator, task.spec, task_id=f"r1-{agent}-1", agent=agent, round_number=1, fill=0.1)
         for chunk in split_payload(encode(update), f"r1-{agent}-1.1"):

@@ -208,7 +208,7 @@ def test_describe_lists_the_pool_with_teachers_and_ladders(strategy: FlexFL) -> 
 def test_a_restart_restores_the_pool_without_redoing_it(tmp_path: Path, digits, monkeypatch) -> None:
     first = Coordinator(flexfl_config(tmp_path), dataset=digits)
     pool = [(level.name, level.spec) for level in first.strategy.levels]
-    save_checkpoint(first.checkpoint_path, first.states,
+    save_checkpoint(first.files.checkpoint_path, first.states,
                     {"round": 2, "algorithm": "flexfl", "family": "cnn", "strategy": first.strategy.state_dict()})
 
     def redo(_self: FlexFL) -> dict:

@@ -135,7 +135,7 @@ def test_fedfit_status_shows_the_fleet_and_the_round(secured_mosquitto: SecuredB
         status = decode(retained[-1], expected=CoordinatorStatus)
         assert isinstance(status, CoordinatorStatus) and status.revision == 0 and status.progress is None
     finally:
-        current = coordinator._current()
+        current = coordinator.in_flight.current()
         if current is not None:
             current.interrupt()  # the mute agent never answers: end the round
         runner.join(timeout=WAIT_S)
