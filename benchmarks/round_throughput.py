@@ -75,7 +75,8 @@ def measure(agents: int, family: str, hidden: list[int]) -> Throughput:
         coordinator.registry.wait_settled = lambda *args, **kwargs: fleet  # type: ignore[method-assign]
         coordinator.registry.wait_for = lambda *args, **kwargs: fleet  # type: ignore[method-assign]
         started = time.perf_counter()
-        current = coordinator._plan_round(1)
+        current = coordinator.planner.next_round(1, stopped=lambda: False, on_count=lambda count: None)
+        assert current is not None
         planning = time.perf_counter() - started
         rng = np.random.default_rng(0)
         payloads = []

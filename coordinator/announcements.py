@@ -15,6 +15,7 @@ import time
 from common.mqtt_link import MqttLink, Will
 from coordinator.in_flight import InFlight
 from coordinator.registry import FleetRegistry
+from coordinator.run_files import RunFiles
 from protocol import STATUS_REPORT_REVISION, CoordinatorStatus, RoundProgress, Topics, encode
 
 __all__ = ["PROGRESS_INTERVAL_S", "StatusAnnouncer"]
@@ -27,13 +28,13 @@ class StatusAnnouncer:
     """Builds and publishes the coordinator's retained status (see the module docstring)."""
 
     def __init__(self, federation: str, link: MqttLink, topics: Topics, registry: FleetRegistry,
-                 in_flight: InFlight, completed_rounds: int) -> None:
+                 in_flight: InFlight, files: RunFiles) -> None:
         self.federation = federation
         self._link = link
         self._topics = topics
         self._registry = registry
         self._in_flight = in_flight
-        self._completed = completed_rounds
+        self._files = files  # the rounds completed
         self._opened_at = 0.0  # wall clock: when the round in progress sent its tasks
         self._outage_at_open = 0.0  # the link's outage seconds then
         self._reports_announced = False  # whether the last status said this coordinator reads agents' reports
@@ -49,7 +50,7 @@ class StatusAnnouncer:
         coordinator reads agents' reports and carries the round in progress; the Last Will never does (an agent of
         any revision must read it)."""
         current = self._in_flight.current()
-        number = current.number if current is not None else self._completed
+        number = current.number if current is not None else self._files.completed_rounds
         if reports is None:
             reports = self.fleet_reads_reports()
         if not reports:
@@ -68,8 +69,8 @@ class StatusAnnouncer:
         return self._topics.coordinator_status(), encode(self.status("offline", reports=False)), True
 
     def last_will(self) -> Will:
-        """The Last Will the broker publishes if this coordinator vanishes (made at each connection: it names the
-        round of then)."""
+        """The Last Will the broker publishes if this coordinator vanishes (made as the link's start() connects: it
+        names the round of then)."""
         return Will(*self.offline())
 
     def fleet_reads_reports(self) -> bool:
@@ -82,10 +83,6 @@ class StatusAnnouncer:
         """The round in progress sends its tasks now: its progress counts from here."""
         self._opened_at = time.time()
         self._outage_at_open = self._link.outage_seconds()
-
-    def round_closed(self, round_number: int) -> None:
-        """``round_number`` is completed (the status names it until the next round opens)."""
-        self._completed = round_number
 
     def announce(self) -> None:
         """Publish the status now (retained)."""

@@ -24,6 +24,7 @@ from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from coordinator import reporting
 from coordinator.announcements import StatusAnnouncer
+from coordinator.brief import MethodBrief
 from coordinator.config import CoordinatorConfig
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluator
@@ -67,19 +68,21 @@ class Coordinator:
         self.dataset = dataset if dataset is not None else load_dataset(config.data.dataset, config.data.root)
         self.family: ModelFamily = model_family(config, self.dataset)
         self.strategy = strategy_for(config, self.dataset, self.family)
+        #: What the method tells whoever runs it (the simulator asks there, not the strategy).
+        self.brief = MethodBrief(config, self.strategy, self.family, self.dataset.image_size)
         self.fleet = FleetWatch(config, FleetRegistry(), self.dataset, self.strategy, self.log)
         self.on_round = on_round
         self.on_progress = on_progress
         self.rejected_messages = 0  # messages refused as malformed
         self.files = RunFiles(config, self.strategy, self.model_ref, self.log)
         self.in_flight = InFlight(self.files.open())
-        # The link first, so that every room is handed it once; its Last Will is made as it connects.
+        # The link first, so that every room is handed it once; its Last Will is made as start() connects.
         self.link = MqttLink(client_id=f"fedfit-coordinator-{config.federation}", broker=config.broker,
                              subscriptions=[self.topics.all_agent_status(), self.topics.all_agent_updates()],
                              handler=self._on_message, will=self._last_will, on_ready=self._on_link_ready,
                              on_refused=self._on_refused)
         self.announcer = StatusAnnouncer(config.federation, self.link, self.topics, self.registry, self.in_flight,
-                                         self.completed_rounds)
+                                         self.files)
         #: Prometheus metrics (``metrics_port``), None when off.
         self.exporter = (CoordinatorMetrics(config.federation, config.algorithm, self.link.backlog,
                                             lambda: len(self.registry.online()), lambda: self.uploads.window())
@@ -102,8 +105,7 @@ class Coordinator:
                                      config.seed, self.log, grants_uploads=self.uploads.grants is not None)
 
     @property
-    def topics(self) -> Topics:
-        """The federation's MQTT topics."""
+    def topics(self) -> Topics:  # the federation's
         return Topics(self.config.federation)
 
     @property
@@ -132,8 +134,7 @@ class Coordinator:
         return self.in_flight.halted
 
     @property
-    def metrics_port(self) -> int | None:
-        """The port the metrics are served on once started, else None."""
+    def metrics_port(self) -> int | None:  # once the metrics are served
         return self.exporter.port if self.exporter is not None else None
 
     @property
@@ -184,8 +185,9 @@ class Coordinator:
             _, agent_id, kind = parse_agent_topic(topic)
             if kind == "status":
                 if self.fleet.on_status(agent_id, payload):
-                    self.dispatcher.resend_unanswered(self.in_flight.current(), agent_id)
-                    self.in_flight.back_online(agent_id)  # (between rounds: a task the next round carries goes again)
+                    current = self.in_flight.current()
+                    self.dispatcher.resend_unanswered(current, agent_id)
+                    self.in_flight.back_online(agent_id, current)  # (a task the next round carries goes again)
                 self.announcer.announce_if_readers_changed()  # an older agent came, or the last went
                 record = self.registry.get(agent_id)
                 if record is not None and not record.online:
@@ -238,7 +240,6 @@ class Coordinator:
         self.files.round_done(current.number, self.states, review.result(bytes_down, time.monotonic() - started),
                               buffered=current.buffer_size is not None, carried=self.in_flight.carried,
                               bases=self.in_flight.bases)
-        self.announcer.round_closed(current.number)
         current.timing["checkpoint"] = time.perf_counter() - phase
         # Only now: aggregated is for good. Kept, for a device that sends its update again, killed before the ack.
         self.uploads.remember(reporting.send_verdicts(current, self.link, self.topics, self.log))
@@ -279,10 +280,11 @@ class Coordinator:
         return self.in_flight.left_behind(self.uploads.held())
 
     def fit_to_fleet(self, budgets: Sequence[int]) -> None:
-        """Size what the strategy hands out from the fleet's ``budgets`` (its ``auto`` settings: ScaleFL's and
-        FlexFL's ratios, ...) before the first round, and make the initial states of the models it chose. The
-        round loop does it with the budgets of the agents online at round 1; the simulator before it starts,
-        with the budgets it gives its devices."""
+        """Size what the method hands out to the fleet's ``budgets`` (`RoundPlanner.fit_to_fleet`), before the first
+        round: the round loop with the agents online at round 1, the simulator with its devices' budgets before it
+        starts. Nothing for a method that sizes nothing, or was sized (resumed)."""
+        if not self.strategy.awaits_fleet:
+            return
         if self.completed_rounds or self.in_flight.current() is not None:
             raise RuntimeError("the strategy can only be sized to the fleet before the first round")
         self.planner.fit_to_fleet(budgets)

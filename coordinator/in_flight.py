@@ -128,11 +128,12 @@ class InFlight:
         carried = [(dispatched.task.agent_id, dispatched.task_id, "carried") for dispatched in self._carried]
         return carried + [(agent, task, "held") for agent, task in held if task not in self._carried_ids]
 
-    def back_online(self, agent_id: str) -> None:
-        """An agent came back online: if no round collects now, the task the next round carries for it goes to it
+    def back_online(self, agent_id: str, current: Round | None) -> None:
+        """An agent came back online while ``current`` was the round in progress (read once, as its unanswered
+        tasks were sent again): if that round does not collect, the task the next round carries for it goes to it
         again then (:meth:`take_back_online`)."""
-        with self._lock:
-            if self._round is None or self._round.phase is not Phase.COLLECTING:
+        if current is None or current.phase is not Phase.COLLECTING:
+            with self._lock:
                 self._back.add(agent_id)
 
     def take_back_online(self) -> set[str]:

@@ -108,9 +108,10 @@ class RoundPlanner:
 
     def resume(self, completed_rounds: int, grace_s: float) -> None:
         """Open the round the journal holds, if it is the next one, with the updates it had stored (taken again as
-        if they arrived now, without storing them again), at least ``grace_s`` seconds before its deadline: from
-        the first message on, so that an update its agents resend before the round loop gets to it is not refused
-        for good. A buffered round's carried tasks, journaled with its checkpoint, go to the next round planned."""
+        if they arrived now, without storing them again), its deadline at least ``grace_s`` seconds away (at most a
+        round's timeout): from the first message on, so that an update its agents resend before the round loop gets
+        to it is not refused for good. A buffered round's carried tasks, journaled with its checkpoint, go to the
+        next round planned."""
         pending = self._journal.load()
         if pending is not None and pending.round == completed_rounds:  # checkpointed, then stopped before the
             pending = self._journal.load_next()  # journal said what the next round carries (as carry_on recorded it)

@@ -58,7 +58,10 @@ class RunFiles:
             if self.metrics.restore(self.completed_rounds, record):
                 self._log.warning("round_record_restored", round=self.completed_rounds,
                                   reason="stopped after the round's checkpoint, before metrics.jsonl had its record")
-            self.last_record = RoundResult.from_dict(record) if record is not None else None
+            try:
+                self.last_record = RoundResult.from_dict(record) if record is not None else None
+            except ValueError as exc:  # another version's record: the run goes on without it (the exporter's)
+                self._log.warning("last_round_record_unread", round=self.completed_rounds, reason=str(exc))
         self.trained_so_far = deployable.TrainedSoFar.of_run(self.metrics.path, self.completed_rounds, self._log)
         return states
 

@@ -27,8 +27,7 @@ from common.data import Dataset, load_dataset, parse_partition, partition_indice
 from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.metrics import MetricsWriter, RoundResult, read_metrics
-from coordinator.serving import TierService, largest_needs, serve_tiers, service_lines
-from coordinator.strategies.base import base_plan
+from coordinator.serving import TierService
 from edge_agent import forkserver
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
@@ -121,9 +120,9 @@ def check_device(device: str) -> None:
                          "and allocate)")
 
 
-def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None],
+def tier_services(brief: Any, schedules: Sequence[DeviceBudget | None],
                   size_for: str = "dip") -> list[TierService]:
-    """What the strategy hands each tier of the fleet (its devices counted, the budget it is sized for: in all but
+    """What the method (its `coordinator.brief.MethodBrief`) hands each tier of the fleet (its devices counted, the budget it is sized for: in all but
     their rarest rounds, or ``size_for`` ``typical`` their median one), by the devices' own rule: the start-of-run
     statement (none for a fleet without budgets)."""
     counts: dict[str, int] = {}
@@ -133,15 +132,16 @@ def tier_services(strategy: Any, schedules: Sequence[DeviceBudget | None],
             counts[schedule.tier.name] = counts.get(schedule.tier.name, 0) + 1
             budgets[schedule.tier.name] = schedule.sized_for(size_for)
     ordered = sorted(counts, key=lambda name: budgets[name])
-    return serve_tiers(strategy, [(name, budgets[name], counts[name]) for name in ordered])
+    return list(brief.serve([(name, budgets[name], counts[name]) for name in ordered]))
 
 
 def budget_anchor(coordinator: Coordinator, allocator: str = "pooled", device: str = "cpu") -> BudgetAnchor:
     """What the fleet's budgets are measured against (the same for every algorithm): the full model of the
     coordinator's family trained with plain cross-entropy at its recipe's batch size, by agents running
     ``allocator`` on ``device``."""
-    return BudgetAnchor.estimate(coordinator.family, base_plan(coordinator.config.recipe),
-                                 input_size=coordinator.dataset.image_size, allocator=allocator, device=device)
+    plain = coordinator.brief.plain_training()
+    return BudgetAnchor.estimate(plain.family, plain.plan, input_size=plain.input_size, allocator=allocator,
+                                 device=device)
 
 
 def prepare_run_dir(options: SimOptions) -> Path:
@@ -334,18 +334,14 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
         # Sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...); a resumed run's checkpoint
         # holds what the sizing chose, and a strategy that sizes nothing is never asked (a round resumed from the
         # journal is in progress already).
-        if any(schedules) and coordinator.strategy.awaits_fleet:
+        if any(schedules):
             # the budgets they have in all but their rarest rounds (as fedfit plan --budgets and the statement use),
             # or in their median round (--size-for typical)
             coordinator.fit_to_fleet([schedule.sized_for(options.size_for) for schedule in schedules
                                       if schedule is not None])
-        services = tier_services(coordinator.strategy, schedules, options.size_for)
+        services = tier_services(coordinator.brief, schedules, options.size_for)
         if progress is not None:
-            strategy = coordinator.strategy
-            for line in (service_lines(options.algorithm, services, strategy.largest(), largest_needs(strategy))
-                         if services else
-                         [(f"{options.algorithm} ignores memory budgets: every device trains "
-                          f"{coordinator.strategy.describe()[0]['spec']}")]):
+            for line in coordinator.brief.statement(services):
                 print(f"{label + ': ' if label else ''}{line}", file=progress, flush=True)
         if factors and progress is not None:
             print(f"{label + ': ' if label else ''}{speeds_line(speeds, options.budgets, options.seed)}",
@@ -380,7 +376,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                     "train_samples": (options.train_samples if options.train_samples is not None
                                       and options.train_samples < len(dataset.y_train) else None),
                     "federation": options.federation, "level_assignment": config.level_assignment,
-                    "levels": [entry["name"] for entry in coordinator.strategy.describe()],
+                    **coordinator.brief.report_settings(),  # the levels, and masked_ce
                     "budgets": options.budgets,
                     "budget_variance": options.budget_variance if options.budgets == "tiers-fluctuating" else 0.0,
                     # what fluctuating budgets were sized for (dip where nothing fluctuates: nothing to size for)
@@ -391,7 +387,6 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                     "device_speeds": speeds,
                     # the heap the agents' children ran ("pooled" falls back to "compact" without the page pool)
                     "allocator": agents[0].runner.allocator if agents else options.allocator,
-                    "masked_ce": coordinator.strategy.masked_ce,
                     "device": options.device,
                     "serving": [service.as_dict() for service in services]}
         # A resumed run's time: this process's, and the rounds the earlier one finished (its set-up is not known).

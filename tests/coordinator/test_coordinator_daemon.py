@@ -838,8 +838,18 @@ def test_sizing_to_the_fleet_remakes_the_global_model_and_survives_a_restart(tmp
     assert not resumed.strategy.awaits_fleet and resumed.strategy.global_spec() == spec
     assert set(resumed.states["global"]) == set(built)
     assert resumed.in_flight.current() is not None and resumed.in_flight.current().number == 1 and list(resumed.in_flight.current().answers) == ["r1-dev-1"]
+    resumed.fit_to_fleet([top])  # sized already (what the checkpoint holds): nothing changes
+    assert resumed.strategy.global_spec() == spec and resumed.in_flight.current().number == 1
+
+
+def test_sizing_to_the_fleet_is_refused_once_a_round_began(tmp_path: Path, digits) -> None:
+    auto = config(tmp_path, algorithm="scalefl", model=ModelConfig(family="cnn", options={"hidden": [4, 8, 16, 32]}),
+                  scalefl=ScaleFLConfig(grid_step=0.05))
+    coordinator = Coordinator(auto, dataset=digits)
+    assert coordinator.strategy.awaits_fleet
+    coordinator.in_flight.install(coordinator.planner.new_round(1, {}, [], time.time() + 60))
     with pytest.raises(RuntimeError, match="before the first round"):
-        resumed.fit_to_fleet([top])
+        coordinator.fit_to_fleet([10**9])
 
 
 def test_an_agent_asking_to_upload_is_granted_in_turn_or_answered_at_once(tmp_path: Path, digits,
@@ -1116,3 +1126,15 @@ def test_updates_held_for_the_next_round_stay_within_the_window_and_a_run_ends_s
     for chunk in split_payload(encode(claim), "r1-a-1.9"):
         coordinator._on_message(topics.agent_update("x"), chunk)
     assert isinstance(sent[-1], Ack) and "unknown task" in (sent[-1].reason or "")  # not held for a's task
+
+
+def test_a_checkpoints_record_of_another_version_does_not_stop_a_resume(tmp_path: Path, digits) -> None:
+    """The last round's record is read for the exporter only: one this version cannot read is said in the log,
+    and the run resumes."""
+    first = Coordinator(config(tmp_path), dataset=digits)
+    first.files.completed_rounds = 2
+    first.files.checkpoint(first.states, RoundResult(2, 0.75, {"a": 0.75}, 2, 2, 10, 10, 1.5))
+    states, meta = load_checkpoint(first.files.checkpoint_path)
+    save_checkpoint(first.files.checkpoint_path, states, {**meta, "record": {**meta["record"], "of_later": 1}})
+    restarted = Coordinator(config(tmp_path, resume=True, metrics_port=0), dataset=digits)
+    assert restarted.completed_rounds == 2 and restarted.files.last_record is None

@@ -155,14 +155,15 @@ def test_sized_for_typical_a_fluctuating_device_has_its_budget_in_about_half_its
 
 
 def test_the_start_of_run_statement_gives_each_tier_the_budget_it_is_sized_for() -> None:
+    from coordinator.serving import TierService
     from fedfit.sim.harness import tier_services
 
     anchor = BudgetAnchor(0, 100 * 2**20, lambda width: int(100 * 2**20 * width))
     fleet = device_budgets("tiers-fluctuating", 10, anchor, seed=3, variance=10.0)
 
-    class Told:  # whatever a strategy answers: the statement's budgets are what is checked
-        def plan_for_budget(self, budget: int) -> dict[str, object]:
-            return {"trains": "a"}
+    class Told:  # whatever a method answers: the statement's budgets are what is checked
+        def serve(self, tiers: list[tuple[str, int, int]]) -> list[TierService]:
+            return [TierService(name, budget, devices, {"trains": "a"}) for name, budget, devices in tiers]
 
     for size_for in ("dip", "typical"):
         told = {service.tier: service.budget for service in tier_services(Told(), fleet, size_for)}
