@@ -25,6 +25,7 @@ from common.cores import available_cores
 from common.logs import get_logger
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from edge_agent import forkserver
+from edge_agent.activity import SEEN_TASKS, AgentActivity
 from edge_agent.config import AgentConfig
 from edge_agent.holdback import HoldBack, hold_seconds
 from edge_agent.id_probe import probe_agent_id
@@ -36,7 +37,6 @@ from protocol import (
     PROTOCOL_REVISION,
     STATUS_REPORT_REVISION,
     Ack,
-    AgentReport,
     AgentStatus,
     BytesLike,
     Capabilities,
@@ -56,9 +56,7 @@ from protocol import (
     payload_version,
 )
 
-_SEEN_TASKS = 1024
-#: Characters of a trained spec or a reason its report carries.
-_REPORT_TEXT = 300
+_SEEN_TASKS = SEEN_TASKS
 
 
 #: The watchdog is fed while the dispatcher got through its last heartbeat within this many seconds plus two ticks.
@@ -81,7 +79,6 @@ class EdgeAgent:
             forkserver.preload_page_pool()
         forkserver.declare_device(config.device)  # "cpu": its forkserver leaves torch's GPU packages out
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
-        self._last_round = 0
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
         own_dir = Path(state_dir) / self.agent_id if state_dir else None
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
@@ -95,18 +92,14 @@ class EdgeAgent:
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")
         self.reassembler = Reassembler(max_total_bytes=config.limits.max_task_bytes, max_transfers=8,
                                        admit=self._admit_task)
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._busy = 0
-        self._since = time.time()  # when the agent went online or busy (its report's ``since``)
-        self._training: dict[str, int] = {}  # task id -> round, of the tasks being served
-        self._last_answer: dict[str, object] = {}  # its report's last_* fields
+        #: The tasks it serves and the answers it gave (its status's busy, its report).
+        self.activity = AgentActivity(_SEEN_TASKS)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._stopping = False  # stop() has begun (it runs once)
         self.rejected_messages = 0
         #: Updates the coordinator stored but its screening rejected, by task id, with the reason (the latest).
         self.rejected_updates: OrderedDict[str, str] = OrderedDict()
-        self.tasks_done = 0
         self.coordinator_state = "unknown"  # as its retained status last said
         self.coordinator_reads_reports = False  # its status said so (protocol.STATUS_REPORT_REVISION)
         #: Why the agent stopped on its own (the broker refused what it cannot work without), one sentence.
@@ -206,6 +199,11 @@ class EdgeAgent:
         self.stop()
 
     @property
+    def tasks_done(self) -> int:
+        """Tasks answered."""
+        return self.activity.tasks_done
+
+    @property
     def taken_over(self) -> bool:
         """Whether another process connected to the broker as this agent and this one stopped for it."""
         return self.link.taken_over
@@ -227,14 +225,14 @@ class EdgeAgent:
     def status(self, report: bool = True) -> AgentStatus:
         """The current status with fresh memory figures (and its report, when ``report`` and the coordinator reads
         it)."""
-        with self._lock:
-            state = "busy" if self._busy else "online"
-            summary = self._report() if report and self.coordinator_reads_reports else None
-        budget = self.budget_schedule(self._last_round)
+        state = "busy" if self.activity.busy else "online"
+        summary = (self.activity.report(*self.uplink.backlog()) if report and self.coordinator_reads_reports
+                   else None)
+        budget = self.budget_schedule(self.activity.last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
             memory_total=total_memory(),
-            memory_available=self.runner.available(self._last_round),
+            memory_available=self.runner.available(self.activity.last_round),
             budget_bytes=budget,
             num_samples=self.data.samples,
             labels=list(self.data.labels),
@@ -247,27 +245,10 @@ class EdgeAgent:
         """The tasks the coordinator has not settled, with where each is: ``training``, ``held back`` (trained,
         its update in the outbox spool, held back by ``slowdown``) or ``outbox`` (its update waiting for its
         ack)."""
-        with self._lock:
-            training = list(self._training)
+        training = self.activity.training()
         held = set(self.holdback.held())
         return [(task_id, "held back" if task_id in held else "training") for task_id in training] + [
             (task_id, "outbox") for task_id in self.uplink.unacked() if task_id not in training]
-
-    def _report(self) -> AgentReport:
-        """What ``fedfit status`` shows of this agent (lock held)."""
-        task, task_round = next(reversed(self._training.items()), ("", 0))
-        outbox, outbox_bytes = self.uplink.backlog()
-        return AgentReport(self._since, task, task_round, outbox=outbox, outbox_bytes=outbox_bytes,
-                           **self._last_answer)  # type: ignore[arg-type]
-
-    def _remember_answer(self, task: Task, update: Update) -> None:
-        """Keep the answer to ``task`` for the report (lock held)."""
-        trained = update.spec_trained
-        self._last_answer = {
-            "last_task": task.task_id, "last_round": task.round, "last_status": str(update.status),
-            "last_trained": ((" ".join(f"{key}={value}" for key, value in trained.items()) or "the full model")
-                             if isinstance(trained, dict) else "")[:_REPORT_TEXT],
-            "last_reason": (update.reason or "")[:_REPORT_TEXT], "last_finished_at": time.time()}
 
     def _offline_status(self) -> AgentStatus:
         return AgentStatus(self.agent_id, "offline", None, time.time(), self.instance)
@@ -406,15 +387,9 @@ class EdgeAgent:
         if task.agent_id != self.agent_id:
             raise ProtocolError(f"task addressed to {task.agent_id!r} arrived at {self.agent_id!r}")
         waiting = self.uplink.pending(task.task_id)  # its update is out already (e.g. a previous process's)
-        with self._lock:
-            if not self._first_sight(task.task_id) or waiting:
-                self.log.info("duplicate_task_ignored", task=task.task_id, update_waiting=waiting)
-                return
-            if not self._busy:
-                self._since = time.time()
-            self._busy += 1
-            self._training[task.task_id] = task.round
-            self._last_round = max(self._last_round, task.round)
+        if not self.activity.take(task, answered_already=waiting):
+            self.log.info("duplicate_task_ignored", task=task.task_id, update_waiting=waiting)
+            return
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
         self._start(task, time.perf_counter(), complete)  # answered in the version the task came in
@@ -435,23 +410,13 @@ class EdgeAgent:
             self.log.warning("task_refused", transfer=refused.transfer, reason=refused.reason,
                              answered=False, why_not="its chunks do not say the round")
             return
-        with self._lock:
-            if not self._first_sight(refused.transfer):
-                return
+        if not self.activity.first_sight(refused.transfer):
+            return
         self.log.warning("task_refused", task=refused.transfer, round=refused.round, reason=refused.reason,
                          answered=True)
         self.uplink.send(Update(task_id=refused.transfer, round=refused.round, agent_id=self.agent_id,
                                 status=UpdateStatus.DECLINED, spec_trained=None, num_samples=self.data.samples,
                                 labels=list(self.data.labels), weights={}, metrics={}, reason=refused.reason))
-
-    def _first_sight(self, task_id: str) -> bool:
-        """Whether ``task_id`` is new (lock held); remembers it among the last ``_SEEN_TASKS``."""
-        if task_id in self._seen:
-            return False
-        self._seen[task_id] = None
-        while len(self._seen) > _SEEN_TASKS:
-            self._seen.popitem(last=False)
-        return True
 
     def _serve(self, task: Task, received: float, payload: BytesLike | None = None) -> None:
         """Train ``task`` (``received``: time.perf_counter() when it arrived; ``payload``: the message it came
@@ -486,7 +451,7 @@ class EdgeAgent:
                             float(update.metrics.get("seconds_task", update.metrics.get("seconds", 0.0))))
         if hold <= 0:
             self.uplink.send(update, version=version, ask=task.ask_to_upload)
-            self._answered(task, update)
+            self.activity.answered(task, update)
             return False
         update.metrics["seconds_slowdown"] = hold
         update.metrics["seconds_task"] = float(update.metrics.get("seconds_task", 0.0)) + hold
@@ -495,7 +460,7 @@ class EdgeAgent:
         def release() -> None:
             try:
                 queue()
-                self._answered(task, update)
+                self.activity.answered(task, update)
             finally:
                 self._task_over(task)
 
@@ -505,17 +470,8 @@ class EdgeAgent:
                           slowdown=self.config.slowdown)
         return held
 
-    def _answered(self, task: Task, update: Update) -> None:
-        with self._lock:  # (on a hold-back's thread too)
-            self.tasks_done += 1
-            self._remember_answer(task, update)
-
     def _task_over(self, task: Task) -> None:
         """The agent is done with ``task`` (its update sent, or none coming): busy no more unless with another."""
-        with self._lock:
-            self._busy -= 1
-            self._training.pop(task.task_id, None)
-            if not self._busy:
-                self._since = time.time()
+        self.activity.over(task.task_id)
         if not self._stop.is_set():
             self.publish_status()

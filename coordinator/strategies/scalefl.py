@@ -131,7 +131,8 @@ class ScaleFL(LevelStrategy):
             _, self.fitted, wanted = passes[best]
             self._levels = None
         dropped = len(wanted) - len(self.levels)  # a share no split reaches is dropped by the search
-        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in self.targets()[0])} of the top "
+        costs = [float(level.info["cost_ratio"]) for level in reversed(self.levels)]  # where they sit, not targets
+        return (f"scalefl.ratios auto: levels at {', '.join(f'{r:.3g}' for r in costs)} of the top "
                 f"level's training memory, from {len(budgets)} reported budget{'s' * (len(budgets) != 1)}"
                 + (f" ({dropped} share{'s' * (dropped != 1)} too small to split)" if dropped else ""))
 

@@ -453,10 +453,11 @@ def test_auto_shares_are_of_the_top_level_the_search_settles_on(monkeypatch: pyt
 
 
 def test_auto_levels_reach_up_to_what_each_cluster_can_afford():
-    """Each level is searched in a window that ends at its cluster's share of the top level's memory, so a device
-    trains a level of at least (1 - eps) / (1 + eps) of the memory it can give it. (The window once ended a tolerance
-    below the share: the smallest cluster's level came out at 58% of what its devices could train, and on the
-    small-too-small fleet's PreResNet-20 the r=1 tier trained 21 of its 42 MiB.)"""
+    """Each level is searched in a window that ends at its cluster's share of the top level's memory, so the
+    smallest device of a cluster trains a level of at least (1 - eps) / (1 + eps) of the memory it can give it (a
+    level searched again in the widest window, or a merged cluster's larger devices, less). (The window once ended a
+    tolerance below the share: here the smallest cluster's level came out at 58% of what its device could train, and
+    on the small-too-small fleet's PreResNet-20 the r=1 tier trained 21 of its 42 MiB.)"""
     strategy = auto_strategy()
     full = strategy.cost(strategy.levels[0])
     budgets = [full // 5, full // 2, int(full * 0.8)]

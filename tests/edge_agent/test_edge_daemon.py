@@ -77,7 +77,7 @@ def test_refused_tasks_are_remembered_among_the_last_tasks_seen_only(make_agent,
     for n in range(5):  # a run of refused tasks, each answered once
         agent._on_message(TASKS, split_payload(b"\x00" * (2**20 + 1), f"r{n}-pi-01-x", round_number=n)[0])
     assert [update.task_id for update in sent] == [f"r{n}-pi-01-x" for n in range(5)]
-    assert list(agent._seen) == ["r3-pi-01-x", "r4-pi-01-x"]
+    assert agent.activity.seen() == ["r3-pi-01-x", "r4-pi-01-x"]
 
 
 def test_a_refused_task_whose_chunks_name_no_round_is_only_logged(make_agent) -> None:
@@ -202,8 +202,7 @@ def test_a_task_cut_short_by_the_agents_own_stop_is_not_answered(make_agent, mon
                       "the agent stopped while training")
 
     monkeypatch.setattr(agent.runner, "run", run)
-    with agent._lock:
-        agent._busy += 1
+    agent.activity.take(SimpleNamespace(task_id="r1-pi-01-1", round=1))  # type: ignore[arg-type]
     agent._serve(SimpleNamespace(task_id="r1-pi-01-1"), 0.0)
     assert sent == []  # nothing spooled: the next process trains the task the coordinator sends again
 
@@ -218,9 +217,9 @@ def _trained(seconds: float, seconds_task: float) -> Callable[..., Update]:
 
 def _busy_with(agent: EdgeAgent, task_id: str) -> None:
     """What the dispatcher does before it hands a task to the training executor."""
-    with agent._lock:
-        agent._busy += 1
-        agent._training[task_id] = 1
+    from types import SimpleNamespace
+
+    assert agent.activity.take(SimpleNamespace(task_id=task_id, round=1))  # type: ignore[arg-type]
 
 
 def test_a_slowed_agent_holds_its_update_back_busy_without_holding_its_training_slot(make_agent, monkeypatch) -> None:
@@ -237,7 +236,7 @@ def test_a_slowed_agent_holds_its_update_back_busy_without_holding_its_training_
     with ThreadPoolExecutor(max_workers=1) as slot:  # the simulator's training pool, one slot for every agent
         slot.submit(agent._serve, task, time.perf_counter()).result(30)
         assert slot.submit(lambda: "another agent trains").result(30)  # the slot is free at once
-    assert agent.status(report=False).state == "busy" and task.task_id in agent._training  # the agent is not
+    assert agent.status(report=False).state == "busy" and task.task_id in agent.activity.training()  # the agent is not
     assert sent == [] and agent.uplink.backlog() == (0, 0)  # nothing sent, nothing queued...
     assert agent.uplink.pending(task.task_id)  # ...but the update is in the outbox spool already
     assert agent.spool is not None
@@ -279,8 +278,8 @@ def test_a_held_back_update_goes_to_the_uplink_when_due_and_the_agent_is_free_ag
     agent._serve(task, time.perf_counter())
     assert queued.wait(30) and over.wait(30)
     assert agent.uplink.backlog()[0] == 1 and sent == []  # queued for delivery (send() is the undelayed path)
-    assert agent._busy == 0 and task.task_id not in agent._training and agent.tasks_done == 1
-    assert agent._last_answer["last_task"] == task.task_id
+    assert not agent.activity.busy and task.task_id not in agent.activity.training() and agent.tasks_done == 1
+    assert agent.activity.report(0, 0).last_task == task.task_id
 
 
 def test_an_agent_at_its_own_speed_sends_at_once(make_agent, monkeypatch) -> None:
@@ -294,7 +293,7 @@ def test_an_agent_at_its_own_speed_sends_at_once(make_agent, monkeypatch) -> Non
     agent._serve(task, time.perf_counter())
     [update] = sent
     assert "seconds_slowdown" not in update.metrics and update.metrics["seconds_task"] == 2.5
-    assert agent._busy == 0 and agent.holdback.held() == []
+    assert not agent.activity.busy and agent.holdback.held() == []
 
 
 def test_a_task_that_comes_while_a_slowed_agent_holds_an_update_back_starts_once_it_is_free(make_agent,
