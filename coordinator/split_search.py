@@ -255,7 +255,8 @@ class _CostModel:
 
 def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequence[float], *,
                   cost: str | Callable[[SubmodelSpec], float] = "params", input_size: tuple[int, int] = (28, 28),
-                  step: float = 0.01, max_rounds: int = 10, exhaustive: bool = False) -> list[LevelSplit]:
+                  step: float = 0.01, max_rounds: int = 10, exhaustive: bool = False,
+                  start_exits: Sequence[int] = ()) -> list[LevelSplit]:
     """ScaleFL's levels for ``family``: one split per target ratio (smallest first, the last 1: the full model).
 
     ``cost`` is ``"params"``, ``"flops"`` (per sample at ``input_size``) or any function of a spec that does not
@@ -264,7 +265,7 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
 
     ``cost(M)`` is the global model as the top level trains it, early exits included, so every level's ratio is
     of the same model; since the exits depend on the splits, the search repeats until the exits settle
-    (at most ``max_rounds`` times). A level below the top that is cut keeps an exit after its last block, and
+    (at most ``max_rounds`` times), starting from the global model with ``start_exits`` (default: none). A level below the top that is cut keeps an exit after its last block, and
     every level keeps the exits of the levels below it.
     """
     if not ratios or abs(ratios[-1] - 1.0) > 1e-9:
@@ -278,7 +279,7 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
         raise ValueError(f"the split cost must be 'params', 'flops' or a function of a spec, got {cost!r}")
     n = family.num_blocks
     allowed = [b + 1 for b in family.exit_points] + [n]
-    exits: tuple[int, ...] = ()
+    exits = tuple(start_exits)
     levels: list[LevelSplit] = []
     for _ in range(max_rounds):
         full = costs(n, 1.0, exits)

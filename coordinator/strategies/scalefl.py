@@ -74,6 +74,9 @@ class ScaleFL(LevelStrategy):
         self.settings = context.config.scalefl
         #: The (ratios, tolerances) sized from the fleet's budgets (``ratios: auto``), once it reported them.
         self.fitted: tuple[list[float], list[float]] | None = None
+        #: The exits of the top level those ratios are shares of: the search of the levels starts from that global
+        #: model (from the plain one, a share of the top is read against a model without its exits' cost).
+        self.start_exits: tuple[int, ...] = ()
         super().__init__(context)
 
     def to_fit(self) -> str:
@@ -106,6 +109,7 @@ class ScaleFL(LevelStrategy):
         if not budgets or all(budget >= self.cost(self.levels[0]) for budget in budgets):
             # nothing reported, or every device trains the top level: the fixed ladder (its exits and Eq. 5)
             self.fitted = (self.settings.fixed_ratios(), self.settings.tolerances())
+            self.start_exits = ()
             self._levels = None
             return ("scalefl.ratios auto: " + ("no budgets reported" if not budgets else
                                                "every device can train the top level") + ", the fixed ratios")
@@ -117,18 +121,18 @@ class ScaleFL(LevelStrategy):
         # (a top can cost more than the one its shares were of, and passes can alternate): the pass that serves
         # the fleet best is kept, the first one (the costliest top's) among them.
         top = replace(SubmodelSpec.full(), exits=tuple(self.family.exit_points))
-        passes: list[tuple[tuple[int, int], tuple[list[float], list[float]], list[float]]] = []
+        passes: list[tuple[tuple[int, int], tuple[list[float], list[float]], list[float], tuple[int, ...]]] = []
         for _ in range(SIZING_ROUNDS):
             wanted = self._fit_against(top, budgets)
             assert self.fitted is not None
-            passes.append((self._service(budgets), self.fitted, wanted))
+            passes.append((self._service(budgets), self.fitted, wanted, self.start_exits))
             settled = self.global_spec()
             if settled == top:
                 break
             top = settled
         best = max(range(len(passes)), key=lambda index: (passes[index][0], -index))
         if best != len(passes) - 1:
-            _, self.fitted, wanted = passes[best]
+            _, self.fitted, wanted, self.start_exits = passes[best]
             self._levels = None
         dropped = len(wanted) - len(self.levels)  # a share no split reaches is dropped by the search
         costs = [float(level.info["cost_ratio"]) for level in reversed(self.levels)]  # where they sit, not targets
@@ -155,6 +159,7 @@ class ScaleFL(LevelStrategy):
         tolerance = self.settings.tolerances()[0]
         self.fitted = ([share / (1 + tolerance) for share in wanted[:-1]] + [1.0],
                        [tolerance] * (len(wanted) - 1) + [0.0])
+        self.start_exits = tuple(top.exits)
         self._levels = None
         return wanted
 
@@ -166,8 +171,8 @@ class ScaleFL(LevelStrategy):
         ratios, tolerances = self.targets()
         while True:
             try:
-                found = search_levels(self.family, ratios, tolerances, cost=cost,
-                                      input_size=self.context.input_size, step=settings.grid_step)
+                found = search_levels(self.family, ratios, tolerances, cost=cost, input_size=self.context.input_size,
+                                      step=settings.grid_step, start_exits=self.start_exits)
                 break
             except NoSplitError as exc:
                 if not self.by_fleet or len(ratios) == 1:
@@ -206,17 +211,21 @@ class ScaleFL(LevelStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         """The ratios fitted to the fleet (``ratios: auto``), so that a resumed run keeps its levels."""
-        return {"fitted": [list(part) for part in self.fitted]} if self.fitted is not None else {}
+        if self.fitted is None:
+            return {}
+        return {"fitted": [list(part) for part in self.fitted],
+                **({"start_exits": list(self.start_exits)} if self.start_exits else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if set(state) - {"fitted"}:
-            raise ValueError(f"ScaleFL's state holds {sorted(state)}, expected only 'fitted'")
+        if set(state) - {"fitted", "start_exits"}:
+            raise ValueError(f"ScaleFL's state holds {sorted(state)}, expected only 'fitted' and 'start_exits'")
         if "fitted" in state and not self.by_fleet:
             raise ValueError("the checkpoint's ScaleFL levels were sized to the fleet (scalefl.ratios: auto, cost: "
                              "memory); resume with those settings, or use another state_dir")
         if "fitted" in state:
             ratios, tolerances = ([float(value) for value in part] for part in state["fitted"])
             self.fitted = (ratios, tolerances)
+            self.start_exits = tuple(int(block) for block in state.get("start_exits", ()))
             self._levels = None
 
     def distilling(self, round_number: int) -> bool:

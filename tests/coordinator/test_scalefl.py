@@ -426,7 +426,7 @@ def test_auto_levels_survive_a_restart():
     strategy.fit_to_fleet([full // 20, full // 4, full])
     restored = auto_strategy()
     restored.load_state_dict(strategy.state_dict())
-    assert not restored.awaits_fleet
+    assert not restored.awaits_fleet and restored.start_exits == strategy.start_exits != ()  # where its search began
     assert [level.spec for level in restored.levels] == [level.spec for level in strategy.levels]
 
 

@@ -382,3 +382,23 @@ def test_split_spec_cuts_and_keeps_the_final_head():
     family = get_family("cnn", 10, 1, hidden=(4, 8, 16, 32))
     assert split_spec(family, 2, 0.5, (1,)) == SubmodelSpec(width=0.5, rounding="floor", depth=2, exits=(1,))
     assert split_spec(family, 4, 0.5, (1,)) == SubmodelSpec(width=0.5, rounding="floor", exits=(1,))
+
+
+def test_search_levels_starts_from_the_global_model_it_is_given():
+    """The levels' ratios are of the global model with its exits: a search started from the plain model reads a
+    share of that model against one without its exits' cost, and a small level, whose own exit costs more than that
+    share of the plain model, is found by no split. Started from the global model the share was of (ScaleFL's
+    `auto` sizing gives it), it is found. (A training-memory-like cost: a part per block kept, whatever the width,
+    and a costly exit.)"""
+    family = get_family("resnet20", 10, 1, hidden=(4, 8, 16))
+    plain = float(family.param_count(SubmodelSpec.full()))
+
+    def cost(spec: SubmodelSpec) -> float:
+        blocks = spec.depth if spec.depth is not None else family.num_blocks
+        return float(family.param_count(spec)) + 0.2 * plain * blocks + plain * len(spec.exits)
+
+    with pytest.raises(NoSplitError):
+        search_levels(family, [0.3, 1.0], [0.1, 0.0], cost=cost, step=0.05)
+    level, top = search_levels(family, [0.3, 1.0], [0.1, 0.0], cost=cost, step=0.05, start_exits=(0,))
+    assert top.spec.exits == level.spec.exits == (0,)  # settled where it started
+    assert abs(cost(level.spec) / cost(top.spec) / 0.3 - 1) <= 0.1 + 1e-9
