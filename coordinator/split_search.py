@@ -265,8 +265,9 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
 
     ``cost(M)`` is the global model as the top level trains it, early exits included, so every level's ratio is
     of the same model; since the exits depend on the splits, the search repeats until the exits settle
-    (at most ``max_rounds`` times), starting from the global model with ``start_exits`` (default: none). A level below the top that is cut keeps an exit after its last block, and
-    every level keeps the exits of the levels below it.
+    (at most ``max_rounds`` times), starting from the global model with ``start_exits`` (default: none). A level
+    below the top that is cut keeps an exit after its last block, and every level keeps the exits of the levels
+    below it.
     """
     if not ratios or abs(ratios[-1] - 1.0) > 1e-9:
         raise ValueError(f"the last target ratio must be 1 (the full model), got {list(ratios)}")

@@ -423,7 +423,8 @@ def test_auto_waits_for_the_fleet_and_then_gives_every_budget_a_level():
 def test_auto_levels_survive_a_restart():
     strategy = auto_strategy()
     full = strategy.cost(strategy.levels[0])
-    strategy.fit_to_fleet([full // 20, full // 4, full])
+    strategy.fit_to_fleet([full // 2, full // 9, full])  # (its best sizing is not its last, and the search
+    # started from that sizing's top: restored from the plain model, other levels)
     restored = auto_strategy()
     restored.load_state_dict(strategy.state_dict())
     assert not restored.awaits_fleet and restored.start_exits == strategy.start_exits != ()  # where its search began
@@ -471,3 +472,12 @@ def test_auto_levels_reach_up_to_what_each_cluster_can_afford():
         level = next(level for level in strategy.levels if level.name == trains)
         affordable = (budget - overhead) / strategy.context.device_factor
         assert (1 - eps) / (1 + eps) <= strategy.memory_cost(level.spec) / affordable <= 1, (budget, trains)
+
+
+def test_auto_levels_are_searched_from_the_top_their_shares_are_of():
+    """A share of the top level (exits included), read against the plain model as a search that starts there reads
+    it, reaches no split: here the middle device's level was dropped, and it trained the smallest one."""
+    strategy = auto_strategy()
+    full = strategy.cost(strategy.levels[0])
+    strategy.fit_to_fleet([full // 6, full // 14, full])
+    assert len(strategy.levels) == 4  # one level per device, and the top
