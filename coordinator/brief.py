@@ -43,11 +43,6 @@ class MethodBrief:
         """The full model trained by the recipe, what a fleet's budgets are measured against."""
         return PlainTraining(self._family, base_plan(self._config.recipe), self._input_size)
 
-    @property
-    def sizes_to_fleet(self) -> bool:
-        """Whether the method waits for the fleet's budgets to size what it hands out (`Coordinator.fit_to_fleet`)."""
-        return self._strategy.awaits_fleet
-
     def serve(self, tiers: Sequence[tuple[str, int, int]]) -> list[TierService]:
         """Per ``(tier name, budget bytes, devices)``: what the method hands a device of it, by the device's rule."""
         return serve_tiers(self._strategy, tiers)

@@ -122,9 +122,9 @@ def check_device(device: str) -> None:
 
 def tier_services(brief: Any, schedules: Sequence[DeviceBudget | None],
                   size_for: str = "dip") -> list[TierService]:
-    """What the method (its `coordinator.brief.MethodBrief`) hands each tier of the fleet (its devices counted, the budget it is sized for: in all but
-    their rarest rounds, or ``size_for`` ``typical`` their median one), by the devices' own rule: the start-of-run
-    statement (none for a fleet without budgets)."""
+    """What the method (``brief``: its `coordinator.brief.MethodBrief`) hands each tier of the fleet (its devices
+    counted, the budget it is sized for: in all but their rarest rounds, or ``size_for`` ``typical`` their median
+    one), by the devices' own rule: the start-of-run statement (none for a fleet without budgets)."""
     counts: dict[str, int] = {}
     budgets: dict[str, int] = {}
     for schedule in schedules:
@@ -332,8 +332,7 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                                             options.seed,
                                             options.budget_variance))
         # Sized to the budgets this fleet's devices get (ScaleFL's ratios: auto, ...); a resumed run's checkpoint
-        # holds what the sizing chose, and a strategy that sizes nothing is never asked (a round resumed from the
-        # journal is in progress already).
+        # holds what the sizing chose, and the coordinator then sizes nothing, as for a method that sizes nothing.
         if any(schedules):
             # the budgets they have in all but their rarest rounds (as fedfit plan --budgets and the statement use),
             # or in their median round (--size-for typical)
