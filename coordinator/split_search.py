@@ -306,7 +306,13 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
         exits = tuple(found)
     # The exits did not settle: keep the last levels only if they meet their targets against the global model
     # they make (with their own exits).
-    full = costs(n, 1.0, exits)
+    return _unsettled(family, levels, costs(n, 1.0, exits), exits, max_rounds)
+
+
+def _unsettled(family: ModelFamily, levels: list[LevelSplit], full: float, exits: tuple[int, ...],
+               max_rounds: int) -> list[LevelSplit]:
+    """The last search's ``levels`` against the global model with ``exits`` (cost ``full``), when they all meet
+    their targets there; NoSplitError otherwise."""
     settled = []
     for level in levels[:-1]:
         split = level.split
@@ -316,5 +322,6 @@ def search_levels(family: ModelFamily, ratios: Sequence[float], tolerances: Sequ
                                f"of ratio {level.target:g} ends at {ratio:.3g})")
         settled.append(LevelSplit(level.target, level.tolerance, Split(split.s_d, split.s_w, split.blocks,
                                                                         split.cost, ratio), level.spec))
+    n = family.num_blocks
     top = Split(1.0, 1.0, n, full, 1.0)
-    return [*settled, LevelSplit(1.0, tolerances[-1], top, split_spec(family, n, 1.0, exits))]
+    return [*settled, LevelSplit(1.0, levels[-1].tolerance, top, split_spec(family, n, 1.0, exits))]
