@@ -17,14 +17,11 @@ a round is reproducible to that, not bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from coordinator.tasks import State, TaskResult
 from models.shapes import check_shape
-
-if TYPE_CHECKING:  # the strategies' types; they import this module
-    from coordinator.strategies.base import State, TaskResult
 
 IndexMap = Mapping[str, Sequence[torch.Tensor]]
 

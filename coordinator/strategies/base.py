@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -21,14 +21,15 @@ import torch
 from common.device_need import INITIAL_FACTOR, device_need
 from coordinator.aggregation import RoundAggregate
 from coordinator.config import CoordinatorConfig, RecipeConfig
-from coordinator.metrics import TaskStatus
 from coordinator.registry import AgentRecord
+from coordinator.tasks import EvalTarget, IndexMap, RoundPlan, Skip, State, TaskOutcome, TaskPlan, TaskResult
 from models import MemoryEstimate, ModelFamily, SubmodelSpec
-from protocol import Adaptation, LossTerm, OptimizerSettings, TrainingPlan
+from protocol import LossTerm, OptimizerSettings, TrainingPlan
 
-State = dict[str, torch.Tensor]
-IndexMap = Mapping[str, tuple[torch.Tensor, ...]]
-
+__all__ = [  # the round's values (coordinator.tasks) are re-exported: a strategy imports what it needs from here
+    "EvalTarget", "IndexMap", "RoundPlan", "Skip", "State", "Strategy", "StrategyContext", "TaskOutcome", "TaskPlan",
+    "TaskResult", "base_plan", "select_fraction",
+]
 
 @dataclass(frozen=True)
 class StrategyContext:
@@ -51,75 +52,6 @@ class StrategyContext:
     training_sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
     training_size: int = 0
     device_factor: float = INITIAL_FACTOR
-
-
-@dataclass(frozen=True)
-class TaskPlan:
-    """One agent's part of a round: what it trains (spec and plan), how it may shrink it, which model state
-    (aggregation group) it trains, and the level name it is reported under."""
-
-    agent_id: str
-    level: str
-    spec: SubmodelSpec
-    plan: TrainingPlan
-    group: str = "global"
-    adaptation: Adaptation | None = None
-
-
-@dataclass(frozen=True)
-class Skip:
-    """An agent selected but given nothing, with the reason."""
-
-    agent_id: str
-    reason: str
-
-
-@dataclass
-class RoundPlan:
-    """What a strategy hands out in one round."""
-
-    tasks: list[TaskPlan] = field(default_factory=list)
-    skipped: list[Skip] = field(default_factory=list)
-
-
-@dataclass
-class TaskResult:
-    """A validated update to aggregate: the spec trained (nested in the one sent), its tensors and index map."""
-
-    task: TaskPlan
-    spec: SubmodelSpec
-    state: State
-    index_map: IndexMap
-    num_samples: int
-    labels: list[int]
-
-
-@dataclass(frozen=True)
-class TaskOutcome:
-    """How one task ended (status ok, adapted, declined, failed, rejected or missing), for selection that learns:
-    the spec of the aggregated update, the agent's metrics and reason, and the spec it tried (for a failure)."""
-
-    task: TaskPlan
-    status: TaskStatus
-    spec_trained: SubmodelSpec | None
-    metrics: Mapping[str, float]
-    reason: str | None = None
-    spec_tried: SubmodelSpec | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "status", TaskStatus(self.status))
-
-
-@dataclass(frozen=True)
-class EvalTarget:
-    """A model to evaluate each round: the sub-model ``spec`` of the state kept for ``group``. ``store_bn``: its
-    recomputed BN statistics are kept in that state (the global model's). ``ensemble``: the target is the mean
-    of the sub-model's outputs' logits (one accuracy), not each output."""
-
-    group: str
-    spec: SubmodelSpec
-    store_bn: bool = False
-    ensemble: bool = False
 
 
 def base_plan(recipe: RecipeConfig, loss: Sequence[LossTerm] | None = None, *, masked: bool = False) -> TrainingPlan:
