@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from coordinator.config import FLEXFL_RATIOS
 from coordinator.evaluation import accuracies
 from coordinator.levels import Level, affordable_share, fleet_shares
+from coordinator.method_settings.flexfl import FLEXFL_RATIOS
 from coordinator.strategies.base import State, StrategyContext, TaskResult
 from coordinator.strategies.leveled import LevelStrategy
 from models import SubmodelSpec

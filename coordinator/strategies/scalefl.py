@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from coordinator.config import SCALEFL_RATIOS
 from coordinator.levels import Level, affordable_share, fleet_shares
+from coordinator.method_settings.scalefl import SCALEFL_RATIOS
 from coordinator.split_search import NoSplitError, search_levels
 from coordinator.strategies.base import StrategyContext
 from coordinator.strategies.leveled import LevelStrategy

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from coordinator.config import FJORD_WIDTHS, CoordinatorConfig, FjORDConfig, ModelConfig
+from coordinator.config import CoordinatorConfig, FjORDConfig, ModelConfig
+from coordinator.method_settings.fjord import FJORD_WIDTHS
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import TaskResult
 from models import SubmodelSpec, get_family
