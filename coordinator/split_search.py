@@ -97,68 +97,85 @@ def search_split(
     :class:`NoSplitError` when nothing on the grid meets the tolerance.
     """
     grid = _grid(step)
-    goal = target * full_cost
-    low, high = goal * (1.0 - tolerance) * (1 - _SNAP), goal * (1.0 + tolerance) * (1 + _SNAP)
-    depths: dict[int, list[int]] = {}  # blocks -> grid indices of the s_d that keep them
+    depths = _open_depths(grid, num_blocks, above, allowed_blocks)
+    if not depths:
+        raise NoSplitError("no depth on the grid is open to this level")
+    search = _GridSearch(cost, grid, step, target * full_cost, tolerance, full_cost, depths, exhaustive)
+    # Nearest first the depth where the diagonal crosses the target (for costs that grow with the depth too),
+    # so that the best split found early narrows the window of the others; every depth is visited.
+    order = sorted(depths)
+    crossing = _bisect(len(order), lambda i: search.at(order[i], depths[order[i]][len(depths[order[i]]) // 2])
+                       >= search.goal)
+    for i in sorted(range(len(order)), key=lambda i: abs(i - crossing + 0.5)):
+        search.visit(order[i])
+    if search.best is None:
+        raise NoSplitError(f"no split on the {step:g} grid has a cost within {tolerance:.0%} of {target:g} of the "
+                           f"global model's")
+    return search.best[1]
+
+
+def _open_depths(grid: Sequence[float], num_blocks: int, above: Split | None,
+                 allowed_blocks: Sequence[int] | None) -> dict[int, list[int]]:
+    """The block counts a split may keep, each with the grid indices of the ``s_d`` that keep it."""
+    depths: dict[int, list[int]] = {}
     for index, s_d in enumerate(grid):
         blocks = _blocks_of(s_d, num_blocks)
         if 1 <= blocks <= num_blocks and (above is None or blocks >= above.blocks) and (
                 allowed_blocks is None or blocks in allowed_blocks):
             depths.setdefault(blocks, []).append(index)
-    order = sorted(depths)
-    if not order:
-        raise NoSplitError("no depth on the grid is open to this level")
-    values: dict[tuple[int, int], float] = {}
+    return depths
 
-    def at(blocks: int, index: int) -> float:
-        if (blocks, index) not in values:
-            values[(blocks, index)] = cost(blocks, grid[index])
-        return values[(blocks, index)]
 
-    best: tuple[tuple[float, float, int], Split] | None = None
+class _GridSearch:
+    """One :func:`search_split`: the costs looked at so far (each evaluated once) and the best split found."""
 
-    def visit(blocks: int) -> None:
+    def __init__(self, cost: Callable[[int, float], float], grid: list[float], step: float, goal: float,
+                 tolerance: float, full_cost: float, depths: dict[int, list[int]], exhaustive: bool) -> None:
+        self.cost, self.grid, self.step, self.goal = cost, grid, step, goal
+        self.low, self.high = goal * (1.0 - tolerance) * (1 - _SNAP), goal * (1.0 + tolerance) * (1 + _SNAP)
+        self.full_cost, self.depths, self.exhaustive = full_cost, depths, exhaustive
+        self.values: dict[tuple[int, int], float] = {}
+        self.best: tuple[tuple[float, float, int], Split] | None = None
+
+    def at(self, blocks: int, index: int) -> float:
+        """The cost of the split keeping ``blocks`` blocks at width ``grid[index]``."""
+        if (blocks, index) not in self.values:
+            self.values[(blocks, index)] = self.cost(blocks, self.grid[index])
+        return self.values[(blocks, index)]
+
+    def visit(self, blocks: int) -> None:
         """Update ``best`` with this depth's most balanced feasible width, looking only at the widths that could
         still beat it."""
-        nonlocal best
-        first, last = depths[blocks][0], depths[blocks][-1]
-        reach = len(grid) if best is None else round(best[0][0] / step)
-        lo, hi = max(0, first - reach), min(len(grid) - 1, last + reach)
-        scan = exhaustive or at(blocks, lo) > at(blocks, hi)
-        if not scan:
-            if at(blocks, lo) > high or at(blocks, hi) < low:
-                return
-            start = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) >= low)
-            stop = lo + _bisect(hi - lo + 1, lambda i: at(blocks, lo + i) > high) - 1
-            feasible = list(range(start, stop + 1))
-            # The widths bisection looked at must rise with the width; a fall means the cost is not monotone here
-            # (another CPU's blocking, say): this depth is scanned whole, its cached values reused.
-            scan = not _rising([value for (b, _), value in sorted(values.items()) if b == blocks])
-        if scan:
-            feasible = [i for i in range(lo, hi + 1) if low <= at(blocks, i) <= high]
-        if not feasible:
-            return
-        for s_d in depths[blocks]:
-            nearest = min(feasible, key=lambda i: (abs(i - s_d), -i)) if scan else min(
+        feasible, scanned = self._feasible(blocks)
+        for s_d in self.depths[blocks] if feasible else ():
+            nearest = min(feasible, key=lambda i: (abs(i - s_d), -i)) if scanned else min(
                 max(s_d, feasible[0]), feasible[-1])
             candidates = [nearest]
-            if scan:  # equally balanced widths on both sides: the one nearer the goal wins below
+            if scanned:  # equally balanced widths on both sides: the one nearer the goal wins below
                 candidates += [i for i in feasible if abs(i - s_d) == abs(nearest - s_d) and i != nearest]
             for index in candidates:
-                value = at(blocks, index)
-                key = (round(abs(grid[s_d] - grid[index]), 9), abs(value / goal - 1.0), -blocks)
-                if best is None or key < best[0]:
-                    best = (key, Split(grid[s_d], grid[index], blocks, value, value / full_cost))
+                value = self.at(blocks, index)
+                key = (round(abs(self.grid[s_d] - self.grid[index]), 9), abs(value / self.goal - 1.0), -blocks)
+                if self.best is None or key < self.best[0]:
+                    self.best = (key, Split(self.grid[s_d], self.grid[index], blocks, value, value / self.full_cost))
 
-    # Nearest first the depth where the diagonal crosses the target (for costs that grow with the depth too),
-    # so that the best split found early narrows the window of the others; every depth is visited.
-    crossing = _bisect(len(order), lambda i: at(order[i], depths[order[i]][len(depths[order[i]]) // 2]) >= goal)
-    for i in sorted(range(len(order)), key=lambda i: abs(i - crossing + 0.5)):
-        visit(order[i])
-    if best is None:
-        raise NoSplitError(f"no split on the {step:g} grid has a cost within {tolerance:.0%} of {target:g} of the "
-                           f"global model's")
-    return best[1]
+    def _feasible(self, blocks: int) -> tuple[list[int], bool]:
+        """The grid indices of the widths within the tolerance at this depth, in the window that could still beat
+        the best split, and whether the window was scanned whole (else bisected: a run of feasible widths)."""
+        first, last = self.depths[blocks][0], self.depths[blocks][-1]
+        reach = len(self.grid) if self.best is None else round(self.best[0][0] / self.step)
+        lo, hi = max(0, first - reach), min(len(self.grid) - 1, last + reach)
+        scan = self.exhaustive or self.at(blocks, lo) > self.at(blocks, hi)
+        if not scan:
+            if self.at(blocks, lo) > self.high or self.at(blocks, hi) < self.low:
+                return [], False
+            start = lo + _bisect(hi - lo + 1, lambda i: self.at(blocks, lo + i) >= self.low)
+            stop = lo + _bisect(hi - lo + 1, lambda i: self.at(blocks, lo + i) > self.high) - 1
+            # The widths bisection looked at must rise with the width; a fall means the cost is not monotone here
+            # (another CPU's blocking, say): this depth is scanned whole, its cached values reused.
+            if _rising([value for (b, _), value in sorted(self.values.items()) if b == blocks]):
+                return list(range(start, stop + 1)), False
+        return [i for i in range(lo, hi + 1) if self.low <= self.at(blocks, i) <= self.high], True
 
 
 def _rising(values: Sequence[float]) -> bool:
