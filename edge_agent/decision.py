@@ -195,74 +195,65 @@ class Decider:
         self._check_limits(task, family, sent, plan)
         raw = self.raw_estimates(task.model, candidates)
         available = self.request.available
-        choice = choose(candidates, lambda option: self.corrected(raw[option]), available)
-        threads = 0  # the agent's own
-        if self.request.threads > 1 and candidates and choice.option != candidates[0]:
-            preferred = candidates if choice.option is None else candidates[:candidates.index(choice.option)]
-            fewer = self.fewer_threads(task.model, preferred, available)
-            if fewer is not None:
-                option, threads, raw[option], needed = fewer
-                choice = Choice(option, needed, (*choice.tried, (f"{option.describe()} with {threads} threads",
-                                                                 needed)))
+        choice, threads = self._choice(task.model, candidates, raw, available)
         cut: Cut | None = None
         depthwise = task.adaptation is not None and task.adaptation.kind == "depthwise"
-        whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
-        if choice.option is None and task.adaptation is not None and depthwise:
-            found = self.depthwise(task.model, family, sent, replace(plan, copies=1), task.adaptation.route,
-                                   available, task.adaptation.min_micro_batch, head_alone=task.adaptation.head_alone)
-            if self.request.threads > 1 and self.request.device == "cpu" and _shortfall(found) > (0, 0, 0):
-                alone = self.depthwise(task.model, family, sent, replace(plan, copies=1), task.adaptation.route,
-                                       available, task.adaptation.min_micro_batch,
-                                       head_alone=task.adaptation.head_alone, threads=1)
-                if _shortfall(alone) < _shortfall(found):  # one thread trains more of the model: train it so
-                    found, threads = alone, 1
-            cut = found.cut
-            if found.option is not None:
-                raw[found.option] = found.estimate
-                needed = self.corrected(found.estimate)
-                choice = Choice(found.option, needed, (*choice.tried, (found.option.describe(), needed)))
+        if choice.option is None and depthwise:
+            choice, cut, threads = self._depthwise_choice(task, family, sent, plan, raw, choice, threads)
         if choice.option is None:
             tried = ", ".join(f"{name} {size_text(needed)}" for name, needed in choice.tried)
             head_alone = task.adaptation is not None and task.adaptation.head_alone
             raise TaskRejected(UpdateStatus.DECLINED, f"{MEMORY_DECLINE_REASON} the {size_text(available)} available "
                                                       f"(estimated: {tried}{_why_no_cut(cut, head_alone)})")
-        spec, chosen_plan = choice.option.spec, choice.option.plan
-        estimate = raw[choice.option]
-        adapted: Task | None = None
-        if spec == sent and chosen_plan != plan:
-            adapted = replace(task, recipe=None, plan=chosen_plan, adaptation=None)
-        elif spec != sent:
-            try:
-                adapted = replace(task, spec=spec.to_dict(), recipe=None, plan=chosen_plan, adaptation=None,
-                                  weights=cut_nested(task.weights, family.index_map(spec), family.state_keys(spec)))
-            except ValueError as exc:
-                raise TaskRejected(UpdateStatus.FAILED, f"cannot adapt: {exc}") from exc
-        reason: str | None = None
-        metrics: dict[str, float] = {}
-        if cut is not None and spec.segments is not None:
-            reason = (f"trained {cut.describe()}" if spec.head_only else f"trained depth-wise, {cut.describe()}"
-                      ) + f", to fit {size_text(available)}"
-            metrics["head_only"] = float(spec.head_only)
-            metrics["cached_stages"] = float(len(cut.cached))
-            metrics["micro_batched_stages"] = float(sum(1 for m in cut.decomposition.micro_batches if m))
-            metrics["skipped_blocks"] = float(len(cut.decomposition.skipped))
-        elif spec not in (sent, whole):
-            reason = f"adapted {sent.describe()} -> {spec.describe()} to fit {size_text(available)}"
-        elif plan.copies > 1 and chosen_plan.copies > 1:
-            reason = (f"trained {chosen_plan.copies} of up to {plan.copies} copies with mutual distillation, "
-                      f"uploaded the first, to fit {size_text(available)}")
-        elif plan.copies > 1:
-            reason = (f"trained 1 of up to {plan.copies} copies (no mutual distillation: a second copy does not fit "
-                      f"{size_text(available)})")
+        spec = choice.option.spec
+        whole = replace(sent, exits=()) if depthwise else sent  # the auxiliary classifiers serve stages only
+        reason, metrics = _reason(sent, whole, plan, choice.option, cut, available)
         if threads:
             reason = (f"{reason}, with {threads} of {self.request.threads} torch threads" if reason else
                       f"trained with {threads} of {self.request.threads} torch threads to fit {size_text(available)}")
             metrics["torch_threads"] = float(threads)
+        estimate = raw[choice.option]
         status = UpdateStatus.OK if spec in (sent, whole) else UpdateStatus.ADAPTED
         decision = Decision(status, reason, spec.to_dict(),
                             raw_total=estimate.total, raw_overhead=estimate.overhead, estimate=choice.estimate,
                             metrics=metrics, estimates=self.made, threads=threads)
-        return decision, adapted
+        return decision, _adapted_task(task, family, sent, plan, choice.option)
+
+    def _choice(self, model: ModelRef, candidates: list[Option], raw: dict[Option, MemoryEstimate],
+                available: int) -> tuple[Choice, int]:
+        """The first candidate that fits ``available`` bytes (``raw`` has their estimates), and the torch threads
+        it trains with (0: the agent's own). Where a larger candidate fits with fewer threads, that one (its
+        estimate put in ``raw``)."""
+        choice = choose(candidates, lambda option: self.corrected(raw[option]), available)
+        if self.request.threads <= 1 or not candidates or choice.option == candidates[0]:
+            return choice, 0
+        preferred = candidates if choice.option is None else candidates[:candidates.index(choice.option)]
+        fewer = self.fewer_threads(model, preferred, available)
+        if fewer is None:
+            return choice, 0
+        option, threads, raw[option], needed = fewer
+        return Choice(option, needed, (*choice.tried, (f"{option.describe()} with {threads} threads", needed))), threads
+
+    def _depthwise_choice(self, task: Task, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan,
+                          raw: dict[Option, MemoryEstimate], choice: Choice,
+                          threads: int) -> tuple[Choice, Cut | None, int]:
+        """Where no candidate fits: FeDepth's decomposition of ``sent`` into stages that do (one torch thread where
+        that trains more of the model on a CPU); the choice, the cut, the threads."""
+        assert task.adaptation is not None
+        adaptation, available = task.adaptation, self.request.available
+        single = replace(plan, copies=1)
+        found = self.depthwise(task.model, family, sent, single, adaptation.route, available,
+                               adaptation.min_micro_batch, head_alone=adaptation.head_alone)
+        if self.request.threads > 1 and self.request.device == "cpu" and _shortfall(found) > (0, 0, 0):
+            alone = self.depthwise(task.model, family, sent, single, adaptation.route, available,
+                                   adaptation.min_micro_batch, head_alone=adaptation.head_alone, threads=1)
+            if _shortfall(alone) < _shortfall(found):  # one thread trains more of the model: train it so
+                found, threads = alone, 1
+        if found.option is None:
+            return choice, found.cut, threads
+        raw[found.option] = found.estimate
+        needed = self.corrected(found.estimate)
+        return Choice(found.option, needed, (*choice.tried, (found.option.describe(), needed))), found.cut, threads
 
     def depthwise(self, model: ModelRef, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, route: str,
                   available: int, min_micro_batch: int = 0, *, head_alone: bool = False,
@@ -321,6 +312,42 @@ class Decider:
             check_shapes(task.weights, index_map, says="the spec needs")
         except ValueError as exc:
             raise TaskRejected(UpdateStatus.FAILED, str(exc)) from exc
+
+
+def _adapted_task(task: Task, family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan,
+                  option: Option) -> Task | None:
+    """The task the child trains where the choice differs from what was sent (its spec cut from the weights sent,
+    its plan), else None."""
+    if option.spec == sent:
+        return None if option.plan == plan else replace(task, recipe=None, plan=option.plan, adaptation=None)
+    try:
+        return replace(task, spec=option.spec.to_dict(), recipe=None, plan=option.plan, adaptation=None,
+                       weights=cut_nested(task.weights, family.index_map(option.spec), family.state_keys(option.spec)))
+    except ValueError as exc:
+        raise TaskRejected(UpdateStatus.FAILED, f"cannot adapt: {exc}") from exc
+
+
+def _reason(sent: SubmodelSpec, whole: SubmodelSpec, plan: TrainingPlan, option: Option, cut: Cut | None,
+            available: int) -> tuple[str | None, dict[str, float]]:
+    """What the agent tells of its choice (None when it trains what was sent, as sent) and the metrics that go
+    with it."""
+    spec, chosen = option.spec, option.plan
+    fits = f"to fit {size_text(available)}"
+    if cut is not None and spec.segments is not None:
+        metrics = {"head_only": float(spec.head_only), "cached_stages": float(len(cut.cached)),
+                   "micro_batched_stages": float(sum(1 for m in cut.decomposition.micro_batches if m)),
+                   "skipped_blocks": float(len(cut.decomposition.skipped))}
+        trained = f"trained {cut.describe()}" if spec.head_only else f"trained depth-wise, {cut.describe()}"
+        return f"{trained}, {fits}", metrics
+    if spec not in (sent, whole):
+        return f"adapted {sent.describe()} -> {spec.describe()} {fits}", {}
+    if plan.copies > 1 and chosen.copies > 1:
+        return (f"trained {chosen.copies} of up to {plan.copies} copies with mutual distillation, uploaded the "
+                f"first, {fits}"), {}
+    if plan.copies > 1:
+        return (f"trained 1 of up to {plan.copies} copies (no mutual distillation: a second copy does not fit "
+                f"{size_text(available)})"), {}
+    return None, {}
 
 
 def _shortfall(found: DepthwisePlan) -> tuple[int, int, int]:
