@@ -48,7 +48,7 @@ from edge_agent.workdir import (
     TrainingRequest,
     write_message,
 )
-from models import FamilyNet, ModelFamily, SubmodelSpec, get_family, train
+from models import FamilyNet, ModelFamily, SubmodelSpec, TrainResult, get_family, train
 from protocol import ModelRef, Task, TrainingPlan, Update, UpdateStatus, decode
 
 
@@ -188,11 +188,7 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
     torch.set_num_threads(request.torch_threads)
     guard_blas_threads()  # the server did (its children inherit it); again, for a child started without one
     applied = heap.configure(request.allocator) if request.device != "cuda" else None
-    task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
-    assert isinstance(task, Task)
-    with np.load(request.data_path, allow_pickle=False) as archive:
-        x = torch.from_numpy(np.array(archive["x"], dtype=np.float32))
-        y = torch.from_numpy(np.array(archive["y"], dtype=np.int64))
+    task, x, y = _read_inputs(workdir, request)
     family = get_family(task.model.family, task.model.num_classes, task.model.in_channels, **task.model.options)
     spec = SubmodelSpec.from_dict(request.spec)
     device = request.device
@@ -231,26 +227,43 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
 
     result = train(model, spec, x, y, training, labels=request.labels, num_classes=task.model.num_classes,
                    device=device, on_stage=on_stage, copies=copies, family=family, on_step=beacon.beat)
-    peak = max(peaks)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
-    metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
-               "stages": float(result.stages), "peak_bytes": float(peak)}
-    if device == "cuda":  # what the caching allocator held beyond its peak of allocations, and CUDA's own cost
-        metrics["cuda_reserved_peak_bytes"] = float(torch.cuda.max_memory_reserved() - reserved_baseline)
-        metrics.update(cuda)
-    if request.allocator == "pooled" and applied is not None:  # 0: the pool was not loaded (compact instead)
-        metrics["pooled_heap"] = float(applied == "pooled")
+    metrics = _metrics(result, peaks, spec, device, reserved_baseline, cuda, request.allocator, applied)
     if copies:  # the device keeps its auxiliary copies for the next round; only the first model is uploaded
         metrics["copies"] = float(training.copies)
         store.save(task.model, spec, [
             {key: weights[key].detach().cpu().numpy().astype(np.float32) for key in family.state_keys(spec)}
             for weights in (copy.state_dict() for copy in copies)])
-    if spec.segments is not None:  # depth-wise: the peak of every stage, in order
-        metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
     update = Update(task.task_id, task.round, task.agent_id, UpdateStatus.OK, spec.to_dict(), len(y),
                     list(request.labels), state, metrics, None)
     write_message(workdir / UPDATE_FILE, update)
+
+
+def _read_inputs(workdir: Path, request: TrainingRequest) -> tuple[Task, torch.Tensor, torch.Tensor]:
+    """The task the agent wrote and the shard it trains on (a numpy archive, read without pickle)."""
+    task = decode((workdir / TASK_FILE).read_bytes(), expected=Task)
+    assert isinstance(task, Task)
+    with np.load(request.data_path, allow_pickle=False) as archive:
+        x = torch.from_numpy(np.array(archive["x"], dtype=np.float32))
+        y = torch.from_numpy(np.array(archive["y"], dtype=np.int64))
+    return task, x, y
+
+
+def _metrics(result: TrainResult, peaks: list[int], spec: SubmodelSpec, device: str, reserved_baseline: int,
+             cuda: dict[str, float], allocator: str, applied: str | None) -> dict[str, float]:
+    """What the update reports of its training: loss, steps, time, the memory peak (of every stage where it was
+    trained depth-wise), on CUDA what the caching allocator and CUDA itself held, whether the pooled heap served."""
+    metrics = {"loss": result.loss, "steps": float(result.steps), "seconds": result.seconds,
+               "stages": float(result.stages), "peak_bytes": float(max(peaks))}
+    if device == "cuda":  # what the caching allocator held beyond its peak of allocations, and CUDA's own cost
+        metrics["cuda_reserved_peak_bytes"] = float(torch.cuda.max_memory_reserved() - reserved_baseline)
+        metrics.update(cuda)
+    if allocator == "pooled" and applied is not None:  # 0: the pool was not loaded (compact instead)
+        metrics["pooled_heap"] = float(applied == "pooled")
+    if spec.segments is not None:  # depth-wise: the peak of every stage, in order
+        metrics.update({f"stage_peak_bytes.{i}": float(value) for i, value in enumerate(peaks[1:])})
+    return metrics
 
 
 def _cuda_start(free_before: int | None) -> dict[str, float]:
