@@ -1,7 +1,7 @@
 """Devices of different training speeds over a real, secured mosquitto (``slowdown``, ``fedfit sim --speeds``): a
 slowed agent's update arrives only after f times its training, and the hold-back is the device's own time (its own
 phase of the round's timing, not transfer). The agents share one training slot, as the simulator's do (that the
-hold-back leaves it free: ``tests/edge_agent/test_edge_daemon.py``)."""
+hold-back leaves it free: ``tests/edge_agent/test_daemon.py``)."""
 
 from __future__ import annotations
 

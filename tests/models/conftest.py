@@ -18,7 +18,7 @@ FAMILY_CASES = {
     "preresnet18": ("preresnet18", 3, {"hidden": (8, 16, 16, 32)}, (16, 16)),
     "resnet20": ("resnet20", 3, {"hidden": (8, 16, 16)}, (8, 8)),
     # Six convolutions and five ceil-mode pools (28 -> 14 -> 7 -> 4 -> 2 -> 1), two hidden linear layers; no
-    # dropout, because the generic tests compare train-mode forward passes (test_models_vgg covers dropout).
+    # dropout, because the generic tests compare train-mode forward passes (test_vgg covers dropout).
     "vgg": ("vgg11", 1, {"config": (8, "M", 16, "M", 16, 16, "M", 32, "M", 32, "M"), "head": (16, 16),
                          "dropout": 0.0}, (28, 28)),
 }

@@ -1,5 +1,5 @@
 """The training child's heap setting: validation, the fallbacks (no page pool, no glibc), and what "compact" does
-to the RSS (the page pool's own tests: ``test_edge_page_pool``)."""
+to the RSS (the page pool's own tests: ``test_page_pool``)."""
 
 from __future__ import annotations
 

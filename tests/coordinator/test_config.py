@@ -46,7 +46,7 @@ def test_levels_must_be_width_rates(levels):
 
 @pytest.mark.parametrize("proportions", [[1, -1, 1, 1, 1], [0, 0, 0, 0, 0]])
 def test_level_proportions_need_nonnegative_weights_not_all_zero(proportions):
-    # Their number is checked by the strategy (test_coordinator_strategies), which knows its levels.
+    # Their number is checked by the strategy (test_strategies), which knows its levels.
     with pytest.raises(ValueError, match="level_proportions"):
         CoordinatorConfig(level_proportions=proportions).validate()
 
