@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -30,8 +30,17 @@ from models._checks import check_input_size, check_positive_int
 from models.conv_workspace import convolution_workspace
 from models.depthwise import SegmentModel
 from models.family import ModelFamily
+from models.net import FamilyNet
 from models.spec import SubmodelSpec
-from models.training import OrderedDropout, backward_step, micro_batch_size, nested_teachers, stages
+from models.training import (
+    NestedTeachers,
+    OrderedDropout,
+    WidthNet,
+    backward_step,
+    micro_batch_size,
+    nested_teachers,
+    stages,
+)
 from protocol.plan import LossTerm, TrainingPlan
 
 __all__ = [
@@ -62,8 +71,8 @@ CUDA_BLOCK_BYTES = 512
 _DEVICES = ("cpu", "cuda")
 
 # Per model (two instances of one family with the same classes, channels and options are one model: the start-of-run
-# checks, a coordinator and each run of a comparison make their own), estimates and block counts by their arguments.
-_cache: dict[tuple[Any, ...], dict[tuple[Any, ...], Any]] = {}
+# checks, a coordinator and each run of a comparison make their own), each step's estimate and bytes per sample.
+_cache: dict[tuple[Any, ...], dict[_Step, tuple[MemoryEstimate, int]]] = {}
 _lock = threading.Lock()
 
 
@@ -138,41 +147,48 @@ class _Trace:
 _CE = (LossTerm("ce"),)
 
 
-def _trace(
-    family: ModelFamily,
-    spec: SubmodelSpec,
-    batch_size: int,
-    input_size: tuple[int, int],
-    device: str,
-    loss: tuple[LossTerm, ...],
-    segment: tuple[int, int] | None,
-    route: str,
-    copies: int = 1,
-    accumulate: bool = False,
-    widths: tuple[float, ...] = (),
-    threads: int = 1,
-) -> _Trace:
-    granularity = CUDA_BLOCK_BYTES if device == "cuda" else 1
+class _Nets(NamedTuple):
+    """What one traced step runs: the model, the copies trained beside it, the module the batch enters (the model,
+    or a segment of it), the nested teachers and ordered dropout's narrower width, of its second pass."""
+
+    model: FamilyNet
+    others: list[FamilyNet]
+    net: nn.Module
+    teachers: NestedTeachers | None
+    width: WidthNet | None
+
+
+def _nets(family: ModelFamily, step: _Step) -> _Nets:
+    """The step's modules, built on the meta device as the interpreter builds them."""
     with torch.device("meta"):
-        model = family.build(spec, track_bn_stats=False)
-        others = [family.build(spec, track_bn_stats=False).train() for _ in range(copies - 1)]
-    teachers = nested_teachers(family, spec, loss, model)  # the interpreter's own, built alike
-    if teachers is not None and (segment is not None or copies > 1):
+        model = family.build(step.spec, track_bn_stats=False)
+        others = [family.build(step.spec, track_bn_stats=False).train() for _ in range(step.copies - 1)]
+    teachers = nested_teachers(family, step.spec, step.loss, model)  # the interpreter's own, built alike
+    if teachers is not None and (step.segment is not None or step.copies > 1):
         raise ValueError("nested_kd terms are not supported with copies or in depth-wise training.")
     # Ordered dropout: with width_kd terms a batch's second pass trains a narrower width beside the gradients the
     # first left; the widest narrower one is the costliest. Without them a batch trains one width, the spec's the
     # largest: the spec alone is traced.
-    distils = any(term.kind == "width_kd" for term in loss)
-    dropout = OrderedDropout(family, spec, widths, model, 0) if widths and distils else None
+    distils = any(term.kind == "width_kd" for term in step.loss)
+    dropout = OrderedDropout(family, step.spec, step.widths, model, 0) if step.widths and distils else None
     width = dropout.widest_narrower() if dropout is not None else None
-    shape = (batch_size, family.in_channels, *input_size)
-    # Inputs the model cannot take are a ValueError here; any other failure of the pass below (torch refusing
+    # Inputs the model cannot take are a ValueError here; any other failure of the traced pass (torch refusing
     # autograd, say) is not about the input and reaches the caller as itself.
-    family.check_input(input_size)
-    net: nn.Module = model if segment is None else SegmentModel(model, *segment, shape, route)
+    family.check_input(step.input_size)
+    net: nn.Module = model if step.segment is None else SegmentModel(model, *step.segment, step.shape(family),
+                                                                     step.route)
     net.train()
+    return _Nets(model, others, net, teachers, width)
+
+
+def _trace(family: ModelFamily, step: _Step) -> _Trace:
+    """One forward and backward pass of ``step`` (two with ``accumulate``) on the meta device, its live bytes
+    followed."""
+    granularity = CUDA_BLOCK_BYTES if step.device == "cuda" else 1
+    model, others, net, teachers, width = _nets(family, step)
     params = [p for m in (model, *others) for p in m.parameters()]
-    tracker = _LiveBytes(granularity, partial(convolution_workspace, threads=threads) if device == "cpu" else None)
+    workspace = partial(convolution_workspace, threads=step.threads) if step.device == "cpu" else None
+    tracker = _LiveBytes(granularity, workspace)
     tracker.ignore(params)
     marks: dict[str, int] = {}
 
@@ -185,8 +201,8 @@ def _trace(
         (model.blocks[net.start] if net.start < net.stop else net.classifier).register_forward_pre_hook(
             segment_starts)
     with torch.enable_grad(), tracker:
-        inputs = torch.empty(*shape, device="meta")
-        targets = torch.empty(batch_size, dtype=torch.long, device="meta")
+        inputs = torch.empty(*step.shape(family), device="meta")
+        targets = torch.empty(step.batch_size, dtype=torch.long, device="meta")
         mask = torch.ones(family.num_classes, dtype=torch.bool, device="meta")
         batch = tracker.live
         held_gradients = 0  # left by an earlier micro-batch: counted as gradients, not as activations
@@ -196,17 +212,17 @@ def _trace(
             # plans are above the estimate without it.)
             marks["activations"] = max(marks.get("activations", 0), tracker.live - held_gradients)
 
-        value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
+        value = backward_step(net, inputs, targets, step.loss, mask, others, after_forward=forwarded,
                               teachers=teachers, width=width)
-        if accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
+        if step.accumulate:  # a second micro-batch: its pass runs beside the gradients the first left
             held_gradients = sum(tracker._rounded(p.grad.nbytes) for p in params if p.grad is not None)
-            value = backward_step(net, inputs, targets, loss, mask, others, after_forward=forwarded,
+            value = backward_step(net, inputs, targets, step.loss, mask, others, after_forward=forwarded,
                                   teachers=teachers, width=width)
         activations = marks["activations"]
         after_backward = tracker.live
         del value, inputs, targets, mask
     # A CPU task that trains no body block runs the body from the weights it received (no copy of its own).
-    shared = device == "cpu" and spec.head_only
+    shared = step.device == "cpu" and step.spec.head_only
     return _Trace(
         parameters=sum(tracker._rounded(p.nbytes) for p in params if p.requires_grad or not shared),
         trainable=tuple(tracker._rounded(p.nbytes) for p in params if p.requires_grad),
@@ -301,6 +317,78 @@ def _check_segment(segment: object) -> tuple[int, int] | None:
     return int(segment[0]), int(segment[1])
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One training step to estimate, checked and normalised: the estimates' cache key.
+
+    A training construct the estimator learns is a field here, checked in :meth:`checked` and run in the traced
+    pass (:func:`_nets`, :func:`_trace`), as the interpreter (:mod:`models.training`) runs it.
+
+    ``spec``: the sub-model. ``batch_size``: the training batch. ``input_size``: the images' height and width.
+    ``optimizer_slots``: state tensors per trainable parameter (SGD with momentum 1, plain SGD 0, Adam 2).
+    ``device``: ``"cpu"`` (process RSS) or ``"cuda"`` (caching-allocator peak, CUDA context excluded).
+    ``allocator``: CPU only (None on CUDA), how the training process's heap is managed, as estimated: ``"compact"``
+    (no heap retention; the ``"pooled"`` heap is estimated alike) or ``"default"`` (glibc's default settings,
+    :data:`CPU_HEAP_RETENTION`); docs/edge-runtime.md. ``loss``: the step's loss terms.
+    ``segment``, ``route``: ``None``, the whole sub-model trained; a block range ``(start, stop)``, depth-wise
+    training of those blocks and a head, reached through ``route`` (:class:`models.depthwise.SegmentModel`).
+    ``copies``: models of ``spec`` trained side by side on every batch (m-FeDepth's mutual distillation), only
+    whole. ``accumulate``: ``batch_size`` is a micro-batch whose gradients accumulate with others' before the
+    optimizer steps (``Stage.micro_batch``): two passes, the second beside the gradients of the first.
+    ``widths``: ordered dropout's widths (``TrainingPlan.widths``): with ``width_kd`` terms the batch's second pass,
+    at the widest width narrower than ``spec``, follows the spec's; only whole. ``threads``: CPU only, the torch
+    threads the step runs with (some oneDNN kernels keep scratch per thread:
+    :func:`models.conv_workspace.gemm_weight_gradient`).
+    """
+
+    spec: SubmodelSpec
+    batch_size: int
+    input_size: tuple[int, int]
+    optimizer_slots: int
+    device: str
+    allocator: str | None
+    loss: tuple[LossTerm, ...]
+    segment: tuple[int, int] | None
+    route: str
+    copies: int
+    accumulate: bool
+    widths: tuple[float, ...]
+    threads: int
+
+    @classmethod
+    def checked(cls, family: ModelFamily, spec: SubmodelSpec | None, *, batch_size: int, input_size: tuple[int, int],
+                optimizer_slots: int, device: str, allocator: str, loss: Sequence[LossTerm],
+                segment: tuple[int, int] | None, route: str, copies: int, accumulate: bool, widths: Sequence[float],
+                threads: int) -> _Step:
+        """The step the arguments describe; ValueError with one sentence for any that cannot go together."""
+        spec = family.validate_spec(spec)
+        batch_size = check_positive_int("batch_size", batch_size)
+        if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 0:
+            raise ValueError(f"optimizer_slots must be a non-negative integer, got {optimizer_slots!r}.")
+        size = check_input_size(input_size)
+        kind = _check_device(device)
+        if allocator not in CPU_ALLOCATORS:
+            raise ValueError(f"allocator must be one of {', '.join(CPU_ALLOCATORS)}, got {allocator!r}.")
+        terms = tuple(loss)
+        if not terms or not all(isinstance(term, LossTerm) for term in terms):
+            raise ValueError("loss must be a non-empty sequence of protocol.LossTerm.")
+        segment = _check_segment(segment)
+        copies = check_positive_int("copies", copies)
+        if copies > 1 and (segment is not None or spec.segments is not None):
+            raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
+        widths = tuple(float(width) for width in widths)
+        threads = check_positive_int("threads", threads) if kind == "cpu" else 1
+        if widths and (copies > 1 or segment is not None or spec.segments is not None):
+            raise ValueError("ordered dropout (widths) trains one copy of a spec trained whole.")
+        estimated = _SAME_ESTIMATE.get(allocator, allocator) if kind == "cpu" else None
+        return cls(spec, batch_size, size, optimizer_slots, kind, estimated, terms, segment, route, copies,
+                   bool(accumulate), widths, threads)
+
+    def shape(self, family: ModelFamily) -> tuple[int, ...]:
+        """The input batch's shape."""
+        return (self.batch_size, family.in_channels, *self.input_size)
+
+
 def _estimate_training_memory(
     family: ModelFamily,
     spec: SubmodelSpec | None = None,
@@ -319,116 +407,57 @@ def _estimate_training_memory(
     widths: Sequence[float] = (),
     threads: int = 1,
 ) -> MemoryEstimate:
-    """Estimate the peak memory of one training step of ``family`` at ``spec``, described by keywords, some of
-    which go only together (a ``segment`` with its ``route`` and ``cache_samples``, ``copies`` only whole):
-    :func:`estimate_plan_memory` derives them from a training plan, which is how the rest of FedFit asks.
+    """Estimate the peak memory of one training step of ``family`` at ``spec`` (``None``: the full model),
+    described by keywords, some of which go only together (a ``segment`` with its ``route`` and
+    ``cache_samples``, ``copies`` only whole): :func:`estimate_plan_memory` derives them from a training plan,
+    which is how the rest of FedFit asks. The keywords are :class:`_Step`'s fields; besides them
+    ``cache_samples``: with a ``segment`` after block 0, the frozen blocks' outputs for this many samples are
+    buffered for the stage (``Stage.cache``), their bytes the estimate's ``cache`` (0: recomputed every batch).
+    A spec with segments and no ``segment``: every stage is traced through the skip path, the most expensive
+    counts.
 
-    Parameters
-    ----------
-    family, spec:
-        The model family and the sub-model (``None`` = full).
-    batch_size:
-        Training batch size.
-    input_size:
-        Height and width of the input images.
-    optimizer_slots:
-        State tensors per trainable parameter: SGD with momentum 1, plain SGD 0, Adam 2.
-    device:
-        ``"cpu"`` (process RSS) or ``"cuda"`` (caching-allocator peak, CUDA context excluded).
-    allocator:
-        CPU only: how the training process's heap is managed, ``"pooled"`` or ``"compact"`` (no heap
-        retention) or ``"default"`` (glibc's default settings, ``CPU_HEAP_RETENTION``); see docs/edge-runtime.md.
-    loss:
-        The loss terms of the step (default: cross-entropy of the last output).
-    segment, route:
-        ``None``: the whole sub-model is trained (or, when ``spec`` has segments, every stage is traced through
-        the skip path and the most expensive counts). A block range ``(start, stop)``: depth-wise training of
-        those blocks and a head, reached through ``route`` (:class:`models.depthwise.SegmentModel`).
-    copies:
-        Models of ``spec`` trained side by side on every batch (m-FeDepth's mutual distillation): all their
-        parameters, gradients, optimizer state and activations count. Only with the whole sub-model.
-    cache_samples:
-        With a ``segment`` after block 0: the frozen blocks' outputs for this many samples are buffered for the
-        stage (``Stage.cache``); their bytes are the estimate's ``cache``. 0: recomputed every batch.
-    accumulate:
-        ``batch_size`` is a micro-batch whose gradients accumulate with others' before the optimizer steps
-        (``Stage.micro_batch``): two passes are traced, the second beside the gradients of the first.
-    widths:
-        Ordered dropout's widths (``TrainingPlan.widths``): with ``width_kd`` terms the batch's second pass, at the
-        widest width narrower than ``spec``, is traced after the spec's. Only with the whole sub-model.
-    threads:
-        CPU only: the torch threads the step runs with. Some oneDNN kernels keep scratch per thread
-        (:func:`models.conv_workspace.gemm_weight_gradient`).
-
-    Results are cached per model (family class, classes, channels, options) and arguments. The first call in a process takes about a second (torch loads
-    its meta kernels; docs/edge-runtime.md says what memory this costs); later ones take about 40 ms for the
-    CNN and 60-120 ms for PreResNet18 on one x86 core, a cached result microseconds.
+    Results are cached per model (family class, classes, channels, options) and step. The first call in a process
+    takes about a second (torch loads its meta kernels; docs/edge-runtime.md says what memory this costs); later
+    ones take about 40 ms for the CNN and 60-120 ms for PreResNet18 on one x86 core, a cached result microseconds.
     """
-    spec = family.validate_spec(spec)
-    batch_size = check_positive_int("batch_size", batch_size)
-    if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 0:
-        raise ValueError(f"optimizer_slots must be a non-negative integer, got {optimizer_slots!r}.")
-    size = check_input_size(input_size)
-    kind = _check_device(device)
-    if allocator not in CPU_ALLOCATORS:
-        raise ValueError(f"allocator must be one of {', '.join(CPU_ALLOCATORS)}, got {allocator!r}.")
-    terms = tuple(loss)
-    if not terms or not all(isinstance(term, LossTerm) for term in terms):
-        raise ValueError("loss must be a non-empty sequence of protocol.LossTerm.")
-    segment = _check_segment(segment)
-    copies = check_positive_int("copies", copies)
+    step = _Step.checked(family, spec, batch_size=batch_size, input_size=input_size, optimizer_slots=optimizer_slots,
+                         device=device, allocator=allocator, loss=loss, segment=segment, route=route, copies=copies,
+                         accumulate=accumulate, widths=widths, threads=threads)
     if isinstance(cache_samples, bool) or not isinstance(cache_samples, int) or cache_samples < 0:
         raise ValueError(f"cache_samples must be a non-negative integer, got {cache_samples!r}.")
-    if copies > 1 and (segment is not None or spec.segments is not None):
-        raise ValueError("copies are trained whole: a spec with segments or a segment takes one copy.")
-    widths = tuple(float(width) for width in widths)
-    threads = check_positive_int("threads", threads) if kind == "cpu" else 1
-    if widths and (copies > 1 or segment is not None or spec.segments is not None):
-        raise ValueError("ordered dropout (widths) trains one copy of a spec trained whole.")
-    if segment is None and spec.segments is not None:
-        estimates = [_estimate_training_memory(family, spec, batch_size=batch_size, input_size=size,
-                                               optimizer_slots=optimizer_slots, device=kind, allocator=allocator,
-                                               loss=terms, segment=seg, route="skip", accumulate=accumulate,
-                                               threads=threads)
-                     for seg in spec.segments]
-        return max(estimates, key=lambda e: e.total)
-    accumulate = bool(accumulate)
-    allocator = _SAME_ESTIMATE.get(allocator, allocator)
-    key = (spec, batch_size, size, optimizer_slots, kind, allocator if kind == "cpu" else None, terms, segment,
-           route, copies, accumulate, widths, threads)
+    if step.segment is None and step.spec.segments is not None:
+        return max((_estimated(family, replace(step, segment=_check_segment(stage), route="skip"))[0]
+                    for stage in step.spec.segments), key=lambda e: e.total)
+    estimate, per_sample = _estimated(family, step)
+    return _with_cache(estimate, per_sample, cache_samples, step.segment)
+
+
+def _estimated(family: ModelFamily, step: _Step) -> tuple[MemoryEstimate, int]:
+    """The estimate of ``step`` (cached) and the bytes per sample of its segment's input (a stage's cache)."""
     with _lock:
-        cached = _cache.get(_model_of(family), {}).get(key)
+        cached = _cache.get(_model_of(family), {}).get(step)
     if cached is not None:
-        known, per_sample = cached
-        return _with_cache(known, per_sample, cache_samples, segment)
+        return cached
     with torch.inference_mode(False):  # autograd must record, even when called under inference mode
-        trace = _trace(family, spec, batch_size, size, kind, terms, segment, route, copies, accumulate, widths,
-                       threads)
+        trace = _trace(family, step)
     gradients = sum(trace.trainable)
-    state = optimizer_slots * gradients
-    step_peak = trace.after_backward + _step_temporaries(trace.trainable, optimizer_slots, kind)
+    state = step.optimizer_slots * gradients
+    step_peak = trace.after_backward + _step_temporaries(trace.trainable, step.optimizer_slots, step.device)
     tensor_peak = trace.parameters + state + max(trace.fb_peak, step_peak)
     accounted = trace.parameters + gradients + state + trace.activations
     workspace = max(0, tensor_peak - accounted)
-    if kind == "cpu":
+    overhead = 0  # on CUDA the context and cuBLAS's workspace are held before training: the agent counts them apart
+    if step.allocator is not None:  # on CPU: the heap the allocator retains, the runtime's own
         working_set = tensor_peak - trace.parameters - state + trace.frozen_peak
-        workspace += round(_RETENTION[allocator] * working_set)
+        workspace += round(_RETENTION[step.allocator] * working_set)
         overhead = CPU_RUNTIME_BYTES
-    else:
-        overhead = 0  # the context and cuBLAS's workspace are held before training: the agent counts them apart
-    estimate = MemoryEstimate(
-        parameters=trace.parameters,
-        gradients=gradients,
-        optimizer_state=state,
-        activations=trace.activations,
-        workspace=workspace,
-        overhead=overhead,
-        device=kind,
-    )
-    per_sample = trace.segment_input // batch_size
+    estimate = MemoryEstimate(parameters=trace.parameters, gradients=gradients, optimizer_state=state,
+                              activations=trace.activations, workspace=workspace, overhead=overhead,
+                              device=step.device)
+    result = (estimate, trace.segment_input // step.batch_size)
     with _lock:
-        _cache.setdefault(_model_of(family), {})[key] = (estimate, per_sample)
-    return _with_cache(estimate, per_sample, cache_samples, segment)
+        _cache.setdefault(_model_of(family), {})[step] = result
+    return result
 
 
 def _with_cache(estimate: MemoryEstimate, per_sample: int, samples: int,

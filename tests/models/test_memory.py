@@ -26,6 +26,7 @@ from models.memory import (
     CUDA_BLOCK_BYTES,
     _estimate_training_memory,
     _LiveBytes,
+    _Step,
     _step_temporaries,
     _trace,
 )
@@ -570,7 +571,10 @@ def test_the_traced_step_with_nested_teachers_is_the_real_one(name: str) -> None
     spec, teacher = NESTED_CASES[name]
     ce = (LossTerm.ce(),)
     for loss in (ce, (*ce, LossTerm.nested_kd(teacher.to_dict(), weight=10.0, tau=3.0))):
-        traced = _trace(family, spec, 32, (16, 16), "cpu", loss, None, "skip")
+        step = _Step.checked(family, spec, batch_size=32, input_size=(16, 16), optimizer_slots=1, device="cpu",
+                             allocator="pooled", loss=loss, segment=None, route="skip", copies=1, accumulate=False,
+                             widths=(), threads=1)
+        traced = _trace(family, step)
         torch.manual_seed(0)
         model = family.build(spec, track_bn_stats=False)
         teachers = nested_teachers(family, spec, loss, model)
