@@ -489,6 +489,31 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
     ``on_step()`` is called after every optimizer step and every batch of a stage's buffered frozen outputs (the
     training child reports its progress with it).
     """
+    _check_train(spec, x, plan, copies, family)
+    started = time.monotonic()
+    model.to(device).train()
+    for copy in copies:
+        copy.to(device).train()
+    run = _Run(model, tuple(copies), x, y, plan, label_mask(labels, num_classes).to(device), device,
+               nested_teachers(family, spec, plan.loss, model) if family is not None else None,
+               ordered_dropout(family, spec, plan, model) if family is not None else None,
+               torch.Generator().manual_seed(plan.seed), on_step)
+    planned = stages(spec, plan)
+    for index, (segment, stage) in enumerate(planned):
+        if on_stage is not None:
+            on_stage(index, "start")
+        run.stage(segment, stage)
+        if on_stage is not None:
+            on_stage(index, "end")
+    mean_loss = run.total_loss / run.seen if run.seen else math.nan
+    return TrainResult(loss=mean_loss, steps=run.steps, samples=run.seen, seconds=time.monotonic() - started,
+                       stages=len(planned))
+
+
+def _check_train(spec: SubmodelSpec, x: torch.Tensor, plan: TrainingPlan, copies: Sequence[FamilyNet],
+                 family: ModelFamily | None) -> None:
+    """ValueError where :func:`train` cannot run ``plan``: a construct that needs the family without it, the wrong
+    number of copies, no data, a batch too small for static BN."""
     if any(term.kind == "nested_kd" for term in plan.loss) or plan.ordered_dropout:
         if family is None:
             raise ValueError("a plan with nested_kd terms or ordered dropout needs the model family "
@@ -500,74 +525,92 @@ def train(model: FamilyNet, spec: SubmodelSpec, x: torch.Tensor, y: torch.Tensor
         raise ValueError("no local training data")
     if plan.batch_size < 2:
         raise ValueError("batch_size must be at least 2: static BN normalises with batch statistics")
-    started = time.monotonic()
-    generator = torch.Generator().manual_seed(plan.seed)
-    model.to(device).train()
-    for copy in copies:
-        copy.to(device).train()
-    mask = label_mask(labels, num_classes).to(device)
-    teachers = nested_teachers(family, spec, plan.loss, model) if family is not None else None
-    dropout = ordered_dropout(family, spec, plan, model) if family is not None else None
-    settings = plan.optimizer
-    total_loss, steps, seen = 0.0, 0, 0
-    planned = stages(spec, plan)
-    for index, (segment, stage) in enumerate(planned):
-        if on_stage is not None:
-            on_stage(index, "start")
+
+
+@dataclass
+class _Run:
+    """One :func:`train`: what its stages and batches share, and its running totals.
+
+    A training construct of the plan is interpreted here: per stage (:meth:`stage`: which blocks train, through
+    which route, from which buffered inputs), per batch (:meth:`_batch_loss`: its micro-batches, the width ordered
+    dropout draws) or per loss term (:func:`backward_step`, :func:`forward_loss`)."""
+
+    model: FamilyNet
+    copies: tuple[FamilyNet, ...]
+    x: torch.Tensor
+    y: torch.Tensor
+    plan: TrainingPlan
+    mask: torch.Tensor
+    device: torch.device | str
+    teachers: NestedTeachers | None
+    dropout: OrderedDropout | None
+    generator: torch.Generator
+    on_step: Callable[[], None] | None
+    total_loss: float = 0.0
+    steps: int = 0
+    seen: int = 0
+
+    def stage(self, segment: tuple[int, int] | None, stage: Stage) -> None:
+        """Train one stage of the plan (``segment``: the blocks it trains; None, the whole model) for its epochs."""
         cached = segment is not None and stage.cache and segment[0] > 0
-        net: nn.Module = model if segment is None else SegmentModel(model, *segment, tuple(x.shape), stage.route,
-                                                                    frozen_input=cached)
-        inputs_of = x
+        net: nn.Module = self.model if segment is None else SegmentModel(
+            self.model, *segment, tuple(self.x.shape), stage.route, frozen_input=cached)
+        micro = micro_batch_size(stage, self.plan.batch_size)
+        inputs_of = self.x
         try:
             if cached:
                 assert segment is not None
-                inputs_of = frozen_outputs(model, segment[0], x, micro_batch_size(stage, plan.batch_size), device,
-                                           on_batch=on_step)
-            # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
-            groups = [[p for p in m.parameters() if p.requires_grad] for m in (model, *copies)]
-            params = [p for group in groups for p in group]
-            optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
-                                        weight_decay=settings.weight_decay)
-            for _ in range(stage.epochs):
-                order = torch.randperm(len(x), generator=generator)
-                for start in range(0, len(x), plan.batch_size):
-                    batch = order[start:start + plan.batch_size]
-                    if len(batch) < 2:
-                        continue  # a last batch of one sample: batch-statistics BN cannot normalise it
-                    optimizer.zero_grad(set_to_none=True)
-                    parts = micro_batches(batch, micro_batch_size(stage, plan.batch_size))
-                    used = sum(len(part) for part in parts)
-                    width = dropout.draw() if dropout is not None else None  # one width for the whole batch
-                    loss: torch.Tensor | None = None
-                    for part in parts:
-                        share = len(part) / used
-                        inputs, targets = inputs_of[part].to(device), y[part].to(device)
-                        step = backward_step(net, inputs, targets, plan.loss, mask, copies, scale=share,
-                                             teachers=teachers, width=width) * share
-                        loss = step if loss is None else loss + step
-                        del inputs, targets
-                    assert loss is not None
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {steps}")
-                    if settings.clip_norm is not None:
-                        for group in groups:
-                            nn.utils.clip_grad_norm_(group, settings.clip_norm)
-                    optimizer.step()
-                    total_loss += loss.item() / plan.copies * used
-                    seen += used
-                    steps += 1
-                    if on_step is not None:
-                        on_step()
+                inputs_of = frozen_outputs(self.model, segment[0], self.x, micro, self.device, on_batch=self.on_step)
+            self._epochs(net, inputs_of, stage.epochs, micro)
         finally:
             # The stage's gradients and optimizer state go with it: the next stage freezes these parameters.
-            for m in (model, *copies):
+            for m in (self.model, *self.copies):
                 for p in m.parameters():
                     p.grad = None
             if isinstance(net, SegmentModel):
                 net.release()
             del inputs_of  # the stage's buffer, if any
-        if on_stage is not None:
-            on_stage(index, "end")
-    mean_loss = total_loss / seen if seen else math.nan
-    return TrainResult(loss=mean_loss, steps=steps, samples=seen, seconds=time.monotonic() - started,
-                       stages=len(planned))
+
+    def _epochs(self, net: nn.Module, inputs_of: torch.Tensor, epochs: int, micro: int) -> None:
+        settings = self.plan.optimizer
+        # Each model's parameters on their own: a copy's gradient is clipped as if it trained alone.
+        groups = [[p for p in m.parameters() if p.requires_grad] for m in (self.model, *self.copies)]
+        optimizer = torch.optim.SGD([p for group in groups for p in group], lr=settings.lr,
+                                    momentum=settings.momentum, weight_decay=settings.weight_decay)
+        for _ in range(epochs):
+            order = torch.randperm(len(self.x), generator=self.generator)
+            for start in range(0, len(self.x), self.plan.batch_size):
+                batch = order[start:start + self.plan.batch_size]
+                if len(batch) < 2:
+                    continue  # a last batch of one sample: batch-statistics BN cannot normalise it
+                optimizer.zero_grad(set_to_none=True)
+                loss, used = self._batch_loss(net, inputs_of, batch, micro)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"training diverged (loss {loss.item()}) at step {self.steps}")
+                if settings.clip_norm is not None:
+                    for group in groups:
+                        nn.utils.clip_grad_norm_(group, settings.clip_norm)
+                optimizer.step()
+                self.total_loss += loss.item() / self.plan.copies * used
+                self.seen += used
+                self.steps += 1
+                if self.on_step is not None:
+                    self.on_step()
+
+    def _batch_loss(self, net: nn.Module, inputs_of: torch.Tensor, batch: torch.Tensor,
+                    micro: int) -> tuple[torch.Tensor, int]:
+        """One batch's gradients, accumulated over its micro-batches, at one width for the whole batch; its loss
+        and the samples it used."""
+        parts = micro_batches(batch, micro)
+        used = sum(len(part) for part in parts)
+        width = self.dropout.draw() if self.dropout is not None else None
+        loss: torch.Tensor | None = None
+        for part in parts:
+            share = len(part) / used
+            inputs, targets = inputs_of[part].to(self.device), self.y[part].to(self.device)
+            step = backward_step(net, inputs, targets, self.plan.loss, self.mask, self.copies, scale=share,
+                                 teachers=self.teachers, width=width) * share
+            loss = step if loss is None else loss + step
+            del inputs, targets
+        assert loss is not None
+        return loss, used
