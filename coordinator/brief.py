@@ -53,7 +53,7 @@ class MethodBrief:
         method = self._config.algorithm
         if not services:
             return [f"{method} ignores memory budgets: every device trains {self._strategy.describe()[0]['spec']}"]
-        return service_lines(method, services, self._strategy.largest(), largest_needs(self._strategy))
+        return service_lines(method, services, self._strategy.largest_whole_model(), largest_needs(self._strategy))
 
     def report_settings(self) -> dict[str, Any]:
         """What a run's report states of the method: its levels (largest first) and whether it masks the loss."""

@@ -113,7 +113,7 @@ def tier_rows(config: Any, dataset: Any, scenario: str, *, fedavg_width_set: boo
         strategies[name] = strategy_for(method, dataset,
                                         family if model_options(method) == model_options(config) else None)
         strategies[name].fit_to_fleet([budget for _, budget in budgets])
-    largest = {method: {"name": strategy.largest(), "train_bytes": largest_needs(strategy)}
+    largest = {method: {"name": strategy.largest_whole_model(), "train_bytes": largest_needs(strategy)}
                for method, strategy in strategies.items()}
     return [{"tier": name, "budget_bytes": budget,
              "methods": {method: strategy.plan_for_budget(budget) for method, strategy in strategies.items()},

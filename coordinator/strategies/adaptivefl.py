@@ -85,7 +85,7 @@ class AdaptiveFL(LevelStrategy):
         """``widths: auto``: the smallest type's width narrowed (on a grid of 0.01, never below 0.01) until its
         smallest model fits the weakest budget of the fleet that any width can serve, by the device's rule; the
         paper's widths where they fit it already. Budgets below what the whole shallow layers alone need are
-        served by no width (:meth:`to_fit` says so)."""
+        served by no width (:meth:`setting_to_shrink` says so)."""
         if self.settings.widths != "auto":
             return None
         fixed = self.settings.fixed_widths()
@@ -105,7 +105,7 @@ class AdaptiveFL(LevelStrategy):
                 f"adaptivefl.widths auto: {', '.join(f'{w:g}' for w in chosen)}, the smallest type narrowed so that "
                 f"the weakest budget any width can serve trains its smallest model")
         return text + (f"; {unserved} of {len(budgets)} budgets {'lies' if unserved == 1 else 'lie'} below what any "
-                       f"width needs: {self.to_fit()}"
+                       f"width needs: {self.setting_to_shrink()}"
                        if unserved else "")
 
     # ------------------------------------------------------------------ pool
@@ -186,7 +186,7 @@ class AdaptiveFL(LevelStrategy):
                 return {"trains": level.name, "spec": level.spec.describe(), "train_bytes": self.cost(level)}
         return self.nothing_fits(min(self.cost(level) for level in self.levels))
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         depth = min(self.full_layers)
         if self.settings.widths == "auto":
             return (f"fewer whole layers (now I >= {depth}; e.g. adaptivefl.full_layers [2, 1, 0] with "

@@ -74,7 +74,21 @@ def select_fraction(agents: Sequence[AgentRecord], fraction: float, rng: random.
 
 
 class Strategy(ABC):
-    """The server half of a method (see the module docstring)."""
+    """The server half of a method (see the module docstring).
+
+    Every method implements two calls: :meth:`configure_round` (who trains what this round) and
+    :meth:`eval_targets` (which models are evaluated and reported). The rest have defaults, overridden where the
+    method differs, in five groups (the sections below):
+
+    - set-up: :meth:`global_spec`, :meth:`groups` (the model states kept), :meth:`initial_states`;
+    - rounds: :meth:`begin_aggregate` and :meth:`weight` (how updates combine), :meth:`observe` (learning from
+      how tasks ended), :meth:`level_of` and :meth:`trained_targets` (naming what an update trained);
+    - sized to the fleet: :attr:`awaits_fleet`, :meth:`fit_to_fleet` (``auto`` settings sized from the budgets);
+    - what it serves (``fedfit plan``, the start-of-run statement): :meth:`describe`, :meth:`plan_for_budget`,
+      :meth:`nothing_fits`, :meth:`setting_to_shrink`, :meth:`largest_whole_model`, :meth:`setup_summary`,
+      with :meth:`training_cost` (the bytes a device needs for a task);
+    - checkpoint: :meth:`state_dict`, :meth:`load_state_dict`.
+    """
 
     name: ClassVar[str] = ""
     #: Whether the method's paper trains with masked cross-entropy (``recipe.masked_ce`` left out follows it).
@@ -104,12 +118,6 @@ class Strategy(ABC):
     def groups(self) -> list[str]:
         """Names of the model states this strategy keeps (one global model, or one per level)."""
         return ["global"]
-
-    def training_cost(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
-        """The bytes a fresh agent must have available to train ``spec`` with ``plan``, by its own rule (the
-        estimated peak with the agent's initial calibration margin: :func:`common.device_need.device_need`): what
-        its reported budget must hold."""
-        return device_need(self.context.training_memory(spec, plan), self.context.device_factor)
 
     def initial_states(self, seed: int) -> dict[str, State]:
         """Initial weights of every group: the global spec built with ``seed`` (BN statistics included)."""
@@ -159,27 +167,7 @@ class Strategy(ABC):
         return {name for name, target in targets.items()
                 if name != "global" and not target.ensemble and target.spec == spec.unrolled()}
 
-    def describe(self) -> list[dict[str, Any]]:
-        """What each level or pool model would be, for ``fedfit plan``: at least ``name`` and ``spec``."""
-        return [{"name": name, "spec": target.spec} for name, target in self.eval_targets().items()
-                if name != "global"]
-
-    def plan_for_budget(self, budget: int) -> dict[str, Any]:
-        """What a device reporting ``budget`` bytes would be handed (for ``fedfit plan --budgets`` and the
-        start-of-run statement, :mod:`coordinator.serving`): ``trains`` (a level, a pool model, ``"nothing"``...);
-        where nothing fits, ``needs_bytes`` (the least its smallest option needs) and ``to_fit``
-        (:meth:`to_fit`)."""
-        return {}
-
-    def to_fit(self) -> str:
-        """The setting that would make this method's smallest option smaller, in a few words."""
-        return "a larger memory budget"
-
-    def largest(self) -> str | None:
-        """The name of the largest model this strategy hands out whole (the one whose deepest parts only it
-        holds), None where every device's training reaches the whole model (FeDepth's blocks)."""
-        return None
-
+    # ------------------------------------------------------------------ sized to the fleet
     @property
     def awaits_fleet(self) -> bool:
         """Whether what this strategy hands out is to be sized from the budgets the fleet reports
@@ -192,9 +180,37 @@ class Strategy(ABC):
         caller then makes the initial states again (the global model may change)."""
         return None
 
+    # ------------------------------------------------------------------ what it serves
+    def training_cost(self, spec: SubmodelSpec, plan: TrainingPlan) -> int:
+        """The bytes a fresh agent must have available to train ``spec`` with ``plan``, by its own rule (the
+        estimated peak with the agent's initial calibration margin: :func:`common.device_need.device_need`): what
+        its reported budget must hold."""
+        return device_need(self.context.training_memory(spec, plan), self.context.device_factor)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What each level or pool model would be, for ``fedfit plan``: at least ``name`` and ``spec``."""
+        return [{"name": name, "spec": target.spec} for name, target in self.eval_targets().items()
+                if name != "global"]
+
+    def plan_for_budget(self, budget: int) -> dict[str, Any]:
+        """What a device reporting ``budget`` bytes would be handed (for ``fedfit plan --budgets`` and the
+        start-of-run statement, :mod:`coordinator.serving`): ``trains`` (a level, a pool model, ``"nothing"``...);
+        where nothing fits, ``needs_bytes`` (the least its smallest option needs) and ``to_fit``
+        (:meth:`setting_to_shrink`)."""
+        return {}
+
+    def setting_to_shrink(self) -> str:
+        """The setting that would make this method's smallest option smaller, in a few words."""
+        return "a larger memory budget"
+
+    def largest_whole_model(self) -> str | None:
+        """The name of the largest model this strategy hands out whole (the one whose deepest parts only it
+        holds), None where every device's training reaches the whole model (FeDepth's blocks)."""
+        return None
+
     def nothing_fits(self, needs: int) -> dict[str, Any]:
         """:meth:`plan_for_budget`'s answer for a device whose budget fits nothing: the least it would need."""
-        return {"trains": "nothing", "needs_bytes": int(needs), "to_fit": self.to_fit()}
+        return {"trains": "nothing", "needs_bytes": int(needs), "to_fit": self.setting_to_shrink()}
 
     def setup_summary(self) -> dict[str, Any]:
         """What the strategy's set-up computed beyond its levels (e.g. FlexFL's scores), for ``fedfit plan``."""

@@ -89,7 +89,7 @@ class DepthFL(LevelStrategy):
         """The full model with a classifier after every stage."""
         return self.levels[0].spec
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         return "a larger memory budget (the shallowest level is the first stage with its classifier)"
 
     def kd_weight(self, round_number: int) -> float:

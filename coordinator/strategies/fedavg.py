@@ -32,9 +32,9 @@ class FedAvg(LevelStrategy):
         level = self.levels[0]
         cost = self.cost(level)
         answer = {"trains": level.name, "spec": level.spec.describe(), "train_bytes": cost, "fits": cost <= budget}
-        return answer if cost <= budget else {**answer, "needs_bytes": cost, "to_fit": self.to_fit()}
+        return answer if cost <= budget else {**answer, "needs_bytes": cost, "to_fit": self.setting_to_shrink()}
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         return f"a smaller fedavg.width (now {self.config.fedavg.width:g})"
 
     def eval_targets(self) -> dict[str, EvalTarget]:

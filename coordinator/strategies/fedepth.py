@@ -41,10 +41,10 @@ class FeDepth(LevelStrategy):
 
     name = "fedepth"
 
-    def largest(self) -> str | None:
+    def largest_whole_model(self) -> str | None:
         return None  # a device that cannot train the whole model trains it block by block
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         floor = self.config.fedepth.min_micro_batch
         return (f"smaller micro-batches (fedepth.min_micro_batch, now {floor}{': none' * (floor == 0)})"
                 if floor != 2 else _LIGHTER)

@@ -43,7 +43,7 @@ class FjORD(LevelStrategy):
     def make_levels(self) -> list[Level]:
         return width_levels(self.config.fjord.widths)
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         return f"a smaller last width in fjord.widths (now {self.config.fjord.widths[-1]:g})"
 
     def level_plan(self, level: Level, round_number: int) -> TrainingPlan:

@@ -244,7 +244,7 @@ class FlexFL(LevelStrategy):
         reached by the device's own pruning, down the ladder of the pool model it belongs to."""
         return level.info.get("adaptive_of") is None
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         if self.by_fleet:
             return ("a larger memory budget, or fixed flexfl.ratios with a smaller first one (auto sized the pool to "
                     "the budgets the fleet reported at its first round)")

@@ -134,10 +134,10 @@ class LevelStrategy(Strategy):
             return self.nothing_fits(min(self.cost(level) for level in self.levels))
         return {"trains": fitting[0].name, "spec": fitting[0].spec.describe(), "train_bytes": self.cost(fitting[0])}
 
-    def largest(self) -> str | None:
+    def largest_whole_model(self) -> str | None:
         return self.levels[0].name
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         return f"a smaller last width in levels (now {self.config.levels[-1]:g})"
 
     def describe(self) -> list[dict[str, Any]]:

@@ -79,7 +79,7 @@ class ScaleFL(LevelStrategy):
         self.start_exits: tuple[int, ...] = ()
         super().__init__(context)
 
-    def to_fit(self) -> str:
+    def setting_to_shrink(self) -> str:
         if self.by_fleet:
             return ("a larger memory budget, or fixed scalefl.ratios with a smaller first one (auto sized the levels "
                     "to the budgets the fleet reported at its first round)")

@@ -265,7 +265,7 @@ def test_auto_narrows_the_smallest_type_for_the_weakest_budget_it_can_serve() ->
     assert made.widths[:2] == [1.0, 0.66] and made.widths[2] < 0.4
     assert made.plan_for_budget(weak)["trains"] != "nothing"
     assert made.plan_for_budget(floor - 1)["trains"] == "nothing"  # the whole shallow layers alone need more
-    assert "min_full_layers" in made.to_fit()
+    assert "min_full_layers" in made.setting_to_shrink()
     restored = make_strategy("adaptivefl", context(adaptivefl_config()))
     restored.load_state_dict(made.state_dict())
     assert restored.widths == made.widths and not restored.awaits_fleet

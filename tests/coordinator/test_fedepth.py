@@ -143,7 +143,7 @@ def test_plan_for_budget_trains_the_head_alone_exactly_where_no_block_fits(make_
     assert micro["cut"] == [[3, 3]] and micro["train_bytes"] == [round(head * 0.8)] and "16" in micro["segments"]
     nothing = strategy.plan_for_budget(round(head * 0.7) - 1)  # below the floor's need: micro-batches of 2 would do
     assert nothing["trains"] == "nothing" and nothing["needs_bytes"] == round(head * 0.7)
-    assert nothing["to_fit"] == strategy.to_fit() and "fedepth.min_micro_batch, now 8" in nothing["to_fit"]
+    assert nothing["to_fit"] == strategy.setting_to_shrink() and "fedepth.min_micro_batch, now 8" in nothing["to_fit"]
     assert "lighter blocks" in strategy.plan_for_budget(round(head * 0.5) - 1)["to_fit"]  # not even those
 
 

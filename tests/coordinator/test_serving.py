@@ -67,12 +67,12 @@ def test_the_coordinator_tells_each_device_once_and_again_when_its_budget_crosse
 def test_the_statement_says_when_no_tier_trains_the_largest_model(make_context):
     strategy = make_strategy("heterofl", make_context(config()))
     services = serve_tiers(strategy, [("weak", 300, 2), ("medium", 600, 2)])
-    assert service_lines("heterofl", services, strategy.largest())[-1] == (
+    assert service_lines("heterofl", services, strategy.largest_whole_model())[-1] == (
         "heterofl: no tier trains its largest model (a): the parts only it holds learn from no device")
     served = serve_tiers(strategy, [("strong", 1000, 1)])
-    assert not any("largest" in line for line in service_lines("heterofl", served, strategy.largest()))
+    assert not any("largest" in line for line in service_lines("heterofl", served, strategy.largest_whole_model()))
     needs = largest_needs(strategy)
     assert needs is not None and needs > 600
-    assert service_lines("heterofl", services, strategy.largest(), needs)[-1] == (
+    assert service_lines("heterofl", services, strategy.largest_whole_model(), needs)[-1] == (
         f"heterofl: no tier trains its largest model (a, which needs {bytes_text(needs)} to train; the strongest "
         f"tier, medium, has {bytes_text(600)}): the parts only it holds learn from no device")
