@@ -16,7 +16,8 @@ import torch
 from common.device_need import INITIAL_FACTOR
 from coordinator.strategies.scalefl import self_distillation_loss
 from edge_agent.adaptation import Choice, Option, choose, cut_nested, options
-from edge_agent.decision import Decider, _shortfall, estimate_key
+from edge_agent.decision import Decider, estimate_key
+from edge_agent.depthwise_cut import shortfall
 from edge_agent.memory import size_text
 from edge_agent.workdir import DataShape, DecisionRequest
 from models import MemoryEstimate, SubmodelSpec, get_family
@@ -512,7 +513,7 @@ def test_fedepth_decomposes_with_one_thread_where_more_leave_blocks_out(monkeypa
     available = max(need(block, 1) for block in range(family.num_blocks))
     assert any(need(block, 4) > available for block in range(family.num_blocks))
     four = Decider(DecisionRequest("cpu", "pooled", available, INITIAL_FACTOR, digits, threads=4))
-    assert _shortfall(four.depthwise(ref, family, U(1.0), plan, "skip", available)) > (0, 0, 0)  # four skip some
+    assert shortfall(four.depthwise(ref, family, U(1.0), plan, "skip", available)) > (0, 0, 0)  # four skip some
     decision, _ = four.decide(task)
     assert decision.threads == 1 and decision.status == "adapted", decision.reason
     assert "skipped" not in decision.reason and decision.reason.endswith("with 1 of 4 torch threads")
