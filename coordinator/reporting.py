@@ -119,18 +119,18 @@ def store_bn(state: State, bn_state: Mapping[str, torch.Tensor]) -> None:
             state[key] = target
 
 
-def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: dict[str, list[float]],
+def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: Mapping[str, list[float]],
                  trained_outputs: tuple[list[str], list[int]], bytes_down: int, seconds: float,
                  deployed: tuple[str, float] | None = None) -> RoundResult:
     """The round as `metrics.jsonl` keeps it: accuracies (the global model's outputs, each level's last, the
     ``deployed`` model's: `coordinator.deployable`), who took part, traffic, what was trained and where the time
     went."""
-    global_outputs = accuracies.pop("global")
+    global_outputs = accuracies["global"]
     levels, exits = trained_outputs
     return RoundResult(
         round=current.number,
         global_accuracy=global_outputs[-1],
-        level_accuracy={name: outputs[-1] for name, outputs in accuracies.items()},
+        level_accuracy={name: outputs[-1] for name, outputs in accuracies.items() if name != "global"},
         exit_accuracy={f"exit{i}": acc for i, acc in enumerate(global_outputs, start=1)}
         if len(global_outputs) > 1 else {},
         participants=sum(1 for _ in current.aggregated()),
@@ -161,7 +161,7 @@ class RoundReview:
 
     def result(self, bytes_down: int, seconds: float) -> RoundResult:
         """The round as `metrics.jsonl` keeps it, its traffic and wall time so far included."""
-        return round_result(self.current, self.records, dict(self.accuracies), self.trained, bytes_down, seconds,
+        return round_result(self.current, self.records, self.accuracies, self.trained, bytes_down, seconds,
                             self.deployed)
 
 

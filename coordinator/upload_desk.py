@@ -236,10 +236,11 @@ class UploadDesk:
         if receipt is None or receipt.verdict is not Verdict.DEFERRED:
             return
         update = arrival.update
-        with self._held_lock:
-            self._held_updates.pop(update.task_id, None)
-            held = sum(len(kept.payload) for kept in self._held_updates.values())
-            room = held + len(arrival.payload) <= self._held_limit or not self._held_updates
+        with self._held_lock:  # a copy held already is replaced only where the new one has room
+            others = {task: kept for task, kept in self._held_updates.items() if task != update.task_id}
+            held = sum(len(kept.payload) for kept in others.values())
+            room = held + len(arrival.payload) <= self._held_limit or not others
+            again = update.task_id in self._held_updates
             if room:
                 self._held_updates[update.task_id] = arrival
         if not room:
@@ -249,7 +250,8 @@ class UploadDesk:
                               message="the updates held for the next round fill the upload window: not answered, "
                                       "the agent sends it again")
             return
-        self.held_total += 1
+        if not again:  # an update held once counts once, however often it is sent
+            self.held_total += 1
         self._log.info("update_held", agent=update.agent_id, task=update.task_id, round=update.round)
 
     def _tell_to_wait(self, request: UploadRequest, reason: str) -> None:
