@@ -42,22 +42,22 @@ ROOT_PACKAGES=python3,python3-venv,python3-dev,gcc,libc6-dev,procps,ca-certifica
 
 # In-process unit tests that fit emulation (a few minutes each on 2 cores).
 UNIT_TESTS=(
-  tests/edge_agent/test_edge_workdir.py tests/edge_agent/test_edge_spool.py tests/edge_agent/test_edge_memory.py
-  tests/edge_agent/test_edge_daemon.py tests/edge_agent/test_edge_calibration.py
-  tests/edge_agent/test_edge_mappings.py tests/edge_agent/test_edge_data_source.py
-  tests/edge_agent/test_edge_config.py tests/edge_agent/test_edge_uplink.py tests/edge_agent/test_edge_gpu.py
-  tests/models/test_models_width.py tests/models/test_models_registry.py tests/models/test_models_pruning.py
-  tests/models/test_models_spec.py tests/models/test_models_layers.py tests/models/test_models_fine_grained.py
-  tests/models/test_models_cnn.py tests/models/test_models_preresnet.py tests/models/test_models_conv_workspace.py
-  tests/models/test_models_vgg.py tests/models/test_models_resnet.py tests/models/test_models_depthwise.py
-  tests/models/test_models_training.py tests/models/test_models_family.py
-  tests/edge_agent/test_edge_allocator.py tests/edge_agent/test_edge_gpu_stack.py tests/edge_agent/test_edge_page_pool.py
+  tests/edge_agent/test_workdir.py tests/edge_agent/test_spool.py tests/edge_agent/test_memory.py
+  tests/edge_agent/test_daemon.py tests/edge_agent/test_calibration.py
+  tests/edge_agent/test_mappings.py tests/edge_agent/test_data_source.py
+  tests/edge_agent/test_config.py tests/edge_agent/test_uplink.py tests/edge_agent/test_gpu.py
+  tests/models/test_width.py tests/models/test_registry.py tests/models/test_pruning.py
+  tests/models/test_spec.py tests/models/test_layers.py tests/models/test_fine_grained.py
+  tests/models/test_cnn.py tests/models/test_preresnet.py tests/models/test_conv_workspace.py
+  tests/models/test_vgg.py tests/models/test_resnet.py tests/models/test_depthwise.py
+  tests/models/test_training.py tests/models/test_family.py
+  tests/edge_agent/test_allocator.py tests/edge_agent/test_gpu_stack.py tests/edge_agent/test_page_pool.py
   tests/common/test_blas_threads.py
 )
 # What qemu-user cannot tell: its heap keeps what malloc_trim gives back natively (4 MB left where < 1 MB is due).
 UNIT_DESELECT="test_settle_gives_back_what_the_default_heap_kept"
 # Tests that fork training or decision children from a warmed-up forkserver.
-FORK_TESTS=(tests/edge_agent/test_edge_child.py tests/edge_agent/test_edge_forkserver.py)
+FORK_TESTS=(tests/edge_agent/test_child.py tests/edge_agent/test_forkserver.py)
 FORK_SELECT="children_fork_from_a_server or may_use_more_threads or trains_a_depth_wise or crashing_child or decision_child_decides"
 
 while [ $# -gt 0 ]; do

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from common.durable import sync_directory
 from coordinator.config import CoordinatorConfig
 from coordinator.planning import model_options
-from coordinator.strategies.base import State, Strategy
+from coordinator.strategies.base import Strategy
+from coordinator.tasks import State
 
 FORMAT = "fedfit-checkpoint-v1"
 

@@ -38,7 +38,7 @@ from coordinator.registry import FleetRegistry
 from coordinator.round import Round
 from coordinator.round_planner import RoundPlanner
 from coordinator.run_files import RunFiles
-from coordinator.strategies.base import State
+from coordinator.tasks import State
 from coordinator.upload_desk import UploadDesk
 from coordinator.upload_grants import UploadGrants
 from models import ModelFamily

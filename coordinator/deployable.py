@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common.logs import Logger
 from coordinator.metrics import RoundResult, read_metrics
-from coordinator.strategies.base import EvalTarget
+from coordinator.tasks import EvalTarget
 from models import ModelFamily
 
 __all__ = ["GLOBAL", "TrainedSoFar", "deployed"]

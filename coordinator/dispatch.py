@@ -18,7 +18,7 @@ from common.mqtt_link import MqttLink
 from coordinator.in_flight import InFlight
 from coordinator.registry import FleetRegistry
 from coordinator.round import Round
-from coordinator.strategies import TaskPlan
+from coordinator.tasks import TaskPlan
 from models import ModelFamily
 from protocol import (
     HEAD_ALONE_REVISION,

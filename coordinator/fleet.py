@@ -17,7 +17,8 @@ from coordinator.data_fit import data_misfit
 from coordinator.federations import federations_seen
 from coordinator.registry import AgentRecord, FleetRegistry
 from coordinator.serving import ServiceLog, answer_text, unserved_text
-from coordinator.strategies.base import Skip, Strategy
+from coordinator.strategies.base import Strategy
+from coordinator.tasks import Skip
 from protocol import AgentStatus, ProtocolError, decode
 
 #: A status from a process that another one of its agent id replaced, within this many seconds, means two

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from coordinator.round import DispatchedTask, Phase, Receipt, Round, Verdict
-from coordinator.strategies.base import State
+from coordinator.tasks import State
 
 __all__ = ["InFlight"]
 

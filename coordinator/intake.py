@@ -25,8 +25,8 @@ from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.round import Examined, Receipt, Round, Verdict
 from coordinator.screening import Change, change_of_result
 from coordinator.staleness import rebased
-from coordinator.strategies import TaskPlan, TaskResult
 from coordinator.strategies.base import Strategy
+from coordinator.tasks import TaskPlan, TaskResult
 from models import ModelFamily, SubmodelSpec, check_shapes
 from protocol import Ack, BytesLike, ProtocolError, Reassembler, Topics, Update, decode, encode
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from common.durable import sync_directory, write_atomic
 from coordinator.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coordinator.round import DispatchedTask
-from coordinator.strategies.base import Skip, State, TaskPlan
+from coordinator.tasks import Skip, State, TaskPlan
 from models import SubmodelSpec
 from protocol import ModelRef, ProtocolError, Task, Update, decode, encode
 

@@ -17,8 +17,8 @@ from coordinator.evaluation import Evaluator
 from coordinator.intake import spec_or_none
 from coordinator.metrics import RoundResult, TaskRecord, TaskStatus, round_timing
 from coordinator.round import Answer, Round
-from coordinator.strategies import TaskOutcome
-from coordinator.strategies.base import EvalTarget, State, Strategy
+from coordinator.strategies.base import Strategy
+from coordinator.tasks import EvalTarget, State, TaskOutcome
 from models import ModelFamily, SubmodelSpec
 from protocol import Ack, Topics, encode
 

@@ -36,8 +36,7 @@ from coordinator.config import ScreeningConfig
 from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.screening import Change, beyond_reach, outliers
 from coordinator.staleness import buffer_size
-from coordinator.strategies import TaskPlan, TaskResult
-from coordinator.strategies.base import Skip, State
+from coordinator.tasks import Skip, State, TaskPlan, TaskResult
 from models import SubmodelSpec
 from protocol import BytesLike, TextEnum, Update, UpdateStatus
 

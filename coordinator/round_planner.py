@@ -24,8 +24,8 @@ from coordinator.registry import AgentRecord
 from coordinator.round import DispatchedTask, Intake, Round
 from coordinator.run_files import RunFiles
 from coordinator.serving import ServiceLog
-from coordinator.strategies import TaskPlan
-from coordinator.strategies.base import Skip, Strategy
+from coordinator.strategies.base import Strategy
+from coordinator.tasks import Skip, TaskPlan
 
 __all__ = ["RoundPlanner"]
 

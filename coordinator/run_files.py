@@ -24,7 +24,8 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import MetricsWriter, RoundResult
 from coordinator.planning import model_options
 from coordinator.round import DispatchedTask
-from coordinator.strategies.base import State, Strategy
+from coordinator.strategies.base import Strategy
+from coordinator.tasks import State
 from protocol import ModelRef
 
 __all__ = ["RunFiles"]

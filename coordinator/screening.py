@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.config import ScreeningConfig
-from coordinator.strategies.base import TaskResult
+from coordinator.tasks import TaskResult
 from models import SubmodelSpec
 from protocol import TrainingPlan
 

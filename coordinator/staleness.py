@@ -20,8 +20,7 @@ from dataclasses import replace
 import torch
 
 from coordinator.aggregation import grid, leading, leading_sizes
-from coordinator.strategies import TaskResult
-from coordinator.strategies.base import State
+from coordinator.tasks import State, TaskResult
 
 __all__ = ["buffer_size", "rebased", "staleness_weight"]
 

@@ -225,8 +225,8 @@ class UploadDesk:
 
     def _take(self, arrival: Arrival | None) -> None:
         """Hand a whole update to the round in progress; one deferred to the next round is held (within the
-        window's bytes; beyond them it is not answered, and its agent sends it again); one judged in an earlier round
-        is answered with its verdict."""
+        window's bytes; beyond them it is not answered, and its agent sends it again; a copy of it held before
+        stays held); one judged in an earlier round is answered with its verdict."""
         if arrival is None:
             return
         current = self._in_flight.current()  # read before the recall: verdicts are kept before the closed round goes
@@ -247,8 +247,9 @@ class UploadDesk:
             self.not_held_total += 1
             self._log.warning("update_not_held", agent=update.agent_id, task=update.task_id,
                               bytes=len(arrival.payload), held_bytes=held,
-                              message="the updates held for the next round fill the upload window: not answered, "
-                                      "the agent sends it again")
+                              message="the updates held for the next round fill the upload window: "
+                                      + ("the copy held before is kept" if again else
+                                         "not answered, the agent sends it again"))
             return
         if not again:  # an update held once counts once, however often it is sent
             self.held_total += 1

@@ -218,7 +218,8 @@ class Decider:
         when ``head_alone`` (the task allows it) and that fits at the full budget. The cut's spec carries the
         auxiliary classifier of every segment (route ``"exit"``), whose weights all its stages hold: when they push
         a stage over, the cut is made again for that much less. A stage after the first buffers its frozen blocks'
-        outputs when it runs more than one epoch and the buffer fits too. The search is :class:`_DepthwiseSearch`'s.
+        outputs when it runs more than one epoch and the buffer fits too. The search is
+        :class:`edge_agent.depthwise_cut.DepthwiseSearch`'s.
         ``threads``: the torch threads it estimates for (default: the agent's).
         """
         search = DepthwiseSearch(self, model, sent, plan, route, sent.depth or family.num_blocks,

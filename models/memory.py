@@ -447,7 +447,8 @@ def _estimated(family: ModelFamily, step: _Step) -> tuple[MemoryEstimate, int]:
     accounted = trace.parameters + gradients + state + trace.activations
     workspace = max(0, tensor_peak - accounted)
     overhead = 0  # on CUDA the context and cuBLAS's workspace are held before training: the agent counts them apart
-    if step.allocator is not None:  # on CPU: the heap the allocator retains, the runtime's own
+    if step.device == "cpu":  # the heap the allocator retains, the runtime's own
+        assert step.allocator is not None
         working_set = tensor_peak - trace.parameters - state + trace.frozen_peak
         workspace += round(_RETENTION[step.allocator] * working_set)
         overhead = CPU_RUNTIME_BYTES

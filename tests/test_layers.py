@@ -54,8 +54,8 @@ def test_imports_run_one_way(package: str) -> None:
 
 def import_graph() -> dict[str, set[str]]:
     """Every project module and the project modules it imports. ``from a.b import c`` counts as importing ``a.b.c``
-    where that is a module, else ``a.b``; a package's facade (``from models import X`` inside ``models``) is left
-    out, as the facade only re-exports its modules."""
+    where that is a module, else ``a.b`` (a package's ``__init__``, which imports the modules it re-exports: so
+    ``from models import X`` depends on every module of the facade)."""
     known: dict[str, Path] = {}
     for package in PACKAGES:
         known.update(modules(package))
@@ -66,7 +66,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in known.items():
         targets = {module_of(imported) for imported in imports(path)}
-        graph[name] = {target for target in targets if target and target != name and target not in PACKAGES}
+        graph[name] = {target for target in targets if target and target != name}
     return graph
 
 

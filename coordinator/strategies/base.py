@@ -81,13 +81,17 @@ class Strategy(ABC):
     method differs, in five groups (the sections below):
 
     - set-up: :meth:`global_spec`, :meth:`groups` (the model states kept), :meth:`initial_states`;
-    - rounds: :meth:`begin_aggregate` and :meth:`weight` (how updates combine), :meth:`observe` (learning from
-      how tasks ended), :meth:`level_of` and :meth:`trained_targets` (naming what an update trained);
+    - rounds: :meth:`begin_aggregate` and :meth:`weight` (how updates combine; :meth:`aggregate` folds a list at
+      once), :meth:`observe` (learning from how tasks ended), :meth:`level_of` and :meth:`trained_targets` (naming
+      what an update trained);
     - sized to the fleet: :attr:`awaits_fleet`, :meth:`fit_to_fleet` (``auto`` settings sized from the budgets);
     - what it serves (``fedfit plan``, the start-of-run statement): :meth:`describe`, :meth:`plan_for_budget`,
       :meth:`nothing_fits`, :meth:`setting_to_shrink`, :meth:`largest_whole_model`, :meth:`setup_summary`,
       with :meth:`training_cost` (the bytes a device needs for a task);
     - checkpoint: :meth:`state_dict`, :meth:`load_state_dict`.
+
+    A method's tasks start from :meth:`recipe_plan` (the configured recipe, its cross-entropy masked as
+    :attr:`masked_ce` says).
     """
 
     name: ClassVar[str] = ""
@@ -110,7 +114,7 @@ class Strategy(ABC):
         """:func:`base_plan` of the configured recipe, masked as :attr:`masked_ce` says."""
         return base_plan(self.config.recipe, loss, masked=self.masked_ce)
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ set-up
     def global_spec(self) -> SubmodelSpec:
         """The spec of the global model's state (the full model; ScaleFL adds its exits)."""
         return SubmodelSpec.full()
@@ -216,7 +220,7 @@ class Strategy(ABC):
         """What the strategy's set-up computed beyond its levels (e.g. FlexFL's scores), for ``fedfit plan``."""
         return {}
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state kept across rounds (saved in the checkpoint)."""
         return {}

@@ -3,7 +3,7 @@ stand-in for the agent's estimator (each block's cost known), and what a cut tel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from edge_agent.adaptation import Option
 from edge_agent.depthwise_cut import Cut, DepthwisePlan, DepthwiseSearch, shortfall, why_no_cut
@@ -28,11 +28,9 @@ class CostedBlocks:
 
     batch_size: int
     buffer_extra: int = 0
-    asked: list[SubmodelSpec] = field(default_factory=list)
 
     def raw_estimate(self, model: ModelRef, spec: SubmodelSpec, plan: TrainingPlan,
                      threads: int | None = None) -> MemoryEstimate:
-        self.asked.append(spec)
         assert spec.segments is not None and len(spec.segments) == 1
         start, stop = spec.segments[0]
         stage = plan.schedule[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 from dataclasses import replace
@@ -691,6 +692,24 @@ def test_a_micro_batched_stage_steps_once_per_batch(monkeypatch: pytest.MonkeyPa
                    labels=[0, 1], num_classes=2)
     assert result.steps == 4 and result.samples == 64  # two batches a stage, whatever the micro-batches
     assert seen == [4] * 8 + [16] * 2 and math.isfinite(result.loss)
+
+
+def test_a_stage_starts_with_no_optimizer_state_of_the_stage_before() -> None:
+    """What a stage's peak counts (the child resets its high-water mark at the stage's start, the estimator traces
+    the stage alone) holds none of the previous stage's momentum: its optimizer is gone when the next starts."""
+    family = get_family("cnn", 2, 1, hidden=(4, 8))
+    spec = SubmodelSpec(segments=((0, 1), (1, 2)))
+    alive: dict[tuple[int, str], int] = {}
+
+    def on_stage(index: int, phase: str) -> None:
+        gc.collect()
+        alive[(index, phase)] = sum(1 for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
+
+    torch.manual_seed(0)
+    model = family.build(spec, track_bn_stats=False)
+    train(model, spec, *separable_data(32), plan(batch_size=16, epochs=2, schedule=(Stage(), Stage(cache=True))),
+          labels=[0, 1], num_classes=2, on_stage=on_stage)
+    assert alive == {(0, "start"): 0, (0, "end"): 0, (1, "start"): 0, (1, "end"): 0}
 
 
 def test_a_micro_batched_stage_is_estimated_at_its_micro_batch_with_the_gradients_beside() -> None:
