@@ -6,7 +6,8 @@
 #          /proc/cpuinfo bind-mounted over the root's, since torch crashes reading an x86 one; this machine's CA
 #          certificates and pip configuration; the working tree copied to /opt/fedfit; a venv at /opt/venv),
 #          then the venv's size
-#   repro  (only when asked: --parts ...,repro) the fork hang without FedFit: benchmarks/arm64/fork_hang.py
+#   repro  (only when asked: --parts ...,repro) the fork hang without FedFit: benchmarks/arm64/fork_hang.py,
+#          a control whose outcome is noted and never fails the run (a hang there is what gives fork's PASS weight)
 #   unit   agent and model unit tests that run in-process (UNIT_TESTS below)
 #   fork   agent tests whose training and decision children fork from the forkserver (FORK_TESTS): they hang
 #          where the forkserver leaves threads behind
@@ -72,8 +73,11 @@ want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 [ "$(id -u)" -eq 0 ] || { echo "arm64_check: needs root (debootstrap, chroot, mounts)" >&2; exit 2; }
 # One run at a time per root: a run's end ends every process left in its root, another run's included.
-exec 9>"$ROOT.lock"
-flock -n 9 || { echo "arm64_check: another run is using $ROOT" >&2; exit 2; }
+mkdir -p "$(dirname "$ROOT")" || { echo "arm64_check: cannot create $(dirname "$ROOT") for the root" >&2; exit 2; }
+if ! { exec 9>"$ROOT.lock"; } 2>/dev/null; then
+  echo "arm64_check: cannot write the lock file $ROOT.lock" >&2; exit 2
+fi
+flock -n 9 || { echo "arm64_check: another run is using $ROOT (it holds $ROOT.lock)" >&2; exit 2; }
 
 declare -A VERDICT TOOK
 ORDER=()
@@ -119,10 +123,15 @@ unmount_root() {
     kill -9 $left 2>/dev/null
     sleep 2
   fi
+  # A mount still busy (a process of the host's holding a file there) is detached now and freed when let go.
   for point in "$ROOT/proc/cpuinfo" "$ROOT/proc" "$ROOT/sys"; do
-    mountpoint -q "$point" && umount "$point"
+    if mountpoint -q "$point" && ! umount "$point" 2>/dev/null; then
+      umount -l "$point" && echo "arm64_check: $point was busy: detached (lazy unmount)" >&2
+    fi
   done
-  mountpoint -q "$ROOT/dev" && umount -R "$ROOT/dev"
+  if mountpoint -q "$ROOT/dev" && ! umount -R "$ROOT/dev" 2>/dev/null; then
+    umount -R -l "$ROOT/dev" && echo "arm64_check: $ROOT/dev was busy: detached (lazy unmount)" >&2
+  fi
   return 0
 }
 
@@ -194,6 +203,7 @@ if want setup; then
   t=$(now)
   if setup; then verdict setup PASS $(( $(now) - t )); else verdict setup FAIL $(( $(now) - t )); fi
 else
+  [ -x "$ROOT/usr/bin/python3" ] || { echo "arm64_check: no arm64 root at $ROOT (run the setup part first)" >&2; exit 1; }
   mount_root
   copy_tree || { echo "arm64_check: could not copy the working tree into $ROOT$SRC" >&2; exit 1; }
 fi
@@ -208,10 +218,13 @@ if want repro; then
   out=$(timeout 900 chroot "$ROOT" /usr/bin/env -i HOME=/root PATH="$VENV/bin:/usr/bin:/bin" QEMU_CPU="$QEMU_CPU" \
         $EXTRA_ENV python "$SRC/benchmarks/arm64/fork_hang.py" --threads 1 --timeout 240 2>&1 | grep -v MIDR_EL1)
   echo "$out" | tail -4
+  # A control, not a check of FedFit: without FedFit's guards a forked child is expected to hang on this core,
+  # which is what makes the fork part's PASS mean something. Its outcome is reported and never fails the run.
   case "$(echo "$out" | tail -1)" in
-    *'"result": "trained"'*) verdict repro "PASS (the child trained)" $(( $(now) - t )) ;;
-    *) verdict repro "FAIL (the forked child did not train)" $(( $(now) - t )) ;;
+    *'"result": "trained"'*) note="NOTE: no hang reproduced (the child trained: the fork part's PASS says less)" ;;
+    *) note="NOTE: hang reproduced without FedFit (the forked child did not train), as expected" ;;
   esac
+  verdict repro "$note" $(( $(now) - t ))
 fi
 
 run_pytest() {  # name, timeout, pytest arguments...
