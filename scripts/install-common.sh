@@ -83,10 +83,15 @@ check_python() {
 
 # PyTorch's index of CPU-only wheels (x86-64 and aarch64).
 CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# Where that index cannot be reached on aarch64: PyPI's last CPU-only build there (from torch 2.11 on, PyPI's
+# aarch64 wheels require the CUDA packages).
+AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.10.0 torchvision==0.25.0"}
 
-# The torch requirement (TORCH_ARGS, an array) for this machine; JETSON and TORCH_WHEELS/TORCH_SPEC from flags.
+# The torch requirement (TORCH_ARGS, an array) for this machine, and what stands in where it cannot be installed
+# (TORCH_FALLBACK, an array; empty: nothing); JETSON and TORCH_WHEELS/TORCH_SPEC from flags.
 torch_plan() {
   TORCH_ARGS=()
+  TORCH_FALLBACK=()
   if [ ${#TORCH_WHEELS[@]} -gt 0 ]; then
     TORCH_ARGS=("${TORCH_WHEELS[@]}")
     return
@@ -102,8 +107,11 @@ torch_plan() {
     # Plain `torch` from PyPI is a CUDA build on both: on aarch64 too it pulls cuda-toolkit, the nvidia-* packages
     # and triton (about 3 GB, a 5.7 GB venv; about 190 MB of CUDA libraries resident after `import torch` on a
     # board without a GPU). PyTorch's CPU index has the CPU builds for both.
-    x86_64 | amd64 | aarch64 | arm64)
+    x86_64 | amd64)
       TORCH_ARGS=(torch torchvision --index-url "$CPU_TORCH_INDEX") ;;
+    aarch64 | arm64)
+      TORCH_ARGS=(torch torchvision --index-url "$CPU_TORCH_INDEX")
+      read -r -a TORCH_FALLBACK <<<"$AARCH64_PYPI_TORCH" ;;
     *) die "there is no torch wheel for $(uname -m) on PyPI (32-bit Raspberry Pi OS?): use a 64-bit OS, or give --torch-spec/--torch-wheel" ;;
   esac
 }
@@ -133,12 +141,21 @@ make_venv() {
   fi
 }
 
+# torch (TORCH_ARGS), or where pip cannot install it, what stands in (TORCH_FALLBACK), said in one sentence.
+install_torch() {
+  say "installing torch: ${TORCH_ARGS[*]}${PIP_ARGS[*]:+ (pip args: ${PIP_ARGS[*]})}"
+  vpip install "${TORCH_ARGS[@]}" && return 0
+  [ ${#TORCH_FALLBACK[@]} -gt 0 ] || die "pip could not install torch (${TORCH_ARGS[*]}); see pip's output above"
+  warn "pip could not install torch from $CPU_TORCH_INDEX (unreachable?): installing ${TORCH_FALLBACK[*]} from PyPI, its last CPU-only build for aarch64"
+  vpip install "${TORCH_FALLBACK[@]}" ||
+    die "pip could not install torch (${TORCH_FALLBACK[*]}) either; see pip's output above"
+}
+
 # torch first (TORCH_ARGS), then FedFit without its torch requirements, then FedFit's other requirements under a
 # constraint that keeps the torch just installed (a JetPack wheel, a CPU build) from being replaced.
 install_packages() {
   local py=$ROOT$VENV/bin/python constraints reqs
-  say "installing torch: ${TORCH_ARGS[*]}${PIP_ARGS[*]:+ (pip args: ${PIP_ARGS[*]})}"
-  vpip install "${TORCH_ARGS[@]}" || die "pip could not install torch (${TORCH_ARGS[*]}); see pip's output above"
+  install_torch
   constraints=$(mktemp)
   "$py" - >"$constraints" <<'PY' || { rm -f "$constraints"; die "torch did not install into $VENV"; }
 from importlib import metadata

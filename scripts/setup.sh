@@ -7,10 +7,14 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 # On aarch64 (a Raspberry Pi) PyPI's torch is a CUDA build that pulls about 3 GB of CUDA packages: the CPU build
-# comes from PyTorch's CPU index instead (TORCH_INDEX= empty keeps PyPI).
+# comes from PyTorch's CPU index instead (TORCH_INDEX= empty keeps PyPI). Where that index cannot be reached,
+# PyPI's last CPU-only build for aarch64 stands in (AARCH64_PYPI_TORCH: from torch 2.11 on, PyPI's aarch64 wheels
+# require the CUDA packages).
+AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.10.0 torchvision==0.25.0"}
+TORCH_FALLBACK=""
 if [ -z "${TORCH_INDEX+set}" ]; then
   case $(uname -m) in
-    aarch64 | arm64) TORCH_INDEX=https://download.pytorch.org/whl/cpu ;;
+    aarch64 | arm64) TORCH_INDEX=https://download.pytorch.org/whl/cpu TORCH_FALLBACK=$AARCH64_PYPI_TORCH ;;
     *) TORCH_INDEX= ;;
   esac
 fi
@@ -42,7 +46,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # shellcheck disable=SC2086
-.venv/bin/python -m pip install -q $TORCH_SPEC ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+if ! .venv/bin/python -m pip install -q $TORCH_SPEC ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}; then
+  [ -n "$TORCH_FALLBACK" ] || { echo "setup: pip could not install $TORCH_SPEC (see its output above)" >&2; exit 1; }
+  echo "setup: $TORCH_INDEX did not give $TORCH_SPEC (unreachable?); installing $TORCH_FALLBACK from PyPI, its" \
+       "last CPU-only build for aarch64" >&2
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pip install -q $TORCH_FALLBACK
+fi
 .venv/bin/python -m pip install -q -e '.[dev,embedded-broker]'
 .venv/bin/python - <<'PY'
 from edge_agent import page_pool

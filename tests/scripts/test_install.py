@@ -250,3 +250,48 @@ def test_the_coordinator_install_refuses_bad_input_in_one_line(tmp_path: Path, f
         assert result.returncode != 0 and len(lines) == 1 and message in lines[0], result.stderr
         assert lines[0].startswith("install-coordinator: error: ")
     assert not root.exists()
+
+
+COMMON = REPO / "scripts" / "install-common.sh"
+
+
+def torch_install(tmp_path: Path, machine: str, *, index_reachable: bool) -> subprocess.CompletedProcess[str]:
+    """install-common.sh's torch_plan and install_torch on a machine ``uname -m`` calls ``machine``, with a pip
+    that fails whatever names PyTorch's CPU index unless ``index_reachable``; every pip call is written to stdout."""
+    assert BASH is not None
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    uname = folder / "uname"
+    uname.write_text(f"#!/bin/sh\necho {machine}\n")
+    uname.chmod(0o755)
+    script = f"""
+PROG=test
+source {COMMON}
+vpip() {{
+  echo "pip $*"
+  case " $* " in *" --index-url "*) [ {int(index_reachable)} = 1 ] ;; *) true ;; esac
+}}
+TORCH_SPEC="" TORCH_WHEELS=() PIP_ARGS=()
+torch_plan
+install_torch
+echo done
+"""
+    env = {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run([BASH, "-c", script], capture_output=True, text=True, env=env, timeout=60, check=False)
+
+
+def test_torch_comes_from_the_cpu_index_and_on_aarch64_from_pypis_last_cpu_build_where_the_index_fails(
+        tmp_path: Path) -> None:
+    reached = torch_install(tmp_path, "aarch64", index_reachable=True)
+    assert reached.returncode == 0 and reached.stdout.splitlines()[-2:] == [
+        "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu", "done"]
+    assert "warning" not in reached.stderr
+    fallen = torch_install(tmp_path, "aarch64", index_reachable=False)
+    assert fallen.returncode == 0 and fallen.stdout.splitlines()[-3:] == [
+        "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu",
+        "pip install torch==2.10.0 torchvision==0.25.0", "done"]
+    (warning,) = fallen.stderr.splitlines()  # one sentence says why
+    assert "could not install torch from https://download.pytorch.org/whl/cpu" in warning and "2.10.0" in warning
+    x86 = torch_install(tmp_path, "x86_64", index_reachable=False)  # no stand-in there: a clear error
+    assert x86.returncode == 1 and "done" not in x86.stdout
+    assert x86.stderr.strip().endswith("see pip's output above") and len(x86.stderr.splitlines()) == 1
