@@ -222,7 +222,8 @@ if want repro; then
   # which is what makes the fork part's PASS mean something. Its outcome is reported and never fails the run.
   case "$(echo "$out" | tail -1)" in
     *'"result": "trained"'*) note="NOTE: no hang reproduced (the child trained: the fork part's PASS says less)" ;;
-    *) note="NOTE: hang reproduced without FedFit (the forked child did not train), as expected" ;;
+    *'"result": "hung"'*) note="NOTE: hang reproduced without FedFit (the forked child hung), as expected" ;;
+    *) note="NOTE: inconclusive (the forked child neither trained nor hung: see the lines above)" ;;
   esac
   verdict repro "$note" $(( $(now) - t ))
 fi

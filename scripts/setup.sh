@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+DEFAULT_TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
+TORCH_SPEC=${TORCH_SPEC:-$DEFAULT_TORCH_SPEC}
 # On aarch64 (a Raspberry Pi) PyPI's torch is a CUDA build that pulls about 3 GB of CUDA packages: the CPU build
 # comes from PyTorch's CPU index instead (TORCH_INDEX= empty keeps PyPI). Where that index cannot be reached,
 # PyPI's last CPU-only build for aarch64 stands in (AARCH64_PYPI_TORCH: from torch 2.11 on, PyPI's aarch64 wheels
@@ -14,7 +15,10 @@ AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.10.0 torchvision==0.25.0"}
 TORCH_FALLBACK=""
 if [ -z "${TORCH_INDEX+set}" ]; then
   case $(uname -m) in
-    aarch64 | arm64) TORCH_INDEX=https://download.pytorch.org/whl/cpu TORCH_FALLBACK=$AARCH64_PYPI_TORCH ;;
+    aarch64 | arm64)
+      TORCH_INDEX=https://download.pytorch.org/whl/cpu
+      # only for the default torch: a TORCH_SPEC of one's own is installed as given or not at all
+      [ "$TORCH_SPEC" != "$DEFAULT_TORCH_SPEC" ] || TORCH_FALLBACK=$AARCH64_PYPI_TORCH ;;
     *) TORCH_INDEX= ;;
   esac
 fi
@@ -51,7 +55,8 @@ if ! .venv/bin/python -m pip install -q $TORCH_SPEC ${TORCH_INDEX:+--index-url "
   echo "setup: $TORCH_INDEX did not give $TORCH_SPEC (unreachable?); installing $TORCH_FALLBACK from PyPI, its" \
        "last CPU-only build for aarch64" >&2
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip install -q $TORCH_FALLBACK
+  .venv/bin/python -m pip install -q $TORCH_FALLBACK ||
+    { echo "setup: pip could not install $TORCH_FALLBACK either (see its output above)" >&2; exit 1; }
 fi
 .venv/bin/python -m pip install -q -e '.[dev,embedded-broker]'
 .venv/bin/python - <<'PY'
