@@ -42,8 +42,10 @@ class FlexFLConfig:
     the reference's targets ``0.5 - d``, ``1 - d``), or ``relative`` (a share of the pool model's own: M2' = 0.45).
     The paper lists no M1' (the order of adaptive pruning is "M3', M2, M2', and M1"): ``full_variant: true`` adds
     one. The coordinator sends only the pool models (P = {M1..Mn}); the variants are rungs of a device's ladder.
-    Self-KD (Eq. 4): ``kd_weight`` (lambda), ``tau``; ``kd_reduction`` ``batchmean`` (KL summed over classes, the
-    paper's) or ``mean`` (the reference's ``KLDivLoss()``, which also averages over the classes).
+    Self-KD (Eq. 4): ``kd_weight`` (lambda), ``tau``; ``kd_reduction`` ``mean`` (the default: the reference code's
+    ``KLDivLoss()``, which averages over the classes too) or ``batchmean`` (the KL summed over classes, as the paper
+    writes Eq. 4: with lambda 10 it outweighs the cross-entropy, and where the smallest pool model is too small to
+    learn, the larger ones follow it down: docs/results.md, "Where learning is lost").
     """
 
     proxy_fraction: float = 0.01
@@ -62,7 +64,7 @@ class FlexFLConfig:
     full_variant: bool = False
     kd_weight: float = 10.0
     tau: float = 3.0
-    kd_reduction: Literal["batchmean", "mean"] = "batchmean"
+    kd_reduction: Literal["batchmean", "mean"] = "mean"
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
