@@ -23,7 +23,9 @@ itself (AdaPrune). The ladder under a sent model is every smaller pool model and
 (``M3 -> M3' -> M2 -> M2' -> M1``, the paper's order): an agent trains the largest rung that fits its memory now
 and says which. A device training ``Mi`` (or ``Mi'``) distils from the smaller pool
 models ``M1..M(i-1)`` nested in it, run from its current weights without gradient (Eq. 4: cross-entropy plus
-``lambda/(i-1) * sum_j tau^2 KL(softmax(y_j / tau) || softmax(y_i / tau))``, one ``nested_kd`` term per teacher).
+``lambda/(i-1) * sum_j tau^2 KL(softmax(y_j / tau) || softmax(y_i / tau))``, one ``nested_kd`` term per teacher;
+the KL averaged over the classes as the reference code's ``KLDivLoss()`` does, ``flexfl.kd_reduction: mean``, or
+summed over them as the paper writes it, ``batchmean``).
 Aggregation is masked and weighted by the samples each update trained on; every pool model is a slice of the one
 global model, so all are refreshed by it. Each round every pool model is evaluated (``level_accuracy``).
 """
