@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # FedFit on a Raspberry Pi 4's CPU, emulated: one command that builds an arm64 Debian bookworm root run through
-# qemu-user (the Pi 4's core, Cortex-A72: no SVE, no LSE atomics), installs FedFit there with torch from PyPI and
-# runs, each bounded by a timeout and with a verdict of its own:
+# qemu-user (the Pi 4's core, Cortex-A72: no SVE, no LSE atomics), installs FedFit there with torch from PyPI (by
+# default torch 2.9.1, the CPU build the installers fall back to on aarch64) and runs, each bounded by a timeout and
+# with a verdict of its own:
 #   setup  the rig (idempotent: apt-get qemu-user-static debootstrap binfmt-support; debootstrap; a Pi 4
 #          /proc/cpuinfo bind-mounted over the root's, since torch crashes reading an x86 one; this machine's CA
 #          certificates and pip configuration; the working tree copied to /opt/fedfit; a venv at /opt/venv),
@@ -11,31 +12,36 @@
 #   unit   agent and model unit tests that run in-process (UNIT_TESTS below)
 #   fork   agent tests whose training and decision children fork from the forkserver (FORK_TESTS): they hang
 #          where the forkserver leaves threads behind
+#   threads  ARM64_FORKS (default 50) training children forked from FedFit's forkserver one after another, at 1
+#          and 2 torch threads in turn (benchmarks/arm64/forkserver_threads.py): PASS when every child trained; it
+#          prints the median step time per count and their ratio (qemu-user runs guest threads on host cores, so
+#          the ratio says whether a second thread helps, on an otherwise idle host, not how fast a Pi is)
 #   rss    the idle training forkserver's RSS (benchmarks/arm64/idle_forkserver_rss.py)
 #   sim    fedfit sim --algorithm heterofl --agents 2 --rounds 1 --dataset digits, no thread setting by hand:
 #          PASS when both agents' tasks trained
-# Slow (an emulated `import torch` takes 25-35 s; on 2 cores a first run about 40 minutes, 20 of them building the
-# root and installing torch, a later one about 17), so a benchmark, not part of `make test`. Needs root, a Debian-like host and its package mirror and PyPI. What it cannot tell: memory figures
+# Slow (an emulated `import torch` takes 10-35 s; on 2 cores a first run about 50 minutes, 20 of them building the
+# root and installing torch, a later one about 30, 9 of them the threads part), so a benchmark, not part of `make test`. Needs root, a Debian-like host and its package mirror and PyPI. What it cannot tell: memory figures
 # (qemu-user adds its own memory and translated code to every RSS, and its heap
 # keeps what malloc_trim would give back) and speed; a real Pi must confirm both. What it does tell: instructions
-# the core lacks (PyPI torch 2.14.1's BLAS, NVPL, runs ARMv8.1 atomics on a Cortex-A72 as soon as a matrix product
-# runs on two threads or more: SIGILL) and threads a forked child does not have (a hang).
+# the core lacks (PyPI torch 2.10.0's mimalloc runs ARMv8.1 atomics at `import torch`; 2.14.1's BLAS, NVPL, as soon
+# as a matrix product runs on two threads or more: SIGILL) and threads a forked child does not have (a hang).
 #
-# Usage: sudo benchmarks/arm64_check.sh [--parts setup,unit,fork,rss,sim] [--keep-mounts]
+# Usage: sudo benchmarks/arm64_check.sh [--parts setup,unit,fork,threads,rss,sim] [--keep-mounts]
 # Environment: ARM64_ROOT (default: arm64root beside the repository), QEMU_CPU (default cortex-a72; cortex-a76 is
-# a Pi 5's core), TORCH_SPEC (default as scripts/setup.sh), DEBIAN_MIRROR, ARM64_EXTRA_ENV (extra VAR=VALUE
+# a Pi 5's core), TORCH_SPEC (default torch==2.9.1 torchvision==0.24.1), DEBIAN_MIRROR, ARM64_EXTRA_ENV (extra VAR=VALUE
 # words given to every command in the root, for experiments only: the verdicts say so when it is set),
-# ARM64_SIM_ROUND_S (the sim's round deadline, default 1200 s).
+# ARM64_SIM_ROUND_S (the sim's round deadline, default 1200 s), ARM64_FORKS (the threads part's children, default 50).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=${ARM64_ROOT:-$(cd "$REPO/.." && pwd)/arm64root}
 QEMU_CPU=${QEMU_CPU:-cortex-a72}
-TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+TORCH_SPEC=${TORCH_SPEC:-"torch==2.9.1 torchvision==0.24.1"}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 EXTRA_ENV=${ARM64_EXTRA_ENV:-}
 SIM_ROUND_S=${ARM64_SIM_ROUND_S:-1200}  # the sim's round deadline (its round took 162 s where children train)
-PARTS=setup,unit,fork,rss,sim
+FORKS=${ARM64_FORKS:-50}
+PARTS=setup,unit,fork,threads,rss,sim
 KEEP_MOUNTS=0
 VENV=/opt/venv
 SRC=/opt/fedfit
@@ -196,7 +202,10 @@ setup() {
   in_root sh -c "cd $SRC && python -c 'from edge_agent import page_pool; print(\"page pool:\", page_pool.library_path())'"
 }
 
-echo "arm64_check: root $ROOT, core $QEMU_CPU, torch: $TORCH_SPEC${EXTRA_ENV:+, EXTRA ENVIRONMENT: $EXTRA_ENV}"
+# The torch the root holds (the setup part installs TORCH_SPEC when it differs).
+installed=$(cat "$ROOT$VENV/.fedfit-torch" 2>/dev/null || echo none)
+want setup && installed="$TORCH_SPEC"
+echo "arm64_check: root $ROOT, core $QEMU_CPU, torch: $installed${EXTRA_ENV:+, EXTRA ENVIRONMENT: $EXTRA_ENV}"
 trap unmount_root EXIT
 
 if want setup; then
@@ -242,6 +251,20 @@ run_pytest() {  # name, timeout, pytest arguments...
 }
 want unit && run_pytest unit 2400 "${UNIT_TESTS[*]}" -k "'not ($UNIT_DESELECT)'"
 want fork && run_pytest fork 1800 "${FORK_TESTS[*]}" -k "'$FORK_SELECT'"
+
+if want threads; then
+  t=$(now)
+  out=$(in_root sh -c "cd $SRC && timeout 5400 python benchmarks/arm64/forkserver_threads.py --forks $FORKS --threads 1,2" \
+        2>&1 | grep -v MIDR_EL1)
+  rc=$?
+  echo "$out" | tail -n "$([ "$rc" -eq 0 ] && echo 3 || echo 30)"
+  summary=$(echo "$out" | grep '"result"' | tail -1)
+  if [ "$rc" -eq 0 ]; then
+    verdict threads "PASS ($FORKS of $FORKS children trained; speedup $(echo "$summary" | grep -o '"speedup": {[^}]*}'))" $(( $(now) - t ))
+  else
+    verdict threads "FAIL (exit $rc: ${summary:-no summary; see above})" $(( $(now) - t ))
+  fi
+fi
 
 if want rss; then
   t=$(now)

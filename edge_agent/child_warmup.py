@@ -11,14 +11,15 @@
 2. torch, the children's modules (:data:`CHILD_MODULES`: the trainer, the estimator, the models) and
    ``torch._dynamo``, the lazy import behind the first ``torch.optim`` optimizer (sympy and about 890 modules,
    70 MB), are imported once here instead of in every child's measured peak.
-3. On aarch64 the server's OpenMP runtime starts with one thread (:func:`start_openmp_single_threaded`): the Arm
-   Compute Library's convolutions would otherwise start OpenMP workers in it, and children deadlock. Where
-   torch's BLAS would crash the core on several threads, it runs on one (``common.blas_threads``).
-   One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (thread pools,
-   kernel dispatch tables, allocator arenas) happens once in the server and every forked training child starts
-   warm instead of paying it again inside its measured peak. Where a GPU is wanted the step leaves its backward
-   pass out: autograd's first pass would initialise CUDA here and make torch refuse autograd in every child
-   (:func:`warm_up`).
+3. One tiny training step (:func:`warm_up`), so that the torch runtime's one-time initialisation (kernel
+   dispatch tables, allocator arenas) happens once in the server and every forked training child starts warm
+   instead of paying it again inside its measured peak. It runs on one thread and starts no thread pool a child
+   would inherit without its threads: on aarch64 its convolution runs without oneDNN (:func:`no_arm_compute_pool`),
+   so each child starts the Arm Compute Library's team itself, of the server's OpenMP default: the agent's
+   ``torch_threads`` (``edge_agent.forkserver.declare_threads``). Where torch's BLAS
+   would crash the core on several threads, it runs on one (``common.blas_threads``). Where a GPU is wanted the
+   step leaves its backward pass out: autograd's first pass would initialise CUDA here and make torch refuse
+   autograd in every child (:func:`warm_up`).
 4. Every object the server holds is frozen out of the garbage collector (``gc.freeze``), so that a collection in
    a child does not write to their pages and copy them into the child's memory while it trains (measured: +0.25
    to 0.4 MB on the smallest ``benchmarks/memory.py`` rows, 0.9 to 2.4 MB); the heap gives back what the
@@ -35,11 +36,11 @@ compares with the server as it was before steps 1, 5 and the trim (``light=False
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
-import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from common.blas_threads import guard_blas_threads
 from edge_agent import allocator, gpu_stack, mappings
@@ -48,26 +49,33 @@ from edge_agent import allocator, gpu_stack, mappings
 CHILD_MODULES = ("edge_agent.child", "edge_agent.decision")
 
 
-#: OpenMP's variable: the size of every team a library's OpenMP runtime starts, read when that runtime loads.
-OMP_THREADS_ENV = "OMP_NUM_THREADS"
-
-
-def start_openmp_single_threaded() -> bool:
-    """On aarch64, start the server's OpenMP runtime with one thread (:data:`OMP_THREADS_ENV` = 1, whatever it
-    was); True where it did. Call before torch is imported.
+@contextlib.contextmanager
+def no_arm_compute_pool() -> Iterator[None]:
+    """On aarch64, oneDNN switched off for what runs inside (torch's own convolution kernels run instead);
+    elsewhere nothing. Use around the server's warm-up.
 
     On arm64 cores without SVE (a Raspberry Pi 4's Cortex-A72, a Pi 5's A76) oneDNN runs convolutions through the
-    Arm Compute Library, whose OpenMP scheduler sizes its teams from OpenMP's default (the core count) when it is
-    created, not from ``torch.set_num_threads``: the warm-up's first convolution left a GNU OpenMP worker in the
-    server (3 -> 4 threads), and a forked child's first parallel convolution waited for it forever at the pool's
-    barrier (native backtrace: ``arm_compute::OMPScheduler::run_workloads`` -> libgomp futex; emulated with both
-    cores, ``benchmarks/arm64_check.sh``). With one thread no worker starts. It is forced, not defaulted: an agent
-    started with ``OMP_NUM_THREADS=4`` would hang again. The children still set their own count for torch's
-    parallel loops; the Arm Compute Library's convolutions run on one thread in them."""
+    Arm Compute Library, whose OpenMP scheduler sizes its team from OpenMP's default (``OMP_NUM_THREADS``, else
+    the cores) as the library loads, not from ``torch.set_num_threads``: a warm-up convolution through it left a
+    GNU OpenMP worker in the server (3 -> 4 threads), and a forked child's first parallel convolution waited for
+    that worker forever at the pool's barrier (native backtrace: ``arm_compute::OMPScheduler::run_workloads`` ->
+    libgomp futex; emulated, ``benchmarks/arm64/fork_hang.py --warmup conv``: hung with torch 2.9.1 and 2.14.1).
+    Kept out of the server, the team is started in each child, after the fork, at its first convolution, of the
+    server's OpenMP default: the agent's ``torch_threads`` (``edge_agent.forkserver.declare_threads``; emulated,
+    50 children forked without a hang, ``benchmarks/arm64/forkserver_threads.py``). On exit oneDNN is as it was:
+    on, for the children."""
     if platform.machine() not in ("aarch64", "arm64"):
-        return False
-    os.environ[OMP_THREADS_ENV] = "1"
-    return True
+        yield
+        return
+    import torch
+
+    # (The module's own setter; its flags() context would also set TF32 options and warn that there is no XPU.)
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 def warm_up(*, autograd: bool = True) -> None:
@@ -85,13 +93,14 @@ def warm_up(*, autograd: bool = True) -> None:
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
                           nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-    loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
-    if autograd:
-        loss.backward()
-    else:
-        del loss
-        for parameter in model.parameters():
-            parameter.grad = torch.zeros_like(parameter)
+    with no_arm_compute_pool():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+        if autograd:
+            loss.backward()
+        else:
+            del loss
+            for parameter in model.parameters():
+                parameter.grad = torch.zeros_like(parameter)
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
 
@@ -104,8 +113,6 @@ def prepare(on_step: Callable[[str], None] | None = None, *, light: bool = True)
         if on_step is not None:
             on_step(name)
 
-    if start_openmp_single_threaded():
-        done("OpenMP started with one thread (aarch64)")
     gpu = gpu_stack.gpu_wanted()
     if not gpu:
         gpu_stack.hide_gpus()  # its children train on the CPU: autograd then counts no GPU, here or there

@@ -82,6 +82,10 @@ _page_pool: Path | None = None
 #: The training devices the agents of this process declared (:func:`declare_device`); all "cpu": the server leaves
 #: torch's GPU packages out even where a GPU is present.
 _devices: set[str] = set()
+#: The torch threads the agents of this process train with (:func:`declare_threads`).
+_threads: set[int] = set()
+#: OpenMP's variable: the default size of its teams, read when a library's OpenMP runtime loads.
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 #: Held while this process starts a child or reads one's exit status (see :func:`_exit_code`).
 _STATUS_LOCK = threading.Lock()
 
@@ -116,6 +120,19 @@ def declare_device(device: str) -> None:
     _devices.add(device)
 
 
+def declare_threads(count: int) -> None:
+    """Say how many torch threads an agent of this process trains with, before the forkserver starts. The server
+    starts with the most any agent declared as its OpenMP default (:data:`OMP_THREADS_ENV`; one the environment
+    sets is kept): the libraries that size their pools from that default when they load, not from
+    ``torch.set_num_threads`` (OpenBLAS; the Arm Compute Library's scheduler, under oneDNN's convolutions on arm64
+    cores without SVE), then run every child's work on that many threads. The server runs torch on one thread and
+    its warm-up starts no OpenMP team a child could wait on (``edge_agent.child_warmup``). A server already running
+    keeps what it has."""
+    if count < 1:
+        raise ValueError(f"a training child needs at least one thread, got {count}")
+    _threads.add(count)
+
+
 def start() -> None:
     """Start the forkserver now (it imports torch and warms up) instead of at the first child."""
     with _STATUS_LOCK:
@@ -123,11 +140,13 @@ def start() -> None:
 
 
 def _ensure_running() -> None:
-    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` when one was asked for and
-    :data:`gpu_stack.CPU_ONLY_ENV` when every agent here trains on the CPU (call with :data:`_STATUS_LOCK` held).
+    """Start the forkserver unless it runs, with the page pool in its ``LD_PRELOAD`` when one was asked for,
+    :data:`gpu_stack.CPU_ONLY_ENV` when every agent here trains on the CPU and the declared threads as its OpenMP
+    default (:func:`declare_threads`) (call with :data:`_STATUS_LOCK` held).
     The server is started with this process's environment, so the variables are set only while it starts; a
-    process another thread starts meanwhile gets them too, which changes nothing there (the pool does nothing
-    until something enables it; the other is read by the forkserver's preload only)."""
+    process another thread starts meanwhile gets them too, which changes little there (the pool does nothing
+    until something enables it; the second is read by the forkserver's preload only; the third sizes OpenMP's
+    default, which torch's own ``set_num_threads`` overrides)."""
     if process_context().get_start_method() != "forkserver":
         return
     starting: dict[str, str] = {}
@@ -135,6 +154,8 @@ def _ensure_running() -> None:
         starting["LD_PRELOAD"] = str(_page_pool)
     if _devices == {"cpu"}:
         starting[gpu_stack.CPU_ONLY_ENV] = "1"
+    if _threads and not os.environ.get(OMP_THREADS_ENV):
+        starting[OMP_THREADS_ENV] = str(max(_threads))
     before = {name: os.environ.get(name) for name in starting}
     os.environ.update(starting)
     try:

@@ -28,7 +28,7 @@
 #   --torch-wheel PATH_OR_URL   a torch wheel to install (NVIDIA's JetPack wheel); repeatable (torchvision's)
 #   --torch-spec "SPEC"    pip requirement(s) for torch, installed with --pip-args only (default: torch
 #                          torchvision, from https://download.pytorch.org/whl/cpu: CPU builds; on aarch64, where
-#                          that index cannot be reached, PyPI's torch 2.10.0, its last CPU-only build there)
+#                          that index cannot be reached, PyPI's torch 2.9.1, which a Raspberry Pi 4 runs)
 #   --pip-args "ARGS"      extra pip arguments for every install, e.g. "--no-index --find-links /media/wheels"
 #   --prefix DIR           default /opt/fedfit (the venv is DIR/.venv)
 #   --python PYTHON        default python3 (FedFit needs the version pyproject.toml's requires-python names)

@@ -83,9 +83,11 @@ check_python() {
 
 # PyTorch's index of CPU-only wheels (x86-64 and aarch64).
 CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-# Where that index cannot be reached on aarch64: PyPI's last CPU-only build there (from torch 2.11 on, PyPI's
-# aarch64 wheels require the CUDA packages).
-AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.10.0 torchvision==0.25.0"}
+# Where that index cannot be reached on aarch64: PyPI's CPU-only build there that runs on a Raspberry Pi 4 (from
+# torch 2.11 on, PyPI's aarch64 wheels require the CUDA packages; its 2.10 builds need ARMv8.1 atomics at import).
+AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.9.1 torchvision==0.24.1"}
+# shellcheck source=scripts/torch-import-check.sh
+. "$SRC/scripts/torch-import-check.sh"
 
 # The torch requirement (TORCH_ARGS, an array) for this machine, and what stands in where it cannot be installed
 # (TORCH_FALLBACK, an array; empty: nothing); JETSON and TORCH_WHEELS/TORCH_SPEC from flags.
@@ -146,9 +148,21 @@ install_torch() {
   say "installing torch: ${TORCH_ARGS[*]}${PIP_ARGS[*]:+ (pip args: ${PIP_ARGS[*]})}"
   vpip install "${TORCH_ARGS[@]}" && return 0
   [ ${#TORCH_FALLBACK[@]} -gt 0 ] || die "pip could not install torch (${TORCH_ARGS[*]}); see pip's output above"
-  warn "pip could not install torch from $CPU_TORCH_INDEX (unreachable?): installing ${TORCH_FALLBACK[*]} from PyPI, its last CPU-only build for aarch64"
+  warn "pip could not install torch from $CPU_TORCH_INDEX (unreachable?): installing ${TORCH_FALLBACK[*]} from PyPI, its CPU-only build for aarch64 that a Raspberry Pi 4 runs"
   vpip install "${TORCH_FALLBACK[@]}" ||
     die "pip could not install torch (${TORCH_FALLBACK[*]}) either; see pip's output above"
+}
+
+# The torch installed imports here, or the install stops with one sentence saying why. Staged into --root (an
+# image for another machine) it is not imported: this machine's core is not the device's.
+check_torch_imports() {
+  local problem hint="give one that runs here with --torch-spec or --torch-wheel"
+  if [ -n "${ROOT:-}" ]; then
+    say "torch not imported to check it: staged into $ROOT, for the machine that boots it"
+    return 0
+  fi
+  case $(uname -m) in aarch64 | arm64) hint="$hint (e.g. --torch-spec \"$AARCH64_PYPI_TORCH\")" ;; esac
+  problem=$(cd / && torch_import_problem "$VENV/bin/python") || die "$problem; $hint"
 }
 
 # torch first (TORCH_ARGS), then FedFit without its torch requirements, then FedFit's other requirements under a
@@ -166,6 +180,7 @@ for name in ("torch", "torchvision"):
         if name == "torch":
             raise SystemExit(1)
 PY
+  check_torch_imports
   say "installing FedFit from $SRC (with $(tr '\n' ' ' <"$constraints"| sed 's/ $//'))"
   vpip install --no-deps --force-reinstall "$SRC" || { rm -f "$constraints"; die "pip could not install FedFit from $SRC; see pip's output above"; }
   reqs=$(cd / && "$py" - "${JETSON:-0}" <<'PY'

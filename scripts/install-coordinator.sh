@@ -27,7 +27,7 @@
 #   --min-agents N         agents to wait for before a round (default: the number of --agents, else 1)
 #   --torch-spec "SPEC"    pip requirement(s) for torch, installed with --pip-args only (default: torch
 #                          torchvision, from https://download.pytorch.org/whl/cpu: CPU builds; on aarch64, where
-#                          that index cannot be reached, PyPI's torch 2.10.0, its last CPU-only build there)
+#                          that index cannot be reached, PyPI's torch 2.9.1, which a Raspberry Pi 4 runs)
 #   --pip-args "ARGS"      extra pip arguments for every install, e.g. "--no-index --find-links /media/wheels"
 #   --prefix DIR           default /opt/fedfit (the venv is DIR/.venv)
 #   --python PYTHON        default python3

@@ -9,9 +9,9 @@ DEFAULT_TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 TORCH_SPEC=${TORCH_SPEC:-$DEFAULT_TORCH_SPEC}
 # On aarch64 (a Raspberry Pi) PyPI's torch is a CUDA build that pulls about 3 GB of CUDA packages: the CPU build
 # comes from PyTorch's CPU index instead (TORCH_INDEX= empty keeps PyPI). Where that index cannot be reached,
-# PyPI's last CPU-only build for aarch64 stands in (AARCH64_PYPI_TORCH: from torch 2.11 on, PyPI's aarch64 wheels
-# require the CUDA packages).
-AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.10.0 torchvision==0.25.0"}
+# PyPI's CPU-only build for aarch64 that a Raspberry Pi 4 runs stands in (AARCH64_PYPI_TORCH: from torch 2.11 on,
+# PyPI's aarch64 wheels require the CUDA packages; its 2.10 builds need ARMv8.1 atomics at import).
+AARCH64_PYPI_TORCH=${AARCH64_PYPI_TORCH:-"torch==2.9.1 torchvision==0.24.1"}
 TORCH_FALLBACK=""
 if [ -z "${TORCH_INDEX+set}" ]; then
   case $(uname -m) in
@@ -53,11 +53,15 @@ fi
 if ! .venv/bin/python -m pip install -q $TORCH_SPEC ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}; then
   [ -n "$TORCH_FALLBACK" ] || { echo "setup: pip could not install $TORCH_SPEC (see its output above)" >&2; exit 1; }
   echo "setup: $TORCH_INDEX did not give $TORCH_SPEC (unreachable?); installing $TORCH_FALLBACK from PyPI, its" \
-       "last CPU-only build for aarch64" >&2
+       "CPU-only build for aarch64 that a Raspberry Pi 4 runs" >&2
   # shellcheck disable=SC2086
   .venv/bin/python -m pip install -q $TORCH_FALLBACK ||
     { echo "setup: pip could not install $TORCH_FALLBACK either (see its output above)" >&2; exit 1; }
 fi
+# shellcheck source=scripts/torch-import-check.sh
+. scripts/torch-import-check.sh
+problem=$(torch_import_problem .venv/bin/python) ||
+  { echo "setup: $problem; give one that runs here with TORCH_SPEC=\"...\" (e.g. \"$AARCH64_PYPI_TORCH\")" >&2; exit 1; }
 .venv/bin/python -m pip install -q -e '.[dev,embedded-broker]'
 .venv/bin/python - <<'PY'
 from edge_agent import page_pool

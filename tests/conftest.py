@@ -16,6 +16,7 @@ import pytest
 import structlog
 import torch
 
+from common.cores import available_cores
 from edge_agent import forkserver, gpu_stack
 
 # As in the agent, whose default heap is "pooled": the training forkserver, whichever test starts it, has the page
@@ -25,6 +26,9 @@ forkserver.preload_page_pool()
 # with a CUDA agent gets (on a machine with a GPU: no CUDA and no backward pass in the server, the CPU children
 # hide the GPUs themselves), not one that hides the GPUs from every child because a CPU agent happened to start it.
 forkserver.declare_device("auto")
+# ... and its OpenMP default is every core, as an agent's with the default torch_threads, not whatever count the
+# agents the tests happened to build before it started declared.
+forkserver.declare_threads(available_cores())
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from forkserver_anatomy import MIB, PARTS, by_part
 
+from common.cores import available_cores
 from edge_agent import forkserver
 
 
@@ -40,6 +41,7 @@ def main() -> int:
     parser.add_argument("--settle-s", type=float, default=5.0)
     args = parser.parse_args()
     forkserver.declare_device("cpu")
+    forkserver.declare_threads(available_cores())  # an agent's default torch_threads
     started = time.monotonic()
     forkserver.start()
     with tempfile.TemporaryDirectory() as workdir:  # pathlib.Path(workdir): a child that does nothing

@@ -374,30 +374,69 @@ def test_the_forkserver_starts_told_to_train_on_the_cpu_only_when_every_agent_do
     assert gpu_stack.CPU_ONLY_ENV not in os.environ  # set only while the server starts
 
 
-def test_an_agent_declares_its_training_device_before_its_forkserver_starts(monkeypatch):
+@pytest.mark.parametrize(("declared", "given", "expected"), [
+    (set(), None, None),  # nobody declared: OpenMP's own default (the cores)
+    ({1, 3}, None, "3"),  # the most any agent trains with: the pools its children start have that many threads
+    ({1, 3}, "2", "2"),  # the operator's setting is kept
+])
+def test_the_forkserver_starts_with_the_declared_threads_as_its_openmp_default(monkeypatch, declared, given,
+                                                                               expected):
+    seen: list[str | None] = []
+    monkeypatch.setattr(forkserver, "_threads", set(declared))
+    monkeypatch.setattr(forkserver, "_page_pool", None)
+    if given is None:
+        monkeypatch.delenv(forkserver.OMP_THREADS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(forkserver.OMP_THREADS_ENV, given)
+    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running",
+                        lambda: seen.append(os.environ.get(forkserver.OMP_THREADS_ENV)))
+    if forkserver.process_context().get_start_method() != "forkserver":
+        pytest.skip("no forkserver on this platform")
+    forkserver.start()
+    assert seen == [expected]
+    assert os.environ.get(forkserver.OMP_THREADS_ENV) == given  # set only while the server starts
+    with pytest.raises(ValueError, match="at least one thread"):
+        forkserver.declare_threads(0)
+
+
+def test_an_agent_declares_its_training_device_and_threads_before_its_forkserver_starts(monkeypatch):
     declared: set[str] = set()
+    threads: set[int] = set()
     monkeypatch.setattr(forkserver, "_devices", declared)
-    agent = EdgeAgent(AgentConfig(agent_id="a", data=AgentDataConfig(dataset="digits"), device="cpu"),
+    monkeypatch.setattr(forkserver, "_threads", threads)
+    agent = EdgeAgent(AgentConfig(agent_id="a", data=AgentDataConfig(dataset="digits"), device="cpu",
+                                  torch_threads=3),
                       LocalData(np.zeros((2, 1, 8, 8), np.float32), np.array([0, 1])))
     try:
-        assert declared == {"cpu"}
+        assert declared == {"cpu"} and threads == {3}
     finally:
         agent.executor.shutdown(wait=True)
         agent.runner.close()
 
 
-@pytest.mark.parametrize(("machine", "given", "expected"), [
-    ("aarch64", None, "1"),  # a Pi: OpenMP starts with one thread, no worker for a child to wait on
-    ("aarch64", "4", "1"),  # forced: an operator's OMP_NUM_THREADS=4 would bring the hang back
-    ("x86_64", None, None),  # torch.set_num_threads governs x86-64's threads: nothing to change
-    ("x86_64", "4", "4"),
-])
-def test_the_forkserver_starts_openmp_single_threaded_on_aarch64(monkeypatch, machine, given, expected):
+@pytest.mark.parametrize("machine", ["aarch64", "x86_64"])
+def test_the_warm_up_keeps_the_arm_compute_librarys_pool_out_of_the_forkserver(monkeypatch, machine):
+    # On aarch64 oneDNN hands convolutions to the Arm Compute Library, whose OpenMP team, started in the server,
+    # would hang a forked child's first parallel convolution: the warm-up's convolution runs without oneDNN there,
+    # and oneDNN is on again for the children. Elsewhere nothing changes.
+    import torch
+
     from edge_agent import child_warmup
 
     monkeypatch.setattr(child_warmup.platform, "machine", lambda: machine)
-    monkeypatch.setenv(child_warmup.OMP_THREADS_ENV, given or "")  # recorded: put back as it was afterwards
-    if given is None:
-        monkeypatch.delenv(child_warmup.OMP_THREADS_ENV)
-    assert child_warmup.start_openmp_single_threaded() == (machine == "aarch64")
-    assert os.environ.get(child_warmup.OMP_THREADS_ENV) == expected
+    seen = []
+    convolve = torch.nn.Conv2d._conv_forward
+
+    def spy(self, *args):
+        seen.append(torch.backends.mkldnn.enabled)
+        return convolve(self, *args)
+
+    monkeypatch.setattr(torch.nn.Conv2d, "_conv_forward", spy)
+    threads = torch.get_num_threads()
+    enabled = torch.backends.mkldnn.enabled
+    try:
+        child_warmup.warm_up()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [machine != "aarch64" and enabled]
+    assert torch.backends.mkldnn.enabled == enabled

@@ -266,6 +266,7 @@ def torch_install(tmp_path: Path, machine: str, *, index_reachable: bool) -> sub
     uname.chmod(0o755)
     script = f"""
 PROG=test
+SRC={REPO}
 source {COMMON}
 vpip() {{
   echo "pip $*"
@@ -289,9 +290,66 @@ def test_torch_comes_from_the_cpu_index_and_on_aarch64_from_pypis_last_cpu_build
     fallen = torch_install(tmp_path, "aarch64", index_reachable=False)
     assert fallen.returncode == 0 and fallen.stdout.splitlines()[-3:] == [
         "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu",
-        "pip install torch==2.10.0 torchvision==0.25.0", "done"]
+        "pip install torch==2.9.1 torchvision==0.24.1", "done"]
     (warning,) = fallen.stderr.splitlines()  # one sentence says why
-    assert "could not install torch from https://download.pytorch.org/whl/cpu" in warning and "2.10.0" in warning
+    assert "could not install torch from https://download.pytorch.org/whl/cpu" in warning and "2.9.1" in warning
     x86 = torch_install(tmp_path, "x86_64", index_reachable=False)  # no stand-in there: a clear error
     assert x86.returncode == 1 and "done" not in x86.stdout
     assert x86.stderr.strip().endswith("see pip's output above") and len(x86.stderr.splitlines()) == 1
+
+
+def fake_python(folder: Path, import_torch: str) -> Path:
+    """A python that answers torch's version and runs ``import_torch`` (shell) for anything else."""
+    folder.mkdir(parents=True, exist_ok=True)
+    python = folder / "python"
+    python.write_text(f"""#!/bin/sh
+case "$2" in *metadata*) echo 2.10.0; exit 0 ;; esac
+{import_torch}
+""")
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.parametrize(("import_torch", "expected"), [
+    ("exit 0", None),
+    ("kill -ILL $$", "torch 2.10.0 stops at import with an illegal instruction: it was built for a newer"),
+    ("echo 'ImportError: libgomp.so.1: cannot open shared object file' >&2; exit 1",
+     "torch 2.10.0 does not import (exit 1): ImportError: libgomp.so.1: cannot open shared object file"),
+])
+def test_a_torch_that_does_not_import_is_named_in_one_sentence(tmp_path: Path, import_torch: str,
+                                                                 expected: str | None) -> None:
+    assert BASH is not None
+    python = fake_python(tmp_path / "bin", import_torch)
+    script = f'. {REPO / "scripts" / "torch-import-check.sh"}; torch_import_problem {python}'
+    checked = subprocess.run([BASH, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                             check=False)
+    if expected is None:
+        assert checked.returncode == 0 and checked.stdout == ""
+    else:
+        assert checked.returncode == 1 and len(checked.stdout.splitlines()) == 1
+        assert checked.stdout.startswith(expected)
+
+
+def test_the_install_stops_where_the_torch_it_installed_does_not_import(tmp_path: Path) -> None:
+    assert BASH is not None
+    venv = tmp_path / "venv"
+    fake_python(venv / "bin", "kill -ILL $$")
+    folder = tmp_path / "arm"  # an aarch64 machine: the hint names the torch that runs on a Pi 4
+    folder.mkdir()
+    (folder / "uname").write_text("#!/bin/sh\necho aarch64\n")
+    (folder / "uname").chmod(0o755)
+    env = {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+
+    def check(root: str) -> subprocess.CompletedProcess[str]:
+        script = f"PROG=test\nSRC={REPO}\nsource {COMMON}\nROOT={root} VENV={venv}\ncheck_torch_imports\necho installed\n"
+        return subprocess.run([BASH, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=60, check=False)
+
+    stopped = check("")
+    assert stopped.returncode != 0 and "installed" not in stopped.stdout
+    (line,) = stopped.stderr.splitlines()
+    assert "illegal instruction" in line and "Cortex-A72" in line and "--torch-spec" in line and "torch==2.9.1" in line
+    # Staged into a root for another machine: this machine's core says nothing of the device's, so no import.
+    staged = check(str(tmp_path / "image"))
+    assert staged.returncode == 0 and staged.stdout.splitlines()[-1] == "installed"
+    assert "not imported" in staged.stdout + staged.stderr
