@@ -75,17 +75,15 @@ class EdgeAgent:
         self.topics = Topics(config.federation)
         self.data = data.shape()  # the runner writes the data for the training children; the agent keeps no copy
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
-        if config.allocator == "pooled":  # before anything starts the forkserver (device "auto" asks torch there)
-            forkserver.preload_page_pool()
-        forkserver.declare_device(config.device)  # "cpu": its forkserver leaves torch's GPU packages out
         threads = config.torch_threads or available_cores()
-        forkserver.declare_threads(threads)  # its forkserver's OpenMP default: the pools its children start
+        # Before anything starts the forkserver (device "auto" asks torch there): "cpu" keeps torch's GPU packages
+        # out of it, the threads are its OpenMP default (the pools its children start), "pooled" preloads the pool.
+        forkserver.declare(config.device, threads, page_pool=config.allocator == "pooled")
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
         own_dir = Path(state_dir) / self.agent_id if state_dir else None
         self.runner = TaskRunner(self.agent_id, data, self.budget_schedule, self._torch_device(),
-                                 state_dir=own_dir,
-                                 torch_threads=threads,
+                                 state_dir=own_dir, torch_threads=threads,
                                  allocator=config.allocator, limits=config.limits,
                                  stall_timeout=config.stall_timeout_s,
                                  unified_memory=detect_device_kind() == "jetson")  # the board, not its label

@@ -133,6 +133,16 @@ def declare_threads(count: int) -> None:
     _threads.add(count)
 
 
+def declare(device: str, threads: int, *, page_pool: bool = False) -> None:
+    """What one agent of this process tells the forkserver before it starts: its training device
+    (:func:`declare_device`), its torch threads (:func:`declare_threads`) and, with ``page_pool``, that its heap is
+    pooled (:func:`preload_page_pool`)."""
+    if page_pool:
+        preload_page_pool()
+    declare_device(device)
+    declare_threads(threads)
+
+
 def start() -> None:
     """Start the forkserver now (it imports torch and warms up) instead of at the first child."""
     with _STATUS_LOCK:

@@ -357,20 +357,27 @@ def test_children_run_from_several_threads_all_report_their_own_exit(tmp_path):
     assert codes == [0] * 160
 
 
+def server_start_environment(monkeypatch, name: str) -> str | None:
+    """The value of ``name`` in the environment the forkserver is started with (no pool preloaded; nothing is
+    really started)."""
+    seen: list[str | None] = []
+    monkeypatch.setattr(forkserver, "_page_pool", None)
+    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running",
+                        lambda: seen.append(os.environ.get(name)))
+    if forkserver.process_context().get_start_method() != "forkserver":
+        pytest.skip("no forkserver on this platform")
+    forkserver.start()
+    (value,) = seen
+    return value
+
+
 @pytest.mark.parametrize(("devices", "cpu_only"), [({"cpu"}, "1"), ({"cpu", "cuda"}, None), ({"auto"}, None)])
 def test_the_forkserver_starts_told_to_train_on_the_cpu_only_when_every_agent_does(monkeypatch, devices, cpu_only):
     from edge_agent import gpu_stack
 
-    seen: list[str | None] = []
     monkeypatch.setattr(forkserver, "_devices", set(devices))
-    monkeypatch.setattr(forkserver, "_page_pool", None)
     monkeypatch.delenv(gpu_stack.CPU_ONLY_ENV, raising=False)
-    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running",
-                        lambda: seen.append(os.environ.get(gpu_stack.CPU_ONLY_ENV)))
-    if forkserver.process_context().get_start_method() != "forkserver":
-        pytest.skip("no forkserver on this platform")
-    forkserver.start()
-    assert seen == [cpu_only]
+    assert server_start_environment(monkeypatch, gpu_stack.CPU_ONLY_ENV) == cpu_only
     assert gpu_stack.CPU_ONLY_ENV not in os.environ  # set only while the server starts
 
 
@@ -381,19 +388,12 @@ def test_the_forkserver_starts_told_to_train_on_the_cpu_only_when_every_agent_do
 ])
 def test_the_forkserver_starts_with_the_declared_threads_as_its_openmp_default(monkeypatch, declared, given,
                                                                                expected):
-    seen: list[str | None] = []
     monkeypatch.setattr(forkserver, "_threads", set(declared))
-    monkeypatch.setattr(forkserver, "_page_pool", None)
     if given is None:
         monkeypatch.delenv(forkserver.OMP_THREADS_ENV, raising=False)
     else:
         monkeypatch.setenv(forkserver.OMP_THREADS_ENV, given)
-    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running",
-                        lambda: seen.append(os.environ.get(forkserver.OMP_THREADS_ENV)))
-    if forkserver.process_context().get_start_method() != "forkserver":
-        pytest.skip("no forkserver on this platform")
-    forkserver.start()
-    assert seen == [expected]
+    assert server_start_environment(monkeypatch, forkserver.OMP_THREADS_ENV) == expected
     assert os.environ.get(forkserver.OMP_THREADS_ENV) == given  # set only while the server starts
     with pytest.raises(ValueError, match="at least one thread"):
         forkserver.declare_threads(0)
