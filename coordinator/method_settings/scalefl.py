@@ -30,6 +30,9 @@ class ScaleFLConfig:
     ``normalization``: the weights of Eq. 5, ``reference`` (the default: ``2 i / (l (l + 1))``, summing to 1 as
     in the reference code, so a level-``l`` device steps as far as any other device at the same learning rate) or
     ``paper`` (Eq. 5 as printed, ``i / (l (l + 1))``: the weights sum to 1/2, halving every ScaleFL step).
+    ``kd_reduction``: how each KL term is reduced, ``batchmean`` (summed over the classes, as Eq. 5 writes the KL)
+    or ``mean`` (averaged over them too, as the reference code's ``KLDivLoss()`` does: ``beta`` weighs a KL a
+    class-count times weaker).
     """
 
     ratios: list[float] | Literal["auto"] = "auto"
@@ -41,6 +44,7 @@ class ScaleFLConfig:
     kd_warmup: float = 0.0
     detach_teacher: bool = False
     normalization: Literal["paper", "reference"] = "reference"
+    kd_reduction: Literal["batchmean", "mean"] = "batchmean"
 
     def fixed_ratios(self) -> list[float]:
         """The configured ratios, or :data:`SCALEFL_RATIOS` where they are ``auto`` (before the fleet is known)."""

@@ -201,8 +201,9 @@ class ScaleFL(LevelStrategy):
 
     def _plan(self, outputs: int, *, distill: bool) -> TrainingPlan:
         settings = self.settings
+        beta = settings.beta / (self.family.num_classes if settings.kd_reduction == "mean" else 1)
         return self.recipe_plan(self_distillation_loss(
-            outputs, beta=settings.beta, tau=settings.tau, distill=distill, detach_teacher=settings.detach_teacher,
+            outputs, beta=beta, tau=settings.tau, distill=distill, detach_teacher=settings.detach_teacher,
             masked=self.masked_ce, normalization=settings.normalization))
 
     def global_spec(self) -> SubmodelSpec:

@@ -229,6 +229,22 @@ def test_level_plans_have_as_many_outputs_as_the_level_model(strategy):
             assert (plan.epochs, plan.batch_size, plan.optimizer.lr) == (1, 8, strategy.config.recipe.lr)
 
 
+def test_kd_reduction_mean_weighs_each_kl_a_class_count_times_less() -> None:
+    # The reference code's KLDivLoss() averages over the classes too; Eq. 5 as written sums over them.
+    plans = {reduction: make_strategy("scalefl", context(scalefl_config(kd_reduction=reduction)))
+             for reduction in ("batchmean", "mean")}
+    for reduction, made in plans.items():
+        top = made.levels[0]
+        count = outputs_of(made, top.spec)
+        beta = BETA / (10 if reduction == "mean" else 1)
+        assert made.level_plan(top, ROUNDS).loss == self_distillation_loss(count, beta=beta, tau=TAU,
+                                                                           normalization="reference")
+    summed, averaged = (plans[r].level_plan(plans[r].levels[0], ROUNDS).loss for r in ("batchmean", "mean"))
+    assert [t.weight for t in summed if t.kind == "ce"] == [t.weight for t in averaged if t.kind == "ce"]
+    kd = [(s.weight, a.weight) for s, a in zip(summed, averaged) if s.kind == "kd"]
+    assert kd and all(a == pytest.approx(s / 10) for s, a in kd)
+
+
 def test_distillation_is_off_during_the_warmup_share_of_the_rounds(strategy, make_agent):
     assert [strategy.distilling(r) for r in range(1, ROUNDS + 1)] == [False, False] + [True] * 6
     agents = [make_agent("big", 10**9)]
