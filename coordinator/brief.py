@@ -13,7 +13,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.serving import TierService, largest_needs, serve_tiers, service_lines
 from coordinator.strategies.base import Strategy, base_plan
-from models import ModelFamily
+from models import ModelFamily, SubmodelSpec
 from protocol import TrainingPlan
 
 __all__ = ["MethodBrief", "PlainTraining"]
@@ -42,6 +42,15 @@ class MethodBrief:
     def plain_training(self) -> PlainTraining:
         """The full model trained by the recipe, what a fleet's budgets are measured against."""
         return PlainTraining(self._family, base_plan(self._config.recipe), self._input_size)
+
+    def largest_task_bytes(self) -> int:
+        """The device need of the largest task the method hands out (what an unbounded budget is handed; the full
+        model trained plainly where the method names none)."""
+        needs = largest_needs(self._strategy)
+        if needs is not None:
+            return needs
+        plain = self.plain_training()
+        return self._strategy.training_cost(SubmodelSpec.full(), plain.plan)
 
     def serve(self, tiers: Sequence[tuple[str, int, int]]) -> list[TierService]:
         """Per ``(tier name, budget bytes, devices)``: what the method hands a device of it, by the device's rule."""

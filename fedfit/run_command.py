@@ -148,7 +148,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, algorithm_names: Sequence
     parser.add_argument("--workers", type=_positive, default=None,
                         help="training processes run at once across the fleet, each with the cores divided among them "
                              "(default: as many as this process may use cores: its CPU affinity, capped by its "
-                             "cgroup's quota)")
+                             "cgroup's quota; with --device cuda no more than the GPU's free memory holds, each its "
+                             "CUDA start and the method's largest task)")
     parser.add_argument("--log-file", default=None,
                         help="write the daemons' JSON logs here (default: daemons.log in the run's directory)")
     if not compare:

@@ -33,6 +33,7 @@ from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
 from edge_agent.memory import available_memory, gpu_free_memory
+from edge_agent.runner import CUDA_CONTEXT_BYTES
 from fedfit.sim.broker import Broker, external_broker, start_broker
 from fedfit.sim.budgets import BudgetAnchor, DeviceBudget, device_budgets
 from fedfit.sim.progress import ProgressPrinter
@@ -94,19 +95,22 @@ def agent_id(index: int) -> str:
     return f"sim-{index:03d}"
 
 
-#: GPU memory one simulated CUDA training process is given room for when ``--workers`` is not said: its CUDA start
-#: (context and cuBLAS workspace: 832-869 MiB measured on an H100 with CUDA 13) and a task of the small models the
-#: simulator trains.
-CUDA_WORKER_BYTES = 2**30
-
-
-def cuda_workers(cores: int) -> int:
+def cuda_workers(cores: int, task_bytes: int, context_bytes: int = CUDA_CONTEXT_BYTES) -> int:
     """How many CUDA training processes run at once by default: one per core, as many as the GPU's free memory
-    (NVML; without it, a Jetson's, the system's available RAM) has room for (:data:`CUDA_WORKER_BYTES` each)."""
+    (NVML; without it, a Jetson's, the system's available RAM, which CPU and GPU share) has room for, each its
+    CUDA start (``context_bytes``: context and cuBLAS's workspace, 832-869 MiB measured on an H100 with CUDA 13,
+    once per process) and the largest task the method hands out (``task_bytes``, its device need)."""
     free = gpu_free_memory()
     if free is None:
         free = available_memory()
-    return max(1, min(cores, free // CUDA_WORKER_BYTES))
+    return max(1, min(cores, free // (context_bytes + max(0, task_bytes))))
+
+
+def workers_line(device: str, cores: int, workers: int, threads: int) -> str:
+    """Where the fleet trains and how many training processes run at once, with how many threads each."""
+    where = "the GPU (CUDA)" if device == "cuda" else f"{cores} core{'s' * (cores > 1)}"
+    return (f"training on {where}: {workers} training process{'es' * (workers > 1)} at once, {threads} torch "
+            f"thread{'s' * (threads > 1)} each")
 
 
 def check_device(device: str) -> None:
@@ -293,19 +297,12 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                                          options.partition, options.seed, train_samples=options.train_samples)
     run_dir = run_dir or prepare_run_dir(options)
     cores = available_cores()
-    workers = options.workers or (cores if options.device == "cpu" else cuda_workers(cores))
-    threads = max(1, cores // workers)  # each training child's
     torch.set_num_threads(cores)  # this process's: the coordinator evaluates and aggregates while the fleet waits
     guard_blas_threads()
-    if progress is not None:
-        where = "the GPU (CUDA)" if options.device == "cuda" else f"{cores} core{'s' * (cores > 1)}"
-        print(f"{label + ': ' if label else ''}training on {where}: {workers} training "
-              f"process{'es' * (workers > 1)} at once, {threads} torch thread{'s' * (threads > 1)} each",
-              file=progress, flush=True)
     broker = start_run_broker(options, run_dir)
     mark = RunMark.this_process(run_dir, started)
     agents: list[EdgeAgent] = []
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sim-train")
+    pool: ThreadPoolExecutor | None = None
     coordinator: Coordinator | None = None
     printer = ProgressPrinter(progress, options.rounds, label) if progress is not None else None
     try:
@@ -345,6 +342,13 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
         if factors and progress is not None:
             print(f"{label + ': ' if label else ''}{speeds_line(speeds, options.budgets, options.seed)}",
                   file=progress, flush=True)
+        workers = options.workers or (cores if options.device == "cpu" else
+                                      cuda_workers(cores, coordinator.brief.largest_task_bytes()))
+        threads = max(1, cores // workers)  # each training child's
+        if progress is not None:
+            print(f"{label + ': ' if label else ''}{workers_line(options.device, cores, workers, threads)}",
+                  file=progress, flush=True)
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sim-train")
         coordinator.start()
         broker.add_logins([agent_id(index) for index in range(options.agents)])
         for index, indices in enumerate(shards):
@@ -408,7 +412,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
             agent.stop()
         if coordinator is not None:
             coordinator.stop()
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         try:  # before the broker goes: fedfit status --watch then says the run ended, not the broker unreachable
             write_ended(run_dir, options.federation, mark, time.time())
         finally:

@@ -76,3 +76,17 @@ def test_the_statement_says_when_no_tier_trains_the_largest_model(make_context):
     assert service_lines("heterofl", services, strategy.largest_whole_model(), needs)[-1] == (
         f"heterofl: no tier trains its largest model (a, which needs {bytes_text(needs)} to train; the strongest "
         f"tier, medium, has {bytes_text(600)}): the parts only it holds learn from no device")
+
+
+def test_the_brief_names_the_largest_task_a_method_hands_out(make_context):
+    from coordinator.brief import MethodBrief
+
+    for method in ("heterofl", "fedavg"):
+        cfg = config(algorithm=method)
+        strategy = make_strategy(method, make_context(cfg))
+        brief = MethodBrief(cfg, strategy, strategy.family, (8, 8))
+        # what an unbounded budget is handed: the largest level (1000 bytes for the full width), no smaller one
+        assert brief.largest_task_bytes() == largest_needs(strategy) == 1000
+    cfg = config(algorithm="fedavg", fedavg=FedAvgConfig(width=0.25))
+    strategy = make_strategy("fedavg", make_context(cfg))
+    assert MethodBrief(cfg, strategy, strategy.family, (8, 8)).largest_task_bytes() == 250

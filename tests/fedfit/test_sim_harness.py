@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedfit.sim import harness
 from fedfit.sim.harness import fleet_data
+
+GIB = 2**30
 
 
 def test_a_train_sample_subset_is_partitioned_whole_and_seeded() -> None:
@@ -29,3 +32,17 @@ def test_train_samples_at_or_above_the_set_take_all_of_it() -> None:
 def test_train_samples_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="--train-samples"):
         fleet_data("digits", None, 3, "iid", seed=0, train_samples=0)
+
+
+@pytest.mark.parametrize(("gpu_free", "ram", "expected"), [
+    (10 * GIB, None, 4),  # a GPU: 10 GiB free room for four of (1 GiB start + 1.5 GiB task), not ten of 1 GiB
+    (None, 5 * GIB, 2),  # no NVML (a Jetson): the RAM CPU and GPU share, the same rule
+    (GIB, None, 1),  # too little for one: one still runs (its budget check then declines what does not fit)
+])
+def test_cuda_workers_are_sized_by_the_task_and_count_each_cuda_start_once(monkeypatch, gpu_free, ram, expected):
+    monkeypatch.setattr(harness, "gpu_free_memory", lambda: gpu_free)
+    monkeypatch.setattr(harness, "available_memory", lambda: ram)
+    assert harness.cuda_workers(16, task_bytes=3 * GIB // 2, context_bytes=GIB) == expected
+    assert harness.cuda_workers(2, task_bytes=3 * GIB // 2, context_bytes=GIB) == min(2, expected)  # one per core
+    # a smaller task: more at once, never more than the cores
+    assert harness.cuda_workers(16, task_bytes=0, context_bytes=GIB) >= expected
