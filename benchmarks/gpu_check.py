@@ -114,10 +114,12 @@ def check_federation(device: str, rounds: int = 2) -> bool:
     return _verdict(f"federation {device}", ok, f"{len(failed)} failed of {len(tasks)}")
 
 
-def check_memory(steps: int) -> bool:
-    """Part 3: the CUDA rows of the memory benchmark, each ratio within :data:`MEMORY_TOLERANCE`."""
+def check_memory(steps: int, cudnn_cap: int | None = None) -> bool:
+    """Part 3: the CUDA rows of the memory benchmark, each ratio within :data:`MEMORY_TOLERANCE` (``cudnn_cap``:
+    cuDNN's convolution workspace capped at that many MiB, ``memory.py --cudnn-workspace-cap``)."""
+    cap = ["--cudnn-workspace-cap", str(cudnn_cap)] if cudnn_cap is not None else []
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--device", "cuda",
-                           "--steps", str(steps)], cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                           "--steps", str(steps), *cap], cwd=ROOT, capture_output=True, text=True, timeout=1800,
                           check=False)
     print(done.stdout, end="")
     if done.returncode != 0:
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="leave the memory rows out")
     parser.add_argument("--steps", type=int, default=10, help="training steps of each memory row (default 10)")
+    parser.add_argument("--cudnn-workspace-cap", type=int, default=None, metavar="MIB",
+                        help="the memory rows with cuDNN's convolution workspace capped at MIB MiB")
     args = parser.parse_args(argv)
     import torch
 
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
           f"GPU: {os.environ.get('CUDA_VISIBLE_DEVICES', 'all visible')}", flush=True)
     verdicts = [check_forkserver(), check_federation("cuda"), check_federation("cpu")]
     if not args.quick:
-        verdicts.append(check_memory(args.steps))
+        verdicts.append(check_memory(args.steps, args.cudnn_workspace_cap))
     passed = sum(verdicts)
     print(f"gpu check: {passed} passed, {len(verdicts) - passed} failed")
     return 0 if passed == len(verdicts) else 1

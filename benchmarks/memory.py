@@ -28,6 +28,7 @@ by up to about 10% (heap fragmentation depends on the address-space layout; see 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -39,6 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MB = 1e6
 NUM_CLASSES = 10
+#: cuDNN's own variable capping a convolution's workspace (MiB per allocation), listed in PyTorch's CUDA
+#: environment variables; read by cuDNN in the training children, which inherit it from this process.
+CUDNN_WORKSPACE_CAP_ENV = "CUDNN_CONV_WSCAP_DBG"
 
 
 #: scikit-learn's digits, the experiments' dataset (its rows say so in their label).
@@ -185,7 +189,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--match", default="", help="only the rows whose 'family spec' contains this text")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the agent trains: auto (the CPU, and CUDA too where torch sees a GPU), cpu or cuda")
+    parser.add_argument("--cudnn-workspace-cap", type=int, default=None, metavar="MIB",
+                        help="cap cuDNN's convolution workspace at MIB MiB per allocation in the training children "
+                             "(cuDNN's CUDNN_CONV_WSCAP_DBG, set before any forkserver starts; CUDA rows only)")
     args = parser.parse_args(argv)
+    if args.cudnn_workspace_cap is not None:
+        if args.cudnn_workspace_cap < 0:
+            parser.error("--cudnn-workspace-cap must be a number of MiB, 0 or more")
+        os.environ[CUDNN_WORKSPACE_CAP_ENV] = str(args.cudnn_workspace_cap)
+        print(f"cuDNN's convolution workspace capped at {args.cudnn_workspace_cap} MiB ({CUDNN_WORKSPACE_CAP_ENV})")
 
     import torch
 
