@@ -175,19 +175,21 @@ def release() -> None:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """The pool's bytes live and kept, its high-water mark, and the mappings it made (or grew) with their bytes."""
+    """The pool's bytes live and kept, its high-water mark, the mappings it made (or grew) with their bytes, and the
+    blocks it handed out (each a mapping of its own under the compact heap)."""
 
     live_bytes: int
     kept_bytes: int
     high_water_bytes: int
     maps: int
     mapped_bytes: int
+    blocks: int
 
 
 def stats() -> PoolStats | None:
     """The pool's figures (None without the pool)."""
     if not loaded():
         return None
-    values = (ctypes.c_uint64 * 5)()
+    values = (ctypes.c_uint64 * 6)()
     _process().fedfit_pool_stats(values)
     return PoolStats(*(int(value) for value in values))

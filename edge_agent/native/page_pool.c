@@ -58,7 +58,7 @@ static Kept *kept;            /* kept blocks, oldest first */
 static size_t kept_count, kept_capacity;
 
 static size_t live_bytes, kept_bytes, high_water;
-static uint64_t maps_made, bytes_mapped;
+static uint64_t maps_made, bytes_mapped, blocks_served; /* blocks_served: pooled allocations */
 
 /* Lengths of blocks freed with pages they never wrote, and how many bytes the last of each wrote: a block of such
  * a length counts as that much (live, and against the high-water mark), not as its mapped length. */
@@ -261,6 +261,7 @@ static void *pool_alloc(size_t size, size_t alignment, size_t *dirty) {
     if (base != 0) {
         if (table_insert(base + header, base, length, counted) == 0) {
             user = (void *)(base + header);
+            blocks_served++;
             live_bytes += counted;
             if (live_bytes + kept_bytes > high_water) high_water = live_bytes + kept_bytes;
         } else {
@@ -405,14 +406,16 @@ void fedfit_pool_release(void) {
     pthread_mutex_unlock(&pool_lock);
 }
 
-/* live, kept and high-water bytes, mappings made (or grown) and the bytes they mapped, since enabling. */
-void fedfit_pool_stats(uint64_t out[5]) {
+/* live, kept and high-water bytes, mappings made (or grown) and the bytes they mapped, and the blocks handed out,
+ * since enabling. */
+void fedfit_pool_stats(uint64_t out[6]) {
     pthread_mutex_lock(&pool_lock);
     out[0] = live_bytes;
     out[1] = kept_bytes;
     out[2] = high_water;
     out[3] = maps_made;
     out[4] = bytes_mapped;
+    out[5] = blocks_served;
     pthread_mutex_unlock(&pool_lock);
 }
 

@@ -259,9 +259,11 @@ def test_torch_trains_on_the_pool():
                 settled = page_pool.stats()
         stats = page_pool.stats()
         assert stats.live_bytes + stats.kept_bytes <= stats.high_water_bytes
-        # Every step allocates its activations, their gradients and the optimizer's temporaries anew; once the
-        # pool holds the pattern, few of them need a new mapping.
-        print(losses[0] > 2 * losses[-1], (stats.maps - settled.maps) / 20 <= 3)
+        # Every step allocates its activations, their gradients and the optimizer's temporaries anew, each a new
+        # mapping under the compact heap; once the pool holds the pattern, most reuse kept pages (x86-64: 1-2
+        # mappings of 8-9 blocks a step; emulated aarch64 with oneDNN's ACL convolutions: 3-4 of 10-12).
+        blocks, maps = stats.blocks - settled.blocks, stats.maps - settled.maps
+        print(losses[0] > 2 * losses[-1], blocks >= 20 and maps <= blocks / 2)
     """)
     assert out.split() == ["True", "True"]
 
