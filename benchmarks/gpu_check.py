@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cudnn-workspace-cap", type=int, default=None, metavar="MIB",
                         help="the memory rows with cuDNN's convolution workspace capped at MIB MiB")
     args = parser.parse_args(argv)
+    if args.cudnn_workspace_cap is not None and (args.cudnn_workspace_cap < 0 or args.quick):
+        parser.error("--cudnn-workspace-cap takes MiB, 0 or more, and the memory rows (not --quick)")
     import torch
 
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}; "

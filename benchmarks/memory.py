@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MB = 1e6
 NUM_CLASSES = 10
-#: cuDNN's own variable capping a convolution's workspace (MiB per allocation), listed in PyTorch's CUDA
-#: environment variables; read by cuDNN in the training children, which inherit it from this process.
+#: cuDNN's own variable for its convolution workspace ("per allocation", MiB in common use), listed in PyTorch's CUDA
+#: environment variables; the training children inherit it from this process. Whether cuDNN's heuristics honour it
+#: under torch's v8 API is what a GPU run with it measures (torch never reads it).
 CUDNN_WORKSPACE_CAP_ENV = "CUDNN_CONV_WSCAP_DBG"
 
 

@@ -260,7 +260,7 @@ def test_torch_trains_on_the_pool():
         stats = page_pool.stats()
         assert stats.live_bytes + stats.kept_bytes <= stats.high_water_bytes
         # Every step allocates its activations, their gradients and the optimizer's temporaries anew, each a new
-        # mapping under the compact heap; once the pool holds the pattern, most reuse kept pages (x86-64: 1-2
+        # mapping under the compact heap; once the pool holds the pattern, most reuse kept pages (x86-64: 0-2
         # mappings of 8-9 blocks a step; emulated aarch64 with oneDNN's ACL convolutions: 3-4 of 10-12).
         blocks, maps = stats.blocks - settled.blocks, stats.maps - settled.maps
         print(losses[0] > 2 * losses[-1], blocks >= 20 and maps <= blocks / 2)
