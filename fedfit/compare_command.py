@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from dataclasses import replace
@@ -58,13 +59,16 @@ def compare_variant(label: str) -> tuple[str, str | None]:
 
 def _resumed(args: argparse.Namespace) -> argparse.Namespace:
     """The flags the comparison in ``--resume DIR`` was started with, to go on with it (ConfigError when DIR holds
-    none, or when other flags were given: a resumed comparison runs as it started)."""
+    none, or when other flags were given: a resumed comparison runs as it started, but for ``--workers``,
+    ``--log-file`` and a larger ``--rounds``, which carries every run on to that many rounds and is kept for later
+    resumes)."""
     directory = Path(args.resume)
     given = [arg for arg in getattr(args, "argv", []) if arg.startswith("-")
-             and arg.split("=")[0] not in ("--resume", "--workers", "--log-file")]
+             and arg.split("=")[0] not in ("--resume", "--workers", "--log-file", "--rounds")]
     if args.runs or given:
         raise ConfigError(f"fedfit compare --resume goes on as the comparison started: leave out "
-                          f"{', '.join(given) or 'the run directories'} (only --workers and --log-file may change)")
+                          f"{', '.join(given) or 'the run directories'} (only --workers, --log-file and --rounds "
+                          f"may change)")
     try:
         setup = json.loads((directory / SETUP_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -79,22 +83,29 @@ def _resumed(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError(f"--resume {directory}: {SETUP_FILE} holds no flags")
     # Every flag this version has, at its default where the comparison's file predates it, then the stored ones.
     stored = {**vars(args), **stored}
+    update = {**stored, "rounds": args.rounds} if args.rounds is not None else None  # kept once checked
     if stored.get("config"):
         stored["config"] = str(directory / CONFIG_COPY)
-    for name in ("workers", "log_file"):
+    for name in ("workers", "log_file", "rounds"):
         if getattr(args, name) is not None:
             stored[name] = getattr(args, name)
     return argparse.Namespace(**{**stored, "out": str(directory), "resume": str(directory), "runs": [],
-                                 "argv": getattr(args, "argv", [])})
+                                 "argv": getattr(args, "argv", []), "setup_update": update})
 
 
 def _keep_setup(args: argparse.Namespace, out: Path) -> None:
     """Write what ``--resume`` needs: the parsed flags and a copy of ``--config``."""
-    arguments = {key: value for key, value in vars(args).items() if key not in ("argv", "resume", "out")}
     if args.config:
         shutil.copyfile(args.config, out / CONFIG_COPY)
-    (out / SETUP_FILE).write_text(json.dumps({"format": SETUP_FORMAT, "arguments": arguments}, indent=2) + "\n",
-                                  encoding="utf-8")
+    _write_setup(vars(args), out)
+
+
+def _write_setup(flags: dict[str, Any], out: Path) -> None:
+    """The parsed flags of a comparison, in its directory (written whole, then renamed into place)."""
+    arguments = {key: value for key, value in flags.items() if key not in ("argv", "resume", "out", "setup_update")}
+    kept = out / f".{SETUP_FILE}.tmp"
+    kept.write_text(json.dumps({"format": SETUP_FORMAT, "arguments": arguments}, indent=2) + "\n", encoding="utf-8")
+    os.replace(kept, out / SETUP_FILE)
 
 
 def _read_runs(args: argparse.Namespace) -> tuple[list[dict[str, Any]], Path]:
@@ -205,6 +216,24 @@ def run_compare(args: argparse.Namespace, load: Loader) -> int:
     return 0
 
 
+def _rounds_run(report: dict[str, Any]) -> int:
+    """The rounds a finished run ran to."""
+    return int(report["settings"]["rounds"])
+
+
+def _check_rounds(out: Path, rounds: int) -> None:
+    """ConfigError when a finished run of the comparison in ``out`` ran more than ``rounds`` rounds: a resumed
+    comparison's rounds are carried further, never cut back."""
+    from fedfit.sim.report import read_report
+    from fedfit.sim.rundir import REPORT_FILE
+
+    for path in sorted(out.glob(f"*/{REPORT_FILE}")) + sorted(out.glob(f"seed-*/*/{REPORT_FILE}")):
+        ran = _rounds_run(read_report(path))
+        if ran > rounds:
+            raise ConfigError(f"{path.parent} ran {ran} rounds: a resumed comparison goes on to as many rounds or "
+                              f"more (--rounds {ran} or above), it cannot cut its runs back to {rounds}")
+
+
 def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str, Any]], Path, Experiment]:
     """Run every label once per seed (a resumed comparison: what is not finished) and return the reports."""
     from fedfit.sim.compare import write_comparison
@@ -231,6 +260,9 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     bases = _run_bases(labels, mapping, base, values, data[0])
     if resuming:
         out = Path(args.out)
+        _check_rounds(out, values["rounds"])
+        if getattr(args, "setup_update", None):  # a larger --rounds: later resumes go on to it too
+            _write_setup(args.setup_update, out)
     else:
         out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
         _keep_setup(args, out)
@@ -247,9 +279,12 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
         for label in labels:
             run_dir = seed_dir / label
             if resuming and (run_dir / REPORT_FILE).exists():
-                print(f"{label} (seed {seed}): finished already, read from {run_dir}", file=sys.stderr, flush=True)
-                seed_reports.append(read_report(run_dir / REPORT_FILE))
-                continue
+                finished = read_report(run_dir / REPORT_FILE)
+                if _rounds_run(finished) >= values["rounds"]:
+                    print(f"{label} (seed {seed}): finished already, read from {run_dir}", file=sys.stderr,
+                          flush=True)
+                    seed_reports.append(finished)
+                    continue
             going_on = resuming and run_dir.is_dir()
             run_dir = run_dir if going_on else claim_run_dir(run_dir)
             if not args.log_file:

@@ -99,7 +99,7 @@ def test_a_comparison_stopped_part_way_goes_on_where_it_stopped(mosquitto_instal
     monkeypatch.setattr(ProgressPrinter, "on_round", on_round)
     config.write_text("not: what the comparison started with\n")  # the comparison's own copy is what counts
 
-    assert main(["compare", "--resume", str(out), "--rounds", "9"]) == 2  # it goes on as it started
+    assert main(["compare", "--resume", str(out), "--agents", "3"]) == 2  # it goes on as it started
     assert main(["compare", "--resume", str(out)]) == 0, capsys.readouterr().err
     said = capsys.readouterr()
     assert "heterofl (seed 0): finished already" in said.err and "fedavg (seed 0): going on" in said.err
@@ -113,6 +113,22 @@ def test_a_comparison_stopped_part_way_goes_on_where_it_stopped(mosquitto_instal
     assert [task["round"] for task in fedavg["tasks"]] == [1, 1, 2, 2, 3, 3]
     rows = json.loads((out / "comparison.json").read_text())["rows"]
     assert [row["method"] for row in rows] == ["heterofl", "fedavg x1/6"]
+
+    # A finished comparison whose curves still climb is carried on to more rounds, never cut back.
+    assert main(["compare", "--resume", str(out), "--rounds", "2"]) == 2
+    assert "cannot cut its runs back to 2" in capsys.readouterr().err
+    assert main(["compare", "--resume", str(out), "--rounds", "4"]) == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    assert said.err.count("resumed after round 3 of 4") == 2
+    for label in ("heterofl", "fedavg"):
+        report = json.loads((out / "seed-0" / label / "report.json").read_text())
+        assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4] and report["settings"]["rounds"] == 4
+        assert report["run"]["resumed_after_round"] == 3
+        lines = (out / "seed-0" / label / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["round"] for line in lines] == [1, 2, 3, 4]
+    assert json.loads((out / "compare.json").read_text())["arguments"]["rounds"] == 4  # later resumes keep it
+    assert main(["compare", "--resume", str(out)]) == 0
+    assert capsys.readouterr().err.count("finished already") == 2
 
 
 def test_a_run_stopped_in_its_first_round_goes_on_with_that_round(mosquitto_installed: None, tmp_path: Path,
