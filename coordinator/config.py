@@ -38,12 +38,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Server-side data: the held-out test set and a sample for static-BN statistics."""
+    """Server-side data: the held-out test set and a sample for static-BN statistics.
+
+    ``levels_every``: the models other than the global one, its ensembles and the deployable model (each level,
+    pool model or width) are evaluated every that many rounds and in the last round; 1 (the default): every round.
+    Each evaluation recomputes the model's static-BN statistics and runs the test set, which can take longer than a
+    round's training (AdaptiveFL's seven pool models on PreResNet-20); what is not evaluated changes no training.
+    """
 
     dataset: str = "auto"
     root: str | None = None
     bn_samples: int = 5000
     eval_samples: int | None = None
+    levels_every: int = 1
 
 
 @dataclass
@@ -206,8 +213,8 @@ class CoordinatorConfig:
         if self.level_proportions is not None and sized.get(self.algorithm):
             raise ValueError(f"level_proportions needs fixed {self.algorithm}.ratios: with auto the number of levels "
                              "comes from the fleet at its first round")
-        if self.data.bn_samples < 1:
-            raise ValueError("data.bn_samples must be at least 1")
+        if self.data.bn_samples < 1 or self.data.levels_every < 1:
+            raise ValueError("data.bn_samples and data.levels_every must be at least 1")
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s must be positive")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

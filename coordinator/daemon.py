@@ -233,8 +233,10 @@ class Coordinator:
         current.close()
         self.in_flight.states = current.finish()
         self.in_flight.carry(current.carried_over())
+        every = self.config.data.levels_every
         review = reporting.review(current, self.strategy, self.family, self._evaluator, self.states,
-                                  self.files.trained_so_far, self.in_flight.carried_ids, self.log)
+                                  self.files.trained_so_far, self.in_flight.carried_ids, self.log,
+                                  every_target=current.number % every == 0 or current.number >= self.config.rounds)
         phase = time.perf_counter()
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self.files.round_done(current.number, self.states, review.result(bytes_down, time.monotonic() - started),

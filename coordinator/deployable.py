@@ -71,19 +71,25 @@ class TrainedSoFar:
         return sorted(number - 1 for number in self.exits)
 
 
-def deployed(targets: Mapping[str, EvalTarget], family: ModelFamily, trained: TrainedSoFar,
-             accuracies: Mapping[str, list[float]]) -> tuple[str, float]:
-    """The deployable model among the round's evaluation ``targets`` (see the module docstring) and its accuracy,
-    read from the round's ``accuracies`` (``reporting.evaluate_targets``: the global model's every output, a
-    level's last, an ensemble's one)."""
+def deployed_name(targets: Mapping[str, EvalTarget], family: ModelFamily, trained: TrainedSoFar) -> str:
+    """The deployable model among the round's evaluation ``targets`` (see the module docstring)."""
     ensemble = next((name for name, target in targets.items() if target.ensemble), None)
     if ensemble is not None:
-        return ensemble, accuracies[ensemble][-1]
+        return ensemble
     whole = targets[GLOBAL]
     levels = {name: target for name, target in targets.items() if name != GLOBAL and name in trained.levels}
     if not levels:
-        return GLOBAL, accuracies[GLOBAL][-1]
+        return GLOBAL
     largest = max(levels, key=lambda name: (family.param_count(levels[name].spec), name))
     if (levels[largest].spec, levels[largest].group) == (whole.spec, whole.group):
-        return GLOBAL, accuracies[GLOBAL][-1]
-    return largest, accuracies[largest][-1]
+        return GLOBAL
+    return largest
+
+
+def deployed(targets: Mapping[str, EvalTarget], family: ModelFamily, trained: TrainedSoFar,
+             accuracies: Mapping[str, list[float]]) -> tuple[str, float]:
+    """The deployable model among the round's evaluation ``targets`` (:func:`deployed_name`) and its accuracy,
+    read from the round's ``accuracies`` (``reporting.evaluate_targets``: the global model's every output, a
+    level's last, an ensemble's one)."""
+    name = deployed_name(targets, family, trained)
+    return name, accuracies[name][-1]

@@ -137,6 +137,9 @@ class RoundResult:
     #: and its accuracy (None in records written before it was kept: the global model's then).
     deployed: str = "global"
     deployed_accuracy: float | None = None
+    #: False in a round that evaluated only the global model, its ensembles and the deployable model
+    #: (``data.levels_every``): its ``level_accuracy`` lacks the others.
+    levels_evaluated: bool = True
 
     @property
     def headline(self) -> float:

@@ -121,10 +121,10 @@ def store_bn(state: State, bn_state: Mapping[str, torch.Tensor]) -> None:
 
 def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: Mapping[str, list[float]],
                  trained_outputs: tuple[list[str], list[int]], bytes_down: int, seconds: float,
-                 deployed: tuple[str, float] | None = None) -> RoundResult:
+                 deployed: tuple[str, float] | None = None, *, levels_evaluated: bool = True) -> RoundResult:
     """The round as `metrics.jsonl` keeps it: accuracies (the global model's outputs, each level's last, the
-    ``deployed`` model's: `coordinator.deployable`), who took part, traffic, what was trained and where the time
-    went."""
+    ``deployed`` model's: `coordinator.deployable`; ``levels_evaluated`` False: the other levels were not
+    evaluated), who took part, traffic, what was trained and where the time went."""
     global_outputs = accuracies["global"]
     levels, exits = trained_outputs
     return RoundResult(
@@ -145,6 +145,7 @@ def round_result(current: Round, records: Mapping[str, TaskRecord], accuracies: 
         carried=sum(1 for task in current.tasks.values() if task.round != current.number),
         deployed=deployed[0] if deployed is not None else "global",
         deployed_accuracy=deployed[1] if deployed is not None else None,
+        levels_evaluated=levels_evaluated,
     )
 
 
@@ -158,25 +159,33 @@ class RoundReview:
     accuracies: dict[str, list[float]]
     trained: tuple[list[str], list[int]]
     deployed: tuple[str, float]
+    every_target: bool = True
 
     def result(self, bytes_down: int, seconds: float) -> RoundResult:
         """The round as `metrics.jsonl` keeps it, its traffic and wall time so far included."""
         return round_result(self.current, self.records, self.accuracies, self.trained, bytes_down, seconds,
-                            self.deployed)
+                            self.deployed, levels_evaluated=self.every_target)
 
 
 def review(current: Round, strategy: Strategy, family: ModelFamily, evaluator: Evaluator, states: dict[str, State],
-           trained_so_far: deployable.TrainedSoFar, carried: Collection[str], log: Logger) -> RoundReview:
+           trained_so_far: deployable.TrainedSoFar, carried: Collection[str], log: Logger, *,
+           every_target: bool = True) -> RoundReview:
     """Review a closed round: tell the strategy how every task ended (the ``carried`` ones are still training),
     add what its updates trained to ``trained_so_far``, evaluate every target of ``states`` (the time it takes in
-    the round's ``evaluation`` timing) and pick the deployable model."""
+    the round's ``evaluation`` timing; without ``every_target``, only the global model, its ensembles and the
+    deployable model) and pick the deployable model."""
     records, ended = outcomes(current, family, log, carried=carried)
     strategy.observe(current.number, ended)
     targets = strategy.eval_targets()
     trained_now = trained(targets, family, list(current.aggregated()), strategy.trained_targets)
     trained_so_far.add(*trained_now)
+    chosen = deployable.deployed_name(targets, family, trained_so_far)
+    # between level evaluations: the global model, its ensembles, the deployable model, and what shares their models
+    models = {(target.group, target.spec) for name, target in targets.items()
+              if name in (deployable.GLOBAL, chosen) or target.ensemble}
+    evaluated = targets if every_target else {name: target for name, target in targets.items()
+                                              if (target.group, target.spec) in models}
     started = time.perf_counter()
-    accuracies = evaluate_targets(evaluator, targets, states, trained_so_far.members())
+    accuracies = evaluate_targets(evaluator, evaluated, states, trained_so_far.members())
     current.timing["evaluation"] = time.perf_counter() - started
-    return RoundReview(current, records, accuracies, trained_now,
-                       deployable.deployed(targets, family, trained_so_far, accuracies))
+    return RoundReview(current, records, accuracies, trained_now, (chosen, accuracies[chosen][-1]), every_target)

@@ -20,7 +20,7 @@ from fedfit.experiment import BASELINES
 from fedfit.sim.budgets import fraction_name
 from fedfit.sim.plots import plot_comparison, plot_seed_comparison
 from fedfit.sim.progress import duration_text
-from fedfit.sim.report import level_average, model_note
+from fedfit.sim.report import level_average, levels_round, model_note
 from fedfit.sim.seeds import SEED_COLUMNS, late_change, seed_cells, seed_notes, seed_row
 
 #: What each method's paper compares it with (the baselines FedFit runs are named as ``fedfit compare`` takes them).
@@ -102,7 +102,7 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for report in reports:
         summary = report.get("summary", {})
-        final = report["rounds"][-1] if report["rounds"] else {"level_accuracy": {}, "exit_accuracy": {}}
+        final = levels_round(report["rounds"]) if report["rounds"] else {"level_accuracy": {}, "exit_accuracy": {}}
         tasks = summary.get("tasks", {})
         untrained = [name for name in final["level_accuracy"] if name not in final.get("trained_levels", [name])]
         untrained += [name for name in final["exit_accuracy"] if name not in final.get("trained_exits", [name])]

@@ -96,7 +96,8 @@ def plot_comparison(reports: Sequence[dict[str, Any]], names: Sequence[str], pat
         rounds = report["rounds"]
         numbers = [r["round"] for r in rounds]
         overview[0].plot(numbers, [r["global_accuracy"] for r in rounds], "-o", markersize=4, label=name)
-        overview[1].plot(numbers, [level_average(r) for r in rounds], "-o", markersize=4, label=name)
+        averaged = [(r["round"], value) for r in rounds if (value := level_average(r)) is not None]
+        overview[1].plot([n for n, _ in averaged], [v for _, v in averaged], "-o", markersize=4, label=name)
         overview[2].plot(numbers, [(r["bytes_down"] + r["bytes_up"]) / 1e6 for r in rounds], "-o", markersize=4,
                          label=name)
     rounds = sorted({r["round"] for report in reports for r in report["rounds"]})

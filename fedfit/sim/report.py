@@ -66,6 +66,7 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "deployed": r.deployed,
         "global_model_accuracy": r.global_accuracy,
         "level_accuracy": r.level_accuracy,
+        **({} if r.levels_evaluated else {"levels_evaluated": False}),  # data.levels_every: the others not asked
         "exit_accuracy": r.exit_accuracy,
         "trained_levels": list(r.trained_levels),
         "trained_exits": list(r.trained_exits),
@@ -93,14 +94,22 @@ def agents_cell(entry: Mapping[str, Any]) -> str:
     return f"{entry['participants']}/{selected}" + (f"+{carried}" if carried else "")
 
 
-def level_average(entry: dict[str, Any]) -> float:
+def level_average(entry: dict[str, Any]) -> float | None:
     """A round's mean accuracy over the levels some device trained itself in it (a level no tier can train is a
     slice of the others' work, not the method's result); all levels when none is marked; the global accuracy when
-    the method has no levels."""
+    the method has no levels; None in a round that did not evaluate its levels (``data.levels_every``)."""
+    if entry.get("levels_evaluated", True) is False:
+        return None
     levels = entry["level_accuracy"]
     trained = [value for name, value in levels.items() if name in entry.get("trained_levels", levels)]
     values = trained or list(levels.values())
     return sum(values) / len(values) if values else entry["global_accuracy"]
+
+
+def levels_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last round that evaluated every level (the last round, unless the run stopped between two rounds of
+    ``data.levels_every``); the last round when none did."""
+    return next((r for r in reversed(rounds) if r.get("levels_evaluated", True) is not False), rounds[-1])
 
 
 def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
@@ -119,7 +128,7 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
         "deployed": final.get("deployed", "global"),
         "best_global_accuracy": best["global_accuracy"],
         "best_round": best["round"],
-        "final_level_average": level_average(final),
+        "final_level_average": level_average(levels_round(rounds)),
         "tasks": {status: statuses.get(status, 0) for status in STATUSES},
         "trained": statuses.get("ok", 0) + statuses.get("adapted", 0),
         "over_budget": sum(1 for task in tasks if task.get("over_budget")),

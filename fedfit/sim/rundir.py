@@ -136,8 +136,9 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"global accuracy (the model a user would deploy: "
                      f"{'the global model' if deployed == 'global' else deployed}): "
                      f"final {summary['final_global_accuracy']:.4f}, best "
-                     f"{summary['best_global_accuracy']:.4f} (round {summary['best_round']}); mean over levels at the "
-                     f"end {summary['final_level_average']:.4f}")
+                     f"{summary['best_global_accuracy']:.4f} (round {summary['best_round']})"
+                     + ("" if summary["final_level_average"] is None else
+                        f"; mean over levels at the end {summary['final_level_average']:.4f}"))
         tasks = summary["tasks"]
         lines.append("tasks: " + (", ".join(f"{tasks[status]} {status}" for status in STATUSES if tasks.get(status))
                                   or "none")

@@ -41,7 +41,7 @@ def curve(report: dict[str, Any], kind: str) -> dict[int, float]:
     """A run's accuracy per round: ``global`` or ``levels`` (the mean over the levels trained)."""
     if kind == "global":
         return {r["round"]: r["global_accuracy"] for r in report["rounds"]}
-    return {r["round"]: level_average(r) for r in report["rounds"]}
+    return {r["round"]: value for r in report["rounds"] if (value := level_average(r)) is not None}
 
 
 def mean_curve(reports: Sequence[dict[str, Any]], kind: str) -> tuple[list[int], list[float], list[float]]:

@@ -68,6 +68,7 @@ def test_a_zero_weight_is_valid_and_keeps_its_level_out_of_the_round(make_contex
         ({"rounds": 0}, "rounds and min_agents"),
         ({"min_agents": 0}, "rounds and min_agents"),
         ({"data": DataConfig(bn_samples=0)}, "bn_samples"),
+        ({"data": DataConfig(levels_every=0)}, "levels_every"),
         ({"round_timeout_s": 0.0}, "round_timeout_s"),
     ],
 )

@@ -1138,3 +1138,25 @@ def test_a_checkpoints_record_of_another_version_does_not_stop_a_resume(tmp_path
     save_checkpoint(first.files.checkpoint_path, states, {**meta, "record": {**meta["record"], "of_later": 1}})
     restarted = Coordinator(config(tmp_path, resume=True, metrics_port=0), dataset=digits)
     assert restarted.completed_rounds == 2 and restarted.files.last_record is None
+
+
+def test_levels_are_evaluated_every_levels_every_rounds_and_in_the_last(tmp_path: Path, digits, monkeypatch) -> None:
+    coordinator = Coordinator(config(tmp_path, rounds=3, levels=[1.0, 0.5, 0.25],
+                                     data=DataConfig(dataset="digits", bn_samples=50, eval_samples=50,
+                                                     levels_every=2)), dataset=digits)
+    monkeypatch.setattr(coordinator.registry, "wait_settled",
+                        lambda count, quiet, timeout, on_change=None: [agent_record("sim-0")])
+    monkeypatch.setattr(coordinator.registry, "wait_for", lambda count, timeout: [agent_record("sim-0")])
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        offer(coordinator, update_for(coordinator, level_spec(coordinator, "b"), task_id=task_id,
+                                      agent=planned.agent_id, round_number=round_number, fill=0.1))
+        return 10
+
+    monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
+    results = [coordinator.run_round(number) for number in (1, 2, 3)]
+    assert [result.levels_evaluated for result in results] == [False, True, True]  # round 2 and the last
+    # between them the deployable level and what shares the global model (a), not c
+    assert set(results[0].level_accuracy) == {"a", "b"}
+    assert set(results[1].level_accuracy) == set(results[2].level_accuracy) == {"a", "b", "c"}
+    assert all(result.deployed == "b" for result in results)

@@ -416,3 +416,26 @@ def test_a_review_tells_the_strategy_adds_what_was_trained_evaluates_and_deploys
     first, again = review.result(100, 2.0), review.result(100, 2.0)
     assert first == again and "global" in review.accuracies  # making the result leaves the review whole
     assert (first.deployed, first.participants, first.trained_levels) == ("mid", 1, ["small"])
+
+
+def test_a_round_between_level_evaluations_evaluates_only_the_global_and_the_deployable_model() -> None:
+    # data.levels_every: the other levels wait for their round; what is evaluated, and deployed, is as in any round.
+    harness = Harness({"t-a": plan("a")})
+    harness.offer(update("t-a", "a", spec=SMALL, keys=["conv1.weight", *EXIT1]))
+    current = harness.closed()
+    evaluator = Evaluator({GLOBAL: {"bn1.running_mean": torch.ones(4)}})
+    states = {"global": {"bn1.running_mean": torch.zeros(4)}}
+    review = reporting.review(current, Strategy(TARGETS), FAMILY, evaluator, states,  # type: ignore[arg-type]
+                              TrainedSoFar(levels={"mid"}), carried=(), log=RecordingLog(), every_target=False)
+    assert sorted(review.accuracies) == ["global", "mid"]  # small, trained this round, is not the deployable one
+    # (a target sharing the global model's or the deployable one's model would come with it, at no cost)
+    assert [spec for spec, *_ in evaluator.calls] == [GLOBAL, MID]
+    assert states["global"]["bn1.running_mean"].tolist() == [1.0] * 4  # the global model's statistics kept
+    result = review.result(100, 2.0)
+    assert review.deployed == ("mid", Evaluator.accuracies(MID)[-1]) and not result.levels_evaluated
+    assert set(result.level_accuracy) == {"mid"}
+    again = Harness({"t-a": plan("a")})
+    again.offer(update("t-a", "a", spec=SMALL, keys=["conv1.weight", *EXIT1]))
+    full = reporting.review(again.closed(), Strategy(TARGETS), FAMILY, Evaluator(), states,  # type: ignore[arg-type]
+                            TrainedSoFar(levels={"mid"}), carried=(), log=RecordingLog())
+    assert sorted(full.accuracies) == ["global", "mid", "small"] and full.result(100, 2.0).levels_evaluated

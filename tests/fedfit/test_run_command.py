@@ -102,8 +102,8 @@ def test_user_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], tmp_pa
 def test_resume_goes_on_as_the_comparison_started(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["compare", "--resume", str(tmp_path)]) == 2
     assert "no compare.json there" in capsys.readouterr().err
-    assert main(["compare", "--resume", str(tmp_path), "--rounds", "3", "--seed=1"]) == 2
-    assert "leave out --rounds, --seed=1" in capsys.readouterr().err
+    assert main(["compare", "--resume", str(tmp_path), "--agents", "3", "--seed=1"]) == 2
+    assert "leave out --agents, --seed=1" in capsys.readouterr().err
     (tmp_path / "compare.json").write_text('{"format": "something else"}')
     assert main(["compare", "--resume", str(tmp_path)]) == 2
     assert "not of format fedfit-compare-v1" in capsys.readouterr().err

@@ -13,6 +13,8 @@ from fedfit.sim.report import (
     communication,
     format_table,
     format_timing,
+    level_average,
+    levels_round,
     read_report,
     summarize,
     write_report,
@@ -188,3 +190,19 @@ def test_the_timing_table_lists_the_phases_any_round_went_through_in_order() -> 
     assert lines[3].split() == ["1", "4.25", "0.250", "3.500", "1.500"]
     assert lines[4].split() == ["2", "3.75", "-", "-", "-"]  # a round without timing (an older report)
     assert format_timing([{**r, "timing": {}} for r in report["rounds"]]) == ""
+
+
+def test_a_round_that_did_not_evaluate_its_levels_has_no_level_average_and_the_summary_reads_the_last_that_did(
+) -> None:
+    rounds = sample_rounds()
+    rounds.append(RoundResult(round=3, global_accuracy=0.9, level_accuracy={"a": 0.9}, participants=1, selected=1,
+                              bytes_down=0, bytes_up=0, seconds=1.0, trained_levels=["a", "b"],
+                              levels_evaluated=False))  # data.levels_every: only the deployable level
+    report = build_report("heterofl", "mosquitto", "2", rounds, {})
+    assert level_average(report["rounds"][-1]) is None
+    assert levels_round(report["rounds"])["round"] == 2
+    summary = report["summary"]
+    assert summary["final_global_accuracy"] == 0.9  # the headline is every round's
+    assert summary["final_level_average"] == pytest.approx((0.875 + 0.8) / 2)  # round 2's levels, not a's alone
+    assert "levels_evaluated" not in report["rounds"][1]  # a round that evaluated them all, as reports before it
+    assert level_average(report["rounds"][1]) == pytest.approx((0.875 + 0.8) / 2)
