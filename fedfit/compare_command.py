@@ -222,16 +222,24 @@ def _rounds_run(report: dict[str, Any]) -> int:
 
 
 def _check_rounds(out: Path, rounds: int) -> None:
-    """ConfigError when a finished run of the comparison in ``out`` ran more than ``rounds`` rounds: a resumed
-    comparison's rounds are carried further, never cut back."""
+    """ConfigError when a run of the comparison in ``out`` ran more than ``rounds`` rounds (finished, by its
+    report; stopped part-way, by its checkpoint): a resumed comparison's rounds are carried further, never cut
+    back."""
+    from coordinator.checkpoint import CheckpointError, checkpoint_metadata
     from fedfit.sim.report import read_report
     from fedfit.sim.rundir import REPORT_FILE
 
-    for path in sorted(out.glob(f"*/{REPORT_FILE}")) + sorted(out.glob(f"seed-*/*/{REPORT_FILE}")):
-        ran = _rounds_run(read_report(path))
+    for run_dir in sorted({path.parent for pattern in ("*/", "seed-*/*/")
+                           for name in (REPORT_FILE, "checkpoint.safetensors")
+                           for path in out.glob(f"{pattern}{name}")}):
+        ran = _rounds_run(read_report(run_dir / REPORT_FILE)) if (run_dir / REPORT_FILE).exists() else 0
+        try:
+            ran = max(ran, int(checkpoint_metadata(run_dir / "checkpoint.safetensors").get("round", 0)))
+        except (CheckpointError, OSError, ValueError):
+            pass  # no checkpoint (not a round done yet), or one its own resume will refuse in a sentence
         if ran > rounds:
-            raise ConfigError(f"{path.parent} ran {ran} rounds: a resumed comparison goes on to as many rounds or "
-                              f"more (--rounds {ran} or above), it cannot cut its runs back to {rounds}")
+            raise ConfigError(f"{run_dir} ran {ran} rounds: a resumed comparison goes on to as many rounds or more, "
+                              f"it cannot cut its runs back to {rounds}")
 
 
 def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str, Any]], Path, Experiment]:

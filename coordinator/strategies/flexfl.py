@@ -27,7 +27,8 @@ models ``M1..M(i-1)`` nested in it, run from its current weights without gradien
 the KL averaged over the classes as the reference code's ``KLDivLoss()`` does, ``flexfl.kd_reduction: mean``, or
 summed over them as the paper writes it, ``batchmean``).
 Aggregation is masked and weighted by the samples each update trained on; every pool model is a slice of the one
-global model, so all are refreshed by it. Each round every pool model is evaluated (``level_accuracy``).
+global model, so all are refreshed by it. Every pool model is evaluated (``level_accuracy``) each round, or every
+``data.levels_every`` rounds.
 """
 
 from __future__ import annotations

@@ -331,7 +331,25 @@ def seed_groups(reports: Sequence[dict[str, Any]]) -> tuple[dict[str, list[dict[
 
 
 #: Parts of a run's resolved configuration that may differ between the seeds of one method.
-_PER_RUN_CONFIG = ("seed", "state_dir", "broker", "federation", "min_agents")
+_PER_RUN_CONFIG = ("seed", "state_dir", "broker", "federation", "min_agents", "resume")
+#: Settings that change what is evaluated, not what is trained or deployed: seeds may differ in them.
+_EVALUATION_ONLY = ("data.levels_every",)
+
+
+def _settings(config: dict[str, Any], algorithm: str | None, prefix: str = "") -> dict[str, Any]:
+    """A run's configuration as dotted settings (``scalefl.beta``), the per-run parts and the sections of methods
+    other than its ``algorithm`` left out."""
+    from coordinator.strategies import ALGORITHM_NAMES
+
+    found: dict[str, Any] = {}
+    for key, value in config.items():
+        if not prefix and (key in _PER_RUN_CONFIG or (key in ALGORITHM_NAMES and key != algorithm)):
+            continue
+        if isinstance(value, dict) and value:
+            found.update(_settings(value, algorithm, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
 
 
 def _seed_differences(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -340,10 +358,11 @@ def _seed_differences(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
     reports = [report for group in groups.values() for report in group]
     found = fleet_differences(reports, [key for key in FLEET_KEYS if key != "seed"])
     for name, group in groups.items():
-        configs = [{key: value for key, value in report.get("run", {}).get("config", {}).items()
-                    if key not in _PER_RUN_CONFIG} for report in group]
+        # A setting some runs lack was added after they ran (they ran as its default does): not a difference.
+        configs = [_settings(report.get("run", {}).get("config", {}), report.get("algorithm")) for report in group]
         keys = sorted({key for config in configs for key in config
-                       if len({json.dumps(c.get(key), sort_keys=True) for c in configs}) > 1})
+                       if key not in _EVALUATION_ONLY and all(key in c for c in configs)
+                       and len({json.dumps(c[key], sort_keys=True) for c in configs}) > 1})
         if keys:
             found.append(f"{name}: its seeds' runs differ in {', '.join(keys)}")
     seed_sets = {name: sorted(str(report.get("settings", {}).get("seed")) for report in group)

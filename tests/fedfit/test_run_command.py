@@ -193,3 +193,27 @@ def test_a_gpu_that_cannot_train_is_refused_before_the_run_has_a_directory(
     err = capsys.readouterr().err
     assert code == 2 and "--device cuda: torch cannot train on a GPU here" in err and "Traceback" not in err
     assert not run_dir.exists()
+
+
+def test_a_resumed_comparison_cannot_cut_back_a_run_finished_or_stopped_past_its_rounds(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from common.config import ConfigError
+    from coordinator.checkpoint import save_checkpoint
+    from fedfit.compare_command import _check_rounds
+
+    finished = tmp_path / "seed-0" / "heterofl"
+    finished.mkdir(parents=True)
+    (finished / "report.json").write_text(json.dumps({"algorithm": "heterofl", "settings": {"rounds": 40}, "rounds": [], "tasks": []}))
+    stopped = tmp_path / "seed-1" / "heterofl"  # carried on from 40 and stopped at 55: its report still says 40
+    (stopped).mkdir(parents=True)
+    (stopped / "report.json").write_text(json.dumps({"algorithm": "heterofl", "settings": {"rounds": 40}, "rounds": [], "tasks": []}))
+    save_checkpoint(stopped / "checkpoint.safetensors", {"global": {"w": torch.zeros(1)}}, {"round": 55})
+    _check_rounds(tmp_path, 80)
+    _check_rounds(tmp_path, 55)
+    with pytest.raises(ConfigError, match="seed-1/heterofl ran 55 rounds.*cannot cut its runs back to 50"):
+        _check_rounds(tmp_path, 50)
+    with pytest.raises(ConfigError, match="ran (40|55) rounds"):
+        _check_rounds(tmp_path, 30)

@@ -193,7 +193,22 @@ def test_seeds_of_one_method_that_differ_in_a_setting_are_said_to(tmp_path: Path
     reports = seeded("fjord", {0: 0.5}, fjord={"widths": [1, 0.5]}) + seeded("fjord", {1: 0.6},
                                                                             fjord={"widths": [1, 0.2]})
     text = write_comparison(reports, tmp_path)["txt"].read_text()
-    assert "NOT THE SAME FLEET: fjord: its seeds' runs differ in fjord" in text
+    assert "NOT THE SAME FLEET: fjord: its seeds' runs differ in fjord.widths" in text
+
+
+def test_seeds_that_differ_only_in_what_is_evaluated_or_in_a_setting_added_since_are_one_fleet(tmp_path: Path) -> None:
+    # seed 0 made before scalefl.kd_reduction and data.levels_every existed; seed 1 with both
+    reports = seeded("scalefl", {0: 0.5}, scalefl={"beta": 0.1}, data={"bn_samples": 50}) + seeded(
+        "scalefl", {1: 0.6}, scalefl={"beta": 0.1, "kd_reduction": "batchmean"},
+        data={"bn_samples": 50, "levels_every": 5})
+    text = write_comparison(reports, tmp_path)["txt"].read_text()
+    assert "NOT THE SAME FLEET" not in text
+    other = seeded("scalefl", {0: 0.5}, scalefl={"beta": 0.1}) + seeded("scalefl", {1: 0.6}, scalefl={"beta": 0.2})
+    assert "differ in scalefl.beta" in write_comparison(other, tmp_path / "b")["txt"].read_text()
+    # another method's section, and whether a run was resumed, say nothing of this one's seeds
+    apart = seeded("heterofl", {0: 0.5}, flexfl={"kd_reduction": "batchmean"}) + seeded(
+        "heterofl", {1: 0.6}, flexfl={"kd_reduction": "mean"}, resume=True)
+    assert "NOT THE SAME FLEET" not in write_comparison(apart, tmp_path / "c")["txt"].read_text()
 
 
 def test_runs_of_one_method_with_one_seed_are_not_averaged_and_say_why(tmp_path: Path) -> None:
