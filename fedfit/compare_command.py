@@ -221,14 +221,15 @@ def _rounds_run(report: dict[str, Any]) -> int:
     return int(report["settings"]["rounds"])
 
 
-def _check_rounds(out: Path, rounds: int) -> None:
-    """ConfigError when a run of the comparison in ``out`` ran more than ``rounds`` rounds (finished, by its
-    report; stopped part-way, by its checkpoint): a resumed comparison's rounds are carried further, never cut
-    back."""
+def _check_rounds(out: Path, rounds: int) -> int:
+    """The most rounds a run of the comparison in ``out`` ran (finished, by its report; stopped part-way, by its
+    checkpoint); ConfigError when that is more than ``rounds``: a resumed comparison's rounds are carried further,
+    never cut back."""
     from coordinator.checkpoint import CheckpointError, checkpoint_metadata
     from fedfit.sim.report import read_report
     from fedfit.sim.rundir import REPORT_FILE
 
+    most = 0
     for run_dir in sorted({path.parent for pattern in ("*/", "seed-*/*/")
                            for name in (REPORT_FILE, "checkpoint.safetensors")
                            for path in out.glob(f"{pattern}{name}")}):
@@ -240,6 +241,20 @@ def _check_rounds(out: Path, rounds: int) -> None:
         if ran > rounds:
             raise ConfigError(f"{run_dir} ran {ran} rounds: a resumed comparison goes on to as many rounds or more, "
                               f"it cannot cut its runs back to {rounds}")
+        most = max(most, ran)
+    return most
+
+
+def _keep_comparison(out: Path, rounds: int) -> None:
+    """Before a comparison's runs are carried on past ``rounds``: its comparison files as they stand (``OUT`` and
+    each seed's), copied into ``OUT/at-round-<rounds>/`` once, since the runs' reports will be rewritten."""
+    kept = out / f"at-round-{rounds}"
+    if kept.exists():
+        return
+    for path in sorted(out.glob("comparison.*")) + sorted(out.glob("seed-*/comparison.*")):
+        target = kept / path.relative_to(out)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
 
 
 def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str, Any]], Path, Experiment]:
@@ -268,8 +283,10 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     bases = _run_bases(labels, mapping, base, values, data[0])
     if resuming:
         out = Path(args.out)
-        _check_rounds(out, values["rounds"])
+        ran = _check_rounds(out, values["rounds"])
         if getattr(args, "setup_update", None):  # a larger --rounds: later resumes go on to it too
+            if 0 < ran < values["rounds"]:
+                _keep_comparison(out, ran)
             _write_setup(args.setup_update, out)
     else:
         out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")

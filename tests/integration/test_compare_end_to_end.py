@@ -127,6 +127,9 @@ def test_a_comparison_stopped_part_way_goes_on_where_it_stopped(mosquitto_instal
         lines = (out / "seed-0" / label / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["round"] for line in lines] == [1, 2, 3, 4]
     assert json.loads((out / "compare.json").read_text())["arguments"]["rounds"] == 4  # later resumes keep it
+    kept = json.loads((out / "at-round-3" / "comparison.json").read_text())  # the comparison before, as it stood
+    assert kept["heading"].endswith("| 3 rounds") and kept["rows"][0]["method"] == "heterofl"
+    assert json.loads((out / "comparison.json").read_text())["heading"].endswith("| 4 rounds")
     assert main(["compare", "--resume", str(out)]) == 0
     assert capsys.readouterr().err.count("finished already") == 2
 
