@@ -390,6 +390,46 @@ def fleet_memory(reports: Sequence[dict[str, Any]]) -> str | None:
             f"All-Large asks of every device ({max(needs) / 2**20:.1f} MiB, its estimate with the same margin)")
 
 
+#: Runs that are bounds or baselines, not heterogeneous methods (``fedavg x1/6``, ``all-small (fedavg x1/16)``).
+_NOT_METHODS = ("all-large", "all-small", "fedavg", "decoupled")
+
+
+def learning_goal(rows: Sequence[dict[str, Any]], seed_table: Sequence[dict[str, Any]]) -> str | None:
+    """FedFit's learning goal, read from a comparison with both bounds: the best heterogeneous method's deployed
+    model within 1 point of All-Large, and above All-Small by more than half the gap between them (over the seeds
+    where the runs were averaged); None without both bounds or a method. Says which curves still climb (their
+    last-5 change above a point): a figure on such a curve is not yet the method's."""
+    if seed_table:
+        found = {row["method"]: (row["global"]["mean"] if row["global"] else None,
+                                 row["late_change"]["mean"] if row["late_change"] else None,
+                                 len(row["seeds"])) for row in seed_table}
+    else:
+        found = {row["method"]: (row["global"], row.get("late_change"), 1) for row in rows}
+
+    def bound(prefix: str) -> tuple[str, tuple[float | None, float | None, int]] | None:
+        return next(((name, value) for name, value in found.items() if name.split(" (")[0] == prefix), None)
+
+    large, small = bound("all-large"), bound("all-small")
+    methods = {name: value for name, value in found.items()
+               if name.split(" ")[0] not in _NOT_METHODS and value[0] is not None}
+    if large is None or small is None or large[1][0] is None or small[1][0] is None or not methods:
+        return None
+    best = max(methods, key=lambda name: methods[name][0] or 0.0)
+    accuracy, top, bottom = methods[best][0], large[1][0], small[1][0]
+    assert accuracy is not None
+    below, above, half = (top - accuracy) * 100, (accuracy - bottom) * 100, (top - bottom) * 50
+    met = below <= 1.0 and above > half
+    climbing = [f"{name} {value[1] * 100:+.1f}" for name, value in ((best, methods[best]), large, small)
+                if value[1] is not None and abs(value[1]) > 0.01]
+    seeds = {value[2] for value in (methods[best], large[1], small[1])}
+    over = (f" (means over {'/'.join(map(str, sorted(seeds)))} seeds"
+            + ("" if len(seeds) == 1 else ": not yet the same seeds") + ")") if max(seeds) > 1 else ""
+    return (f"learning goal{over}: the best method, {best} ({accuracy:.4f}), is {below:.2f} points below "
+            f"{large[0]} ({top:.4f}; goal: within 1) and {above:.2f} above {small[0]} ({bottom:.4f}; goal: more "
+            f"than half their gap, {half:.2f}): {'met' if met else 'not met'}"
+            + (f"; still climbing (last-5 change in points): {', '.join(climbing)}" if climbing else ""))
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub-flavoured Markdown table (``|`` in a cell escaped)."""
     def line(cells: Sequence[str]) -> str:
@@ -426,7 +466,7 @@ def comparison_of(reports: Sequence[dict[str, Any]], experiment: dict[str, str] 
     rows, ranked = [rows[i] for i in order], [reports[i] for i in order]
     if seed_table:
         seed_table = sorted(seed_table, key=lambda row: -(row["global"]["mean"] if row["global"] else -1.0))
-    remarks = [remark for remark in (not_averaged, fleet_memory(reports)) if remark]
+    remarks = [remark for remark in (not_averaged, fleet_memory(reports), learning_goal(rows, seed_table)) if remark]
     quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
     return Comparison(_heading(reports), quoted, differences, rows, seed_table, remarks, ranked)
 

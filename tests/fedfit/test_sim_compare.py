@@ -265,3 +265,32 @@ def test_each_curve_is_named_after_its_own_run_once_ranked(tmp_path: Path, monke
     monkeypatch.setattr(compare, "plot_comparison", plot)
     write_comparison([run("heterofl", 0.5), run("fedepth", 0.7)], tmp_path)
     assert drawn == [("fedepth", "fedepth"), ("heterofl", "heterofl")]
+
+
+def test_the_learning_goal_is_read_from_the_best_method_and_both_bounds() -> None:
+    from fedfit.sim.compare import learning_goal
+
+    def row(method: str, accuracy: float, change: float = 0.0) -> dict:
+        return {"method": method, "global": accuracy, "late_change": change}
+
+    rows = [row("all-large", 0.88), row("fedepth", 0.875), row("heterofl", 0.70, 0.03),
+            row("all-small (fedavg x1/16)", 0.68, 0.024), row("fedavg x1/16", 0.99)]  # FedAvg is no method
+    goal = learning_goal(rows, [])
+    assert goal is not None and goal.startswith("learning goal: the best method, fedepth (0.8750), is 0.50 points "
+                                                 "below all-large")
+    assert "19.50 above all-small (fedavg x1/16) (0.6800; goal: more than half their gap, 10.00): met" in goal
+    assert goal.endswith("still climbing (last-5 change in points): all-small (fedavg x1/16) +2.4")
+    assert "not met" in learning_goal([row("all-large", 0.88), row("fedepth", 0.86), row("all-small", 0.68)], [])
+    assert "not met" in learning_goal([row("all-large", 0.88), row("fedepth", 0.875), row("all-small", 0.87)], [])
+    assert learning_goal([row("all-large", 0.88), row("fedepth", 0.86)], []) is None  # no lower bound
+    assert learning_goal([row("all-large", 0.88), row("all-small", 0.68)], []) is None  # no method
+
+
+def test_the_learning_goal_over_seeds_says_when_the_seeds_differ(tmp_path: Path) -> None:
+    reports = (seeded("fedepth", {0: 0.8, 1: 0.9}) + seeded("fedavg", {0: 0.9, 1: 0.9}, fedavg={"width": 1.0})
+               + seeded("fedavg", {0: 0.5}, fedavg={"width": 0.25}))
+    for report in reports[2:]:
+        report["run"]["label"] = "all-large" if report["run"]["config"]["fedavg"]["width"] == 1.0 else "all-small"
+    remarks = json.loads(write_comparison(reports, tmp_path)["json"].read_text())["remarks"]
+    goal = next(remark for remark in remarks if remark.startswith("learning goal"))
+    assert goal.startswith("learning goal (means over 1/2 seeds: not yet the same seeds): the best method, fedepth")
