@@ -222,9 +222,9 @@ def _rounds_run(report: dict[str, Any]) -> int:
 
 
 def _check_rounds(out: Path, rounds: int) -> int:
-    """The most rounds a run of the comparison in ``out`` ran (finished, by its report; stopped part-way, by its
-    checkpoint); ConfigError when that is more than ``rounds``: a resumed comparison's rounds are carried further,
-    never cut back."""
+    """The most rounds a finished run of the comparison in ``out`` ran (by its report); ConfigError when a run ran
+    more than ``rounds`` (finished, by its report; stopped part-way, by its checkpoint): a resumed comparison's
+    rounds are carried further, never cut back."""
     from coordinator.checkpoint import CheckpointError, checkpoint_metadata
     from fedfit.sim.report import read_report
     from fedfit.sim.rundir import REPORT_FILE
@@ -233,7 +233,8 @@ def _check_rounds(out: Path, rounds: int) -> int:
     for run_dir in sorted({path.parent for pattern in ("*/", "seed-*/*/")
                            for name in (REPORT_FILE, "checkpoint.safetensors")
                            for path in out.glob(f"{pattern}{name}")}):
-        ran = _rounds_run(read_report(run_dir / REPORT_FILE)) if (run_dir / REPORT_FILE).exists() else 0
+        reported = _rounds_run(read_report(run_dir / REPORT_FILE)) if (run_dir / REPORT_FILE).exists() else 0
+        ran = reported
         try:
             ran = max(ran, int(checkpoint_metadata(run_dir / "checkpoint.safetensors").get("round", 0)))
         except (CheckpointError, OSError, ValueError):
@@ -241,7 +242,7 @@ def _check_rounds(out: Path, rounds: int) -> int:
         if ran > rounds:
             raise ConfigError(f"{run_dir} ran {ran} rounds: a resumed comparison goes on to as many rounds or more, "
                               f"it cannot cut its runs back to {rounds}")
-        most = max(most, ran)
+        most = max(most, reported)
     return most
 
 
@@ -251,10 +252,14 @@ def _keep_comparison(out: Path, rounds: int) -> None:
     kept = out / f"at-round-{rounds}"
     if kept.exists():
         return
+    partial = out / f".at-round-{rounds}.tmp"  # whole or not at all: a copy cut short is made again
+    shutil.rmtree(partial, ignore_errors=True)
     for path in sorted(out.glob("comparison.*")) + sorted(out.glob("seed-*/comparison.*")):
-        target = kept / path.relative_to(out)
+        target = partial / path.relative_to(out)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
+    if partial.exists():
+        os.replace(partial, kept)
 
 
 def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str, Any]], Path, Experiment]:

@@ -12,10 +12,11 @@ import base64
 import html
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.config import CoordinatorConfig
 from fedfit.experiment import BASELINES
 from fedfit.sim.budgets import fraction_name
 from fedfit.sim.plots import plot_comparison, plot_seed_comparison
@@ -358,11 +359,13 @@ def _seed_differences(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
     reports = [report for group in groups.values() for report in group]
     found = fleet_differences(reports, [key for key in FLEET_KEYS if key != "seed"])
     for name, group in groups.items():
-        # A setting some runs lack was added after they ran (they ran as its default does): not a difference.
+        # A setting a run lacks was added after it ran: read as its default now (what the run did, unless the
+        # default has changed since: the runs' versions say).
+        defaults = _settings(asdict(CoordinatorConfig()), group[0].get("algorithm"))
         configs = [_settings(report.get("run", {}).get("config", {}), report.get("algorithm")) for report in group]
         keys = sorted({key for config in configs for key in config
-                       if key not in _EVALUATION_ONLY and all(key in c for c in configs)
-                       and len({json.dumps(c[key], sort_keys=True) for c in configs}) > 1})
+                       if key not in _EVALUATION_ONLY and all(key in c or key in defaults for c in configs)
+                       and len({json.dumps(c.get(key, defaults.get(key)), sort_keys=True) for c in configs}) > 1})
         if keys:
             found.append(f"{name}: its seeds' runs differ in {', '.join(keys)}")
     seed_sets = {name: sorted(str(report.get("settings", {}).get("seed")) for report in group)
@@ -394,40 +397,47 @@ def fleet_memory(reports: Sequence[dict[str, Any]]) -> str | None:
 _NOT_METHODS = ("all-large", "all-small", "fedavg", "decoupled")
 
 
-def learning_goal(rows: Sequence[dict[str, Any]], seed_table: Sequence[dict[str, Any]]) -> str | None:
+def learning_goal(reports: Sequence[dict[str, Any]]) -> str | None:
     """FedFit's learning goal, read from a comparison with both bounds: the best heterogeneous method's deployed
-    model within 1 point of All-Large, and above All-Small by more than half the gap between them (over the seeds
-    where the runs were averaged); None without both bounds or a method. Says which curves still climb (their
-    last-5 change above a point): a figure on such a curve is not yet the method's."""
-    if seed_table:
-        found = {row["method"]: (row["global"]["mean"] if row["global"] else None,
-                                 row["late_change"]["mean"] if row["late_change"] else None,
-                                 len(row["seeds"])) for row in seed_table}
-    else:
-        found = {row["method"]: (row["global"], row.get("late_change"), 1) for row in rows}
-
-    def bound(prefix: str) -> tuple[str, tuple[float | None, float | None, int]] | None:
-        return next(((name, value) for name, value in found.items() if name.split(" (")[0] == prefix), None)
-
-    large, small = bound("all-large"), bound("all-small")
-    methods = {name: value for name, value in found.items()
-               if name.split(" ")[0] not in _NOT_METHODS and value[0] is not None}
-    if large is None or small is None or large[1][0] is None or small[1][0] is None or not methods:
+    model within 1 point of All-Large, and above All-Small by more than half the gap between them, each figure the
+    mean over the seeds the method and both bounds ran (a method sharing none is left out); None without both
+    bounds or a method. Says which of the three curves are not yet flat (their last-5 change beyond a point): a
+    figure on such a curve is not yet the method's."""
+    runs: dict[str, dict[Any, tuple[float, float | None]]] = {}
+    for report in reports:
+        final = report.get("summary", {}).get("final_global_accuracy")
+        if final is not None:
+            runs.setdefault(method_name(report), {})[report.get("settings", {}).get("seed")] = (
+                final, late_change([r["global_accuracy"] for r in report["rounds"]]))
+    large = next((name for name in runs if name.split(" ")[0] == "all-large"), None)
+    small = next((name for name in runs if name.split(" ")[0] == "all-small"), None)
+    if large is None or small is None:
         return None
-    best = max(methods, key=lambda name: methods[name][0] or 0.0)
-    accuracy, top, bottom = methods[best][0], large[1][0], small[1][0]
-    assert accuracy is not None
-    below, above, half = (top - accuracy) * 100, (accuracy - bottom) * 100, (top - bottom) * 50
-    met = below <= 1.0 and above > half
-    climbing = [f"{name} {value[1] * 100:+.1f}" for name, value in ((best, methods[best]), large, small)
-                if value[1] is not None and abs(value[1]) > 0.01]
-    seeds = {value[2] for value in (methods[best], large[1], small[1])}
-    over = (f" (means over {'/'.join(map(str, sorted(seeds)))} seeds"
-            + ("" if len(seeds) == 1 else ": not yet the same seeds") + ")") if max(seeds) > 1 else ""
-    return (f"learning goal{over}: the best method, {best} ({accuracy:.4f}), is {below:.2f} points below "
-            f"{large[0]} ({top:.4f}; goal: within 1) and {above:.2f} above {small[0]} ({bottom:.4f}; goal: more "
-            f"than half their gap, {half:.2f}): {'met' if met else 'not met'}"
-            + (f"; still climbing (last-5 change in points): {', '.join(climbing)}" if climbing else ""))
+    paired = {name: sorted(set(seeds) & set(runs[large]) & set(runs[small]), key=str)
+              for name, seeds in runs.items() if name.split(" ")[0] not in _NOT_METHODS}
+    paired = {name: seeds for name, seeds in paired.items() if seeds}
+    if not paired:
+        return None
+
+    def mean(name: str, seeds: Sequence[Any], part: int) -> float | None:
+        values = [runs[name][seed][part] for seed in seeds]
+        present = [value for value in values if value is not None]
+        return sum(present) / len(present) if present else None
+
+    best = max(paired, key=lambda name: mean(name, paired[name], 0) or 0.0)
+    seeds = paired[best]
+    accuracy, top, bottom = (mean(name, seeds, 0) or 0.0 for name in (best, large, small))
+    gap = round((top - accuracy) * 100, 6)
+    above, half = round((accuracy - bottom) * 100, 6), round((top - bottom) * 50, 6)
+    met = gap <= 1.0 and above > half
+    position = f"{gap:.2f} points below" if gap >= 0 else f"{-gap:.2f} points above"
+    moving = [f"{name} {change * 100:+.1f}" for name in (best, large, small)
+              if (change := mean(name, seeds, 1)) is not None and abs(change) > 0.01]
+    over = f" (seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))})"
+    return (f"learning goal{over}: the best method, {best} ({accuracy:.4f}), is {position} {large} ({top:.4f}; "
+            f"goal: within 1) and {above:.2f} above {small} ({bottom:.4f}; goal: more than half their gap, "
+            f"{half:.2f}): {'met' if met else 'not met'}"
+            + (f"; not yet flat (last-5 change in points): {', '.join(moving)}" if moving else ""))
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -466,7 +476,7 @@ def comparison_of(reports: Sequence[dict[str, Any]], experiment: dict[str, str] 
     rows, ranked = [rows[i] for i in order], [reports[i] for i in order]
     if seed_table:
         seed_table = sorted(seed_table, key=lambda row: -(row["global"]["mean"] if row["global"] else -1.0))
-    remarks = [remark for remark in (not_averaged, fleet_memory(reports), learning_goal(rows, seed_table)) if remark]
+    remarks = [remark for remark in (not_averaged, fleet_memory(reports), learning_goal(reports)) if remark]
     quoted = [f"{key}: {value}" for key, value in (experiment or {}).items()]
     return Comparison(_heading(reports), quoted, differences, rows, seed_table, remarks, ranked)
 
