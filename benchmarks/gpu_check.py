@@ -61,7 +61,7 @@ def check_forkserver() -> bool:
     bench = _load_memory_benchmark()
     row = bench.Row("cnn", 1, (28, 28), 1.0, 32)
     forkserver.declare_device("cuda")
-    results = {}
+    results: dict[str, dict[str, float] | None] = {}
     with tempfile.TemporaryDirectory(prefix="fedfit-gpu-check-") as state_dir:
         for device in ("cuda", "cpu"):
             started = time.monotonic()

@@ -168,7 +168,8 @@ def measure_with_agent(
     full = family.build(type(spec)(exits=spec.exits)).state_dict()
     weights = family.extract(full, spec, keys=family.state_keys(spec))
     samples = steps * row.batch_size // row.epochs
-    data = LocalData(torch.randn(samples, row.in_channels, *row.image_size), torch.arange(samples) % NUM_CLASSES)
+    data = LocalData(torch.randn(samples, row.in_channels, *row.image_size).numpy(),
+                     (torch.arange(samples) % NUM_CLASSES).numpy())
     task = Task(task_id=f"bench-{time.monotonic_ns()}", round=1, agent_id="bench", deadline=time.time() + 3600,
                 model=ModelRef(row.family, NUM_CLASSES, row.in_channels, {}), spec=spec.to_dict(), recipe=None,
                 weights={key: np.ascontiguousarray(value.numpy()) for key, value in weights.items()},
