@@ -209,16 +209,17 @@ class Coordinator:
         last = self.config.rounds if rounds is None else self.completed_rounds + rounds
         results = []
         while self.completed_rounds < last:
-            results.append(self.run_round(self.completed_rounds + 1))
+            results.append(self.run_round(self.completed_rounds + 1, last_round=last))
         self._raise_if_fatal()  # e.g. the last round's verdicts refused: the run is not one to trust
         if left := self.left_behind():
             self.log.warning("run_ended_with_tasks_left", round=self.completed_rounds,
                              left=[f"{agent} {task} ({where})" for agent, task, where in left])
         return results
 
-    def run_round(self, round_number: int) -> RoundResult:
+    def run_round(self, round_number: int, *, last_round: int | None = None) -> RoundResult:
         """One round: plan it (or take the round resumed from the journal), send its tasks, collect, close and
-        aggregate, evaluate, checkpoint, tell every device its verdict, report."""
+        aggregate, evaluate (every level in the run's ``last_round``, default the configured total), checkpoint,
+        tell every device its verdict, report."""
         started = time.monotonic()
         current = self._open(round_number)
         bytes_down = (self.dispatcher.send_round(current)
@@ -233,10 +234,10 @@ class Coordinator:
         current.close()
         self.in_flight.states = current.finish()
         self.in_flight.carry(current.carried_over())
-        every = self.config.data.levels_every
+        every, last = self.config.data.levels_every, last_round or self.config.rounds
         review = reporting.review(current, self.strategy, self.family, self._evaluator, self.states,
                                   self.files.trained_so_far, self.in_flight.carried_ids, self.log,
-                                  every_target=current.number % every == 0 or current.number >= self.config.rounds)
+                                  every_target=current.number % every == 0 or current.number >= last)
         phase = time.perf_counter()
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self.files.round_done(current.number, self.states, review.result(bytes_down, time.monotonic() - started),

@@ -1156,6 +1156,8 @@ def test_levels_are_evaluated_every_levels_every_rounds_and_in_the_last(tmp_path
     monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
     results = [coordinator.run_round(number) for number in (1, 2, 3)]
     assert [result.levels_evaluated for result in results] == [False, True, True]  # round 2 and the last
+    coordinator.config.rounds = 9  # the last round of run(rounds=...) short of the total is evaluated whole too
+    assert not coordinator.run_round(5).levels_evaluated and coordinator.run_round(7, last_round=7).levels_evaluated
     # between them the deployable level and what shares the global model (a), not c
     assert set(results[0].level_accuracy) == {"a", "b"}
     assert set(results[1].level_accuracy) == set(results[2].level_accuracy) == {"a", "b", "c"}
