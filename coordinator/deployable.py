@@ -26,7 +26,7 @@ from coordinator.metrics import RoundResult, read_metrics
 from coordinator.tasks import EvalTarget
 from models import ModelFamily
 
-__all__ = ["GLOBAL", "TrainedSoFar", "deployed"]
+__all__ = ["GLOBAL", "TrainedSoFar", "deployed", "deployed_name"]
 
 #: The name of the global model as an evaluation target and as the deployed model.
 GLOBAL = "global"
