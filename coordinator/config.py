@@ -190,6 +190,11 @@ class CoordinatorConfig:
     #: needs a moment; well inside systemd's 90 s to stop a service. Raise it for a longer scrape interval.
     metrics_linger_s: float = 20.0
 
+    def levels_due(self, round_number: int, last_round: int | None = None) -> bool:
+        """Whether round ``round_number`` evaluates every level: every ``data.levels_every``-th round, and the run's
+        last (``last_round``, default the configured total)."""
+        return round_number % self.data.levels_every == 0 or round_number >= (last_round or self.rounds)
+
     def validate(self) -> None:
         """Cross-field checks; raises ValueError with one clear sentence. (``algorithm`` is checked against the
         strategies' registry when the coordinator makes its strategy.)"""

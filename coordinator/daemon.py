@@ -56,8 +56,7 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, *, dataset: Dataset | None = None,
                  on_round: Callable[[RoundResult], None] | None = None,
-                 on_progress: Callable[[Progress], None] | None = None,
-                 resume_grace_s: float = RESUME_GRACE_S) -> None:
+                 on_progress: Callable[[Progress], None] | None = None, resume_grace_s: float = RESUME_GRACE_S) -> None:
         """``resume_grace_s``: seconds a round resumed from the journal waits at least (a simulator whose agents
         restarted with it and train its tasks again gives it a whole round's deadline)."""
         config.validate()
@@ -218,8 +217,7 @@ class Coordinator:
 
     def run_round(self, round_number: int, *, last_round: int | None = None) -> RoundResult:
         """One round: plan it (or take the round resumed from the journal), send its tasks, collect, close and
-        aggregate, evaluate (every level in the run's ``last_round``, default the configured total), checkpoint,
-        tell every device its verdict, report."""
+        aggregate, evaluate (:meth:`CoordinatorConfig.levels_due`), checkpoint, tell every device its verdict, report."""
         started = time.monotonic()
         current = self._open(round_number)
         bytes_down = (self.dispatcher.send_round(current)
@@ -234,10 +232,9 @@ class Coordinator:
         current.close()
         self.in_flight.states = current.finish()
         self.in_flight.carry(current.carried_over())
-        every, last = self.config.data.levels_every, last_round or self.config.rounds
         review = reporting.review(current, self.strategy, self.family, self._evaluator, self.states,
                                   self.files.trained_so_far, self.in_flight.carried_ids, self.log,
-                                  every_target=current.number % every == 0 or current.number >= last)
+                                  every_target=self.config.levels_due(current.number, last_round))
         phase = time.perf_counter()
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self.files.round_done(current.number, self.states, review.result(bytes_down, time.monotonic() - started),
