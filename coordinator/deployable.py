@@ -47,10 +47,15 @@ class TrainedSoFar:
 
     @classmethod
     def from_results(cls, results: Iterable[RoundResult]) -> TrainedSoFar:
-        """What the recorded rounds ``results`` trained (their ``trained_levels`` and ``trained_exits``)."""
+        """What the recorded rounds ``results`` trained (their ``trained_levels`` and ``trained_exits``; a record of a
+        global model with one output keeps no ``trained_exits``: a round that aggregated an update trained it, as
+        every update reaches the classifier)."""
         trained = cls()
         for result in results:
-            trained.add(result.trained_levels, (int(name.removeprefix("exit")) for name in result.trained_exits))
+            exits = [int(name.removeprefix("exit")) for name in result.trained_exits]
+            if not result.exit_accuracy and result.participants:
+                exits.append(1)
+            trained.add(result.trained_levels, exits)
         return trained
 
     @classmethod

@@ -25,7 +25,7 @@ from common.logs import configure_logging
 from common.mqtt_link import BrokerRefused, BrokerUnavailable
 from edge_agent.forkserver import TorchUnavailable
 from edge_agent.id_probe import AgentIdInUse
-from fedfit import broker_command, status_command
+from fedfit import broker_command, export_command, predict_command, status_command
 from fedfit.run_command import budgets_type
 from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
@@ -37,7 +37,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, DatasetError, BrokerUnavailable, BrokerRefused, BrokerStartError, AgentIdInUse, TorchUnavailable,
     BrokerSetupError, PkiError, ValueError, OSError)
 #: Commands that need neither the coordinator nor the models (nor, with them, torch).
-LIGHT_COMMANDS = ("agent", "broker", "status")
+LIGHT_COMMANDS = ("agent", "broker", "status", "predict")
 
 
 def _user_errors(command: str) -> tuple[type[BaseException], ...]:
@@ -74,6 +74,7 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
                        help="default: the config's log_level")
     broker_command.add_parser(sub)
     status_command.add_parser(sub)
+    predict_command.add_parser(sub)
     if light:
         return parser
 
@@ -139,6 +140,7 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
                            "config's training_device, else cpu)")
     plan.add_argument("--json", action="store_true",
                       help='print JSON: {"levels": [...], "tiers": [...]} (tiers empty without --budgets)')
+    export_command.add_parser(sub)
     return parser
 
 
@@ -318,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(light=bool(arguments) and arguments[0] in LIGHT_COMMANDS).parse_args(arguments)
     args.argv = arguments  # the command line as given, for the run's report
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "compare": _run_compare,
-               "plan": _run_plan, "broker": broker_command.run,
+               "plan": _run_plan, "broker": broker_command.run, "export": export_command.run,
+               "predict": predict_command.run,
                "status": status_command.run}
     stopping = None
     if args.command in ("coordinator", "sim", "compare") and threading.current_thread() is threading.main_thread():

@@ -22,6 +22,7 @@ from common.data.partition import PartitionSpec, parse_partition, partition_indi
 
 __all__ = [
     "DATASET_NAMES",
+    "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_ENV",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
@@ -37,6 +38,8 @@ __all__ = [
 DATASET_NAMES: tuple[str, ...] = ("fashion-mnist", "digits")
 FASHION_MNIST_MEAN = 0.2860
 FASHION_MNIST_STD = 0.3530
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot")
 FASHION_MNIST_ENV = "FEDFIT_FASHION_MNIST"
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
 _FASHION_FILES: tuple[str, ...] = (
@@ -63,6 +66,10 @@ class Dataset:
     num_classes: int
     in_channels: int
     image_size: tuple[int, int]
+    #: The name of every class, by label.
+    class_names: tuple[str, ...] = ()
+    #: ``(mean, std)``: the images are ``(p - mean) / std`` of their pixels ``p`` scaled to [0, 1].
+    normalization: tuple[float, float] = (0.0, 1.0)
 
 
 def fashion_mnist_search_dirs(root: str | Path | None = None) -> list[Path]:
@@ -159,6 +166,8 @@ def _load_fashion_mnist(root: str | Path | None) -> Dataset:
         num_classes=10,
         in_channels=1,
         image_size=(28, 28),
+        class_names=FASHION_MNIST_CLASSES,
+        normalization=(FASHION_MNIST_MEAN, FASHION_MNIST_STD),
     )
 
 
@@ -180,6 +189,8 @@ def _load_digits() -> Dataset:
         num_classes=10,
         in_channels=1,
         image_size=(8, 8),
+        class_names=tuple(str(digit) for digit in range(10)),
+        normalization=(float(mean), float(std)),  # read_digits scales the pixels to [0, 1]
     )
 
 

@@ -52,6 +52,19 @@ def test_what_was_trained_so_far_is_read_back_from_the_records() -> None:
     assert trained.levels == {"a", "b", "c"} and trained.members() == [0, 1, 2]
 
 
+def test_a_round_that_aggregated_an_update_trained_a_global_model_of_one_output() -> None:
+    # A model of one output keeps no trained_exits in its records (and no exit accuracies): live, its one head was
+    # reached by every update, and read back it is too (a run resumed or exported sees what the live one saw).
+    def record(number: int, participants: int) -> RoundResult:
+        return RoundResult(number, 0.1, {}, participants, 1, 0, 0, 1.0)
+
+    assert TrainedSoFar.from_results([record(1, 0)]) == TrainedSoFar()
+    assert TrainedSoFar.from_results([record(1, 0), record(2, 3)]) == TrainedSoFar(set(), {1})
+    several = RoundResult(1, 0.1, {}, 2, 2, 0, 0, 1.0, exit_accuracy={"exit1": 0.1, "exit2": 0.2},
+                          trained_exits=["exit1"])
+    assert TrainedSoFar.from_results([several]) == TrainedSoFar(set(), {1})
+
+
 def test_a_run_whose_records_cannot_be_read_starts_from_nothing_trained(tmp_path) -> None:
     import structlog
 

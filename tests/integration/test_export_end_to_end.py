@@ -1,0 +1,66 @@
+"""End to end: a federation over a real mosquitto, then `fedfit export` on its run directory and `fedfit predict` on
+what it wrote: every exported model answers the run's test images, through onnxruntime, as the run reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.data import load_dataset
+from common.inference import open_model
+from common.model_package import read_manifest
+from fedfit.cli import main
+from fedfit.sim.harness import SimOptions, run_simulation
+
+from .conftest import tiny_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def test_every_exported_level_answers_as_the_run_reported(mosquitto_installed: None, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "scalefl"
+    options = SimOptions(algorithm="scalefl", agents=4, rounds=2, dataset="digits", partition="iid", seed=1,
+                         federation="e2e-export", base=tiny_config(), budgets="fair", state_dir=str(run_dir))
+    report = run_simulation(options, progress=None).report
+    last = report["rounds"][-1]
+    assert main(["export", str(run_dir)]) == 0
+    printed = capsys.readouterr()
+    manifest = read_manifest(run_dir / "models")
+    digits = load_dataset("digits")  # tiny_config evaluates on the whole test set
+    x, y = digits.x_test, digits.y_test
+    # Every level some round trained, each once (the top level is the global model: one of its names).
+    exported = {name for entry in manifest.models for name in (entry.name, *entry.aliases)}
+    assert exported - {"global"} == {name for r in report["rounds"] for name in r["trained_levels"]}
+    assert manifest.deployed().name == last["deployed"] or last["deployed"] in manifest.deployed().aliases
+    for entry in manifest.models:
+        accuracy = float((open_model(run_dir / "models", manifest, entry, "onnxruntime").logits(x).argmax(1)
+                          == y).mean())
+        reported = last["global_accuracy"] if entry.name == "global" else last["level_accuracy"][entry.name]
+        assert abs(accuracy - reported) <= 1e-4, (entry.name, accuracy, reported)
+        assert f"{reported:.4f}" in printed.out
+    # The run's devices would run the deployable model from raw pixels: `fedfit predict` normalises them itself.
+    deployed = manifest.deployed()
+    mean, std = digits.normalization
+    np.savez(tmp_path / "test.npz", x=(x * std + mean).astype(np.float32), y=y)
+    assert main(["predict", "--model", str(run_dir / "models"), str(tmp_path / "test.npz"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["model"] == deployed.name and summary["images"] == len(y)
+    # Pixels restored from the normalised set differ from the originals by a rounding: an image or two may flip.
+    assert abs(summary["accuracy"] - deployed.accuracy) <= 2 / len(y)
+    with_exits = next(entry for entry in manifest.models if entry.has_exits)
+    assert main(["predict", "--model", str(run_dir / "models"), "--level", with_exits.name, "--exit-threshold", "0",
+                 str(tmp_path / "test.npz"), "--json"]) == 0
+    answered = json.loads(capsys.readouterr().out)["summary"]
+    assert answered["exits"]["1"] == len(y) and answered["mean_macs"] == with_exits.exit_macs[0]
+
+
+def test_what_cannot_be_exported_or_predicted_is_said_in_one_sentence(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", str(tmp_path)]) == 2
+    assert "holds no finished round" in capsys.readouterr().err
+    assert main(["predict", "--model", str(tmp_path), str(tmp_path / "x.npz")]) == 2
+    assert "holds no manifest.json" in capsys.readouterr().err
