@@ -16,7 +16,14 @@ from common.mqtt_link import MqttLink, Will
 from coordinator.in_flight import InFlight
 from coordinator.registry import FleetRegistry
 from coordinator.run_files import RunFiles
-from protocol import STATUS_REPORT_REVISION, CoordinatorStatus, RoundProgress, Topics, encode
+from protocol import (
+    MODEL_DELIVERY_REVISION,
+    STATUS_REPORT_REVISION,
+    CoordinatorStatus,
+    RoundProgress,
+    Topics,
+    encode,
+)
 
 __all__ = ["PROGRESS_INTERVAL_S", "StatusAnnouncer"]
 
@@ -61,7 +68,8 @@ class StatusAnnouncer:
             deadline = current.deadline + self._link.outage_seconds() - self._outage_at_open
             progress = RoundProgress(current.number, len(current.tasks), len(current.answers), self._opened_at,
                                      deadline)
-        return CoordinatorStatus(self.federation, state, number, time.time(), STATUS_REPORT_REVISION, progress)
+        # (the newest revision of the reports it reads: with MODEL_DELIVERY_REVISION, the model an agent holds)
+        return CoordinatorStatus(self.federation, state, number, time.time(), MODEL_DELIVERY_REVISION, progress)
 
     def offline(self) -> tuple[str, bytes, bool]:
         """The 'offline' status as published (topic, payload, retained); plain, as the Last Will: an agent of any

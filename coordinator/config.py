@@ -144,6 +144,22 @@ class UploadsConfig:
 
 
 @dataclass
+class DeploymentConfig:
+    """The ``deployment`` section (see :mod:`coordinator.model_courier`): with ``deliver`` (default true) the
+    coordinator, once its last round is done, writes the run's deployable models into ``state_dir/models`` and hands
+    each agent online (of protocol revision 8) the largest trained one its memory runs, waiting up to ``wait_s``
+    seconds (default 120) for them to say they hold it."""
+
+    deliver: bool = True
+    wait_s: float = 120.0
+
+    def validate(self) -> None:
+        """Raises ValueError with one clear sentence."""
+        if not self.wait_s >= 0:
+            raise ValueError(f"deployment.wait_s must be zero or more seconds, got {self.wait_s}")
+
+
+@dataclass
 class CoordinatorConfig:
     """Everything the coordinator daemon needs."""
 
@@ -175,6 +191,7 @@ class CoordinatorConfig:
     adaptivefl: AdaptiveFLConfig = field(default_factory=AdaptiveFLConfig)
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
     uploads: UploadsConfig = field(default_factory=UploadsConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     #: What the agents train on ("cpu" or "cuda"): the terms of the memory they report, in which level planning
     #: estimates what each sub-model needs.
@@ -232,6 +249,7 @@ class CoordinatorConfig:
         self.fedepth.validate()
         self.screening.validate()
         self.uploads.validate()
+        self.deployment.validate()
         self.buffered.validate()
         self.fedavg.validate()
         self.fedrolex.validate()

@@ -33,6 +33,7 @@ from coordinator.fleet import REGISTRY_SETTLE_S, FleetWatch, NoAgentsError
 from coordinator.in_flight import InFlight
 from coordinator.intake import UpdateIntake, single_threaded_torch
 from coordinator.metrics import Progress, RoundResult
+from coordinator.model_courier import ModelCourier
 from coordinator.planning import model_family, model_options, strategy_for
 from coordinator.registry import FleetRegistry
 from coordinator.round import Round
@@ -102,6 +103,7 @@ class Coordinator:
                                   self.registry.revision, self.log)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref, self.in_flight,
                                      config.seed, self.log, grants_uploads=self.uploads.grants is not None)
+        self.courier = ModelCourier(config, self.link, self.topics, self.registry, self.log)  # the devices' models
 
     @property
     def topics(self) -> Topics:  # the federation's
@@ -213,6 +215,9 @@ class Coordinator:
         if left := self.left_behind():
             self.log.warning("run_ended_with_tasks_left", round=self.completed_rounds,
                              left=[f"{agent} {task} ({where})" for agent, task, where in left])
+        if results and self.completed_rounds >= self.config.rounds and self.config.deployment.deliver:
+            self.courier.finish(self.strategy, self.family, self.dataset, self._evaluator, self.states,
+                                self.files.trained_so_far, self.files.last_record, self.completed_rounds)
         return results
 
     def run_round(self, round_number: int, *, last_round: int | None = None) -> RoundResult:

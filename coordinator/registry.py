@@ -19,6 +19,8 @@ class AgentRecord:
     capabilities: Capabilities | None
     last_seen: float
     instance: str = ""
+    #: The model it holds to run, ``name@sha256`` as its report last said (protocol.MODEL_DELIVERY_REVISION).
+    model: str = ""
 
     @property
     def online(self) -> bool:
@@ -59,6 +61,9 @@ class FleetRegistry:
                 capabilities=status.capabilities,
                 last_seen=time.time() if now is None else now,
                 instance=status.instance,
+                # A status without a report (a heartbeat to an older coordinator, the Last Will) changes nothing.
+                model=(status.report.model if status.report is not None else
+                       previous.model if previous is not None and previous.instance == status.instance else ""),
             )
             # The fleet changed (a new agent, one gone or back, another process): a heartbeat of an agent online
             # all along is no change, else a large fleet's statuses would never leave the quiet wait_settled needs.
@@ -100,6 +105,19 @@ class FleetRegistry:
                 remaining = deadline - time.monotonic()
                 if len(online) >= count or remaining <= 0 or self._interrupted:
                     return online
+                self._changed.wait(remaining)
+
+    def wait_until(self, done: Callable[[dict[str, AgentRecord]], bool], timeout: float) -> bool:
+        """Block until ``done(records by agent id)`` (asked under the lock at every change: it must not block),
+        ``timeout`` passes or :meth:`interrupt`; whether it came true."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if done(self._agents):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._interrupted:
+                    return False
                 self._changed.wait(remaining)
 
     def wait_settled(self, count: int, quiet: float, timeout: float,

@@ -44,7 +44,7 @@ class RunFiles:
         self._log = log
         #: The rounds the checkpoint holds.
         self.completed_rounds = 0
-        #: The record of the last round completed before this process started (None: none).
+        #: The record of the last round completed (None: none; a resumed run's, read from its checkpoint).
         self.last_record: RoundResult | None = None
         #: What the run's rounds trained so far: the deployable model is the largest of it (`coordinator.deployable`).
         self.trained_so_far = deployable.TrainedSoFar()
@@ -81,6 +81,7 @@ class RunFiles:
         carries (nothing, after a synchronous round), recorded beside the round's own journal before the checkpoint
         so that a stop between the two loses no carried task; then checkpoint; then move the journal on."""
         self.completed_rounds = number
+        self.last_record = record
         if buffered:
             self.journal.carry_on(number + 1, carried, bases)
         self.checkpoint(states, record)

@@ -23,6 +23,7 @@ from pathlib import Path
 from common import systemd_notify
 from common.cores import available_cores
 from common.logs import get_logger
+from common.model_package import ManifestError
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from edge_agent import forkserver
 from edge_agent.activity import SEEN_TASKS, AgentActivity
@@ -30,10 +31,12 @@ from edge_agent.config import AgentConfig
 from edge_agent.holdback import HoldBack, hold_seconds
 from edge_agent.id_probe import probe_agent_id
 from edge_agent.memory import available_memory, detect_device_kind, size_text, total_memory
+from edge_agent.model_store import ModelStore
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
+    MODEL_DELIVERY_REVISION,
     PROTOCOL_REVISION,
     STATUS_REPORT_REVISION,
     Ack,
@@ -41,6 +44,7 @@ from protocol import (
     BytesLike,
     Capabilities,
     CoordinatorStatus,
+    ModelDelivery,
     ProtocolError,
     Reassembler,
     Task,
@@ -102,6 +106,9 @@ class EdgeAgent:
         self.rejected_updates: OrderedDict[str, str] = OrderedDict()
         self.coordinator_state = "unknown"  # as its retained status last said
         self.coordinator_reads_reports = False  # its status said so (protocol.STATUS_REPORT_REVISION)
+        self.coordinator_reads_models = False  # ... and the model held (protocol.MODEL_DELIVERY_REVISION)
+        #: The model it holds to run, delivered by the coordinator at the end of a federation.
+        self.models = ModelStore(own_dir, self.log)
         #: Why the agent stopped on its own (the broker refused what it cannot work without), one sentence.
         self.fatal: str | None = None
         self.link = MqttLink(
@@ -228,6 +235,8 @@ class EdgeAgent:
         state = "busy" if self.activity.busy else "online"
         summary = (self.activity.report(*self.uplink.backlog()) if report and self.coordinator_reads_reports
                    else None)
+        if summary is not None and self.coordinator_reads_models:
+            summary.model = self.models.held
         budget = self.budget_schedule(self.activity.last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
@@ -343,6 +352,7 @@ class EdgeAgent:
         status = decode(payload, expected=CoordinatorStatus)
         assert isinstance(status, CoordinatorStatus)
         reads_reports = status.state == "online" and status.revision >= STATUS_REPORT_REVISION
+        self.coordinator_reads_models = status.state == "online" and status.revision >= MODEL_DELIVERY_REVISION
         if status.state == self.coordinator_state:
             if reads_reports != self.coordinator_reads_reports and status.state == "online":
                 self.coordinator_reads_reports = reads_reports  # (the fleet's oldest agent changed)
@@ -382,7 +392,10 @@ class EdgeAgent:
             return
         if complete is None:
             return
-        task = decode(complete, expected=Task)
+        task = decode(complete, expected=(Task, ModelDelivery))
+        if isinstance(task, ModelDelivery):
+            self._on_model(task)
+            return
         assert isinstance(task, Task)
         if task.agent_id != self.agent_id:
             raise ProtocolError(f"task addressed to {task.agent_id!r} arrived at {self.agent_id!r}")
@@ -393,6 +406,18 @@ class EdgeAgent:
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
         self._start(task, time.perf_counter(), complete)  # answered in the version the task came in
+
+    def _on_model(self, delivery: ModelDelivery) -> None:
+        """A trained model to run: stored when it checks out and fits (:mod:`edge_agent.model_store`)."""
+        if delivery.agent_id != self.agent_id:
+            raise ProtocolError(f"model addressed to {delivery.agent_id!r} arrived at {self.agent_id!r}")
+        try:
+            held = self.models.receive(delivery, self.runner.available(self.activity.last_round))
+        except ManifestError as exc:
+            self.log.warning("model_refused", model=delivery.name, round=delivery.round, reason=str(exc))
+            return
+        self.log.info("model_stored", model=held, folder=str(self.models.folder))
+        self.publish_status()
 
     def _start(self, task: Task, received: float, payload: BytesLike) -> None:
         """Hand ``task`` to the training executor; a slowed device still busy with an update it holds back starts it

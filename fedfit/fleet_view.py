@@ -54,6 +54,7 @@ class AgentRow:
     last_finished_at: float = 0.0
     outbox: int = 0
     outbox_bytes: int = 0
+    model: str = ""
 
     @classmethod
     def of(cls, status: AgentStatus) -> AgentRow:
@@ -191,6 +192,8 @@ def _doing(row: AgentRow) -> str:
         parts.append(last)
     if row.outbox:
         parts.append(f"outbox {row.outbox} ({_mib(row.outbox_bytes)} MiB)")
+    if row.model:
+        parts.append(f"holds model {row.model.partition('@')[0]}")
     return "; ".join(parts) or "no task yet"
 
 

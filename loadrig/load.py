@@ -296,6 +296,8 @@ def _coordinator_mapping(options: LoadOptions, host: str, port: int, state_dir: 
         "state_dir": str(state_dir),
         "resume": False,
         "seed": options.seed,
+        # The rig's agents run no models: nothing is delivered to them at the end (they would never say they hold it).
+        "deployment": {"deliver": False},
     }
     return _merge(mapping, options.settings)
 

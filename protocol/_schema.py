@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from protocol._ids import SHA256_HEX, shown
 from protocol._reader import FieldReader, check_int, check_number
 from protocol.errors import ProtocolError
@@ -25,6 +27,7 @@ from protocol.messages import (
     Capabilities,
     CoordinatorStatus,
     Message,
+    ModelDelivery,
     ModelRef,
     RoundProgress,
     Task,
@@ -46,6 +49,7 @@ KIND_OF: dict[type, str] = {
     UploadRequest: "upload_request",
     UploadGrant: "upload_grant",
     UploadWait: "upload_wait",
+    ModelDelivery: "model_delivery",
 }
 
 
@@ -139,7 +143,7 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
 
 
 _REPORT_DEFAULTS = ("task", "task_round", "last_task", "last_round", "last_status", "last_trained", "last_reason",
-                    "last_finished_at", "outbox", "outbox_bytes")
+                    "last_finished_at", "outbox", "outbox_bytes", "model")
 
 
 def read_agent_report(obj: object, where: str, limits: Limits) -> AgentReport:
@@ -157,6 +161,7 @@ def read_agent_report(obj: object, where: str, limits: Limits) -> AgentReport:
         last_finished_at=r.opt_number("last_finished_at") or 0.0,
         outbox=r.opt_integer("outbox", minimum=0) or 0,
         outbox_bytes=r.opt_integer("outbox_bytes", minimum=0) or 0,
+        model=r.opt_text("model") or "",
     )
 
 
@@ -261,6 +266,16 @@ def read_upload_wait(obj: object, limits: Limits) -> UploadWait:
                       agent_id=r.name("agent_id"), reason=r.text("reason"))
 
 
+def read_model_delivery(obj: object, limits: Limits, section: TensorSection | None = None) -> ModelDelivery:
+    r = FieldReader(obj, "model_delivery", limits, ModelDelivery, HEADER)
+    delivery = ModelDelivery(delivery_id=r.task_id("delivery_id"), round=r.integer("round", minimum=0),
+                             agent_id=r.name("agent_id"), name=r.text("name"), manifest=r.tree("manifest"),
+                             weights=r.weights("weights", section))
+    if any(array.dtype != np.uint8 or array.ndim != 1 for array in delivery.weights.values()):
+        raise ProtocolError("model_delivery.weights: every file must be a flat array of bytes (uint8)")
+    return delivery
+
+
 READERS: dict[str, Callable[[object, Limits], Message]] = {
     "status": read_agent_status,
     "coordinator_status": read_coordinator_status,
@@ -270,10 +285,12 @@ READERS: dict[str, Callable[[object, Limits], Message]] = {
     "upload_request": read_upload_request,
     "upload_grant": read_upload_grant,
     "upload_wait": read_upload_wait,
+    "model_delivery": read_model_delivery,
 }
 WITH_TENSORS: dict[str, Callable[[object, Limits, TensorSection], Message]] = {
     "task": read_task,
     "update": read_update,
+    "model_delivery": read_model_delivery,
 }
 _READABLE = " and ".join(map(str, READABLE_VERSIONS))
 

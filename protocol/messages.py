@@ -16,13 +16,14 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 7
+PROTOCOL_REVISION = 8
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
 field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
 ``width_kd`` loss terms); revision 5 the statuses' reports (:class:`AgentReport`, :class:`RoundProgress`);
 revision 6 uploads the coordinator grants (:attr:`Task.ask_to_upload`, :class:`UploadRequest`, :class:`UploadGrant`);
-revision 7 the coordinator's answer that a request waits its turn (:class:`UploadWait`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
+revision 7 the coordinator's answer that a request waits its turn (:class:`UploadWait`); revision 8 models delivered
+to run (:class:`ModelDelivery`, :attr:`AgentReport.model`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
 coordinators that predate revision 3 read an announced 3 or more as 2."""
 HEAD_ALONE_REVISION = 3
 """The first revision an agent reads :attr:`Adaptation.head_alone` in."""
@@ -40,6 +41,11 @@ UPLOAD_GRANT_REVISION = 6
 UPLOAD_WAIT_REVISION = 7
 """The first revision an agent reads :class:`UploadWait` in: a coordinator tells such an agent that its request waits
 its turn (older ones hear nothing until their grant, and ask again meanwhile)."""
+
+MODEL_DELIVERY_REVISION = 8
+"""The first revision an agent stores a :class:`ModelDelivery` in, and a coordinator reads :attr:`AgentReport.model`
+in: a coordinator announces it as its status's :attr:`CoordinatorStatus.revision`, and an agent then says in its
+report the model it holds."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -100,8 +106,11 @@ class AgentReport:
     and 0 when idle); ``last_*``: its last answer (``last_status`` an :class:`UpdateStatus` value, empty before
     its first; ``last_trained`` the sub-model it trained, as text; ``last_reason`` why it adapted, declined or
     failed); ``outbox`` and ``outbox_bytes``: updates it has sent or holds that the coordinator has not yet
-    acknowledged as stored.
+    acknowledged as stored; ``model``: the model it holds to run (:class:`ModelDelivery`), as ``name@sha256`` of its
+    ONNX graph (revision 8, written to coordinators that announce it; empty while it holds none).
     """
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("model",)
 
     since: float
     task: str = ""
@@ -114,6 +123,7 @@ class AgentReport:
     last_finished_at: float = 0.0
     outbox: int = 0
     outbox_bytes: int = 0
+    model: str = ""
 
 
 @dataclass
@@ -330,10 +340,25 @@ class UploadWait:
     reason: str
 
 
+@dataclass
+class ModelDelivery:
+    """A trained model handed to an agent to run (on its task topic, in chunks like a task; revision 8): the model
+    ``name`` a run's round ``round`` deployed, ``manifest`` the JSON form of a model folder's manifest naming that one
+    model (:mod:`common.model_package`), and ``weights`` its files (path in the folder -> its bytes, uint8), each
+    checked by the agent against the manifest's digests before it stores them. ``delivery_id`` names the transfer."""
+
+    delivery_id: str
+    round: int
+    agent_id: str
+    name: str
+    manifest: dict[str, Any]
+    weights: dict[str, np.ndarray]
+
+
 #: What the coordinator's screening made of a stored update (:attr:`Ack.verdict`).
 VERDICTS: tuple[str, ...] = ("aggregated", "rejected")
 
 
 Message: TypeAlias = (AgentStatus | CoordinatorStatus | Task | Update | Ack | UploadRequest | UploadGrant
-                      | UploadWait)
+                      | UploadWait | ModelDelivery)
 """Any top-level message (the nested Capabilities, ModelRef, Recipe, TrainingPlan and Adaptation are not)."""

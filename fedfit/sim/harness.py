@@ -399,6 +399,8 @@ def run_simulation(options: SimOptions, progress: IO[str] | str | None = STDERR,
                "overrides": list(options.overrides), "command": list(options.command),
                "cores": cores, "workers": workers, "torch_threads": threads,
                "left": left,
+               # the model each agent holds to run at the end (name@sha256), or why none (deployment.deliver)
+               "models": dict(coordinator.courier.outcome),
                **({"label": label} if label else {}),
                **({"resumed_after_round": resumed_after} if resumed_after else {}),
                **({"rounds_not_recorded": [unrecorded]} if unrecorded else {})}

@@ -118,6 +118,18 @@ def left_text(left: list[dict[str, str]]) -> str:
         f"{entry['agent']} {entry['task']} ({places.get(entry['where'], entry['where'])})" for entry in left)
 
 
+def models_text(models: dict[str, str]) -> str:
+    """The line saying which model each agent holds to run at the end (``run.models`` of its report)."""
+    held = {agent: text.partition("@")[0] for agent, text in models.items() if "@" in text}
+    line = f"models held at the end: {len(held)} of {len(models)} agents"
+    by_model: dict[str, list[str]] = {}
+    for agent, name in sorted(held.items()):
+        by_model.setdefault(name, []).append(agent)
+    line += "".join(f"; {name}: {', '.join(agents)}" for name, agents in by_model.items())
+    missing = {agent: why for agent, why in models.items() if agent not in held}
+    return line + "".join(f"; {agent} none ({why})" for agent, why in sorted(missing.items()))
+
+
 def summary_text(report: dict[str, Any]) -> str:
     """What ``summary.txt`` says: the run's settings, its final table and its figures."""
     settings = report.get("settings", {})
@@ -166,6 +178,8 @@ def summary_text(report: dict[str, Any]) -> str:
             f", {duration_text(wall)} in all" if wall is not None else ""))
     if "left" in run:
         lines.append(left_text(run["left"]))
+    if run.get("models"):
+        lines.append(models_text(run["models"]))
     refusals = {agent: entry for agent, entry in report.get("agents", {}).items()
                 if entry.get("rejected") or entry.get("declined") or entry.get("failed")}
     if refusals:

@@ -20,6 +20,7 @@ from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.config import (
     CoordinatorConfig,
     DataConfig,
+    DeploymentConfig,
     ModelConfig,
     RecipeConfig,
     ScaleFLConfig,
@@ -51,7 +52,7 @@ def config(tmp_path: Path, **overrides: object) -> CoordinatorConfig:
     cfg = CoordinatorConfig(model=ModelConfig(family="cnn", options={"hidden": [4, 8]}),
                             data=DataConfig(dataset="digits", bn_samples=50, eval_samples=50),
                             recipe=RecipeConfig(batch_size=8), levels=[1.0, 0.5], state_dir=str(tmp_path),
-                            screening=ScreeningConfig(enabled=False))
+                            screening=ScreeningConfig(enabled=False), deployment=DeploymentConfig(deliver=False))
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

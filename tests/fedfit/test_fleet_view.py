@@ -103,3 +103,12 @@ def test_no_coordinator_and_no_agents() -> None:
     assert "coordinator: offline (status sent 60 s ago)" in format_view(book.view(), NOW)
     feed_coordinator(book, CoordinatorStatus("fleet", "online", 7, NOW, 5))
     assert "coordinator: online, round 7 done, none in progress" in format_view(book.view(), NOW)
+
+
+def test_the_model_an_agent_holds_to_run_is_shown() -> None:
+    book = StatusBook("fleet")
+    feed_coordinator(book, CoordinatorStatus("fleet", "online", 40, NOW, 8))
+    feed_agent(book, AgentStatus("pi-01", "online", caps(revision=8), NOW - 1, "i1",
+                                 AgentReport(NOW - 60, model="b@" + "0" * 64)))
+    assert "holds model b" in format_view(book.view(), NOW)
+    assert view_json(book.view(), NOW)["agents"][0]["model"] == "b@" + "0" * 64

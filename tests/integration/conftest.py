@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from common.data import Dataset, parse_partition, partition_indices
-from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
+from coordinator.config import CoordinatorConfig, DataConfig, DeploymentConfig, ModelConfig, RecipeConfig
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
 from edge_agent.data_source import to_local_data
@@ -74,6 +74,8 @@ def tiny_config(**overrides: object) -> CoordinatorConfig:
         # not cut off an honest one on a loaded machine (a CI runner, two CPU burners beside the tests).
         round_timeout_s=600.0,
         wait_for_agents_s=30.0,
+        # The models are written and delivered at a federation's end only where a test asks (the export's own).
+        deployment=DeploymentConfig(deliver=False),
     )
     for key, value in overrides.items():
         setattr(config, key, value)

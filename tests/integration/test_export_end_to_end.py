@@ -4,6 +4,7 @@ what it wrote: every exported model answers the run's test images, through onnxr
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from common.data import load_dataset
 from common.inference import open_model
 from common.model_package import read_manifest
+from coordinator.config import DeploymentConfig
 from fedfit.cli import main
 from fedfit.sim.harness import SimOptions, run_simulation
 
@@ -23,10 +25,23 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 def test_every_exported_level_answers_as_the_run_reported(mosquitto_installed: None, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "scalefl"
+    base = tiny_config(deployment=DeploymentConfig(deliver=True))
     options = SimOptions(algorithm="scalefl", agents=4, rounds=2, dataset="digits", partition="iid", seed=1,
-                         federation="e2e-export", base=tiny_config(), budgets="fair", state_dir=str(run_dir))
+                         federation="e2e-export", base=base, budgets="fair", state_dir=str(run_dir))
     report = run_simulation(options, progress=None).report
     last = report["rounds"][-1]
+    # Every agent holds the largest trained model its budget runs, delivered over the secured broker.
+    budgets = {entry["tier"]: entry["budget_bytes"] for entry in report["settings"]["serving"]}
+    delivered = read_manifest(run_dir / "models")
+    for agent, held in report["run"]["models"].items():
+        kept = read_manifest(run_dir / "agents" / agent / "model")
+        entry = kept.models[0]
+        assert held == f"{entry.name}@{entry.onnx.sha256}", (agent, held)
+        budget = budgets[report["agents"][agent]["tier"]]
+        assert entry.inference_bytes <= budget
+        assert entry == delivered.for_budget(budget)
+    assert "models held at the end: 4 of 4 agents" in (run_dir / "summary.txt").read_text()
+    shutil.rmtree(run_dir / "models")  # written at the federation's end; fedfit export writes it again
     assert main(["export", str(run_dir)]) == 0
     printed = capsys.readouterr()
     manifest = read_manifest(run_dir / "models")
@@ -51,6 +66,10 @@ def test_every_exported_level_answers_as_the_run_reported(mosquitto_installed: N
     assert summary["model"] == deployed.name and summary["images"] == len(y)
     # Pixels restored from the normalised set differ from the originals by a rounding: an image or two may flip.
     assert abs(summary["accuracy"] - deployed.accuracy) <= 2 / len(y)
+    held = read_manifest(run_dir / "agents" / "sim-000" / "model").models[0]
+    assert main(["predict", "--model", str(run_dir / "agents" / "sim-000" / "model"), str(tmp_path / "test.npz"),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["model"] == held.name
     with_exits = next(entry for entry in manifest.models if entry.has_exits)
     assert main(["predict", "--model", str(run_dir / "models"), "--level", with_exits.name, "--exit-threshold", "0",
                  str(tmp_path / "test.npz"), "--json"]) == 0

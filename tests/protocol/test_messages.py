@@ -337,8 +337,10 @@ def test_an_update_status_is_its_type_and_reads_as_its_value() -> None:
 
 
 def test_message_union_lists_the_top_level_messages() -> None:
+    from protocol import ModelDelivery
+
     assert set(typing.get_args(Message)) == {AgentStatus, CoordinatorStatus, Task, Update, Ack, UploadRequest,
-                                            UploadGrant, UploadWait}
+                                            UploadGrant, UploadWait, ModelDelivery}
 
 
 def test_field_names_are_the_contract() -> None:
@@ -456,3 +458,29 @@ def test_a_bad_report_is_refused_by_name(field: str, value: object, reason: str)
     wire["report"][field] = value
     with pytest.raises(ProtocolError, match=reason):
         decode(msgpack.packb(wire))
+
+
+def test_a_model_delivery_round_trips_its_files_as_bytes_from_revision_8() -> None:
+    """Revision 8: a model handed to an agent to run, its files carried as uint8 tensors (raw bytes in version 2);
+    any other file dtype is refused. The agent's report says the model it holds, off the wire while it holds none."""
+    import msgpack
+    import numpy as np
+
+    from protocol import MODEL_DELIVERY_REVISION, PROTOCOL_REVISION, AgentReport, ModelDelivery, message_type
+
+    assert PROTOCOL_REVISION >= MODEL_DELIVERY_REVISION > 7
+    files = {"b/model.onnx": np.frombuffer(b"\x08\x01graph", dtype=np.uint8),
+             "b/model.safetensors": np.frombuffer(b"weights", dtype=np.uint8)}
+    sent = ModelDelivery("model-5-pi-01", 5, "pi-01", "b", {"format": "x", "models": [{"name": "b"}]}, files)
+    for version in (1, 2):
+        got = decode(encode(sent, version=version))
+        assert isinstance(got, ModelDelivery) and got.manifest == sent.manifest and got.name == "b"
+        assert {path: bytes(data) for path, data in got.weights.items()} == {p: bytes(d) for p, d in files.items()}
+    assert message_type(encode(sent, version=1)) == "model_delivery"
+    with pytest.raises(ProtocolError, match="flat array of bytes"):
+        decode(encode(ModelDelivery("model-5-pi-01", 5, "pi-01", "b", {}, {"x": np.zeros(2, dtype=np.float32)}),
+                      version=1))
+    report = AgentReport(since=1.0)
+    assert "model" not in msgpack.unpackb(encode(AgentStatus("pi-01", "online", None, 2.0, report=report)))["report"]
+    held = AgentStatus("pi-01", "online", None, 2.0, report=AgentReport(since=1.0, model="b@" + "0" * 64))
+    assert decode(encode(held)) == held
