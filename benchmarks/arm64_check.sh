@@ -19,6 +19,9 @@
 #   rss    the idle training forkserver's RSS (benchmarks/arm64/idle_forkserver_rss.py)
 #   sim    fedfit sim --algorithm heterofl --agents 2 --rounds 1 --dataset digits, no thread setting by hand:
 #          PASS when both agents' tasks trained
+#   predict  a model exported on this machine (a small CNN with early exits, trained on the digits) run in the root
+#          by onnxruntime and by torch (benchmarks/arm64/same_predictions.py): PASS when every test image gets the
+#          same class and the same early exit as here and no logit differs by more than 1e-3
 # Slow (an emulated `import torch` takes 10-35 s; on 2 cores a first run about 50 minutes, 20 of them building the
 # root and installing torch, a later one about 30, 9 of them the threads part), so a benchmark, not part of `make test`. Needs root, a Debian-like host and its package mirror and PyPI. What it cannot tell: memory figures
 # (qemu-user adds its own memory and translated code to every RSS, and its heap
@@ -26,7 +29,7 @@
 # the core lacks (PyPI torch 2.10.0's mimalloc runs ARMv8.1 atomics at `import torch`; 2.14.1's BLAS, NVPL, as soon
 # as a matrix product runs on two threads or more: SIGILL) and threads a forked child does not have (a hang).
 #
-# Usage: sudo benchmarks/arm64_check.sh [--parts setup,unit,fork,threads,rss,sim] [--keep-mounts]
+# Usage: sudo benchmarks/arm64_check.sh [--parts setup,unit,fork,threads,rss,sim,predict] [--keep-mounts]
 # Environment: ARM64_ROOT (default: arm64root beside the repository), QEMU_CPU (default cortex-a72; cortex-a76 is
 # a Pi 5's core), TORCH_SPEC (default torch==2.9.1 torchvision==0.24.1), DEBIAN_MIRROR, ARM64_EXTRA_ENV (extra VAR=VALUE
 # words given to every command in the root, for experiments only: the verdicts say so when it is set),
@@ -41,7 +44,7 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 EXTRA_ENV=${ARM64_EXTRA_ENV:-}
 SIM_ROUND_S=${ARM64_SIM_ROUND_S:-1200}  # the sim's round deadline (its round took 162 s where children train)
 FORKS=${ARM64_FORKS:-50}
-PARTS=setup,unit,fork,threads,rss,sim
+PARTS=setup,unit,fork,threads,rss,sim,predict
 KEEP_MOUNTS=0
 VENV=/opt/venv
 SRC=/opt/fedfit
@@ -292,6 +295,22 @@ print(trained, tasks.get('failed', 0) + tasks.get('missing', 0), s.get('final_gl
     verdict sim "PASS (2 of 2 tasks trained, accuracy $accuracy)" $(( $(now) - t ))
   else
     verdict sim "FAIL (exit $rc; trained $trained, failed or missing $failed; run $ROOT$run)" $(( $(now) - t ))
+  fi
+fi
+
+if want predict; then
+  t=$(now)
+  rm -rf "$ROOT/tmp/fedfit-predict"
+  if ! made=$("$REPO/.venv/bin/python" "$REPO/benchmarks/arm64/same_predictions.py" --make "$ROOT/tmp/fedfit-predict" 2>&1); then
+    verdict predict "FAIL (exporting here: $(echo "$made" | tail -1))" $(( $(now) - t ))
+  else
+    out=$(in_root sh -c "cd $SRC && timeout 1800 python benchmarks/arm64/same_predictions.py --check /tmp/fedfit-predict" \
+          2>&1 | grep -v MIDR_EL1)
+    summary=$(echo "$out" | tail -1)
+    case "$summary" in
+      *'"result": "PASS"'*) verdict predict "PASS ($summary)" $(( $(now) - t )) ;;
+      *) echo "$out" | tail -20; verdict predict "FAIL (${summary:-no result; see above})" $(( $(now) - t )) ;;
+    esac
   fi
 fi
 
