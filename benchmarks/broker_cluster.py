@@ -58,7 +58,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from common.cores import available_cores
 from common.data import load_dataset, parse_partition, partition_indices
 from common.mqtt_link import BrokerConfig, MqttLink
-from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
+from coordinator.config import CoordinatorConfig, DataConfig, DeploymentConfig, ModelConfig, RecipeConfig
 from coordinator.daemon import Coordinator
 from edge_agent.config import AgentConfig, AgentDataConfig
 from edge_agent.daemon import EdgeAgent
@@ -373,7 +373,8 @@ def small_config(federation: str, rounds: int, agents: int, state_dir: Path) -> 
         model=ModelConfig(family="cnn", options={"hidden": [16, 32, 64]}),
         data=DataConfig(dataset="digits", bn_samples=500),
         recipe=RecipeConfig(epochs=1, batch_size=16, lr=0.05),
-        levels=[1.0, 0.5, 0.25], round_timeout_s=600.0, wait_for_agents_s=120.0, state_dir=str(state_dir))
+        levels=[1.0, 0.5, 0.25], round_timeout_s=600.0, wait_for_agents_s=120.0, state_dir=str(state_dir),
+        deployment=DeploymentConfig(deliver=False))  # the broker's part of the rounds, not the models' delivery
 
 
 def run_federation(brokers: Sequence[Broker], *, agents: int, rounds: int, agents_first: bool,

@@ -176,7 +176,8 @@ def main() -> int:
         "federation": "footprint", "broker": asdict(broker.coordinator_config()), "algorithm": "fedavg",
         "model": {"family": "cnn", "options": {"hidden": [16, 32, 64]}}, "data": {"dataset": args.dataset},
         "recipe": {"epochs": 1, "batch_size": 32}, "rounds": 1, "min_agents": 1,
-        "state_dir": str(workdir / "coordinator")}))
+        # the agent at rest after one round's training, as measured before models were delivered
+        "deployment": {"deliver": False}, "state_dir": str(workdir / "coordinator")}))
     agent_log, coordinator_log = workdir / "agent.log", workdir / "coordinator.log"
     print(f"agent: {len(shard)} samples of {args.dataset} from {data_file.name} "
           f"({data_file.stat().st_size / MIB:.1f} MiB), forkserver: {args.forkserver}")

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from common.logs import configure_logging
-    from coordinator.config import CoordinatorConfig, DataConfig, ModelConfig, RecipeConfig
+    from coordinator.config import CoordinatorConfig, DataConfig, DeploymentConfig, ModelConfig, RecipeConfig
     from fedfit.sim.harness import SimOptions, run_simulation
 
     configure_logging("error")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 for budgets in scenarios:
                     base = CoordinatorConfig(model=ModelConfig(args.model, options),
                                              data=DataConfig(bn_samples=500), recipe=RecipeConfig(epochs=epochs),
-                                             round_timeout_s=3600.0)
+                                             round_timeout_s=3600.0, deployment=DeploymentConfig(deliver=False))
                     if algorithm == "fedavg":
                         base = replace(base, fedavg=replace(base.fedavg, width=1 / 6))
                     started = time.monotonic()

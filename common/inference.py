@@ -86,11 +86,21 @@ def _torch_graphs(folder: Path, manifest: Manifest, entry: ModelEntry) -> tuple[
 class ModelRunner:
     """One exported model, ready to answer (see the module docstring)."""
 
-    def __init__(self, entry: ModelEntry, backend: str, answer: Graph, stages: Sequence[Graph]) -> None:
+    def __init__(self, entry: ModelEntry, backend: str, answer: Graph,
+                 stages: Callable[[], Sequence[Graph]] = lambda: ()) -> None:
+        """``stages``: makes the stage graphs, called at the first early exit (a model run whole never loads
+        them: their weights are the answer graph's again)."""
         self.entry = entry
         self.backend = backend
         self._answer = answer
-        self._stages = list(stages)
+        self._make_stages = stages
+        self._loaded: list[Graph] | None = None
+
+    @property
+    def _stages(self) -> list[Graph]:
+        if self._loaded is None:
+            self._loaded = list(self._make_stages())
+        return self._loaded
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The model's answer (logits) for normalised images ``x`` (``N x C x H x W``), the whole model run."""
@@ -101,7 +111,7 @@ class ModelRunner:
     @property
     def has_exits(self) -> bool:
         """Whether an image can stop before the last output."""
-        return len(self._stages) > 1
+        return self.entry.has_exits
 
     def early_exit(self, x: np.ndarray, threshold: float) -> EarlyExit:
         """Early-exit inference of ``x`` with confidence ``threshold`` (see the module docstring); a model without
@@ -175,9 +185,9 @@ def open_model(folder: str | Path, manifest: Manifest, entry: ModelEntry, backen
         if importlib.util.find_spec("onnxruntime") is None:
             raise ManifestError("onnxruntime is not installed: pip install onnxruntime, or use the torch backend")
         answer = _onnx_graph(read_verified(folder, entry.onnx))
-        stage_graphs = [_onnx_graph(read_verified(folder, stage)) for stage in entry.stages]
-        return ModelRunner(entry, backend, answer, stage_graphs)
+        return ModelRunner(entry, backend, answer,
+                           lambda: [_onnx_graph(read_verified(folder, stage)) for stage in entry.stages])
     if importlib.util.find_spec("torch") is None:
         raise ManifestError("neither onnxruntime nor torch is installed: pip install onnxruntime")
     answer, stage_graphs = _torch_graphs(folder, manifest, entry)
-    return ModelRunner(entry, backend, answer, stage_graphs if entry.outputs > 1 else [])
+    return ModelRunner(entry, backend, answer, lambda: stage_graphs if entry.has_exits else [])

@@ -141,10 +141,10 @@ class Manifest:
 
     def largest_trained(self, budget_bytes: int | None = None) -> list[ModelEntry]:
         """The trained models (within ``budget_bytes`` of inference memory, when given), the largest first (by
-        parameters)."""
+        parameters; of two as large, the run's deployable one: DepthFL's ensemble before its deepest classifier)."""
         fitting = [entry for entry in self.models if entry.trained
                    and (budget_bytes is None or entry.inference_bytes <= budget_bytes)]
-        return sorted(fitting, key=lambda entry: (-entry.parameters, entry.name))
+        return sorted(fitting, key=lambda entry: (-entry.parameters, not entry.deployed, entry.name))
 
     def for_budget(self, budget_bytes: int) -> ModelEntry | None:
         """The largest trained model a device with ``budget_bytes`` of memory for inference can run, None when

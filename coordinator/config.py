@@ -155,8 +155,8 @@ class DeploymentConfig:
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""
-        if not self.wait_s >= 0:
-            raise ValueError(f"deployment.wait_s must be zero or more seconds, got {self.wait_s}")
+        if not 0 <= self.wait_s < float("inf"):
+            raise ValueError(f"deployment.wait_s must be a finite number of seconds, zero or more, got {self.wait_s}")
 
 
 @dataclass

@@ -103,7 +103,8 @@ class Coordinator:
                                   self.registry.revision, self.log)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref, self.in_flight,
                                      config.seed, self.log, grants_uploads=self.uploads.grants is not None)
-        self.courier = ModelCourier(config, self.link, self.topics, self.registry, self.log)  # the devices' models
+        self.courier = ModelCourier(config, self.link, self.topics, self.registry, self.log,  # the devices' models
+                                    reads_reports=self.announcer.fleet_reads_reports, pace=self.dispatcher.pace)
 
     @property
     def topics(self) -> Topics:  # the federation's
@@ -230,7 +231,7 @@ class Coordinator:
         self._progress("round", current.number, len(current.answers), len(current.tasks))
         outage_before = self.link.outage_seconds()
         phase = time.perf_counter()
-        # The deadline moves by any broker outage the coordinator sees meanwhile: updates could not arrive then.
+        # The deadline moves by any broker outage seen meanwhile: updates could not arrive then.
         current.wait(lambda: self.link.outage_seconds() - outage_before)
         current.timing["collecting"] = time.perf_counter() - phase
         self._raise_if_fatal()
@@ -280,14 +281,13 @@ class Coordinator:
         return result
 
     def left_behind(self) -> list[tuple[str, str, str]]:
-        """(agent, task, where) of what no round settled when the run ended: tasks ``carried`` into a round that
-        never came (a buffered run without ``buffered.drain_last``), updates ``held`` for it."""
+        """(agent, task, where) of what no round settled at the run's end: tasks ``carried`` into a round that never
+        came (buffered, without ``buffered.drain_last``), updates ``held`` for it."""
         return self.in_flight.left_behind(self.uploads.held())
 
     def fit_to_fleet(self, budgets: Sequence[int]) -> None:
-        """Size what the method hands out to the fleet's ``budgets`` (`RoundPlanner.fit_to_fleet`), before the first
-        round: the round loop with the agents online at round 1, the simulator with its devices' budgets before it
-        starts. Nothing for a method that sizes nothing, or was sized (resumed)."""
+        """Size what the method hands out to the fleet's ``budgets`` (`RoundPlanner.fit_to_fleet`) before round 1 (the
+        loop: the agents online then; the simulator: its devices' budgets); nothing where sized or nothing to size."""
         if not self.strategy.awaits_fleet:
             return
         if self.completed_rounds or self.in_flight.current() is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ from models import FamilyNet, ModelFamily, SubmodelSpec
 from models.inference_memory import estimate_inference_memory
 from models.onnx_export import export_answer, export_stages
 
-__all__ = ["CutModel", "answer_macs", "cut_models", "is_trained", "output_macs", "write_models"]
+__all__ = ["CutModel", "ModelGroup", "answer_macs", "cut_models", "ensemble_spec", "is_trained", "model_groups",
+           "output_macs", "write_models"]
 
 
 @dataclass
@@ -67,34 +68,73 @@ def _report_accuracy(name: str, record: RoundResult | None) -> float | None:
     return record.level_accuracy.get(name)
 
 
-def cut_models(targets: Mapping[str, EvalTarget], states: Mapping[str, State], family: ModelFamily,
-               evaluator: Evaluator, trained: TrainedSoFar, record: RoundResult | None, *,
-               names: Iterable[str] = (), untrained: bool = False) -> tuple[list[CutModel], list[str]]:
-    """The run's deployable models among its evaluation ``targets`` (those ``names`` only, when given), each model
-    once (a level that is the global model is its alias), and the names left out because no device trained them
-    (all kept with ``untrained``). ``record``: the run's last round (the accuracies it reported)."""
-    wanted = list(names)
-    unknown = [name for name in wanted if name not in targets]
-    if unknown:
-        raise ValueError(f"no level {', '.join(map(repr, unknown))} in this run; it has {', '.join(targets)}")
+@dataclass(frozen=True)
+class ModelGroup:
+    """One model of a run's evaluation targets: the name it goes by (the deployable model's name where it is that
+    model, else its first target's), its other names, its target, whether some device trained it and whether it is
+    the run's deployable model."""
+
+    name: str
+    aliases: tuple[str, ...]
+    target: EvalTarget
+    trained: bool
+    deployed: bool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+def model_groups(targets: Mapping[str, EvalTarget], family: ModelFamily, trained: TrainedSoFar) -> list[ModelGroup]:
+    """The run's evaluation ``targets`` as models, each once (a level that is the global model is its alias)."""
     chosen = deployed_name(targets, family, trained)
     groups: dict[tuple[str, SubmodelSpec, bool], list[str]] = {}
     for name, target in targets.items():
         groups.setdefault((target.group, target.spec, target.ensemble), []).append(name)
+    found = []
+    for same in groups.values():
+        name = chosen if chosen in same else same[0]
+        found.append(ModelGroup(name, tuple(other for other in same if other != name), targets[name],
+                                is_trained(name, targets[name], family, trained, same), name == chosen))
+    return found
+
+
+def ensemble_spec(spec: SubmodelSpec, family: ModelFamily, members: Sequence[int]) -> SubmodelSpec:
+    """``spec`` cut after the last of its outputs ``members`` (0-based): the blocks and heads after it take no part
+    in the ensemble's answer (DepthFL's deepest classifiers where no device trained them)."""
+    exits = sorted(family.validate_spec(spec).exits)
+    last = max(members)
+    if last >= len(exits):  # the final head is a member: the whole model
+        return spec
+    return replace(spec, depth=exits[last] + 1, exits=tuple(exits[:last + 1]))
+
+
+def cut_models(targets: Mapping[str, EvalTarget], states: Mapping[str, State], family: ModelFamily,
+               evaluator: Evaluator, trained: TrainedSoFar, record: RoundResult | None, *,
+               names: Iterable[str] = (), untrained: bool = False) -> tuple[list[CutModel], list[str]]:
+    """The run's deployable models among its evaluation ``targets`` (those ``names`` only, when given), each model
+    once (:func:`model_groups`), and the names left out because no device trained them (all kept with
+    ``untrained``). ``record``: the run's last round (the accuracies it reported). An ensemble is cut after its
+    last member (:func:`ensemble_spec`)."""
+    wanted = list(names)
+    unknown = [name for name in wanted if name not in targets]
+    if unknown:
+        raise ValueError(f"no level {', '.join(map(repr, unknown))} in this run; it has {', '.join(targets)}")
     models: list[CutModel] = []
     left_out: list[str] = []
-    for (group, spec, ensemble), same in groups.items():
-        name = chosen if chosen in same else same[0]
-        aliases = tuple(other for other in same if other != name)
-        if wanted and not set(same) & set(wanted):
+    for group in model_groups(targets, family, trained):
+        if wanted and not set(group.names) & set(wanted):
             continue
-        was_trained = is_trained(name, targets[name], family, trained, same)
-        if not was_trained and not untrained:
-            left_out.append(name)
+        if not group.trained and not untrained:
+            left_out.append(group.name)
             continue
-        members = tuple(trained.members() or range(family.num_outputs(spec))) if ensemble else ()
-        models.append(CutModel(name, aliases, spec, evaluator.prepare(states[group], spec), members, was_trained,
-                               name == chosen, _report_accuracy(name, record)))
+        spec = group.target.spec
+        members: tuple[int, ...] = ()
+        if group.target.ensemble:
+            members = tuple(trained.members() or range(family.num_outputs(spec)))
+            spec = ensemble_spec(spec, family, members)
+        models.append(CutModel(group.name, group.aliases, spec, evaluator.prepare(states[group.target.group], spec),
+                               members, group.trained, group.deployed, _report_accuracy(group.name, record)))
     return models, left_out
 
 

@@ -10,8 +10,9 @@ that the model fits the memory it has now, stores it atomically beside its state
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,10 +34,16 @@ from coordinator.tasks import State
 from models import ModelFamily
 from protocol import MODEL_DELIVERY_REVISION, ModelDelivery, Topics, encode_parts, iter_chunks
 
-__all__ = ["MODELS_DIR", "ModelCourier", "held_text", "one_model"]
+__all__ = ["MODELS_DIR", "ModelCourier", "held_text", "holds", "one_model"]
 
 #: Where in ``state_dir`` the run's deployable models are written.
 MODELS_DIR = "models"
+_HELD = re.compile(r"[^\s@]+@[0-9a-f]{64}")
+
+
+def holds(outcome: str) -> bool:
+    """Whether an agent's :attr:`ModelCourier.outcome` says it holds a model (``name@sha256``), not why it does not."""
+    return _HELD.fullmatch(outcome) is not None
 
 
 def held_text(entry: ModelEntry) -> str:
@@ -62,12 +69,17 @@ class ModelCourier:
     """Writes a finished run's models and hands each device its own (see the module docstring)."""
 
     def __init__(self, config: CoordinatorConfig, link: MqttLink, topics: Topics, registry: FleetRegistry,
-                 log: Logger) -> None:
+                 log: Logger, *, reads_reports: Callable[[], bool] = lambda: True,
+                 pace: Callable[[str], None] = lambda transfer: None) -> None:
+        """``reads_reports``: whether the coordinator's status says it reads the agents' reports (only then do they
+        say what they hold); ``pace(transfer)``: wait for room to send the next chunk (the dispatcher's)."""
         self.config = config
         self.link = link
         self.topics = topics
         self.registry = registry
         self.log = log
+        self.reads_reports = reads_reports
+        self.pace = pace
         self.folder = Path(config.state_dir) / MODELS_DIR
         #: Per agent, the model it holds (``name@sha256``) or why it holds none, once :meth:`deliver` ran.
         self.outcome: dict[str, str] = {}
@@ -86,17 +98,28 @@ class ModelCourier:
         manifest = write_models(partial, models, family, dataset, evaluator, algorithm=self.config.algorithm,
                                 family_name=self.config.model.family, model_options=model_options(self.config),
                                 round_number=round_number, source=str(Path(self.config.state_dir).resolve()))
-        shutil.rmtree(self.folder, ignore_errors=True)
+        replaced = self.folder.with_name(f".{MODELS_DIR}.replaced")  # an earlier run's, moved aside, then gone
+        shutil.rmtree(replaced, ignore_errors=True)
+        if self.folder.exists():
+            os.replace(self.folder, replaced)
         os.replace(partial, self.folder)
+        shutil.rmtree(replaced, ignore_errors=True)
         self.log.info("models_written", folder=str(self.folder), models=[entry.name for entry in manifest.models])
         return manifest
 
     def finish(self, strategy: Strategy, family: ModelFamily, dataset: Dataset, evaluator: Evaluator,
                states: Mapping[str, State], trained: TrainedSoFar, record: RoundResult | None,
                round_number: int) -> dict[str, str]:
-        """The end of a federation: :meth:`write` the models, then :meth:`deliver` them."""
-        manifest = self.write(strategy, family, dataset, evaluator, states, trained, record, round_number)
-        return self.deliver(manifest) if manifest is not None else {}
+        """The end of a federation: :meth:`write` the models, then :meth:`deliver` them. A failure is logged, not
+        raised: the federation's training stands whatever becomes of its models (empty outcome)."""
+        try:
+            manifest = self.write(strategy, family, dataset, evaluator, states, trained, record, round_number)
+            return self.deliver(manifest) if manifest is not None else {}
+        except Exception as exc:  # noqa: BLE001 - an exporter's or a file's failure must not fail the federation
+            self.log.error("models_not_delivered", error=f"{type(exc).__name__}: {exc}",
+                           message="the run's models could not be written or delivered; fedfit export RUN_DIR "
+                                   "writes them from the checkpoint")
+            return {}
 
     def choose(self, manifest: Manifest, agent: AgentRecord) -> ModelEntry | str:
         """The model ``agent`` gets, or why it gets none."""
@@ -122,10 +145,19 @@ class ModelCourier:
             message = delivery(self.folder, manifest, chosen, agent.agent_id)
             sent = 0
             for chunk in iter_chunks(encode_parts(message), message.delivery_id):
+                self.pace(message.delivery_id)
                 self.link.publish(self.topics.agent_task(agent.agent_id), chunk)
                 sent += len(chunk)
             expected[agent.agent_id] = held_text(chosen)
             self.log.info("model_sent", agent=agent.agent_id, model=chosen.name, bytes=sent)
+        if expected and not self.reads_reports():  # an agent older than revision 5 is online: none reports
+            for agent_id, held in expected.items():
+                outcome[agent_id] = (f"sent {held}; not confirmed: an agent older than protocol revision 5 is online, "
+                                     f"so none reports what it holds")
+            self.log.warning("models_not_confirmed", sent=len(expected),
+                             reason="an agent older than protocol revision 5 is online: no agent reports")
+            self.outcome = outcome
+            return outcome
 
         def all_hold(records: Mapping[str, AgentRecord]) -> bool:
             return all(agent_id in records and records[agent_id].model == held for agent_id, held in expected.items())
@@ -134,11 +166,11 @@ class ModelCourier:
         self.registry.wait_until(all_hold, wait)
         for agent_id, held in expected.items():
             record = self.registry.get(agent_id)
-            holds = record is not None and record.model == held
-            outcome[agent_id] = held if holds else f"did not say it holds {held} within {wait:g} s"
-            if not holds:
+            confirmed = record is not None and record.model == held
+            outcome[agent_id] = held if confirmed else f"did not say it holds {held} within {wait:g} s"
+            if not confirmed:
                 self.log.warning("model_not_confirmed", agent=agent_id, model=held, wait_s=wait)
-        self.log.info("models_delivered", held=sum(1 for agent_id in expected if outcome[agent_id] == expected[agent_id]),
+        self.log.info("models_delivered", held=sum(1 for agent_id in expected if holds(outcome[agent_id])),
                       sent=len(expected), online=len(outcome))
         self.outcome = outcome
         return outcome

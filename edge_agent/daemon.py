@@ -413,7 +413,7 @@ class EdgeAgent:
             raise ProtocolError(f"model addressed to {delivery.agent_id!r} arrived at {self.agent_id!r}")
         try:
             held = self.models.receive(delivery, self.runner.available(self.activity.last_round))
-        except ManifestError as exc:
+        except (ManifestError, OSError) as exc:
             self.log.warning("model_refused", model=delivery.name, round=delivery.round, reason=str(exc))
             return
         self.log.info("model_stored", model=held, folder=str(self.models.folder))

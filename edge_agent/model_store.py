@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+from common.durable import sync_directory
 from common.logs import Logger
 from common.model_package import (
     Manifest,
@@ -97,16 +98,20 @@ class ModelStore:
         folders = self.root / FOLDERS
         target = folders / name
         partial = folders / f".{name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
+        if folders.is_dir():  # what an interrupted write left
+            for left in folders.glob(".*.partial"):
+                shutil.rmtree(left, ignore_errors=True)
         for path, data in contents.items():
             write_file(partial, path, data)
         write_manifest(partial, manifest)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(partial, target)
+        sync_directory(folders)
         link = self.root / f".{CURRENT}.new"
         link.unlink(missing_ok=True)
         link.symlink_to(Path(FOLDERS) / name)
         os.replace(link, self.root / CURRENT)  # the switch: the link names the new folder, or still the old one
+        sync_directory(self.root)  # on disk before the old folder goes
         for other in folders.iterdir():
             if other.name != name and not other.name.startswith("."):
                 shutil.rmtree(other, ignore_errors=True)

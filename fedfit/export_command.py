@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import from_mapping, load_yaml
+from common.model_package import MANIFEST
 
 __all__ = ["FinishedRun", "add_parser", "load_run", "run"]
 
@@ -36,7 +37,8 @@ def add_parser(sub: Any) -> None:
                     "check each through onnxruntime against the run's report.")
     export.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run's directory (fedfit sim's), or a coordinator's state_dir with --config")
-    export.add_argument("--out", default=None, metavar="DIR", help="where the models go (default: RUN_DIR/models)")
+    export.add_argument("--out", default=None, metavar="DIR",
+                        help="where the models go (default: RUN_DIR/models; a model folder there is replaced)")
     export.add_argument("--level", action="append", default=[], metavar="NAME", dest="levels",
                         help="export only this level (repeatable; 'global' is the global model)")
     export.add_argument("--budget", type=float, default=None, metavar="MIB",
@@ -116,23 +118,18 @@ def load_run(run_dir: str | Path, config_path: str | None = None) -> FinishedRun
 
 
 def _within_budget(loaded: FinishedRun, budget_mib: float) -> list[str]:
-    """The name of the largest trained level whose inference fits ``budget_mib`` (by parameters; the deployable
+    """The name of the largest trained model whose inference fits ``budget_mib`` (by parameters; the deployable
     model where two tie)."""
-    from coordinator.deployable import deployed_name
-    from coordinator.deployment import is_trained
+    from coordinator.deployment import model_groups
     from models.inference_memory import estimate_inference_memory
 
-    targets = loaded.strategy.eval_targets()
-    trained = {name: target for name, target in targets.items()
-               if is_trained(name, target, loaded.family, loaded.trained)}
-    fitting = {name: target for name, target in trained.items()
-               if estimate_inference_memory(loaded.family, target.spec, loaded.dataset.image_size)
-               <= budget_mib * 2**20}
+    fitting = [group for group in model_groups(loaded.strategy.eval_targets(), loaded.family, loaded.trained)
+               if group.trained and estimate_inference_memory(loaded.family, group.target.spec,
+                                                              loaded.dataset.image_size) <= budget_mib * 2**20]
     if not fitting:
         raise ValueError(f"no trained level of this run runs within {budget_mib:g} MiB of memory; give a larger "
                          f"--budget")
-    preferred = deployed_name(targets, loaded.family, loaded.trained)
-    return [max(fitting, key=lambda name: (loaded.family.param_count(fitting[name].spec), name == preferred))]
+    return [max(fitting, key=lambda group: (loaded.family.param_count(group.target.spec), group.deployed)).name]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,15 +138,15 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.deployment import cut_models, write_models
     from coordinator.planning import model_options
 
-    loaded = load_run(args.run_dir, args.config)
-    names = list(args.levels)
-    if args.budget is not None:
-        if args.budget <= 0:
-            raise ValueError(f"--budget must be a positive number of MiB, got {args.budget:g}")
-        names = _within_budget(loaded, args.budget)
     out = Path(args.out) if args.out else Path(args.run_dir) / "models"
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} holds files already: give another --out, or remove it to export again")
+    # A model folder there (the one the coordinator wrote at the federation's end, an earlier export) is made again from
+    # the checkpoint and replaced whole; anything else is not this command's to replace.
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
+        raise ValueError(f"{out} holds files that are not a model folder: give another --out")
+    if args.budget is not None and not args.budget > 0:
+        raise ValueError(f"--budget must be a positive number of MiB, got {args.budget:g}")
+    loaded = load_run(args.run_dir, args.config)
+    names = _within_budget(loaded, args.budget) if args.budget is not None else list(args.levels)
     targets = loaded.strategy.eval_targets()
     models, left_out = cut_models(targets, loaded.states, loaded.family, loaded.evaluator, loaded.trained,
                                   loaded.record, names=names, untrained=args.untrained)
@@ -169,9 +166,12 @@ def run(args: argparse.Namespace) -> int:
                             model_options=model_options(loaded.config), round_number=loaded.completed,
                             source=str(Path(args.run_dir).resolve()),
                             progress=lambda name: print(f"fedfit export: {name}...", file=sys.stderr, flush=True))
+    replaced = out.with_name(f".{out.name}.replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
     if out.exists():
-        out.rmdir()  # empty, checked above
+        os.replace(out, replaced)
     os.replace(partial, out)
+    shutil.rmtree(replaced, ignore_errors=True)
     x = loaded.evaluator.test_x.numpy()
     y = loaded.evaluator.test_y.numpy()
     failed = 0

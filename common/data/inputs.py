@@ -35,6 +35,8 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
                                    f"with numpy.savez(path, x=images[, y=labels])")
             x = _scale_images(npz["x"], where)
             y = _check_labels(npz["y"], len(x), where) if "y" in npz.files else None
+            if not len(x):
+                raise DatasetError(f"{where} holds no images")
     except DatasetError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, AttributeError) as exc:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coordinator.model_courier import holds
 from fedfit.sim.plots import plot_run
 from fedfit.sim.progress import duration_text
 from fedfit.sim.report import STATUSES, format_table, write_report
@@ -120,7 +121,7 @@ def left_text(left: list[dict[str, str]]) -> str:
 
 def models_text(models: dict[str, str]) -> str:
     """The line saying which model each agent holds to run at the end (``run.models`` of its report)."""
-    held = {agent: text.partition("@")[0] for agent, text in models.items() if "@" in text}
+    held = {agent: text.partition("@")[0] for agent, text in models.items() if holds(text)}
     line = f"models held at the end: {len(held)} of {len(models)} agents"
     by_model: dict[str, list[str]] = {}
     for agent, name in sorted(held.items()):

@@ -48,6 +48,10 @@ def test_the_largest_trained_model_within_a_budget(tmp_path: Path) -> None:
     assert models.for_budget(10_000).name == "b"  # a is larger but untrained
     assert models.for_budget(1999).name == "c" and models.for_budget(100) is None
     assert models.deployed().name == "b"
+    # Of two as large, the run's deployable one (DepthFL's ensemble before its deepest classifier alone).
+    tie = manifest(tmp_path, entry("4", 50, 2000, folder=tmp_path), entry("ensemble", 50, 2000, deployed=True,
+                                                                            folder=tmp_path))
+    assert tie.for_budget(10_000).name == "ensemble"
     with pytest.raises(ManifestError, match="no model 'z' here; the folder holds a, b, c"):
         models.model("z")
 

@@ -177,3 +177,14 @@ def test_a_recipe_no_agent_could_run_is_one_sentence(recipe: dict, said: str) ->
 
     with pytest.raises(ValueError, match=re.escape(said)):
         CoordinatorConfig(recipe=RecipeConfig(**recipe)).validate()
+
+
+def test_the_deployment_wait_is_a_finite_number_of_seconds() -> None:
+    import pytest as _pytest
+
+    from coordinator.config import DeploymentConfig
+
+    DeploymentConfig(wait_s=0).validate()
+    for wait in (-1.0, float("inf"), float("nan")):
+        with _pytest.raises(ValueError, match="deployment.wait_s must be a finite number"):
+            DeploymentConfig(wait_s=wait).validate()

@@ -13,7 +13,14 @@ from common.data import Dataset
 from common.inference import open_model
 from common.model_package import read_manifest, read_verified
 from coordinator.deployable import GLOBAL, TrainedSoFar
-from coordinator.deployment import answer_macs, cut_models, output_macs, write_models
+from coordinator.deployment import (
+    answer_macs,
+    cut_models,
+    ensemble_spec,
+    model_groups,
+    output_macs,
+    write_models,
+)
 from coordinator.evaluation import Evaluator, accuracies
 from coordinator.metrics import RoundResult
 from coordinator.tasks import EvalTarget
@@ -114,3 +121,26 @@ def test_the_written_folder_answers_as_the_models(tmp_path: Path) -> None:
         for backend in ("onnxruntime", "torch"):
             np.testing.assert_allclose(open_model(tmp_path, manifest, entry, backend).logits(x), expected.numpy(),
                                        atol=1e-4)
+
+
+def test_models_are_grouped_under_one_name_and_trained_as_their_levels_say() -> None:
+    groups = {g.name: g for g in model_groups(WIDTHS, FAMILY, TrainedSoFar({"b", "c"}, {1}))}
+    # The global model is level a: untrained though every update reached its head (its own slice is a's).
+    assert set(groups) == {"global", "b", "c"} and groups["global"].aliases == ("a",)
+    assert not groups["global"].trained and groups["b"].trained and groups["b"].deployed
+
+
+def test_an_ensemble_is_cut_after_its_last_member() -> None:
+    spec = SubmodelSpec(exits=(0, 1))
+    assert ensemble_spec(spec, FAMILY, (0, 1)) == SubmodelSpec(depth=2, exits=(0, 1))
+    assert ensemble_spec(spec, FAMILY, (0, 2)) == spec  # the final head is a member: the whole model
+    data = dataset()
+    judge = evaluator(data)
+    models, _ = cut_models(EXITS, states(), FAMILY, judge, TrainedSoFar({"1"}, {1, 2}), None, names=["ensemble"])
+    (ensemble,) = models
+    assert ensemble.spec == SubmodelSpec(depth=2, exits=(0, 1)) and ensemble.members == (0, 1)
+    whole = judge.prepare(states()[GLOBAL], SubmodelSpec(exits=(0, 1)))
+    with torch.no_grad():
+        outputs = whole.forward_exits(judge.test_x)
+        cut = ensemble.net.forward_exits(judge.test_x)
+    torch.testing.assert_close(torch.stack(cut).mean(0), (outputs[0] + outputs[1]) / 2)

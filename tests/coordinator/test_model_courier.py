@@ -9,7 +9,7 @@ import structlog
 
 from common.model_package import InputSpec, Manifest, ModelEntry, write_file
 from coordinator.config import CoordinatorConfig, DeploymentConfig
-from coordinator.model_courier import ModelCourier, held_text
+from coordinator.model_courier import ModelCourier, held_text, holds
 from coordinator.registry import FleetRegistry
 from edge_agent.model_store import ModelStore
 from protocol import (
@@ -96,3 +96,27 @@ def test_the_registry_keeps_the_model_an_agent_said_it_holds_until_it_restarts()
     assert registry.get("pi").model == ""  # type: ignore[union-attr]
     assert registry.wait_until(lambda records: "pi" in records, 0.1)
     assert not registry.wait_until(lambda records: records["pi"].model == "x", 0.05)
+
+
+def test_without_reports_the_courier_sends_and_says_it_cannot_confirm(tmp_path: Path) -> None:
+    manifest = models(tmp_path / "models")
+    registry = FleetRegistry()
+    registry.on_status(status("big", 10_000))
+    link = FakeLink(registry, {})
+    config = CoordinatorConfig(state_dir=str(tmp_path), deployment=DeploymentConfig(wait_s=60))
+    courier = ModelCourier(config, link, Topics("lab"), registry, LOG, reads_reports=lambda: False)  # type: ignore[arg-type]
+    outcome = courier.deliver(manifest)  # at once: no agent would say what it holds
+    assert outcome["big"].startswith(f"sent {held_text(manifest.model('b'))}; not confirmed") and link.topics
+    assert holds(held_text(manifest.model("b"))) and not holds(outcome["big"])
+    assert not holds(f"did not say it holds {held_text(manifest.model('b'))} within 1 s")
+
+
+def test_a_failure_to_write_the_models_does_not_fail_the_federation(tmp_path: Path) -> None:
+    config = CoordinatorConfig(state_dir=str(tmp_path))
+    courier = ModelCourier(config, object(), Topics("lab"), FleetRegistry(), LOG)  # type: ignore[arg-type]
+
+    class Broken:
+        def eval_targets(self) -> dict:
+            raise RuntimeError("the exporter broke")
+
+    assert courier.finish(Broken(), None, None, None, {}, None, None, 3) == {}  # type: ignore[arg-type]

@@ -91,3 +91,12 @@ def test_a_used_directory_is_refused_without_making_anything(tmp_path: Path) -> 
     (tmp_path / "new" / "checkpoint.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="holds a run already"):
         refuse_used_dir(tmp_path / "new")
+
+
+def test_the_models_line_counts_only_the_agents_that_hold_one() -> None:
+    from fedfit.sim.rundir import models_text
+
+    held = "b@" + "0" * 64
+    line = models_text({"sim-000": held, "sim-001": f"did not say it holds {held} within 1 s"})
+    assert line == f"models held at the end: 1 of 2 agents; b: sim-000; sim-001 none (did not say it holds {held} " \
+                   f"within 1 s)"

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 #: A small, quick federation on digits (the coordinator's part of an experiment file).
 TINY = {"model": {"family": "cnn", "options": {"hidden": [16, 32, 64]}},
         "data": {"dataset": "digits", "bn_samples": 300},
-        "recipe": {"epochs": 1, "batch_size": 16, "lr": 0.05}, "levels": [1.0, 0.5, 0.25]}
+        "recipe": {"epochs": 1, "batch_size": 16, "lr": 0.05}, "levels": [1.0, 0.5, 0.25],
+        "deployment": {"deliver": False}}  # (the models' delivery has its own end-to-end test)
 
 
 def write_experiment(path: Path, rounds: int, **experiment: Any) -> Path:

@@ -4,7 +4,6 @@ what it wrote: every exported model answers the run's test images, through onnxr
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +40,10 @@ def test_every_exported_level_answers_as_the_run_reported(mosquitto_installed: N
         assert entry.inference_bytes <= budget
         assert entry == delivered.for_budget(budget)
     assert "models held at the end: 4 of 4 agents" in (run_dir / "summary.txt").read_text()
-    shutil.rmtree(run_dir / "models")  # written at the federation's end; fedfit export writes it again
+    (run_dir / "models" / "marker").write_text("written at the federation's end")  # export replaces the folder
     assert main(["export", str(run_dir)]) == 0
     printed = capsys.readouterr()
+    assert not (run_dir / "models" / "marker").exists()
     manifest = read_manifest(run_dir / "models")
     digits = load_dataset("digits")  # tiny_config evaluates on the whole test set
     x, y = digits.x_test, digits.y_test
@@ -81,5 +81,12 @@ def test_what_cannot_be_exported_or_predicted_is_said_in_one_sentence(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["export", str(tmp_path)]) == 2
     assert "holds no finished round" in capsys.readouterr().err
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "notes.txt").write_text("mine")
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "elsewhere")]) == 2
+    assert "holds files that are not a model folder" in capsys.readouterr().err
+    assert (tmp_path / "elsewhere" / "notes.txt").read_text() == "mine"
+    assert main(["export", str(tmp_path), "--budget", "0"]) == 2
+    assert "--budget must be a positive number of MiB" in capsys.readouterr().err
     assert main(["predict", "--model", str(tmp_path), str(tmp_path / "x.npz")]) == 2
     assert "holds no manifest.json" in capsys.readouterr().err

@@ -160,7 +160,8 @@ def test_command_line_sim_runs_what_its_config_names_and_writes_its_run_director
     config.write_text("algorithm: scalefl\nrounds: 2\nseed: 7\n"
                       "model: {family: resnet20, options: {hidden: [8, 16, 32], exit_convs: 1}}\n"
                       "data: {bn_samples: 300}\nrecipe: {epochs: 1, batch_size: 16}\n"
-                      "scalefl: {cost: params}\n")  # levels by parameters: no memory search (tested elsewhere)
+                      "scalefl: {cost: params}\ndeployment: {deliver: false}\n")  # levels by parameters: no memory
+    # search, and no models delivered at the end (both tested elsewhere)
     report = tmp_path / "r.json"
     run_dir = tmp_path / "run"
     result = subprocess.run(
