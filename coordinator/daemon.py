@@ -217,9 +217,14 @@ class Coordinator:
             self.log.warning("run_ended_with_tasks_left", round=self.completed_rounds,
                              left=[f"{agent} {task} ({where})" for agent, task, where in left])
         if results and self.completed_rounds >= self.config.rounds and self.config.deployment.deliver:
-            self.courier.finish(self.strategy, self.family, self.dataset, self._evaluator, self.states,
-                                self.files.trained_so_far, self.files.last_record, self.completed_rounds)
+            self.deploy()
         return results
+
+    def deploy(self) -> dict[str, str]:
+        """Write the run's trained models and hand each agent online the largest it runs (`coordinator.model_courier`;
+        after the last round, and on request: ``fedfit deliver``); per agent, what it holds or why not."""
+        return self.courier.finish(self.strategy, self.family, self.dataset, self._evaluator, self.states,
+                                   self.files.trained_so_far, self.files.last_record, self.completed_rounds)
 
     def run_round(self, round_number: int, *, last_round: int | None = None) -> RoundResult:
         """One round: plan it (or take the round resumed from the journal), send its tasks, collect, close and

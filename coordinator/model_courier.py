@@ -159,17 +159,26 @@ class ModelCourier:
             self.outcome = outcome
             return outcome
 
-        def all_hold(records: Mapping[str, AgentRecord]) -> bool:
-            return all(agent_id in records and records[agent_id].model == held for agent_id, held in expected.items())
+        def answered(record: AgentRecord | None, held: str) -> str | None:
+            """What the agent said of the model sent: it holds it (``held``), it refused it (why), or nothing yet."""
+            if record is None:
+                return None
+            if record.model == held:
+                return held
+            if record.model_refused.startswith(f"{held}: "):
+                return f"refused {record.model_refused}"
+            return None
+
+        def all_answered(records: Mapping[str, AgentRecord]) -> bool:
+            return all(answered(records.get(agent_id), held) is not None for agent_id, held in expected.items())
 
         wait = self.config.deployment.wait_s
-        self.registry.wait_until(all_hold, wait)
+        self.registry.wait_until(all_answered, wait)
         for agent_id, held in expected.items():
-            record = self.registry.get(agent_id)
-            confirmed = record is not None and record.model == held
-            outcome[agent_id] = held if confirmed else f"did not say it holds {held} within {wait:g} s"
-            if not confirmed:
-                self.log.warning("model_not_confirmed", agent=agent_id, model=held, wait_s=wait)
+            said = answered(self.registry.get(agent_id), held)
+            outcome[agent_id] = said if said is not None else f"did not say it holds {held} within {wait:g} s"
+            if said != held:
+                self.log.warning("model_not_held", agent=agent_id, model=held, outcome=outcome[agent_id])
         self.log.info("models_delivered", held=sum(1 for agent_id in expected if holds(outcome[agent_id])),
                       sent=len(expected), online=len(outcome))
         self.outcome = outcome

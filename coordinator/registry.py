@@ -19,8 +19,10 @@ class AgentRecord:
     capabilities: Capabilities | None
     last_seen: float
     instance: str = ""
-    #: The model it holds to run, ``name@sha256`` as its report last said (protocol.MODEL_DELIVERY_REVISION).
+    #: The model it holds to run, ``name@sha256``, and the last delivery it refused, ``name@sha256: reason``, as its
+    #: report last said (protocol.MODEL_DELIVERY_REVISION).
     model: str = ""
+    model_refused: str = ""
 
     @property
     def online(self) -> bool:
@@ -34,6 +36,16 @@ class AgentRecord:
         if self.capabilities.budget_bytes is not None:
             candidates.append(self.capabilities.budget_bytes)
         return min(candidates)
+
+
+def _models_said(status: AgentStatus, previous: AgentRecord | None) -> dict[str, str]:
+    """What ``status`` says of the models the agent holds and refused; a status without a report keeps what the same
+    process said before."""
+    if status.report is not None:
+        return {"model": status.report.model, "model_refused": status.report.model_refused}
+    if previous is not None and previous.instance == status.instance:
+        return {"model": previous.model, "model_refused": previous.model_refused}
+    return {}
 
 
 class FleetRegistry:
@@ -62,8 +74,7 @@ class FleetRegistry:
                 last_seen=time.time() if now is None else now,
                 instance=status.instance,
                 # A status without a report (a heartbeat to an older coordinator, the Last Will) changes nothing.
-                model=(status.report.model if status.report is not None else
-                       previous.model if previous is not None and previous.instance == status.instance else ""),
+                **_models_said(status, previous),
             )
             # The fleet changed (a new agent, one gone or back, another process): a heartbeat of an agent online
             # all along is no change, else a large fleet's statuses would never leave the quiet wait_settled needs.

@@ -236,7 +236,7 @@ class EdgeAgent:
         summary = (self.activity.report(*self.uplink.backlog()) if report and self.coordinator_reads_reports
                    else None)
         if summary is not None and self.coordinator_reads_models:
-            summary.model = self.models.held
+            summary.model, summary.model_refused = self.models.held, self.models.refused
         budget = self.budget_schedule(self.activity.last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
@@ -414,7 +414,9 @@ class EdgeAgent:
         try:
             held = self.models.receive(delivery, self.runner.available(self.activity.last_round))
         except (ManifestError, OSError) as exc:
+            self.models.refused = f"{self.models.offered(delivery)}: {exc}"  # its report says so: no wait for it
             self.log.warning("model_refused", model=delivery.name, round=delivery.round, reason=str(exc))
+            self.publish_status()
             return
         self.log.info("model_stored", model=held, folder=str(self.models.folder))
         self.publish_status()

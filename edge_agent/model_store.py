@@ -46,6 +46,8 @@ class ModelStore:
         self.root = own_dir
         self.log = log
         self.held = self._read_held()
+        #: The last delivery refused, ``name@sha256: reason`` (empty: none since the agent started).
+        self.refused = ""
 
     @property
     def folder(self) -> Path | None:
@@ -62,6 +64,15 @@ class ModelStore:
             self.log.warning("held_model_unreadable", reason=str(exc))
             return ""
         return f"{entry.name}@{entry.onnx.sha256}"
+
+    @staticmethod
+    def offered(delivery: ModelDelivery) -> str:
+        """``name@sha256`` of the ONNX graph ``delivery`` says it carries (its name alone where its manifest does not
+        say)."""
+        try:
+            return f"{delivery.name}@{delivery.manifest['models'][0]['onnx']['sha256']}"
+        except (KeyError, IndexError, TypeError):
+            return delivery.name
 
     def receive(self, delivery: ModelDelivery, available: int) -> str:
         """Check and store ``delivery`` (see the module docstring), ``available`` bytes of memory free now; returns

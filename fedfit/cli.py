@@ -25,7 +25,7 @@ from common.logs import configure_logging
 from common.mqtt_link import BrokerRefused, BrokerUnavailable
 from edge_agent.forkserver import TorchUnavailable
 from edge_agent.id_probe import AgentIdInUse
-from fedfit import broker_command, export_command, predict_command, status_command
+from fedfit import broker_command, deliver_command, export_command, predict_command, status_command
 from fedfit.run_command import budgets_type
 from fedfit.secure_broker import BrokerSetupError, PkiError
 from fedfit.sim.broker import BrokerStartError
@@ -141,6 +141,7 @@ def _parser(light: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true",
                       help='print JSON: {"levels": [...], "tiers": [...]} (tiers empty without --budgets)')
     export_command.add_parser(sub)
+    deliver_command.add_parser(sub)
     return parser
 
 
@@ -321,10 +322,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = arguments  # the command line as given, for the run's report
     runners = {"coordinator": _run_coordinator, "agent": _run_agent, "sim": _run_sim, "compare": _run_compare,
                "plan": _run_plan, "broker": broker_command.run, "export": export_command.run,
+               "deliver": deliver_command.run,
                "predict": predict_command.run,
                "status": status_command.run}
     stopping = None
-    if args.command in ("coordinator", "sim", "compare") and threading.current_thread() is threading.main_thread():
+    if args.command in ("coordinator", "sim", "compare", "deliver") and \
+            threading.current_thread() is threading.main_thread():
         # A stop (systemd's, kill, timeout) ends the run as Ctrl-C does: its clean-up runs (the broker and its
         # secrets gone, the status file saying so, the exporter's last scrape), which a SIGTERM's default skips.
         stopping = signal.signal(signal.SIGTERM, signal.default_int_handler)

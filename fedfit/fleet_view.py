@@ -55,6 +55,7 @@ class AgentRow:
     outbox: int = 0
     outbox_bytes: int = 0
     model: str = ""
+    model_refused: str = ""
 
     @classmethod
     def of(cls, status: AgentStatus) -> AgentRow:
@@ -194,6 +195,9 @@ def _doing(row: AgentRow) -> str:
         parts.append(f"outbox {row.outbox} ({_mib(row.outbox_bytes)} MiB)")
     if row.model:
         parts.append(f"holds model {row.model.partition('@')[0]}")
+    if row.model_refused:
+        name, _, rest = row.model_refused.partition("@")
+        parts.append(f"refused model {name}{rest[64:]}")
     return "; ".join(parts) or "no task yet"
 
 

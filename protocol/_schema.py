@@ -143,7 +143,7 @@ def read_adaptation(obj: object, where: str, limits: Limits) -> Adaptation:
 
 
 _REPORT_DEFAULTS = ("task", "task_round", "last_task", "last_round", "last_status", "last_trained", "last_reason",
-                    "last_finished_at", "outbox", "outbox_bytes", "model")
+                    "last_finished_at", "outbox", "outbox_bytes", "model", "model_refused")
 
 
 def read_agent_report(obj: object, where: str, limits: Limits) -> AgentReport:
@@ -162,6 +162,7 @@ def read_agent_report(obj: object, where: str, limits: Limits) -> AgentReport:
         outbox=r.opt_integer("outbox", minimum=0) or 0,
         outbox_bytes=r.opt_integer("outbox_bytes", minimum=0) or 0,
         model=r.opt_text("model") or "",
+        model_refused=r.opt_text("model_refused") or "",
     )
 
 

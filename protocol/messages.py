@@ -107,10 +107,11 @@ class AgentReport:
     its first; ``last_trained`` the sub-model it trained, as text; ``last_reason`` why it adapted, declined or
     failed); ``outbox`` and ``outbox_bytes``: updates it has sent or holds that the coordinator has not yet
     acknowledged as stored; ``model``: the model it holds to run (:class:`ModelDelivery`), as ``name@sha256`` of its
-    ONNX graph (revision 8, written to coordinators that announce it; empty while it holds none).
+    ONNX graph, and ``model_refused``: the last delivery it refused and why, ``name@sha256: reason`` (revision 8,
+    written to coordinators that announce it; empty while there is none).
     """
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("model",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("model", "model_refused")
 
     since: float
     task: str = ""
@@ -124,6 +125,7 @@ class AgentReport:
     outbox: int = 0
     outbox_bytes: int = 0
     model: str = ""
+    model_refused: str = ""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from common.model_package import InputSpec, Manifest, ModelEntry, write_file
+from common.model_package import InputSpec, Manifest, ManifestError, ModelEntry, write_file
 from coordinator.config import CoordinatorConfig, DeploymentConfig
 from coordinator.model_courier import ModelCourier, held_text, holds
 from coordinator.registry import FleetRegistry
@@ -39,17 +39,20 @@ def models(folder: Path) -> Manifest:
                     tuple(entries))
 
 
-def status(agent: str, budget: int, revision: int = MODEL_DELIVERY_REVISION, model: str = "") -> AgentStatus:
+def status(agent: str, budget: int, revision: int = MODEL_DELIVERY_REVISION, model: str = "",
+           refused: str = "") -> AgentStatus:
     capabilities = Capabilities("pi", 2**30, 2**30, budget, 10, [0, 1], (1, 8, 8), revision)
-    return AgentStatus(agent, "online", capabilities, 1.0, "instance-" + agent, AgentReport(1.0, model=model))
+    return AgentStatus(agent, "online", capabilities, 1.0, "instance-" + agent,
+                       AgentReport(1.0, model=model, model_refused=refused))
 
 
 class FakeLink:
     """The broker and the agents behind it: each agent that answers stores its delivery and says so."""
 
-    def __init__(self, registry: FleetRegistry, stores: dict[str, ModelStore]) -> None:
+    def __init__(self, registry: FleetRegistry, stores: dict[str, ModelStore], available: int = 2**30) -> None:
         self.registry = registry
         self.stores = stores
+        self.available = available
         self.reassembler = Reassembler()
         self.topics: list[str] = []
 
@@ -61,8 +64,12 @@ class FakeLink:
         message = decode(complete, expected=ModelDelivery)
         assert isinstance(message, ModelDelivery)
         if message.agent_id in self.stores:
-            held = self.stores[message.agent_id].receive(message, available=2**30)
             budget = self.registry.get(message.agent_id).capabilities.budget_bytes  # type: ignore[union-attr]
+            try:
+                held = self.stores[message.agent_id].receive(message, available=self.available)
+            except ManifestError as exc:  # as the agent's daemon answers a refusal
+                self.registry.on_status(status(message.agent_id, budget, refused=f"{ModelStore.offered(message)}: {exc}"))
+                return
             self.registry.on_status(status(message.agent_id, budget, model=held))
 
 
@@ -120,3 +127,14 @@ def test_a_failure_to_write_the_models_does_not_fail_the_federation(tmp_path: Pa
             raise RuntimeError("the exporter broke")
 
     assert courier.finish(Broken(), None, None, None, {}, None, None, 3) == {}  # type: ignore[arg-type]
+
+
+def test_a_refusal_is_heard_and_not_waited_out(tmp_path: Path) -> None:
+    manifest = models(tmp_path / "models")
+    registry = FleetRegistry()
+    registry.on_status(status("short", 10_000))
+    link = FakeLink(registry, {"short": ModelStore(tmp_path / "short", LOG)}, available=100)  # less than it said
+    config = CoordinatorConfig(state_dir=str(tmp_path), deployment=DeploymentConfig(wait_s=3600))
+    outcome = ModelCourier(config, link, Topics("lab"), registry, LOG).deliver(manifest)  # type: ignore[arg-type]
+    assert outcome["short"].startswith(f"refused {held_text(manifest.model('b'))}: model 'b' needs")
+    assert not holds(outcome["short"])

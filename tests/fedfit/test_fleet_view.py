@@ -109,6 +109,7 @@ def test_the_model_an_agent_holds_to_run_is_shown() -> None:
     book = StatusBook("fleet")
     feed_coordinator(book, CoordinatorStatus("fleet", "online", 40, NOW, 8))
     feed_agent(book, AgentStatus("pi-01", "online", caps(revision=8), NOW - 1, "i1",
-                                 AgentReport(NOW - 60, model="b@" + "0" * 64)))
-    assert "holds model b" in format_view(book.view(), NOW)
+                                 AgentReport(NOW - 60, model="b@" + "0" * 64,
+                                             model_refused="a@" + "1" * 64 + ": needs 10.4 MiB to run")))
+    assert "holds model b; refused model a: needs 10.4 MiB to run" in format_view(book.view(), NOW)
     assert view_json(book.view(), NOW)["agents"][0]["model"] == "b@" + "0" * 64

@@ -87,13 +87,15 @@ def on_broker(config: CoordinatorConfig, broker: Broker) -> CoordinatorConfig:
     return replace(config, broker=broker.coordinator_config())
 
 
-def digits_fleet(dataset: Dataset, names: Sequence[str], config: CoordinatorConfig, broker: Broker) -> list[EdgeAgent]:
+def digits_fleet(dataset: Dataset, names: Sequence[str], config: CoordinatorConfig, broker: Broker,
+                 state_dir: str | None = None) -> list[EdgeAgent]:
     """Agents named ``names`` of ``config``'s federation, each with its own login to ``broker`` and an IID shard of
-    ``dataset``. Each trains on one thread: the fleet shares this machine's cores (a device's default, all the cores
-    it has, makes several agents training at once oversubscribe them: a 3 s task took 24 s)."""
+    ``dataset`` (and their state under ``state_dir``, where given). Each trains on one thread: the fleet shares this
+    machine's cores (a device's default, all the cores it has, makes several agents training at once oversubscribe
+    them: a 3 s task took 24 s)."""
     shards = partition_indices(dataset.y_train, len(names), parse_partition("iid"), 0)
     broker.add_logins(names)
     return [EdgeAgent(AgentConfig(agent_id=name, federation=config.federation, broker=broker.client_config(name),
-                                  data=AgentDataConfig(dataset="digits"), torch_threads=1),
+                                  data=AgentDataConfig(dataset="digits"), torch_threads=1, state_dir=state_dir),
                       to_local_data(dataset.x_train[idx], dataset.y_train[idx]))
             for name, idx in zip(names, shards)]

@@ -481,6 +481,8 @@ def test_a_model_delivery_round_trips_its_files_as_bytes_from_revision_8() -> No
         decode(encode(ModelDelivery("model-5-pi-01", 5, "pi-01", "b", {}, {"x": np.zeros(2, dtype=np.float32)}),
                       version=1))
     report = AgentReport(since=1.0)
-    assert "model" not in msgpack.unpackb(encode(AgentStatus("pi-01", "online", None, 2.0, report=report)))["report"]
-    held = AgentStatus("pi-01", "online", None, 2.0, report=AgentReport(since=1.0, model="b@" + "0" * 64))
+    wire = msgpack.unpackb(encode(AgentStatus("pi-01", "online", None, 2.0, report=report)))["report"]
+    assert "model" not in wire and "model_refused" not in wire
+    held = AgentStatus("pi-01", "online", None, 2.0, report=AgentReport(since=1.0, model="b@" + "0" * 64,
+                                                                        model_refused="c@" + "1" * 64 + ": too big"))
     assert decode(encode(held)) == held
