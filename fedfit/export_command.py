@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.deployment import cut_models, write_models
     from coordinator.planning import model_options
 
-    out = Path(args.out) if args.out else Path(args.run_dir) / "models"
+    out = (Path(args.out) if args.out else Path(args.run_dir) / "models").resolve()
     # A model folder there (the one the coordinator wrote at the federation's end, an earlier export) is made again from
     # the checkpoint and replaced whole; anything else is not this command's to replace.
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
