@@ -40,27 +40,26 @@ def test_every_exported_level_answers_as_the_run_reported(mosquitto_installed: N
         assert entry.inference_bytes <= budget
         assert entry == delivered.for_budget(budget)
     assert "models held at the end: 4 of 4 agents" in (run_dir / "summary.txt").read_text()
-    (run_dir / "models" / "marker").write_text("written at the federation's end")  # export replaces the folder
-    assert main(["export", str(run_dir)]) == 0
-    printed = capsys.readouterr()
-    assert not (run_dir / "models" / "marker").exists()
-    manifest = read_manifest(run_dir / "models")
+    # The folder the coordinator wrote at the end: every level some round trained, each once (the top level is the
+    # global model: one of its names), each answering the run's test images through onnxruntime as the run reported.
     digits = load_dataset("digits")  # tiny_config evaluates on the whole test set
     x, y = digits.x_test, digits.y_test
-    # Every level some round trained, each once (the top level is the global model: one of its names).
-    exported = {name for entry in manifest.models for name in (entry.name, *entry.aliases)}
+    exported = {name for entry in delivered.models for name in (entry.name, *entry.aliases)}
     assert exported - {"global"} == {name for r in report["rounds"] for name in r["trained_levels"]}
-    assert manifest.deployed().name == last["deployed"] or last["deployed"] in manifest.deployed().aliases
-    for entry in manifest.models:
-        accuracy = float((open_model(run_dir / "models", manifest, entry, "onnxruntime").logits(x).argmax(1)
-                          == y).mean())
-        reported = last["global_accuracy"] if entry.name == "global" else last["level_accuracy"][entry.name]
-        assert abs(accuracy - reported) <= 1e-4, (entry.name, accuracy, reported)
-        assert f"{reported:.4f}" in printed.out
+    assert delivered.deployed().name == last["deployed"] or last["deployed"] in delivered.deployed().aliases
+
+    def reported(name: str) -> float:
+        return float(last["global_accuracy"] if name == "global" else last["level_accuracy"][name])
+
+    for entry in delivered.models:
+        runner = open_model(run_dir / "models", delivered, entry, "onnxruntime")
+        accuracy = float((runner.logits(x).argmax(1) == y).mean())
+        assert abs(accuracy - reported(entry.name)) <= 1e-4, (entry.name, accuracy, reported(entry.name))
     # The run's devices would run the deployable model from raw pixels: `fedfit predict` normalises them itself.
-    deployed = manifest.deployed()
+    deployed = delivered.deployed()
     mean, std = digits.normalization
     np.savez(tmp_path / "test.npz", x=(x * std + mean).astype(np.float32), y=y)
+    capsys.readouterr()  # (what the run printed)
     assert main(["predict", "--model", str(run_dir / "models"), str(tmp_path / "test.npz"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert summary["model"] == deployed.name and summary["images"] == len(y)
@@ -70,11 +69,22 @@ def test_every_exported_level_answers_as_the_run_reported(mosquitto_installed: N
     assert main(["predict", "--model", str(run_dir / "agents" / "sim-000" / "model"), str(tmp_path / "test.npz"),
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["summary"]["model"] == held.name
-    with_exits = next(entry for entry in manifest.models if entry.has_exits)
+    with_exits = next(entry for entry in delivered.models if entry.has_exits)
     assert main(["predict", "--model", str(run_dir / "models"), "--level", with_exits.name, "--exit-threshold", "0",
                  str(tmp_path / "test.npz"), "--json"]) == 0
     answered = json.loads(capsys.readouterr().out)["summary"]
     assert answered["exits"]["1"] == len(y) and answered["mean_macs"] == with_exits.exit_macs[0]
+    # `fedfit export` writes the folder again from the checkpoint (here one level: the same writer made the rest),
+    # replacing the coordinator's, and checks it through onnxruntime against the report, as checked here.
+    (run_dir / "models" / "marker").write_text("written at the federation's end")
+    assert main(["export", str(run_dir), "--level", deployed.name]) == 0
+    printed = capsys.readouterr().out
+    manifest = read_manifest(run_dir / "models")
+    assert not (run_dir / "models" / "marker").exists() and [e.name for e in manifest.models] == [deployed.name]
+    (entry,) = manifest.models
+    assert entry.onnx.sha256 and entry.exit_accuracy == deployed.exit_accuracy
+    accuracy = float((open_model(run_dir / "models", manifest, entry, "onnxruntime").logits(x).argmax(1) == y).mean())
+    assert abs(accuracy - reported(entry.name)) <= 1e-4 and f"{reported(entry.name):.4f}" in printed
 
 
 def test_what_cannot_be_exported_or_predicted_is_said_in_one_sentence(tmp_path: Path,
