@@ -32,7 +32,7 @@ from coordinator.exporter import CoordinatorMetrics
 from coordinator.fleet import REGISTRY_SETTLE_S, FleetWatch, NoAgentsError
 from coordinator.in_flight import InFlight
 from coordinator.intake import UpdateIntake, single_threaded_torch
-from coordinator.metrics import Progress, RoundResult
+from coordinator.metrics import Progress, RoundResult, tell_progress
 from coordinator.model_courier import ModelCourier
 from coordinator.planning import model_family, model_options, strategy_for
 from coordinator.registry import FleetRegistry
@@ -202,7 +202,7 @@ class Coordinator:
 
     def _on_answer(self, current: Round) -> None:
         """The round in progress took an update as new."""
-        self._progress("round", current.number, len(current.answers), len(current.tasks))
+        tell_progress(self.on_progress, self.log, "round", current.number, len(current.answers), len(current.tasks))
         self.announcer.announce_progress(len(current.answers), len(current.tasks))
 
     # ------------------------------------------------------------------ rounds
@@ -233,7 +233,7 @@ class Coordinator:
         current = self._open(round_number)
         bytes_down = (self.dispatcher.send_round(current)
                       + self.dispatcher.resend_carried(current, self.in_flight.take_back_online()))
-        self._progress("round", current.number, len(current.answers), len(current.tasks))
+        tell_progress(self.on_progress, self.log, "round", current.number, len(current.answers), len(current.tasks))
         outage_before = self.link.outage_seconds()
         phase = time.perf_counter()
         # The deadline moves by any broker outage seen meanwhile: updates could not arrive then.
@@ -260,7 +260,8 @@ class Coordinator:
         """The round to run (`RoundPlanner.next_round`), opened, announced, and given what the desk held for it."""
         current = self.planner.next_round(
             round_number, stopped=lambda: self.fatal is not None,
-            on_count=lambda count: self._progress("fleet", round_number, count, self.config.min_agents))
+            on_count=lambda count: tell_progress(self.on_progress, self.log, "fleet", round_number, count,
+                                                 self.config.min_agents))
         self._raise_if_fatal()
         assert current is not None  # (None only when stopped)
         self.announcer.round_opened()
@@ -293,17 +294,4 @@ class Coordinator:
     def fit_to_fleet(self, budgets: Sequence[int]) -> None:
         """Size what the method hands out to the fleet's ``budgets`` (`RoundPlanner.fit_to_fleet`) before round 1 (the
         loop: the agents online then; the simulator: its devices' budgets); nothing where sized or nothing to size."""
-        if not self.strategy.awaits_fleet:
-            return
-        if self.completed_rounds or self.in_flight.current() is not None:
-            raise RuntimeError("the strategy can only be sized to the fleet before the first round")
         self.planner.fit_to_fleet(budgets)
-
-    def _progress(self, phase: str, round_number: int, done: int, expected: int) -> None:
-        """Tell the live display (``on_progress``); whatever it raises is logged, never the round's business."""
-        if self.on_progress is None:
-            return
-        try:
-            self.on_progress(Progress(phase, round_number, done, expected))
-        except Exception as exc:  # noqa: BLE001 - a display must not stop a round
-            self.log.warning("progress_display_failed", error=f"{type(exc).__name__}: {exc}")

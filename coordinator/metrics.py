@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common.durable import write_atomic
+from common.logs import Logger
 from protocol import TextEnum, UpdateStatus
 
 #: A round's phases on the coordinator, in order (seconds in :attr:`RoundResult.timing`): waiting for the fleet,
@@ -170,6 +171,18 @@ class Progress:
     round: int
     done: int
     expected: int
+
+
+def tell_progress(on_progress: Callable[[Progress], None] | None, log: Logger, phase: str, round_number: int,
+                  done: int, expected: int) -> None:
+    """Tell the live display ``on_progress`` (None: none); whatever it raises is logged, never the round's
+    business."""
+    if on_progress is None:
+        return
+    try:
+        on_progress(Progress(phase, round_number, done, expected))
+    except Exception as exc:  # noqa: BLE001 - a display must not stop a round
+        log.warning("progress_display_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 class MetricsWriter:

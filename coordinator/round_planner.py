@@ -86,7 +86,11 @@ class RoundPlanner:
     def fit_to_fleet(self, budgets: Sequence[int]) -> None:
         """Size what the strategy hands out from the fleet's ``budgets`` (its ``auto`` settings) and make the
         initial states of the models it chose, checkpointed as round 0 before any task goes out (a coordinator
-        stopped in round 1 resumes them)."""
+        stopped in round 1 resumes them). Nothing where the strategy sizes nothing; RuntimeError after round 1 began."""
+        if not self._strategy.awaits_fleet:
+            return
+        if self._files.completed_rounds or self._in_flight.current() is not None:
+            raise RuntimeError("the strategy can only be sized to the fleet before the first round")
         told = self._strategy.fit_to_fleet(budgets)
         if told is not None:
             self._in_flight.states = self._strategy.initial_states(self._config.seed)

@@ -23,7 +23,6 @@ from pathlib import Path
 from common import systemd_notify
 from common.cores import available_cores
 from common.logs import get_logger
-from common.model_package import ManifestError
 from common.mqtt_link import BrokerRefused, MqttLink, Will
 from edge_agent import forkserver
 from edge_agent.activity import SEEN_TASKS, AgentActivity
@@ -36,7 +35,6 @@ from edge_agent.runner import BudgetFn, LocalData, TaskRunner
 from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
-    MODEL_DELIVERY_REVISION,
     PROTOCOL_REVISION,
     STATUS_REPORT_REVISION,
     Ack,
@@ -67,6 +65,15 @@ _SEEN_TASKS = SEEN_TASKS
 _DISPATCHER_SLACK_S = 5.0
 
 
+def _declare_forkserver(config: AgentConfig) -> int:
+    """Declare the training forkserver before anything starts it (device "auto" asks torch there): "cpu" keeps
+    torch's GPU packages out of it, the threads are its OpenMP default (the pools its children start), "pooled"
+    preloads the pool. Returns the threads."""
+    threads = config.torch_threads or available_cores()
+    forkserver.declare(config.device, threads, page_pool=config.allocator == "pooled")
+    return threads
+
+
 class EdgeAgent:
     """One device of the federation."""
 
@@ -79,10 +86,7 @@ class EdgeAgent:
         self.topics = Topics(config.federation)
         self.data = data.shape()  # the runner writes the data for the training children; the agent keeps no copy
         self.device_kind = detect_device_kind() if config.device_kind == "auto" else config.device_kind
-        threads = config.torch_threads or available_cores()
-        # Before anything starts the forkserver (device "auto" asks torch there): "cpu" keeps torch's GPU packages
-        # out of it, the threads are its OpenMP default (the pools its children start), "pooled" preloads the pool.
-        forkserver.declare(config.device, threads, page_pool=config.allocator == "pooled")
+        threads = _declare_forkserver(config)
         self.budget_schedule: BudgetFn = budget_schedule or (lambda _round: config.budget_bytes)
         state_dir = config.state_dir or os.environ.get("STATE_DIRECTORY")
         own_dir = Path(state_dir) / self.agent_id if state_dir else None
@@ -106,9 +110,7 @@ class EdgeAgent:
         self.rejected_updates: OrderedDict[str, str] = OrderedDict()
         self.coordinator_state = "unknown"  # as its retained status last said
         self.coordinator_reads_reports = False  # its status said so (protocol.STATUS_REPORT_REVISION)
-        self.coordinator_reads_models = False  # ... and the model held (protocol.MODEL_DELIVERY_REVISION)
-        #: The model it holds to run, delivered by the coordinator at the end of a federation.
-        self.models = ModelStore(own_dir, self.log)
+        self.models = ModelStore(own_dir, self.log)  # the model it holds to run, delivered at a federation's end
         #: Why the agent stopped on its own (the broker refused what it cannot work without), one sentence.
         self.fatal: str | None = None
         self.link = MqttLink(
@@ -235,8 +237,8 @@ class EdgeAgent:
         state = "busy" if self.activity.busy else "online"
         summary = (self.activity.report(*self.uplink.backlog()) if report and self.coordinator_reads_reports
                    else None)
-        if summary is not None and self.coordinator_reads_models:
-            summary.model, summary.model_refused = self.models.held, self.models.refused
+        if summary is not None:
+            self.models.fill(summary)
         budget = self.budget_schedule(self.activity.last_round)
         capabilities = Capabilities(
             device_kind=self.device_kind,
@@ -352,7 +354,7 @@ class EdgeAgent:
         status = decode(payload, expected=CoordinatorStatus)
         assert isinstance(status, CoordinatorStatus)
         reads_reports = status.state == "online" and status.revision >= STATUS_REPORT_REVISION
-        self.coordinator_reads_models = status.state == "online" and status.revision >= MODEL_DELIVERY_REVISION
+        self.models.note_coordinator(status)
         if status.state == self.coordinator_state:
             if reads_reports != self.coordinator_reads_reports and status.state == "online":
                 self.coordinator_reads_reports = reads_reports  # (the fleet's oldest agent changed)
@@ -393,8 +395,9 @@ class EdgeAgent:
         if complete is None:
             return
         task = decode(complete, expected=(Task, ModelDelivery))
-        if isinstance(task, ModelDelivery):
-            self._on_model(task)
+        if isinstance(task, ModelDelivery):  # a trained model to run (edge_agent.model_store)
+            self.models.take(task, self.agent_id, self.runner.available(self.activity.last_round))
+            self.publish_status()
             return
         assert isinstance(task, Task)
         if task.agent_id != self.agent_id:
@@ -406,20 +409,6 @@ class EdgeAgent:
         self.log.info("task_received", task=task.task_id, round=task.round, spec=task.spec, bytes=len(complete))
         self.publish_status()
         self._start(task, time.perf_counter(), complete)  # answered in the version the task came in
-
-    def _on_model(self, delivery: ModelDelivery) -> None:
-        """A trained model to run: stored when it checks out and fits (:mod:`edge_agent.model_store`)."""
-        if delivery.agent_id != self.agent_id:
-            raise ProtocolError(f"model addressed to {delivery.agent_id!r} arrived at {self.agent_id!r}")
-        try:
-            held = self.models.receive(delivery, self.runner.available(self.activity.last_round))
-        except (ManifestError, OSError) as exc:
-            self.models.refused = f"{self.models.offered(delivery)}: {exc}"  # its report says so: no wait for it
-            self.log.warning("model_refused", model=delivery.name, round=delivery.round, reason=str(exc))
-            self.publish_status()
-            return
-        self.log.info("model_stored", model=held, folder=str(self.models.folder))
-        self.publish_status()
 
     def _start(self, task: Task, received: float, payload: BytesLike) -> None:
         """Hand ``task`` to the training executor; a slowed device still busy with an update it holds back starts it

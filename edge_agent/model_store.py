@@ -25,7 +25,7 @@ from common.model_package import (
     write_file,
     write_manifest,
 )
-from protocol import ModelDelivery
+from protocol import MODEL_DELIVERY_REVISION, AgentReport, CoordinatorStatus, ModelDelivery, ProtocolError
 
 __all__ = ["CURRENT", "ModelStore"]
 
@@ -48,6 +48,31 @@ class ModelStore:
         self.held = self._read_held()
         #: The last delivery refused, ``name@sha256: reason`` (empty: none since the agent started).
         self.refused = ""
+        #: The coordinator's retained status says it reads the model held (protocol.MODEL_DELIVERY_REVISION).
+        self.coordinator_reads = False
+
+    def note_coordinator(self, status: CoordinatorStatus) -> None:
+        """Whether the agent's reports name the model it holds, as the coordinator's status says."""
+        self.coordinator_reads = status.state == "online" and status.revision >= MODEL_DELIVERY_REVISION
+
+    def fill(self, report: AgentReport) -> None:
+        """Name the model held and the last refusal in ``report`` when the coordinator reads them."""
+        if self.coordinator_reads:
+            report.model, report.model_refused = self.held, self.refused
+
+    def take(self, delivery: ModelDelivery, agent_id: str, available: int) -> None:
+        """Store ``delivery`` addressed to ``agent_id`` when it checks out and fits ``available`` bytes (logged);
+        a refusal is kept for the report, which says so: the coordinator does not wait for it. ProtocolError when
+        it is addressed to another agent."""
+        if delivery.agent_id != agent_id:
+            raise ProtocolError(f"model addressed to {delivery.agent_id!r} arrived at {agent_id!r}")
+        try:
+            held = self.receive(delivery, available)
+        except (ManifestError, OSError) as exc:
+            self.refused = f"{self.offered(delivery)}: {exc}"
+            self.log.warning("model_refused", model=delivery.name, round=delivery.round, reason=str(exc))
+            return
+        self.log.info("model_stored", model=held, folder=str(self.folder))
 
     @property
     def folder(self) -> Path | None:

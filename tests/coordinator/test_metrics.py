@@ -1,4 +1,4 @@
-"""MetricsWriter: one JSON object per round, appended."""
+"""MetricsWriter: one JSON object per round, appended; a live display told the progress, its failures logged."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.metrics import MetricsWriter, RoundResult, TaskRecord, TaskStatus, read_metrics
+from coordinator.metrics import (
+    MetricsWriter,
+    Progress,
+    RoundResult,
+    TaskRecord,
+    TaskStatus,
+    read_metrics,
+    tell_progress,
+)
 from protocol import UpdateStatus
 
 
@@ -113,3 +121,22 @@ def test_restore_appends_the_checkpoints_record_once_and_leaves_the_file_ready_f
     assert writer.restore(3, three.to_dict()) is False
     writer.write(RoundResult(4, 0.4, {}, 1, 1, 0, 0, 1.0))
     assert [r.round for r in read_metrics(writer.path)] == [1, 2, 3, 4]
+
+
+def test_a_failing_progress_display_is_logged_and_the_round_goes_on() -> None:
+    seen: list[Progress] = []
+    warnings: list[tuple[str, dict]] = []
+
+    class Log:
+        def warning(self, event: str, **fields: object) -> None:
+            warnings.append((event, fields))
+
+    tell_progress(seen.append, Log(), "round", 2, 3, 4)  # type: ignore[arg-type]
+    tell_progress(None, Log(), "round", 2, 3, 4)  # type: ignore[arg-type]
+
+    def broken(progress: Progress) -> None:
+        raise OSError("display gone")
+
+    tell_progress(broken, Log(), "fleet", 1, 0, 8)  # type: ignore[arg-type]
+    assert seen == [Progress("round", 2, 3, 4)]
+    assert warnings == [("progress_display_failed", {"error": "OSError: display gone"})]

@@ -13,6 +13,7 @@ import structlog
 from common.model_package import InputSpec, Manifest, ManifestError, ModelEntry, read_manifest, write_file
 from coordinator.model_courier import delivery
 from edge_agent.model_store import CURRENT, ModelStore
+from protocol import MODEL_DELIVERY_REVISION, AgentReport, CoordinatorStatus, ProtocolError
 
 LOG = structlog.get_logger()
 
@@ -62,3 +63,23 @@ def test_a_refused_delivery_leaves_the_model_held(tmp_path: Path) -> None:
     assert store.held == held and read_manifest(tmp_path / "agent" / CURRENT).models[0].name == "c"
     with pytest.raises(ManifestError, match="keeps no state"):
         ModelStore(None, LOG).receive(good, available=10_000)
+
+
+def test_the_report_names_the_model_held_and_the_last_refusal_only_to_a_coordinator_that_reads_them(
+        tmp_path: Path) -> None:
+    folder, manifest = folder_of(tmp_path, "b", "c")
+    store = ModelStore(tmp_path / "agent", LOG)
+    store.take(delivery(folder, manifest, manifest.model("c"), "pi-01"), "pi-01", available=10_000)
+    held = store.held
+    assert held.startswith("c@") and store.refused == ""
+    store.take(delivery(folder, manifest, manifest.model("b"), "pi-01"), "pi-01", available=999)  # too large now
+    assert store.held == held and store.refused.startswith(f"b@{manifest.model('b').onnx.sha256}: model 'b' needs")
+    with pytest.raises(ProtocolError, match="addressed to 'pi-01' arrived at 'pi-02'"):
+        store.take(delivery(folder, manifest, manifest.model("b"), "pi-01"), "pi-02", available=10_000)
+    for state, revision, reads in (("online", MODEL_DELIVERY_REVISION, True),
+                                   ("online", MODEL_DELIVERY_REVISION - 1, False),
+                                   ("offline", MODEL_DELIVERY_REVISION, False)):
+        store.note_coordinator(CoordinatorStatus("fed", state, 3, 0.0, revision=revision))
+        report = AgentReport(since=0.0)
+        store.fill(report)
+        assert (report.model, report.model_refused) == ((held, store.refused) if reads else ("", ""))
