@@ -124,8 +124,10 @@ class MaskedAggregator:
         """Boolean mask of the elements of ``key`` that at least one update covers."""
         return self.weights(key) > 0
 
-    def result(self) -> dict[str, torch.Tensor]:
-        """The aggregated global state: weighted means where covered, old values elsewhere."""
+    def result(self, noise_std: float = 0.0, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """The aggregated global state: weighted means where covered, old values elsewhere. ``noise_std`` above 0
+        (differential privacy, uniform weights): Gaussian noise of that standard deviation added to every covered
+        element's sum before it is divided by its weight (its contributor count), drawn from ``generator``."""
         merged: dict[str, torch.Tensor] = {}
         for key, old in self._global.items():
             sums = self._sums.get(key)
@@ -133,7 +135,10 @@ class MaskedAggregator:
                 merged[key] = old.clone()
                 continue
             weights = self.weights(key)
-            mean = sums / weights.clamp_min(1e-12).to(sums.dtype)
+            divisor = weights.clamp_min(1e-12).to(sums.dtype)
+            if noise_std > 0:
+                sums = sums + noise_std * torch.randn(sums.shape, generator=generator, dtype=sums.dtype)
+            mean = sums / divisor
             covered = weights > 0
             merged[key] = torch.where(covered, mean, old.to(mean.dtype)).to(old.dtype)
         return merged
@@ -177,6 +182,16 @@ class RoundAggregate:
         self._aggregators: dict[str, MaskedAggregator] = {}
 
     @property
+    def states(self) -> Mapping[str, State]:
+        """The states the round folds its updates into."""
+        return self._states
+
+    @property
+    def classifier_keys(self) -> list[str]:
+        """The classifier's tensors (rows of classes a masked update never saw are left out)."""
+        return self._classifier_keys
+
+    @property
     def updates(self) -> int:
         """How many updates are folded in now."""
         return sum(aggregator.updates for aggregator in self._aggregators.values())
@@ -198,10 +213,11 @@ class RoundAggregate:
         """An empty aggregate over the same states, weighting and classifier."""
         return RoundAggregate(self._states, self._weight, self._classifier_keys)
 
-    def result(self) -> dict[str, State]:
-        """The new states: each group's aggregate, the groups no update reached unchanged."""
+    def result(self, noise_std: float = 0.0, generator: torch.Generator | None = None) -> dict[str, State]:
+        """The new states: each group's aggregate (with ``noise_std``: see :meth:`MaskedAggregator.result`), the
+        groups no update reached unchanged."""
         merged = dict(self._states)
         for group, aggregator in self._aggregators.items():
             if aggregator.updates:
-                merged[group] = aggregator.result()
+                merged[group] = aggregator.result(noise_std, generator)
         return merged

@@ -16,6 +16,7 @@ from coordinator.method_settings.fedrolex import FedRolexConfig
 from coordinator.method_settings.fjord import FjORDConfig
 from coordinator.method_settings.flexfl import FlexFLConfig
 from coordinator.method_settings.scalefl import ScaleFLConfig
+from coordinator.privacy.settings import PrivacyConfig
 from models import FAMILY_NAMES
 from protocol import validate_name
 
@@ -192,6 +193,7 @@ class CoordinatorConfig:
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
     uploads: UploadsConfig = field(default_factory=UploadsConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     #: What the agents train on ("cpu" or "cuda"): the terms of the memory they report, in which level planning
     #: estimates what each sub-model needs.
@@ -250,6 +252,7 @@ class CoordinatorConfig:
         self.screening.validate()
         self.uploads.validate()
         self.deployment.validate()
+        self.privacy.validate(self.weighting)
         self.buffered.validate()
         self.fedavg.validate()
         self.fedrolex.validate()

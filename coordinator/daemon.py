@@ -21,7 +21,7 @@ from common import heap
 from common.blas_threads import guard_blas_threads
 from common.data import Dataset, load_dataset
 from common.logs import get_logger
-from common.mqtt_link import BrokerRefused, MqttLink, Will
+from common.mqtt_link import BrokerRefused, MqttLink
 from coordinator import reporting
 from coordinator.announcements import StatusAnnouncer
 from coordinator.brief import MethodBrief
@@ -35,6 +35,7 @@ from coordinator.intake import UpdateIntake, single_threaded_torch
 from coordinator.metrics import Progress, RoundResult, tell_progress
 from coordinator.model_courier import ModelCourier
 from coordinator.planning import model_family, model_options, strategy_for
+from coordinator.privacy.guard import PrivacyGuard
 from coordinator.registry import FleetRegistry
 from coordinator.round import Round
 from coordinator.round_planner import RoundPlanner
@@ -79,7 +80,8 @@ class Coordinator:
         # The link first, so that every room is handed it once; its Last Will is made as start() connects.
         self.link = MqttLink(client_id=f"fedfit-coordinator-{config.federation}", broker=config.broker,
                              subscriptions=[self.topics.all_agent_status(), self.topics.all_agent_updates()],
-                             handler=self._on_message, will=self._last_will, on_ready=self._on_link_ready,
+                             handler=self._on_message, will=lambda: self.announcer.last_will(),
+                             on_ready=lambda: self.announcer.announce(),
                              on_refused=self._on_refused)
         self.announcer = StatusAnnouncer(config.federation, self.link, self.topics, self.registry, self.in_flight,
                                          self.files)
@@ -94,8 +96,11 @@ class Coordinator:
                                    on_receipt=self.exporter.update_received if self.exporter is not None else None)
         self._evaluator = Evaluator.for_test_set(self.family, self.dataset, config.data.eval_samples, config.seed,
                                                  self.strategy.context.server_x)
-        self.planner = RoundPlanner(config, self.strategy, self.fleet, self.in_flight, self.files, self.intake,
+        #: Differential privacy: the clip bound in each task, the private aggregate, the epsilon spent, the budget.
+        self.privacy = PrivacyGuard(config.privacy, config.rounds, self.files.last_record, self.completed_rounds,
                                     self.log)
+        self.planner = RoundPlanner(config, self.strategy, self.fleet, self.in_flight, self.files, self.intake,
+                                    self.privacy, self.log)
         if config.resume:
             self.planner.resume(self.completed_rounds, resume_grace_s)
         #: The agents' update topics: requests to upload and chunks (``uploads``: the window, `grants`).
@@ -161,12 +166,6 @@ class Coordinator:
             self.log.warning("metrics_final_state_not_scraped", linger_s=self.config.metrics_linger_s,
                              message="no scrape read the final metrics before metrics_linger_s passed")
 
-    def _last_will(self) -> Will:
-        return self.announcer.last_will()
-
-    def _on_link_ready(self) -> None:
-        self.announcer.announce()
-
     def _on_refused(self, topic: str, reason: str) -> None:
         """The broker refused a publish (its status, a task or an ack): the federation cannot run."""
         if self.in_flight.halt(f"the MQTT broker at {self.config.broker} refused to let user "
@@ -210,7 +209,7 @@ class Coordinator:
         """Run ``rounds`` rounds (default: up to the configured total) and return their results."""
         last = self.config.rounds if rounds is None else self.completed_rounds + rounds
         results = []
-        while self.completed_rounds < last:
+        while self.completed_rounds < last and self.privacy.allows(self.completed_rounds + 1):
             results.append(self.run_round(self.completed_rounds + 1, last_round=last))
         self._raise_if_fatal()  # e.g. the last round's verdicts refused: the run is not one to trust
         if left := self.left_behind():
@@ -246,6 +245,7 @@ class Coordinator:
         review = reporting.review(current, self.strategy, self.family, self._evaluator, self.states,
                                   self.files.trained_so_far, self.in_flight.carried_ids, self.log,
                                   every_target=self.config.levels_due(current.number, last_round))
+        review.privacy = self.privacy.settle(current.number)  # the round's epsilon, the next clip bound
         phase = time.perf_counter()
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self.files.round_done(current.number, self.states, review.result(bytes_down, time.monotonic() - started),

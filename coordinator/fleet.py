@@ -15,6 +15,7 @@ from common.logs import Logger
 from coordinator.config import CoordinatorConfig
 from coordinator.data_fit import data_misfit
 from coordinator.federations import federations_seen
+from coordinator.privacy.guard import privacy_misfit
 from coordinator.registry import AgentRecord, FleetRegistry
 from coordinator.serving import ServiceLog, answer_text, unserved_text
 from coordinator.strategies.base import Strategy
@@ -176,12 +177,14 @@ class FleetWatch:
                 f"the agents' configurations")
 
     def fitting(self, online: list[AgentRecord]) -> tuple[list[AgentRecord], list[Skip]]:
-        """The agents whose data fits the model, and a skip (reason logged once per agent) for each other one;
+        """The agents whose data fits the model (and under privacy, that clip their updates), and a skip (reason logged
+        once per agent) for each other one;
         raises NoAgentsError when no online agent's data fits."""
         expected = (self.dataset.in_channels, *self.dataset.image_size)
         fitting, misfits = [], []
         for record in online:
-            reason = data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
+            reason = (data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
+                      or privacy_misfit(self.config.privacy, self.registry.revision(record.agent_id)))
             if reason is None:
                 self._misfits_told.pop(record.agent_id, None)
                 fitting.append(record)

@@ -141,6 +141,8 @@ class RoundResult:
     #: False in a round that evaluated only the global model, its ensembles and the deployable model
     #: (``data.levels_every``): its ``level_accuracy`` lacks the others.
     levels_evaluated: bool = True
+    #: Differential privacy (``coordinator.privacy.guard``): epsilon spent after the round and how; None when off.
+    privacy: dict[str, Any] | None = None
 
     @property
     def headline(self) -> float:

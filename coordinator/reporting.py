@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -160,11 +161,13 @@ class RoundReview:
     trained: tuple[list[str], list[int]]
     deployed: tuple[str, float]
     every_target: bool = True
+    #: What the round spent of the run's privacy (`coordinator.privacy.guard`), None when off.
+    privacy: dict[str, Any] | None = None
 
     def result(self, bytes_down: int, seconds: float) -> RoundResult:
         """The round as `metrics.jsonl` keeps it, its traffic and wall time so far included."""
-        return round_result(self.current, self.records, self.accuracies, self.trained, bytes_down, seconds,
-                            self.deployed, levels_evaluated=self.every_target)
+        return replace(round_result(self.current, self.records, self.accuracies, self.trained, bytes_down, seconds,
+                                    self.deployed, levels_evaluated=self.every_target), privacy=self.privacy)
 
 
 def review(current: Round, strategy: Strategy, family: ModelFamily, evaluator: Evaluator, states: dict[str, State],

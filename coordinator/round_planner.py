@@ -20,6 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.dispatch import Dispatcher
 from coordinator.fleet import FleetWatch
 from coordinator.in_flight import InFlight
+from coordinator.privacy.guard import PrivacyGuard
 from coordinator.registry import AgentRecord
 from coordinator.round import DispatchedTask, Intake, Round
 from coordinator.run_files import RunFiles
@@ -34,8 +35,9 @@ class RoundPlanner:
     """Plans, journals and opens rounds (see the module docstring)."""
 
     def __init__(self, config: CoordinatorConfig, strategy: Strategy, fleet: FleetWatch, in_flight: InFlight,
-                 files: RunFiles, intake: Intake, log: Logger) -> None:
+                 files: RunFiles, intake: Intake, privacy: PrivacyGuard, log: Logger) -> None:
         self._config = config
+        self._privacy = privacy
         self._strategy = strategy
         self._fleet = fleet
         self._in_flight = in_flight
@@ -76,7 +78,7 @@ class RoundPlanner:
         plan = self._strategy.configure_round(round_number, free, rng)
         skipped = [*plan.skipped, *misfits]
         deadline = time.time() + self._config.round_timeout_s
-        tasks = {Dispatcher.task_id(round_number, task.agent_id): task for task in plan.tasks}
+        tasks = self._privacy.plan({Dispatcher.task_id(round_number, task.agent_id): task for task in plan.tasks})
         bases = self._in_flight.plan(round_number)
         self._journal.begin(round_number, deadline, tasks, skipped, carried, bases)  # before any task goes out
         planned = self.new_round(round_number, tasks, skipped, deadline, carried)
@@ -106,7 +108,9 @@ class RoundPlanner:
         config = self._config
         last = round_number >= config.rounds and config.buffered.drain_last
         size = config.buffered.size if config.round_mode == "buffered" and not last else None
-        return Round(round_number, tasks, skipped, deadline, self._strategy.begin_aggregate(self._in_flight.states),
+        aggregate = self._privacy.aggregate(round_number, len(tasks) + len(carried),
+                                            self._strategy.begin_aggregate(self._in_flight.states))
+        return Round(round_number, tasks, skipped, deadline, aggregate,
                      config.screening, self._intake, carried=carried, buffer_size=size,
                      max_staleness=config.buffered.max_staleness)
 

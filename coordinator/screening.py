@@ -163,11 +163,22 @@ def screen(results: Sequence[TaskResult], sent_of: Callable[[TaskResult], Mappin
     return kept, rejected, changes
 
 
+def local_noise_reach(result: TaskResult) -> float:
+    """How far the noise a device adds under local differential privacy (``plan.update_clip``) may move its update:
+    ``noise_multiplier * bound * (sqrt(values) + 5)``, the noise vector's norm with five standard deviations' room
+    (0 without such noise)."""
+    clip = result.task.plan.update_clip
+    if clip is None or clip.noise_multiplier == 0:
+        return 0.0
+    values = sum(tensor.numel() for tensor in result.state.values() if tensor.is_floating_point())
+    return clip.noise_multiplier * clip.bound * (math.sqrt(values) + 5.0)
+
+
 def beyond_reach(result: TaskResult, change: Change) -> str | None:
     """Rule 1: why no honest run of the plan makes this update (non-finite, or beyond the plan's reach)."""
     if not math.isfinite(change.norm):
         return "update rejected: its weights are not finite"
-    if change.bound is not None and change.norm > change.bound * (1 + REACH_TOLERANCE):
+    if change.bound is not None and change.norm > change.bound * (1 + REACH_TOLERANCE) + local_noise_reach(result):
         optimizer = result.task.plan.optimizer
         return (f"update rejected: its change (norm {change.norm:.3g}) is {change.norm / change.bound:.1f} times "
                 f"the most its training plan can move the weights ({change.bound:.3g}: {change.steps} steps at lr "

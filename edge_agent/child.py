@@ -40,6 +40,7 @@ from edge_agent import allocator as heap
 from edge_agent import gpu_stack
 from edge_agent.copies import CopyStore
 from edge_agent.memory import gpu_free_memory
+from edge_agent.update_clip import clip_update
 from edge_agent.workdir import (
     CUDA_START_FILE,
     TASK_FILE,
@@ -229,6 +230,8 @@ def _train(workdir: Path, beacon: ProgressBeacon) -> None:
                    device=device, on_stage=on_stage, copies=copies, family=family, on_step=beacon.beat)
     trained = model.state_dict()
     state = {key: trained[key].detach().cpu().numpy().astype(np.float32) for key in family.trainable_keys(spec)}
+    if training.update_clip is not None:  # differential privacy: the change clipped (and noised) here
+        state, _ = clip_update(state, task.weights, training.update_clip)
     metrics = _metrics(result, peaks, spec, device, reserved_baseline, cuda, request.allocator, applied)
     if copies:  # the device keeps its auxiliary copies for the next round; only the first model is uploaded
         metrics["copies"] = float(training.copies)

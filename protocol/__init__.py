@@ -24,6 +24,7 @@ from protocol.messages import (
     MEMORY_KILL_REASON,
     MODEL_DELIVERY_REVISION,
     ORDERED_DROPOUT_REVISION,
+    PRIVACY_REVISION,
     PROTOCOL_REVISION,
     PROTOCOL_VERSION,
     READABLE_VERSIONS,
@@ -49,7 +50,7 @@ from protocol.messages import (
     UploadRequest,
     UploadWait,
 )
-from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan
+from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan, UpdateClip
 from protocol.reassembly import Reassembled, Reassembler, TransferRefused
 from protocol.tensors import decode_tensor, encode_tensor
 from protocol.topics import Topics, parse_agent_topic, validate_name
@@ -63,6 +64,7 @@ __all__ = [
     "MODEL_DELIVERY_REVISION",
     "ORDERED_DROPOUT_REVISION",
     "PLAN_VERSION",
+    "PRIVACY_REVISION",
     "PROTOCOL_REVISION",
     "PROTOCOL_VERSION",
     "READABLE_VERSIONS",
@@ -96,6 +98,7 @@ __all__ = [
     "TrainingPlan",
     "TransferRefused",
     "Update",
+    "UpdateClip",
     "UpdateStatus",
     "UploadGrant",
     "UploadRequest",

@@ -16,14 +16,15 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 8
+PROTOCOL_REVISION = 9
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
 field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
 ``width_kd`` loss terms); revision 5 the statuses' reports (:class:`AgentReport`, :class:`RoundProgress`);
 revision 6 uploads the coordinator grants (:attr:`Task.ask_to_upload`, :class:`UploadRequest`, :class:`UploadGrant`);
 revision 7 the coordinator's answer that a request waits its turn (:class:`UploadWait`); revision 8 models delivered
-to run (:class:`ModelDelivery`, :attr:`AgentReport.model`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
+to run (:class:`ModelDelivery`, :attr:`AgentReport.model`); revision 9 updates clipped (and noised) on the device
+for differential privacy (:attr:`TrainingPlan.update_clip`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
 coordinators that predate revision 3 read an announced 3 or more as 2."""
 HEAD_ALONE_REVISION = 3
 """The first revision an agent reads :attr:`Adaptation.head_alone` in."""
@@ -46,6 +47,10 @@ MODEL_DELIVERY_REVISION = 8
 """The first revision an agent stores a :class:`ModelDelivery` in, and a coordinator reads :attr:`AgentReport.model`
 in: a coordinator announces it as its status's :attr:`CoordinatorStatus.revision`, and an agent then says in its
 report the model it holds."""
+
+PRIVACY_REVISION = 9
+"""The first revision an agent clips its update in (:attr:`TrainingPlan.update_clip`): a coordinator under
+differential privacy sends tasks to such agents only."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")

@@ -40,6 +40,12 @@ the version is bumped only when the meaning of something already on the wire cha
 kind, field or version it does not know rejects the task with one :class:`~protocol.ProtocolError` that names
 it.
 
+``update_clip`` (revision 9, written only when set) is client-level differential privacy on the device: after
+training, the update's change from the task's weights (every tensor it uploads, as one vector) is scaled down to
+L2 norm ``bound`` when it is longer, and with ``noise_multiplier`` above 0 (local DP) Gaussian noise of standard
+deviation ``noise_multiplier * bound`` is added to every value the device sends, drawn from the operating system's
+randomness.
+
 The plan is versioned (``PLAN_VERSION``). Tasks from coordinators that predate plans carry a
 :class:`~protocol.Recipe` instead; :meth:`TrainingPlan.from_recipe` gives the plan that recipe always meant.
 """
@@ -68,6 +74,7 @@ __all__ = [
     "Recipe",
     "Stage",
     "TrainingPlan",
+    "UpdateClip",
     "read_training_plan",
 ]
 
@@ -186,6 +193,16 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class UpdateClip:
+    """Differential privacy on the device (see the module docstring): the update's change clipped to L2 norm
+    ``bound``, plus Gaussian noise of standard deviation ``noise_multiplier * bound`` (0: none; the coordinator adds
+    it to the sum)."""
+
+    bound: float
+    noise_multiplier: float = 0.0
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """Everything about local training but the weights and the spec (see the module docstring).
 
@@ -202,9 +219,10 @@ class TrainingPlan:
     version: int = PLAN_VERSION
     copies: int = 1
     widths: tuple[float, ...] = ()
+    update_clip: UpdateClip | None = None
 
     #: Written only when not at their default, so that agents that predate them still read the plan.
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("copies", "widths")
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("copies", "widths", "update_clip")
 
     @property
     def ordered_dropout(self) -> bool:
@@ -343,7 +361,7 @@ def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
         if type(version) is not int or version != PLAN_VERSION:
             raise ProtocolError(f"{where}.version: the training plan is version {shown(version)}, this side "
                                 f"runs version {PLAN_VERSION}: upgrade the older side")
-    r = FieldReader(obj, where, limits, TrainingPlan, optional=("copies", "widths"))
+    r = FieldReader(obj, where, limits, TrainingPlan, optional=("copies", "widths", "update_clip"))
     terms = _read_list(r.raw("loss"), r.label("loss"), MAX_LOSS_TERMS)
     if not terms:
         raise ProtocolError(f"{r.label('loss')} must hold at least one term")
@@ -358,7 +376,13 @@ def read_training_plan(obj: object, where: str, limits: Limits) -> TrainingPlan:
         version=PLAN_VERSION,
         copies=_read_copies(r),
         widths=_read_widths(r),
+        update_clip=r.opt_nested("update_clip", _read_update_clip),
     )
+
+
+def _read_update_clip(obj: object, where: str, limits: Limits) -> UpdateClip:
+    r = FieldReader(obj, where, limits, UpdateClip)
+    return UpdateClip(bound=r.number("bound", above=0.0), noise_multiplier=r.number("noise_multiplier", minimum=0.0))
 
 
 def _read_widths(r: FieldReader) -> tuple[float, ...]:

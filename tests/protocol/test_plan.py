@@ -26,6 +26,7 @@ from protocol import (
     Stage,
     Task,
     TrainingPlan,
+    UpdateClip,
     decode,
     encode,
     encode_tensor,
@@ -122,8 +123,10 @@ def test_every_adaptation_kind_round_trips(adaptation: Adaptation | None, messag
         TrainingPlan(seed=2**63 - 1, loss=tuple(LossTerm.ce(output=-i) for i in range(1, 65))),
         TrainingPlan(schedule=tuple(Stage(1 + i % 3, "exit" if i % 2 else "skip", i % 5 == 0) for i in range(1024))),
         TrainingPlan(loss=(LossTerm.ce(), LossTerm.width_kd(tau=2.0)), widths=(1.0, 0.75, 0.5, 0.25)),
+        TrainingPlan(update_clip=UpdateClip(0.5, 1.2)),
     ],
-    ids=["default", "sample", "candidate", "segments", "from-recipe", "64-terms", "1024-stages", "ordered-dropout"],
+    ids=["default", "sample", "candidate", "segments", "from-recipe", "64-terms", "1024-stages", "ordered-dropout",
+         "update-clip"],
 )
 def test_plan_to_dict_from_dict_round_trip(plan: TrainingPlan) -> None:
     data = plan.to_dict()
@@ -165,7 +168,8 @@ def test_plan_field_names_are_the_contract() -> None:
         return [f.name for f in dataclasses.fields(cls)]
 
     assert names(TrainingPlan) == ["optimizer", "epochs", "batch_size", "seed", "loss", "schedule", "version", "copies",
-                                   "widths"]
+                                   "widths", "update_clip"]
+    assert names(UpdateClip) == ["bound", "noise_multiplier"]
     assert names(OptimizerSettings) == ["kind", "lr", "momentum", "weight_decay", "clip_norm"]
     assert names(LossTerm) == ["kind", "weight", "output", "masked", "teacher", "tau", "detach_teacher",
                                "teacher_spec"]
@@ -518,7 +522,7 @@ def _wire_value(value: object) -> object:
     """Message values as msgpack primitives, written independently of the codec (and without its checks)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Fields added later stay off the wire at their default (see test_copies_stay_off_the_wire_at_their_...).
-        later = {TrainingPlan: {"copies": 1, "widths": ()}, Stage: {"cache": False, "micro_batch": 0},
+        later = {TrainingPlan: {"copies": 1, "widths": (), "update_clip": None}, Stage: {"cache": False, "micro_batch": 0},
                  Adaptation: {"route": "skip", "min_micro_batch": 0, "head_alone": False}, LossTerm: {"teacher_spec": None}}
         omitted = later.get(type(value), {})
         return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)
@@ -939,3 +943,15 @@ def test_ask_to_upload_stays_off_the_wire_unless_set(messages: dict[str, Message
         assert _decode_task(encode(asking, version=version)).ask_to_upload is True
     with pytest.raises(ProtocolError, match="ask_to_upload"):
         decode(pack({**wire_of(task), "ask_to_upload": "yes"}))
+
+
+def test_the_update_clip_stays_off_the_wire_unless_set_and_is_refused_malformed() -> None:
+    assert "update_clip" not in TrainingPlan().to_dict()
+    private = TrainingPlan(update_clip=UpdateClip(2.0))
+    assert private.to_dict()["update_clip"] == {"bound": 2.0, "noise_multiplier": 0.0}
+    for clip, message in (({"bound": 0.0, "noise_multiplier": 0.0}, "bound must be > 0"),
+                          ({"bound": 1.0, "noise_multiplier": -1.0}, "noise_multiplier must be >= 0"),
+                          ({"bound": 1.0}, "missing field"), ({"bound": 1.0, "noise_multiplier": 0, "x": 1}, "unknown"),
+                          (3.0, "must be a map")):
+        with pytest.raises(ProtocolError, match=message):
+            TrainingPlan.from_dict({**private.to_dict(), "update_clip": clip})
