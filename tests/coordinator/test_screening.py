@@ -9,10 +9,17 @@ import pytest
 import torch
 
 from coordinator.config import ScreeningConfig
-from coordinator.screening import REACH_TOLERANCE, change_of, momentum_reach, plan_steps, screen
+from coordinator.screening import (
+    REACH_TOLERANCE,
+    change_of,
+    local_noise_reach,
+    momentum_reach,
+    plan_steps,
+    screen,
+)
 from coordinator.strategies import TaskPlan, TaskResult
 from models import SubmodelSpec, get_family, train
-from protocol import Adaptation, Candidate, OptimizerSettings, TrainingPlan
+from protocol import Adaptation, Candidate, OptimizerSettings, TrainingPlan, UpdateClip
 
 SENT = {"w": torch.ones(4, 4), "b": torch.zeros(4)}  # norm 4
 PLAN = TrainingPlan(optimizer=OptimizerSettings(lr=0.1, momentum=0.0, weight_decay=0.0, clip_norm=1.0), epochs=1,
@@ -205,3 +212,13 @@ def test_an_update_that_used_its_whole_reach_passes_despite_rounding() -> None:
     assert change_of(moved(1.0).state, sent, PLAN, [1]).norm == pytest.approx(0.1, rel=1e-5)  # the bound
     assert screen([moved(1 + 5e-6)], lambda _r: sent, ScreeningConfig())[1] == []
     assert len(screen([moved(1 + 10 * REACH_TOLERANCE)], lambda _r: sent, ScreeningConfig())[1]) == 1
+
+
+def test_the_reach_leaves_room_for_the_noise_a_device_adds_under_local_privacy() -> None:
+    state = {"w": torch.zeros(100), "n": torch.zeros(1, dtype=torch.long)}  # counters are not noised
+    task = TaskPlan("a", "a", SubmodelSpec(), TrainingPlan(update_clip=UpdateClip(0.5, noise_multiplier=2.0)))
+    result = TaskResult(task, SubmodelSpec(), state, {}, 1, [0])
+    assert local_noise_reach(result) == pytest.approx(2.0 * 0.5 * (math.sqrt(100) + 5))
+    for plan in (TrainingPlan(), TrainingPlan(update_clip=UpdateClip(0.5))):  # no noise of the device's own
+        assert local_noise_reach(TaskResult(TaskPlan("a", "a", SubmodelSpec(), plan), SubmodelSpec(), state, {}, 1,
+                                            [0])) == 0.0
