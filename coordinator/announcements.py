@@ -18,8 +18,10 @@ from coordinator.registry import FleetRegistry
 from coordinator.run_files import RunFiles
 from protocol import (
     MODEL_DELIVERY_REVISION,
+    PRIVACY_REVISION,
     STATUS_REPORT_REVISION,
     CoordinatorStatus,
+    PrivacySpent,
     RoundProgress,
     Topics,
     encode,
@@ -69,7 +71,17 @@ class StatusAnnouncer:
             progress = RoundProgress(current.number, len(current.tasks), len(current.answers), self._opened_at,
                                      deadline)
         # (the newest revision of the reports it reads: with MODEL_DELIVERY_REVISION, the model an agent holds)
-        return CoordinatorStatus(self.federation, state, number, time.time(), MODEL_DELIVERY_REVISION, progress)
+        return CoordinatorStatus(self.federation, state, number, time.time(), MODEL_DELIVERY_REVISION, progress,
+                                 self._privacy_spent())
+
+    def _privacy_spent(self) -> PrivacySpent | None:
+        """What a private run has spent after its last round, for agents that all read it (None otherwise)."""
+        record = self._files.last_record
+        oldest = self._registry.oldest_revision()
+        if record is None or not record.privacy or oldest is None or oldest < PRIVACY_REVISION:
+            return None
+        spent = record.privacy
+        return PrivacySpent(float(spent["epsilon"]), float(spent["delta"]), float(spent.get("max_epsilon") or 0.0))
 
     def offline(self) -> tuple[str, bytes, bool]:
         """The 'offline' status as published (topic, payload, retained); plain, as the Last Will: an agent of any

@@ -156,6 +156,8 @@ class CoordinatorMetrics:
         self.phases = late("fedfit_last_round_phase_seconds", "Where the last round's time went", "phase")
         self.accuracy = late("fedfit_global_accuracy", "The test accuracy after the last round of the model a user "
                              "would deploy (the largest level trained, or the ensemble of the trained classifiers)")
+        self.epsilon = late("fedfit_privacy_epsilon", "The privacy a private run has spent after its last round: "
+                            "epsilon at the configured delta (absent when the run is not private)")
         self.agents_online = gauge("fedfit_agents_online", "Agents whose status says online or busy")
         self.inbox = gauge("fedfit_mqtt_inbox_messages", "Messages received and not yet handled")
         self.inbox.set_function(inbox_backlog)
@@ -264,6 +266,8 @@ class CoordinatorMetrics:
         self.seconds.set(result.seconds)
         self.phases.replace(result.timing)  # (a phase this round did not go through is not left from an earlier one)
         self.accuracy.set(result.headline)
+        if result.privacy:
+            self.epsilon.set(result.privacy["epsilon"])
         self.scrapes.changed()
 
 

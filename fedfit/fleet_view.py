@@ -13,6 +13,7 @@ from protocol import (
     STATUS_REPORT_REVISION,
     AgentStatus,
     CoordinatorStatus,
+    PrivacySpent,
     ProtocolError,
     RoundProgress,
     Topics,
@@ -80,6 +81,7 @@ class CoordinatorRow:
     sent_at: float
     revision: int = 0
     progress: RoundProgress | None = None
+    privacy: PrivacySpent | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ class StatusBook:
         with self._lock:
             self._unreadable.discard(self._topics.coordinator_status())
             self._coordinator = None if status is None else CoordinatorRow(status.state, status.round, status.sent_at,
-                                                                           status.revision, status.progress)
+                                                                           status.revision, status.progress,
+                                                                           status.privacy)
 
     def _take_agent(self, agent_id: str, payload: bytes) -> None:
         if not payload:
@@ -202,6 +205,15 @@ def _doing(row: AgentRow) -> str:
 
 
 def _coordinator_line(view: FleetView, now: float) -> str:
+    line = _coordinator_state(view, now)
+    spent = view.coordinator.privacy if view.coordinator is not None else None
+    if spent is None or view.coordinator is None or view.coordinator.state == "offline":
+        return line
+    budget = f" of a budget of {spent.max_epsilon:g}" if spent.max_epsilon else ""
+    return f"{line}; privacy spent: epsilon {spent.epsilon:.3g}{budget} at delta {spent.delta:g}"
+
+
+def _coordinator_state(view: FleetView, now: float) -> str:
     coordinator = view.coordinator
     if coordinator is None:
         return f"coordinator of '{view.federation}': no status on this broker (never started, or this login may " \

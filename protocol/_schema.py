@@ -29,6 +29,7 @@ from protocol.messages import (
     Message,
     ModelDelivery,
     ModelRef,
+    PrivacySpent,
     RoundProgress,
     Task,
     Update,
@@ -189,8 +190,15 @@ def read_round_progress(obj: object, where: str, limits: Limits) -> RoundProgres
     )
 
 
+def read_privacy_spent(obj: object, where: str, limits: Limits) -> PrivacySpent:
+    r = FieldReader(obj, where, limits, PrivacySpent)
+    return PrivacySpent(epsilon=r.number("epsilon", minimum=0.0), delta=r.number("delta", above=0.0, below=1.0),
+                        max_epsilon=r.number("max_epsilon", minimum=0.0))
+
+
 def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
-    r = FieldReader(obj, "coordinator_status", limits, CoordinatorStatus, HEADER, optional=("revision", "progress"))
+    r = FieldReader(obj, "coordinator_status", limits, CoordinatorStatus, HEADER,
+                    optional=("revision", "progress", "privacy"))
     return CoordinatorStatus(
         federation=r.name("federation"),
         state=r.text("state", COORDINATOR_STATES),
@@ -198,6 +206,7 @@ def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
         sent_at=r.number("sent_at"),
         revision=r.opt_integer("revision", minimum=0) or 0,
         progress=r.opt_nested("progress", read_round_progress),
+        privacy=r.opt_nested("privacy", read_privacy_spent),
     )
 
 

@@ -165,13 +165,24 @@ class RoundProgress:
 
 
 @dataclass
+class PrivacySpent:
+    """What a private run has spent after its last round (revision 9, in the coordinator's status): ``epsilon`` at
+    ``delta``, and its budget ``max_epsilon`` (0: none)."""
+
+    epsilon: float
+    delta: float
+    max_epsilon: float = 0.0
+
+
+@dataclass
 class CoordinatorStatus:
     """Retained coordinator status; state is "online" or "offline"; round is the round in progress, else the last
     one completed. ``revision`` (:data:`STATUS_REPORT_REVISION` or 0) says whether it reads agents' reports;
     ``progress`` the round in progress (None between rounds, and where it is not written: see
-    :data:`STATUS_REPORT_REVISION`)."""
+    :data:`STATUS_REPORT_REVISION`); ``privacy`` what a private run has spent (None when it is not private, and
+    while an agent older than :data:`PRIVACY_REVISION` is online)."""
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("revision", "progress")
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("revision", "progress", "privacy")
 
     federation: str
     state: str
@@ -179,6 +190,7 @@ class CoordinatorStatus:
     sent_at: float
     revision: int = 0
     progress: RoundProgress | None = None
+    privacy: PrivacySpent | None = None
 
 
 @dataclass

@@ -3,7 +3,7 @@ round's private aggregate, the privacy each round spends (`coordinator.privacy.l
 budget a run may not go beyond.
 
 What a round's record says (``RoundResult.privacy``): ``mode``, ``epsilon`` at ``delta`` after the round, the
-``accountant``, ``noise_multiplier``, the ``clip`` bound its tasks set, the ``next_clip`` (adaptive), the
+budget ``max_epsilon``, the ``accountant``, ``noise_multiplier``, the ``clip`` bound its tasks set, the ``next_clip`` (adaptive), the
 ``unclipped`` share of its updates (adaptive: noised) and the ``ledger``. A resumed run reads its ledger and bound
 back from the checkpoint's last record.
 """
@@ -152,7 +152,7 @@ class PrivacyGuard:
             record["unclipped"] = share
         self.ledger.add(settings.noise_multiplier)
         record.update(next_clip=self.clip, epsilon=self.epsilon(), delta=settings.delta,
-                      accountant=settings.accountant, ledger=self.ledger.to_list())
+                      max_epsilon=settings.max_epsilon, accountant=settings.accountant, ledger=self.ledger.to_list())
         self.log.info("privacy_spent", round=round_number, epsilon=record["epsilon"], delta=settings.delta,
                       clip=used, next_clip=self.clip)
         return record

@@ -138,6 +138,7 @@ def comparison_rows(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                 else PAPER_BASELINES.get(report["algorithm"], "")),
             "baseline": BASELINE_MEANING.get(report.get("run", {}).get("label", ""), ""),
             "run": report.get("run", {}).get("directory"),
+            **({"epsilon": summary["epsilon"], "delta": summary["delta"]} if "epsilon" in summary else {}),
         })
     return rows
 
@@ -188,6 +189,17 @@ def _outputs(row: dict[str, Any]) -> str:
 _COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "served", "trained", "declined",
             "failed",
             "rejected", "over budget", "waste", "pruned", "MB/round", "wall time", "last-5 change")
+
+
+def columns(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """The table's columns: with ``epsilon`` at the end where some run was private (the privacy section)."""
+    return _COLUMNS + (("epsilon",) if any("epsilon" in row for row in rows) else ())
+
+
+def cells(row: dict[str, Any], private: bool) -> list[str]:
+    """A run's row under :func:`columns` (``private``: the table has the epsilon column)."""
+    epsilon = f"{row['epsilon']:.3g} (delta {row['delta']:g})" if "epsilon" in row else "-"
+    return _cells(row) + ([epsilon] if private else [])
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -289,6 +301,8 @@ def comparison_html(comparison: Comparison, png: Path) -> str:
     seeds = (f"<h2>Over the seeds</h2>{table(SEED_COLUMNS, [seed_cells(r) for r in comparison.seed_table])}"
              f"<h2>Every run</h2>" if comparison.seed_table else "")
     notes = "".join(f"<li>{html.escape(note)}</li>" for note in comparison.notes())
+    header = columns(comparison.rows)
+    run_table = table(header, [cells(row, len(header) > len(_COLUMNS)) for row in comparison.rows])
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>FedFit comparison</title>
 <style>
@@ -304,7 +318,7 @@ img {{ max-width: 100%; }}
 {paragraphs}
 {warning}
 {seeds}
-{table(_COLUMNS, [_cells(row) for row in comparison.rows])}
+{run_table}
 <p>Accuracy on the test set at the last round (best: the best round's). Declined counts tasks refused or skipped for
 memory, failed those that crashed or missed the deadline, rejected those the coordinator's screening refused; over
 budget counts tasks whose measured peak exceeded the device's budget.</p>
@@ -499,9 +513,11 @@ def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
     if seed_table:
         text += "over the seeds:\n" + aligned(SEED_COLUMNS, seed_cells_, left=(0, 6)) + "\n\nevery run:\n"
         markdown += markdown_table(SEED_COLUMNS, seed_cells_) + "\n\nEvery run:\n\n"
-    text += aligned(_COLUMNS, [_cells(row) for row in rows], left=(0, 4)) + "\n\n"
+    header = columns(rows)
+    run_cells = [cells(row, len(header) > len(_COLUMNS)) for row in rows]
+    text += aligned(header, run_cells, left=(0, 4)) + "\n\n"
     text += "\n".join(comparison.notes()) + "\n"
-    markdown += markdown_table(_COLUMNS, [_cells(row) for row in rows]) + "\n\n"
+    markdown += markdown_table(header, run_cells) + "\n\n"
     markdown += "\n".join(_markdown_item(note) for note in comparison.notes()) + "\n"
     paths = {"txt": directory / "comparison.txt", "md": directory / "comparison.md",
              "json": directory / "comparison.json", "png": directory / "comparison.png",

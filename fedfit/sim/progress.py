@@ -84,7 +84,8 @@ class ProgressPrinter:
         model = "" if result.deployed == "global" else f" ({result.deployed})"
         text = (f"{self.label}round {result.round}/{self.rounds}: global {result.headline:.4f}{model} [{levels}] "
                 + (f"exits [{exits}] " if exits else "")
-                + f"agents {agents_cell(vars(result))} {result.seconds:.1f}s")
+                + f"agents {agents_cell(vars(result))} {result.seconds:.1f}s"
+                + (f", epsilon {result.privacy['epsilon']:.3g}" if result.privacy else ""))
         eta = self.eta(now)
         if eta is not None and len(self.durations) < self.rounds:
             text += f", about {duration_text(eta)} left"

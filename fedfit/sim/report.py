@@ -77,6 +77,7 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_up": r.bytes_up,
         "seconds": r.seconds,
         "timing": dict(r.timing),
+        **({"privacy": dict(r.privacy)} if r.privacy else {}),  # epsilon spent after the round (privacy section)
     }
 
 
@@ -143,6 +144,7 @@ def summarize(rounds: list[dict[str, Any]], tasks: list[dict[str, Any]],
         "round_seconds": sum(r["seconds"] for r in rounds) / len(rounds),
         "wall_seconds": wall_seconds,
         "staleness": staleness(tasks),
+        **({"epsilon": final["privacy"]["epsilon"], "delta": final["privacy"]["delta"]} if final.get("privacy") else {}),
     }
 
 
@@ -266,8 +268,9 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
     levels = sorted({name for r in rounds for name in r["level_accuracy"]})
     exits = sorted({name for r in rounds for name in r["exit_accuracy"]}, key=lambda name: (len(name), name))
     named = any(r.get("deployed", "global") != "global" for r in rounds)
+    private = any(r.get("privacy") for r in rounds)
     header = (["round", "global"] + (["model"] if named else []) + [f"lvl {name}" for name in levels] + list(exits)
-              + ["agents", "waste", "MB down", "MB up", "seconds"])
+              + ["agents", "waste", "MB down", "MB up", "seconds"] + (["epsilon"] if private else []))
     rows = [header]
     marked = False
 
@@ -287,7 +290,8 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
                        for name in exits]
                     + [agents_cell(r),
                        "-" if r.get("waste") is None else f"{r['waste']:.3f}", f"{r['bytes_down'] / 1e6:.2f}",
-                       f"{r['bytes_up'] / 1e6:.2f}", f"{r['seconds']:.1f}"])
+                       f"{r['bytes_up'] / 1e6:.2f}", f"{r['seconds']:.1f}"]
+                    + ([f"{r['privacy']['epsilon']:.3g}" if r.get("privacy") else "-"] if private else []))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
@@ -297,6 +301,9 @@ def format_table(rounds: list[dict[str, Any]]) -> str:
     if marked:
         lines.append("* no device trained this level (or exit) itself this round: its figure is the slice of the "
                      "global model that others trained")
+    if private:
+        delta = next(r["privacy"]["delta"] for r in rounds if r.get("privacy"))
+        lines.append(f"epsilon: the privacy spent after the round, at delta {delta:g} (docs/privacy.md)")
     if any(r.get("carried") for r in rounds):
         lines.append("agents: updates aggregated / devices selected + tasks carried from earlier rounds (buffered)")
     return "\n".join(lines)
