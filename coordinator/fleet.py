@@ -184,7 +184,8 @@ class FleetWatch:
         fitting, misfits = [], []
         for record in online:
             reason = (data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
-                      or privacy_misfit(self.config.privacy, self.registry.revision(record.agent_id)))
+                      or privacy_misfit(self.config.privacy, record.capabilities.protocol_version
+                                        if record.capabilities is not None else 1))
             if reason is None:
                 self._misfits_told.pop(record.agent_id, None)
                 fitting.append(record)

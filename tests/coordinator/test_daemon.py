@@ -1163,3 +1163,51 @@ def test_levels_are_evaluated_every_levels_every_rounds_and_in_the_last(tmp_path
     assert set(results[0].level_accuracy) == {"a", "b"}
     assert set(results[1].level_accuracy) == set(results[2].level_accuracy) == {"a", "b", "c"}
     assert all(result.deployed == "b" for result in results)
+
+
+def test_a_private_round_clips_rejects_an_unclipped_update_skips_an_old_agent_and_accounts(tmp_path: Path, digits,
+                                                                                            monkeypatch) -> None:
+    from coordinator.privacy.ledger import PrivacyLedger
+    from coordinator.privacy.settings import PrivacyConfig
+    from protocol import PRIVACY_REVISION, UpdateClip
+
+    coordinator = Coordinator(config(tmp_path, rounds=2, privacy=PrivacyConfig("central", clip=1.0,
+                                                                               noise_multiplier=0.5)), dataset=digits)
+    agents = [AgentRecord(name, "online", replace(agent_record(name).capabilities, protocol_version=revision), 0.0)
+              for name, revision in (("clips", PRIVACY_REVISION), ("ignores", PRIVACY_REVISION),
+                                     ("old", PRIVACY_REVISION - 1))]
+    monkeypatch.setattr(coordinator.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: agents)
+    sent: list[TaskPlan] = []
+
+    def dispatch(round_number: int, task_id: str, planned: TaskPlan, deadline: float) -> int:
+        sent.append(planned)
+        if planned.agent_id == "clips":  # a change of norm well within the bound
+            start = coordinator.family.extract(coordinator.states["global"], planned.spec,
+                                               keys=coordinator.family.trainable_keys(planned.spec))
+            weights = {key: value.numpy() + np.float32(1e-4) for key, value in start.items()}
+            update = Update(task_id, round_number, planned.agent_id, "ok", planned.spec.to_dict(), 10, [0, 1],
+                            weights, {"loss": 0.5}, None)
+        else:  # every weight set to 0.5: a change far beyond the bound
+            update = update_for(coordinator, planned.spec, task_id=task_id, agent=planned.agent_id,
+                                round_number=round_number, fill=0.5)
+        offer(coordinator, update)
+        return 10
+
+    monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
+    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: None)
+    result = coordinator.run_round(1)
+    assert {task.agent_id for task in sent} == {"clips", "ignores"}
+    assert all(task.plan.update_clip == UpdateClip(1.0, 0.0) for task in sent)
+    records = {task.agent: task for task in result.tasks}
+    assert records["clips"].status == "ok" and result.participants == 1
+    assert records["ignores"].status == "rejected" and "above the clip bound 1 its task set" in records["ignores"].reason
+    assert records["old"].status == "skipped" and "predates clipping updates" in records["old"].reason
+    ledger = PrivacyLedger("rdp")
+    ledger.add(0.5)
+    assert result.privacy is not None and result.privacy["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
+    # The status says what was spent while every agent online reads it, and not once an older one is online.
+    online_at(coordinator, "clips", PRIVACY_REVISION)
+    spent = coordinator.announcer.status("online").privacy
+    assert spent is not None and spent.epsilon == pytest.approx(result.privacy["epsilon"]) and spent.delta == 1e-5
+    online_at(coordinator, "old", PRIVACY_REVISION - 1)
+    assert coordinator.announcer.status("online").privacy is None

@@ -196,3 +196,13 @@ def test_the_grafana_dashboard_is_a_dashboard_of_these_metrics() -> None:
             assert target["expr"].count('{job=~"$job", instance=~"$instance"}') == len(
                 re.findall(r"\b(?:fedfit|process)_[a-z_]+", target["expr"])), target["expr"]
     assert [variable["name"] for variable in dashboard["templating"]["list"]] == ["job", "instance"]
+
+
+def test_a_private_run_exports_the_epsilon_it_has_spent_and_another_none() -> None:
+    metrics = CoordinatorMetrics("lab", "heterofl")
+    metrics.round_done(a_round())
+    assert "fedfit_privacy_epsilon" not in {name for name, _ in samples(metrics)}
+    private = a_round()
+    private.privacy = {"epsilon": 3.5, "delta": 1e-5}
+    metrics.round_done(private)
+    assert samples(metrics)[("fedfit_privacy_epsilon", ())] == 3.5

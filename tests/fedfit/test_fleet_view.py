@@ -10,6 +10,7 @@ from protocol import (
     AgentStatus,
     Capabilities,
     CoordinatorStatus,
+    PrivacySpent,
     RoundProgress,
     Topics,
     encode,
@@ -113,3 +114,14 @@ def test_the_model_an_agent_holds_to_run_is_shown() -> None:
                                              model_refused="a@" + "1" * 64 + ": needs 10.4 MiB to run")))
     assert "holds model b; refused model a: needs 10.4 MiB to run" in format_view(book.view(), NOW)
     assert view_json(book.view(), NOW)["agents"][0]["model"] == "b@" + "0" * 64
+
+
+def test_what_a_private_run_has_spent_is_shown_beside_the_coordinator() -> None:
+    book = StatusBook("fleet")
+    feed_coordinator(book, CoordinatorStatus("fleet", "online", 7, NOW, 9, None, PrivacySpent(2.345, 1e-5, 8.0)))
+    text = format_view(book.view(), NOW)
+    assert ("coordinator: online, round 7 done, none in progress; privacy spent: epsilon 2.35 of a budget of 8 at "
+            "delta 1e-05") in text
+    assert view_json(book.view(), NOW)["coordinator"]["privacy"] == {"epsilon": 2.345, "delta": 1e-5, "max_epsilon": 8.0}
+    feed_coordinator(book, CoordinatorStatus("fleet", "online", 8, NOW, 9, None, PrivacySpent(3.0, 1e-5)))
+    assert "privacy spent: epsilon 3 at delta 1e-05" in format_view(book.view(), NOW)

@@ -311,3 +311,16 @@ def test_the_learning_goal_pairs_a_method_with_the_bounds_on_the_seeds_they_shar
     goal = next(remark for remark in remarks if remark.startswith("learning goal"))
     assert goal.startswith("learning goal (seed 0): the best method, fedepth (0.8000), is 5.00 points below "
                            "all-large (0.8500")
+
+
+def test_a_private_run_has_its_epsilon_in_a_column_of_its_own(tmp_path: Path) -> None:
+    plain = write_comparison([run("heterofl", 0.5)], tmp_path / "plain")["txt"].read_text()
+    assert "epsilon" not in plain
+    private = run("fedepth", 0.6)
+    private["summary"].update(epsilon=4.125, delta=1e-5)
+    row = comparison_rows([private])[0]
+    assert (row["epsilon"], row["delta"]) == (4.125, 1e-5)
+    text = write_comparison([run("heterofl", 0.5), private], tmp_path / "private")["md"].read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| method"))
+    assert header.rstrip(" |").endswith("epsilon")
+    assert "| 4.12 (delta 1e-05) |" in text and text.count("| - |") >= 1

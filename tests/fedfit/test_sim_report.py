@@ -206,3 +206,16 @@ def test_a_round_that_did_not_evaluate_its_levels_has_no_level_average_and_the_s
     assert summary["final_level_average"] == pytest.approx((0.875 + 0.8) / 2)  # round 2's levels, not a's alone
     assert "levels_evaluated" not in report["rounds"][1]  # a round that evaluated them all, as reports before it
     assert level_average(report["rounds"][1]) == pytest.approx((0.875 + 0.8) / 2)
+
+
+def test_a_private_run_shows_the_epsilon_spent_each_round_in_its_report_table_and_summary() -> None:
+    rounds = sample_rounds()
+    assert "epsilon" not in format_table(build_report("heterofl", "mosquitto", "2", rounds, {})["rounds"])
+    for number, result in enumerate(rounds, start=1):
+        result.privacy = {"epsilon": 1.25 * number, "delta": 1e-5, "clip": 1.0}
+    report = build_report("heterofl", "mosquitto", "2", rounds, {})
+    assert report["rounds"][1]["privacy"]["epsilon"] == 2.5
+    assert (report["summary"]["epsilon"], report["summary"]["delta"]) == (2.5, 1e-5)
+    lines = format_table(report["rounds"]).splitlines()
+    assert lines[0].split()[-1] == "epsilon" and lines[2].split()[-1] == "1.25" and lines[3].split()[-1] == "2.5"
+    assert "epsilon: the privacy spent after the round, at delta 1e-05 (docs/privacy.md)" in lines
