@@ -47,6 +47,7 @@ class StatusAnnouncer:
         self._opened_at = 0.0  # wall clock: when the round in progress sent its tasks
         self._outage_at_open = 0.0  # the link's outage seconds then
         self._reports_announced = False  # whether the last status said this coordinator reads agents' reports
+        self._privacy_announced = False  # whether it carried a private run's spending (agents of revision 9 only)
         self._progress_announced = 0.0  # monotonic: when an update last re-published the status
         self._progress_pending = False  # a re-publication is scheduled
         self._progress_lock = threading.Lock()
@@ -111,11 +112,14 @@ class StatusAnnouncer:
                 return
             status = self.status("online")
             self._reports_announced = status.revision >= STATUS_REPORT_REVISION
+            self._privacy_announced = status.privacy is not None
             self._link.publish(self._topics.coordinator_status(), encode(status), retain=True)
 
     def announce_if_readers_changed(self) -> None:
-        """Publish again when whether the fleet reads reports changed (an older agent came, or the last went)."""
-        if self.fleet_reads_reports() != self._reports_announced:
+        """Publish again when whether the fleet reads reports, or a private run's spending, changed (an older agent
+        came, or the last went)."""
+        if (self.fleet_reads_reports() != self._reports_announced
+                or (self._privacy_spent() is not None) != self._privacy_announced):
             self.announce()
 
     def announce_progress(self, current_answers: int, tasks: int) -> None:

@@ -87,11 +87,15 @@ class RecipeConfig:
 class ScreeningConfig:
     """The ``screening`` section (see :mod:`coordinator.screening`): ``enabled`` (default true); ``max_ratio``
     (default 10), how many times the median change per step of the round's other updates of the same trained spec
-    an update's may be; ``min_peers`` (default 2), how many such updates that comparison needs."""
+    an update's may be; ``min_peers`` (default 2), how many such updates that comparison needs. ``peers`` (default
+    true) runs that comparison (rule 2) and ``record`` keeps each update's change in its task's record: a private run
+    turns both off (`coordinator.privacy.guard`)."""
 
     enabled: bool = True
     max_ratio: float = 10.0
     min_peers: int = 2
+    peers: bool = True
+    record: bool = True
 
     def validate(self) -> None:
         """Raises ValueError with one clear sentence."""

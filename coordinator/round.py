@@ -289,7 +289,7 @@ class Round:
         measured = time.perf_counter()
         self.timing["validation"] += measured - started
         answer.spec, answer.keys, answer.change = result.spec, frozenset(result.state), change
-        answer.record.screening = change.as_dict()
+        answer.record.screening = change.as_dict() if self._screening.record else {}
         reason = beyond_reach(result, change) if self._screening.enabled else None
         if reason is not None:
             self._reject(answer, reason)
@@ -353,7 +353,7 @@ class Round:
                 self._done.wait()
             self._carry = frozenset(task_id for task_id in self.tasks if self._carries(task_id))
         started = time.perf_counter()
-        if self._screening.enabled:
+        if self._screening.enabled and self._screening.peers:
             screened = [(task_id, answer, answer.spec, answer.change) for task_id, answer in sorted(self.answers.items())
                         if answer.spec is not None and answer.change is not None]
             reasons = outliers([(spec, change) for _, _, spec, change in screened],

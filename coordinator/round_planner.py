@@ -111,7 +111,7 @@ class RoundPlanner:
         aggregate = self._privacy.aggregate(round_number, len(tasks) + len(carried),
                                             self._strategy.begin_aggregate(self._in_flight.states))
         return Round(round_number, tasks, skipped, deadline, aggregate,
-                     config.screening, self._intake, carried=carried, buffer_size=size,
+                     self._privacy.screening(config.screening), self._intake, carried=carried, buffer_size=size,
                      max_staleness=config.buffered.max_staleness)
 
     def resume(self, completed_rounds: int, grace_s: float) -> None:

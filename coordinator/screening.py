@@ -174,6 +174,16 @@ def local_noise_reach(result: TaskResult) -> float:
     return clip.noise_multiplier * clip.bound * (math.sqrt(values) + 5.0)
 
 
+def local_noise_floor(result: TaskResult) -> float:
+    """The least norm the noise a device adds under local differential privacy gives its update, with five standard
+    deviations' room: ``noise_multiplier * bound * (sqrt(values) - 5)`` (0 without such noise)."""
+    clip = result.task.plan.update_clip
+    if clip is None or clip.noise_multiplier == 0:
+        return 0.0
+    values = sum(tensor.numel() for tensor in result.state.values() if tensor.is_floating_point())
+    return max(0.0, clip.noise_multiplier * clip.bound * (math.sqrt(values) - 5.0))
+
+
 def beyond_reach(result: TaskResult, change: Change) -> str | None:
     """Rule 1: why no honest run of the plan makes this update (non-finite, or beyond the plan's reach)."""
     if not math.isfinite(change.norm):

@@ -62,5 +62,5 @@ def rebased(result: TaskResult, sent: State, current: State, staleness: int) -> 
         start = _slice(current[key], indices).to(torch.float32)
         change = trained.to(torch.float32) - _slice(sent[key], indices).to(torch.float32)
         state[key] = (start + scale * change).to(trained.dtype)
-    return replace(result, state=state)
+    return replace(result, state=state, staleness=staleness)
 

@@ -57,6 +57,8 @@ class TaskResult:
     index_map: IndexMap
     num_samples: int
     labels: list[int]
+    #: Rounds late (a buffered round's stale update, rebased: its change scaled by FedBuff's weight).
+    staleness: int = 0
 
 
 @dataclass(frozen=True)

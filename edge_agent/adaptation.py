@@ -68,7 +68,9 @@ def options(family: ModelFamily, sent: SubmodelSpec, plan: TrainingPlan, hint: A
                 check_plan(family, spec, candidate.plan)
             except ValueError as exc:
                 raise ValueError(f"adaptation candidate {index}: {exc}") from None
-            candidates.append(Option(spec, replace(candidate.plan, seed=plan.seed)))
+            # (The task's clip bound holds for whatever the device trains instead: differential privacy.)
+            candidates.append(Option(spec, replace(candidate.plan, seed=plan.seed,
+                                                   update_clip=candidate.plan.update_clip or plan.update_clip)))
     for option in candidates:
         if option.spec != sent and family.is_nested(option.spec, sent) and option not in found:
             found.append(option)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from coordinator.aggregation import RoundAggregate, grid, leading, leading_sizes
-from coordinator.screening import local_noise_reach
+from coordinator.screening import local_noise_floor, local_noise_reach
+from coordinator.staleness import staleness_weight
 from coordinator.tasks import State, TaskResult
 
 __all__ = ["PrivateAggregate", "RoundRelease", "change_norms"]
@@ -94,12 +95,18 @@ class PrivateAggregate(RoundAggregate):
         if clip is None:
             raise ValueError("its task set no clip bound (it was planned before privacy was on), so its change is "
                              "not bounded")
-        change, base = change_norms(result, self.states)
-        limit = clip.bound * (1 + BOUND_SLACK) + WEIGHT_ROUNDING * base + local_noise_reach(result)
+        rebased, base = change_norms(result, self.states)
+        change = rebased / staleness_weight(result.staleness)  # (a stale update's change, as the device sent it)
+        noise = local_noise_reach(result)
+        limit = clip.bound * (1 + BOUND_SLACK) + WEIGHT_ROUNDING * base + noise
         if not change <= limit:
             raise ValueError(f"its change has L2 norm {change:.4g}, above the clip bound {clip.bound:.4g} its task "
-                             f"set{' and its noise' if self.release.local else ''}: under differential privacy "
-                             f"every update is clipped on the device (an agent that ignores the bound?)")
+                             f"set{' and its noise' if noise else ''}: under differential privacy every update is "
+                             f"clipped on the device (an agent that ignores the bound?)")
+        if noise and change < local_noise_floor(result) - clip.bound:
+            raise ValueError(f"its change has L2 norm {change:.4g}, below what the noise its task set gives "
+                             f"({local_noise_floor(result):.4g} at least): under local differential privacy every "
+                             f"update is noised on the device (an agent that ignores the noise?)")
         super().add(result)
         self.release.bounds.append(clip.bound)
         self.release.unclipped.append(change < clip.bound * (1 - BOUND_SLACK) - WEIGHT_ROUNDING * base)

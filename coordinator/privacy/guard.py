@@ -4,8 +4,8 @@ budget a run may not go beyond.
 
 What a round's record says (``RoundResult.privacy``): ``mode``, ``epsilon`` at ``delta`` after the round, the
 budget ``max_epsilon``, the ``accountant``, ``noise_multiplier``, the ``clip`` bound its tasks set, the ``next_clip`` (adaptive), the
-``unclipped`` share of its updates (adaptive: noised) and the ``ledger``. A resumed run reads its ledger and bound
-back from the checkpoint's last record.
+``unclipped`` share of its updates (adaptive: noised) and the ``ledger``. A resumed run reads its ledger (and with
+adaptive clipping its bound) back from the checkpoint's last record.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import numpy as np
 
 from common.logs import Logger
 from coordinator.aggregation import RoundAggregate
+from coordinator.config import ScreeningConfig
 from coordinator.metrics import RoundResult
 from coordinator.privacy.aggregate import PrivateAggregate, RoundRelease
 from coordinator.privacy.ledger import PrivacyLedger
 from coordinator.privacy.settings import PrivacyConfig
 from coordinator.tasks import TaskPlan
-from protocol import PRIVACY_REVISION, UpdateClip
+from protocol import PRIVACY_REVISION, Adaptation, UpdateClip
 
 __all__ = ["PrivacyGuard", "privacy_misfit"]
 
@@ -53,6 +54,15 @@ def count_noise_of(settings: PrivacyConfig, planned: int) -> float:
     return max(planned / 20, settings.noise_multiplier)
 
 
+def _with_clip(adaptation: Adaptation | None, terms: UpdateClip) -> Adaptation | None:
+    """``adaptation`` with the clip bound in every candidate's plan too: what a device trains instead is clipped
+    alike."""
+    if adaptation is None:
+        return None
+    return replace(adaptation, candidates=[replace(candidate, plan=replace(candidate.plan, update_clip=terms))
+                                           for candidate in adaptation.candidates])
+
+
 class PrivacyGuard:
     """Differential privacy for one run (nothing when the ``privacy`` section is off); see the module docstring.
     ValueError at construction when the budget is spent or the run's rounds would spend more."""
@@ -65,6 +75,10 @@ class PrivacyGuard:
         self.clip = settings.clip
         self._releases: dict[int, RoundRelease] = {}
         if not settings.enabled:
+            if completed and last_record is not None and last_record.privacy:
+                log.warning("privacy_turned_off", round=completed, epsilon=last_record.privacy.get("epsilon"),
+                            message="this run was private and goes on without privacy: the models of its next "
+                                    "rounds are not covered by any epsilon")
             return
         if completed:
             self._restore(last_record, completed)
@@ -82,10 +96,13 @@ class PrivacyGuard:
     def _restore(self, last_record: RoundResult | None, completed: int) -> None:
         kept = last_record.privacy if last_record is not None else None
         if not kept:
-            raise ValueError(f"the run in this state_dir ran {completed} round(s) without privacy: their updates were "
-                             f"released unnoised, so no epsilon holds for it; give a private run a new state_dir")
+            raise ValueError(f"the run in this state_dir ran {completed} round(s) and its last round's record holds "
+                             f"no privacy ledger (a run begun without privacy, whose updates were released unnoised, "
+                             f"or a record this version cannot read): no epsilon holds for it; give a private run a "
+                             f"new state_dir")
         self.ledger = PrivacyLedger.from_list(self.settings.accountant, kept.get("ledger"))
-        self.clip = float(kept.get("next_clip", self.settings.clip))
+        if self.settings.adaptive is not None:  # (a fixed bound is the configuration's, changed or not)
+            self.clip = float(kept.get("next_clip", self.settings.clip))
 
     def _refuse_beyond_budget(self, rounds: int, completed: int) -> None:
         budget, settings = self.settings.max_epsilon, self.settings
@@ -99,10 +116,12 @@ class PrivacyGuard:
         fit = self.ledger.rounds_within(budget, settings.delta, settings.noise_multiplier, left)
         if fit < left:
             after = self.ledger.epsilon(settings.delta, [(settings.noise_multiplier, left)])
+            affords = (f"the budget affords {completed + fit} round(s); lower rounds, raise the noise multiplier or "
+                       f"the budget" if fit else "not one round more fits the budget; raise the noise multiplier or "
+                       "the budget")
             raise ValueError(f"rounds {rounds} would spend epsilon {after:.3g} at delta {settings.delta:g}, beyond "
                              f"privacy.max_epsilon {budget:g}: at privacy.noise_multiplier "
-                             f"{settings.noise_multiplier:g} the budget affords {completed + fit} round(s); lower "
-                             f"rounds, raise the noise multiplier or the budget")
+                             f"{settings.noise_multiplier:g} {affords}")
 
     def allows(self, round_number: int) -> bool:
         """Whether round ``round_number`` keeps the run within its budget (logged when it does not)."""
@@ -122,7 +141,14 @@ class PrivacyGuard:
             return tasks
         noise = self.settings.noise_multiplier if self.settings.mode == "local" else 0.0
         terms = UpdateClip(self.clip, noise)
-        return {task_id: replace(task, plan=replace(task.plan, update_clip=terms)) for task_id, task in tasks.items()}
+        return {task_id: replace(task, plan=replace(task.plan, update_clip=terms),
+                                 adaptation=_with_clip(task.adaptation, terms)) for task_id, task in tasks.items()}
+
+    def screening(self, screening: ScreeningConfig) -> ScreeningConfig:
+        """The round's screening: under privacy without rule 2 (an update rejected for being unlike the others would
+        let one device's data decide whether another's counts) and without each update's change in its record (its
+        norm says whether it was clipped)."""
+        return replace(screening, peers=False, record=False) if self.enabled else screening
 
     def aggregate(self, round_number: int, planned: int, aggregate: RoundAggregate) -> RoundAggregate:
         """The round's aggregate: ``aggregate`` itself, or under privacy a private one over its states (``planned``:

@@ -29,6 +29,8 @@ class AdaptiveClipConfig:
             raise ValueError(f"privacy.adaptive.target_quantile must be in (0, 1), got {self.target_quantile}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"privacy.adaptive.learning_rate must be positive, got {self.learning_rate}")
+        if self.count_noise is not None and not math.isfinite(self.count_noise):
+            raise ValueError(f"privacy.adaptive.count_noise must be finite, got {self.count_noise}")
         if self.count_noise is not None and not self.count_noise > noise_multiplier / 2:
             raise ValueError(f"privacy.adaptive.count_noise must exceed half of privacy.noise_multiplier "
                              f"({noise_multiplier / 2:g}), got {self.count_noise}: the updates' own noise would "
@@ -67,8 +69,8 @@ class PrivacyConfig:
             raise ValueError(f"privacy.noise_multiplier must be positive, got {self.noise_multiplier}")
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")
-        if self.max_epsilon is not None and not self.max_epsilon > 0:
-            raise ValueError(f"privacy.max_epsilon must be positive, got {self.max_epsilon}")
+        if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon) and self.max_epsilon > 0):
+            raise ValueError(f"privacy.max_epsilon must be a positive number (none: no budget), got {self.max_epsilon}")
         if weighting != "uniform":
             raise ValueError("privacy needs weighting: uniform: a sample-count weight would let one device's update "
                              "count for more than its clip bound")

@@ -1169,7 +1169,7 @@ def test_a_private_round_clips_rejects_an_unclipped_update_skips_an_old_agent_an
                                                                                             monkeypatch) -> None:
     from coordinator.privacy.ledger import PrivacyLedger
     from coordinator.privacy.settings import PrivacyConfig
-    from protocol import PRIVACY_REVISION, UpdateClip
+    from protocol import PRIVACY_REVISION, Topics, UpdateClip
 
     coordinator = Coordinator(config(tmp_path, rounds=2, privacy=PrivacyConfig("central", clip=1.0,
                                                                                noise_multiplier=0.5)), dataset=digits)
@@ -1194,7 +1194,10 @@ def test_a_private_round_clips_rejects_an_unclipped_update_skips_an_old_agent_an
         return 10
 
     monkeypatch.setattr(coordinator.dispatcher, "send", dispatch)
-    monkeypatch.setattr(coordinator.link, "publish", lambda topic, payload, **_: None)
+    statuses: list[object] = []
+    topic = Topics(coordinator.config.federation).coordinator_status()
+    monkeypatch.setattr(coordinator.link, "publish", lambda to, payload, **_: (
+        statuses.append(decode(payload)) if to == topic else None))
     result = coordinator.run_round(1)
     assert {task.agent_id for task in sent} == {"clips", "ignores"}
     assert all(task.plan.update_clip == UpdateClip(1.0, 0.0) for task in sent)
@@ -1207,7 +1210,9 @@ def test_a_private_round_clips_rejects_an_unclipped_update_skips_an_old_agent_an
     assert result.privacy is not None and result.privacy["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
     # The status says what was spent while every agent online reads it, and not once an older one is online.
     online_at(coordinator, "clips", PRIVACY_REVISION)
-    spent = coordinator.announcer.status("online").privacy
+    spent = statuses[-1].privacy
     assert spent is not None and spent.epsilon == pytest.approx(result.privacy["epsilon"]) and spent.delta == 1e-5
-    online_at(coordinator, "old", PRIVACY_REVISION - 1)
-    assert coordinator.announcer.status("online").privacy is None
+    online_at(coordinator, "old", PRIVACY_REVISION - 1)  # published again at once, for the older agent to read
+    assert statuses[-1].privacy is None
+    # Under privacy screening keeps no update's change in the records (its norm says whether it was clipped).
+    assert all(task.screening == {} for task in result.tasks)

@@ -79,3 +79,25 @@ def test_local_noise_is_the_devices_own_and_widens_the_bound_the_coordinator_che
     aggregate.add(TaskResult(noised.task, noised.spec, {"w": noise}, noised.index_map, 1, [0]))
     assert release.noise_std == 0.0  # the coordinator adds none of its own
     assert torch.equal(aggregate.result()["global"]["w"][0], noise[0])
+
+
+def test_under_local_privacy_an_update_without_its_noise_is_rejected() -> None:
+    release = RoundRelease(1, noise_multiplier=2.0, planned=1, local=True)
+    aggregate = PrivateAggregate(states(), [], release)
+    with pytest.raises(ValueError, match="below what the noise its task set gives"):
+        aggregate.add(private_result(1, change=1e-5, bound=0.1, noise=2.0))  # clipped, never noised
+    assert aggregate.updates == 0
+
+
+def test_a_stale_update_is_checked_and_counted_as_the_device_sent_it() -> None:
+    # Rebased one round late, a change clipped to 1 arrives scaled by 1/sqrt(2): still a clipped one.
+    per_value = 1.0 / (2 * COLUMNS) ** 0.5 / 2**0.5
+    stale = private_result(2, change=per_value, bound=1.0)
+    release = RoundRelease(1, noise_multiplier=1.0, planned=1)
+    aggregate = PrivateAggregate(states(), [], release)
+    aggregate.add(TaskResult(stale.task, stale.spec, stale.state, stale.index_map, 1, [0], staleness=1))
+    assert release.unclipped == [False]
+    too_long = private_result(2, change=2 * per_value, bound=1.0)
+    with pytest.raises(ValueError, match="L2 norm 2, above the clip bound 1"):
+        aggregate.add(TaskResult(too_long.task, too_long.spec, too_long.state, too_long.index_map, 1, [0],
+                                 staleness=1))

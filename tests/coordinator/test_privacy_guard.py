@@ -3,11 +3,14 @@ what a resumed run reads back, adaptive clipping's move, and the agents that can
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import structlog
 import torch
 
 from coordinator.aggregation import RoundAggregate
+from coordinator.config import ScreeningConfig
 from coordinator.metrics import RoundResult
 from coordinator.privacy.aggregate import PrivateAggregate
 from coordinator.privacy.guard import PrivacyGuard, privacy_misfit, sum_noise_multiplier
@@ -15,7 +18,7 @@ from coordinator.privacy.ledger import PrivacyLedger
 from coordinator.privacy.settings import AdaptiveClipConfig, PrivacyConfig
 from coordinator.tasks import TaskPlan, TaskResult
 from models import SubmodelSpec
-from protocol import PRIVACY_REVISION, TrainingPlan, UpdateClip
+from protocol import PRIVACY_REVISION, Adaptation, Candidate, TrainingPlan, UpdateClip
 
 LOG = structlog.get_logger()
 
@@ -36,7 +39,10 @@ def test_the_section_refuses_what_cannot_be_private() -> None:
             (PrivacyConfig("central", clip=0.0), "uniform", "privacy.clip must be a positive"),
             (PrivacyConfig("central", noise_multiplier=0.0), "uniform", "noise_multiplier must be positive"),
             (PrivacyConfig("central", delta=1.0), "uniform", r"delta must be in \(0, 1\)"),
-            (PrivacyConfig("central", max_epsilon=0.0), "uniform", "max_epsilon must be positive"),
+            (PrivacyConfig("central", max_epsilon=0.0), "uniform", "max_epsilon must be a positive number"),
+            (PrivacyConfig("central", max_epsilon=float("inf")), "uniform", "max_epsilon must be a positive number"),
+            (PrivacyConfig("central", adaptive=AdaptiveClipConfig(count_noise=float("inf"))), "uniform",
+             "count_noise must be finite"),
             (PrivacyConfig("central"), "samples", "privacy needs weighting: uniform"),
             (PrivacyConfig("local", adaptive=AdaptiveClipConfig()), "uniform", "adaptive needs mode: central"),
             (PrivacyConfig("central", noise_multiplier=2.0, adaptive=AdaptiveClipConfig(count_noise=1.0)), "uniform",
@@ -47,13 +53,20 @@ def test_the_section_refuses_what_cannot_be_private() -> None:
             settings.validate(weighting)
 
 
-def test_every_task_carries_the_bound_and_local_mode_its_noise() -> None:
-    tasks = {"t1": TaskPlan("a", "a", SubmodelSpec(), TrainingPlan(epochs=3))}
+def test_every_task_and_every_smaller_model_it_offers_carry_the_bound_and_local_mode_its_noise() -> None:
+    ladder = Adaptation("ladder", [Candidate({"width": 0.5}, TrainingPlan(epochs=2))])
+    tasks = {"t1": TaskPlan("a", "a", SubmodelSpec(), TrainingPlan(epochs=3), adaptation=ladder)}
     assert guard(PrivacyConfig()).plan(tasks) is tasks  # off: untouched
-    central = guard(PrivacyConfig("central", clip=0.7, noise_multiplier=1.3)).plan(tasks)["t1"].plan
-    assert central.update_clip == UpdateClip(0.7, 0.0) and central.epochs == 3
-    local = guard(PrivacyConfig("local", clip=0.7, noise_multiplier=1.3)).plan(tasks)["t1"].plan
-    assert local.update_clip == UpdateClip(0.7, 1.3)
+    central = guard(PrivacyConfig("central", clip=0.7, noise_multiplier=1.3)).plan(tasks)["t1"]
+    assert central.plan.update_clip == UpdateClip(0.7, 0.0) and central.plan.epochs == 3
+    assert central.adaptation is not None
+    assert [candidate.plan.update_clip for candidate in central.adaptation.candidates] == [UpdateClip(0.7, 0.0)]
+    local = guard(PrivacyConfig("local", clip=0.7, noise_multiplier=1.3)).plan(tasks)["t1"]
+    assert local.plan.update_clip == UpdateClip(0.7, 1.3) == local.adaptation.candidates[0].plan.update_clip
+    # Screening under privacy: the plan's reach only, and no update's change in its record.
+    plain, private = ScreeningConfig(), guard(PrivacyConfig("central")).screening(ScreeningConfig())
+    assert guard(PrivacyConfig()).screening(plain) is plain
+    assert private.enabled and not private.peers and not private.record
 
 
 def test_a_run_whose_rounds_would_pass_the_budget_is_refused_and_one_within_it_stops_at_it() -> None:
@@ -80,8 +93,11 @@ def test_a_resumed_run_reads_its_ledger_and_bound_back_and_a_run_begun_without_p
     kept = first.settle(1)
     assert kept is not None and kept["ledger"] == [[2.0, 1.0]] and kept["clip"] == kept["next_clip"] == 1.0
     resumed = guard(settings, record=record_with({**kept, "next_clip": 0.25}), completed=1)
-    assert resumed.ledger.rounds == 1 and resumed.clip == 0.25 and resumed.epsilon() == first.epsilon()
-    with pytest.raises(ValueError, match="ran 3 round\\(s\\) without privacy"):
+    assert resumed.ledger.rounds == 1 and resumed.epsilon() == first.epsilon()
+    assert resumed.clip == 1.0  # a fixed bound is the configuration's
+    adaptive = replace(settings, adaptive=AdaptiveClipConfig())
+    assert guard(adaptive, record=record_with({**kept, "next_clip": 0.25}), completed=1).clip == 0.25
+    with pytest.raises(ValueError, match="ran 3 round\\(s\\) and its last round.s record holds no privacy ledger"):
         guard(settings, record=record_with(None), completed=3)
 
 
