@@ -1,0 +1,131 @@
+"""The coordinator's part of a secure round (SecAgg+), as pure steps its round drives: the roster from the devices'
+adverts, the sealed shares relayed (unread), the masked slices summed, which shares to ask back, and the sum
+unmasked. It learns each coordinate's sum over the devices that sent a slice holding it, and their count; no
+device's slice.
+
+Sets of devices, as the papers name them: ``U1`` advertised keys, ``U2`` shared (a subset of ``U1``), ``U3`` sent a
+masked slice (a subset of ``U2``); a device of ``U2`` outside ``U3`` dropped out after its neighbours masked with it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from common.secagg.client import MASK, SELF, Advert, Neighbour, Reveal, Roster
+from common.secagg.graph import neighbour_count, neighbours, threshold_of
+from common.secagg.keys import KeyPair, agree
+from common.secagg.masking import Coverage, SecureSum
+from common.secagg.shamir import combine
+
+__all__ = ["SecureServer"]
+
+
+class SecureServer:
+    """One secure round at the coordinator (see the module docstring). ``shapes``: the global tensors;
+    ``coverages``: the slice each device's task holds."""
+
+    def __init__(self, context: bytes, shapes: Mapping[str, Sequence[int]], coverages: Mapping[str, Coverage],
+                 rng: random.Random) -> None:
+        self.context = context
+        self.coverages = dict(coverages)
+        self._rng = rng
+        self.adverts: dict[str, Advert] = {}
+        self.graph: dict[str, list[str]] = {}
+        self.points: dict[str, int] = {}
+        self.threshold = 0
+        self.shared: set[str] = set()  # U2
+        self.total = SecureSum(shapes)
+        self.sent: set[str] = set()  # U3
+
+    def rosters(self, adverts: Mapping[str, Advert]) -> dict[str, Roster]:
+        """Each advertising device's roster (U1: the adverts); ValueError when fewer than three advertised (two
+        devices' sum gives each the other's slice) or one has no slice."""
+        if len(adverts) < 3:
+            raise ValueError(f"{len(adverts)} device(s) advertised keys: secure aggregation needs at least 3 (with 2, "
+                             f"each could read the other's update from the sum)")
+        missing = sorted(set(adverts) - set(self.coverages))
+        if missing:
+            raise ValueError(f"device(s) {', '.join(missing)} advertised keys without a task in this round")
+        self.adverts = dict(adverts)
+        names = sorted(adverts)
+        self.points = {name: index + 1 for index, name in enumerate(names)}
+        self.graph = neighbours(names, neighbour_count(len(names)), self._rng)
+        self.threshold = threshold_of(min(len(others) for others in self.graph.values()))
+        return {name: Roster(self.points[name], self.threshold,
+                             [Neighbour(self.adverts[other], self.points[other], self.coverages[other])
+                              for other in self.graph[name]]) for name in names}
+
+    def relay(self, bundles: Mapping[str, Mapping[str, bytes]]) -> dict[str, dict[str, bytes]]:
+        """The sealed shares each sharing device (U2) receives from its sharing neighbours; a bundle naming a
+        device that is not the sender's neighbour is refused (ValueError)."""
+        for sender, sealed in bundles.items():
+            if sender not in self.graph:
+                raise ValueError(f"shares came from {sender!r}, who advertised no keys this round")
+            strangers = set(sealed) - set(self.graph[sender])
+            if strangers:
+                raise ValueError(f"{sender!r} sealed shares for {', '.join(sorted(strangers))}, not its neighbours")
+        self.shared = set(bundles)
+        return {recipient: {sender: bundles[sender][recipient] for sender in self.graph[recipient]
+                            if sender in bundles and recipient in bundles[sender]} for recipient in self.shared}
+
+    def add(self, device: str, masked: Mapping[str, np.ndarray]) -> None:
+        """A masked slice in (U3); ValueError for a device that did not share, or sent one already."""
+        if device not in self.shared:
+            raise ValueError(f"a masked update came from {device!r}, who did not share its keys this round: its "
+                             f"masks could not be taken away")
+        if device in self.sent:
+            raise ValueError(f"{device!r} sent its masked update twice")
+        self.total.add(masked, self.coverages[device])
+        self.sent.add(device)
+
+    def request(self) -> tuple[list[str], list[str]]:
+        """The survivors (U3) and the dropped (U2 less U3) to tell every survivor; ValueError when a secret to
+        recover has fewer surviving neighbours than the threshold."""
+        survivors, dropped = sorted(self.sent), sorted(self.shared - self.sent)
+        for owner in (*survivors, *dropped):
+            holders = [other for other in self.graph[owner] if other in self.sent]
+            if len(holders) < self.threshold:
+                raise ValueError(f"the round cannot be unmasked: {len(holders)} of the neighbours of {owner!r} sent "
+                                 f"their update, the threshold is {self.threshold}")
+        return survivors, dropped
+
+    def unmask(self, reveals: Mapping[str, Sequence[Reveal]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The plain sums and counts (`SecureSum.result`), from the shares the survivors gave back (by revealer);
+        ValueError when a secret has fewer than the threshold, or a mask key given back is not the advertised one."""
+        wanted = {(owner, SELF) for owner in self.sent} | {(owner, MASK) for owner in self.shared - self.sent}
+        shares: dict[tuple[str, str], dict[int, int]] = {asked: {} for asked in wanted}
+        for revealer, given in reveals.items():
+            for reveal in given:
+                asked = (reveal.owner, reveal.kind)
+                if asked not in wanted or reveal.point != self.points.get(revealer):
+                    raise ValueError(f"{revealer!r} gave back a share the round did not ask for ({reveal.kind} of "
+                                     f"{reveal.owner!r})")
+                shares[asked][reveal.point] = reveal.value
+        secrets = {wanted_key: _combined(wanted_key, held, self.threshold)  # all, before any is used
+                   for wanted_key, held in sorted(shares.items())}
+        keys = {owner: KeyPair.from_secret(secret) for (owner, kind), secret in secrets.items() if kind == MASK}
+        for owner, pair in keys.items():
+            if pair.public != self.adverts[owner].mask:
+                raise ValueError(f"the shares of {owner!r}'s mask key give back another key: a share was altered")
+        for (owner, kind), secret in secrets.items():
+            if kind == SELF:
+                self.total.remove_self_mask(secret, self.coverages[owner])
+        for owner, pair in keys.items():
+            for survivor in (other for other in self.graph[owner] if other in self.sent):
+                seed = agree(pair, self.adverts[survivor].mask, self.context)
+                sign = 1 if survivor < owner else -1
+                self.total.remove_pair_mask(seed, sign, self.coverages[survivor], self.coverages[owner])
+        return self.total.result()
+
+
+def _combined(owner_kind: tuple[str, str], held: Mapping[int, int], threshold: int) -> bytes:
+    """The secret ``held`` shares give back, or ValueError naming whose secret could not be."""
+    owner, kind = owner_kind
+    try:
+        return combine(held, threshold)
+    except ValueError as exc:
+        what = "self-mask seed" if kind == SELF else "mask key"
+        raise ValueError(f"{owner!r}'s {what}: {exc}") from None

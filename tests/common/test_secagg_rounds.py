@@ -1,0 +1,120 @@
+"""common.secagg.client and server: whole secure rounds in one process, devices dropping out at each step; the
+unmasked sum is the plain sum over the devices that sent a slice; the rules a device keeps when it gives shares
+back, and what the coordinator refuses."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from common.secagg.client import MASK, SELF, Reveal, SecureClient
+from common.secagg.encoding import RESOLUTION
+from common.secagg.graph import neighbour_count, neighbours, threshold_of
+from common.secagg.server import SecureServer
+
+SHAPES = {"w": (16, 6), "b": (16,)}
+CONTEXT = b"fed:round-3"
+
+
+def coverage(index: int) -> dict[str, list[np.ndarray]]:
+    """Slices of three widths, every fourth device a rolled window."""
+    width = (16, 8, 4)[index % 3]
+    rows = (np.arange(width) + 5) % 16 if index % 4 == 3 else np.arange(width)
+    return {"w": [rows, np.arange(6)], "b": [rows]}
+
+
+def secure_round(devices: int, before_sharing: set[str], before_sending: set[str], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    names = [f"d{index:03d}" for index in range(devices)]
+    coverages = {name: coverage(index) for index, name in enumerate(names)}
+    values = {name: {key: rng.normal(size=tuple(len(i) for i in idx)) for key, idx in coverages[name].items()}
+              for name in names}
+    clients = {name: SecureClient(name, CONTEXT) for name in names}
+    server = SecureServer(CONTEXT, SHAPES, coverages, random.Random(seed))
+    rosters = server.rosters({name: client.advert() for name, client in clients.items()})
+    bundles = {name: clients[name].share(rosters[name]) for name in names if name not in before_sharing}
+    for recipient, sealed in server.relay(bundles).items():
+        clients[recipient].receive(sealed)
+    senders = [name for name in bundles if name not in before_sending]
+    for name in senders:
+        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES))
+    survivors, dropped = server.request()
+    reveals = {name: clients[name].reveal(survivors, dropped) for name in survivors}
+    result = server.unmask(reveals)
+    expected = {key: np.zeros(shape) for key, shape in SHAPES.items()}
+    for name in senders:
+        for key, idx in coverages[name].items():
+            expected[key][np.ix_(*idx)] += values[name][key]
+    return result, expected, len(senders), clients, server
+
+
+@pytest.mark.parametrize(("devices", "early", "late"), [(8, set(), set()), (8, {"d001"}, {"d004"}),
+                                                       (40, {"d003", "d017"}, {"d000", "d021", "d033", "d039"})])
+def test_the_unmasked_sum_is_the_plain_sum_over_the_devices_that_sent(devices: int, early: set[str],
+                                                                      late: set[str]) -> None:
+    result, expected, senders, _, server = secure_round(devices, early, late)
+    if devices == 40:  # SecAgg+: fewer neighbours than devices
+        assert all(len(others) == neighbour_count(40) < 39 for others in server.graph.values())
+    for key, (sums, counts) in result.items():
+        np.testing.assert_allclose(sums, expected[key], atol=senders * RESOLUTION)
+        assert counts.max() <= senders and counts.sum() > 0
+
+
+def test_a_device_gives_back_one_kind_of_share_per_device_once_and_only_among_enough_survivors() -> None:
+    clients = {name: SecureClient(name, CONTEXT) for name in ("a", "b", "c", "d")}
+    server = SecureServer(CONTEXT, SHAPES, {name: coverage(0) for name in clients}, random.Random(0))
+    rosters = server.rosters({name: client.advert() for name, client in clients.items()})
+    for recipient, sealed in server.relay({name: clients[name].share(rosters[name]) for name in clients}).items():
+        clients[recipient].receive(sealed)
+    with pytest.raises(ValueError, match="named both as survivors and as dropped: b"):
+        clients["a"].reveal(["a", "b", "c"], ["b"])
+    with pytest.raises(ValueError, match="'a' is not among the survivors"):
+        clients["a"].reveal(["b", "c", "d"], [])
+    with pytest.raises(ValueError, match="1 survivor\\(s\\), fewer than the threshold 2"):
+        clients["a"].reveal(["a"], ["b", "c", "d"])
+    given = clients["a"].reveal(["a", "b", "c"], ["d"])
+    assert {(reveal.owner, reveal.kind) for reveal in given} == {("b", SELF), ("c", SELF), ("d", MASK)}
+    with pytest.raises(ValueError, match="given back already"):
+        clients["a"].reveal(["a", "b", "c", "d"], [])
+
+
+def test_the_coordinator_refuses_what_would_leak_or_cannot_be_unmasked() -> None:
+    coverages = {name: coverage(0) for name in ("a", "b", "c", "d")}
+    server = SecureServer(CONTEXT, SHAPES, coverages, random.Random(0))
+    clients = {name: SecureClient(name, CONTEXT) for name in coverages}
+    with pytest.raises(ValueError, match="2 device\\(s\\) advertised keys: secure aggregation needs at least 3"):
+        server.rosters({name: clients[name].advert() for name in ("a", "b")})
+    rosters = server.rosters({name: client.advert() for name, client in clients.items()})
+    bundles = {name: clients[name].share(rosters[name]) for name in ("a", "b", "c")}
+    with pytest.raises(ValueError, match="'a' sealed shares for x, not its neighbours"):
+        server.relay({**bundles, "a": {**bundles["a"], "x": b""}})
+    for recipient, sealed in server.relay(bundles).items():
+        clients[recipient].receive(sealed)
+    values = {key: np.zeros(tuple(len(i) for i in idx)) for key, idx in coverage(0).items()}
+    with pytest.raises(ValueError, match="'d', who did not share its keys"):
+        server.add("d", clients["a"].mask(values, coverage(0), SHAPES))
+    server.add("a", clients["a"].mask(values, coverage(0), SHAPES))
+    with pytest.raises(ValueError, match="the round cannot be unmasked: 0 of the neighbours of 'a' sent"):
+        server.request()
+    server.add("b", clients["b"].mask(values, coverage(0), SHAPES))
+    server.add("c", clients["c"].mask(values, coverage(0), SHAPES))
+    survivors, dropped = server.request()
+    reveals = {name: clients[name].reveal(survivors, dropped) for name in survivors}
+    # A forged share of a dropped device's mask key gives back another key, which its advert tells (a forged share
+    # of a self-mask seed goes unseen: SecAgg's devices are honest but curious).
+    forged = {**reveals, "a": [Reveal(r.owner, r.kind, r.point, r.value + 1) for r in reveals["a"]]}
+    with pytest.raises(ValueError, match="the shares of 'd''s mask key give back another key|do not belong together"):
+        server.unmask(forged)
+    with pytest.raises(ValueError, match="gave back a share the round did not ask for"):
+        server.unmask({**reveals, "a": [Reveal("d", SELF, reveals["a"][0].point, 1)]})
+
+
+def test_the_graph_is_symmetric_and_regular_and_the_threshold_a_majority() -> None:
+    names = [f"d{index}" for index in range(100)]
+    k = neighbour_count(100)
+    graph = neighbours(names, k, random.Random(1))
+    assert k % 2 == 0 and all(len(others) == k for others in graph.values())
+    assert all(name in graph[other] for name, others in graph.items() for other in others)
+    assert threshold_of(k) == k // 2 + 1 and neighbour_count(10) == 9
