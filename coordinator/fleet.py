@@ -183,9 +183,12 @@ class FleetWatch:
         expected = (self.dataset.in_channels, *self.dataset.image_size)
         fitting, misfits = [], []
         for record in online:
-            reason = (data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
-                      or privacy_misfit(self.config.privacy, record.capabilities.protocol_version
-                                        if record.capabilities is not None else 1))
+            reason = data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
+            event = "agent_data_does_not_fit"
+            if reason is None:
+                reason = privacy_misfit(self.config.privacy, record.capabilities.protocol_version
+                                        if record.capabilities is not None else 1)
+                event = "agent_cannot_serve_private_run"
             if reason is None:
                 self._misfits_told.pop(record.agent_id, None)
                 fitting.append(record)
@@ -193,12 +196,13 @@ class FleetWatch:
             misfits.append(Skip(record.agent_id, reason))
             if self._misfits_told.get(record.agent_id) != reason:
                 self._misfits_told[record.agent_id] = reason
-                self.log.error("agent_data_does_not_fit", agent=record.agent_id, reason=reason)
+                self.log.error(event, agent=record.agent_id, reason=reason)
         if not fitting:
             first = misfits[0]
-            raise NoAgentsError(f"the data of none of the {len(online)} online agents of federation "
-                                f"'{self.config.federation}' fits the model, so no round can be planned: agent "
-                                f"'{first.agent_id}': {first.reason}")
+            what = ("the data of none of the" if not self.config.privacy.enabled else "none of the")
+            fits = "fits the model" if not self.config.privacy.enabled else "can serve this private run"
+            raise NoAgentsError(f"{what} {len(online)} online agents of federation '{self.config.federation}' "
+                                f"{fits}, so no round can be planned: agent '{first.agent_id}': {first.reason}")
         return fitting, misfits
 
     def tell_service(self, online: Sequence[AgentRecord]) -> None:

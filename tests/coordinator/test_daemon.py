@@ -1216,3 +1216,15 @@ def test_a_private_round_clips_rejects_an_unclipped_update_skips_an_old_agent_an
     assert statuses[-1].privacy is None
     # Under privacy screening keeps no update's change in the records (its norm says whether it was clipped).
     assert all(task.screening == {} for task in result.tasks)
+
+
+def test_no_private_round_is_planned_when_no_agent_clips(tmp_path: Path, digits, monkeypatch) -> None:
+    from coordinator.privacy.settings import PrivacyConfig
+
+    coordinator = Coordinator(config(tmp_path, privacy=PrivacyConfig("central")), dataset=digits)
+    fleet = [agent_record("old")]  # announces no revision: 1
+    monkeypatch.setattr(coordinator.registry, "wait_settled", lambda count, quiet, timeout, on_change=None: fleet)
+    with pytest.raises(NoAgentsError, match=r"^none of the 1 online agents of federation 'default' can serve this "
+                                            r"private run, so no round can be planned: agent 'old': its protocol "
+                                            r"revision 1 predates clipping updates"):
+        coordinator.run_round(1)
