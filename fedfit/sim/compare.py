@@ -19,9 +19,9 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from fedfit.experiment import BASELINES
 from fedfit.sim.budgets import fraction_name
+from fedfit.sim.compare_table import aligned, markdown_item, markdown_table, run_table
 from fedfit.sim.plots import plot_comparison, plot_seed_comparison
-from fedfit.sim.progress import duration_text
-from fedfit.sim.report import level_average, levels_round, model_note
+from fedfit.sim.report import level_average, levels_round
 from fedfit.sim.seeds import SEED_COLUMNS, late_change, seed_cells, seed_notes, seed_row
 
 #: What each method's paper compares it with (the baselines FedFit runs are named as ``fedfit compare`` takes them).
@@ -154,73 +154,6 @@ def _first_last(rounds: Sequence[dict[str, Any]], key: str, span: int = 2) -> li
     return [sum(values[:span]) / span, sum(values[-span:]) / span]
 
 
-def _waste(row: dict[str, Any]) -> str:
-    """Communication waste in all, and from the first rounds to the last (``0.31 (0.52->0.10)``)."""
-    if row.get("waste") is None:
-        return "-"
-    trend = row.get("waste_first_last")
-    return f"{row['waste']:.3f}" + (f" ({trend[0]:.2f}->{trend[1]:.2f})" if trend else "")
-
-
-def _pruned(row: dict[str, Any]) -> str:
-    """The share of tasks returned pruned or declined, from the first rounds to the last (``60%->0%``)."""
-    trend = row.get("shrunk_first_last")
-    return f"{trend[0]:.0%}->{trend[1]:.0%}" if trend else "-"
-
-
-def _served(row: dict[str, Any]) -> str:
-    """Devices that trained at least once, of all (``6/8``)."""
-    served = row.get("served")
-    return f"{served[0]}/{served[1]}" if served else "-"
-
-
-def _accuracy(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
-def _outputs(row: dict[str, Any]) -> str:
-    """Each level's and exit's accuracy at the end, ``*`` where no device trained it itself in the last round."""
-    marked = set(row.get("untrained", ()))
-    parts = [f"{name} {value:.3f}" + ("*" if name in marked else "")
-             for name, value in (*row["levels"].items(), *row["exits"].items())]
-    return " ".join(parts) or "-"
-
-
-_COLUMNS = ("method", "global", "best", "level avg", "levels / exits at the end", "served", "trained", "declined",
-            "failed",
-            "rejected", "over budget", "waste", "pruned", "MB/round", "wall time", "last-5 change")
-
-
-def columns(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
-    """The table's columns: with ``epsilon`` at the end where some run was private (the privacy section)."""
-    return _COLUMNS + (("epsilon",) if any("epsilon" in row for row in rows) else ())
-
-
-def cells(row: dict[str, Any], private: bool) -> list[str]:
-    """A run's row under :func:`columns` (``private``: the table has the epsilon column)."""
-    epsilon = f"{row['epsilon']:.3g} (delta {row['delta']:g})" if "epsilon" in row else "-"
-    return _cells(row) + ([epsilon] if private else [])
-
-
-def _cells(row: dict[str, Any]) -> list[str]:
-    wall = row["wall_seconds"]
-    return [row["method"], _accuracy(row["global"]) + model_note([row.get("model", "global")]),
-            _accuracy(row["best_global"]), _accuracy(row["level_average"]),
-            _outputs(row), _served(row), str(row["trained"]), str(row["declined"]), str(row["failed"]), str(row["rejected"]),
-            str(row["over_budget"]), _waste(row), _pruned(row), f"{row['mb_per_round']:.2f}", duration_text(wall) if wall is not None else "-",
-            "-" if row.get("late_change") is None else f"{row['late_change'] * 100:+.1f}"]
-
-
-def aligned(header: Sequence[str], cells: Sequence[Sequence[str]], left: Sequence[int]) -> str:
-    """Rows of cells as aligned text under ``header`` (the columns in ``left`` flush left, the others right)."""
-    table = [list(header)] + [list(row) for row in cells]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-             for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def method_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Once per method: what its paper compares it with, or what the baseline is."""
     notes: dict[str, str] = {}
@@ -301,8 +234,7 @@ def comparison_html(comparison: Comparison, png: Path) -> str:
     seeds = (f"<h2>Over the seeds</h2>{table(SEED_COLUMNS, [seed_cells(r) for r in comparison.seed_table])}"
              f"<h2>Every run</h2>" if comparison.seed_table else "")
     notes = "".join(f"<li>{html.escape(note)}</li>" for note in comparison.notes())
-    header = columns(comparison.rows)
-    run_table = table(header, [cells(row, len(header) > len(_COLUMNS)) for row in comparison.rows])
+    runs = table(*run_table(comparison.rows))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>FedFit comparison</title>
 <style>
@@ -318,7 +250,7 @@ img {{ max-width: 100%; }}
 {paragraphs}
 {warning}
 {seeds}
-{run_table}
+{runs}
 <p>Accuracy on the test set at the last round (best: the best round's). Declined counts tasks refused or skipped for
 memory, failed those that crashed or missed the deadline, rejected those the coordinator's screening refused; over
 budget counts tasks whose measured peak exceeded the device's budget.</p>
@@ -454,19 +386,6 @@ def learning_goal(reports: Sequence[dict[str, Any]]) -> str | None:
             + (f"; not yet flat (last-5 change in points): {', '.join(moving)}" if moving else ""))
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-flavoured Markdown table (``|`` in a cell escaped)."""
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
-
-    return "\n".join([line(header), line(["---"] * len(header)), *(line(row) for row in rows)])
-
-
-def _markdown_item(note: str) -> str:
-    """A note as a Markdown list item (a leading ``*`` escaped: it would start a list of its own)."""
-    return "- " + ("\\" + note if note.startswith("*") else note)
-
-
 def comparison_of(reports: Sequence[dict[str, Any]], experiment: dict[str, str] | None = None) -> Comparison:
     """What the comparison of ``reports`` says (see :func:`write_comparison`)."""
     if not reports:
@@ -513,12 +432,11 @@ def write_comparison(reports: Sequence[dict[str, Any]], directory: Path,
     if seed_table:
         text += "over the seeds:\n" + aligned(SEED_COLUMNS, seed_cells_, left=(0, 6)) + "\n\nevery run:\n"
         markdown += markdown_table(SEED_COLUMNS, seed_cells_) + "\n\nEvery run:\n\n"
-    header = columns(rows)
-    run_cells = [cells(row, len(header) > len(_COLUMNS)) for row in rows]
+    header, run_cells = run_table(rows)
     text += aligned(header, run_cells, left=(0, 4)) + "\n\n"
     text += "\n".join(comparison.notes()) + "\n"
     markdown += markdown_table(header, run_cells) + "\n\n"
-    markdown += "\n".join(_markdown_item(note) for note in comparison.notes()) + "\n"
+    markdown += "\n".join(markdown_item(note) for note in comparison.notes()) + "\n"
     paths = {"txt": directory / "comparison.txt", "md": directory / "comparison.md",
              "json": directory / "comparison.json", "png": directory / "comparison.png",
              "html": directory / "comparison.html"}
