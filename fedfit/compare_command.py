@@ -18,11 +18,14 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError
 from fedfit.experiment import BASELINES, Experiment, parse_baselines, parse_seeds
 from fedfit.run_command import SETTINGS, Loader, _checked, _load, _logging, _options, resolve
+
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
 
 #: What a comparison keeps of how it was run (the parsed flags), for ``--resume``.
 SETUP_FILE = "compare.json"
@@ -221,6 +224,28 @@ def _rounds_run(report: dict[str, Any]) -> int:
     return int(report["settings"]["rounds"])
 
 
+def _check_privacy_budget(out: Path, rounds: int, base: CoordinatorConfig) -> None:
+    """ConfigError, before anything of the comparison is written or started, when a private run in ``out`` cannot
+    afford ``rounds`` within its budget (`coordinator.privacy.guard`)."""
+    from common.logs import get_logger
+    from coordinator.checkpoint import CheckpointError, checkpoint_metadata
+    from coordinator.metrics import RoundResult
+    from coordinator.privacy.guard import PrivacyGuard
+
+    if not base.privacy.enabled or base.privacy.max_epsilon is None:
+        return
+    for checkpoint in sorted({*out.glob("*/checkpoint.safetensors"), *out.glob("seed-*/*/checkpoint.safetensors")}):
+        try:
+            meta = checkpoint_metadata(checkpoint)
+            record = RoundResult.from_dict(meta["record"]) if meta.get("record") else None
+        except (CheckpointError, OSError, ValueError):
+            continue  # its own resume says what is wrong with it
+        try:
+            PrivacyGuard(base.privacy, rounds, record, int(meta.get("round", 0)), get_logger("compare"))
+        except ValueError as exc:
+            raise ConfigError(f"{checkpoint.parent}: {exc}") from None
+
+
 def _check_rounds(out: Path, rounds: int) -> int:
     """The most rounds a finished run of the comparison in ``out`` ran (by its report); ConfigError when a run ran
     more than ``rounds`` (finished, by its report; stopped part-way, by its checkpoint): a resumed comparison's
@@ -289,6 +314,7 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     if resuming:
         out = Path(args.out)
         ran = _check_rounds(out, values["rounds"])
+        _check_privacy_budget(out, values["rounds"], base)
         if getattr(args, "setup_update", None):  # a larger --rounds: later resumes go on to it too
             if 0 < ran < values["rounds"]:
                 _keep_comparison(out, ran)
