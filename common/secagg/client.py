@@ -18,14 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.secagg.graph import threshold_of
 from common.secagg.keys import KeyPair, agree, open_sealed, seal
-from common.secagg.masking import Coverage, PairMask, mask_slice
+from common.secagg.masking import MIN_HOLDERS, Coverage, PairMask, mask_slice
 from common.secagg.prg import SEED_BYTES
 from common.secagg.shamir import split
 
 __all__ = ["MASK", "SELF", "Advert", "Neighbour", "Reveal", "Roster", "SecureClient"]
 
 SHARE_BYTES = 66  # a field element of 2^521 - 1
+#: The fewest neighbours a device shares among (with 3 devices in a round, each has 2).
+MIN_NEIGHBOURS = 2
 SELF, MASK = "self", "mask"
 
 
@@ -92,9 +95,11 @@ class SecureClient:
     def share(self, roster: Roster) -> dict[str, bytes]:
         """Its self-mask seed and mask key split among its neighbours (``roster.threshold`` of them give each back),
         each neighbour's two shares sealed to it."""
-        if not roster.neighbours or roster.threshold > len(roster.neighbours):
-            raise ValueError(f"a roster of {len(roster.neighbours)} neighbour(s) cannot hold shares with threshold "
-                             f"{roster.threshold}")
+        count = len(roster.neighbours)
+        if count < MIN_NEIGHBOURS or not threshold_of(count) <= roster.threshold <= count:
+            raise ValueError(f"a roster of {count} neighbour(s) with threshold {roster.threshold}: a device shares "
+                             f"among at least {MIN_NEIGHBOURS} neighbours, a majority of them needed to give a secret "
+                             f"back")
         self._roster = roster
         points = [neighbour.point for neighbour in roster.neighbours]
         own = split(self._self_seed, roster.threshold, points)
@@ -104,7 +109,7 @@ class SecureClient:
             name = neighbour.advert.device
             plaintext = own[neighbour.point].to_bytes(SHARE_BYTES, "big") + key[neighbour.point].to_bytes(
                 SHARE_BYTES, "big")
-            secret = agree(self._cipher, neighbour.advert.cipher, self.context)
+            secret = agree(self._cipher, neighbour.advert.cipher, self.context, b"seal")
             sealed[name] = seal(secret, plaintext, _label(self.device, name, self.context))
         return sealed
 
@@ -118,13 +123,18 @@ class SecureClient:
             self._open(known[sender], box)
             self._held[sender] = box
 
-    def mask(self, values: Mapping[str, np.ndarray], coverage: Coverage,
-             shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
+    def mask(self, values: Mapping[str, np.ndarray], coverage: Coverage, shapes: Mapping[str, Sequence[int]],
+             holders: Mapping[str, np.ndarray] | None = None, least: int = MIN_HOLDERS) -> dict[str, np.ndarray]:
         """Its slice ``values`` (over ``coverage`` of the global tensors of ``shapes``) masked: its self mask, and a
         pair mask with every neighbour whose shares it holds (those that shared: the others drop out of its
-        masks)."""
+        masks). ``holders``: per global tensor, how many of the devices that shared hold each coordinate (the
+        coordinator's count, from their specs): a value where fewer than ``least`` do is sent as 0, so that no sum
+        the coordinator unmasks is one device's value, or two devices' that each could read the other's from."""
         roster = self._need_roster()
-        pairs = [PairMask(agree(self._masks, neighbour.advert.mask, self.context),
+        if holders is not None:
+            values = {name: np.where(np.asarray(holders[name])[np.ix_(*coverage[name])] >= least, value, 0.0)
+                      for name, value in values.items()}
+        pairs = [PairMask(agree(self._masks, neighbour.advert.mask, self.context, b"mask"),
                           1 if self.device < neighbour.advert.device else -1, neighbour.coverage)
                  for neighbour in roster.neighbours if neighbour.advert.device in self._held]
         return mask_slice(values, coverage, shapes, self._self_seed, pairs)
@@ -157,7 +167,7 @@ class SecureClient:
         return reveals
 
     def _open(self, neighbour: Neighbour, box: bytes) -> tuple[int, int]:
-        secret = agree(self._cipher, neighbour.advert.cipher, self.context)
+        secret = agree(self._cipher, neighbour.advert.cipher, self.context, b"seal")
         plaintext = open_sealed(secret, box, _label(neighbour.advert.device, self.device, self.context))
         if len(plaintext) != 2 * SHARE_BYTES:
             raise ValueError(f"a share from {neighbour.advert.device!r} is {len(plaintext)} bytes, not "

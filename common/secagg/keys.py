@@ -34,10 +34,19 @@ class KeyPair:
         return cls(X25519PrivateKey.from_private_bytes(secret))
 
 
-def agree(own: KeyPair, their_public: bytes, context: bytes) -> bytes:
-    """The 32-byte seed ``own`` and the holder of ``their_public`` both derive (the same from either side)."""
+#: What a derived key is for: sealing shares, or a pair mask's seed (never the same key for both).
+PURPOSES = (b"seal", b"mask")
+
+
+def agree(own: KeyPair, their_public: bytes, context: bytes, purpose: bytes) -> bytes:
+    """The 32-byte key ``own`` and the holder of ``their_public`` both derive for ``purpose`` (the same from either
+    side), bound to the ``context`` and to both public keys."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"a derived key is for one of {PURPOSES}, not {purpose!r}")
     shared = own.private.exchange(X25519PublicKey.from_public_bytes(their_public))
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"fedfit-secagg:" + context).derive(shared)
+    ends = b"".join(sorted((own.public, their_public)))
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=b"fedfit-secagg:" + purpose + b":" + context + b":" + ends).derive(shared)
 
 
 def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:

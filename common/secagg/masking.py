@@ -27,10 +27,29 @@ import numpy as np
 from common.secagg.encoding import decode, encode
 from common.secagg.prg import tensor_mask
 
-__all__ = ["Coverage", "PairMask", "SecureSum", "intersect", "mask_slice"]
+__all__ = ["MIN_HOLDERS", "Coverage", "PairMask", "SecureSum", "check_coverage", "intersect", "mask_slice"]
 
 #: Per tensor, the global indices a slice holds in each dimension.
 Coverage = Mapping[str, Sequence[np.ndarray]]
+
+#: The fewest devices whose values a coordinate's unmasked sum may hold: with one it is that device's value, with two
+#: each holder reads the other's from it.
+MIN_HOLDERS = 3
+
+
+def check_coverage(coverage: Coverage, shapes: Mapping[str, Sequence[int]]) -> None:
+    """ValueError unless every tensor of ``coverage`` is one of ``shapes`` and its indices, per dimension, are distinct
+    and within the global tensor."""
+    for name, indices in coverage.items():
+        if name not in shapes:
+            raise ValueError(f"a slice holds tensor {name!r}, which the global model lacks")
+        if len(indices) != len(shapes[name]):
+            raise ValueError(f"tensor {name!r}: {len(indices)} dimension(s) of indices for a tensor of "
+                             f"{len(shapes[name])}")
+        for index, size in zip(indices, shapes[name], strict=True):
+            array = np.asarray(index)
+            if array.size == 0 or array.min() < 0 or array.max() >= size or len(np.unique(array)) != array.size:
+                raise ValueError(f"tensor {name!r}: a slice's indices must be distinct and within 0..{size - 1}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,9 @@ def mask_slice(values: Mapping[str, np.ndarray], own: Coverage, shapes: Mapping[
                self_seed: bytes, pairs: Sequence[PairMask]) -> dict[str, np.ndarray]:
     """A device's slice ``values`` (each tensor the shape its coverage selects) in fixed point, masked (uint64):
     its self mask everywhere, each pair mask where the pair's coverages meet."""
+    if set(values) != set(own):
+        raise ValueError(f"the slice's tensors {sorted(values)} are not its coverage's {sorted(own)}")
+    check_coverage(own, shapes)
     masked: dict[str, np.ndarray] = {}
     for name, value in values.items():
         indices, shape = own[name], shapes[name]
@@ -105,7 +127,14 @@ class SecureSum:
         self.counts = {name: np.zeros(shape, dtype=np.int64) for name, shape in self.shapes.items()}
 
     def add(self, masked: Mapping[str, np.ndarray], coverage: Coverage) -> None:
-        """Fold one device's masked slice in."""
+        """Fold one device's masked slice in; ValueError (folding nothing) when its tensors or their shapes are not
+        its coverage's."""
+        if set(masked) != set(coverage):
+            raise ValueError(f"a masked slice holds tensors {sorted(masked)}, its coverage {sorted(coverage)}")
+        for name, value in masked.items():
+            if np.shape(value) != tuple(len(index) for index in coverage[name]):
+                raise ValueError(f"tensor {name!r} of a masked slice has shape {np.shape(value)}, its coverage "
+                                 f"selects {tuple(len(index) for index in coverage[name])}")
         for name, value in masked.items():
             where = _grid(coverage[name])
             self.sums[name][where] += np.asarray(value, dtype=np.uint64)

@@ -1,7 +1,10 @@
 """The coordinator's part of a secure round (SecAgg+), as pure steps its round drives: the roster from the devices'
-adverts, the sealed shares relayed (unread), the masked slices summed, which shares to ask back, and the sum
-unmasked. It learns each coordinate's sum over the devices that sent a slice holding it, and their count; no
-device's slice.
+adverts, the sealed shares relayed (unread) with how many devices hold each coordinate, the masked slices summed,
+which shares to ask back, and the sum unmasked. It learns each coordinate's sum over the devices that sent a slice
+holding it, and their count, where at least ``MIN_HOLDERS`` did (elsewhere the devices sent 0, and a round where
+dropouts left such a coordinate to fewer is not unmasked); no device's slice. The devices are honest but curious
+(SecAgg's semi-honest model): a coordinator that lies about who survived to different devices, or swaps keys in the
+rosters, is not defended against (the papers' signed adverts and consistency check are not built).
 
 Sets of devices, as the papers name them: ``U1`` advertised keys, ``U2`` shared (a subset of ``U1``), ``U3`` sent a
 masked slice (a subset of ``U2``); a device of ``U2`` outside ``U3`` dropped out after its neighbours masked with it.
@@ -17,7 +20,7 @@ import numpy as np
 from common.secagg.client import MASK, SELF, Advert, Neighbour, Reveal, Roster
 from common.secagg.graph import neighbour_count, neighbours, threshold_of
 from common.secagg.keys import KeyPair, agree
-from common.secagg.masking import Coverage, SecureSum
+from common.secagg.masking import MIN_HOLDERS, Coverage, SecureSum, check_coverage
 from common.secagg.shamir import combine
 
 __all__ = ["SecureServer"]
@@ -39,6 +42,7 @@ class SecureServer:
         self.shared: set[str] = set()  # U2
         self.total = SecureSum(shapes)
         self.sent: set[str] = set()  # U3
+        self.unmasked = False
 
     def rosters(self, adverts: Mapping[str, Advert]) -> dict[str, Roster]:
         """Each advertising device's roster (U1: the adverts); ValueError when fewer than three advertised (two
@@ -49,6 +53,8 @@ class SecureServer:
         missing = sorted(set(adverts) - set(self.coverages))
         if missing:
             raise ValueError(f"device(s) {', '.join(missing)} advertised keys without a task in this round")
+        for name in adverts:
+            check_coverage(self.coverages[name], self.total.shapes)
         self.adverts = dict(adverts)
         names = sorted(adverts)
         self.points = {name: index + 1 for index, name in enumerate(names)}
@@ -67,9 +73,21 @@ class SecureServer:
             strangers = set(sealed) - set(self.graph[sender])
             if strangers:
                 raise ValueError(f"{sender!r} sealed shares for {', '.join(sorted(strangers))}, not its neighbours")
+            if set(sealed) != set(self.graph[sender]):  # its neighbours would mask with it one-sidedly
+                raise ValueError(f"{sender!r} sealed shares for {len(sealed)} of its {len(self.graph[sender])} "
+                                 f"neighbours: a device shares with every neighbour or not at all")
         self.shared = set(bundles)
         return {recipient: {sender: bundles[sender][recipient] for sender in self.graph[recipient]
                             if sender in bundles and recipient in bundles[sender]} for recipient in self.shared}
+
+    def holders(self) -> dict[str, np.ndarray]:
+        """Per global tensor, how many of the devices that shared (U2) hold each coordinate: what each is told with
+        its relayed shares, to send 0 where fewer than ``MIN_HOLDERS`` do (`SecureClient.mask`)."""
+        counts = {name: np.zeros(shape, dtype=np.int64) for name, shape in self.total.shapes.items()}
+        for device in self.shared:
+            for name, indices in self.coverages[device].items():
+                counts[name][np.ix_(*[np.asarray(index) for index in indices])] += 1
+        return counts
 
     def add(self, device: str, masked: Mapping[str, np.ndarray]) -> None:
         """A masked slice in (U3); ValueError for a device that did not share, or sent one already."""
@@ -85,6 +103,12 @@ class SecureServer:
         """The survivors (U3) and the dropped (U2 less U3) to tell every survivor; ValueError when a secret to
         recover has fewer surviving neighbours than the threshold."""
         survivors, dropped = sorted(self.sent), sorted(self.shared - self.sent)
+        for name, shared in self.holders().items():
+            thin = (shared >= MIN_HOLDERS) & (self.total.counts[name] > 0) & (self.total.counts[name] < MIN_HOLDERS)
+            if thin.any():
+                raise ValueError(f"the round cannot be unmasked: {int(thin.sum())} coordinate(s) of {name!r} were sent "
+                                 f"by fewer than {MIN_HOLDERS} devices once others dropped out, so their sums would "
+                                 f"give values away")
         for owner in (*survivors, *dropped):
             holders = [other for other in self.graph[owner] if other in self.sent]
             if len(holders) < self.threshold:
@@ -94,7 +118,11 @@ class SecureServer:
 
     def unmask(self, reveals: Mapping[str, Sequence[Reveal]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """The plain sums and counts (`SecureSum.result`), from the shares the survivors gave back (by revealer);
-        ValueError when a secret has fewer than the threshold, or a mask key given back is not the advertised one."""
+        ValueError when a secret has fewer than the threshold, a mask key given back is not the advertised one, or
+        the round was unmasked already. Where fewer than ``MIN_HOLDERS`` devices that shared hold a coordinate its
+        devices sent 0: its sum and count are 0 (not aggregated)."""
+        if self.unmasked:
+            raise ValueError("the round is unmasked already: its masks cannot be taken away twice")
         wanted = {(owner, SELF) for owner in self.sent} | {(owner, MASK) for owner in self.shared - self.sent}
         shares: dict[tuple[str, str], dict[int, int]] = {asked: {} for asked in wanted}
         for revealer, given in reveals.items():
@@ -115,10 +143,13 @@ class SecureServer:
                 self.total.remove_self_mask(secret, self.coverages[owner])
         for owner, pair in keys.items():
             for survivor in (other for other in self.graph[owner] if other in self.sent):
-                seed = agree(pair, self.adverts[survivor].mask, self.context)
+                seed = agree(pair, self.adverts[survivor].mask, self.context, b"mask")
                 sign = 1 if survivor < owner else -1
                 self.total.remove_pair_mask(seed, sign, self.coverages[survivor], self.coverages[owner])
-        return self.total.result()
+        self.unmasked = True
+        included = {name: counts >= MIN_HOLDERS for name, counts in self.holders().items()}
+        return {name: (np.where(included[name], sums, 0.0), np.where(included[name], counts, 0))
+                for name, (sums, counts) in self.total.result().items()}
 
 
 def _combined(owner_kind: tuple[str, str], held: Mapping[int, int], threshold: int) -> bytes:

@@ -55,7 +55,7 @@ def run_round(dropped: set[str], rng: np.random.Generator) -> tuple[dict, dict, 
     for device, coverage in devices.items():
         if device in dropped:
             continue
-        pairs = [PairMask(agree(keys[device], keys[peer].public, b"round-1"), 1 if device < peer else -1,
+        pairs = [PairMask(agree(keys[device], keys[peer].public, b"round-1", b"mask"), 1 if device < peer else -1,
                           devices[peer]) for peer in devices if peer != device]
         total.add(mask_slice(values[device], coverage, SHAPES, self_seeds[device], pairs), coverage)
     for device in devices:  # the coordinator, with what the survivors give back
@@ -63,7 +63,7 @@ def run_round(dropped: set[str], rng: np.random.Generator) -> tuple[dict, dict, 
             total.remove_self_mask(self_seeds[device], devices[device])
             continue
         for survivor in (other for other in devices if other not in dropped):
-            seed = agree(keys[device], keys[survivor].public, b"round-1")  # from the dropped device's key
+            seed = agree(keys[device], keys[survivor].public, b"round-1", b"mask")  # from the dropped device's key
             total.remove_pair_mask(seed, 1 if survivor < device else -1, devices[survivor], devices[device])
     survivors = {device: coverage for device, coverage in devices.items() if device not in dropped}
     return survivors, values, total
@@ -126,13 +126,33 @@ def test_any_threshold_of_shares_gives_the_secret_back_and_fewer_do_not() -> Non
 
 def test_both_sides_agree_the_same_seed_and_a_sealed_share_opens_only_as_sealed() -> None:
     first, second = KeyPair(), KeyPair()
-    assert agree(first, second.public, b"r1") == agree(second, first.public, b"r1") != agree(first, second.public,
-                                                                                               b"r2")
-    assert agree(KeyPair.from_secret(first.secret_bytes()), second.public, b"r1") == agree(first, second.public, b"r1")
-    key = agree(first, second.public, b"shares")
+    mask = agree(first, second.public, b"r1", b"mask")
+    assert mask == agree(second, first.public, b"r1", b"mask") != agree(first, second.public, b"r2", b"mask")
+    assert mask != agree(first, second.public, b"r1", b"seal")  # one key per purpose
+    assert agree(KeyPair.from_secret(first.secret_bytes()), second.public, b"r1", b"mask") == mask
+    with pytest.raises(ValueError, match="a derived key is for one of"):
+        agree(first, second.public, b"r1", b"other")
+    key = agree(first, second.public, b"shares", b"seal")
     sealed = seal(key, b"share", b"d0->d1")
     assert open_sealed(key, sealed, b"d0->d1") == b"share"
     for bad_key, associated, altered in ((key, b"d0->d2", sealed), (bytes(32), b"d0->d1", sealed),
                                          (key, b"d0->d1", sealed[:-1] + bytes([sealed[-1] ^ 1]))):
         with pytest.raises(ValueError, match="does not open"):
             open_sealed(bad_key, altered, associated)
+
+
+def test_a_slice_that_is_not_its_coverage_is_refused() -> None:
+    coverage = leading(4)
+    values = values_of(coverage, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="are not its coverage's"):
+        mask_slice({"fc.bias": values["fc.bias"]}, coverage, SHAPES, bytes(32), [])
+    twice = {**coverage, "fc.bias": [np.array([0, 0, 1, 2, 3, 4, 5, 6, 7, 8])]}
+    with pytest.raises(ValueError, match="distinct and within 0..9"):
+        mask_slice(values, twice, SHAPES, bytes(32), [])
+    total = SecureSum(SHAPES)
+    masked = mask_slice(values, coverage, SHAPES, bytes(32), [])
+    with pytest.raises(ValueError, match="holds tensors"):
+        total.add({"fc.bias": masked["fc.bias"]}, coverage)
+    with pytest.raises(ValueError, match="has shape"):
+        total.add({**masked, "fc.bias": masked["fc.bias"][:3]}, coverage)
+    assert not total.counts["fc.bias"].any()  # nothing folded

@@ -5,6 +5,7 @@ back, and what the coordinator refuses."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from common.secagg.client import MASK, SELF, Reveal, SecureClient
 from common.secagg.encoding import RESOLUTION
 from common.secagg.graph import neighbour_count, neighbours, threshold_of
+from common.secagg.masking import MIN_HOLDERS
 from common.secagg.server import SecureServer
 
 SHAPES = {"w": (16, 6), "b": (16,)}
@@ -38,8 +40,9 @@ def secure_round(devices: int, before_sharing: set[str], before_sending: set[str
     for recipient, sealed in server.relay(bundles).items():
         clients[recipient].receive(sealed)
     senders = [name for name in bundles if name not in before_sending]
+    holders = server.holders()
     for name in senders:
-        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES))
+        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES, holders))
     survivors, dropped = server.request()
     reveals = {name: clients[name].reveal(survivors, dropped) for name in survivors}
     result = server.unmask(reveals)
@@ -47,6 +50,7 @@ def secure_round(devices: int, before_sharing: set[str], before_sending: set[str
     for name in senders:
         for key, idx in coverages[name].items():
             expected[key][np.ix_(*idx)] += values[name][key]
+    expected = {key: np.where(holders[key] >= MIN_HOLDERS, sums, 0.0) for key, sums in expected.items()}
     return result, expected, len(senders), clients, server
 
 
@@ -90,13 +94,17 @@ def test_the_coordinator_refuses_what_would_leak_or_cannot_be_unmasked() -> None
     bundles = {name: clients[name].share(rosters[name]) for name in ("a", "b", "c")}
     with pytest.raises(ValueError, match="'a' sealed shares for x, not its neighbours"):
         server.relay({**bundles, "a": {**bundles["a"], "x": b""}})
+    with pytest.raises(ValueError, match="'a' sealed shares for 2 of its 3 neighbours"):
+        server.relay({**bundles, "a": {peer: box for peer, box in bundles["a"].items() if peer != "b"}})
+    with pytest.raises(ValueError, match="a majority of them needed"):
+        clients["d"].share(replace(rosters["d"], threshold=1))
     for recipient, sealed in server.relay(bundles).items():
         clients[recipient].receive(sealed)
     values = {key: np.zeros(tuple(len(i) for i in idx)) for key, idx in coverage(0).items()}
     with pytest.raises(ValueError, match="'d', who did not share its keys"):
         server.add("d", clients["a"].mask(values, coverage(0), SHAPES))
     server.add("a", clients["a"].mask(values, coverage(0), SHAPES))
-    with pytest.raises(ValueError, match="the round cannot be unmasked: 0 of the neighbours of 'a' sent"):
+    with pytest.raises(ValueError, match="the round cannot be unmasked: "):
         server.request()
     server.add("b", clients["b"].mask(values, coverage(0), SHAPES))
     server.add("c", clients["c"].mask(values, coverage(0), SHAPES))
@@ -109,6 +117,9 @@ def test_the_coordinator_refuses_what_would_leak_or_cannot_be_unmasked() -> None
         server.unmask(forged)
     with pytest.raises(ValueError, match="gave back a share the round did not ask for"):
         server.unmask({**reveals, "a": [Reveal("d", SELF, reveals["a"][0].point, 1)]})
+    server.unmask(reveals)
+    with pytest.raises(ValueError, match="unmasked already"):
+        server.unmask(reveals)
 
 
 def test_the_graph_is_symmetric_and_regular_and_the_threshold_a_majority() -> None:
@@ -118,3 +129,16 @@ def test_the_graph_is_symmetric_and_regular_and_the_threshold_a_majority() -> No
     assert k % 2 == 0 and all(len(others) == k for others in graph.values())
     assert all(name in graph[other] for name, others in graph.items() for other in others)
     assert threshold_of(k) == k // 2 + 1 and neighbour_count(10) == 9
+
+
+def test_no_unmasked_sum_holds_fewer_than_three_devices_values() -> None:
+    # Six devices: rows 8-15 are held by two (d000 and the rolled d003): they send 0 there, so the sum the
+    # coordinator unmasks says nothing of either, and those rows are not aggregated (count 0).
+    result, expected, _, _, server = secure_round(6, set(), set())
+    sums, counts = result["w"]
+    assert not sums[8:].any() and not counts[8:].any() and counts[:8].min() >= MIN_HOLDERS
+    assert not server.total.result()["w"][0][8:].any()  # what the coordinator held: zeros, not two devices' values
+    np.testing.assert_allclose(sums, expected["w"], atol=6 * RESOLUTION)
+    # Seven: rows 8-15 held by three; one of them dropping out after sharing would leave two: not unmasked.
+    with pytest.raises(ValueError, match="coordinate\\(s\\) of 'w' were sent by fewer than 3 devices"):
+        secure_round(7, set(), {"d006"})
