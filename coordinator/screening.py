@@ -167,21 +167,23 @@ def local_noise_reach(result: TaskResult) -> float:
     """How far the noise a device adds under local differential privacy (``plan.update_clip``) may move its update:
     ``noise_multiplier * bound * (sqrt(values) + 5)``, the noise vector's norm with five standard deviations' room
     (0 without such noise)."""
+    return _local_noise(result, +5.0)
+
+
+def _local_noise(result: TaskResult, room: float) -> float:
+    """``noise_multiplier * bound * (sqrt(values) + room)`` of the noise a device adds under local differential
+    privacy (``values``: the floating values it sends); 0 without such noise."""
     clip = result.task.plan.update_clip
     if clip is None or clip.noise_multiplier == 0:
         return 0.0
     values = sum(tensor.numel() for tensor in result.state.values() if tensor.is_floating_point())
-    return clip.noise_multiplier * clip.bound * (math.sqrt(values) + 5.0)
+    return clip.noise_multiplier * clip.bound * (math.sqrt(values) + room)
 
 
 def local_noise_floor(result: TaskResult) -> float:
     """The least norm the noise a device adds under local differential privacy gives its update, with five standard
     deviations' room: ``noise_multiplier * bound * (sqrt(values) - 5)`` (0 without such noise)."""
-    clip = result.task.plan.update_clip
-    if clip is None or clip.noise_multiplier == 0:
-        return 0.0
-    values = sum(tensor.numel() for tensor in result.state.values() if tensor.is_floating_point())
-    return max(0.0, clip.noise_multiplier * clip.bound * (math.sqrt(values) - 5.0))
+    return max(0.0, _local_noise(result, -5.0))
 
 
 def beyond_reach(result: TaskResult, change: Change) -> str | None:

@@ -74,6 +74,7 @@ class PrivacyGuard:
         self.ledger = PrivacyLedger(settings.accountant)
         self.clip = settings.clip
         self._releases: dict[int, RoundRelease] = {}
+        self._ahead: tuple[int, float] | None = None  # (rounds accounted, epsilon after one more): allows()'s
         if not settings.enabled:
             if completed and last_record is not None and last_record.privacy:
                 log.warning("privacy_turned_off", round=completed, epsilon=last_record.privacy.get("epsilon"),
@@ -129,6 +130,7 @@ class PrivacyGuard:
         if not self.enabled or budget is None:
             return True
         after = self.ledger.epsilon(self.settings.delta, [(self.settings.noise_multiplier, 1)])
+        self._ahead = (self.ledger.rounds, after)  # what settle() would compute again once the round is accounted
         if after <= budget:
             return True
         self.log.warning("privacy_budget_reached", round=round_number, epsilon=self.epsilon(), budget=budget,
@@ -176,8 +178,11 @@ class PrivacyGuard:
             share = (sum(release.unclipped) + noise) / planned
             self.clip = used * math.exp(-settings.adaptive.learning_rate * (share - settings.adaptive.target_quantile))
             record["unclipped"] = share
+        accounted = self.ledger.rounds
         self.ledger.add(settings.noise_multiplier)
-        record.update(next_clip=self.clip, epsilon=self.epsilon(), delta=settings.delta,
+        ahead = self._ahead
+        epsilon = ahead[1] if ahead is not None and ahead[0] == accounted else self.epsilon()
+        record.update(next_clip=self.clip, epsilon=epsilon, delta=settings.delta,
                       max_epsilon=settings.max_epsilon, accountant=settings.accountant, ledger=self.ledger.to_list())
         self.log.info("privacy_spent", round=round_number, epsilon=record["epsilon"], delta=settings.delta,
                       clip=used, next_clip=self.clip)
