@@ -80,14 +80,14 @@ def one_round(devices: int, params: int, dropout: float, seed: int) -> dict[str,
     narrow = sorted(name for index, name in enumerate(sorted(clients)) if index % 3 == 2)
     dropped = set(random.Random(seed).sample(narrow, round(dropout * devices)))
     tick = time.perf_counter()
-    holders = server.holders()
+    keep = {name: server.keep(name) for name in relayed}
     coordinator += time.perf_counter() - tick
     masked_bytes = 0
     for name, client in clients.items():
         tick = time.perf_counter()
         client.receive(relayed[name])
         if name not in dropped:
-            masked = client.mask(values[name], coverages[name], shapes, holders)
+            masked = client.mask(values[name], coverages[name], shapes, keep[name])
             masked_bytes = max(masked_bytes, sum(array.nbytes for array in masked.values()))
         device_seconds[name] += time.perf_counter() - tick
         if name not in dropped:

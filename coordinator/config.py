@@ -17,6 +17,7 @@ from coordinator.method_settings.fjord import FjORDConfig
 from coordinator.method_settings.flexfl import FlexFLConfig
 from coordinator.method_settings.scalefl import ScaleFLConfig
 from coordinator.privacy.settings import PrivacyConfig
+from coordinator.secure.settings import SecureAggregationConfig
 from models import FAMILY_NAMES
 from protocol import validate_name
 
@@ -198,6 +199,7 @@ class CoordinatorConfig:
     uploads: UploadsConfig = field(default_factory=UploadsConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
     weighting: Literal["uniform", "samples"] = "uniform"
     #: What the agents train on ("cpu" or "cuda"): the terms of the memory they report, in which level planning
     #: estimates what each sub-model needs.
@@ -257,6 +259,7 @@ class CoordinatorConfig:
         self.uploads.validate()
         self.deployment.validate()
         self.privacy.validate(self.weighting)
+        self.secure_aggregation.validate(self.round_timeout_s, self.round_mode, self.privacy.mode, self.weighting)
         self.buffered.validate()
         self.fedavg.validate()
         self.fedrolex.validate()

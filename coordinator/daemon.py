@@ -40,6 +40,7 @@ from coordinator.registry import FleetRegistry
 from coordinator.round import Round
 from coordinator.round_planner import RoundPlanner
 from coordinator.run_files import RunFiles
+from coordinator.secure.room import SecureRounds
 from coordinator.tasks import State
 from coordinator.upload_desk import UploadDesk
 from coordinator.upload_grants import UploadGrants
@@ -91,21 +92,23 @@ class Coordinator:
                          if config.metrics_port is not None else None)
         if self.exporter is not None and self.files.last_record is not None:  # shown until the next round is done
             self.exporter.round_done(self.files.last_record, counted=False)
+        self.secure = SecureRounds(config, self.link, self.topics, self.family, self.dataset.num_classes, self.log)
         self.intake = UpdateIntake(self.family, self.strategy, self.files.journal, self.dataset.num_classes,
                                    self.in_flight, self.link, self.topics, self.log, on_accepted=self._on_answer,
-                                   on_receipt=self.exporter.update_received if self.exporter is not None else None)
+                                   on_receipt=self.exporter.update_received if self.exporter is not None else None,
+                                   secure=self.secure)  # (masked updates, and the secure exchange told of answers)
         self._evaluator = Evaluator.for_test_set(self.family, self.dataset, config.data.eval_samples, config.seed,
                                                  self.strategy.context.server_x)
         #: Differential privacy: the clip bound in each task, the private aggregate, the epsilon spent, the budget.
         self.privacy = PrivacyGuard(config.privacy, config.rounds, self.files.last_record, self.completed_rounds,
                                     self.log)
         self.planner = RoundPlanner(config, self.strategy, self.fleet, self.in_flight, self.files, self.intake,
-                                    self.privacy, self.log)
+                                    self.privacy, self.secure, self.log)
         if config.resume:
             self.planner.resume(self.completed_rounds, resume_grace_s)
         #: The agents' update topics: requests to upload and chunks (``uploads``: the window, `grants`).
         self.uploads = UploadDesk(self.intake, config.uploads, self.link, self.topics, self.in_flight,
-                                  self.registry.revision, self.log)
+                                  self.registry.revision, self.log, on_secure=self.secure.on_message)
         self.dispatcher = Dispatcher(self.link, self.topics, self.registry, self.family, self.model_ref, self.in_flight,
                                      config.seed, self.log, grants_uploads=self.uploads.grants is not None)
         self.courier = ModelCourier(config, self.link, self.topics, self.registry, self.log,  # the devices' models
@@ -245,7 +248,7 @@ class Coordinator:
         review = reporting.review(current, self.strategy, self.family, self._evaluator, self.states,
                                   self.files.trained_so_far, self.in_flight.carried_ids, self.log,
                                   every_target=self.config.levels_due(current.number, last_round))
-        review.privacy = self.privacy.settle(current.number)  # the round's epsilon, the next clip bound
+        review.privacy, review.secure = self.privacy.settle(current.number), self.secure.settle(current.number)
         phase = time.perf_counter()
         # The round's record goes with its checkpoint: a stop before metrics.jsonl has it loses no round's figures.
         self.files.round_done(current.number, self.states, review.result(bytes_down, time.monotonic() - started),

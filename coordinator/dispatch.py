@@ -87,7 +87,8 @@ class Dispatcher:
         task = Task(task_id, round_number, planned.agent_id, deadline, self.model_ref, spec.unrolled().to_dict(),
                     None, {key: value.detach().cpu().numpy() for key, value in weights.items()},
                     adaptation=self.readable(planned.adaptation, planned.agent_id), plan=plan,
-                    ask_to_upload=self.grants_uploads and self.revision(planned.agent_id) >= UPLOAD_GRANT_REVISION)
+                    ask_to_upload=self.grants_uploads and self.revision(planned.agent_id) >= UPLOAD_GRANT_REVISION,
+                    secure=planned.secure)
         version = self.protocol_version(planned.agent_id)
         payload = encode_parts(task, version=version)  # the weights are read as the chunks are made
         topic = self.topics.agent_task(planned.agent_id)

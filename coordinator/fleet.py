@@ -17,6 +17,7 @@ from coordinator.data_fit import data_misfit
 from coordinator.federations import federations_seen
 from coordinator.privacy.guard import privacy_misfit
 from coordinator.registry import AgentRecord, FleetRegistry
+from coordinator.secure.room import secure_misfit
 from coordinator.serving import ServiceLog, answer_text, unserved_text
 from coordinator.strategies.base import Strategy
 from coordinator.tasks import Skip
@@ -177,7 +178,8 @@ class FleetWatch:
                 f"the agents' configurations")
 
     def fitting(self, online: list[AgentRecord]) -> tuple[list[AgentRecord], list[Skip]]:
-        """The agents whose data fits the model (and under privacy, that clip their updates), and a skip (reason logged
+        """The agents whose data fits the model (and under privacy or secure aggregation, whose revision takes part), and
+        a skip (reason logged
         once per agent) for each other one;
         raises NoAgentsError when no online agent's data fits."""
         expected = (self.dataset.in_channels, *self.dataset.image_size)
@@ -186,8 +188,9 @@ class FleetWatch:
             reason = data_misfit(record.capabilities, expected, self.dataset.num_classes, self.dataset.name)
             event = "agent_data_does_not_fit"
             if reason is None:
-                reason = privacy_misfit(self.config.privacy, record.capabilities.protocol_version
-                                        if record.capabilities is not None else 1)
+                revision = record.capabilities.protocol_version if record.capabilities is not None else 1
+                reason = (privacy_misfit(self.config.privacy, revision)
+                          or secure_misfit(self.config.secure_aggregation, revision))
                 event = "agent_cannot_serve_private_run"
             if reason is None:
                 self._misfits_told.pop(record.agent_id, None)
@@ -199,8 +202,9 @@ class FleetWatch:
                 self.log.error(event, agent=record.agent_id, reason=reason)
         if not fitting:
             first = misfits[0]
-            what = ("the data of none of the" if not self.config.privacy.enabled else "none of the")
-            fits = "fits the model" if not self.config.privacy.enabled else "can serve this private run"
+            private = self.config.privacy.enabled or self.config.secure_aggregation.enabled
+            what = "the data of none of the" if not private else "none of the"
+            fits = "fits the model" if not private else "can serve this private run"
             raise NoAgentsError(f"{what} {len(online)} online agents of federation '{self.config.federation}' "
                                 f"{fits}, so no round can be planned: agent '{first.agent_id}': {first.reason}")
         return fitting, misfits

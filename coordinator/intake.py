@@ -24,6 +24,7 @@ from coordinator.journal import RoundJournal
 from coordinator.metrics import TaskRecord, TaskStatus
 from coordinator.round import Examined, Receipt, Round, Verdict
 from coordinator.screening import Change, change_of_result
+from coordinator.secure.room import SecureRounds
 from coordinator.staleness import rebased
 from coordinator.strategies.base import Strategy
 from coordinator.tasks import TaskPlan, TaskResult
@@ -94,12 +95,14 @@ class UpdateIntake:
     and decides what an update gets while no round is in progress; ``num_classes`` is the dataset's;
     ``on_accepted(round)``: the round took an update as new; ``on_receipt(verdict, bytes, answers)``: every whole
     update, how the round took it (a :class:`Verdict` value), its size and the round's answers then (None: no
-    round)."""
+    round); ``secure``: the secure rounds' room, which reads a secure task's masked update against its slice and is
+    told of every update a round takes (`coordinator.secure.room.SecureRounds`)."""
 
     def __init__(self, family: ModelFamily, strategy: Strategy, journal: RoundJournal, num_classes: int,
                  in_flight: InFlight, link: MqttLink, topics: Topics, log: Logger, *,
                  on_accepted: Callable[[Round], None] | None = None,
-                 on_receipt: Callable[[str, int, int | None], None] | None = None) -> None:
+                 on_receipt: Callable[[str, int, int | None], None] | None = None,
+                 secure: SecureRounds | None = None) -> None:
         self._link = link  # acks go out through it
         self.topics = topics
         self.family = family
@@ -109,6 +112,7 @@ class UpdateIntake:
         self._in_flight = in_flight
         self._on_accepted = on_accepted
         self._on_receipt = on_receipt
+        self._secure = secure
         self.log = log
         self.reassembler = Reassembler(max_buffered_bytes=MAX_BUFFERED_BYTES, max_transfers=MAX_TRANSFERS)
         self._index_maps: dict[SubmodelSpec, dict[str, tuple[torch.Tensor, ...]]] = {}
@@ -139,6 +143,8 @@ class UpdateIntake:
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
                 return None  # no ack: the agent sends it again
+            if receipt.verdict is Verdict.ACCEPTED and self._secure is not None:
+                self._secure.answered(current.number, set(current.answers))  # (a decline: no advert is coming)
             if receipt.verdict is Verdict.ACCEPTED and self._on_accepted is not None:
                 self._on_accepted(current)
         if receipt.verdict is Verdict.DEFERRED:
@@ -203,6 +209,10 @@ class UpdateIntake:
     # ------------------------------------------------------------------ reading
     def unpack(self, update: Update, task: TaskPlan) -> TaskResult:
         """Validate an update against what was sent and return it ready to aggregate (ValueError if not)."""
+        if task.secure:
+            if self._secure is None:
+                raise ValueError("its task was secure and this coordinator runs no secure aggregation")
+            return self._secure.unpack(update, task)
         # Where the trained tensors sit is the coordinator's to say (a rolled window: the task's), not the agent's.
         spec = (SubmodelSpec.from_dict(update.spec_trained).rolled(task.spec.roll)
                 if update.spec_trained is not None else task.spec)

@@ -105,7 +105,8 @@ class RoundJournal:
         for dispatched in dispatched_tasks:
             task = dispatched.task
             message = Task(dispatched.task_id, dispatched.round, task.agent_id, dispatched.deadline, self.model,
-                           task.spec.to_dict(), None, {}, adaptation=task.adaptation, plan=task.plan)
+                           task.spec.to_dict(), None, {}, adaptation=task.adaptation, plan=task.plan,
+                           secure=task.secure)
             name = f"task-{_digest(dispatched.task_id)}.msgpack"
             write_atomic(self.directory / name, encode(message))
             names.add(name)
@@ -163,7 +164,7 @@ class RoundJournal:
         message = decode((self.directory / f"task-{_digest(task_id)}.msgpack").read_bytes(), expected=Task)
         assert isinstance(message, Task)
         plan = TaskPlan(message.agent_id, str(entry["level"]), SubmodelSpec.from_dict(message.spec),
-                        message.training_plan(), str(entry["group"]), message.adaptation)
+                        message.training_plan(), str(entry["group"]), message.adaptation, message.secure)
         return DispatchedTask(task_id, message.round, plan, message.deadline)
 
     def _bases(self, carried: Sequence[DispatchedTask]) -> dict[int, dict[str, State]]:

@@ -143,6 +143,8 @@ class RoundResult:
     levels_evaluated: bool = True
     #: Differential privacy (``coordinator.privacy.guard``): epsilon spent after the round and how; None when off.
     privacy: dict[str, Any] | None = None
+    #: Secure aggregation (``coordinator.secure``): how the round's exchange went; None when off.
+    secure: dict[str, Any] | None = None
 
     @property
     def headline(self) -> float:

@@ -163,11 +163,14 @@ class RoundReview:
     every_target: bool = True
     #: What the round spent of the run's privacy (`coordinator.privacy.guard`), None when off.
     privacy: dict[str, Any] | None = None
+    #: How the round's secure exchange went (`coordinator.secure`), None when off.
+    secure: dict[str, Any] | None = None
 
     def result(self, bytes_down: int, seconds: float) -> RoundResult:
         """The round as `metrics.jsonl` keeps it, its traffic and wall time so far included."""
         return replace(round_result(self.current, self.records, self.accuracies, self.trained, bytes_down, seconds,
-                                    self.deployed, levels_evaluated=self.every_target), privacy=self.privacy)
+                                    self.deployed, levels_evaluated=self.every_target), privacy=self.privacy,
+                       secure=self.secure)
 
 
 def review(current: Round, strategy: Strategy, family: ModelFamily, evaluator: Evaluator, states: dict[str, State],

@@ -24,6 +24,7 @@ for one of them that comes meanwhile is deferred: not answered, sent again to th
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,10 @@ __all__ = ["DEVICE_METRICS", "Answer", "DispatchedTask", "Examined", "Intake", "
 #: The update metric each device phase is read from (the agent's TaskRunner and daemon write them).
 DEVICE_METRICS = {"queued": "seconds_queued", "decision": "seconds_decision", "training": "seconds",
                   "slowdown": "seconds_slowdown"}
+
+
+#: The change of a masked update (a secure round's): unknown to the coordinator.
+UNMEASURED = Change(math.nan, 0, 0.0, None)
 
 
 class Phase(Enum):
@@ -285,6 +290,11 @@ class Round:
         """Measure a valid update (against what its task was sent, in round ``sent_round``), and fold it in unless
         it is beyond its plan's reach (screening's first rule); a stale one rebased by its staleness."""
         started = time.perf_counter()
+        if result.masked is not None:  # a secure round's masked slice: nothing to measure or screen
+            answer.spec, answer.keys, answer.change = result.spec, frozenset(result.masked), UNMEASURED
+            self._aggregate.add(result)
+            self.timing["aggregation"] += time.perf_counter() - started
+            return
         change = self._intake.measure(result, sent_round)
         measured = time.perf_counter()
         self.timing["validation"] += measured - started
@@ -408,6 +418,11 @@ class Round:
                     entry["transfer"] = max(0.0, answer.arrived - sent - own)
                 times.append(entry)
             return times
+
+    @property
+    def aggregate(self) -> RoundAggregate:
+        """The aggregate the round folds its updates into."""
+        return self._aggregate
 
     @property
     def bytes_up(self) -> int:

@@ -14,6 +14,7 @@ import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from common.logs import Logger
 from coordinator.config import CoordinatorConfig
@@ -24,6 +25,7 @@ from coordinator.privacy.guard import PrivacyGuard
 from coordinator.registry import AgentRecord
 from coordinator.round import DispatchedTask, Intake, Round
 from coordinator.run_files import RunFiles
+from coordinator.secure.room import SecureRounds
 from coordinator.serving import ServiceLog
 from coordinator.strategies.base import Strategy
 from coordinator.tasks import Skip, TaskPlan
@@ -35,9 +37,10 @@ class RoundPlanner:
     """Plans, journals and opens rounds (see the module docstring)."""
 
     def __init__(self, config: CoordinatorConfig, strategy: Strategy, fleet: FleetWatch, in_flight: InFlight,
-                 files: RunFiles, intake: Intake, privacy: PrivacyGuard, log: Logger) -> None:
+                 files: RunFiles, intake: Intake, privacy: PrivacyGuard, secure: SecureRounds, log: Logger) -> None:
         self._config = config
         self._privacy = privacy
+        self._secure = secure
         self._strategy = strategy
         self._fleet = fleet
         self._in_flight = in_flight
@@ -78,7 +81,8 @@ class RoundPlanner:
         plan = self._strategy.configure_round(round_number, free, rng)
         skipped = [*plan.skipped, *misfits]
         deadline = time.time() + self._config.round_timeout_s
-        tasks = self._privacy.plan({Dispatcher.task_id(round_number, task.agent_id): task for task in plan.tasks})
+        tasks = self._secure.plan(self._privacy.plan({Dispatcher.task_id(round_number, task.agent_id): task
+                                                      for task in plan.tasks}))
         bases = self._in_flight.plan(round_number)
         self._journal.begin(round_number, deadline, tasks, skipped, carried, bases)  # before any task goes out
         planned = self.new_round(round_number, tasks, skipped, deadline, carried)
@@ -101,7 +105,7 @@ class RoundPlanner:
             self._log.info("sized_to_fleet", detail=told)
 
     def new_round(self, round_number: int, tasks: dict[str, TaskPlan], skipped: list[Skip], deadline: float,
-                  carried: Sequence[DispatchedTask] = ()) -> Round:
+                  carried: Sequence[DispatchedTask] = (), *, resumed: bool = False) -> Round:
         """A round of these tasks (and, buffered, the ``carried`` tasks of earlier rounds still training), cut from
         the current states. A buffered run's last round waits for every task it holds (``buffered.drain_last``): the
         run ends with what its devices trained aggregated, not carried into a round that never comes."""
@@ -110,8 +114,13 @@ class RoundPlanner:
         size = config.buffered.size if config.round_mode == "buffered" and not last else None
         aggregate = self._privacy.aggregate(round_number, len(tasks) + len(carried),
                                             self._strategy.begin_aggregate(self._in_flight.states))
-        return Round(round_number, tasks, skipped, deadline, aggregate,
-                     self._privacy.screening(config.screening), self._intake, carried=carried, buffer_size=size,
+        if not resumed:  # (a secure round resumed cannot be unmasked: `coordinator.secure.room`)
+            aggregate = self._secure.aggregate(round_number, tasks, deadline, aggregate)
+        screening = self._privacy.screening(config.screening)
+        if self._secure.enabled:  # no change to measure in a masked update
+            screening = replace(screening, peers=False, record=False)
+        return Round(round_number, tasks, skipped, deadline, aggregate, screening, self._intake, carried=carried,
+                     buffer_size=size,
                      max_staleness=config.buffered.max_staleness)
 
     def resume(self, completed_rounds: int, grace_s: float) -> None:
@@ -139,7 +148,8 @@ class RoundPlanner:
             return
         deadline = max(pending.deadline, time.time() + min(self._config.round_timeout_s, grace_s))
         self._in_flight.resume(pending.round, pending.bases)
-        resumed = self.new_round(pending.round, pending.tasks, pending.skipped, deadline, pending.carried)
+        resumed = self.new_round(pending.round, pending.tasks, pending.skipped, deadline, pending.carried,
+                                 resumed=True)
         self._in_flight.install(resumed)
         for update, payload in self._journal.stored(resumed.tasks):
             resumed.receive(update, payload, hashlib.sha256(payload).hexdigest(), stored=True)

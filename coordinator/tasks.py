@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from coordinator.metrics import TaskStatus
@@ -29,6 +30,8 @@ class TaskPlan:
     plan: TrainingPlan
     group: str = "global"
     adaptation: Adaptation | None = None
+    #: A secure round's task (``secure_aggregation``): its update comes masked (`coordinator.secure`).
+    secure: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class TaskResult:
     labels: list[int]
     #: Rounds late (a buffered round's stale update, rebased: its change scaled by FedBuff's weight).
     staleness: int = 0
+    #: A secure round's masked slice (uint64 per tensor named ``group/key``; ``state`` is then empty).
+    masked: Mapping[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)

@@ -56,11 +56,14 @@ VERDICTS_KEPT = 4096
 class UploadDesk:
     """Messages on the agents' update topics (see the module docstring), with the ``uploads`` section's window
     (:attr:`grants`, None when uploads are not granted). ``in_flight``: the round in progress, and what a request
-    gets between two rounds; ``revision(agent_id)``: the protocol revision an agent announced."""
+    gets between two rounds; ``revision(agent_id)``: the protocol revision an agent announced; ``on_secure(agent_id,
+    payload)``: a secure round's message (`coordinator.secure.room.SecureRounds.on_message`)."""
 
     def __init__(self, intake: UpdateIntake, uploads: UploadsConfig, link: MqttLink,
-                 topics: Topics, in_flight: InFlight, revision: Callable[[str], int], log: Logger) -> None:
+                 topics: Topics, in_flight: InFlight, revision: Callable[[str], int], log: Logger, *,
+                 on_secure: Callable[[str, bytes], None] | None = None) -> None:
         self.intake = intake
+        self._on_secure = on_secure
         #: The window of update bytes in transfer, None when uploads are not granted.
         self.grants = (UploadGrants(uploads.window_bytes, uploads.idle_s, wanted=self.wanted) if uploads.grant
                        else None)
@@ -82,9 +85,13 @@ class UploadDesk:
         self.not_held_total = 0
 
     def on_message(self, agent_id: str, payload: bytes) -> None:
-        """A message on ``agent_id``'s update topic: a chunk of its update, or its request to send one.
-        ProtocolError for a malformed one."""
-        if message_type(payload) == "upload_request":
+        """A message on ``agent_id``'s update topic: a chunk of its update, its request to send one, or a secure
+        round's message. ProtocolError for a malformed one."""
+        kind = message_type(payload)
+        if kind is not None and kind.startswith("secure_") and self._on_secure is not None:
+            self._on_secure(agent_id, payload)
+            return
+        if kind == "upload_request":
             request = decode(payload, expected=UploadRequest)
             assert isinstance(request, UploadRequest)
             if request.agent_id != agent_id:

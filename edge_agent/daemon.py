@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from common import systemd_notify
@@ -29,9 +30,11 @@ from edge_agent.activity import SEEN_TASKS, AgentActivity
 from edge_agent.config import AgentConfig
 from edge_agent.holdback import HoldBack, hold_seconds
 from edge_agent.id_probe import probe_agent_id
-from edge_agent.memory import available_memory, detect_device_kind, size_text, total_memory
+from edge_agent.memory import admit_task, detect_device_kind, total_memory
 from edge_agent.model_store import ModelStore
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
+from edge_agent.secure_round import FROM_COORDINATOR as SECURE_MESSAGES
+from edge_agent.secure_round import SecureTasks
 from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
@@ -99,7 +102,7 @@ class EdgeAgent:
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.agent_id}-train")
         self.reassembler = Reassembler(max_total_bytes=config.limits.max_task_bytes, max_transfers=8,
-                                       admit=self._admit_task)
+                                       admit=lambda _transfer, total: admit_task(total, self.config.limits.max_task_bytes))
         #: The tasks it serves and the answers it gave (its status's busy, its report).
         self.activity = AgentActivity(_SEEN_TASKS)
         self._lock = threading.Lock()
@@ -134,6 +137,9 @@ class EdgeAgent:
         self._timer = threading.Thread(target=self._status_loop, name=f"{self.agent_id}-status", daemon=True)
         #: Trained updates held back by ``slowdown`` (spooled already), released to the uplink when due.
         self.holdback = HoldBack(self.agent_id)
+        #: Secure rounds' updates, held until masked (`edge_agent.secure_round`).
+        self.secure = SecureTasks(self.agent_id, config.federation, lambda message: self.link.publish(
+            self.topics.agent_update(self.agent_id), encode(message)), self.uplink.send, self.log)
 
     def _torch_device(self) -> str:
         if self.config.device == "auto":  # torch is asked in the training forkserver, which starts for it
@@ -301,7 +307,9 @@ class EdgeAgent:
             elif kind == "task":
                 self._on_task_chunk(payload)
             elif kind == "ack":
-                ack = decode(payload, expected=(Ack, UploadGrant, UploadWait))
+                ack = decode(payload, expected=(Ack, UploadGrant, UploadWait, *SECURE_MESSAGES))
+                if self.secure.take(ack):  # a secure round's message, or a refusal of an update it holds
+                    return
                 if isinstance(ack, UploadWait):
                     if not self.uplink.on_wait(ack.task_id, ack.reason):
                         self.log.debug("wait_ignored", task=ack.task_id)
@@ -372,19 +380,6 @@ class EdgeAgent:
         self.coordinator_state = status.state
         if status.state == "online" and not self._stop.is_set():  # (stopping: its last word is "offline")
             self.publish_status()
-
-    def _admit_task(self, transfer: str, total: int) -> None:
-        """Refuse a task transfer at its first chunk when it is larger than ``limits.max_task_bytes``, or when
-        buffering it and decoding its weights (about twice its size) would not fit the memory the device has
-        now: nothing of it is buffered."""
-        limit = self.config.limits.max_task_bytes
-        if total > limit:
-            raise ProtocolError(f"task refused at its first chunk: it is {size_text(total)}, more than "
-                                f"limits.max_task_bytes {size_text(limit)}")
-        available = available_memory()
-        if 2 * total > available:
-            raise ProtocolError(f"task refused at its first chunk: buffering and decoding its {size_text(total)} "
-                                f"needs about {size_text(2 * total)}, {size_text(available)} are available")
 
     def _on_task_chunk(self, payload: bytes) -> None:
         try:
@@ -465,6 +460,9 @@ class EdgeAgent:
         # The task's own seconds (the decision and the training child as measured, not the wait for a slot):
         hold = hold_seconds(self.config.slowdown,
                             float(update.metrics.get("seconds_task", update.metrics.get("seconds", 0.0))))
+        if task.secure and update.status.trained:  # never sent in the clear: masked once its round agreed keys
+            self.secure.advertise(task, update, version, partial(self._answered, task, update), hold, self.holdback)
+            return True
         if hold <= 0:
             self.uplink.send(update, version=version, ask=task.ask_to_upload)
             self.activity.answered(task, update)
@@ -485,6 +483,10 @@ class EdgeAgent:
             self.log.info("update_held_back", task=task.task_id, seconds=round(hold, 3),
                           slowdown=self.config.slowdown)
         return held
+
+    def _answered(self, task: Task, update: Update) -> None:
+        self.activity.answered(task, update)
+        self._task_over(task)
 
     def _task_over(self, task: Task) -> None:
         """The agent is done with ``task`` (its update sent, or none coming): busy no more unless with another."""

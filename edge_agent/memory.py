@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from protocol import ProtocolError
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -127,3 +129,16 @@ def gpu_free_memory(library: str = "libnvidia-ml.so.1") -> int | None:
             nvml.nvmlShutdown()
     except AttributeError:  # a library of that name without these functions
         return None
+
+
+def admit_task(total: int, limit: int) -> None:
+    """Refuse a task transfer at its first chunk (ProtocolError) when it is larger than ``limit`` bytes
+    (``limits.max_task_bytes``), or when buffering it and decoding its weights (about twice its size) would not fit
+    the memory the device has now: nothing of it is buffered."""
+    if total > limit:
+        raise ProtocolError(f"task refused at its first chunk: it is {size_text(total)}, more than "
+                            f"limits.max_task_bytes {size_text(limit)}")
+    available = available_memory()
+    if 2 * total > available:
+        raise ProtocolError(f"task refused at its first chunk: buffering and decoding its {size_text(total)} "
+                            f"needs about {size_text(2 * total)}, {size_text(available)} are available")

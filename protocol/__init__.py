@@ -1,7 +1,8 @@
 """FedFit wire contract: MQTT topics, message types, the msgpack codec and its validation.
 
 Every payload is a msgpack map ``{"v": version, "type": kind, **fields}`` with kind one of ``status``,
-``coordinator_status``, ``task``, ``update``, ``ack``, ``upload_request``, ``upload_grant``, ``upload_wait``.
+``coordinator_status``, ``task``, ``update``, ``ack``, ``upload_request``, ``upload_grant``, ``upload_wait``, ``model_delivery`` and the secure round's
+(`protocol.secure`).
 Tensors hold raw little-endian C-order bytes of a whitelisted dtype: in version 1 as maps ``{"dtype", "shape",
 "data"}`` inside the message, in version 2 (PROTOCOL_VERSION) after it (`protocol.framing`), encoded without a
 copy (`encode_parts`) and decoded as read-only views on the received bytes. `decode` reads both versions,
@@ -28,6 +29,7 @@ from protocol.messages import (
     PROTOCOL_REVISION,
     PROTOCOL_VERSION,
     READABLE_VERSIONS,
+    SECURE_AGGREGATION_REVISION,
     STATUS_REPORT_REVISION,
     UPLOAD_GRANT_REVISION,
     UPLOAD_WAIT_REVISION,
@@ -53,6 +55,16 @@ from protocol.messages import (
 )
 from protocol.plan import PLAN_VERSION, LossTerm, OptimizerSettings, Recipe, Stage, TrainingPlan, UpdateClip
 from protocol.reassembly import Reassembled, Reassembler, TransferRefused
+from protocol.secure import (
+    RevealedShare,
+    SecureAdvert,
+    SecurePeer,
+    SecureRelay,
+    SecureReveal,
+    SecureRoster,
+    SecureShares,
+    SecureUnmask,
+)
 from protocol.tensors import decode_tensor, encode_tensor
 from protocol.topics import Topics, parse_agent_topic, validate_name
 
@@ -69,6 +81,7 @@ __all__ = [
     "PROTOCOL_REVISION",
     "PROTOCOL_VERSION",
     "READABLE_VERSIONS",
+    "SECURE_AGGREGATION_REVISION",
     "STATUS_REPORT_REVISION",
     "UPLOAD_GRANT_REVISION",
     "UPLOAD_WAIT_REVISION",
@@ -92,7 +105,15 @@ __all__ = [
     "Reassembled",
     "Reassembler",
     "Recipe",
+    "RevealedShare",
     "RoundProgress",
+    "SecureAdvert",
+    "SecurePeer",
+    "SecureRelay",
+    "SecureReveal",
+    "SecureRoster",
+    "SecureShares",
+    "SecureUnmask",
     "Stage",
     "Task",
     "TextEnum",

@@ -39,6 +39,7 @@ from protocol.messages import (
     UploadWait,
 )
 from protocol.plan import ROUTES, Recipe, read_training_plan
+from protocol.secure import SECURE_KINDS, SECURE_READERS
 
 HEADER = ("v", "type")
 KIND_OF: dict[type, str] = {
@@ -51,6 +52,7 @@ KIND_OF: dict[type, str] = {
     UploadGrant: "upload_grant",
     UploadWait: "upload_wait",
     ModelDelivery: "model_delivery",
+    **SECURE_KINDS,
 }
 
 
@@ -211,7 +213,7 @@ def read_coordinator_status(obj: object, limits: Limits) -> CoordinatorStatus:
 
 
 def read_task(obj: object, limits: Limits, section: TensorSection | None = None) -> Task:
-    r = FieldReader(obj, "task", limits, Task, HEADER, optional=("plan", "adaptation", "ask_to_upload"))
+    r = FieldReader(obj, "task", limits, Task, HEADER, optional=("plan", "adaptation", "ask_to_upload", "secure"))
     if (r.raw("plan") is None) == (r.raw("recipe") is None):
         raise ProtocolError("task must carry a training 'plan' (or, from coordinators that predate plans, a "
                             "'recipe'), not both and not neither")
@@ -227,6 +229,7 @@ def read_task(obj: object, limits: Limits, section: TensorSection | None = None)
         adaptation=r.opt_nested("adaptation", read_adaptation),
         plan=r.opt_nested("plan", read_training_plan),
         ask_to_upload=r.boolean("ask_to_upload") if r.raw("ask_to_upload") is not None else False,
+        secure=r.boolean("secure") if r.raw("secure") is not None else False,
     )
 
 
@@ -296,6 +299,7 @@ READERS: dict[str, Callable[[object, Limits], Message]] = {
     "upload_grant": read_upload_grant,
     "upload_wait": read_upload_wait,
     "model_delivery": read_model_delivery,
+    **SECURE_READERS,
 }
 WITH_TENSORS: dict[str, Callable[[object, Limits, TensorSection], Message]] = {
     "task": read_task,

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, TypeAlias
 import numpy as np
 
 from protocol.plan import Recipe, TrainingPlan
+from protocol.secure import SecureAdvert, SecureRelay, SecureReveal, SecureRoster, SecureShares, SecureUnmask
 
 PROTOCOL_VERSION = 2
 """The newest protocol version, the one this side writes by default: version 2 carries a message's tensors as raw
@@ -16,7 +17,7 @@ bytes after its header (`protocol.framing`), version 1 inside it as msgpack maps
 without tensors reads the same in both and is always written as version 1, which every reader reads."""
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """The protocol versions this side decodes."""
-PROTOCOL_REVISION = 9
+PROTOCOL_REVISION = 10
 """What an agent announces as :attr:`Capabilities.protocol_version`: the newest revision of the protocol it reads.
 Revisions 1 and 2 are the layouts above; revision 3 is version 2's layout plus :attr:`Adaptation.head_alone`, a
 field older agents refuse; revision 4 adds ordered dropout to training plans (``TrainingPlan.widths`` and
@@ -24,7 +25,8 @@ field older agents refuse; revision 4 adds ordered dropout to training plans (``
 revision 6 uploads the coordinator grants (:attr:`Task.ask_to_upload`, :class:`UploadRequest`, :class:`UploadGrant`);
 revision 7 the coordinator's answer that a request waits its turn (:class:`UploadWait`); revision 8 models delivered
 to run (:class:`ModelDelivery`, :attr:`AgentReport.model`); revision 9 updates clipped (and noised) on the device
-for differential privacy (:attr:`TrainingPlan.update_clip`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
+for differential privacy (:attr:`TrainingPlan.update_clip`); revision 10 secure aggregation (:attr:`Task.secure`,
+the messages of `protocol.secure`). A coordinator writes ``min(PROTOCOL_VERSION, announced)`` and sends a field to agents whose revision reads it;
 coordinators that predate revision 3 read an announced 3 or more as 2."""
 HEAD_ALONE_REVISION = 3
 """The first revision an agent reads :attr:`Adaptation.head_alone` in."""
@@ -51,6 +53,10 @@ report the model it holds."""
 PRIVACY_REVISION = 9
 """The first revision an agent clips its update in (:attr:`TrainingPlan.update_clip`): a coordinator under
 differential privacy sends tasks to such agents only."""
+
+SECURE_AGGREGATION_REVISION = 10
+"""The first revision an agent takes part in a secure round in (:attr:`Task.secure`, `protocol.secure`): a coordinator
+under secure aggregation sends tasks to such agents only."""
 
 AGENT_STATES: tuple[str, ...] = ("online", "busy", "offline", "starting")
 COORDINATOR_STATES: tuple[str, ...] = ("online", "offline")
@@ -248,10 +254,10 @@ class Task:
     A task carries a training ``plan``; tasks from coordinators that predate plans carry a ``recipe`` instead
     (exactly one of the two is set, see :meth:`training_plan`). ``ask_to_upload`` (revision 6): the coordinator
     grants uploads; the agent sends its update only once an :class:`UploadGrant` answers its
-    :class:`UploadRequest`.
+    :class:`UploadRequest`. ``secure`` (revision 10): see the field.
     """
 
-    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("ask_to_upload",)
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("ask_to_upload", "secure")
 
     task_id: str
     round: int
@@ -265,6 +271,9 @@ class Task:
     """How the agent may shrink the spec when it cannot afford it; None: train exactly ``spec`` or decline."""
     plan: TrainingPlan | None = None
     ask_to_upload: bool = False
+    secure: bool = False
+    """Revision 10: the round is secure (`protocol.secure`): the agent advertises keys once trained and uploads its
+    update masked."""
 
     def training_plan(self) -> TrainingPlan:
         """The plan to run: ``plan``, or the plan an old-style task's ``recipe`` stands for."""
@@ -379,5 +388,6 @@ VERDICTS: tuple[str, ...] = ("aggregated", "rejected")
 
 
 Message: TypeAlias = (AgentStatus | CoordinatorStatus | Task | Update | Ack | UploadRequest | UploadGrant
-                      | UploadWait | ModelDelivery)
+                      | UploadWait | ModelDelivery | SecureAdvert | SecureRoster | SecureShares | SecureRelay
+                      | SecureUnmask | SecureReveal)
 """Any top-level message (the nested Capabilities, ModelRef, Recipe, TrainingPlan and Adaptation are not)."""

@@ -18,7 +18,7 @@ from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 ALLOWED_DTYPES: frozenset[str] = frozenset(
-    {"float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+    {"float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint64", "bool"}
 )
 TENSOR_KEYS: frozenset[str] = frozenset({"dtype", "shape", "data"})
 _ALLOWED_TEXT = ", ".join(sorted(ALLOWED_DTYPES))

@@ -20,13 +20,13 @@ import numpy as np
 
 from common.secagg.graph import threshold_of
 from common.secagg.keys import KeyPair, agree, open_sealed, seal
-from common.secagg.masking import MIN_HOLDERS, Coverage, PairMask, mask_slice
+from common.secagg.masking import Coverage, PairMask, mask_slice
 from common.secagg.prg import SEED_BYTES
 from common.secagg.shamir import split
+from protocol.secure import SHARE_BYTES
 
 __all__ = ["MASK", "SELF", "Advert", "Neighbour", "Reveal", "Roster", "SecureClient"]
 
-SHARE_BYTES = 66  # a field element of 2^521 - 1
 #: The fewest neighbours a device shares among (with 3 devices in a round, each has 2).
 MIN_NEIGHBOURS = 2
 SELF, MASK = "self", "mask"
@@ -124,16 +124,16 @@ class SecureClient:
             self._held[sender] = box
 
     def mask(self, values: Mapping[str, np.ndarray], coverage: Coverage, shapes: Mapping[str, Sequence[int]],
-             holders: Mapping[str, np.ndarray] | None = None, least: int = MIN_HOLDERS) -> dict[str, np.ndarray]:
+             keep: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Its slice ``values`` (over ``coverage`` of the global tensors of ``shapes``) masked: its self mask, and a
         pair mask with every neighbour whose shares it holds (those that shared: the others drop out of its
-        masks). ``holders``: per global tensor, how many of the devices that shared hold each coordinate (the
-        coordinator's count, from their specs): a value where fewer than ``least`` do is sent as 0, so that no sum
-        the coordinator unmasks is one device's value, or two devices' that each could read the other's from."""
+        masks). ``keep``: per tensor, over the slice, whether at least ``MIN_HOLDERS`` of the devices that shared
+        hold each coordinate (the coordinator's count, `SecureServer.keep`): a value where fewer do is sent as 0, so
+        that no sum the coordinator unmasks is one device's value, or two devices' that each could read the other's
+        from."""
         roster = self._need_roster()
-        if holders is not None:
-            values = {name: np.where(np.asarray(holders[name])[np.ix_(*coverage[name])] >= least, value, 0.0)
-                      for name, value in values.items()}
+        if keep is not None:
+            values = {name: np.where(np.asarray(keep[name], dtype=bool), value, 0.0) for name, value in values.items()}
         pairs = [PairMask(agree(self._masks, neighbour.advert.mask, self.context, b"mask"),
                           1 if self.device < neighbour.advert.device else -1, neighbour.coverage)
                  for neighbour in roster.neighbours if neighbour.advert.device in self._held]

@@ -82,12 +82,19 @@ class SecureServer:
 
     def holders(self) -> dict[str, np.ndarray]:
         """Per global tensor, how many of the devices that shared (U2) hold each coordinate: what each is told with
-        its relayed shares, to send 0 where fewer than ``MIN_HOLDERS`` do (`SecureClient.mask`)."""
+        its relayed shares, to send 0 where fewer than ``MIN_HOLDERS`` do (`keep`, `SecureClient.mask`)."""
         counts = {name: np.zeros(shape, dtype=np.int64) for name, shape in self.total.shapes.items()}
         for device in self.shared:
             for name, indices in self.coverages[device].items():
                 counts[name][np.ix_(*[np.asarray(index) for index in indices])] += 1
         return counts
+
+    def keep(self, device: str) -> dict[str, np.ndarray]:
+        """Over ``device``'s slice, per tensor, whether at least ``MIN_HOLDERS`` of the devices that shared hold each
+        coordinate (`holders`): what it is told with its relayed shares."""
+        counts = self.holders()
+        return {name: counts[name][np.ix_(*[np.asarray(index) for index in indices])] >= MIN_HOLDERS
+                for name, indices in self.coverages[device].items()}
 
     def add(self, device: str, masked: Mapping[str, np.ndarray]) -> None:
         """A masked slice in (U3); ValueError for a device that did not share, or sent one already."""

@@ -78,6 +78,7 @@ def _round(r: RoundResult, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "seconds": r.seconds,
         "timing": dict(r.timing),
         **({"privacy": dict(r.privacy)} if r.privacy else {}),  # epsilon spent after the round (privacy section)
+        **({"secure": dict(r.secure)} if r.secure else {}),  # the secure exchange (secure_aggregation section)
     }
 
 

@@ -42,7 +42,7 @@ def secure_round(devices: int, before_sharing: set[str], before_sending: set[str
     senders = [name for name in bundles if name not in before_sending]
     holders = server.holders()
     for name in senders:
-        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES, holders))
+        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES, server.keep(name)))
     survivors, dropped = server.request()
     reveals = {name: clients[name].reveal(survivors, dropped) for name in survivors}
     result = server.unmask(reveals)

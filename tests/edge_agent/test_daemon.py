@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from edge_agent import daemon as daemon_module
+from edge_agent import memory as memory_module
 from edge_agent.config import AgentConfig, AgentDataConfig, TaskLimits
 from edge_agent.daemon import EdgeAgent
 from edge_agent.runner import LocalData
@@ -41,7 +42,7 @@ def make_agent(tmp_path, monkeypatch) -> Iterator[Callable[..., tuple[EdgeAgent,
 
 def test_a_task_too_big_for_the_memory_available_is_declined_at_its_first_chunk(make_agent, monkeypatch) -> None:
     agent, sent = make_agent()
-    monkeypatch.setattr(daemon_module, "available_memory", lambda: 3 * 2**20)  # 3 MiB left on the device
+    monkeypatch.setattr(memory_module, "available_memory", lambda: 3 * 2**20)  # 3 MiB left on the device
     # a 2 MiB task of round 4, 4 chunks, delivered twice (QoS 1 redelivery)
     chunks = split_payload(b"\x00" * (2 * 2**20), "r4-pi-01-abc", chunk_size=2**19, round_number=4)
     with structlog.testing.capture_logs() as logs:
@@ -231,7 +232,7 @@ def test_a_slowed_agent_holds_its_update_back_busy_without_holding_its_training_
 
     agent, sent = make_agent(slowdown=1_000_001.0)  # held back 10^6 x 2 s: far beyond any test, only stop ends it
     monkeypatch.setattr(agent.runner, "run", _trained(2.0, 2.5))
-    task = SimpleNamespace(task_id="r1-pi-01-1", round=1, ask_to_upload=False)
+    task = SimpleNamespace(task_id="r1-pi-01-1", round=1, ask_to_upload=False, secure=False)
     _busy_with(agent, task.task_id)
     with ThreadPoolExecutor(max_workers=1) as slot:  # the simulator's training pool, one slot for every agent
         slot.submit(agent._serve, task, time.perf_counter()).result(30)
@@ -273,7 +274,7 @@ def test_a_held_back_update_goes_to_the_uplink_when_due_and_the_agent_is_free_ag
 
     monkeypatch.setattr(agent.uplink, "send_later", watched)
     monkeypatch.setattr(agent, "publish_status", lambda report=True: over.set())  # the last thing a task's end does
-    task = SimpleNamespace(task_id="r1-pi-01-2", round=1, ask_to_upload=False)
+    task = SimpleNamespace(task_id="r1-pi-01-2", round=1, ask_to_upload=False, secure=False)
     _busy_with(agent, task.task_id)
     agent._serve(task, time.perf_counter())
     assert queued.wait(30) and over.wait(30)
@@ -288,7 +289,7 @@ def test_an_agent_at_its_own_speed_sends_at_once(make_agent, monkeypatch) -> Non
     agent, sent = make_agent()
     monkeypatch.setattr(agent.uplink, "send", lambda update, **kwargs: sent.append(update))
     monkeypatch.setattr(agent.runner, "run", _trained(2.0, 2.5))
-    task = SimpleNamespace(task_id="r1-pi-01-3", round=1, ask_to_upload=False)
+    task = SimpleNamespace(task_id="r1-pi-01-3", round=1, ask_to_upload=False, secure=False)
     _busy_with(agent, task.task_id)
     agent._serve(task, time.perf_counter())
     [update] = sent

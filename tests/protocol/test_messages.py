@@ -337,16 +337,25 @@ def test_an_update_status_is_its_type_and_reads_as_its_value() -> None:
 
 
 def test_message_union_lists_the_top_level_messages() -> None:
-    from protocol import ModelDelivery
+    from protocol import (
+        ModelDelivery,
+        SecureAdvert,
+        SecureRelay,
+        SecureReveal,
+        SecureRoster,
+        SecureShares,
+        SecureUnmask,
+    )
 
     assert set(typing.get_args(Message)) == {AgentStatus, CoordinatorStatus, Task, Update, Ack, UploadRequest,
-                                            UploadGrant, UploadWait, ModelDelivery}
+                                            UploadGrant, UploadWait, ModelDelivery, SecureAdvert, SecureRoster,
+                                            SecureShares, SecureRelay, SecureUnmask, SecureReveal}
 
 
 def test_field_names_are_the_contract() -> None:
     assert [f.name for f in fields(Task)] == [
         "task_id", "round", "agent_id", "deadline", "model", "spec", "recipe", "weights", "adaptation", "plan",
-        "ask_to_upload",
+        "ask_to_upload", "secure",
     ]  # fmt: skip
     assert [f.name for f in fields(Update)] == [
         "task_id", "round", "agent_id", "status", "spec_trained", "num_samples", "labels", "weights",

@@ -537,7 +537,7 @@ def _wire_value(value: object) -> object:
 def _unchecked_payload(task: Task) -> bytes:
     body: dict[str, Any] = {"v": 1, "type": "task"}
     for f in dataclasses.fields(task):
-        if f.name != "weights" and not (f.name == "ask_to_upload" and not task.ask_to_upload):  # (revision 6's)
+        if f.name != "weights" and not (f.name in ("ask_to_upload", "secure") and not getattr(task, f.name)):
             body[f.name] = _wire_value(getattr(task, f.name))
     body["weights"] = {name: encode_tensor(array) for name, array in task.weights.items()}
     return pack(body)
