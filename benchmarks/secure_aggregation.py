@@ -80,7 +80,7 @@ def one_round(devices: int, params: int, dropout: float, seed: int) -> dict[str,
     narrow = sorted(name for index, name in enumerate(sorted(clients)) if index % 3 == 2)
     dropped = set(random.Random(seed).sample(narrow, round(dropout * devices)))
     tick = time.perf_counter()
-    keep = {name: server.keep(name) for name in relayed}
+    keep = server.keep()
     coordinator += time.perf_counter() - tick
     masked_bytes = 0
     for name, client in clients.items():

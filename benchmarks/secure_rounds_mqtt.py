@@ -158,7 +158,7 @@ class Fleet:
             message = Task(task_id, round_number, task.agent_id, time.time() + 3600, ModelRef("preresnet20", 10, 1, {}),
                            task.spec.to_dict(), None, {}, plan=task.plan, secure=True)
             self.rooms[task.agent_id].advertise(message, self.update_of(task_id, task.agent_id, round_number), 2,
-                                                lambda: None)
+                                                lambda _answer: None)
         senders = len(self.names) - len(self.dropped)
         self.wait_for(senders)
         uploaded = time.perf_counter()

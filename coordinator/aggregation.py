@@ -180,6 +180,8 @@ class RoundAggregate:
         self._weight = weight
         self._classifier_keys = list(classifier_keys)
         self._aggregators: dict[str, MaskedAggregator] = {}
+        #: Why the round's updates could not be aggregated after all, once :meth:`result` ran (None: they were).
+        self.failure: str | None = None
 
     @property
     def states(self) -> Mapping[str, State]:

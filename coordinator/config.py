@@ -259,7 +259,8 @@ class CoordinatorConfig:
         self.uploads.validate()
         self.deployment.validate()
         self.privacy.validate(self.weighting)
-        self.secure_aggregation.validate(self.round_timeout_s, self.round_mode, self.privacy.mode, self.weighting)
+        self.secure_aggregation.validate(self.round_timeout_s, self.round_mode, self.privacy.mode, self.weighting,
+                                         self.min_agents)
         self.buffered.validate()
         self.fedavg.validate()
         self.fedrolex.validate()

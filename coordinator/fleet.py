@@ -191,7 +191,7 @@ class FleetWatch:
                 revision = record.capabilities.protocol_version if record.capabilities is not None else 1
                 reason = (privacy_misfit(self.config.privacy, revision)
                           or secure_misfit(self.config.secure_aggregation, revision))
-                event = "agent_cannot_serve_private_run"
+                event = "agent_cannot_serve_private_run"  # (differential privacy or secure aggregation)
             if reason is None:
                 self._misfits_told.pop(record.agent_id, None)
                 fitting.append(record)

@@ -143,7 +143,7 @@ class UpdateIntake:
             except OSError as exc:
                 self.log.error("update_not_journaled", agent=agent_id, task=update.task_id, error=str(exc))
                 return None  # no ack: the agent sends it again
-            if receipt.verdict is Verdict.ACCEPTED and self._secure is not None:
+            if receipt.verdict is Verdict.ACCEPTED and self._secure is not None and self._secure.enabled:
                 self._secure.answered(current.number, set(current.answers))  # (a decline: no advert is coming)
             if receipt.verdict is Verdict.ACCEPTED and self._on_accepted is not None:
                 self._on_accepted(current)

@@ -291,7 +291,8 @@ class Round:
         it is beyond its plan's reach (screening's first rule); a stale one rebased by its staleness."""
         started = time.perf_counter()
         if result.masked is not None:  # a secure round's masked slice: nothing to measure or screen
-            answer.spec, answer.keys, answer.change = result.spec, frozenset(result.masked), UNMEASURED
+            keys = frozenset(name.partition("/")[2] for name in result.masked)  # (named group/key)
+            answer.spec, answer.keys, answer.change = result.spec, keys, UNMEASURED
             self._aggregate.add(result)
             self.timing["aggregation"] += time.perf_counter() - started
             return
@@ -388,6 +389,10 @@ class Round:
         states = self._aggregate.result()
         self.timing["aggregation"] += time.perf_counter() - started
         with self._done:
+            if self._aggregate.failure is not None:  # (a secure round not unmasked: no update of it counts)
+                for answer in self.answers.values():
+                    if answer.aggregated:
+                        self._reject(answer, self._aggregate.failure)
             self.phase = Phase.CLOSED
         return states
 
@@ -418,11 +423,6 @@ class Round:
                     entry["transfer"] = max(0.0, answer.arrived - sent - own)
                 times.append(entry)
             return times
-
-    @property
-    def aggregate(self) -> RoundAggregate:
-        """The aggregate the round folds its updates into."""
-        return self._aggregate
 
     @property
     def bytes_up(self) -> int:

@@ -173,6 +173,7 @@ class EdgeAgent:
         held = [key for key in self.holdback.close() if not key.startswith("start-")]
         if held:
             self.log.info("held_updates_left_for_next_start", tasks=held, spooled=self.spool is not None)
+        self.secure.close()  # (a secure round's secrets are this process's only)
         self.uplink.stop()
         if self._own_executor:
             self.executor.shutdown(wait=False, cancel_futures=True)
@@ -460,15 +461,16 @@ class EdgeAgent:
         # The task's own seconds (the decision and the training child as measured, not the wait for a slot):
         hold = hold_seconds(self.config.slowdown,
                             float(update.metrics.get("seconds_task", update.metrics.get("seconds", 0.0))))
+        if hold > 0:
+            update.metrics["seconds_slowdown"] = hold
+            update.metrics["seconds_task"] = float(update.metrics.get("seconds_task", 0.0)) + hold
         if task.secure and update.status.trained:  # never sent in the clear: masked once its round agreed keys
-            self.secure.advertise(task, update, version, partial(self._answered, task, update), hold, self.holdback)
+            self.secure.advertise(task, update, version, partial(self._answered, task), hold, self.holdback)
             return True
         if hold <= 0:
             self.uplink.send(update, version=version, ask=task.ask_to_upload)
             self.activity.answered(task, update)
             return False
-        update.metrics["seconds_slowdown"] = hold
-        update.metrics["seconds_task"] = float(update.metrics.get("seconds_task", 0.0)) + hold
         queue = self.uplink.send_later(update, version=version, ask=task.ask_to_upload)
 
         def release() -> None:
@@ -484,8 +486,9 @@ class EdgeAgent:
                           slowdown=self.config.slowdown)
         return held
 
-    def _answered(self, task: Task, update: Update) -> None:
-        self.activity.answered(task, update)
+    def _answered(self, task: Task, update: Update | None) -> None:
+        if update is not None:
+            self.activity.answered(task, update)
         self._task_over(task)
 
     def _task_over(self, task: Task) -> None:

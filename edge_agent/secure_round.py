@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -45,6 +46,10 @@ __all__ = ["FROM_COORDINATOR", "SecureTasks"]
 FROM_COORDINATOR = (SecureRoster, SecureRelay, SecureUnmask)
 #: Seconds past its task's deadline a device keeps a sent update's secrets, to give its shares back.
 REVEAL_GRACE_S = 600.0
+#: How the coordinator's refusals of a secure round's step begin (`coordinator.secure.exchange`).
+REFUSAL = "secure aggregation: "
+#: How many tasks let go it remembers, to tell a late refusal of one of their steps from its update's.
+SETTLED_KEPT = 64
 
 
 class Send(Protocol):
@@ -60,10 +65,12 @@ class _Held:
     task: Task
     update: Update
     version: int
-    done: Callable[[], None]
+    done: Callable[[Update | None], None]
     client: SecureClient
     sent: bool = False
     roster: SecureRoster | None = None
+    answered: bool = False  # its answer (masked, failed) went, or it was let go: once, whichever comes first
+    timer: threading.Timer | None = None  # when it is let go
 
 
 class SecureTasks:
@@ -78,12 +85,14 @@ class SecureTasks:
         self._send = send
         self._log = log
         self._held: dict[str, _Held] = {}
+        self._settled: OrderedDict[str, None] = OrderedDict()  # the latest tasks let go (their late refusals ignored)
         self._lock = threading.Lock()
 
-    def advertise(self, task: Task, update: Update, version: int, done: Callable[[], None], hold: float = 0.0,
+    def advertise(self, task: Task, update: Update, version: int, done: Callable[[Update | None], None],
+                  hold: float = 0.0,
                   holdback: HoldBack | None = None) -> None:
-        """Hold the trained ``update`` of secure ``task`` and advertise keys for it (``done()`` once it is answered,
-        masked or failed, or let go); with ``hold`` seconds of ``slowdown``, ``holdback`` advertises them then."""
+        """Hold the trained ``update`` of secure ``task`` and advertise keys for it (``done(answer)`` once it is
+        answered, masked or failed; ``done(None)`` when it is let go unanswered); with ``hold`` seconds of ``slowdown``, ``holdback`` advertises them then."""
         if hold > 0 and holdback is not None and holdback.hold(task.task_id, hold, lambda: self.advertise(
                 task, update, version, done)):
             return
@@ -94,9 +103,7 @@ class SecureTasks:
         self._publish(SecureAdvert(task.task_id, task.round, self._agent_id, keys.cipher, keys.mask,
                                    update.spec_trained, list(update.labels)))
         self._log.info("secure_keys_advertised", task=task.task_id, round=task.round)
-        timer = threading.Timer(max(0.0, task.deadline - time.time()), self._expire, (task.task_id, False))
-        timer.daemon = True
-        timer.start()
+        self._expire_at(self._held[task.task_id], task.deadline, sent=False)
 
     def take(self, message: Message) -> bool:
         """Handle a message of the ack topic that is the secure round's (True), or leave it to the uplink (False)."""
@@ -116,15 +123,18 @@ class SecureTasks:
                 self._mask(held, message)
             else:
                 self._reveal(held, message)
-        except ValueError as exc:
-            self._log.warning("secure_round_failed", task=message.task_id, reason=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a message it cannot serve: its task fails, said why
+            self._log.warning("secure_round_failed", task=message.task_id, reason=str(exc) or type(exc).__name__)
             if not held.sent:
-                self._fail(held, f"secure aggregation: {exc}")
+                self._fail(held, f"secure aggregation: {str(exc) or type(exc).__name__}")
             else:
                 self._forget(message.task_id)
         return True
 
     def _share(self, held: _Held, roster: SecureRoster) -> None:
+        if held.roster is not None:  # the same roster again (a resent message): shared already
+            self._log.info("secure_message_repeated", task=held.task.task_id, kind="SecureRoster")
+            return
         neighbours = [Neighbour(Advert(peer.task_id, peer.cipher, peer.mask), peer.point,
                                 coverage_from_runs(peer.coverage)) for peer in roster.peers]
         sealed = held.client.share(Roster(roster.point, roster.threshold, neighbours))
@@ -133,8 +143,11 @@ class SecureTasks:
 
     def _mask(self, held: _Held, relay: SecureRelay) -> None:
         roster = held.roster
-        if roster is None or held.sent:
-            raise ValueError("shares were relayed before its roster came, or after its update went")
+        if held.sent:  # the same relay again (a resent message): its update went already
+            self._log.info("secure_message_repeated", task=held.task.task_id, kind="SecureRelay")
+            return
+        if roster is None:
+            raise ValueError("shares were relayed before its roster came")
         held.client.receive(relay.sealed)
         coverage, positions = coverage_from_runs(roster.coverage), coverage_from_runs(roster.positions)
         keep = keep_from_bits(relay.keep, coverage)
@@ -147,20 +160,24 @@ class SecureTasks:
             if len(where) != trained.ndim or any(len(pos) and pos.max() >= size
                                                  for pos, size in zip(where, trained.shape, strict=True)):
                 raise ValueError(f"the roster's positions of {name!r} lie outside its tensor {trained.shape}")
+            if name not in coverage or [len(pos) for pos in where] != [len(index) for index in coverage[name]] or any(
+                    len(np.unique(pos)) != len(pos) for pos in where):
+                raise ValueError(f"the roster's positions of {name!r} are not as many as its slice's, or repeat")
             values[name] = trained[np.ix_(*where)]
         masked = held.client.mask(values, coverage, {name: tuple(shape) for name, shape in roster.shapes.items()},
                                   keep)
         update = replace(held.update, weights={name[len(prefix):]: array for name, array in masked.items()})
+        if not self._first_answer(held):
+            return
         held.sent, held.update = True, update  # (the clear tensors are let go)
         self._send(update, version=held.version, ask=held.task.ask_to_upload)
         self._log.info("secure_update_sent", task=held.task.task_id, tensors=len(masked))
-        held.done()
-        timer = threading.Timer(max(0.0, held.task.deadline + REVEAL_GRACE_S - time.time()), self._expire,
-                                (held.task.task_id, True))
-        timer.daemon = True
-        timer.start()
+        held.done(update)
+        self._expire_at(held, held.task.deadline + REVEAL_GRACE_S, sent=True)
 
     def _reveal(self, held: _Held, unmask: SecureUnmask) -> None:
+        if not held.sent:
+            raise ValueError("asked for its shares before its masked update went")
         reveals = held.client.reveal(unmask.survivors, unmask.dropped)
         self._forget(held.task.task_id)
         self._publish(SecureReveal(held.task.task_id, held.task.round, self._agent_id,
@@ -171,19 +188,33 @@ class SecureTasks:
     def _refused(self, ack: Ack) -> bool:
         with self._lock:
             held = self._held.get(ack.task_id)
-        if held is None or held.sent or ack.round != held.task.round or ack.reason is None:
+        if held is None:  # a refusal of a step of a task it answered already: not its answer's (the uplink's)
+            with self._lock:
+                settled = ack.task_id in self._settled
+            if settled and (ack.reason or "").startswith(REFUSAL):
+                self._log.info("secure_refusal_ignored", task=ack.task_id, reason=ack.reason)
+                return True
             return False
+        if ack.round != held.task.round or ack.reason is None:
+            return False
+        if held.sent:  # the exchange's refusal of a step it took already (a resent message): not its update's
+            if not ack.reason.startswith(REFUSAL):
+                return False  # (the masked update refused: the uplink's to settle)
+            self._log.info("secure_refusal_ignored", task=ack.task_id, reason=ack.reason)
+            return True
         self._log.warning("secure_round_refused", task=ack.task_id, reason=ack.reason)
         self._fail(held, ack.reason)
         return True
 
     def _fail(self, held: _Held, reason: str) -> None:
         self._forget(held.task.task_id)
+        if not self._first_answer(held):
+            return
         update = held.update
-        self._send(Update(update.task_id, update.round, update.agent_id, UpdateStatus.FAILED, None, update.num_samples,
-                          list(update.labels), {}, dict(update.metrics), reason=reason),
-                   version=held.version, ask=held.task.ask_to_upload)
-        held.done()
+        failed = Update(update.task_id, update.round, update.agent_id, UpdateStatus.FAILED, None, update.num_samples,
+                        list(update.labels), {}, dict(update.metrics), reason=reason)
+        self._send(failed, version=held.version, ask=held.task.ask_to_upload)
+        held.done(failed)
 
     def _expire(self, task_id: str, sent: bool) -> None:
         with self._lock:
@@ -193,12 +224,38 @@ class SecureTasks:
             self._held.pop(task_id)
         self._log.info("secure_task_let_go", task=task_id, sent=sent,
                        reason="its round's deadline passed" + ("" if not sent else " long ago"))
-        if not sent:
-            held.done()
+        if not sent and self._first_answer(held):
+            held.done(None)
+
+    def _first_answer(self, held: _Held) -> bool:
+        """Whether ``held`` is answered (or let go) now for the first time."""
+        with self._lock:
+            first, held.answered = not held.answered, True
+            return first
 
     def _forget(self, task_id: str) -> None:
         with self._lock:
-            self._held.pop(task_id, None)
+            held = self._held.pop(task_id, None)
+            self._settled[task_id] = None
+            while len(self._settled) > SETTLED_KEPT:
+                self._settled.popitem(last=False)
+        if held is not None and held.timer is not None:
+            held.timer.cancel()
+
+    def _expire_at(self, held: _Held, when: float, *, sent: bool) -> None:
+        if held.timer is not None:
+            held.timer.cancel()
+        held.timer = threading.Timer(max(0.0, when - time.time()), self._expire, (held.task.task_id, sent))
+        held.timer.daemon = True
+        held.timer.start()
+
+    def close(self) -> None:
+        """The agent stops: every round's secrets forgotten (its rounds go on without it), the timers cancelled."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for entry in held:
+            if entry.timer is not None:
+                entry.timer.cancel()
 
     def holding(self) -> int:
         """How many secure tasks are held (their secrets in memory)."""

@@ -11,11 +11,12 @@ dimension, ``[start0, stop0, start1, stop1, ...]`` (`common.secagg.wire`); neigh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol._ids import shown
+from protocol._ids import shown, validate_task_id
 from protocol._reader import FieldReader, check_int, check_text
 from protocol.errors import ProtocolError
 from protocol.limits import Limits
@@ -169,9 +170,11 @@ def _map(value: object, label: str, limits: Limits) -> dict[str, object]:
     return value
 
 
-def _list(value: object, label: str) -> list[object]:
+def _list(value: object, label: str, limits: Limits) -> list[object]:
     if not isinstance(value, list):
         raise ProtocolError(f"{label} must be a list, got {shown(value)}")
+    if len(value) > limits.max_list_len:
+        raise ProtocolError(f"{label} has {len(value)} items, more than {limits.max_list_len}")
     return value
 
 
@@ -179,12 +182,15 @@ def _runs(value: object, label: str, limits: Limits) -> Runs:
     runs: Runs = {}
     for name, dims in _map(value, label, limits).items():
         where = f"{label}[{name!r}]"
-        dims = _list(dims, where)
+        dims = _list(dims, where, limits)
         if not 0 < len(dims) <= limits.max_dims:
             raise ProtocolError(f"{where} must name 1 to {limits.max_dims} dimensions, got {len(dims)}")
         read = []
         for dim in dims:
-            bounds = [check_int(item, f"{where} run bound", 0) for item in _list(dim, where)]
+            bounds = [check_int(item, f"{where} run bound", 0) for item in _list(dim, where, limits)]
+            if len(bounds) > limits.max_list_len or any(bound > limits.max_tensor_elements for bound in bounds):
+                raise ProtocolError(f"{where}: a run bound beyond the limit of {limits.max_tensor_elements} elements, "
+                                    f"or more than {limits.max_list_len} bounds")
             if not bounds or len(bounds) % 2 or any(stop <= start for start, stop in zip(bounds[::2], bounds[1::2])):
                 raise ProtocolError(f"{where}: a dimension's runs must be non-empty (start, stop) pairs, start < stop")
             read.append(bounds)
@@ -195,9 +201,12 @@ def _runs(value: object, label: str, limits: Limits) -> Runs:
 def _shapes(value: object, label: str, limits: Limits) -> dict[str, list[int]]:
     shapes = {}
     for name, dims in _map(value, label, limits).items():
-        sizes = [check_int(item, f"{label}[{name!r}] size", 1) for item in _list(dims, f"{label}[{name!r}]")]
+        sizes = [check_int(item, f"{label}[{name!r}] size", 1) for item in _list(dims, f"{label}[{name!r}]", limits)]
         if not 0 < len(sizes) <= limits.max_dims:
             raise ProtocolError(f"{label}[{name!r}] must have 1 to {limits.max_dims} dimensions")
+        if math.prod(sizes) > limits.max_tensor_elements:
+            raise ProtocolError(f"{label}[{name!r}] has {math.prod(sizes)} elements, more than the limit of "
+                                f"{limits.max_tensor_elements}")
         shapes[name] = sizes
     return shapes
 
@@ -207,10 +216,8 @@ def _sealed(value: object, label: str, limits: Limits) -> dict[str, bytes]:
 
 
 def _task_ids(value: object, label: str, limits: Limits) -> list[str]:
-    items = _list(value, label)
-    if len(items) > limits.max_list_len:
-        raise ProtocolError(f"{label} has {len(items)} items, more than {limits.max_list_len}")
-    return [check_text(item, f"{label} item", limits) for item in items]
+    items = _list(value, label, limits)
+    return [validate_task_id(item, f"{label} item") for item in items]
 
 
 def _ids(r: FieldReader) -> dict[str, Any]:
@@ -234,7 +241,7 @@ def _read_peer(obj: object, where: str, limits: Limits) -> SecurePeer:
 def read_secure_roster(obj: object, limits: Limits) -> SecureRoster:
     r = FieldReader(obj, "secure_roster", limits, SecureRoster, _HEADER)
     peers = [_read_peer(item, f"secure_roster.peers[{index}]", limits)
-             for index, item in enumerate(_list(r.raw("peers"), r.label("peers")))]
+             for index, item in enumerate(_list(r.raw("peers"), r.label("peers"), limits))]
     roster = SecureRoster(**_ids(r), group=r.text("group"), point=r.integer("point", minimum=1),
                           threshold=r.integer("threshold", minimum=1),
                           coverage=_runs(r.raw("coverage"), r.label("coverage"), limits),
@@ -245,6 +252,9 @@ def read_secure_roster(obj: object, limits: Limits) -> SecureRoster:
         raise ProtocolError(f"secure_roster: tensors without a shape: {', '.join(sorted(named - set(roster.shapes))[:3])}")
     if set(roster.positions) != set(roster.coverage):
         raise ProtocolError("secure_roster: positions and coverage must name the same tensors")
+    names = [peer.task_id for peer in peers]
+    if roster.task_id in names or len(set(names)) != len(names):
+        raise ProtocolError("secure_roster: its peers must be other devices, each named once")
     if roster.threshold > len(peers):
         raise ProtocolError(f"secure_roster: threshold {roster.threshold} is above its {len(peers)} peer(s)")
     return roster
@@ -280,7 +290,7 @@ def _read_share(obj: object, where: str, limits: Limits) -> RevealedShare:
 def read_secure_reveal(obj: object, limits: Limits) -> SecureReveal:
     r = FieldReader(obj, "secure_reveal", limits, SecureReveal, _HEADER)
     shares = [_read_share(item, f"secure_reveal.shares[{index}]", limits)
-              for index, item in enumerate(_list(r.raw("shares"), r.label("shares")))]
+              for index, item in enumerate(_list(r.raw("shares"), r.label("shares"), limits))]
     return SecureReveal(**_ids(r), shares=shares)
 
 

@@ -133,6 +133,9 @@ class SecureClient:
         from."""
         roster = self._need_roster()
         if keep is not None:
+            for name, value in values.items():
+                if name not in keep or np.shape(keep[name]) != np.shape(value):
+                    raise ValueError(f"the holder bits of tensor {name!r} are not over its slice")
             values = {name: np.where(np.asarray(keep[name], dtype=bool), value, 0.0) for name, value in values.items()}
         pairs = [PairMask(agree(self._masks, neighbour.advert.mask, self.context, b"mask"),
                           1 if self.device < neighbour.advert.device else -1, neighbour.coverage)
@@ -152,11 +155,11 @@ class SecureClient:
             raise ValueError(f"devices named both as survivors and as dropped: {', '.join(sorted(survived & gone))}")
         if self.device not in survived:
             raise ValueError(f"{self.device!r} is not among the survivors named: it gives back nothing")
-        if len(survived) < roster.threshold:
-            raise ValueError(f"{len(survived)} survivor(s), fewer than the threshold {roster.threshold}: no share is "
-                             f"given back")
-        self._revealed = True
         known = {neighbour.advert.device: neighbour for neighbour in roster.neighbours}
+        if len(survived & set(known)) < roster.threshold:  # (survivors it does not know would not hold its shares)
+            raise ValueError(f"{len(survived & set(known))} of its neighbours survived, fewer than the threshold "
+                             f"{roster.threshold}: no share is given back")
+        self._revealed = True
         reveals = []
         for sender, box in sorted(self._held.items()):
             own, key = self._open(known[sender], box)

@@ -21,9 +21,8 @@ def encode(values: np.ndarray) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if not np.all(np.isfinite(array)):
         raise ValueError("a value to encode is not finite")
-    if array.size and float(np.max(np.abs(array))) >= MAX_ABS:
-        raise ValueError(f"a value to encode is {float(np.max(np.abs(array))):.3g}, beyond the fixed point's range "
-                         f"of +-{MAX_ABS:g}")
+    if array.size and float(np.max(np.abs(array))) >= MAX_ABS:  # (its value not said: it is the device's)
+        raise ValueError(f"a value to encode is beyond the fixed point's range of +-{MAX_ABS:g}")
     return np.rint(array * 2.0**FRACTION_BITS).astype(np.int64).view(np.uint64)
 
 

@@ -1,8 +1,9 @@
 """The coordinator's part of a secure round (SecAgg+), as pure steps its round drives: the roster from the devices'
-adverts, the sealed shares relayed (unread) with how many devices hold each coordinate, the masked slices summed,
-which shares to ask back, and the sum unmasked. It learns each coordinate's sum over the devices that sent a slice
-holding it, and their count, where at least ``MIN_HOLDERS`` did (elsewhere the devices sent 0, and a round where
-dropouts left such a coordinate to fewer is not unmasked); no device's slice. The devices are honest but curious
+adverts, the sealed shares relayed (unread) with where each device's values are hidden among enough others, the
+masked slices summed, which shares to ask back, and the sum unmasked. It learns each coordinate's sum over the
+devices that sent it, and their count, where each sender's value is hidden in a group of at least ``MIN_HOLDERS``
+holders joined by pair masks (elsewhere the devices sent 0, and a round whose dropouts leave such a group smaller is
+not unmasked: `SecureServer.safe`); no device's slice. The devices are honest but curious
 (SecAgg's semi-honest model): a coordinator that lies about who survived to different devices, or swaps keys in the
 rosters, is not defended against (the papers' signed adverts and consistency check are not built).
 
@@ -12,8 +13,9 @@ masked slice (a subset of ``U2``); a device of ``U2`` outside ``U3`` dropped out
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -42,6 +44,7 @@ class SecureServer:
         self.shared: set[str] = set()  # U2
         self.total = SecureSum(shapes)
         self.sent: set[str] = set()  # U3
+        self._kept: dict[str, dict[str, np.ndarray]] = {}  # per sharer, over its slice: the values it sends
         self.unmasked = False
 
     def rosters(self, adverts: Mapping[str, Advert]) -> dict[str, Roster]:
@@ -80,21 +83,40 @@ class SecureServer:
         return {recipient: {sender: bundles[sender][recipient] for sender in self.graph[recipient]
                             if sender in bundles and recipient in bundles[sender]} for recipient in self.shared}
 
-    def holders(self) -> dict[str, np.ndarray]:
-        """Per global tensor, how many of the devices that shared (U2) hold each coordinate: what each is told with
-        its relayed shares, to send 0 where fewer than ``MIN_HOLDERS`` do (`keep`, `SecureClient.mask`)."""
-        counts = {name: np.zeros(shape, dtype=np.int64) for name, shape in self.total.shapes.items()}
-        for device in self.shared:
-            for name, indices in self.coverages[device].items():
-                counts[name][np.ix_(*[np.asarray(index) for index in indices])] += 1
-        return counts
+    def safe(self, members: Collection[str]) -> dict[str, dict[str, np.ndarray]]:
+        """Per device of ``members``, per tensor of its slice, whether its value at each coordinate is hidden in a sum
+        of at least ``MIN_HOLDERS`` devices' values: pair masks cancel only between neighbours that both hold a
+        coordinate, so what the coordinator can unmask there is the sum over each connected group of ``members``
+        holding it (neighbours joined); a group of one or two would give values away. With every device a neighbour
+        of every other (up to 17 devices) a group is all of a coordinate's holders."""
+        members = sorted(set(members))
+        safe: dict[str, dict[str, np.ndarray]] = {name: {} for name in members}
+        for tensor, shape in self.total.shapes.items():
+            holding = [name for name in members if tensor in self.coverages[name]]
+            if not holding:
+                continue
+            held = np.zeros((len(holding), math.prod(shape)), dtype=bool)
+            for row, name in enumerate(holding):
+                held[row].reshape(shape)[np.ix_(*[np.asarray(index) for index in self.coverages[name][tensor]])] = True
+            patterns, which = np.unique(np.packbits(held, axis=0).T, axis=0, return_inverse=True)
+            which = which.reshape(-1)
+            grouped = np.zeros_like(held)  # per device and coordinate: in a group of at least MIN_HOLDERS
+            for index in range(len(patterns)):
+                holders = [holding[row] for row in np.flatnonzero(np.unpackbits(patterns[index])[:len(holding)])]
+                big = _in_big_groups(holders, self.graph)
+                rows = [row for row, name in enumerate(holding) if name in big]
+                if rows:
+                    grouped[np.ix_(np.asarray(rows), np.flatnonzero(which == index))] = True
+            for row, name in enumerate(holding):
+                where = np.ix_(*[np.asarray(index) for index in self.coverages[name][tensor]])
+                safe[name][tensor] = grouped[row].reshape(shape)[where]
+        return safe
 
-    def keep(self, device: str) -> dict[str, np.ndarray]:
-        """Over ``device``'s slice, per tensor, whether at least ``MIN_HOLDERS`` of the devices that shared hold each
-        coordinate (`holders`): what it is told with its relayed shares."""
-        counts = self.holders()
-        return {name: counts[name][np.ix_(*[np.asarray(index) for index in indices])] >= MIN_HOLDERS
-                for name, indices in self.coverages[device].items()}
+    def keep(self) -> dict[str, dict[str, np.ndarray]]:
+        """Per device that shared (U2), over its slice, where its value is hidden among enough devices (`safe`): what
+        it is told with its relayed shares, to send 0 elsewhere (`SecureClient.mask`). Kept for :meth:`request`."""
+        self._kept = self.safe(self.shared)
+        return self._kept
 
     def add(self, device: str, masked: Mapping[str, np.ndarray]) -> None:
         """A masked slice in (U3); ValueError for a device that did not share, or sent one already."""
@@ -107,15 +129,18 @@ class SecureServer:
         self.sent.add(device)
 
     def request(self) -> tuple[list[str], list[str]]:
-        """The survivors (U3) and the dropped (U2 less U3) to tell every survivor; ValueError when a secret to
-        recover has fewer surviving neighbours than the threshold."""
+        """The survivors (U3) and the dropped (U2 less U3) to tell every survivor; ValueError when dropouts left a
+        value a sender kept in a group of fewer than ``MIN_HOLDERS`` senders (its sum would give values away), or a
+        secret to recover with fewer surviving neighbours than the threshold."""
         survivors, dropped = sorted(self.sent), sorted(self.shared - self.sent)
-        for name, shared in self.holders().items():
-            thin = (shared >= MIN_HOLDERS) & (self.total.counts[name] > 0) & (self.total.counts[name] < MIN_HOLDERS)
-            if thin.any():
-                raise ValueError(f"the round cannot be unmasked: {int(thin.sum())} coordinate(s) of {name!r} were sent "
-                                 f"by fewer than {MIN_HOLDERS} devices once others dropped out, so their sums would "
-                                 f"give values away")
+        still = self.safe(self.sent)
+        for name in survivors:
+            for tensor, kept in self._kept.get(name, {}).items():
+                thin = kept & ~still[name][tensor]
+                if thin.any():
+                    raise ValueError(f"the round cannot be unmasked: {int(thin.sum())} coordinate(s) of {tensor!r} "
+                                     f"that {name!r} sent are left, once others dropped out, in a group of fewer than "
+                                     f"{MIN_HOLDERS} senders, whose sum would give values away")
         for owner in (*survivors, *dropped):
             holders = [other for other in self.graph[owner] if other in self.sent]
             if len(holders) < self.threshold:
@@ -154,9 +179,29 @@ class SecureServer:
                 sign = 1 if survivor < owner else -1
                 self.total.remove_pair_mask(seed, sign, self.coverages[survivor], self.coverages[owner])
         self.unmasked = True
-        included = {name: counts >= MIN_HOLDERS for name, counts in self.holders().items()}
-        return {name: (np.where(included[name], sums, 0.0), np.where(included[name], counts, 0))
-                for name, (sums, counts) in self.total.result().items()}
+        counts = {name: np.zeros(shape, dtype=np.int64) for name, shape in self.total.shapes.items()}
+        for name in self.sent:  # a coordinate counts the senders that kept it (the others sent 0 there)
+            for tensor, kept in self._kept.get(name, {}).items():
+                counts[tensor][np.ix_(*[np.asarray(index) for index in self.coverages[name][tensor]])] += kept
+        return {name: (np.where(counts[name] > 0, sums, 0.0), counts[name])
+                for name, (sums, _) in self.total.result().items()}
+
+
+def _in_big_groups(holders: Sequence[str], graph: Mapping[str, Sequence[str]]) -> set[str]:
+    """The ``holders`` that are joined (through neighbours that are holders too) to at least ``MIN_HOLDERS - 1``
+    others."""
+    left, big = set(holders), set()
+    while left:
+        group, frontier = set(), [left.pop()]
+        while frontier:
+            name = frontier.pop()
+            group.add(name)
+            joined = [other for other in graph.get(name, ()) if other in left]
+            left.difference_update(joined)
+            frontier.extend(joined)
+        if len(group) >= MIN_HOLDERS:
+            big |= group
+    return big
 
 
 def _combined(owner_kind: tuple[str, str], held: Mapping[int, int], threshold: int) -> bytes:

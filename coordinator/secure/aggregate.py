@@ -22,15 +22,17 @@ class SecureAggregate(RoundAggregate):
     """See the module docstring. ``server``: the round's server once its rosters went out (None before: a masked
     slice cannot come before then); ``task_of``: the task id an update's agent holds in the round; ``unmask()``: the
     round's sums and counts once its survivors gave their shares back (None: it cannot be unmasked), asked for when
-    the round wants its result (`coordinator.round.Round.finish`: it stopped collecting)."""
+    the round wants its result (`coordinator.round.Round.finish`: it stopped collecting); ``failure()``: why not."""
 
     def __init__(self, states: Mapping[str, State], classifier_keys: list[str],
                  server: Callable[[], SecureServer | None], task_of: Callable[[str], str],
-                 unmask: Callable[[], dict[str, tuple[np.ndarray, np.ndarray]] | None]) -> None:
+                 unmask: Callable[[], dict[str, tuple[np.ndarray, np.ndarray]] | None],
+                 failure: Callable[[], str | None] = lambda: None) -> None:
         super().__init__(states, lambda _result: 1.0, classifier_keys)
         self._server = server
         self._task_of = task_of
         self._unmask = unmask
+        self._failure = failure
         self._sums: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
         self._added = 0
 
@@ -55,6 +57,7 @@ class SecureAggregate(RoundAggregate):
         if self._sums is None:
             self._sums = self._unmask() or {}
         if not self._sums:  # not unmasked: nothing of the round is aggregated
+            self.failure = f"its secure round could not be unmasked: {self._failure() or 'no sums'}"
             return merged
         for group, state in self.states.items():
             new = {}

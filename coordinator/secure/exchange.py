@@ -85,6 +85,7 @@ class SecureExchange:
         self._asked: list[str] = []
         self._reveals: dict[str, list[Reveal]] = {}
         self.record = ExchangeRecord()
+        self._told: set[str] = set()  # tasks told they are out (once)
         self._started = time.monotonic()
         self.rostered_at = 0.0
         self._asked_at = 0.0
@@ -113,6 +114,8 @@ class SecureExchange:
             task = self.tasks.get(message.task_id)
             if task is None or task.agent_id != message.agent_id:
                 return []  # not this round's: nothing to answer (the agent's task is another round's)
+            if message.task_id in self.adverts:
+                return []  # the same advert again (a resent message)
             if self.phase != "adverts":
                 return [self._refusal(message.task_id, f"its keys came after round {self.round}'s rosters went out")]
             try:
@@ -141,25 +144,29 @@ class SecureExchange:
                 return self._fail(f"{len(self.adverts)} device(s) trained and advertised keys: secure aggregation "
                                   f"needs at least {MIN_HOLDERS} (with fewer, one could read another's update from "
                                   f"the sum)", self.adverts)
-            self.server = SecureServer(self.context, self._shapes,
-                                       {task_id: cut.coverage for task_id, (_, cut, _) in self.adverts.items()},
-                                       self._rng)
-            rosters = self.server.rosters({task_id: advert for task_id, (advert, _, _) in self.adverts.items()})
+            try:
+                self.server = SecureServer(self.context, self._shapes,
+                                           {task_id: cut.coverage for task_id, (_, cut, _) in self.adverts.items()},
+                                           self._rng)
+                rosters = self.server.rosters({task_id: advert for task_id, (advert, _, _) in self.adverts.items()})
+            except ValueError as exc:
+                return self._fail(str(exc), self.adverts)
             self.record.threshold = self.server.threshold
+            runs = {task_id: coverage_to_runs(cut.coverage) for task_id, (_, cut, _) in self.adverts.items()}
             return [(self.tasks[task_id].agent_id, self._roster(task_id, roster.point, roster.threshold,
                                                                  [neighbour.advert.device for neighbour in
-                                                                  roster.neighbours]))
+                                                                  roster.neighbours], runs))
                     for task_id, roster in rosters.items()]
 
-    def _roster(self, task_id: str, point: int, threshold: int, neighbours: list[str]) -> SecureRoster:
+    def _roster(self, task_id: str, point: int, threshold: int, neighbours: list[str],
+                runs: Mapping[str, dict[str, list[list[int]]]]) -> SecureRoster:
         assert self.server is not None
         cut = self.adverts[task_id][1]
         peers = [SecurePeer(other, self.adverts[other][0].cipher, self.adverts[other][0].mask,
-                            self.server.points[other], coverage_to_runs(self.adverts[other][1].coverage))
-                 for other in neighbours]
+                            self.server.points[other], runs[other]) for other in neighbours]
         named = set(cut.coverage).union(*(self.adverts[other][1].coverage for other in neighbours))
         return SecureRoster(task_id, self.round, self.tasks[task_id].agent_id, cut.group, point, threshold,
-                            coverage_to_runs(cut.coverage), coverage_to_runs(cut.positions),
+                            runs[task_id], coverage_to_runs(cut.positions),
                             {name: list(self._shapes[name]) for name in sorted(named)}, peers)
 
     # -------------------------------------------------------------- shares
@@ -169,14 +176,23 @@ class SecureExchange:
             self.record.bytes_up += size
             if message.task_id not in self.adverts or self.tasks[message.task_id].agent_id != message.agent_id:
                 return []
+            if message.task_id in self._bundles:
+                return []  # the same shares again (a resent message)
             if self.phase != "sharing":
                 return [self._refusal(message.task_id, f"its shares came after round {self.round}'s were relayed")]
+            assert self.server is not None
+            wanted = set(self.server.graph[message.task_id])
+            if set(message.sealed) != wanted:  # its neighbours would mask with it one-sidedly: it is left out
+                return [self._refusal(message.task_id, f"it sealed shares for {len(message.sealed)} device(s), not "
+                                                       f"for its {len(wanted)} neighbours")]
             self._bundles[message.task_id] = dict(message.sealed)
             return []
 
-    def waiting_for_shares(self) -> bool:
+    def waiting_for_shares(self, answered: Collection[str]) -> bool:
+        """Whether some device of the roster has neither shared nor answered its task."""
         with self._lock:
-            return self.phase == "sharing" and any(task_id not in self._bundles for task_id in self.adverts)
+            return self.phase == "sharing" and any(task_id not in self._bundles and task_id not in answered
+                                                   for task_id in self.adverts)
 
     def relays(self) -> Outgoing:
         """The shares close: each sharer's relay; those that did not share are told they are out."""
@@ -187,7 +203,7 @@ class SecureExchange:
             self.phase = "uploading"
             self.record.seconds["shares"] = time.monotonic() - self.rostered_at
             late = [self._refusal(task_id, f"it did not share its keys within round {self.round}'s time for it")
-                    for task_id in self.adverts if task_id not in self._bundles]
+                    for task_id in self.adverts if task_id not in self._bundles and task_id not in self._told]
             try:
                 if len(self._bundles) < MIN_HOLDERS:
                     raise ValueError(f"{len(self._bundles)} device(s) shared their keys: secure aggregation needs at "
@@ -196,9 +212,10 @@ class SecureExchange:
             except ValueError as exc:
                 return late + self._fail(str(exc), self._bundles)
             self.record.shared = len(relayed)
+            kept = self.server.keep()
             return late + [(self.tasks[task_id].agent_id,
                             SecureRelay(task_id, self.round, self.tasks[task_id].agent_id, sealed,
-                                        keep_to_bits(self.server.keep(task_id))))
+                                        keep_to_bits(kept[task_id])))
                            for task_id, sealed in relayed.items()]
 
     # ----------------------------------------------------------- unmasking
@@ -207,7 +224,8 @@ class SecureExchange:
         unmasked: its failure says why)."""
         with self._lock:
             if self.phase in ("adverts", "sharing"):
-                self.phase, self.record.failure = "failed", f"the round closed before its {self.phase} were in"
+                what = "adverts" if self.phase == "adverts" else "shares"
+                return self._fail(f"round {self.round} closed before its {what} were in", self.adverts)
             if self.phase != "uploading" or self.server is None:
                 return []
             self.phase = "unmasking"
@@ -233,8 +251,12 @@ class SecureExchange:
                 return
             assert self.server is not None
             point = self.server.points[message.task_id]
+            asked = ({(owner, "self") for owner in self.server.sent}
+                     | {(owner, "mask") for owner in self.server.shared - self.server.sent})
+            neighbours = set(self.server.graph[message.task_id])
             self._reveals[message.task_id] = [Reveal(share.owner, share.kind, point, int.from_bytes(share.value, "big"))
-                                              for share in message.shares]
+                                              for share in message.shares
+                                              if (share.owner, share.kind) in asked and share.owner in neighbours]
 
     def waiting_for_reveals(self) -> bool:
         with self._lock:
@@ -253,14 +275,17 @@ class SecureExchange:
             except ValueError as exc:
                 self.phase, self.record.failure = "failed", str(exc)
                 return None
+            finally:
+                self.server, self._bundles, self._reveals = None, {}, {}  # (the sums and the shares let go)
             self.phase = "done"
             return sums
 
     # ------------------------------------------------------------- helpers
     def _refusal(self, task_id: str, reason: str) -> tuple[str, Message]:
+        self._told.add(task_id)
         agent = self.tasks[task_id].agent_id
         return agent, Ack(task_id, self.round, agent, reason=f"secure aggregation: {reason}")
 
     def _fail(self, reason: str, told: Collection[str]) -> Outgoing:
         self.phase, self.record.failure = "failed", reason
-        return [self._refusal(task_id, reason) for task_id in told]
+        return [self._refusal(task_id, reason) for task_id in told if task_id not in self._told]

@@ -34,6 +34,7 @@ from coordinator.tasks import TaskPlan, TaskResult
 from models import ModelFamily
 from protocol import (
     SECURE_AGGREGATION_REVISION,
+    Ack,
     SecureAdvert,
     SecureReveal,
     SecureShares,
@@ -71,6 +72,7 @@ class SecureRounds:
         self._log = log
         self._exchanges: dict[int, SecureExchange] = {}
         self._records: dict[int, dict[str, Any]] = {}  # the rounds unmasked (or not), until settled
+        self._timers: dict[int, list[threading.Timer]] = {}  # each round's cut-offs, cancelled once it is over
         self._answered: dict[int, set[str]] = {}
         self._changed = threading.Condition()
         self._rng = random.Random(secrets.randbits(64))  # the neighbour graph: not the run's seed
@@ -107,7 +109,7 @@ class SecureRounds:
         close_at = deadline - 2 * self.settings.phase_s - time.time()
         self._after(close_at, round_number, "adverts")
         return SecureAggregate(states, keys, lambda: exchange.server, exchange.task_of,
-                               lambda: self.unmask(round_number))
+                               lambda: self.unmask(round_number), lambda: exchange.record.failure)
 
     # ------------------------------------------------------------- messages
     def on_message(self, agent_id: str, payload: bytes) -> None:
@@ -121,6 +123,10 @@ class SecureRounds:
         exchange = self._exchanges.get(message.round)
         if exchange is None:
             self._log.info("secure_message_ignored", agent=agent_id, round=message.round, kind=type(message).__name__)
+            if isinstance(message, SecureAdvert):  # its round is not (or no longer) one this coordinator runs
+                self._send([(agent_id, Ack(message.task_id, message.round, agent_id,
+                                           reason=f"secure aggregation: round {message.round} has no exchange here (a "
+                                                  f"coordinator restarted during it, or a round long over)"))])
             return
         if isinstance(message, SecureAdvert):
             self._send(exchange.advert(message, len(payload)))
@@ -148,7 +154,8 @@ class SecureRounds:
                            threshold=exchange.record.threshold, failure=exchange.record.failure)
             if exchange.phase == "sharing":
                 self._after(self.settings.phase_s, exchange.round, "shares")
-        if exchange.phase == "sharing" and (due == "shares" or not exchange.waiting_for_shares()):
+        if exchange.phase == "sharing" and (due == "shares" or not exchange.waiting_for_shares(
+                self._answered.get(exchange.round, set()))):
             self._send(exchange.relays())
             self._log.info("secure_shares_relayed", round=exchange.round, devices=exchange.record.shared,
                            failure=exchange.record.failure)
@@ -164,6 +171,8 @@ class SecureRounds:
         timer = threading.Timer(max(0.0, seconds), fire)
         timer.daemon = True
         timer.start()
+        with self._changed:
+            self._timers.setdefault(round_number, []).append(timer)
 
     def _send(self, outgoing: Outgoing) -> None:
         for agent_id, message in outgoing:
@@ -215,7 +224,8 @@ class SecureRounds:
                 requested.set()
         self._link.call_soon(request)
         waited_until = time.monotonic() + self.settings.phase_s
-        requested.wait(self.settings.phase_s)
+        if not requested.wait(self.settings.phase_s):
+            exchange.record.failure = exchange.record.failure or "its unmask requests could not go out in time"
         with self._changed:
             while exchange.waiting_for_reveals():
                 left = waited_until - time.monotonic()
@@ -223,6 +233,9 @@ class SecureRounds:
                     break
                 self._changed.wait(min(left, 1.0))
         sums = exchange.unmask()
+        with self._changed:
+            for timer in self._timers.pop(round_number, []):
+                timer.cancel()
         if sums is None:
             self._log.warning("secure_round_not_unmasked", round=round_number, reason=exchange.record.failure)
         self._records[round_number] = exchange.record.as_dict()

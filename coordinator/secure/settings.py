@@ -17,10 +17,14 @@ class SecureAggregationConfig:
     enabled: bool = False
     phase_s: float = 30.0
 
-    def validate(self, round_timeout_s: float, round_mode: str, privacy_mode: str, weighting: str) -> None:
+    def validate(self, round_timeout_s: float, round_mode: str, privacy_mode: str, weighting: str,
+                 min_agents: int) -> None:
         """Raises ValueError with one clear sentence."""
         if not self.enabled:
             return
+        if min_agents < 3:
+            raise ValueError(f"secure_aggregation needs min_agents of at least 3 (got {min_agents}): with fewer, one "
+                             f"device could read another's update from their sum")
         if not (math.isfinite(self.phase_s) and self.phase_s > 0):
             raise ValueError(f"secure_aggregation.phase_s must be positive seconds, got {self.phase_s}")
         if round_timeout_s <= 3 * self.phase_s:

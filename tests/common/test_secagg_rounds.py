@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from common.secagg.client import MASK, SELF, Reveal, SecureClient
-from common.secagg.encoding import RESOLUTION
+from common.secagg.encoding import RESOLUTION, encode
 from common.secagg.graph import neighbour_count, neighbours, threshold_of
-from common.secagg.masking import MIN_HOLDERS
+from common.secagg.masking import MIN_HOLDERS, _mask
 from common.secagg.server import SecureServer
 
 SHAPES = {"w": (16, 6), "b": (16,)}
@@ -40,17 +40,16 @@ def secure_round(devices: int, before_sharing: set[str], before_sending: set[str
     for recipient, sealed in server.relay(bundles).items():
         clients[recipient].receive(sealed)
     senders = [name for name in bundles if name not in before_sending]
-    holders = server.holders()
+    kept = server.keep()
     for name in senders:
-        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES, server.keep(name)))
+        server.add(name, clients[name].mask(values[name], coverages[name], SHAPES, kept[name]))
     survivors, dropped = server.request()
     reveals = {name: clients[name].reveal(survivors, dropped) for name in survivors}
     result = server.unmask(reveals)
     expected = {key: np.zeros(shape) for key, shape in SHAPES.items()}
-    for name in senders:
+    for name in senders:  # what each sent: its values where they hide among enough others' (SecureServer.safe)
         for key, idx in coverages[name].items():
-            expected[key][np.ix_(*idx)] += values[name][key]
-    expected = {key: np.where(holders[key] >= MIN_HOLDERS, sums, 0.0) for key, sums in expected.items()}
+            expected[key][np.ix_(*idx)] += np.where(kept[name][key], values[name][key], 0.0)
     return result, expected, len(senders), clients, server
 
 
@@ -76,8 +75,10 @@ def test_a_device_gives_back_one_kind_of_share_per_device_once_and_only_among_en
         clients["a"].reveal(["a", "b", "c"], ["b"])
     with pytest.raises(ValueError, match="'a' is not among the survivors"):
         clients["a"].reveal(["b", "c", "d"], [])
-    with pytest.raises(ValueError, match="1 survivor\\(s\\), fewer than the threshold 2"):
+    with pytest.raises(ValueError, match="0 of its neighbours survived, fewer than the threshold 2"):
         clients["a"].reveal(["a"], ["b", "c", "d"])
+    with pytest.raises(ValueError, match="0 of its neighbours survived"):  # names it does not know do not count
+        clients["a"].reveal(["a", "x", "y", "z"], ["b", "c", "d"])
     given = clients["a"].reveal(["a", "b", "c"], ["d"])
     assert {(reveal.owner, reveal.kind) for reveal in given} == {("b", SELF), ("c", SELF), ("d", MASK)}
     with pytest.raises(ValueError, match="given back already"):
@@ -140,5 +141,44 @@ def test_no_unmasked_sum_holds_fewer_than_three_devices_values() -> None:
     assert not server.total.result()["w"][0][8:].any()  # what the coordinator held: zeros, not two devices' values
     np.testing.assert_allclose(sums, expected["w"], atol=6 * RESOLUTION)
     # Seven: rows 8-15 held by three; one of them dropping out after sharing would leave two: not unmasked.
-    with pytest.raises(ValueError, match="coordinate\\(s\\) of 'w' were sent by fewer than 3 devices"):
+    with pytest.raises(ValueError, match="of 'w' that 'd000' sent are left, once others dropped out, in a group of "
+                                         "fewer than 3"):
         secure_round(7, set(), {"d006"})
+
+
+@pytest.mark.parametrize("seed", [0, 3, 10])  # the three full-width devices: joined; a pair and one alone; none joined
+def test_on_a_sparse_graph_no_value_is_sent_where_no_neighbour_holds_it_too(seed: int) -> None:
+    # 30 devices, 3 of them at full width: from 18 devices on a device has some neighbours only, and a full-width one
+    # may have no full-width neighbour. Where its rows are masked by no pair mask, taking its self mask away would
+    # give its values: it must send 0 there (and the sum there is over the others' groups only).
+    names = [f"d{index:03d}" for index in range(30)]
+    wide = {"d000", "d010", "d020"}
+    coverages = {name: {"w": [np.arange(16 if name in wide else 4), np.arange(6)],
+                        "b": [np.arange(16 if name in wide else 4)]} for name in names}
+    rng = np.random.default_rng(seed)
+    values = {name: {key: rng.normal(size=tuple(len(i) for i in idx)) + 3.0 for key, idx in coverages[name].items()}
+              for name in names}
+    clients = {name: SecureClient(name, CONTEXT) for name in names}
+    server = SecureServer(CONTEXT, SHAPES, coverages, random.Random(seed))
+    rosters = server.rosters({name: client.advert() for name, client in clients.items()})
+    assert len(rosters["d000"].neighbours) < len(names) - 1  # a sparse graph
+    for recipient, sealed in server.relay({name: clients[name].share(rosters[name]) for name in names}).items():
+        clients[recipient].receive(sealed)
+    kept = server.keep()
+    for name in names:
+        masked = clients[name].mask(values[name], coverages[name], SHAPES, kept[name])
+        for key, indices in coverages[name].items():
+            bare = masked[key] - _mask(clients[name]._self_seed, key, SHAPES[key], indices)
+            sent = encode(np.where(kept[name][key], values[name][key], 0.0))
+            # Where it kept a value, some pair mask hides it; where it did not, it sent 0 (masks or none).
+            assert not np.any((bare == sent) & kept[name][key]), (name, key)
+            if name in wide:  # rows 4-15: kept only where the three full-width devices are joined as one group
+                joined = sum(1 for a in wide for b in wide if a < b and b in server.graph[a]) >= 2
+                assert kept[name][key][4:].all() if joined else not kept[name][key][4:].any(), (name, key, joined)
+        server.add(name, masked)
+    survivors, dropped = server.request()
+    result = server.unmask({name: clients[name].reveal(survivors, dropped) for name in survivors})
+    expected = np.zeros(SHAPES["w"])
+    for name in names:
+        expected[np.ix_(*coverages[name]["w"])] += np.where(kept[name]["w"], values[name]["w"], 0.0)
+    np.testing.assert_allclose(result["w"][0], expected, atol=30 * RESOLUTION)

@@ -452,3 +452,22 @@ def test_declines_fill_no_buffer():
     assert harness.round.wait() is False
     harness.offer(update("a2"))
     assert harness.round.wait() is True
+
+
+def test_updates_of_a_round_whose_aggregate_fails_at_the_end_are_rejected_with_its_reason():
+    # A secure round that could not be unmasked keeps its states: none of its updates counts as aggregated.
+    class Unmaskable(RoundAggregate):
+        def result(self, noise_std=0.0, generator=None):
+            self.failure = "its secure round could not be unmasked: too few shares"
+            return dict(self.states)
+
+    harness = opened()
+    harness.round._aggregate = Unmaskable(STATES, lambda result: 1.0, [])
+    harness.offer(update("a0"))
+    harness.offer(update("a1"))
+    harness.round.close()
+    assert harness.round.finish() == STATES
+    assert list(harness.round.aggregated()) == []
+    assert {answer.record.status for answer in harness.round.answers.values()} == {"rejected"}
+    assert {answer.rejection for answer in harness.round.answers.values()} == {
+        "its secure round could not be unmasked: too few shares"}

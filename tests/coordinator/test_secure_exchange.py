@@ -95,7 +95,7 @@ class Fleet:
                             {key: value.numpy() for key, value in self.clear[task.agent_id].items()}, {})
             message = Task(task_id, ROUND, task.agent_id, time.time() + 600, ModelRef("cnn", 10, 1, {}), task.spec.to_dict(), None,
                            {}, plan=task.plan, secure=True)
-            self.devices[task.agent_id].advertise(message, update, 2, lambda: None)
+            self.devices[task.agent_id].advertise(message, update, 2, lambda _answer: None)
 
     def deliver(self, outgoing: list[tuple[str, Message]]) -> None:
         for agent, message in outgoing:
@@ -117,7 +117,7 @@ class Fleet:
         self.deliver(self.exchange.rosters())
         for _, shares in self.take(SecureShares):
             assert self.exchange.shares(shares, 100) == []
-        assert not self.exchange.waiting_for_shares()
+        assert not self.exchange.waiting_for_shares(set())
         relays = self.exchange.relays()
         self.deliver([(agent, relay) for agent, relay in relays if agent not in crash_after_sharing])
         room = secure_room()
@@ -248,3 +248,59 @@ def test_a_masked_slice_is_uncorrelated_with_the_values_under_it() -> None:
     clear = np.concatenate([fleet.clear["d0"][key].numpy().astype(np.float64).ravel() for key in update.weights])
     assert masked.size == clear.size and all(np.asarray(v).dtype == np.uint64 for v in update.weights.values())
     assert abs(np.corrcoef(masked, clear)[0, 1]) < 5 / math.sqrt(masked.size)
+
+
+def test_an_advert_or_shares_resent_by_the_broker_are_taken_once_and_never_refused() -> None:
+    fleet = Fleet({"d0": SubmodelSpec(), "d1": SubmodelSpec(), "d2": SubmodelSpec()})
+    adverts = fleet.take(SecureAdvert)
+    for _, advert in adverts:
+        assert fleet.exchange.advert(advert, 100) == []
+    fleet.deliver(fleet.exchange.rosters())
+    assert all(fleet.exchange.advert(advert, 100) == [] for _, advert in adverts)  # after the rosters: the same
+    shares = fleet.take(SecureShares)
+    for _, bundle in shares:
+        assert fleet.exchange.shares(bundle, 100) == []
+    fleet.deliver(fleet.exchange.relays())
+    assert all(fleet.exchange.shares(bundle, 100) == [] for _, bundle in shares)
+    assert all(len(fleet.sent[name]) == 1 and fleet.sent[name][0].status is UpdateStatus.OK for name in fleet.sent)
+
+
+def test_shares_for_only_some_neighbours_leave_that_device_out_and_the_round_goes_on() -> None:
+    fleet = Fleet({f"d{index}": SubmodelSpec() for index in range(4)})
+    for _, advert in fleet.take(SecureAdvert):
+        fleet.exchange.advert(advert, 100)
+    fleet.deliver(fleet.exchange.rosters())
+    for agent, bundle in fleet.take(SecureShares):
+        if agent == "d3":
+            bundle = replace(bundle, sealed=dict(list(bundle.sealed.items())[:1]))
+            [(told, refusal)] = fleet.exchange.shares(bundle, 100)
+            assert told == "d3" and "sealed shares for 1 device(s), not for its 3 neighbours" in refusal.reason
+        else:
+            assert fleet.exchange.shares(bundle, 100) == []
+    relays = fleet.exchange.relays()  # (d3 is not told again)
+    assert sorted(agent for agent, _ in relays) == ["d0", "d1", "d2"] and fleet.exchange.record.failure is None
+
+
+def test_a_round_that_closes_before_its_shares_are_in_tells_its_devices() -> None:
+    fleet = Fleet({f"d{index}": SubmodelSpec() for index in range(3)})
+    for _, advert in fleet.take(SecureAdvert):
+        fleet.exchange.advert(advert, 100)
+    fleet.deliver(fleet.exchange.rosters())
+    fleet.take(SecureShares)  # (none of them reaches the coordinator before the round's deadline)
+    told = fleet.exchange.requests()
+    assert sorted(agent for agent, _ in told) == ["d0", "d1", "d2"] and all(isinstance(ack, Ack) for _, ack in told)
+    assert fleet.exchange.record.failure == "round 3 closed before its shares were in"
+    fleet.deliver(told)
+    assert all(fleet.sent[name][0].status is UpdateStatus.FAILED for name in fleet.sent)
+
+
+def test_an_advert_for_a_round_the_coordinator_runs_no_exchange_for_is_refused() -> None:
+    link = mock.Mock()
+    config = CoordinatorConfig(federation=FEDERATION, secure_aggregation=SecureAggregationConfig(enabled=True))
+    room = SecureRounds(config, link, Topics(FEDERATION), FAMILY, 10, LOG)
+    advert = SecureAdvert("r9-d0", 9, "d0", b"k" * 32, b"m" * 32, None, [0])
+    room.on_message("d0", encode(advert))
+    [(topic, payload), _] = link.publish.call_args
+    refusal = decode(payload)
+    assert topic == Topics(FEDERATION).agent_ack("d0") and isinstance(refusal, Ack)
+    assert "round 9 has no exchange here" in (refusal.reason or "")

@@ -71,3 +71,18 @@ def test_malformed_ones_are_refused(message: object, error: str) -> None:
                              SecureReveal: "secure_reveal"}[type(message)], **plain(message)}  # type: ignore
     with pytest.raises(ProtocolError, match=error):
         decode(msgpack.packb(body))
+
+
+@pytest.mark.parametrize(("peers", "shapes", "error"), [
+    ([SecurePeer("r1-a", KEY, KEY, 2, {"global/w": [[0, 2], [0, 3]]}), PEERS[1]], {"global/w": [8, 3]},
+     "peers must be other devices, each named once"),
+    ([PEERS[0], PEERS[0]], {"global/w": [8, 3]}, "peers must be other devices, each named once"),
+    (PEERS, {"global/w": [2**40, 3]}, "more than the limit of"),
+])
+def test_a_roster_naming_itself_a_peer_twice_or_a_huge_tensor_is_refused(peers: list[SecurePeer],
+                                                                         shapes: dict[str, list[int]],
+                                                                         error: str) -> None:
+    roster = SecureRoster("r1-a", 1, "a", "global", 1, 2, {"global/w": [[0, 4], [0, 3]]},
+                          {"global/w": [[0, 4], [0, 3]]}, shapes, peers)
+    with pytest.raises(ProtocolError, match=error):
+        decode(msgpack.packb({"v": 1, "type": "secure_roster", **plain(roster)}))  # type: ignore[dict-item]
