@@ -3,7 +3,7 @@
 # Usage: experiments/restore_runs.sh NAME COMPARISON_DIR
 set -eu
 name=$1; dst=$2
-src=$(dirname "$0")/runs/$name
+src=$(dirname "$0")/kept/$name
 mkdir -p "$dst"
 cp "$src/compare.json" "$dst/"
 [ -f "$src/config.yaml" ] && cp "$src/config.yaml" "$dst/"
