@@ -33,8 +33,7 @@ from edge_agent.id_probe import probe_agent_id
 from edge_agent.memory import admit_task, detect_device_kind, total_memory
 from edge_agent.model_store import ModelStore
 from edge_agent.runner import BudgetFn, LocalData, TaskRunner
-from edge_agent.secure_round import FROM_COORDINATOR as SECURE_MESSAGES
-from edge_agent.secure_round import SecureTasks
+from edge_agent.secure_round import FROM_COORDINATOR, SecureTasks
 from edge_agent.spool import UpdateSpool
 from edge_agent.uplink import Uplink
 from protocol import (
@@ -45,6 +44,7 @@ from protocol import (
     BytesLike,
     Capabilities,
     CoordinatorStatus,
+    Message,
     ModelDelivery,
     ProtocolError,
     Reassembler,
@@ -138,8 +138,7 @@ class EdgeAgent:
         #: Trained updates held back by ``slowdown`` (spooled already), released to the uplink when due.
         self.holdback = HoldBack(self.agent_id)
         #: Secure rounds' updates, held until masked (`edge_agent.secure_round`).
-        self.secure = SecureTasks(self.agent_id, config.federation, lambda message: self.link.publish(
-            self.topics.agent_update(self.agent_id), encode(message)), self.uplink.send, self.log)
+        self.secure = SecureTasks(self.agent_id, config.federation, self._publish_update, self.uplink.send, self.log)
 
     def _torch_device(self) -> str:
         if self.config.device == "auto":  # torch is asked in the training forkserver, which starts for it
@@ -239,8 +238,7 @@ class EdgeAgent:
 
     # ------------------------------------------------------------------ status
     def status(self, report: bool = True) -> AgentStatus:
-        """The current status with fresh memory figures (and its report, when ``report`` and the coordinator reads
-        it)."""
+        """The current status with fresh memory figures (its report when ``report`` and the coordinator reads it)."""
         state = "busy" if self.activity.busy else "online"
         summary = (self.activity.report(*self.uplink.backlog()) if report and self.coordinator_reads_reports
                    else None)
@@ -308,7 +306,7 @@ class EdgeAgent:
             elif kind == "task":
                 self._on_task_chunk(payload)
             elif kind == "ack":
-                ack = decode(payload, expected=(Ack, UploadGrant, UploadWait, *SECURE_MESSAGES))
+                ack = decode(payload, expected=(Ack, UploadGrant, UploadWait, *FROM_COORDINATOR))
                 if self.secure.take(ack):  # a secure round's message, or a refusal of an update it holds
                     return
                 if isinstance(ack, UploadWait):
@@ -485,6 +483,9 @@ class EdgeAgent:
             self.log.info("update_held_back", task=task.task_id, seconds=round(hold, 3),
                           slowdown=self.config.slowdown)
         return held
+
+    def _publish_update(self, message: Message) -> None:  # (a secure round's small messages)
+        self.link.publish(self.topics.agent_update(self.agent_id), encode(message))
 
     def _answered(self, task: Task, update: Update | None) -> None:
         if update is not None:
