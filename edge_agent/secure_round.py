@@ -97,13 +97,14 @@ class SecureTasks:
                 task, update, version, done)):
             return
         client = SecureClient(task.task_id, context_of(self._federation, task.round))
+        entry = _Held(task, update, version, done, client)
         with self._lock:
-            self._held[task.task_id] = _Held(task, update, version, done, client)
+            self._held[task.task_id] = entry
         keys = client.advert()
         self._publish(SecureAdvert(task.task_id, task.round, self._agent_id, keys.cipher, keys.mask,
                                    update.spec_trained, list(update.labels)))
         self._log.info("secure_keys_advertised", task=task.task_id, round=task.round)
-        self._expire_at(self._held[task.task_id], task.deadline, sent=False)
+        self._expire_at(entry, task.deadline, sent=False)
 
     def take(self, message: Message) -> bool:
         """Handle a message of the ack topic that is the secure round's (True), or leave it to the uplink (False)."""
@@ -167,9 +168,9 @@ class SecureTasks:
         masked = held.client.mask(values, coverage, {name: tuple(shape) for name, shape in roster.shapes.items()},
                                   keep)
         update = replace(held.update, weights={name[len(prefix):]: array for name, array in masked.items()})
-        if not self._first_answer(held):
+        if not self._first_answer(held, sent=True):
             return
-        held.sent, held.update = True, update  # (the clear tensors are let go)
+        held.update = update  # (the clear tensors are let go)
         self._send(update, version=held.version, ask=held.task.ask_to_upload)
         self._log.info("secure_update_sent", task=held.task.task_id, tensors=len(masked))
         held.done(update)
@@ -227,10 +228,11 @@ class SecureTasks:
         if not sent and self._first_answer(held):
             held.done(None)
 
-    def _first_answer(self, held: _Held) -> bool:
-        """Whether ``held`` is answered (or let go) now for the first time."""
+    def _first_answer(self, held: _Held, sent: bool = False) -> bool:
+        """Whether ``held`` is answered (or let go) now for the first time (``sent``: with its masked update)."""
         with self._lock:
             first, held.answered = not held.answered, True
+            held.sent = held.sent or (first and sent)
             return first
 
     def _forget(self, task_id: str) -> None:

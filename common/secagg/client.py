@@ -127,10 +127,10 @@ class SecureClient:
              keep: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Its slice ``values`` (over ``coverage`` of the global tensors of ``shapes``) masked: its self mask, and a
         pair mask with every neighbour whose shares it holds (those that shared: the others drop out of its
-        masks). ``keep``: per tensor, over the slice, whether at least ``MIN_HOLDERS`` of the devices that shared
-        hold each coordinate (the coordinator's count, `SecureServer.keep`): a value where fewer do is sent as 0, so
-        that no sum the coordinator unmasks is one device's value, or two devices' that each could read the other's
-        from."""
+        masks). ``keep``: per tensor, over the slice, whether its value at each coordinate is hidden among at least
+        ``MIN_HOLDERS`` holders joined as neighbours (the coordinator's `SecureServer.keep`): a value where it is not
+        is sent as 0, so that no sum the coordinator unmasks is one device's value, or two devices' that each could
+        read the other's from."""
         roster = self._need_roster()
         if keep is not None:
             for name, value in values.items():

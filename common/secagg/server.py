@@ -80,6 +80,7 @@ class SecureServer:
                 raise ValueError(f"{sender!r} sealed shares for {len(sealed)} of its {len(self.graph[sender])} "
                                  f"neighbours: a device shares with every neighbour or not at all")
         self.shared = set(bundles)
+        self._kept = self.safe(self.shared)
         return {recipient: {sender: bundles[sender][recipient] for sender in self.graph[recipient]
                             if sender in bundles and recipient in bundles[sender]} for recipient in self.shared}
 
@@ -113,9 +114,8 @@ class SecureServer:
         return safe
 
     def keep(self) -> dict[str, dict[str, np.ndarray]]:
-        """Per device that shared (U2), over its slice, where its value is hidden among enough devices (`safe`): what
-        it is told with its relayed shares, to send 0 elsewhere (`SecureClient.mask`). Kept for :meth:`request`."""
-        self._kept = self.safe(self.shared)
+        """Per device that shared (U2), over its slice, where its value is hidden among enough devices (`safe`, worked
+        out by :meth:`relay`): what it is told with its relayed shares, to send 0 elsewhere (`SecureClient.mask`)."""
         return self._kept
 
     def add(self, device: str, masked: Mapping[str, np.ndarray]) -> None:
@@ -151,8 +151,8 @@ class SecureServer:
     def unmask(self, reveals: Mapping[str, Sequence[Reveal]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """The plain sums and counts (`SecureSum.result`), from the shares the survivors gave back (by revealer);
         ValueError when a secret has fewer than the threshold, a mask key given back is not the advertised one, or
-        the round was unmasked already. Where fewer than ``MIN_HOLDERS`` devices that shared hold a coordinate its
-        devices sent 0: its sum and count are 0 (not aggregated)."""
+        the round was unmasked already. A coordinate's count is the senders that sent a value there (`safe`: hidden in
+        a group of at least ``MIN_HOLDERS``); where none did, its sum and count are 0 (not aggregated)."""
         if self.unmasked:
             raise ValueError("the round is unmasked already: its masks cannot be taken away twice")
         wanted = {(owner, SELF) for owner in self.sent} | {(owner, MASK) for owner in self.shared - self.sent}

@@ -1,7 +1,8 @@
 """A secure round's aggregate: the masked slices go into the round's `common.secagg.server.SecureServer` as they
-come, and once the round is unmasked each coordinate is the mean of its sum over the devices that sent it (every
-update weighs 1); a coordinate no one sent, or one too few hold (fewer than three: not aggregated), keeps its
-value, and so does every coordinate of a round that could not be unmasked."""
+come, and once the round is unmasked each coordinate is the mean of its sum over the devices that sent a value there
+(every update weighs 1); a coordinate where none did (no one holds it, or no holder's value was hidden among three:
+`common.secagg.server.SecureServer.safe`) keeps its value, and so does every coordinate of a round that could not be
+unmasked."""
 
 from __future__ import annotations
 

@@ -115,8 +115,13 @@ class SecureExchange:
             if task is None or task.agent_id != message.agent_id:
                 return []  # not this round's: nothing to answer (the agent's task is another round's)
             if message.task_id in self.adverts:
-                return []  # the same advert again (a resent message)
-            if self.phase != "adverts":
+                known = self.adverts[message.task_id][2]
+                if (known.cipher, known.mask) == (message.cipher, message.mask):
+                    return []  # the same advert again (a resent message)
+                if self.phase != "adverts":  # (its neighbours hold its old keys)
+                    return [self._refusal(message.task_id, "its keys changed after the rosters went out (an agent "
+                                                           "restarted)")]
+            elif self.phase != "adverts":
                 return [self._refusal(message.task_id, f"its keys came after round {self.round}'s rosters went out")]
             try:
                 cut = self._cut(task, message.spec_trained, message.labels)
@@ -219,6 +224,12 @@ class SecureExchange:
                            for task_id, sealed in relayed.items()]
 
     # ----------------------------------------------------------- unmasking
+    def fail(self, reason: str) -> None:
+        """The round cannot be unmasked for ``reason`` (the room's), unless it was already."""
+        with self._lock:
+            if self.phase in ("adverts", "sharing", "uploading", "unmasking"):
+                self.phase, self.record.failure = "failed", self.record.failure or reason
+
     def requests(self) -> Outgoing:
         """The round stopped collecting: ask the survivors for their shares (nothing when the round cannot be
         unmasked: its failure says why)."""

@@ -225,7 +225,7 @@ class SecureRounds:
         self._link.call_soon(request)
         waited_until = time.monotonic() + self.settings.phase_s
         if not requested.wait(self.settings.phase_s):
-            exchange.record.failure = exchange.record.failure or "its unmask requests could not go out in time"
+            exchange.fail("its unmask requests could not go out in time")
         with self._changed:
             while exchange.waiting_for_reveals():
                 left = waited_until - time.monotonic()

@@ -304,3 +304,26 @@ def test_an_advert_for_a_round_the_coordinator_runs_no_exchange_for_is_refused()
     refusal = decode(payload)
     assert topic == Topics(FEDERATION).agent_ack("d0") and isinstance(refusal, Ack)
     assert "round 9 has no exchange here" in (refusal.reason or "")
+
+
+def test_a_device_restarted_before_the_rosters_advertises_anew_and_the_round_goes_on_with_its_new_keys() -> None:
+    fleet = Fleet({f"d{index}": SubmodelSpec() for index in range(3)})
+    adverts = dict(fleet.take(SecureAdvert))
+    for advert in adverts.values():
+        fleet.exchange.advert(advert, 100)
+    # d0's process restarted: its task trained again, fresh keys (its first secrets are gone with the process)
+    task_id, task = next((task_id, task) for task_id, task in fleet.tasks.items() if task.agent_id == "d0")
+    fleet.devices["d0"] = SecureTasks("d0", FEDERATION, lambda message: fleet.published["d0"].append(wire(message)),
+                                      lambda update, *, version, ask: fleet.sent["d0"].append(update), LOG)
+    message = Task(task_id, ROUND, "d0", time.time() + 600, ModelRef("cnn", 10, 1, {}), task.spec.to_dict(), None, {},
+                   plan=task.plan, secure=True)
+    fleet.devices["d0"].advertise(message, Update(task_id, ROUND, "d0", UpdateStatus.OK, None, 100, list(range(10)),
+                                                  {k: v.numpy() for k, v in fleet.clear["d0"].items()}, {}),
+                                  2, lambda _answer: None)
+    [(_, fresh)] = fleet.take(SecureAdvert)
+    assert fresh.cipher != adverts["d0"].cipher and fleet.exchange.advert(fresh, 100) == []
+    assert_states_close(fleet.run(), fleet.plain(set(fleet.devices)))
+    # After the rosters, keys that changed again are refused (its neighbours hold the ones it advertised)
+    late = replace(fresh, cipher=b"x" * 32)
+    [(agent, refusal)] = fleet.exchange.advert(late, 100)
+    assert agent == "d0" and "keys changed after the rosters went out" in (refusal.reason or "")
