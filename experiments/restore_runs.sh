@@ -7,11 +7,18 @@ src=$(dirname "$0")/kept/$name
 mkdir -p "$dst"
 cp "$src/compare.json" "$dst/"
 [ -f "$src/config.yaml" ] && cp "$src/config.yaml" "$dst/"
-for kept in "$src"/seed-*/*/report.json.gz; do
-  [ -f "$kept" ] || continue
-  run=$(dirname "$kept"); rel=${run#"$src"/}
+for run in "$src"/*/ "$src"/seed-*/*/; do
+  run=${run%/}; rel=${run#"$src"/}
+  [ -d "$run" ] || continue  # (a pattern that matched nothing)
+  case $rel in seed-*/*) ;; seed-*) continue ;; esac  # (a seed's directory holds runs; it is none)
   mkdir -p "$dst/$rel"
-  gunzip -c "$run/report.json.gz" > "$dst/$rel/report.json"
-  gunzip -c "$run/metrics.jsonl.gz" > "$dst/$rel/metrics.jsonl"
-  cp "$run/summary.txt" "$dst/$rel/"
+  if [ -f "$run/report.json.gz" ]; then
+    gunzip -c "$run/report.json.gz" > "$dst/$rel/report.json"
+    gunzip -c "$run/metrics.jsonl.gz" > "$dst/$rel/metrics.jsonl"
+    cp "$run/summary.txt" "$dst/$rel/"
+  elif [ -d "$run/part-way" ]; then
+    gunzip -c "$run/part-way/checkpoint.safetensors.gz" > "$dst/$rel/checkpoint.safetensors"
+    gunzip -c "$run/part-way/metrics.jsonl.gz" > "$dst/$rel/metrics.jsonl"
+    [ -d "$run/part-way/agents" ] && cp -r "$run/part-way/agents" "$dst/$rel/"
+  fi
 done

@@ -1,20 +1,36 @@
 #!/bin/sh
-# Keep what a long comparison has finished in the repository (experiments/kept/NAME/; runs/ is ignored), so that a later session on a
-# fresh machine can go on with it: each finished run's report.json and metrics.jsonl (gzipped) and summary.txt, and
-# the comparison's own compare.json and config.yaml. Restore with experiments/restore_runs.sh, then
-# `fedfit compare --resume DIR` runs what is not finished (a run stopped part-way starts over).
+# Keep what a long comparison has done in the repository (experiments/kept/NAME/; runs/ is ignored), so that a later
+# session on a fresh machine can go on with it: each finished run's report.json and metrics.jsonl (gzipped) and
+# summary.txt; a run stopped part-way, its checkpoint and metrics (gzipped) and its agents' calibrations (fedfit
+# compare --resume goes on from its last checkpointed round; the round it was in is run again); and the comparison's
+# own compare.json and config.yaml. Stop the comparison first (kill -TERM its process group) when it is running.
+# Restore with experiments/restore_runs.sh NAME DIR, then `fedfit compare --resume DIR`.
 # Usage: experiments/save_runs.sh COMPARISON_DIR NAME
 set -eu
 src=$1; name=$2
 dst=$(dirname "$0")/kept/$name
 mkdir -p "$dst"
-cp "$src/compare.json" "$src/config.yaml" "$dst/" 2>/dev/null || cp "$src/compare.json" "$dst/"
-for report in "$src"/seed-*/*/report.json; do
-  [ -f "$report" ] || continue
-  run=$(dirname "$report"); rel=${run#"$src"/}
-  mkdir -p "$dst/$rel"
-  gzip -9 -n -c "$run/report.json" > "$dst/$rel/report.json.gz"
-  gzip -9 -n -c "$run/metrics.jsonl" > "$dst/$rel/metrics.jsonl.gz"
-  cp "$run/summary.txt" "$dst/$rel/"
+cp "$src/compare.json" "$dst/"
+[ -f "$src/config.yaml" ] && cp "$src/config.yaml" "$dst/"
+for run in "$src"/*/ "$src"/seed-*/*/; do
+  run=${run%/}; rel=${run#"$src"/}
+  [ -d "$run" ] || continue  # (a pattern that matched nothing)
+  case $rel in seed-*/*) ;; seed-*) continue ;; esac  # (a seed's directory holds runs; it is none)
+  if [ -f "$run/report.json" ]; then
+    rm -rf "${dst:?}/$rel"; mkdir -p "$dst/$rel"
+    gzip -9 -n -c "$run/report.json" > "$dst/$rel/report.json.gz"
+    gzip -9 -n -c "$run/metrics.jsonl" > "$dst/$rel/metrics.jsonl.gz"
+    cp "$run/summary.txt" "$dst/$rel/"
+  elif [ -f "$run/checkpoint.safetensors" ]; then
+    rm -rf "${dst:?}/$rel"; mkdir -p "$dst/$rel/part-way"
+    gzip -9 -n -c "$run/checkpoint.safetensors" > "$dst/$rel/part-way/checkpoint.safetensors.gz"
+    gzip -9 -n -c "$run/metrics.jsonl" > "$dst/$rel/part-way/metrics.jsonl.gz"
+    for calibration in "$run"/agents/*/calibration-*.json; do
+      [ -f "$calibration" ] || continue
+      agent=$(basename "$(dirname "$calibration")")
+      mkdir -p "$dst/$rel/part-way/agents/$agent"
+      cp "$calibration" "$dst/$rel/part-way/agents/$agent/"
+    done
+  fi
 done
-ls -R "$dst" | head -40
+find "$dst" -type f | sort
