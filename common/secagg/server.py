@@ -13,7 +13,7 @@ masked slice (a subset of ``U2``); a device of ``U2`` outside ``U3`` dropped out
 
 from __future__ import annotations
 
-import math
+import itertools
 import random
 from collections.abc import Collection, Mapping, Sequence
 
@@ -96,21 +96,27 @@ class SecureServer:
             holding = [name for name in members if tensor in self.coverages[name]]
             if not holding:
                 continue
-            held = np.zeros((len(holding), math.prod(shape)), dtype=bool)
-            for row, name in enumerate(holding):
-                held[row].reshape(shape)[np.ix_(*[np.asarray(index) for index in self.coverages[name][tensor]])] = True
-            patterns, which = np.unique(np.packbits(held, axis=0).T, axis=0, return_inverse=True)
-            which = which.reshape(-1)
-            grouped = np.zeros_like(held)  # per device and coordinate: in a group of at least MIN_HOLDERS
-            for index in range(len(patterns)):
-                holders = [holding[row] for row in np.flatnonzero(np.unpackbits(patterns[index])[:len(holding)])]
-                big = _in_big_groups(holders, self.graph)
+            # A slice is a cartesian product, so who holds a coordinate is, per dimension, who holds its index there,
+            # intersected: the distinct holder sets come from each dimension's few distinct columns.
+            ids, columns = [], []
+            for dim, size in enumerate(shape):
+                member = np.zeros((len(holding), size), dtype=bool)
+                for row, name in enumerate(holding):
+                    member[row, np.asarray(self.coverages[name][tensor][dim])] = True
+                distinct, which = np.unique(member, axis=1, return_inverse=True)
+                columns.append(distinct)
+                ids.append(which.reshape(-1))
+            grouped = np.zeros((len(holding), *shape), dtype=bool)  # per device: in a group of MIN_HOLDERS or more
+            for combination in itertools.product(*(range(distinct.shape[1]) for distinct in columns)):
+                holds = np.logical_and.reduce([columns[dim][:, pick] for dim, pick in enumerate(combination)])
+                big = _in_big_groups([holding[row] for row in np.flatnonzero(holds)], self.graph)
                 rows = [row for row, name in enumerate(holding) if name in big]
                 if rows:
-                    grouped[np.ix_(np.asarray(rows), np.flatnonzero(which == index))] = True
+                    grouped[np.ix_(np.asarray(rows), *[np.flatnonzero(ids[dim] == pick)
+                                                       for dim, pick in enumerate(combination)])] = True
             for row, name in enumerate(holding):
-                where = np.ix_(*[np.asarray(index) for index in self.coverages[name][tensor]])
-                safe[name][tensor] = grouped[row].reshape(shape)[where]
+                safe[name][tensor] = grouped[row][np.ix_(*[np.asarray(index)
+                                                           for index in self.coverages[name][tensor]])]
         return safe
 
     def keep(self) -> dict[str, dict[str, np.ndarray]]:
