@@ -89,10 +89,10 @@ class SecureTasks:
         self._lock = threading.Lock()
 
     def advertise(self, task: Task, update: Update, version: int, done: Callable[[Update | None], None],
-                  hold: float = 0.0,
-                  holdback: HoldBack | None = None) -> None:
+                  hold: float = 0.0, holdback: HoldBack | None = None) -> None:
         """Hold the trained ``update`` of secure ``task`` and advertise keys for it (``done(answer)`` once it is
-        answered, masked or failed; ``done(None)`` when it is let go unanswered); with ``hold`` seconds of ``slowdown``, ``holdback`` advertises them then."""
+        answered, masked or failed; ``done(None)`` when it is let go unanswered); with ``hold`` seconds of
+        ``slowdown``, ``holdback`` advertises them then."""
         if hold > 0 and holdback is not None and holdback.hold(task.task_id, hold, lambda: self.advertise(
                 task, update, version, done)):
             return

@@ -249,7 +249,8 @@ def read_secure_roster(obj: object, limits: Limits) -> SecureRoster:
                           shapes=_shapes(r.raw("shapes"), r.label("shapes"), limits), peers=peers)
     named = set(roster.coverage).union(*(peer.coverage for peer in peers))
     if not named <= set(roster.shapes):
-        raise ProtocolError(f"secure_roster: tensors without a shape: {', '.join(sorted(named - set(roster.shapes))[:3])}")
+        missing = ", ".join(sorted(named - set(roster.shapes))[:3])
+        raise ProtocolError(f"secure_roster: tensors without a shape: {missing}")
     if set(roster.positions) != set(roster.coverage):
         raise ProtocolError("secure_roster: positions and coverage must name the same tensors")
     names = [peer.task_id for peer in peers]
@@ -298,6 +299,6 @@ def read_secure_reveal(obj: object, limits: Limits) -> SecureReveal:
 SECURE_KINDS: dict[type, str] = {SecureAdvert: "secure_advert", SecureRoster: "secure_roster",
                                  SecureShares: "secure_shares", SecureRelay: "secure_relay",
                                  SecureUnmask: "secure_unmask", SecureReveal: "secure_reveal"}
-SECURE_READERS: dict[str, Callable[[object, Limits], Any]] = {"secure_advert": read_secure_advert, "secure_roster": read_secure_roster,
-                  "secure_shares": read_secure_shares, "secure_relay": read_secure_relay,
-                  "secure_unmask": read_secure_unmask, "secure_reveal": read_secure_reveal}
+SECURE_READERS: dict[str, Callable[[object, Limits], Any]] = {
+    "secure_advert": read_secure_advert, "secure_roster": read_secure_roster, "secure_shares": read_secure_shares,
+    "secure_relay": read_secure_relay, "secure_unmask": read_secure_unmask, "secure_reveal": read_secure_reveal}

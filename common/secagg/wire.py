@@ -1,5 +1,6 @@
-"""How a secure round's slices travel (and what binds a round's secrets to it): a coverage's indices as runs, and which of a slice's coordinates enough
-devices hold (``keep``) as packed bits, both small whatever the model's size.
+"""How a secure round's slices travel, and what binds a round's secrets to it: a coverage's indices as runs, and
+where a slice's values are hidden among enough devices (``keep``) as packed bits, both small whatever the model's
+size.
 
 A dimension's indices are written as runs ``[start0, stop0, start1, stop1, ...]`` (each ``start..stop-1``): a width
 slice is one run, a rolled window two, a classifier's seen rows a few.
@@ -14,7 +15,8 @@ import numpy as np
 
 from common.secagg.masking import Coverage
 
-__all__ = ["context_of", "coverage_from_runs", "coverage_to_runs", "from_runs", "keep_from_bits", "keep_to_bits", "to_runs"]
+__all__ = ["context_of", "coverage_from_runs", "coverage_to_runs", "from_runs", "keep_from_bits", "keep_to_bits",
+           "to_runs"]
 
 
 def context_of(federation: str, round_number: int) -> bytes:
