@@ -182,6 +182,8 @@ class RoundAggregate:
         self._aggregators: dict[str, MaskedAggregator] = {}
         #: Why the round's updates could not be aggregated after all, once :meth:`result` ran (None: they were).
         self.failure: str | None = None
+        #: Agents whose update was left out of the result after all, with the reason (a secure round's).
+        self.left_out: dict[str, str] = {}
 
     @property
     def states(self) -> Mapping[str, State]:

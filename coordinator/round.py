@@ -389,10 +389,11 @@ class Round:
         states = self._aggregate.result()
         self.timing["aggregation"] += time.perf_counter() - started
         with self._done:
-            if self._aggregate.failure is not None:  # (a secure round not unmasked: no update of it counts)
-                for answer in self.answers.values():
-                    if answer.aggregated:
-                        self._reject(answer, self._aggregate.failure)
+            failure, left_out = self._aggregate.failure, self._aggregate.left_out
+            for answer in self.answers.values():  # (a secure round not unmasked, or some of its updates left out)
+                reason = failure if failure is not None else left_out.get(answer.update.agent_id)
+                if answer.aggregated and reason is not None:
+                    self._reject(answer, reason)
             self.phase = Phase.CLOSED
         return states
 

@@ -140,6 +140,13 @@ class SecureSum:
             self.sums[name][where] += np.asarray(value, dtype=np.uint64)
             self.counts[name][where] += 1
 
+    def subtract(self, masked: Mapping[str, np.ndarray], coverage: Coverage) -> None:
+        """Take a masked slice folded in back out (a sender left out of the sum)."""
+        for name, value in masked.items():
+            where = _grid(coverage[name])
+            self.sums[name][where] -= np.asarray(value, dtype=np.uint64)
+            self.counts[name][where] -= 1
+
     def remove_self_mask(self, seed: bytes, coverage: Coverage) -> None:
         """Take away the self mask of a device whose slice was folded in (its seed given back by its neighbours)."""
         for name, indices in coverage.items():

@@ -45,6 +45,9 @@ class SecureServer:
         self.total = SecureSum(shapes)
         self.sent: set[str] = set()  # U3
         self._kept: dict[str, dict[str, np.ndarray]] = {}  # per sharer, over its slice: the values it sends
+        self._uploads: dict[str, dict[str, np.ndarray]] = {}  # each sender's masked slice, until the request
+        #: Senders left out of the sum because dropouts left a value of theirs too thinly hidden (`request`).
+        self.left_out: set[str] = set()
         self.unmasked = False
 
     def rosters(self, adverts: Mapping[str, Advert]) -> dict[str, Roster]:
@@ -133,25 +136,35 @@ class SecureServer:
             raise ValueError(f"{device!r} sent its masked update twice")
         self.total.add(masked, self.coverages[device])
         self.sent.add(device)
+        self._uploads[device] = {name: np.array(value, dtype=np.uint64) for name, value in masked.items()}
 
     def request(self) -> tuple[list[str], list[str]]:
-        """The survivors (U3) and the dropped (U2 less U3) to tell every survivor; ValueError when dropouts left a
-        value a sender kept in a group of fewer than ``MIN_HOLDERS`` senders (its sum would give values away), or a
-        secret to recover with fewer surviving neighbours than the threshold."""
-        survivors, dropped = sorted(self.sent), sorted(self.shared - self.sent)
-        still = self.safe(self.sent)
-        for name in survivors:
-            for tensor, kept in self._kept.get(name, {}).items():
-                thin = kept & ~still[name][tensor]
-                if thin.any():
-                    raise ValueError(f"the round cannot be unmasked: {int(thin.sum())} coordinate(s) of {tensor!r} "
-                                     f"that {name!r} sent are left, once others dropped out, in a group of fewer than "
-                                     f"{MIN_HOLDERS} senders, whose sum would give values away")
-        for owner in (*survivors, *dropped):
-            holders = [other for other in self.graph[owner] if other in self.sent]
+        """The survivors (U3) and the dropped (U2 less U3) to tell every survivor; ValueError when a secret to recover
+        has fewer surviving neighbours than the threshold. A sender whose dropped neighbours left a value it sent in a
+        group of fewer than ``MIN_HOLDERS`` senders (whose sum would give values away) is left out as if it had
+        dropped (:attr:`left_out`): its upload is taken out of the sum, its mask key asked for and never its self-mask
+        seed, so its values stay hidden; and so on until every sent value is hidden among enough senders."""
+        sent, out = set(self.sent), set()  # (nothing changes until the round is known to unmask)
+        while True:
+            still = self.safe(sent)
+            thin = {name for name in sent for tensor, kept in self._kept.get(name, {}).items()
+                    if (kept & ~still[name][tensor]).any()}
+            if not thin:
+                break
+            sent -= thin
+            out |= thin
+        because = (f" ({len(out)} sender(s) left out, once others dropped, for values of theirs hidden among fewer "
+                   f"than {MIN_HOLDERS})" if out else "")
+        for owner in sorted(self.shared):
+            holders = [other for other in self.graph[owner] if other in sent]
             if len(holders) < self.threshold:
                 raise ValueError(f"the round cannot be unmasked: {len(holders)} of the neighbours of {owner!r} sent "
-                                 f"their update, the threshold is {self.threshold}")
+                                 f"their update, the threshold is {self.threshold}{because}")
+        for name in sorted(out):
+            self.total.subtract(self._uploads[name], self.coverages[name])
+        self.sent, self.left_out = sent, self.left_out | out
+        self._uploads.clear()  # (needed no more)
+        survivors, dropped = sorted(self.sent), sorted(self.shared - self.sent)
         return survivors, dropped
 
     def unmask(self, reveals: Mapping[str, Sequence[Reveal]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -16,7 +16,11 @@ from coordinator.aggregation import RoundAggregate
 from coordinator.secure.slices import secure_name
 from coordinator.tasks import State, TaskResult
 
-__all__ = ["SecureAggregate"]
+__all__ = ["LEFT_OUT", "SecureAggregate"]
+
+#: Why a device's masked update is left out of its round's sum.
+LEFT_OUT = ("secure aggregation: devices that dropped out left values of its update hidden among fewer than 3 "
+            "senders: its update was taken out of the sum, and its values stay hidden")
 
 
 class SecureAggregate(RoundAggregate):
@@ -28,12 +32,14 @@ class SecureAggregate(RoundAggregate):
     def __init__(self, states: Mapping[str, State], classifier_keys: list[str],
                  server: Callable[[], SecureServer | None], task_of: Callable[[str], str],
                  unmask: Callable[[], dict[str, tuple[np.ndarray, np.ndarray]] | None],
-                 failure: Callable[[], str | None] = lambda: None) -> None:
+                 failure: Callable[[], str | None] = lambda: None,
+                 left_out: Callable[[], set[str]] = set) -> None:
         super().__init__(states, lambda _result: 1.0, classifier_keys)
         self._server = server
         self._task_of = task_of
         self._unmask = unmask
         self._failure = failure
+        self._left_out = left_out
         self._sums: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
         self._added = 0
 
@@ -60,6 +66,7 @@ class SecureAggregate(RoundAggregate):
         if not self._sums:  # not unmasked: nothing of the round is aggregated
             self.failure = f"its secure round could not be unmasked: {self._failure() or 'no sums'}"
             return merged
+        self.left_out = {agent: LEFT_OUT for agent in self._left_out()}
         for group, state in self.states.items():
             new = {}
             for key, old in state.items():

@@ -54,6 +54,7 @@ class ExchangeRecord:
     sent: int = 0
     revealed: int = 0
     threshold: int = 0
+    left_out: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
@@ -61,7 +62,7 @@ class ExchangeRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"advertised": self.advertised, "shared": self.shared, "sent": self.sent, "revealed": self.revealed,
-                "threshold": self.threshold, "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
+                "threshold": self.threshold, "left_out": self.left_out, "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
                 "seconds": {key: round(value, 3) for key, value in self.seconds.items()}, "failure": self.failure}
 
 
@@ -86,6 +87,8 @@ class SecureExchange:
         self._reveals: dict[str, list[Reveal]] = {}
         self.record = ExchangeRecord()
         self._told: set[str] = set()  # tasks told they are out (once)
+        #: Agents whose masked update was left out of the sum (`SecureServer.left_out`).
+        self.left_out: set[str] = set()
         self._started = time.monotonic()
         self.rostered_at = 0.0
         self._asked_at = 0.0
@@ -247,6 +250,8 @@ class SecureExchange:
             except ValueError as exc:
                 self.phase, self.record.failure = "failed", str(exc)
                 return []
+            self.record.left_out = len(self.server.left_out)
+            self.left_out = {self.tasks[task_id].agent_id for task_id in self.server.left_out}
             self._asked = survivors
             return [(self.tasks[task_id].agent_id,
                      SecureUnmask(task_id, self.round, self.tasks[task_id].agent_id, survivors, dropped))

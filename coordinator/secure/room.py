@@ -109,7 +109,8 @@ class SecureRounds:
         close_at = deadline - 2 * self.settings.phase_s - time.time()
         self._after(close_at, round_number, "adverts")
         return SecureAggregate(states, keys, lambda: exchange.server, exchange.task_of,
-                               lambda: self.unmask(round_number), lambda: exchange.record.failure)
+                               lambda: self.unmask(round_number), lambda: exchange.record.failure,
+                               lambda: exchange.left_out)
 
     # ------------------------------------------------------------- messages
     def on_message(self, agent_id: str, payload: bytes) -> None:

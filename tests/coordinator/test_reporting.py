@@ -85,6 +85,7 @@ class CountingAggregate:
     def __init__(self) -> None:
         self.folded: list[str] = []
         self.failure: str | None = None
+        self.left_out: dict[str, str] = {}
 
     def add(self, result: TaskResult) -> None:
         self.folded.append(result.task.agent_id)

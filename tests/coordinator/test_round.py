@@ -471,3 +471,19 @@ def test_updates_of_a_round_whose_aggregate_fails_at_the_end_are_rejected_with_i
     assert {answer.record.status for answer in harness.round.answers.values()} == {"rejected"}
     assert {answer.rejection for answer in harness.round.answers.values()} == {
         "its secure round could not be unmasked: too few shares"}
+
+
+def test_an_update_its_aggregate_left_out_at_the_end_is_rejected_with_the_reason_and_the_others_stay():
+    class LeavesOneOut(RoundAggregate):
+        def result(self, noise_std=0.0, generator=None):
+            self.left_out = {"a0": "secure aggregation: left out"}
+            return dict(self.states)
+
+    harness = opened()
+    harness.round._aggregate = LeavesOneOut(STATES, lambda result: 1.0, [])
+    harness.offer(update("a0"))
+    harness.offer(update("a1"))
+    harness.round.close()
+    harness.round.finish()
+    assert [answer.update.agent_id for answer in harness.round.aggregated()] == ["a1"]
+    assert harness.round.answers["t-a0"].rejection == "secure aggregation: left out"
