@@ -2,8 +2,8 @@
 adverts, the sealed shares relayed (unread) with where each device's values are hidden among enough others, the
 masked slices summed, which shares to ask back, and the sum unmasked. It learns each coordinate's sum over the
 devices that sent it, and their count, where each sender's value is hidden in a group of at least ``MIN_HOLDERS``
-holders joined by pair masks (elsewhere the devices sent 0, and a round whose dropouts leave such a group smaller is
-not unmasked: `SecureServer.safe`); no device's slice. The devices are honest but curious
+holders joined by pair masks (elsewhere the devices sent 0: `SecureServer.safe`; a sender whose dropped neighbours
+leave such a group smaller is left out of the sum, `SecureServer.request`); no device's slice. The devices are honest but curious
 (SecAgg's semi-honest model): a coordinator that lies about who survived to different devices, or swaps keys in the
 rosters, is not defended against (the papers' signed adverts and consistency check are not built).
 
@@ -158,8 +158,8 @@ class SecureServer:
         for owner in sorted(self.shared):
             holders = [other for other in self.graph[owner] if other in sent]
             if len(holders) < self.threshold:
-                raise ValueError(f"the round cannot be unmasked: {len(holders)} of the neighbours of {owner!r} sent "
-                                 f"their update, the threshold is {self.threshold}{because}")
+                raise ValueError(f"the round cannot be unmasked: {len(holders)} of the neighbours of {owner!r} remain "
+                                 f"among the senders, the threshold is {self.threshold}{because}")
         for name in sorted(out):
             self.total.subtract(self._uploads[name], self.coverages[name])
         self.sent, self.left_out = sent, self.left_out | out

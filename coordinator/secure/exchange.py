@@ -62,7 +62,8 @@ class ExchangeRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"advertised": self.advertised, "shared": self.shared, "sent": self.sent, "revealed": self.revealed,
-                "threshold": self.threshold, "left_out": self.left_out, "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
+                "threshold": self.threshold, "left_out": self.left_out, "bytes_down": self.bytes_down,
+                "bytes_up": self.bytes_up,
                 "seconds": {key: round(value, 3) for key, value in self.seconds.items()}, "failure": self.failure}
 
 

@@ -143,9 +143,9 @@ def test_no_unmasked_sum_holds_fewer_than_three_devices_values() -> None:
     np.testing.assert_allclose(sums, expected["w"], atol=6 * RESOLUTION)
     # Seven: rows 8-15 held by three; one of them dropping out after sharing leaves two, whose sum would give their
     # values away: both are left out as if they had dropped, then the devices whose values that leaves too thinly
-    # hidden, and so on: here every one, so the round is not unmasked (and nothing of it changed meanwhile).
-    with pytest.raises(ValueError, match="the round cannot be unmasked: 0 of the neighbours of .* sent their update, "
-                                         "the threshold is 4 \\(6 sender\\(s\\) left out"):
+    # hidden, and so on: here every one, so the round is not unmasked.
+    with pytest.raises(ValueError, match="the round cannot be unmasked: 0 of the neighbours of .* remain among the "
+                                         "senders, the threshold is 4 \\(6 sender\\(s\\) left out"):
         secure_round(7, set(), {"d006"})
 
 
