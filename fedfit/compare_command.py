@@ -290,11 +290,8 @@ def _keep_comparison(out: Path, rounds: int) -> None:
 def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str, Any]], Path, Experiment]:
     """Run every label once per seed (a resumed comparison: what is not finished) and return the reports."""
     from fedfit.sim.compare import write_comparison
-    from fedfit.sim.harness import fleet_data, run_simulation
-    from fedfit.sim.report import read_report
-    from fedfit.sim.rundir import REPORT_FILE, claim_run_dir, new_run_dir
+    from fedfit.sim.harness import fleet_data
 
-    resuming = bool(args.resume)
     if args.seeds and args.seed is not None:
         raise ConfigError("fedfit compare takes --seed or --seeds, not both")
     mapping, base, experiment = _load(args, load)
@@ -308,24 +305,14 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     algorithms = list(dict.fromkeys(compare_variant(label)[0] for label in labels))
     checked = {**values, "seed": seeds[0], "state_dir": None}
     # a resumed comparison's directory is in use, by itself
-    check_args = argparse.Namespace(**{**vars(args), "out": None}) if resuming else args
+    check_args = argparse.Namespace(**{**vars(args), "out": None}) if bool(args.resume) else args
     data = _checked(checked, base, mapping, check_args, algorithms)
     bases = _run_bases(labels, mapping, base, values, data[0])
-    if resuming:
-        out = Path(args.out)
-        ran = _check_rounds(out, values["rounds"])
-        _check_privacy_budget(out, values["rounds"], base)
-        if getattr(args, "setup_update", None):  # a larger --rounds: later resumes go on to it too
-            if 0 < ran < values["rounds"]:
-                _keep_comparison(out, ran)
-            _write_setup(args.setup_update, out)
-    else:
-        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
-        _keep_setup(args, out)
+    out = _comparison_dir(args, values["rounds"], base)
     if seeds[1:] or apart:
         given = [entry for entry in given if not entry.startswith("--seed ")] + [f"--seeds {','.join(map(str, seeds))}"]
+    runs = _Runs(args, out, values, bases, given, experiment)
     reports: list[dict[str, Any]] = []
-    logged = False  # --log-file: configured once, by the first run that runs (a resumed comparison reads some)
     for seed in seeds:
         if seed != seeds[0]:
             data = fleet_data(values["dataset"], base.data.root, values["agents"], values["partition"], seed,
@@ -333,35 +320,73 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
         seed_dir = out / f"seed-{seed}" if apart else out
         seed_reports: list[dict[str, Any]] = []
         for label in labels:
-            run_dir = seed_dir / label
-            if resuming and (run_dir / REPORT_FILE).exists():
-                finished = read_report(run_dir / REPORT_FILE)
-                if _rounds_run(finished) >= values["rounds"]:
-                    print(f"{label} (seed {seed}): finished already, read from {run_dir}", file=sys.stderr,
-                          flush=True)
-                    seed_reports.append(finished)
-                    continue
-            going_on = resuming and run_dir.is_dir()
-            run_dir = run_dir if going_on else claim_run_dir(run_dir)
-            if not args.log_file:
-                _logging(args, run_dir)
-            elif not logged:
-                _logging(args, out)
-                logged = True
-            options = _options({**values, "seed": seed, "algorithm": compare_variant(label)[0],
-                                "state_dir": str(run_dir)}, args, bases[label], given, resume=going_on)
-            name = label if not apart else f"{label} (seed {seed})"
-            print(f"{name}: {'going on' if going_on else 'running'} in {run_dir}", file=sys.stderr, flush=True)
-            try:
-                seed_reports.append(run_simulation(options, label=label, run_dir=run_dir, data=data).report)
-            except BaseException:  # Ctrl-C too: the runs that finished are compared
-                done = reports + seed_reports
-                if done:  # what finished is compared: a failure late in a long comparison keeps the rest
-                    write_comparison(done, out, experiment.describe())
-                print(f"{name} stopped; " + (f"the comparison of the runs before it is in {out}; " if done else "")
-                      + f"fedfit compare --resume {out} goes on", file=sys.stderr)
-                raise
+            seed_reports.append(runs.run(label, seed, seed_dir, data, apart, done=reports + seed_reports))
         if apart and len(seeds) > 1:
             write_comparison(seed_reports, seed_dir, experiment.describe())
         reports += seed_reports
     return reports, out, experiment
+
+
+def _comparison_dir(args: argparse.Namespace, rounds: int, base: CoordinatorConfig) -> Path:
+    """The comparison's directory: a new one, its set-up kept; or, resumed, the one given, checked against
+    ``rounds`` (and a private run's budget), its comparison as it stood kept when ``--rounds`` carries it further."""
+    from fedfit.sim.rundir import claim_run_dir, new_run_dir
+
+    if not args.resume:
+        out = claim_run_dir(args.out) if args.out else new_run_dir("runs", "compare")
+        _keep_setup(args, out)
+        return out
+    out = Path(args.out)
+    ran = _check_rounds(out, rounds)
+    _check_privacy_budget(out, rounds, base)
+    if getattr(args, "setup_update", None):  # a larger --rounds: later resumes go on to it too
+        if 0 < ran < rounds:
+            _keep_comparison(out, ran)
+        _write_setup(args.setup_update, out)
+    return out
+
+
+class _Runs:
+    """One comparison's runs, each run (or, resumed, read or carried on) in its own directory."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, values: dict[str, Any], bases: dict[str, Any],
+                 given: list[str], experiment: Experiment) -> None:
+        self.args, self.out, self.values, self.bases = args, out, values, bases
+        self.given, self.experiment = given, experiment
+        self.logged = False  # --log-file: configured once, by the first run that runs (a resumed comparison reads some)
+
+    def run(self, label: str, seed: int, seed_dir: Path, data: Any, apart: bool,
+            done: list[dict[str, Any]]) -> dict[str, Any]:
+        """The report of ``label``'s run for ``seed``: read when a resumed comparison finished it, else run (or
+        carried on); when it fails, the runs ``done`` before it are compared and the error raised."""
+        from fedfit.sim.compare import write_comparison
+        from fedfit.sim.harness import run_simulation
+        from fedfit.sim.report import read_report
+        from fedfit.sim.rundir import REPORT_FILE, claim_run_dir
+
+        args, resuming = self.args, bool(self.args.resume)
+        run_dir = seed_dir / label
+        if resuming and (run_dir / REPORT_FILE).exists():
+            finished = read_report(run_dir / REPORT_FILE)
+            if _rounds_run(finished) >= self.values["rounds"]:
+                print(f"{label} (seed {seed}): finished already, read from {run_dir}", file=sys.stderr, flush=True)
+                return finished
+        going_on = resuming and run_dir.is_dir()
+        run_dir = run_dir if going_on else claim_run_dir(run_dir)
+        if not args.log_file:
+            _logging(args, run_dir)
+        elif not self.logged:
+            _logging(args, self.out)
+            self.logged = True
+        options = _options({**self.values, "seed": seed, "algorithm": compare_variant(label)[0],
+                            "state_dir": str(run_dir)}, args, self.bases[label], self.given, resume=going_on)
+        name = label if not apart else f"{label} (seed {seed})"
+        print(f"{name}: {'going on' if going_on else 'running'} in {run_dir}", file=sys.stderr, flush=True)
+        try:
+            return run_simulation(options, label=label, run_dir=run_dir, data=data).report
+        except BaseException:  # Ctrl-C too: the runs that finished are compared
+            if done:  # what finished is compared: a failure late in a long comparison keeps the rest
+                write_comparison(done, self.out, self.experiment.describe())
+            print(f"{name} stopped; " + (f"the comparison of the runs before it is in {self.out}; " if done else "")
+                  + f"fedfit compare --resume {self.out} goes on", file=sys.stderr)
+            raise
