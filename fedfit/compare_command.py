@@ -305,13 +305,13 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
     algorithms = list(dict.fromkeys(compare_variant(label)[0] for label in labels))
     checked = {**values, "seed": seeds[0], "state_dir": None}
     # a resumed comparison's directory is in use, by itself
-    check_args = argparse.Namespace(**{**vars(args), "out": None}) if bool(args.resume) else args
+    check_args = argparse.Namespace(**{**vars(args), "out": None}) if args.resume else args
     data = _checked(checked, base, mapping, check_args, algorithms)
     bases = _run_bases(labels, mapping, base, values, data[0])
-    out = _comparison_dir(args, values["rounds"], base)
+    out = _claim_comparison_dir(args, values["rounds"], base)
     if seeds[1:] or apart:
         given = [entry for entry in given if not entry.startswith("--seed ")] + [f"--seeds {','.join(map(str, seeds))}"]
-    runs = _Runs(args, out, values, bases, given, experiment)
+    runner = _Runner(args, out, values, bases, given, experiment, apart)
     reports: list[dict[str, Any]] = []
     for seed in seeds:
         if seed != seeds[0]:
@@ -320,14 +320,14 @@ def _run_methods(args: argparse.Namespace, load: Loader) -> tuple[list[dict[str,
         seed_dir = out / f"seed-{seed}" if apart else out
         seed_reports: list[dict[str, Any]] = []
         for label in labels:
-            seed_reports.append(runs.run(label, seed, seed_dir, data, apart, done=reports + seed_reports))
+            seed_reports.append(runner.run(label, seed, data, done=reports + seed_reports))
         if apart and len(seeds) > 1:
             write_comparison(seed_reports, seed_dir, experiment.describe())
         reports += seed_reports
     return reports, out, experiment
 
 
-def _comparison_dir(args: argparse.Namespace, rounds: int, base: CoordinatorConfig) -> Path:
+def _claim_comparison_dir(args: argparse.Namespace, rounds: int, base: CoordinatorConfig) -> Path:
     """The comparison's directory: a new one, its set-up kept; or, resumed, the one given, checked against
     ``rounds`` (and a private run's budget), its comparison as it stood kept when ``--rounds`` carries it further."""
     from fedfit.sim.rundir import claim_run_dir, new_run_dir
@@ -346,26 +346,30 @@ def _comparison_dir(args: argparse.Namespace, rounds: int, base: CoordinatorConf
     return out
 
 
-class _Runs:
-    """One comparison's runs, each run (or, resumed, read or carried on) in its own directory."""
+class _Runner:
+    """Runs a comparison's methods one at a time, each in its own directory (``OUT/<label>``, or
+    ``OUT/seed-S/<label>`` with the seeds ``apart``); a resumed comparison's finished runs are read, the others
+    carried on."""
 
-    def __init__(self, args: argparse.Namespace, out: Path, values: dict[str, Any], bases: dict[str, Any],
-                 given: list[str], experiment: Experiment) -> None:
+    def __init__(self, args: argparse.Namespace, out: Path, values: dict[str, Any],
+                 bases: dict[str, CoordinatorConfig], given: list[str], experiment: Experiment, apart: bool) -> None:
         self.args, self.out, self.values, self.bases = args, out, values, bases
-        self.given, self.experiment = given, experiment
-        self.logged = False  # --log-file: configured once, by the first run that runs (a resumed comparison reads some)
+        self.given, self.experiment, self.apart = given, experiment, apart
+        self.resuming = bool(args.resume)
+        # --log-file: configured once, by the first run that runs (a resumed comparison reads some)
+        self.logged = False
 
-    def run(self, label: str, seed: int, seed_dir: Path, data: Any, apart: bool,
-            done: list[dict[str, Any]]) -> dict[str, Any]:
-        """The report of ``label``'s run for ``seed``: read when a resumed comparison finished it, else run (or
-        carried on); when it fails, the runs ``done`` before it are compared and the error raised."""
+    def run(self, label: str, seed: int, data: Any, done: list[dict[str, Any]]) -> dict[str, Any]:
+        """The report of ``label``'s run for ``seed``: read where a resumed comparison finished it, else from
+        running it (or carrying it on); when the run fails, the runs ``done`` before it are compared and the
+        error re-raised."""
         from fedfit.sim.compare import write_comparison
         from fedfit.sim.harness import run_simulation
         from fedfit.sim.report import read_report
         from fedfit.sim.rundir import REPORT_FILE, claim_run_dir
 
-        args, resuming = self.args, bool(self.args.resume)
-        run_dir = seed_dir / label
+        args, resuming, apart = self.args, self.resuming, self.apart
+        run_dir = (self.out / f"seed-{seed}" if apart else self.out) / label
         if resuming and (run_dir / REPORT_FILE).exists():
             finished = read_report(run_dir / REPORT_FILE)
             if _rounds_run(finished) >= self.values["rounds"]:
