@@ -497,3 +497,16 @@ def test_auto_levels_are_searched_from_the_top_their_shares_are_of():
     full = strategy.cost(strategy.levels[0])
     strategy.fit_to_fleet([full // 6, full // 14, full])
     assert len(strategy.levels) == 4  # one level per device, and the top
+
+
+def test_auto_gives_a_device_that_can_afford_the_top_level_the_top_level():
+    """Issue 48, item 1: the strongest cluster's level is the top level (the global model, every exit it keeps)
+    where that cluster can train it, whatever the weaker devices' shares make of the levels below."""
+    strategy = auto_strategy()
+    full = strategy.cost(strategy.levels[0])
+    strong = full * 3  # more than any top level the search can settle on costs
+    strategy.fit_to_fleet([full // 6, full // 2, strong])
+    top = strategy.levels[0]
+    assert top.spec == strategy.global_spec()
+    assert strategy.cost(top) <= strong and strategy.plan_for_budget(strong)["trains"] == top.name
+    assert strategy.plan_for_budget(full // 6)["trains"] != top.name  # (the weak device gets a level below it)
