@@ -16,6 +16,10 @@ for run in "$src"/*/ "$src"/seed-*/*/; do
     gunzip -c "$run/report.json.gz" > "$dst/$rel/report.json"
     gunzip -c "$run/metrics.jsonl.gz" > "$dst/$rel/metrics.jsonl"
     cp "$run/summary.txt" "$dst/$rel/"
+    if [ -d "$run/carry" ]; then  # (kept to be carried on: its checkpoint and calibrations)
+      gunzip -c "$run/carry/checkpoint.safetensors.gz" > "$dst/$rel/checkpoint.safetensors"
+      [ -d "$run/carry/agents" ] && cp -r "$run/carry/agents" "$dst/$rel/"
+    fi
   elif [ -d "$run/part-way" ]; then
     gunzip -c "$run/part-way/checkpoint.safetensors.gz" > "$dst/$rel/checkpoint.safetensors"
     gunzip -c "$run/part-way/metrics.jsonl.gz" > "$dst/$rel/metrics.jsonl"

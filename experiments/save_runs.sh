@@ -4,10 +4,12 @@
 # summary.txt; a run stopped part-way, its checkpoint and metrics (gzipped) and its agents' calibrations (fedfit
 # compare --resume goes on from its last checkpointed round; the round it was in is run again); and the comparison's
 # own compare.json and config.yaml. Stop the comparison first (kill -TERM its process group) when it is running.
-# Restore with experiments/restore_runs.sh NAME DIR, then `fedfit compare --resume DIR`.
-# Usage: experiments/save_runs.sh COMPARISON_DIR NAME
+# Restore with experiments/restore_runs.sh NAME DIR, then `fedfit compare --resume DIR`. The LABELs named after NAME
+# (e.g. scalefl) keep their finished runs' checkpoint and calibrations too (carry/), so that a later
+# `fedfit compare --resume DIR --rounds N` can carry them on.
+# Usage: experiments/save_runs.sh COMPARISON_DIR NAME [LABEL ...]
 set -eu
-src=$1; name=$2
+src=$1; name=$2; shift 2
 dst=$(dirname "$0")/kept/$name
 mkdir -p "$dst"
 cp "$src/compare.json" "$dst/"
@@ -21,6 +23,17 @@ for run in "$src"/*/ "$src"/seed-*/*/; do
     gzip -9 -n -c "$run/report.json" > "$dst/$rel/report.json.gz"
     gzip -9 -n -c "$run/metrics.jsonl" > "$dst/$rel/metrics.jsonl.gz"
     cp "$run/summary.txt" "$dst/$rel/"
+    for label in "$@"; do
+      [ "$(basename "$run")" = "$label" ] && [ -f "$run/checkpoint.safetensors" ] || continue
+      mkdir -p "$dst/$rel/carry"
+      gzip -9 -n -c "$run/checkpoint.safetensors" > "$dst/$rel/carry/checkpoint.safetensors.gz"
+      for calibration in "$run"/agents/*/calibration-*.json; do
+        [ -f "$calibration" ] || continue
+        agent=$(basename "$(dirname "$calibration")")
+        mkdir -p "$dst/$rel/carry/agents/$agent"
+        cp "$calibration" "$dst/$rel/carry/agents/$agent/"
+      done
+    done
   elif [ -f "$run/checkpoint.safetensors" ]; then
     rm -rf "${dst:?}/$rel"; mkdir -p "$dst/$rel/part-way"
     gzip -9 -n -c "$run/checkpoint.safetensors" > "$dst/$rel/part-way/checkpoint.safetensors.gz"
