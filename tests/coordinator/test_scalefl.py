@@ -500,13 +500,15 @@ def test_auto_levels_are_searched_from_the_top_their_shares_are_of():
 
 
 def test_auto_gives_a_device_that_can_afford_the_top_level_the_top_level():
-    """Issue 48, item 1: the strongest cluster's level is the top level (the global model, every exit it keeps)
-    where that cluster can train it, whatever the weaker devices' shares make of the levels below."""
-    strategy = auto_strategy()
-    full = strategy.cost(strategy.levels[0])
-    strong = full * 3  # more than any top level the search can settle on costs
-    strategy.fit_to_fleet([full // 6, full // 2, strong])
-    top = strategy.levels[0]
-    assert top.spec == strategy.global_spec()
-    assert strategy.cost(top) <= strong and strategy.plan_for_budget(strong)["trains"] == top.name
-    assert strategy.plan_for_budget(full // 6)["trains"] != top.name  # (the weak device gets a level below it)
+    """Issue 48, item 1: the strongest cluster's level is the top level (the global model, with the exits the levels
+    below give it) where that cluster can train it, down to a budget of exactly its cost, whatever the weaker
+    devices' shares make of the levels below."""
+    for weak in ([6, 2], [12, 5], [9]):
+        strategy = auto_strategy()
+        full = strategy.cost(strategy.levels[0])
+        strategy.fit_to_fleet([full // share for share in weak] + [full * 3])
+        top = strategy.levels[0]
+        assert strategy.plan_for_budget(full * 3)["trains"] == top.name, weak
+        assert strategy.plan_for_budget(strategy.cost(top))["trains"] == top.name, weak  # (exactly its cost)
+        for share in weak:  # each weak device trains a level of its own below the top
+            assert strategy.plan_for_budget(full // share)["trains"] not in (top.name, "nothing"), (weak, share)
