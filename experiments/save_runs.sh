@@ -11,6 +11,14 @@
 set -eu
 src=$1; name=$2; shift 2
 dst=$(dirname "$0")/kept/$name
+keep_calibrations() {  # RUN_DIR DEST: the run's agents' calibrations, under DEST/agents/<agent>/
+  for calibration in "$1"/agents/*/calibration-*.json; do
+    [ -f "$calibration" ] || continue
+    agent=$(basename "$(dirname "$calibration")")
+    mkdir -p "$2/agents/$agent"
+    cp "$calibration" "$2/agents/$agent/"
+  done
+}
 mkdir -p "$dst"
 cp "$src/compare.json" "$dst/"
 [ -f "$src/config.yaml" ] && cp "$src/config.yaml" "$dst/"
@@ -27,23 +35,13 @@ for run in "$src"/*/ "$src"/seed-*/*/; do
       [ "$(basename "$run")" = "$label" ] && [ -f "$run/checkpoint.safetensors" ] || continue
       mkdir -p "$dst/$rel/carry"
       gzip -9 -n -c "$run/checkpoint.safetensors" > "$dst/$rel/carry/checkpoint.safetensors.gz"
-      for calibration in "$run"/agents/*/calibration-*.json; do
-        [ -f "$calibration" ] || continue
-        agent=$(basename "$(dirname "$calibration")")
-        mkdir -p "$dst/$rel/carry/agents/$agent"
-        cp "$calibration" "$dst/$rel/carry/agents/$agent/"
-      done
+      keep_calibrations "$run" "$dst/$rel/carry"
     done
   elif [ -f "$run/checkpoint.safetensors" ]; then
     rm -rf "${dst:?}/$rel"; mkdir -p "$dst/$rel/part-way"
     gzip -9 -n -c "$run/checkpoint.safetensors" > "$dst/$rel/part-way/checkpoint.safetensors.gz"
     gzip -9 -n -c "$run/metrics.jsonl" > "$dst/$rel/part-way/metrics.jsonl.gz"
-    for calibration in "$run"/agents/*/calibration-*.json; do
-      [ -f "$calibration" ] || continue
-      agent=$(basename "$(dirname "$calibration")")
-      mkdir -p "$dst/$rel/part-way/agents/$agent"
-      cp "$calibration" "$dst/$rel/part-way/agents/$agent/"
-    done
+    keep_calibrations "$run" "$dst/$rel/part-way"
   fi
 done
 find "$dst" -type f | sort
