@@ -20,10 +20,11 @@ demo: $(STAMP)
 # experiment comparisons training beside it, 2026-11-28; 5:15 at a0cd4ab in a working tree, nothing beside it;
 # 5:57 at 6efa5ce (2938 tests), nothing beside it, 2026-11-29; 4:31 at e025a55 (3053 tests) and 3:57 at 63c689e (3057),
 # nothing beside them, 2026-12-06; 4:56 at b8941d9 (3340 tests), nothing beside it, 2026-12-07.
+# The ten slowest tests are listed at the end of every run (--durations), the place to look when it nears 5 minutes.
 TEST_WORKERS ?= 4
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
