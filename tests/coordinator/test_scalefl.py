@@ -508,6 +508,7 @@ def test_auto_gives_a_device_that_can_afford_the_top_level_the_top_level():
         full = strategy.cost(strategy.levels[0])
         strategy.fit_to_fleet([full // share for share in weak] + [full * 3])
         top = strategy.levels[0]
+        assert top.spec == strategy.global_spec(), weak
         assert strategy.plan_for_budget(full * 3)["trains"] == top.name, weak
         assert strategy.plan_for_budget(strategy.cost(top))["trains"] == top.name, weak  # (exactly its cost)
         for share in weak:  # each weak device trains a level of its own below the top
